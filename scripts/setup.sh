@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs the build dependencies (Debian/Ubuntu packages) when missing, then configures and
+# builds bumblebee into ./build. Re-running is cheap: apt is skipped when everything is there.
+#   BUMBLEBEE_CUDA=AUTO|ON|OFF  (default AUTO: the CUDA backend is built when nvcc is found)
+#   BUILD_DIR=build             JOBS=$(nproc)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+pkgs=(build-essential cmake ninja-build pkg-config libopenblas-dev libopenmpi-dev openmpi-bin
+      nlohmann-json3-dev libtoml11-dev libcli11-dev libgtest-dev libgmock-dev)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "[setup] installing: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+BUILD_DIR=${BUILD_DIR:-build}
+JOBS=${JOBS:-$(nproc)}
+echo "[setup] configuring ${BUILD_DIR} (BUMBLEBEE_CUDA=${BUMBLEBEE_CUDA:-AUTO})"
+cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUMBLEBEE_CUDA="${BUMBLEBEE_CUDA:-AUTO}" >/dev/null
+echo "[setup] building with ${JOBS} jobs"
+cmake --build "$BUILD_DIR" -j "$JOBS"

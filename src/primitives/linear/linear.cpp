@@ -1,0 +1,78 @@
+#include "primitives/linear/linear.h"
+
+#include "backend/cpu/gemm.h"
+#include "backend/cpu/util.h"
+
+namespace bb {
+
+void matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha,
+            float beta) {
+  check_float(a, "matmul", "a");
+  check_float(b, "matmul", "b");
+  check_dtype(c, DType::f32, "matmul", "c");
+  BB_CHECK(a.dim() == 2 && b.dim() == 2 && c.dim() == 2, "matmul: expects 2-d tensors, got a ",
+           shape_str(a.shape()), ", b ", shape_str(b.shape()), ", c ", shape_str(c.shape()));
+  const int64_t M = ta ? a.size(1) : a.size(0), K = ta ? a.size(0) : a.size(1);
+  const int64_t Kb = tb ? b.size(1) : b.size(0), N = tb ? b.size(0) : b.size(1);
+  BB_CHECK(K == Kb, "matmul: inner dimensions differ: op(a) is [", M, ", ", K, "], op(b) is [", Kb,
+           ", ", N, "]");
+  check_shape(c, {M, N}, "matmul", "c");
+  BB_CHECK(a.device().is_cpu() && b.device().is_cpu() && c.device().is_cpu(),
+           "matmul: not implemented on ", a.device().str(), " yet");
+  Tensor af = cpu::as_f32(a), bf = cpu::as_f32(b);
+  cpu::gemm<float>(ta, tb, M, N, K, alpha, af.data<float>(), bf.data<float>(), beta,
+                   c.data<float>());
+}
+
+Tensor linear_forward(const Tensor& x, const Tensor& w, const Tensor& bias, MemCategory out_cat) {
+  check_float(x, "linear_forward", "x");
+  check_float(w, "linear_forward", "w");
+  BB_CHECK(x.dim() == 2 && w.dim() == 2, "linear_forward: x must be [T, in] and w [out, in], got x ",
+           shape_str(x.shape()), ", w ", shape_str(w.shape()));
+  BB_CHECK(x.size(1) == w.size(1), "linear_forward: x has ", x.size(1),
+           " input features but w ", shape_str(w.shape()), " expects ", w.size(1));
+  const int64_t T = x.size(0), out = w.size(0);
+  Tensor yf = cpu::empty_f32({T, out}, x.dtype() == DType::f32 ? out_cat : MemCategory::workspace);
+  matmul(x, false, w, true, yf);
+  if (bias.defined()) {
+    check_shape(bias, {out}, "linear_forward", "bias");
+    Tensor bf = cpu::as_f32(bias);
+    float* y = yf.data<float>();
+    const float* bp = bf.data<float>();
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t o = 0; o < out; ++o) y[t * out + o] += bp[o];
+  }
+  if (x.dtype() == DType::f32) return yf;
+  Tensor y = Tensor::empty({T, out}, x.dtype(), x.device(), out_cat);
+  cpu::store_f32(y, yf);
+  return y;
+}
+
+Tensor linear_backward_data(const Tensor& d_y, const Tensor& w) {
+  BB_CHECK(d_y.dim() == 2 && w.dim() == 2 && d_y.size(1) == w.size(0),
+           "linear_backward_data: d_y ", shape_str(d_y.shape()), " does not match w ",
+           shape_str(w.shape()));
+  Tensor dx = cpu::empty_f32({d_y.size(0), w.size(1)}, MemCategory::activations);
+  matmul(d_y, false, w, false, dx);
+  return dx;
+}
+
+void linear_backward_weight(const Tensor& d_y, const Tensor& x, Tensor& d_w, Tensor* d_bias) {
+  BB_CHECK(d_y.dim() == 2 && x.dim() == 2 && d_y.size(0) == x.size(0),
+           "linear_backward_weight: d_y ", shape_str(d_y.shape()), " and x ", shape_str(x.shape()),
+           " must have the same number of rows");
+  check_shape(d_w, {d_y.size(1), x.size(1)}, "linear_backward_weight", "d_w");
+  matmul(d_y, true, x, false, d_w, 1.0f, 1.0f);
+  if (d_bias) {
+    check_shape(*d_bias, {d_y.size(1)}, "linear_backward_weight", "d_bias");
+    check_dtype(*d_bias, DType::f32, "linear_backward_weight", "d_bias");
+    Tensor dyf = cpu::as_f32(d_y);
+    const float* g = dyf.data<float>();
+    float* db = d_bias->data<float>();
+    const int64_t T = d_y.size(0), out = d_y.size(1);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t o = 0; o < out; ++o) db[o] += g[t * out + o];
+  }
+}
+
+}  // namespace bb

@@ -1,0 +1,28 @@
+// linear.h — dense projections (the GEMM primitive), Hugging Face weight layout [out, in].
+//
+//   x   [T, in]   f32 or bf16       activations
+//   w   [out, in] f32 or bf16       weight (params)
+//   b   [out]     optional bias (Qwen2 q/k/v projections)
+//   y   [T, out]  x's dtype, category `out_cat`:   y = x @ w^T (+ b)
+// Backward is split so the runtime can delay wgrad:
+//   linear_backward_data:   d_x = d_y @ w            (written, f32)
+//   linear_backward_weight: d_w += d_y^T @ x ; d_b += sum_t d_y   (accumulated, f32)
+// `matmul` is the general form used by other primitives: all transpose combinations,
+// C = alpha * op(A) @ op(B) + beta * C, fp32 accumulation.
+#pragma once
+
+#include "core/tensor.h"
+
+namespace bb {
+
+// c is f32 [M, N]; a, b f32 or bf16 (2-d). op(A) = A or A^T, op(B) = B or B^T.
+void matmul(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
+            float alpha = 1.0f, float beta = 0.0f);
+
+Tensor linear_forward(const Tensor& x, const Tensor& w, const Tensor& bias /* may be undefined */,
+                      MemCategory out_cat = MemCategory::activations);
+Tensor linear_backward_data(const Tensor& d_y, const Tensor& w);
+void linear_backward_weight(const Tensor& d_y, const Tensor& x, Tensor& d_w,
+                            Tensor* d_bias /* may be null */);
+
+}  // namespace bb

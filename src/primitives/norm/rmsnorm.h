@@ -1,0 +1,32 @@
+// rmsnorm.h — RMSNorm and per-head QK RMSNorm (Qwen3 style: y = w * x / rms(x), w starts at 1).
+//
+// Tensors (legend: T tokens, H normalised width, n heads, D head dim):
+//   x      [T, H]  f32 or bf16                     input
+//   w      [H]     f32 or bf16                     weight
+//   y      [T, H]  x's dtype, category `out_cat`   output
+//   saved.rstd [T] f32, category activations       1/rms per row, for backward
+// Backward: d_x written (= ; f32), d_w accumulated (+= ; f32 [H]).
+// QK norm is RMSNorm over each head vector: x [T, n, D] is viewed as [T*n, D] with w [D].
+#pragma once
+
+#include "core/tensor.h"
+
+namespace bb {
+
+struct RMSNormSaved {
+  Tensor rstd;  // [rows] f32
+};
+
+Tensor rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, RMSNormSaved* saved,
+                       MemCategory out_cat = MemCategory::activations);
+// Returns d_x [rows, H] f32; accumulates into d_w ([H] f32).
+Tensor rmsnorm_backward(const Tensor& d_y, const Tensor& x, const Tensor& w,
+                        const RMSNormSaved& saved, Tensor& d_w);
+
+// Per-head norm: x [T, n, D], w [D]. Same contract as above on the [T*n, D] view.
+Tensor qk_norm_forward(const Tensor& x, const Tensor& w, double eps, RMSNormSaved* saved,
+                       MemCategory out_cat = MemCategory::activations);
+Tensor qk_norm_backward(const Tensor& d_y, const Tensor& x, const Tensor& w,
+                        const RMSNormSaved& saved, Tensor& d_w);
+
+}  // namespace bb

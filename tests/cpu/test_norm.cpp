@@ -1,0 +1,89 @@
+// RMSNorm and per-head QK norm: finite differences, bf16 storage, bad input.
+#include <gtest/gtest.h>
+
+#include "common/testing.h"
+#include "primitives/norm/rmsnorm.h"
+#include "primitives/norm/rmsnorm_ref.h"
+
+namespace bb {
+namespace {
+
+using test::randn;
+
+TEST(RMSNorm, ForwardMatchesDoubleAndBackwardMatchesFD) {
+  const int64_t T = 6, H = 11;
+  const double eps = 1e-5;
+  auto xv = randn(T * H, 1), wv = test::randu(H, 2, 0.5f, 1.5f), dyv = randn(T * H, 3);
+  Tensor x = Tensor::from_floats(xv, {T, H}), w = Tensor::from_floats(wv, {H});
+  RMSNormSaved saved;
+  Tensor y = rmsnorm_forward(x, w, eps, &saved);
+  EXPECT_EQ(saved.rstd.category(), MemCategory::activations);
+  auto X = test::cast<double>(xv), W = test::cast<double>(wv);
+  std::vector<double> yd(T * H), rd(T);
+  ref::rmsnorm_forward<double>(yd.data(), rd.data(), X.data(), W.data(), T, H, eps);
+  EXPECT_LT(test::rel_error(y.to_floats(), yd), 1e-6);
+
+  Tensor dw = Tensor::zeros({H}, DType::f32, Device::cpu(), MemCategory::grads);
+  Tensor dx = rmsnorm_backward(Tensor::from_floats(dyv, {T, H}), x, w, saved, dw);
+  const auto wt = test::cast<double>(dyv);
+  auto f = [&](const std::vector<double>& xx, const std::vector<double>& ww) {
+    std::vector<double> yy(T * H), rr(T);
+    ref::rmsnorm_forward<double>(yy.data(), rr.data(), xx.data(), ww.data(), T, H, eps);
+    return test::weighted_sum(yy, wt);
+  };
+  auto gx = test::finite_diff([&](const std::vector<double>& v) { return f(v, W); }, X);
+  auto gw = test::finite_diff([&](const std::vector<double>& v) { return f(X, v); }, W);
+  EXPECT_LT(test::rel_error(dx.to_floats(), gx), test::kGradTol);
+  EXPECT_LT(test::rel_error(dw.to_floats(), gw), test::kGradTol);
+}
+
+TEST(RMSNorm, Bf16StorageWithinTolerance) {
+  const int64_t T = 9, H = 64;
+  auto xv = randn(T * H, 5), wv = test::randu(H, 6, 0.5f, 1.5f);
+  Tensor y32 = rmsnorm_forward(Tensor::from_floats(xv, {T, H}), Tensor::from_floats(wv, {H}), 1e-6, nullptr);
+  Tensor y16 = rmsnorm_forward(Tensor::from_floats(xv, {T, H}, DType::bf16),
+                               Tensor::from_floats(wv, {H}, DType::bf16), 1e-6, nullptr);
+  EXPECT_EQ(y16.dtype(), DType::bf16);
+  EXPECT_LT(test::rel_error(y16.to_floats(), y32.to_floats()), 1e-2);
+}
+
+TEST(QKNorm, IsRMSNormPerHead) {
+  const int64_t T = 3, n = 4, D = 8;
+  auto xv = randn(T * n * D, 7), wv = test::randu(D, 8, 0.5f, 1.5f), dyv = randn(T * n * D, 9);
+  Tensor x = Tensor::from_floats(xv, {T, n, D}), w = Tensor::from_floats(wv, {D});
+  RMSNormSaved saved;
+  Tensor y = qk_norm_forward(x, w, 1e-6, &saved);
+  EXPECT_EQ(y.shape(), (Shape{T, n, D}));
+  // Independent check: each head vector normalised on its own.
+  auto yv = y.to_floats();
+  for (int64_t r = 0; r < T * n; ++r) {
+    double ss = 0;
+    for (int64_t d = 0; d < D; ++d) ss += double(xv[r * D + d]) * xv[r * D + d];
+    const double rs = 1.0 / std::sqrt(ss / D + 1e-6);
+    for (int64_t d = 0; d < D; ++d) EXPECT_NEAR(yv[r * D + d], wv[d] * xv[r * D + d] * rs, 1e-5);
+  }
+  Tensor dw = Tensor::zeros({D}, DType::f32, Device::cpu(), MemCategory::grads);
+  Tensor dx = qk_norm_backward(Tensor::from_floats(dyv, {T, n, D}), x, w, saved, dw);
+  auto X = test::cast<double>(xv), W = test::cast<double>(wv), wt = test::cast<double>(dyv);
+  auto f = [&](const std::vector<double>& xx, const std::vector<double>& ww) {
+    std::vector<double> yy(T * n * D), rr(T * n);
+    ref::rmsnorm_forward<double>(yy.data(), rr.data(), xx.data(), ww.data(), T * n, D, 1e-6);
+    return test::weighted_sum(yy, wt);
+  };
+  EXPECT_LT(test::rel_error(dx.to_floats(), test::finite_diff([&](const std::vector<double>& v) { return f(v, W); }, X)), test::kGradTol);
+  EXPECT_LT(test::rel_error(dw.to_floats(), test::finite_diff([&](const std::vector<double>& v) { return f(X, v); }, W)), test::kGradTol);
+}
+
+TEST(RMSNorm, BadInput) {
+  Tensor x = Tensor::zeros({2, 4}, DType::f32, Device::cpu(), MemCategory::other);
+  Tensor w = Tensor::zeros({5}, DType::f32, Device::cpu(), MemCategory::other);
+  test::expect_error_contains([&] { rmsnorm_forward(x, w, 1e-6, nullptr); },
+                              "argument 'w' has shape [5], expected [4]");
+  Tensor w4 = Tensor::zeros({4}, DType::f32, Device::cpu(), MemCategory::other);
+  test::expect_error_contains([&] { rmsnorm_forward(x, w4, 0.0, nullptr); }, "eps must be positive");
+  Tensor xi = Tensor::zeros({2, 4}, DType::i64, Device::cpu(), MemCategory::other);
+  test::expect_error_contains([&] { rmsnorm_forward(xi, w4, 1e-6, nullptr); }, "has dtype i64");
+}
+
+}  // namespace
+}  // namespace bb
