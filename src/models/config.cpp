@@ -1,0 +1,436 @@
+// config.cpp — strict HF config.json parsing for qwen3_moe / qwen2_moe, and the parameter and
+// FLOP counts. Defaults follow transformers (configuration_qwen3_moe.py,
+// configuration_qwen2_moe.py) so that a config.json means here what it means there.
+#include "models/config.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "core/error.h"
+
+namespace bb {
+
+using nlohmann::json;
+
+namespace {
+
+// Keys that never change the training math (metadata, inference-only switches, token ids we
+// store but do not compute with). Anything else must be read explicitly below.
+const std::set<std::string>& irrelevant_keys() {
+  static const std::set<std::string> keys = {
+      "architectures",        "torch_dtype",       "dtype",
+      "transformers_version", "use_cache",         "output_router_logits",
+      "sliding_window",       "max_window_layers", "pad_token_id",
+      "_name_or_path",        "output_attentions", "output_hidden_states",
+      "return_dict",          "tokenizer_class"};
+  return keys;
+}
+
+// Keys read for both families.
+const std::set<std::string>& common_keys() {
+  static const std::set<std::string> keys = {"model_type",
+                                             "vocab_size",
+                                             "hidden_size",
+                                             "num_hidden_layers",
+                                             "num_attention_heads",
+                                             "num_key_value_heads",
+                                             "head_dim",
+                                             "intermediate_size",
+                                             "moe_intermediate_size",
+                                             "num_experts",
+                                             "num_experts_per_tok",
+                                             "norm_topk_prob",
+                                             "decoder_sparse_step",
+                                             "mlp_only_layers",
+                                             "rope_theta",
+                                             "rope_scaling",
+                                             "rope_parameters",
+                                             "rms_norm_eps",
+                                             "router_aux_loss_coef",
+                                             "initializer_range",
+                                             "tie_word_embeddings",
+                                             "max_position_embeddings",
+                                             "bos_token_id",
+                                             "eos_token_id",
+                                             "hidden_act",
+                                             "use_sliding_window",
+                                             "attention_bias",
+                                             "attention_dropout",
+                                             "layer_types"};
+  return keys;
+}
+
+const std::set<std::string>& qwen2_moe_keys() {
+  static const std::set<std::string> keys = {"shared_expert_intermediate_size", "qkv_bias"};
+  return keys;
+}
+
+// Typed access with messages that name the key and the file.
+struct Reader {
+  const json& j;
+  const std::string& src;
+
+  bool has(const std::string& key) const { return j.contains(key) && !j.at(key).is_null(); }
+
+  [[noreturn]] void wrong_type(const std::string& key, const char* want) const {
+    BB_FAIL("key '", key, "' in ", src, " must be ", want, ", got ", j.at(key).type_name(), " ",
+            j.at(key).dump());
+  }
+  void require(const std::string& key) const {
+    BB_CHECK(has(key), "missing required key '", key, "' in ", src,
+             " (shape keys have no default: a wrong guess would build a different model)");
+  }
+
+  int64_t get_int(const std::string& key) const {
+    require(key);
+    if (!j.at(key).is_number_integer()) wrong_type(key, "an integer");
+    return j.at(key).get<int64_t>();
+  }
+  int64_t get_int(const std::string& key, int64_t def) const {
+    return has(key) ? get_int(key) : def;
+  }
+
+  double get_double(const std::string& key, double def) const {
+    if (!has(key)) return def;
+    if (!j.at(key).is_number()) wrong_type(key, "a number");
+    return j.at(key).get<double>();
+  }
+  bool get_bool(const std::string& key, bool def) const {
+    if (!has(key)) return def;
+    if (!j.at(key).is_boolean()) wrong_type(key, "a boolean");
+    return j.at(key).get<bool>();
+  }
+  std::string get_string(const std::string& key, const std::string& def) const {
+    if (!has(key)) return def;
+    if (!j.at(key).is_string()) wrong_type(key, "a string");
+    return j.at(key).get<std::string>();
+  }
+};
+
+// A RoPE spec object (rope_scaling of transformers 4.x, rope_parameters of 5.x). Only the
+// plain "default" rotary embedding is implemented; anything else changes the frequencies.
+// Returns the rope_theta inside it, or -1 when it has none.
+double check_rope_object(const json& r, const std::string& key, const std::string& src) {
+  BB_CHECK(r.is_object(), "key '", key, "' in ", src, " must be an object or null, got ",
+           r.type_name());
+  // The type first: it is the informative part of the message ("yarn", "linear", ...).
+  for (const char* k : {"rope_type", "type"}) {
+    if (!r.contains(k)) continue;
+    const json& v = r.at(k);
+    BB_CHECK(v.is_string() && v.get<std::string>() == "default", "key '", key, "' in ", src,
+             " has ", k, " ", v.dump(), ": only the default RoPE is implemented (no scaling)");
+  }
+  double theta = -1;
+  for (const auto& [k, v] : r.items()) {
+    if (k == "rope_type" || k == "type") {
+      continue;
+    } else if (k == "rope_theta") {
+      BB_CHECK(v.is_number(), "key '", key, ".rope_theta' in ", src, " must be a number");
+      theta = v.get<double>();
+    } else {
+      BB_FAIL("key '", key, "' in ", src, " has entry '", k,
+              "': only the default RoPE with rope_theta is implemented");
+    }
+  }
+  return theta;
+}
+
+}  // namespace
+
+bool ModelConfig::is_moe_layer(int64_t layer) const {
+  BB_CHECK(layer >= 0 && layer < num_layers, "is_moe_layer: layer ", layer, " out of range [0, ",
+           num_layers, ")");
+  if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) != mlp_only_layers.end())
+    return false;
+  return num_experts > 0 && (layer + 1) % decoder_sparse_step == 0;
+}
+
+int64_t ModelConfig::num_moe_layers() const {
+  int64_t n = 0;
+  for (int64_t l = 0; l < num_layers; ++l) n += is_moe_layer(l) ? 1 : 0;
+  return n;
+}
+
+void ModelConfig::validate() const {
+  const char* p = "model config: ";
+  BB_CHECK(model_type == "qwen3_moe" || model_type == "qwen2_moe", p, "model_type '", model_type,
+           "' is not supported (expected qwen3_moe or qwen2_moe)");
+  BB_CHECK(vocab_size > 0, p, "vocab_size must be > 0, got ", vocab_size);
+  BB_CHECK(hidden_size > 0, p, "hidden_size must be > 0, got ", hidden_size);
+  BB_CHECK(num_layers > 0, p, "num_hidden_layers must be > 0, got ", num_layers);
+  BB_CHECK(num_heads > 0, p, "num_attention_heads must be > 0, got ", num_heads);
+  BB_CHECK(num_kv_heads > 0, p, "num_key_value_heads must be > 0, got ", num_kv_heads);
+  BB_CHECK(num_heads % num_kv_heads == 0, p, "num_attention_heads (", num_heads,
+           ") must be a multiple of num_key_value_heads (", num_kv_heads, ")");
+  BB_CHECK(head_dim > 0, p, "head_dim must be > 0, got ", head_dim);
+  BB_CHECK(head_dim % 2 == 0, p, "head_dim must be even for RoPE, got ", head_dim);
+  BB_CHECK(decoder_sparse_step >= 1, p, "decoder_sparse_step must be >= 1, got ",
+           decoder_sparse_step);
+  for (int64_t l : mlp_only_layers)
+    BB_CHECK(l >= 0 && l < num_layers, p, "mlp_only_layers entry ", l,
+             " is not a layer index in [0, ", num_layers, ")");
+  BB_CHECK(num_experts >= 0, p, "num_experts must be >= 0, got ", num_experts);
+  const int64_t n_moe = num_moe_layers();
+  if (n_moe > 0) {
+    BB_CHECK(top_k >= 1 && top_k <= num_experts, p, "num_experts_per_tok (", top_k,
+             ") must be in [1, num_experts = ", num_experts, "]");
+    BB_CHECK(moe_intermediate_size > 0, p, "moe_intermediate_size must be > 0, got ",
+             moe_intermediate_size);
+  }
+  if (n_moe < num_layers)
+    BB_CHECK(intermediate_size > 0, p, "intermediate_size must be > 0 (", num_layers - n_moe,
+             " dense layers), got ", intermediate_size);
+  BB_CHECK(shared_expert_intermediate_size >= 0, p,
+           "shared_expert_intermediate_size must be >= 0, got ", shared_expert_intermediate_size);
+  BB_CHECK(rope_theta > 0, p, "rope_theta must be > 0, got ", rope_theta);
+  BB_CHECK(rms_norm_eps > 0, p, "rms_norm_eps must be > 0, got ", rms_norm_eps);
+  BB_CHECK(router_aux_loss_coef >= 0, p, "router_aux_loss_coef must be >= 0, got ",
+           router_aux_loss_coef);
+  BB_CHECK(init_std > 0, p, "initializer_range must be > 0, got ", init_std);
+  BB_CHECK(max_position_embeddings >= 0, p, "max_position_embeddings must be >= 0, got ",
+           max_position_embeddings);
+  BB_CHECK(bos_token_id < vocab_size, p, "bos_token_id ", bos_token_id, " >= vocab_size ",
+           vocab_size);
+  BB_CHECK(eos_token_id < vocab_size, p, "eos_token_id ", eos_token_id, " >= vocab_size ",
+           vocab_size);
+  // The two families differ exactly here; anything else would not round-trip through HF.
+  if (model_type == "qwen3_moe") {
+    BB_CHECK(qk_norm && !qkv_bias, p, "qwen3_moe has per-head q/k RMSNorm and no q/k/v bias");
+    BB_CHECK(shared_expert_intermediate_size == 0, p, "qwen3_moe has no shared expert");
+  } else {
+    BB_CHECK(!qk_norm, p, "qwen2_moe has no q/k RMSNorm");
+  }
+}
+
+int64_t ModelConfig::num_params() const {
+  const int64_t H = hidden_size, D = head_dim;
+  const int64_t attn = H * num_heads * D + 2 * H * num_kv_heads * D + num_heads * D * H +
+                       (qkv_bias ? (num_heads + 2 * num_kv_heads) * D : 0) + (qk_norm ? 2 * D : 0);
+  int64_t total = 0;
+  for (int64_t l = 0; l < num_layers; ++l) {
+    total += attn + 2 * H;  // + input and post-attention RMSNorm
+    if (is_moe_layer(l)) {
+      total += num_experts * 3 * H * moe_intermediate_size + num_experts * H;
+      if (shared_expert_intermediate_size > 0) total += 3 * H * shared_expert_intermediate_size + H;
+    } else {
+      total += 3 * H * intermediate_size;
+    }
+  }
+  total += H;  // final norm
+  total += vocab_size * H * (tie_word_embeddings ? 1 : 2);
+  return total;
+}
+
+int64_t ModelConfig::num_expert_params() const {
+  return num_moe_layers() * num_experts * 3 * hidden_size * moe_intermediate_size;
+}
+
+int64_t ModelConfig::active_matmul_params_per_token() const {
+  const int64_t H = hidden_size, D = head_dim;
+  const int64_t attn = 2 * H * num_heads * D + 2 * H * num_kv_heads * D;
+  int64_t total = 0;
+  for (int64_t l = 0; l < num_layers; ++l) {
+    total += attn;
+    if (is_moe_layer(l)) {
+      total += top_k * 3 * H * moe_intermediate_size + num_experts * H;
+      if (shared_expert_intermediate_size > 0) total += 3 * H * shared_expert_intermediate_size + H;
+    } else {
+      total += 3 * H * intermediate_size;
+    }
+  }
+  return total + vocab_size * H;  // LM head multiplies even when tied
+}
+
+int64_t ModelConfig::num_active_params() const {
+  return active_matmul_params_per_token() + vocab_size * hidden_size;
+}
+
+json ModelConfig::to_hf_json() const {
+  validate();
+  const bool q3 = model_type == "qwen3_moe";
+  json j;
+  j["architectures"] = json::array({q3 ? "Qwen3MoeForCausalLM" : "Qwen2MoeForCausalLM"});
+  j["model_type"] = model_type;
+  j["torch_dtype"] = "bfloat16";
+  j["vocab_size"] = vocab_size;
+  j["hidden_size"] = hidden_size;
+  j["num_hidden_layers"] = num_layers;
+  j["num_attention_heads"] = num_heads;
+  j["num_key_value_heads"] = num_kv_heads;
+  j["head_dim"] = head_dim;
+  j["intermediate_size"] = intermediate_size;
+  j["moe_intermediate_size"] = moe_intermediate_size;
+  j["num_experts"] = num_experts;
+  j["num_experts_per_tok"] = top_k;
+  j["norm_topk_prob"] = norm_topk_prob;
+  j["decoder_sparse_step"] = decoder_sparse_step;
+  j["mlp_only_layers"] = mlp_only_layers;
+  j["hidden_act"] = "silu";
+  j["rope_theta"] = rope_theta;
+  j["rope_scaling"] = nullptr;
+  j["rms_norm_eps"] = rms_norm_eps;
+  j["router_aux_loss_coef"] = router_aux_loss_coef;
+  j["initializer_range"] = init_std;
+  j["tie_word_embeddings"] = tie_word_embeddings;
+  j["max_position_embeddings"] = max_position_embeddings;
+  j["bos_token_id"] = bos_token_id >= 0 ? json(bos_token_id) : json(nullptr);
+  j["eos_token_id"] = eos_token_id >= 0 ? json(eos_token_id) : json(nullptr);
+  j["use_sliding_window"] = false;
+  j["sliding_window"] = nullptr;
+  j["attention_dropout"] = 0.0;
+  j["use_cache"] = true;
+  j["output_router_logits"] = false;
+  if (q3) {
+    j["attention_bias"] = false;
+  } else {
+    j["shared_expert_intermediate_size"] = shared_expert_intermediate_size;
+    j["qkv_bias"] = qkv_bias;
+  }
+  return j;
+}
+
+ModelConfig parse_hf_config(const json& j, const std::string& src) {
+  BB_CHECK(j.is_object(), "model config ", src, " must be a JSON object, got ", j.type_name());
+  Reader r{j, src};
+  ModelConfig c;
+  c.model_type = r.get_string("model_type", "");
+  BB_CHECK(!c.model_type.empty(), "missing required key 'model_type' in ", src);
+  BB_CHECK(c.model_type == "qwen3_moe" || c.model_type == "qwen2_moe", "key 'model_type' in ", src,
+           " is '", c.model_type, "': bumblebee implements qwen3_moe and qwen2_moe only");
+  const bool q2 = c.model_type == "qwen2_moe";
+
+  for (const auto& [key, value] : j.items()) {
+    if (irrelevant_keys().count(key) || common_keys().count(key)) continue;
+    if (q2 && qwen2_moe_keys().count(key)) continue;
+    BB_FAIL("unknown key '", key, "' in ", src,
+            ": bumblebee does not know whether it changes the model; remove it or file an issue");
+  }
+
+  // Shape keys: required.
+  c.vocab_size = r.get_int("vocab_size");
+  c.hidden_size = r.get_int("hidden_size");
+  c.num_layers = r.get_int("num_hidden_layers");
+  c.num_heads = r.get_int("num_attention_heads");
+  c.num_kv_heads = r.get_int("num_key_value_heads");
+  c.intermediate_size = r.get_int("intermediate_size");
+  c.moe_intermediate_size = r.get_int("moe_intermediate_size");
+  c.num_experts = r.get_int("num_experts");
+  c.top_k = r.get_int("num_experts_per_tok");
+  BB_CHECK(c.num_heads > 0, "key 'num_attention_heads' in ", src, " must be > 0, got ",
+           c.num_heads);
+  c.head_dim = r.get_int("head_dim", c.hidden_size / c.num_heads);
+  if (q2) c.shared_expert_intermediate_size = r.get_int("shared_expert_intermediate_size");
+
+  // Behaviour keys: transformers' defaults.
+  c.decoder_sparse_step = r.get_int("decoder_sparse_step", 1);
+  if (r.has("mlp_only_layers")) {
+    const json& m = j.at("mlp_only_layers");
+    if (!m.is_array()) r.wrong_type("mlp_only_layers", "a list of integers");
+    for (const json& e : m) {
+      if (!e.is_number_integer()) r.wrong_type("mlp_only_layers", "a list of integers");
+      c.mlp_only_layers.push_back(e.get<int64_t>());
+    }
+  }
+  c.norm_topk_prob = r.get_bool("norm_topk_prob", false);  // HF default for both families
+  c.rms_norm_eps = r.get_double("rms_norm_eps", 1e-6);
+  c.router_aux_loss_coef = r.get_double("router_aux_loss_coef", 0.001);
+  c.init_std = r.get_double("initializer_range", 0.02);
+  c.tie_word_embeddings = r.get_bool("tie_word_embeddings", false);
+  c.max_position_embeddings = r.get_int("max_position_embeddings", 32768);
+
+  // RoPE: rope_theta (4.x) and/or rope_parameters (5.x); scaling of any kind is rejected.
+  c.rope_theta = r.get_double("rope_theta", 10000.0);
+  for (const char* key : {"rope_scaling", "rope_parameters"}) {
+    if (!r.has(key)) continue;
+    const double theta = check_rope_object(j.at(key), key, src);
+    if (theta < 0) continue;
+    BB_CHECK(!r.has("rope_theta") || theta == c.rope_theta, "key '", key, ".rope_theta' (", theta,
+             ") in ", src, " disagrees with rope_theta (", c.rope_theta, ")");
+    c.rope_theta = theta;
+  }
+
+  // Token ids: stored for data handling, never used in the math.
+  c.bos_token_id = r.get_int("bos_token_id", -1);
+  if (r.has("eos_token_id")) {
+    const json& e = j.at("eos_token_id");
+    if (e.is_array()) {  // HF allows several; the first is the one we append
+      for (const json& v : e)
+        if (!v.is_number_integer())
+          r.wrong_type("eos_token_id", "an integer or a list of integers");
+      c.eos_token_id = e.empty() ? -1 : e.front().get<int64_t>();
+    } else {
+      c.eos_token_id = r.get_int("eos_token_id");
+    }
+  }
+
+  // Values that would change the math in ways not implemented.
+  const std::string act = r.get_string("hidden_act", "silu");
+  BB_CHECK(act == "silu", "key 'hidden_act' in ", src, " is '", act,
+           "': only silu (SwiGLU experts) is implemented");
+  BB_CHECK(!r.get_bool("use_sliding_window", false), "key 'use_sliding_window' in ", src,
+           " is true: sliding-window attention is not implemented");
+  BB_CHECK(!r.get_bool("attention_bias", false), "key 'attention_bias' in ", src, " is true: ",
+           q2 ? "qwen2_moe q/k/v biases are set by qkv_bias; o_proj bias is not implemented"
+              : "qwen3_moe attention biases are not implemented");
+  const double dropout = r.get_double("attention_dropout", 0.0);
+  BB_CHECK(dropout == 0.0, "key 'attention_dropout' in ", src, " is ", dropout,
+           ": attention dropout is not implemented (set it to 0)");
+  if (r.has("layer_types")) {
+    const json& lt = j.at("layer_types");
+    if (!lt.is_array()) r.wrong_type("layer_types", "a list of strings");
+    BB_CHECK(static_cast<int64_t>(lt.size()) == c.num_layers, "key 'layer_types' in ", src, " has ",
+             lt.size(), " entries, expected num_hidden_layers = ", c.num_layers);
+    for (const json& t : lt)
+      BB_CHECK(t.is_string() && t.get<std::string>() == "full_attention", "key 'layer_types' in ",
+               src, " contains ", t.dump(), ": only full_attention is implemented");
+  }
+
+  // Family differences.
+  c.qk_norm = !q2;
+  c.qkv_bias = q2 ? r.get_bool("qkv_bias", true) : false;
+
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    std::string msg = e.what();
+    const std::string prefix = "model config: ";
+    if (msg.rfind(prefix, 0) == 0) msg.erase(0, prefix.size());
+    BB_FAIL("invalid model config ", src, ": ", msg);
+  }
+  return c;
+}
+
+ModelConfig load_hf_config(const std::string& path_or_dir) {
+  namespace fs = std::filesystem;
+  fs::path path(path_or_dir);
+  if (fs::is_directory(path)) path /= "config.json";
+  BB_CHECK(fs::is_regular_file(path), "model config not found: ", path.string(),
+           " (expected a config.json or a directory containing one)");
+  std::ifstream in(path);
+  BB_CHECK(in.good(), "cannot open model config ", path.string());
+  json j;
+  try {
+    j = json::parse(in);
+  } catch (const json::exception& e) {
+    BB_FAIL("cannot parse model config ", path.string(), ": ", e.what());
+  }
+  return parse_hf_config(j, path.string());
+}
+
+double model_flops(const ModelConfig& c, const std::vector<int64_t>& seq_lens) {
+  c.validate();
+  double tokens = 0, attn_pairs = 0;  // attn_pairs = sum_i s_i^2 / 2 (causal half)
+  for (int64_t s : seq_lens) {
+    BB_CHECK(s >= 0, "model_flops: sequence length must be >= 0, got ", s);
+    tokens += static_cast<double>(s);
+    attn_pairs += static_cast<double>(s) * static_cast<double>(s) / 2;
+  }
+  const double forward = 2.0 * static_cast<double>(c.active_matmul_params_per_token()) * tokens +
+                         static_cast<double>(c.num_layers) * 2 * 2 * attn_pairs *
+                             static_cast<double>(c.num_heads) * static_cast<double>(c.head_dim);
+  return 3 * forward;
+}
+
+}  // namespace bb

@@ -1,0 +1,90 @@
+// config.h — model shape from a Hugging Face config.json (Qwen3-MoE / Qwen2-MoE family), and
+// the parameter and FLOP counts derived from it.
+//
+// Parsing is strict on purpose: a key we do not understand could change the math (a different
+// activation, RoPE scaling, sliding windows, biases), and silently training a different model
+// than the checkpoint describes is the worst failure mode. So every key is either read,
+// accepted as irrelevant to training math, or rejected with a message naming it and the file.
+//
+// Shape keys (vocab, hidden, layers, heads, ffn sizes, experts) are required: a wrong default
+// would silently build a different model. Behavioural keys default as in transformers.
+// skills/model-config.md lists every key and rule.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+namespace bb {
+
+struct ModelConfig {
+  std::string model_type;  // "qwen3_moe" or "qwen2_moe"
+  int64_t vocab_size = 0, hidden_size = 0, num_layers = 0, num_heads = 0, num_kv_heads = 0;
+  int64_t head_dim = 0;                // defaults to hidden_size / num_heads when absent
+  int64_t intermediate_size = 0;       // dense MLP ffn dim (layers that are not MoE)
+  int64_t moe_intermediate_size = 0;   // per-expert ffn dim
+  int64_t num_experts = 0, top_k = 0;  // num_experts == 0: every layer is dense
+  bool norm_topk_prob = true;          // renormalize the top-k softmax probabilities to sum 1
+  int64_t decoder_sparse_step = 1;
+  std::vector<int64_t> mlp_only_layers;  // layer indices forced dense
+  // 0 = no shared expert. Qwen2-MoE has one per MoE layer, SwiGLU, scaled by a sigmoid gate
+  // (a hidden -> 1 linear without bias).
+  int64_t shared_expert_intermediate_size = 0;
+  double rope_theta = 10000, rms_norm_eps = 1e-6, router_aux_loss_coef = 0;
+  double init_std = 0.02;  // HF initializer_range: std of normal weight init
+  bool tie_word_embeddings = false;
+  int64_t max_position_embeddings = 0;
+  int64_t bos_token_id = -1, eos_token_id = -1;  // -1 = none
+  bool qk_norm = true;    // qwen3_moe: per-head q/k RMSNorm (weights of size head_dim)
+  bool qkv_bias = false;  // qwen2_moe: q/k/v projections have biases (o_proj has none)
+
+  // HF rule (modeling_qwen3_moe.py): layer `layer` (0-based) is an MoE layer iff it is not in
+  // mlp_only_layers, num_experts > 0 and (layer + 1) % decoder_sparse_step == 0.
+  bool is_moe_layer(int64_t layer) const;
+  int64_t num_moe_layers() const;
+
+  // Throws bb::Error naming the field when the config is inconsistent: sizes <= 0, heads not a
+  // multiple of kv heads, top_k not in [1, num_experts], mlp_only_layers out of range, family
+  // flags that do not match model_type (qwen3_moe: qk_norm, no qkv bias, no shared expert;
+  // qwen2_moe: no qk_norm).
+  void validate() const;
+
+  // A config.json that transformers loads as the same model (architectures, model_type,
+  // torch_dtype "bfloat16", every shape and behaviour key). parse_hf_config(to_hf_json()) == *this.
+  nlohmann::json to_hf_json() const;
+
+  // Parameter counts in elements.
+  //   attention per layer  = H*(heads*D) + 2*H*(kv*D) + (heads*D)*H       (q, k, v, o)
+  //                          + [qkv_bias] (heads + 2*kv)*D + [qk_norm] 2*D
+  //   dense MLP            = 3*H*intermediate_size                           (gate, up, down)
+  //   MoE layer            = E*3*H*moe_ffn + E*H (router)
+  //                          + [shared] 3*H*shared_ffn + H (sigmoid gate)
+  //   norms per layer      = 2*H;  final norm H;  embedding V*H;  LM head V*H unless tied.
+  int64_t num_params() const;
+  // Routed expert weights only (E*3*H*moe_ffn per MoE layer): the part expert parallelism shards.
+  int64_t num_expert_params() const;
+  // Matmul parameters one token multiplies through in a forward: attention q,k,v,o; dense MLP
+  // or top_k routed experts + shared expert + its gate + router; LM head. Embedding lookup,
+  // biases and norms excluded. This is the "active parameters" term of model FLOPs.
+  int64_t active_matmul_params_per_token() const;
+  // What model cards call "activated parameters": active_matmul_params_per_token plus the
+  // embedding table (V*H, counted even when tied, as the published numbers do). Reporting
+  // only; never used for FLOPs.
+  int64_t num_active_params() const;
+
+  bool operator==(const ModelConfig&) const = default;
+};
+
+// Parses an HF config.json object. `source` names the file in error messages.
+ModelConfig parse_hf_config(const nlohmann::json& j, const std::string& source);
+// Reads a config.json file, or `<dir>/config.json` when given a directory.
+ModelConfig load_hf_config(const std::string& path_or_dir);
+
+// Model FLOPs of one training step over packed sequences of lengths seq_lens (DESIGN.md sec. 6):
+//   forward = 2 * active_matmul_params_per_token * sum_i s_i
+//           + num_layers * 2 * 2 * sum_i (s_i^2 / 2) * num_heads * head_dim   (causal QK^T, PV)
+//   step    = 3 * forward  (backward = 2x forward; recompute not counted).
+double model_flops(const ModelConfig& c, const std::vector<int64_t>& seq_lens);
+
+}  // namespace bb

@@ -1,0 +1,120 @@
+// linear_ce.cpp — the streaming loss head on the CPU (BLAS for the chunk GEMMs, the online
+// logsumexp and softmax gradient from cross_entropy_ref.h).
+//
+// NOTES: one logits block of min(ct, T) x min(cv, V) f32 is allocated once per call and reused
+// (prefix-packed with row stride nv) for every chunk pair; that keeps the logits peak at exactly
+// one chunk without allocator churn. bf16 inputs are converted per chunk (workspace), never
+// whole, so the f32 copies are [ct, H] and [cv, H] as well.
+// Parameter gradients accumulate (+=), activation gradients are written (=).
+#include "primitives/loss/linear_ce.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "backend/cpu/gemm.h"
+#include "backend/cpu/util.h"
+#include "primitives/loss/cross_entropy_ref.h"
+
+namespace bb {
+
+namespace {
+
+void check_config(const LossHeadConfig& cfg, const char* op) {
+  BB_CHECK(cfg.chunk_tokens > 0, op, ": cfg.chunk_tokens must be > 0, got ", cfg.chunk_tokens);
+  BB_CHECK(cfg.chunk_vocab > 0, op, ": cfg.chunk_vocab must be > 0, got ", cfg.chunk_vocab);
+}
+
+}  // namespace
+
+int64_t linear_ce_logits_bytes(int64_t num_tokens, int64_t vocab, const LossHeadConfig& cfg) {
+  check_config(cfg, "linear_ce_logits_bytes");
+  return std::min(cfg.chunk_tokens, num_tokens) * std::min(cfg.chunk_vocab, vocab) * 4;
+}
+
+LossResult linear_ce_forward(const Tensor& h, const Tensor& w, const Tensor& targets,
+                             const LossHeadConfig& cfg, LossHeadSaved* saved) {
+  const char* op = "linear_ce_forward";
+  check_config(cfg, op);
+  const detail::LossHeadDims dims = detail::check_loss_head_inputs(h, w, targets, op);
+  const int64_t T = dims.num_tokens, V = dims.vocab, H = dims.hidden;
+  const int64_t ct = std::min(cfg.chunk_tokens, T), cv = std::min(cfg.chunk_vocab, V);
+
+  Tensor lse = Tensor::empty({T}, DType::f32, Device::cpu(), MemCategory::activations);
+  Tensor block = Tensor::empty({ct * cv}, DType::f32, Device::cpu(), MemCategory::logits);
+  float* lse_p = lse.data<float>();
+  float* x = block.data<float>();
+  const int32_t* tg = targets.data<int32_t>();
+  std::vector<double> run_max(ct), run_sum(ct), target_logit(ct);
+  LossResult r;
+
+  for (int64_t t0 = 0; t0 < T; t0 += ct) {
+    const int64_t nt = std::min(ct, T - t0);
+    Tensor hc = cpu::as_f32(h.narrow(t0, nt));
+    std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<double>::infinity());
+    std::fill(run_sum.begin(), run_sum.end(), 0.0);
+    for (int64_t v0 = 0; v0 < V; v0 += cv) {
+      const int64_t nv = std::min(cv, V - v0);
+      Tensor wc = cpu::as_f32(w.narrow(v0, nv));
+      cpu::gemm<float>(false, true, nt, nv, H, 1.0f, hc.data<float>(), wc.data<float>(), 0.0f, x);
+      ref::online_lse_update<float>(run_max.data(), run_sum.data(), target_logit.data(), x, nv,
+                                    tg + t0, nt, v0, nv);
+    }
+    for (int64_t i = 0; i < nt; ++i) {
+      const double l = run_max[i] + std::log(run_sum[i]);
+      lse_p[t0 + i] = static_cast<float>(l);
+      if (tg[t0 + i] >= 0) {
+        r.loss_sum += l - target_logit[i];
+        ++r.num_valid;
+      }
+    }
+  }
+  if (saved) {
+    saved->logits = Tensor();
+    saved->lse = lse;
+  }
+  return r;
+}
+
+void linear_ce_backward(float scale, const Tensor& h, const Tensor& w, const Tensor& targets,
+                        const LossHeadConfig& cfg, const LossHeadSaved& saved, Tensor& d_h,
+                        Tensor& d_w) {
+  const char* op = "linear_ce_backward";
+  check_config(cfg, op);
+  const detail::LossHeadDims dims = detail::check_loss_head_inputs(h, w, targets, op);
+  detail::check_loss_head_grads(dims, h, saved, d_h, d_w, op);
+  const int64_t T = dims.num_tokens, V = dims.vocab, H = dims.hidden;
+  const int64_t ct = std::min(cfg.chunk_tokens, T), cv = std::min(cfg.chunk_vocab, V);
+
+  Tensor block = Tensor::empty({ct * cv}, DType::f32, Device::cpu(), MemCategory::logits);
+  // d_h rows are summed over vocab chunks in f32; non-f32 d_h gets a [ct, H] f32 accumulator.
+  const bool dh_direct = d_h.dtype() == DType::f32;
+  Tensor dh_acc = dh_direct ? Tensor() : cpu::empty_f32({ct, H}, MemCategory::workspace);
+  float* x = block.data<float>();
+  const int32_t* tg = targets.data<int32_t>();
+  const float* lse = saved.lse.data<float>();
+  float* dw = d_w.data<float>();
+
+  for (int64_t t0 = 0; t0 < T; t0 += ct) {
+    const int64_t nt = std::min(ct, T - t0);
+    Tensor hc = cpu::as_f32(h.narrow(t0, nt));
+    float* dh = dh_direct ? d_h.data<float>() + t0 * H : dh_acc.data<float>();
+    for (int64_t v0 = 0; v0 < V; v0 += cv) {
+      const int64_t nv = std::min(cv, V - v0);
+      Tensor wc = cpu::as_f32(w.narrow(v0, nv));
+      cpu::gemm<float>(false, true, nt, nv, H, 1.0f, hc.data<float>(), wc.data<float>(), 0.0f, x);
+      ref::softmax_grad_chunk<float>(x, x, nv, tg + t0, lse + t0, scale, nt, v0, nv);
+      // d_h[chunk] = sum over vocab chunks of d_block @ w[vchunk]; the first chunk overwrites.
+      cpu::gemm<float>(false, false, nt, H, nv, 1.0f, x, wc.data<float>(), v0 == 0 ? 0.0f : 1.0f,
+                       dh);
+      cpu::gemm<float>(true, false, nv, H, nt, 1.0f, x, hc.data<float>(), 1.0f, dw + v0 * H);
+    }
+    if (!dh_direct) {
+      Tensor dst = d_h.narrow(t0, nt);
+      cpu::store_f32(dst, dh_acc.narrow(0, nt));
+    }
+  }
+}
+
+}  // namespace bb

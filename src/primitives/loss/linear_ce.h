@@ -1,0 +1,36 @@
+// linear_ce.h — the streaming loss head: same result as full_ce (cross_entropy.h) without ever
+// holding the [T, V] logits. Tokens are cut into chunks of cfg.chunk_tokens rows and the
+// vocabulary into chunks of cfg.chunk_vocab rows of w; one [ct, cv] f32 logits block (category
+// logits, ct = min(chunk_tokens, T), cv = min(chunk_vocab, V)) is reused for every chunk pair,
+// so the logits peak is exactly ct * cv * 4 bytes in forward and in backward.
+//
+// Legend: T tokens, H hidden, V vocab. Tensors and formulas as in cross_entropy.h:
+//   h [T, H] f32/bf16, w [V, H] f32/bf16, targets [T] i32 (< 0 = masked)
+//   loss_sum = sum_{t valid} (lse_t - (h_t . w_{target_t}))
+// Forward: per token chunk, an online (running max, running sum) logsumexp over the vocab
+// chunks plus the target logit; saves only lse [T] f32 (category activations).
+// Backward: recomputes each logits block, turns it into scale * (softmax - onehot) in place using
+// the saved lse, then d_h[tchunk] = sum over vchunks of block @ w[vchunk] and
+// d_w[vchunk] += block^T @ h[tchunk].
+// Accumulation convention: d_w ACCUMULATED (+=, f32 [V, H]); d_h WRITTEN (=, any float dtype,
+// allocated as f32 under activations when undefined on entry).
+#pragma once
+
+#include "primitives/loss/cross_entropy.h"
+
+namespace bb {
+
+// cfg.chunk_tokens and cfg.chunk_vocab must be > 0. `saved` may be null; it receives lse only
+// (saved->logits is reset to undefined).
+LossResult linear_ce_forward(const Tensor& h, const Tensor& w, const Tensor& targets,
+                             const LossHeadConfig& cfg, LossHeadSaved* saved);
+// scale = d(total loss) / d(loss_sum). The same cfg as the forward is expected but not required
+// (any chunking gives the same gradients up to fp32 rounding).
+void linear_ce_backward(float scale, const Tensor& h, const Tensor& w, const Tensor& targets,
+                        const LossHeadConfig& cfg, const LossHeadSaved& saved, Tensor& d_h,
+                        Tensor& d_w);
+
+// Bytes of the one logits block linear_ce keeps alive (what the memory estimator should add).
+int64_t linear_ce_logits_bytes(int64_t num_tokens, int64_t vocab, const LossHeadConfig& cfg);
+
+}  // namespace bb
