@@ -1,0 +1,48 @@
+// swiglu.cpp — boundary checks for SwiGLU, then the CPU reference in fp32.
+#include "primitives/activation/swiglu.h"
+
+#include "backend/cpu/util.h"
+#include "primitives/activation/swiglu_ref.h"
+
+namespace bb {
+
+namespace {
+void check_gate_up(const Tensor& gate_up, const char* op) {
+  check_float(gate_up, op, "gate_up");
+  BB_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, op, ": argument 'gate_up' has shape ",
+           shape_str(gate_up.shape()), ", expected [N, 2F] (an even number of columns)");
+  BB_CHECK(gate_up.device().is_cpu(), op, ": not implemented on ", gate_up.device().str(), " yet");
+}
+}  // namespace
+
+Tensor swiglu_forward(const Tensor& gate_up, MemCategory out_cat) {
+  check_gate_up(gate_up, "swiglu_forward");
+  const int64_t N = gate_up.size(0), F = gate_up.size(1) / 2;
+  Tensor gu = cpu::as_f32(gate_up);
+  Tensor h32 =
+      cpu::empty_f32({N, F}, gate_up.dtype() == DType::f32 ? out_cat : MemCategory::workspace);
+  ref::swiglu_forward(h32.data<float>(), gu.data<float>(), N, F);
+  if (gate_up.dtype() == DType::f32) return h32;
+  Tensor h = Tensor::empty({N, F}, gate_up.dtype(), Device::cpu(), out_cat);
+  cpu::store_f32(h, h32);
+  return h;
+}
+
+Tensor swiglu_backward(const Tensor& d_h, const Tensor& gate_up) {
+  check_gate_up(gate_up, "swiglu_backward");
+  const int64_t N = gate_up.size(0), F = gate_up.size(1) / 2;
+  check_float(d_h, "swiglu_backward", "d_h");
+  check_shape(d_h, {N, F}, "swiglu_backward", "d_h");
+  check_same_device(d_h, gate_up, "swiglu_backward");
+  Tensor gu = cpu::as_f32(gate_up);
+  Tensor dh = cpu::as_f32(d_h);
+  const bool f32 = gate_up.dtype() == DType::f32;
+  Tensor d32 = cpu::empty_f32({N, 2 * F}, f32 ? MemCategory::activations : MemCategory::workspace);
+  ref::swiglu_backward(d32.data<float>(), dh.data<float>(), gu.data<float>(), N, F);
+  if (f32) return d32;
+  Tensor d = Tensor::empty({N, 2 * F}, gate_up.dtype(), Device::cpu(), MemCategory::activations);
+  cpu::store_f32(d, d32);
+  return d;
+}
+
+}  // namespace bb

@@ -1,0 +1,75 @@
+// router.h — MoE router: per-token expert scores, top-k selection, combine weights, and the
+// load-balancing (aux) and z losses. Family `router`: `softmax_topk` (Qwen3-MoE, baseline) and
+// `sigmoid_topk` (DeepSeek-V3: sigmoid scores, selection bias for aux-loss-free balancing,
+// group-limited top-k). Both are one function selected by RouterConfig::score.
+//
+// Legend: T tokens, E experts, K top-k, G expert groups.
+// Accumulation convention: the router has no parameters of its own here (the gate projection
+// that produces the logits is a linear layer); router_backward WRITES d_logits (=).
+//
+// Selection is piecewise constant: gradients flow only through the scores of the selected
+// experts (combine weights), the aux loss (through mean scores; counts are constants) and the
+// z loss. The expert bias changes selection only and gets no gradient.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace bb {
+
+enum class RouterScore { softmax, sigmoid };
+
+struct RouterConfig {
+  int num_experts = 0, top_k = 0;
+  RouterScore score = RouterScore::softmax;
+  bool norm_topk_prob = true;   // renormalise the K selected weights to sum to 1
+  float routed_scaling = 1.0f;  // multiply final weights (DeepSeek-style), 1 for Qwen
+  // Group-limited top-k (DeepSeek-V3): experts split into num_groups equal groups; a group's
+  // score is the sum of its two best selection scores (its best if a group has one expert);
+  // only experts of the topk_groups best groups may be selected. 1 / 1 = off.
+  int num_groups = 1, topk_groups = 1;
+  // Throws bb::Error naming the bad field: top_k outside [1, num_experts], num_experts < 1,
+  // num_experts not divisible by num_groups, topk_groups outside [1, num_groups], top_k larger
+  // than the experts in the allowed groups, routed_scaling not positive.
+  void validate() const;
+};
+
+// What router_backward needs. Category activations.
+struct RouterSaved {
+  Tensor scores;    // [T, E] f32: softmax probs or sigmoid scores (no bias)
+  Tensor topk_idx;  // [T, K] i32: the selection (same values as RouterOutput::topk_idx)
+};
+
+struct RouterOutput {
+  // [T, K] i32: experts in order of decreasing selection score; ties -> lower index.
+  Tensor topk_idx;
+  Tensor topk_prob;                        // [T, K] f32 combine weights (category activations)
+  std::vector<int64_t> tokens_per_expert;  // [E] host counts
+  // Switch-style: E * sum_e (count_e / T) * mean_t(p_te) (HF Qwen3-MoE load_balancing_loss_func
+  // for one layer; p = softmax probs; for sigmoid routing p = scores normalised per token).
+  double aux_loss = 0;
+  double z_loss = 0;  // mean_t (logsumexp_e logits_te)^2
+};
+
+// logits [T, E] f32 (in). expert_bias [E] f32 (in) or undefined: added to the scores for
+// SELECTION only, never to the weights (aux-loss-free balancing; meant for sigmoid routing but
+// accepted for softmax too). With s = scores and S the selected set of token t:
+//   topk_prob[t, k] = routed_scaling * s[t, idx_k] / (norm_topk_prob ? sum_{j in S} s[t, j] : 1)
+// `saved` may be null when no backward follows.
+RouterOutput router_forward(const Tensor& logits, const Tensor& expert_bias,
+                            const RouterConfig& cfg, RouterSaved* saved);
+
+// d_topk_prob [T, K] f32 (in; undefined = zeros); d_aux, d_z: upstream gradients of aux_loss and
+// z_loss; logits [T, E] f32 (in, the forward's input). Returns d_logits [T, E] f32, category
+// activations (WRITTEN).
+Tensor router_backward(const Tensor& d_topk_prob, double d_aux, double d_z, const Tensor& logits,
+                       const RouterConfig& cfg, const RouterSaved& saved);
+
+// Aux-loss-free balancing (DeepSeek-V3): bias_e += rate * sign(mean_count - count_e), so
+// overloaded experts become less likely to be selected. expert_bias [E] f32 (in/out).
+void update_expert_bias(Tensor& expert_bias, const std::vector<int64_t>& tokens_per_expert,
+                        float rate);
+
+}  // namespace bb
