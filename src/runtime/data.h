@@ -1,0 +1,143 @@
+// data.h — training data: sources (flat token files, JSON lines, the built-in demo corpus) and
+// packing into fixed-size micro-batches without padding, in THD layout (DESIGN.md sec. 7).
+//
+// Legend: T tokens per micro-batch, B sequences in a micro-batch.
+//
+// Packing. Documents are visited in a permutation that depends on (seed, epoch), a new one every
+// epoch. A micro-batch takes exactly T tokens from consecutive documents; each document (or piece
+// of one) is its own sequence, so attention never crosses a document. A document longer than the
+// remaining room is split and its rest opens the next micro-batch as a new sequence whose
+// positions restart at 0. A micro-batch may run from the end of one epoch into the next.
+//
+// Targets. For token j of a document, target = doc[j + 1] (also across a split: the next token is
+// known), and -1 ("no loss") for the last token of the document or where loss_mask[j + 1] == 0
+// (the loss mask marks which tokens are trained to be *predicted*; loss_mask[0] is never used).
+// The loss is averaged over the targets >= 0 (num_valid), never over T.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace bb {
+
+struct Document {
+  std::vector<int32_t> tokens;
+  std::vector<uint8_t> loss_mask;  // same length as tokens (0/1), or empty = all 1
+};
+
+struct DataConfig {
+  // A file path, or "demo" for the built-in corpus (make_demo_corpus(demo_documents, seed)).
+  std::string path = "demo";
+  // "auto" (by extension: .bin/.u32 -> flat, .jsonl -> jsonl; "demo" -> demo), "flat", "jsonl",
+  // "demo".
+  std::string format = "auto";
+  int64_t tokens_per_micro_batch = 2048;
+  int64_t vocab_size = 264;
+  // Separates documents in flat token files (it stays at the end of its document). JSONL "text"
+  // records and the demo corpus always use the byte tokenizer's kEosId.
+  int32_t eos_id = 256;
+  uint64_t seed = 1234;
+  bool shuffle = true;
+  int64_t demo_documents = 2000;
+};
+
+// All documents back to back; the form the loader keeps in memory (one allocation, not one per
+// document, so that files of billions of tokens stay cheap to hold).
+struct Corpus {
+  std::vector<int32_t> tokens;     // all documents, concatenated
+  std::vector<uint8_t> loss_mask;  // same length as tokens, or empty when no document has a mask
+  std::vector<int64_t> offsets{
+      0};  // [num_documents + 1]: document d is tokens[offsets[d], offsets[d+1])
+
+  int64_t num_documents() const { return static_cast<int64_t>(offsets.size()) - 1; }
+  int64_t num_tokens() const { return static_cast<int64_t>(tokens.size()); }
+  int64_t length(int64_t d) const { return offsets[d + 1] - offsets[d]; }
+  Document document(int64_t d) const;
+  // Appends one document (non-empty; mask empty or of the same length).
+  void add(const std::vector<int32_t>& doc_tokens, const std::vector<uint8_t>& doc_mask = {});
+};
+
+// Checks every document (non-empty, tokens in [0, vocab_size), mask 0/1 of the right length) and
+// packs them into a Corpus. `what` names the source in error messages.
+Corpus corpus_from_documents(const std::vector<Document>& docs, int64_t vocab_size,
+                             const std::string& what = "documents");
+
+// Flat token file: little-endian uint32 tokens; a document ends after each `eos_id` (tokens after
+// the last EOS form a final document without one). Size must be a multiple of 4; every token
+// must be < vocab_size.
+Corpus read_flat_tokens(const std::string& path, int64_t vocab_size, int32_t eos_id);
+
+// JSON lines: one object per line with "tokens" (int array, taken as is: no EOS is added) and
+// optional "loss_mask" (0/1 array, same length), or "text" (string: byte-tokenized, kEosId
+// appended). Blank lines are skipped. "advantages", "old_logprobs", "ref_logprobs" and "routing"
+// are accepted and ignored. Anything else is an error naming path:line and the key.
+Corpus read_jsonl(const std::string& path, int64_t vocab_size);
+
+// The format `cfg` selects: "flat", "jsonl" or "demo" (resolving "auto" by extension).
+std::string resolve_format(const DataConfig& cfg);
+
+// Loads the data `cfg` names (checks the file exists first; prints a progress line to stderr for
+// files of more than ~10M tokens).
+Corpus load_corpus(const DataConfig& cfg);
+
+// One packed micro-batch. All tensors are CPU, i32, category `other`.
+struct MicroBatch {
+  Tensor tokens;          // [T] input ids
+  Tensor targets;         // [T] next-token ids; -1 = no loss here
+  Tensor positions;       // [T] position of each token within its sequence (RoPE), from 0
+  Tensor cu_seqlens;      // [B+1] cumulative sequence lengths (host), cu[0] = 0, cu[B] = T
+  int64_t num_valid = 0;  // number of targets >= 0: the loss denominator
+};
+
+// Where the loader stands: the next token it packs is token `token_offset` of the
+// `doc_index`-th document visited in epoch `epoch`. Saved in checkpoints.
+struct DataPosition {
+  uint64_t epoch = 0;
+  uint64_t doc_index = 0;
+  uint64_t token_offset = 0;
+  bool operator==(const DataPosition&) const = default;
+};
+// {"epoch": e, "doc_index": d, "token_offset": t}; found by nlohmann's ADL
+// (json j = pos; pos = j.get<DataPosition>()). from_json names a missing or bad key.
+void to_json(nlohmann::json& j, const DataPosition& p);
+void from_json(const nlohmann::json& j, DataPosition& p);
+
+// The order in which documents 0..num_docs-1 are visited in `epoch`: a Philox-driven
+// Fisher-Yates permutation of (seed, epoch), or the identity when shuffle is false.
+std::vector<int64_t> epoch_order(int64_t num_docs, uint64_t seed, uint64_t epoch, bool shuffle);
+
+class DataLoader {
+ public:
+  // Loads cfg.path (see load_corpus).
+  explicit DataLoader(const DataConfig& cfg);
+  // Packs an in-memory corpus instead (cfg.path and cfg.format are not used).
+  DataLoader(const DataConfig& cfg, Corpus corpus);
+
+  // The next micro-batch of exactly cfg.tokens_per_micro_batch tokens; never ends (epochs wrap).
+  MicroBatch next();
+  DataPosition position() const { return pos_; }
+  // After restore(p), next() gives exactly what the loader that reported p gave next.
+  // Throws if p does not fit this dataset (document index or offset out of range).
+  void restore(const DataPosition& p);
+
+  int64_t num_documents() const { return corpus_.num_documents(); }
+  int64_t num_tokens() const { return corpus_.num_tokens(); }
+  const Corpus& corpus() const { return corpus_; }
+  const DataConfig& config() const { return cfg_; }
+  std::vector<int64_t> epoch_order(uint64_t epoch) const;
+
+ private:
+  void check_config() const;
+  void start_epoch(uint64_t epoch);
+
+  DataConfig cfg_;
+  Corpus corpus_;
+  std::vector<int64_t> order_;  // epoch_order(pos_.epoch)
+  DataPosition pos_;
+};
+
+}  // namespace bb
