@@ -1,0 +1,20 @@
+// elementwise.h — the few pointwise ops a decoder needs between primitives (residual adds,
+// gates). fp32 compute; outputs f32 unless stated.
+#pragma once
+
+#include "core/tensor.h"
+
+namespace bb {
+
+// a += b (a f32; b any float dtype, same numel).
+void add_inplace(Tensor& a, const Tensor& b);
+// a += s * b
+void axpy_inplace(Tensor& a, float s, const Tensor& b);
+// out = a + b as a new f32 tensor under `cat`.
+Tensor add(const Tensor& a, const Tensor& b, MemCategory cat);
+// Row-wise gate: y[t, :] = x[t, :] * g[t] (x [T, H], g [T]); new f32 tensor under `cat`.
+Tensor scale_rows(const Tensor& x, const Tensor& g, MemCategory cat);
+// Logistic sigmoid of an f32 tensor (new tensor under `cat`).
+Tensor sigmoid(const Tensor& x, MemCategory cat);
+
+}  // namespace bb

@@ -1,0 +1,116 @@
+#include "runtime/paired.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace bb {
+
+namespace {
+
+struct Side {
+  std::vector<StepMetrics> steps;
+  std::vector<float> logits;
+};
+
+Side run_side(const PairedOptions& o, const std::vector<std::string>& side, const char* label, FILE* out) {
+  std::vector<std::string> ov = o.common;
+  ov.insert(ov.end(), side.begin(), side.end());
+  ov.push_back("train.steps=" + std::to_string(o.steps));
+  // The paired tool never touches the run's checkpoints or metrics file.
+  ov.push_back("checkpoint.dir=\"\"");
+  ov.push_back("checkpoint.resume=\"\"");
+  ov.push_back("log.metrics=\"\"");
+  RunConfig cfg = load_run_config(o.config_path, ov);
+  if (out) {
+    std::fprintf(out, "[paired] side %s: %s\n", label, cfg.primitives_summary().c_str());
+    std::fflush(out);
+  }
+  Trainer tr(cfg, nullptr);
+  Side s;
+  {
+    DataLoader first(cfg.data);  // the same first micro-batch the trainer will see
+    MicroBatch mb = first.next();
+    Tensor logits;
+    tr.model().forward(mb, &logits);
+    s.logits = logits.to_floats();
+  }
+  for (int64_t i = 0; i < o.steps; ++i) {
+    s.steps.push_back(tr.train_step());
+    if (out) {
+      std::fprintf(out, "[paired] side %s step %lld/%lld loss %.6f\n", label,
+                   static_cast<long long>(i + 1), static_cast<long long>(o.steps), s.steps.back().loss);
+      std::fflush(out);
+    }
+  }
+  return s;
+}
+
+double rel(double a, double b) { return std::fabs(a - b) / std::max(std::fabs(a), 1e-12); }
+
+double median_time(const std::vector<StepMetrics>& v) {
+  std::vector<double> t;
+  for (size_t i = v.size() > 1 ? 1 : 0; i < v.size(); ++i) t.push_back(v[i].step_time_s);
+  std::sort(t.begin(), t.end());
+  return t.empty() ? 0 : t[t.size() / 2];
+}
+
+std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : " ") + x;
+  return s.empty() ? "(baseline)" : s;
+}
+
+}  // namespace
+
+PairedResult run_paired(const PairedOptions& o, FILE* out) {
+  BB_CHECK(o.steps >= 1, "paired: --steps must be >= 1");
+  BB_CHECK(!o.a.empty() || !o.b.empty(), "paired: give at least one --a or --b override (KEY=VALUE)");
+  Side a = run_side(o, o.a, "A", out);
+  Side b = run_side(o, o.b, "B", out);
+  PairedResult r;
+  r.a = a.steps;
+  r.b = b.steps;
+  BB_CHECK(a.logits.size() == b.logits.size(), "paired: the two sides produce logits of different sizes (",
+           a.logits.size(), " vs ", b.logits.size(), "): A and B must be the same model");
+  for (size_t i = 0; i < a.logits.size(); ++i)
+    r.max_logits_diff = std::max(r.max_logits_diff, static_cast<double>(std::fabs(a.logits[i] - b.logits[i])));
+  for (size_t i = 0; i < r.a.size(); ++i) {
+    r.max_loss_rel = std::max(r.max_loss_rel, rel(r.a[i].loss, r.b[i].loss));
+    r.max_grad_norm_rel = std::max(r.max_grad_norm_rel, rel(r.a[i].grad_norm, r.b[i].grad_norm));
+  }
+  const double ta = median_time(r.a), tb = median_time(r.b);
+  r.step_time_ratio = ta > 0 ? tb / ta : 0;
+  r.pass = r.max_loss_rel <= o.tol_loss && r.max_grad_norm_rel <= o.tol_grad_norm;
+
+  if (out) {
+    std::fprintf(out, "\npaired baseline: %s\n  A: %s\n  B: %s\n\n", o.config_path.c_str(), join(o.a).c_str(), join(o.b).c_str());
+    std::fprintf(out, "%5s | %14s %14s %10s | %12s %12s %10s\n", "step", "loss A", "loss B", "rel diff",
+                 "gnorm A", "gnorm B", "rel diff");
+    for (size_t i = 0; i < r.a.size(); ++i)
+      std::fprintf(out, "%5lld | %14.8f %14.8f %10.2e | %12.6f %12.6f %10.2e\n", static_cast<long long>(r.a[i].step),
+                   r.a[i].loss, r.b[i].loss, rel(r.a[i].loss, r.b[i].loss), r.a[i].grad_norm, r.b[i].grad_norm,
+                   rel(r.a[i].grad_norm, r.b[i].grad_norm));
+    std::fprintf(out, "\nmax |logits A - logits B| on the first micro-batch: %.3e\n\n", r.max_logits_diff);
+    std::fprintf(out, "%-12s | %14s %14s\n", "peak memory", "A", "B");
+    auto peak_max = [](const std::vector<StepMetrics>& v, int c) {
+      int64_t m = 0;
+      for (const auto& s : v) m = std::max(m, c < 0 ? s.mem.peak_total : s.mem.peak[c]);
+      return m;
+    };
+    for (int c = -1; c < kNumMemCategories; ++c) {
+      const int64_t pa = peak_max(r.a, c), pb = peak_max(r.b, c);
+      if (c >= 0 && pa == 0 && pb == 0) continue;
+      std::fprintf(out, "%-12s | %14s %14s\n", c < 0 ? "total" : category_name(static_cast<MemCategory>(c)),
+                   format_bytes(pa).c_str(), format_bytes(pb).c_str());
+    }
+    std::fprintf(out, "\nstep time (median): A %.4fs, B %.4fs, ratio B/A %.3f\n", ta, tb, r.step_time_ratio);
+  }
+  char buf[512];
+  std::snprintf(buf, sizeof buf, "%s: max loss rel diff %.2e (tol %.1e), max grad-norm rel diff %.2e (tol %.1e)",
+                r.pass ? "PASS" : "FAIL", r.max_loss_rel, o.tol_loss, r.max_grad_norm_rel, o.tol_grad_norm);
+  r.verdict = buf;
+  if (out) std::fprintf(out, "%s\n", r.verdict.c_str());
+  return r;
+}
+
+}  // namespace bb

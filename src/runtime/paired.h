@@ -1,0 +1,34 @@
+// paired.h — the paired baseline: the same model, data and seed run twice, once per side
+// (A and B differ only by the overrides given), compared on loss, grad norm, first-batch
+// logits, peak memory per category and step time.
+#pragma once
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "runtime/trainer.h"
+
+namespace bb {
+
+struct PairedOptions {
+  std::string config_path;
+  std::vector<std::string> common;  // overrides for both sides
+  std::vector<std::string> a, b;    // overrides for side A / side B
+  int64_t steps = 5;
+  double tol_loss = 1e-4;       // relative, per step
+  double tol_grad_norm = 1e-3;  // relative, per step
+};
+
+struct PairedResult {
+  std::vector<StepMetrics> a, b;
+  double max_logits_diff = 0;    // max |logits_a - logits_b| on the first micro-batch, before training
+  double max_loss_rel = 0, max_grad_norm_rel = 0;
+  double step_time_ratio = 0;    // median step time b / a (steps after the first)
+  bool pass = false;
+  std::string verdict;           // one line
+};
+
+PairedResult run_paired(const PairedOptions& opts, FILE* out);
+
+}  // namespace bb

@@ -1,0 +1,253 @@
+#include "runtime/run_config.h"
+
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <toml.hpp>
+
+#include "core/error.h"
+
+namespace bb {
+
+namespace {
+
+// Reads keys out of one TOML table, remembering which were used so the rest can be reported.
+class TableReader {
+ public:
+  TableReader(const toml::value* table, std::string name, std::string source)
+      : t_(table), name_(std::move(name)), source_(std::move(source)) {}
+
+  const toml::value* get(const std::string& key) {
+    used_.insert(key);
+    if (!t_) return nullptr;
+    const auto& tab = t_->as_table();
+    auto it = tab.find(key);
+    return it == tab.end() ? nullptr : &it->second;
+  }
+  std::string where(const std::string& key) const { return name_ + "." + key + " (in " + source_ + ")"; }
+
+  void read(const std::string& key, std::string& out) {
+    if (auto* v = get(key)) {
+      BB_CHECK(v->is_string(), where(key), " must be a string");
+      out = v->as_string().str;
+    }
+  }
+  void read(const std::string& key, int64_t& out) {
+    if (auto* v = get(key)) {
+      BB_CHECK(v->is_integer(), where(key), " must be an integer");
+      out = v->as_integer();
+    }
+  }
+  void read(const std::string& key, uint64_t& out) {
+    int64_t x = static_cast<int64_t>(out);
+    read(key, x);
+    BB_CHECK(x >= 0, where(key), " must be >= 0, got ", x);
+    out = static_cast<uint64_t>(x);
+  }
+  void read(const std::string& key, double& out) {
+    if (auto* v = get(key)) {
+      BB_CHECK(v->is_floating() || v->is_integer(), where(key), " must be a number");
+      out = v->is_floating() ? v->as_floating() : static_cast<double>(v->as_integer());
+    }
+  }
+  void read(const std::string& key, bool& out) {
+    if (auto* v = get(key)) {
+      BB_CHECK(v->is_boolean(), where(key), " must be true or false");
+      out = v->as_boolean();
+    }
+  }
+  void read_choice(const std::string& key, std::string& out, const std::vector<std::string>& allowed) {
+    read(key, out);
+    for (const auto& a : allowed)
+      if (a == out) return;
+    std::string list;
+    for (const auto& a : allowed) list += (list.empty() ? "" : ", ") + a;
+    BB_FAIL(where(key), " = '", out, "' is not one of: ", list);
+  }
+  void finish() const {
+    if (!t_) return;
+    for (const auto& [k, v] : t_->as_table())
+      BB_CHECK(used_.count(k), "unknown key '", name_, ".", k, "' in ", source_,
+               " (see docs/config.md for the valid keys)");
+  }
+
+ private:
+  const toml::value* t_;
+  std::string name_, source_;
+  std::set<std::string> used_;
+};
+
+toml::value parse_toml_text(const std::string& text, const std::string& source) {
+  std::istringstream in(text);
+  try {
+    return toml::parse(in, source);
+  } catch (const std::exception& e) {
+    BB_FAIL("cannot parse ", source, " as TOML: ", e.what());
+  }
+}
+
+// "train.steps=100" -> root["train"]["steps"] = 100. A value that is not valid TOML is a string.
+void apply_override(toml::value& root, const std::string& ov) {
+  const auto eq = ov.find('=');
+  BB_CHECK(eq != std::string::npos && eq > 0, "bad override '", ov,
+           "': expected table.key=value, e.g. train.steps=100");
+  const std::string key = ov.substr(0, eq), text = ov.substr(eq + 1);
+  const auto dot = key.find('.');
+  BB_CHECK(dot != std::string::npos && dot > 0 && dot + 1 < key.size() &&
+               key.find('.', dot + 1) == std::string::npos,
+           "bad override key '", key, "': expected table.key, e.g. train.steps");
+  const std::string table = key.substr(0, dot), name = key.substr(dot + 1);
+  toml::value value;
+  try {
+    std::istringstream in("v = " + text);
+    value = toml::find(toml::parse(in, "--set"), "v");
+  } catch (const std::exception&) {
+    value = toml::value(text);  // bare word: a string
+  }
+  if (!root.is_table()) root = toml::table{};
+  auto& tab = root.as_table();
+  if (!tab.count(table)) tab[table] = toml::table{};
+  BB_CHECK(tab[table].is_table(), "override '", ov, "': '", table, "' is not a table");
+  tab[table].as_table()[name] = value;
+}
+
+const toml::value* table_of(const toml::value& root, const std::string& name, const std::string& src) {
+  const auto& tab = root.as_table();
+  auto it = tab.find(name);
+  if (it == tab.end()) return nullptr;
+  BB_CHECK(it->second.is_table(), "'", name, "' in ", src, " must be a table ([", name, "])");
+  return &it->second;
+}
+
+RunConfig build(const toml::value& root, const std::string& src) {
+  static const std::set<std::string> kTables = {"model", "primitives", "parallel", "train",
+                                                "data", "checkpoint", "log"};
+  for (const auto& [k, v] : root.as_table())
+    BB_CHECK(kTables.count(k), "unknown table '[", k, "]' in ", src,
+             ": expected model, primitives, parallel, train, data, checkpoint, log");
+  RunConfig c;
+
+  TableReader m(table_of(root, "model", src), "model", src);
+  m.read("config", c.model_config);
+  m.read_choice("init", c.model_init, {"random"});
+  m.read_choice("dtype", c.model_dtype, {"f32"});
+  m.finish();
+  BB_CHECK(!c.model_config.empty(), "model.config is required in ", src,
+           ": the path of a Hugging Face config.json, e.g. configs/models/demo-tiny/config.json");
+  c.model = load_hf_config(c.model_config);
+
+  TableReader p(table_of(root, "primitives", src), "primitives", src);
+  PrimitiveChoice& pc = c.prim;
+  p.read_choice("loss", pc.loss, {"full_ce", "linear_ce"});
+  p.read_choice("recompute", pc.recompute, {"none", "full"});
+  p.read_choice("router", pc.router, {"softmax_topk", "sigmoid_topk"});
+  p.read_choice("experts", pc.experts, {"sequential", "grouped"});
+  p.read_choice("permute", pc.permute, {"standard", "memory_efficient"});
+  p.read_choice("attention", pc.attention, {"sdpa"});
+  p.read_choice("moe_dispatch", pc.moe_dispatch, {"allgather"});
+  p.read_choice("state", pc.state, {"replicated"});
+  p.read_choice("optimizer", pc.optimizer, {"adamw"});
+  p.read("loss_chunk_tokens", pc.loss_chunk_tokens);
+  p.read("loss_chunk_vocab", pc.loss_chunk_vocab);
+  p.finish();
+  BB_CHECK(pc.loss_chunk_tokens > 0 && pc.loss_chunk_vocab > 0,
+           "primitives.loss_chunk_tokens and loss_chunk_vocab must be positive in ", src);
+
+  TableReader par(table_of(root, "parallel", src), "parallel", src);
+  par.read("device", c.device);
+  par.read("tp", c.tp);
+  par.read("pp", c.pp);
+  par.read("ep", c.ep);
+  par.read("cp", c.cp);
+  par.finish();
+  Device::parse(c.device == "auto" ? "cpu" : c.device);  // validates the spelling
+  for (auto [name, v] : {std::pair<const char*, int64_t>{"tp", c.tp}, {"pp", c.pp}, {"ep", c.ep}, {"cp", c.cp}})
+    BB_CHECK(v == 1, "parallel.", name, " = ", v, " in ", src,
+             ": only single-rank runs are implemented so far (set it to 1)");
+
+  TableReader t(table_of(root, "train", src), "train", src);
+  t.read("steps", c.steps);
+  t.read("micro_batch_tokens", c.micro_batch_tokens);
+  t.read("grad_accum", c.grad_accum);
+  t.read("lr", c.lr);
+  t.read("min_lr", c.min_lr);
+  t.read("warmup_steps", c.warmup_steps);
+  t.read("weight_decay", c.weight_decay);
+  t.read("beta1", c.beta1);
+  t.read("beta2", c.beta2);
+  t.read("adam_eps", c.adam_eps);
+  t.read("grad_clip", c.grad_clip);
+  t.read("aux_loss_coef", c.aux_loss_coef);
+  t.read("z_loss_coef", c.z_loss_coef);
+  t.read("seed", c.seed);
+  t.finish();
+  BB_CHECK(c.steps >= 0, "train.steps must be >= 0, got ", c.steps);
+  BB_CHECK(c.micro_batch_tokens > 0, "train.micro_batch_tokens must be positive, got ", c.micro_batch_tokens);
+  BB_CHECK(c.grad_accum >= 1, "train.grad_accum must be >= 1, got ", c.grad_accum);
+  BB_CHECK(c.lr > 0 && c.min_lr >= 0 && c.min_lr <= c.lr, "train.lr must be > 0 and 0 <= train.min_lr <= train.lr, got lr=", c.lr, " min_lr=", c.min_lr);
+  BB_CHECK(c.warmup_steps >= 0, "train.warmup_steps must be >= 0");
+  BB_CHECK(c.beta1 >= 0 && c.beta1 < 1 && c.beta2 >= 0 && c.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1)");
+  BB_CHECK(c.adam_eps > 0, "train.adam_eps must be positive");
+  BB_CHECK(c.weight_decay >= 0, "train.weight_decay must be >= 0");
+  BB_CHECK(c.grad_clip >= 0, "train.grad_clip must be >= 0 (0 = off)");
+  BB_CHECK(c.z_loss_coef >= 0, "train.z_loss_coef must be >= 0");
+
+  TableReader d(table_of(root, "data", src), "data", src);
+  d.read("path", c.data.path);
+  d.read_choice("format", c.data.format, {"auto", "flat", "jsonl", "demo"});
+  d.read("shuffle", c.data.shuffle);
+  d.read("demo_documents", c.data.demo_documents);
+  int64_t eos = c.model.eos_token_id >= 0 ? c.model.eos_token_id : c.data.eos_id;
+  d.read("eos_id", eos);
+  d.finish();
+  c.data.eos_id = static_cast<int32_t>(eos);
+  c.data.vocab_size = c.model.vocab_size;
+  c.data.tokens_per_micro_batch = c.micro_batch_tokens;
+  c.data.seed = c.seed;
+  BB_CHECK(eos >= 0 && eos < c.model.vocab_size, "data.eos_id = ", eos, " is outside the model vocabulary [0, ", c.model.vocab_size, ")");
+
+  TableReader ck(table_of(root, "checkpoint", src), "checkpoint", src);
+  ck.read("dir", c.ckpt_dir);
+  ck.read("every", c.ckpt_every);
+  ck.read("save_final", c.ckpt_save_final);
+  ck.read("keep", c.ckpt_keep);
+  ck.read("resume", c.resume);
+  ck.finish();
+  BB_CHECK(c.ckpt_every >= 0 && c.ckpt_keep >= 0, "checkpoint.every and checkpoint.keep must be >= 0");
+  BB_CHECK(!(c.resume == "auto" && c.ckpt_dir.empty()), "checkpoint.resume = 'auto' needs checkpoint.dir");
+
+  TableReader l(table_of(root, "log", src), "log", src);
+  l.read("every", c.log_every);
+  l.read("metrics", c.metrics_path);
+  l.finish();
+  BB_CHECK(c.log_every >= 1, "log.every must be >= 1");
+  return c;
+}
+
+}  // namespace
+
+std::string RunConfig::primitives_summary() const {
+  std::ostringstream os;
+  os << "loss=" << prim.loss << " recompute=" << prim.recompute << " router=" << prim.router
+     << " experts=" << prim.experts << " permute=" << prim.permute << " attention=" << prim.attention;
+  return os.str();
+}
+
+RunConfig parse_run_config(const std::string& text, const std::string& source,
+                           const std::vector<std::string>& overrides) {
+  toml::value root = parse_toml_text(text, source);
+  if (!root.is_table()) root = toml::table{};
+  for (const auto& ov : overrides) apply_override(root, ov);
+  return build(root, source);
+}
+
+RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides) {
+  std::ifstream in(path);
+  BB_CHECK(in.good(), "cannot open run config '", path, "' (try configs/demo.toml)");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return parse_run_config(ss.str(), path, overrides);
+}
+
+}  // namespace bb

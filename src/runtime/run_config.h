@@ -1,0 +1,79 @@
+// run_config.h — the run configuration (TOML) every command reads, validated strictly.
+//
+// Tables: [model] [primitives] [parallel] [train] [data] [checkpoint] [log]. Every key is
+// documented in docs/config.md. Unknown tables or keys and bad values are errors naming the
+// key; `--set table.key=value` overrides apply before validation, with the same checks.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/memory.h"
+#include "models/config.h"
+#include "runtime/data.h"
+
+namespace bb {
+
+struct PrimitiveChoice {
+  std::string loss = "linear_ce";       // full_ce | linear_ce
+  std::string recompute = "none";       // none | full
+  std::string router = "softmax_topk";  // softmax_topk | sigmoid_topk
+  std::string experts = "sequential";   // sequential | grouped
+  std::string permute = "standard";     // standard | memory_efficient
+  std::string attention = "sdpa";       // sdpa
+  std::string moe_dispatch = "allgather";
+  std::string state = "replicated";
+  std::string optimizer = "adamw";
+  int64_t loss_chunk_tokens = 4096;     // linear_ce token chunk
+  int64_t loss_chunk_vocab = 32768;     // linear_ce vocabulary chunk
+};
+
+struct RunConfig {
+  // [model]
+  std::string model_config;  // path to an HF config.json (or its directory)
+  std::string model_init = "random";  // random
+  std::string model_dtype = "f32";    // parameter storage on CPU
+  ModelConfig model;                  // parsed from model_config
+  // [primitives]
+  PrimitiveChoice prim;
+  // [parallel]
+  std::string device = "cpu";  // cpu | cuda | cuda:N | auto
+  int64_t tp = 1, pp = 1, ep = 1, cp = 1;
+  // [train]
+  int64_t steps = 100;
+  int64_t micro_batch_tokens = 2048;
+  int64_t grad_accum = 1;
+  double lr = 3e-3, min_lr = 3e-4;
+  int64_t warmup_steps = 10;
+  double weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, adam_eps = 1e-8;
+  double grad_clip = 1.0;       // 0 = off
+  double aux_loss_coef = -1;    // < 0: the model config's router_aux_loss_coef
+  double z_loss_coef = 0;
+  uint64_t seed = 1234;
+  // [data]
+  DataConfig data;
+  // [checkpoint]
+  std::string ckpt_dir;         // empty = no checkpoints
+  int64_t ckpt_every = 0;       // 0 = only the final one (if save_final)
+  bool ckpt_save_final = true;
+  int64_t ckpt_keep = 2;        // newest N kept; 0 = keep all
+  std::string resume;           // "" | "auto" (latest in ckpt_dir, if any) | a checkpoint path
+  // [log]
+  int64_t log_every = 1;
+  std::string metrics_path;     // JSON lines, one object per step; empty = none
+
+  double effective_aux_coef() const { return aux_loss_coef < 0 ? model.router_aux_loss_coef : aux_loss_coef; }
+  // A one-line summary of the primitive choices, for logs.
+  std::string primitives_summary() const;
+};
+
+// Loads and validates a run config; `overrides` are "table.key=value" strings (value in TOML
+// syntax; a bare word is taken as a string). Relative paths in the file are resolved against
+// the current directory.
+RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides = {});
+// The same from TOML text (for tests and `paired`); `source` names it in messages.
+RunConfig parse_run_config(const std::string& toml_text, const std::string& source,
+                           const std::vector<std::string>& overrides = {});
+
+}  // namespace bb

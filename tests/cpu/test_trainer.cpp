@@ -1,0 +1,176 @@
+// Trainer: determinism, resume equivalence, checkpoint safety, LR schedule, metrics, configs.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "common/testing.h"
+#include "io/fs.h"
+#include "runtime/run_config.h"
+#include "runtime/trainer.h"
+
+namespace bb {
+namespace {
+
+std::string make_tmpdir() {
+  char tmpl[] = "/tmp/bb_trainer_XXXXXX";
+  char* d = mkdtemp(tmpl);
+  EXPECT_NE(d, nullptr);
+  return d;
+}
+
+ModelConfig small_model(int64_t hidden = 32) {
+  ModelConfig c = load_hf_config("configs/models/demo-tiny/config.json");
+  c.hidden_size = hidden;
+  c.num_layers = 2;
+  c.num_heads = 2;
+  c.num_kv_heads = 1;
+  c.head_dim = 16;
+  c.intermediate_size = 48;
+  c.moe_intermediate_size = 24;
+  c.num_experts = 4;
+  c.top_k = 2;
+  return c;
+}
+
+// Writes the model config and a run config into `dir`; returns the run-config path.
+std::string write_run(const std::string& dir, const ModelConfig& m, const std::string& extra = "") {
+  std::ofstream(dir + "/config.json") << m.to_hf_json().dump(2);
+  std::ofstream f(dir + "/run.toml");
+  f << "[model]\nconfig = \"" << dir << "/config.json\"\n"
+    << "[train]\nsteps = 20\nmicro_batch_tokens = 96\nlr = 5e-3\nmin_lr = 5e-4\nwarmup_steps = 3\nseed = 7\n"
+    << "[data]\npath = \"demo\"\ndemo_documents = 40\n"
+    << "[checkpoint]\ndir = \"" << dir << "/ckpt\"\nevery = 0\nsave_final = false\n"
+    << "[log]\nevery = 1\n"
+    << extra;
+  return dir + "/run.toml";
+}
+
+std::vector<double> losses(const std::vector<StepMetrics>& v) {
+  std::vector<double> out;
+  for (const auto& m : v) out.push_back(m.loss);
+  return out;
+}
+
+TEST(Trainer, DeterministicAndLossFalls) {
+  const std::string dir = make_tmpdir();
+  const std::string run = write_run(dir, small_model());
+  Trainer a(load_run_config(run), nullptr), b(load_run_config(run), nullptr);
+  auto la = losses(a.run()), lb = losses(b.run());
+  EXPECT_EQ(la, lb);  // bit-identical given the seed
+  ASSERT_EQ(la.size(), 20u);
+  EXPECT_NEAR(la.front(), std::log(264.0), 0.3);  // starts near ln(vocab)
+  EXPECT_LT(la.back(), la.front() - 1.0);           // and learns
+}
+
+TEST(Trainer, ResumeContinuesTheSameRun) {
+  const std::string dir = make_tmpdir();
+  const std::string run = write_run(dir, small_model());
+  Trainer straight(load_run_config(run), nullptr);
+  auto l_straight = losses(straight.run());
+
+  Trainer first(load_run_config(run, {"train.steps=20"}), nullptr);
+  std::vector<double> l_split;
+  for (int i = 0; i < 10; ++i) l_split.push_back(first.train_step().loss);
+  const std::string ck = first.save_checkpoint(dir + "/ckpt");
+  EXPECT_TRUE(path_exists(ck + "/model.safetensors"));
+  EXPECT_EQ(read_file(dir + "/ckpt/latest"), "step_00000010\n");
+
+  Trainer second(load_run_config(run, {"checkpoint.resume=\"auto\""}), nullptr);
+  EXPECT_EQ(second.step(), 10);
+  for (const auto& m : second.run()) l_split.push_back(m.loss);
+  EXPECT_EQ(l_split, l_straight);  // 10 + resume + 10 == 20 straight, bit for bit
+}
+
+TEST(Trainer, BadCheckpointIsAClearErrorAndChangesNothing) {
+  const std::string dir = make_tmpdir();
+  const std::string run = write_run(dir, small_model());
+  Trainer t(load_run_config(run), nullptr);
+  for (int i = 0; i < 3; ++i) t.train_step();
+  const std::string good = t.save_checkpoint(dir + "/ckpt");
+  for (int i = 0; i < 2; ++i) t.train_step();
+  const std::string bad = t.save_checkpoint(dir + "/ckpt");
+  // Truncate the newest checkpoint's weights.
+  const std::string f = bad + "/model.safetensors";
+  std::string bytes = read_file(f);
+  std::ofstream(f, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size() / 2));
+
+  Trainer u(load_run_config(run), nullptr);
+  auto before = u.model().params()[0]->value.to_floats();
+  test::expect_error_contains([&] { u.load_checkpoint(bad); }, "model.safetensors");
+  EXPECT_EQ(u.step(), 0);
+  EXPECT_EQ(u.model().params()[0]->value.to_floats(), before);  // nothing half-loaded
+  // The previous checkpoint is intact and loads.
+  u.load_checkpoint(good);
+  EXPECT_EQ(u.step(), 3);
+
+  // A checkpoint of another model shape names the differing key.
+  const std::string dir2 = make_tmpdir();
+  Trainer other(load_run_config(write_run(dir2, small_model(48))), nullptr);
+  test::expect_error_contains([&] { other.load_checkpoint(good); }, "hidden_size (checkpoint 32, run 48)");
+}
+
+TEST(Trainer, CheckpointsKeepTheNewest) {
+  const std::string dir = make_tmpdir();
+  const std::string run = write_run(dir, small_model(), "");
+  Trainer t(load_run_config(run, {"train.steps=6", "checkpoint.every=2", "checkpoint.keep=2"}), nullptr);
+  t.run();
+  EXPECT_FALSE(path_exists(dir + "/ckpt/step_00000002"));
+  EXPECT_TRUE(path_exists(dir + "/ckpt/step_00000004"));
+  EXPECT_TRUE(path_exists(dir + "/ckpt/step_00000006"));
+  EXPECT_EQ(resolve_checkpoint(dir + "/ckpt"), dir + "/ckpt/step_00000006");
+}
+
+TEST(Trainer, LrScheduleWarmupThenCosine) {
+  const std::string dir = make_tmpdir();
+  RunConfig c = load_run_config(write_run(dir, small_model()), {"train.steps=110", "train.warmup_steps=10",
+                                                                "train.lr=1.0", "train.min_lr=0.1"});
+  Trainer t(c, nullptr);
+  EXPECT_DOUBLE_EQ(t.lr_at(1), 0.1);
+  EXPECT_DOUBLE_EQ(t.lr_at(10), 1.0);
+  EXPECT_NEAR(t.lr_at(60), 0.55, 1e-12);  // half-way through the decay
+  EXPECT_NEAR(t.lr_at(110), 0.1, 1e-12);
+}
+
+TEST(Trainer, MetricsFileHasOneObjectPerStep) {
+  const std::string dir = make_tmpdir();
+  Trainer t(load_run_config(write_run(dir, small_model()), {"train.steps=3", "log.metrics=\"" + dir + "/m/metrics.jsonl\""}), nullptr);
+  t.run();
+  std::ifstream in(dir + "/m/metrics.jsonl");
+  std::string line;
+  int n = 0;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    for (const char* k : {"step", "loss", "aux_loss", "grad_norm", "lr", "tokens_per_s", "tflops", "peak_bytes"})
+      EXPECT_TRUE(j.contains(k)) << k;
+    EXPECT_GT(j["peak_bytes"]["activations"].get<int64_t>(), 0);
+    EXPECT_GT(j["tflops"].get<double>(), 0.0);
+    EXPECT_EQ(j["step"].get<int>(), ++n);
+  }
+  EXPECT_EQ(n, 3);
+}
+
+TEST(RunConfig, BadConfigsAreClearErrors) {
+  const std::string dir = make_tmpdir();
+  const std::string run = write_run(dir, small_model());
+  test::expect_error_contains([&] { load_run_config(run, {"train.stepz=3"}); }, "unknown key 'train.stepz'");
+  test::expect_error_contains([&] { load_run_config(run, {"primitives.loss=\"fast_ce\""}); },
+                              "primitives.loss (in " + run + ") = 'fast_ce' is not one of: full_ce, linear_ce");
+  test::expect_error_contains([&] { load_run_config(run, {"train.steps=\"ten\""}); }, "train.steps (in");
+  test::expect_error_contains([&] { load_run_config(run, {"parallel.ep=2"}); }, "only single-rank runs");
+  test::expect_error_contains([&] { load_run_config(run, {"train.lr=-1"}); }, "train.lr must be > 0");
+  test::expect_error_contains([&] { load_run_config(run, {"optim.lr=1"}); }, "unknown table '[optim]'");
+  test::expect_error_contains([&] { load_run_config(run, {"steps=1"}); }, "expected table.key");
+  test::expect_error_contains([&] { load_run_config(dir + "/nope.toml"); }, "cannot open run config");
+  test::expect_error_contains([&] { parse_run_config("[model\n", "x.toml"); }, "cannot parse x.toml as TOML");
+  test::expect_error_contains([&] { parse_run_config("[train]\nsteps = 1\n", "x.toml"); }, "model.config is required");
+  // Overrides parse as TOML; a bare word is a string.
+  RunConfig c = load_run_config(run, {"primitives.loss=full_ce", "train.lr=0.5", "data.shuffle=false"});
+  EXPECT_EQ(c.prim.loss, "full_ce");
+  EXPECT_DOUBLE_EQ(c.lr, 0.5);
+  EXPECT_FALSE(c.data.shuffle);
+}
+
+}  // namespace
+}  // namespace bb
