@@ -8,7 +8,7 @@
 
 #ifdef BB_WITH_CUDA
 namespace bb {
-Allocator& cuda_allocator(int device_index);  // backend/cuda/allocator.cu
+Allocator& cuda_allocator(int device_index);  // backend/cuda/runtime.cu
 }
 #endif
 

@@ -1,0 +1,52 @@
+// CUDA runtime: device tensors, copies, conversions, pool allocator accounting.
+#include <gtest/gtest.h>
+
+#include "common/gpu.h"
+#include "common/testing.h"
+#include "core/tensor.h"
+
+namespace bb {
+namespace {
+
+TEST(CudaRuntime, CopyRoundTripAndAccounting) {
+  BB_REQUIRE_GPU();
+  auto v = test::randn(1000, 1);
+  Tensor h = Tensor::from_floats(v, {10, 100});
+  Allocator& a = allocator_for(Device::cuda(0));
+  const int64_t before = a.stats().live_of(MemCategory::activations);
+  {
+    Tensor d = h.to(Device::cuda(0), MemCategory::activations);
+    EXPECT_EQ(d.device(), Device::cuda(0));
+    EXPECT_EQ(a.stats().live_of(MemCategory::activations) - before, 4000);
+    EXPECT_EQ(d.to_floats(), v);
+    Tensor rows = d.narrow(3, 2);
+    EXPECT_EQ(rows.to_floats(), std::vector<float>(v.begin() + 300, v.begin() + 500));
+  }
+  EXPECT_EQ(a.stats().live_of(MemCategory::activations), before);
+  EXPECT_GT(a.stats().reserved_peak, 0);
+}
+
+TEST(CudaRuntime, ConversionsMatchHost) {
+  BB_REQUIRE_GPU();
+  auto v = test::randn(4097, 2, 10.0f);
+  Tensor d = Tensor::from_floats(v, {4097}).to(Device::cuda(0));
+  for (DType dt : {DType::bf16, DType::f16}) {
+    Tensor c = d.to_dtype(dt);
+    Tensor host_ref = Tensor::from_floats(v, {4097}).to_dtype(dt);
+    EXPECT_EQ(c.to_floats(), host_ref.to_floats()) << dtype_name(dt);  // same rounding as the host
+    EXPECT_EQ(c.to_dtype(DType::f32).to_floats(), host_ref.to_floats());
+  }
+  Tensor z = Tensor::zeros({33}, DType::f32, Device::cuda(0), MemCategory::other);
+  EXPECT_EQ(z.to_floats(), std::vector<float>(33, 0.0f));
+  z.fill_(2.5);
+  EXPECT_EQ(z.to_floats(), std::vector<float>(33, 2.5f));
+}
+
+TEST(CudaRuntime, BadDeviceIsAClearError) {
+  BB_REQUIRE_GPU();
+  test::expect_error_contains([] { Tensor::empty({4}, DType::f32, Device::cuda(99), MemCategory::other); },
+                              "cuda:99 requested");
+}
+
+}  // namespace
+}  // namespace bb
