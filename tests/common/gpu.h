@@ -7,7 +7,12 @@
 #include "backend/cuda/runtime.h"
 #endif
 
+#include <cstdlib>
+
 namespace bb::test {
+
+// Every GPU test binary poisons fresh device memory (NaN bytes) so an unwritten output fails.
+inline const bool kPoisonAllocations = (setenv("BB_POISON_ALLOC", "1", 0), true);
 
 // Tolerances of GPU-vs-CPU-reference checks (DESIGN.md sec. 10): relative L2 error.
 constexpr double kTolBf16 = 1e-2;

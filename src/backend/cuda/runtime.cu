@@ -5,6 +5,7 @@
 // step no allocation reaches the driver (no cudaMalloc/cudaFree inside the step); the pool's
 // reserved high-water mark is reported next to the per-category peaks.
 #include <atomic>
+#include <cstdlib>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <mutex>
@@ -165,6 +166,10 @@ class CudaAllocator final : public Allocator {
     cudaError_t e = cudaMallocAsync(&p, bytes, cuda::stream());
     BB_CHECK(e == cudaSuccess, "out of GPU memory on cuda:", dev_, " allocating ", format_bytes(static_cast<int64_t>(bytes)),
              " (", cudaGetErrorString(e), "); see the per-category peaks in the log");
+    // Tests set BB_POISON_ALLOC=1: new memory reads as NaN (0xFF bytes) so that an output a
+    // kernel forgot to write cannot pass as zeros.
+    static const bool poison = std::getenv("BB_POISON_ALLOC") != nullptr;
+    if (poison) BB_CHECK_CUDA(cudaMemsetAsync(p, 0xFF, bytes, cuda::stream()));
     return p;
   }
   void raw_deallocate(void* p, size_t) override {
