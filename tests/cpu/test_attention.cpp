@@ -206,7 +206,7 @@ TEST(AttentionSdpa, SequenceBoundariesBlockAttention) {
   const int64_t rq = p.Hq * p.D, t_first_boundary = p.cu()[1];
   const auto po = packed.o.to_floats(), jo = joined.o.to_floats();
   EXPECT_LT(test::max_abs_diff(slice_rows(po, rq, 0, t_first_boundary),
-                               slice_rows(jo, rq, 0, t_first_boundary)), 1e-7);
+                               slice_rows(jo, rq, 0, t_first_boundary)), 1e-6);  // BLAS sums in another order: a few ulp
   EXPECT_GT(test::max_abs_diff(slice_rows(po, rq, t_first_boundary, p.T()),
                                slice_rows(jo, rq, t_first_boundary, p.T())), 1e-2);
 

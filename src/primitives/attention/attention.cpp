@@ -49,8 +49,7 @@ AttnDims check_inputs(const char* op, const Tensor& q, const Tensor& k, const Te
   check_shape(v, k.shape(), op, "v");
   BB_CHECK(d.Hq % d.Hkv == 0, op, ": number of query heads Hq = ", d.Hq,
            " is not a multiple of the number of kv heads Hkv = ", d.Hkv);
-  BB_CHECK(std::isfinite(softmax_scale), op, ": softmax_scale must be finite, got ",
-           softmax_scale);
+  BB_CHECK(std::isfinite(softmax_scale), op, ": softmax_scale must be finite, got ", softmax_scale);
 
   check_dtype(cu_seqlens, DType::i32, op, "cu_seqlens");
   BB_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.size(0) >= 2, op,
@@ -101,8 +100,8 @@ Tensor attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
   Tensor ws = attention_workspace(cu_seqlens, d.B);
   cpu::attention_forward_fast(of.data<float>(), saved ? lse.data<float>() : nullptr,
                               qf.data<float>(), kf.data<float>(), vf.data<float>(),
-                              cu_seqlens.data<int32_t>(), d.B, d.T, d.Hq, d.Hkv, d.D,
-                              softmax_scale, ws.data<float>());
+                              cu_seqlens.data<int32_t>(), d.B, d.T, d.Hq, d.Hkv, d.D, softmax_scale,
+                              ws.data<float>());
   cpu::store_f32(o, of);
   if (saved) saved->lse = lse;
   return o;
@@ -129,11 +128,10 @@ AttentionGrads attention_backward(const Tensor& d_o, const Tensor& q, const Tens
   auto [dk, dkf] = output_pair(k.shape(), k.dtype());
   auto [dv, dvf] = output_pair(v.shape(), v.dtype());
   Tensor ws = attention_workspace(cu_seqlens, d.B);
-  cpu::attention_backward_fast(dqf.data<float>(), dkf.data<float>(), dvf.data<float>(),
-                               dof.data<float>(), qf.data<float>(), kf.data<float>(),
-                               vf.data<float>(), off.data<float>(), saved.lse.data<float>(),
-                               cu_seqlens.data<int32_t>(), d.B, d.T, d.Hq, d.Hkv, d.D,
-                               softmax_scale, ws.data<float>());
+  cpu::attention_backward_fast(
+      dqf.data<float>(), dkf.data<float>(), dvf.data<float>(), dof.data<float>(), qf.data<float>(),
+      kf.data<float>(), vf.data<float>(), off.data<float>(), saved.lse.data<float>(),
+      cu_seqlens.data<int32_t>(), d.B, d.T, d.Hq, d.Hkv, d.D, softmax_scale, ws.data<float>());
   cpu::store_f32(dq, dqf);
   cpu::store_f32(dk, dkf);
   cpu::store_f32(dv, dvf);

@@ -10,7 +10,7 @@
 //   o           [T, Hq, D]   q's dtype, activations out  o_i = softmax_j<=i(scale q_i.k_j) v
 //   saved.lse   [Hq, T]      f32, activations       out  log sum_j<=i exp(scale q_i.k_j)
 // Keys j run over the query's own sequence only, up to and including i (causal); nothing is
-// attended across a sequence boundary. Sums accumulate in double on the CPU path.
+// attended across a sequence boundary. The CPU path sums in f32 through blocked BLAS; the plain-loop reference (attention_ref.h) in double.
 //
 // Backward: dq, dk, dv are activation gradients, WRITTEN (=) into new tensors with the shapes and
 // dtypes of q, k, v (category activations). It needs q, k, v, o and saved.lse; the softmax matrix
