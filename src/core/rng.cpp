@@ -2,6 +2,10 @@
 
 #include <vector>
 
+#ifdef BB_WITH_CUDA
+#include "backend/cuda/rng_cuda.h"
+#endif
+
 namespace bb {
 
 namespace {
@@ -13,6 +17,9 @@ void store_floats(Tensor& t, const std::vector<float>& v) {
 
 void fill_uniform(Tensor& t, uint64_t seed, uint64_t offset, float lo, float hi) {
   check_float(t, "fill_uniform", "t");
+#ifdef BB_WITH_CUDA
+  if (t.device().is_cuda()) return cuda::fill_random(t.raw(), t.dtype(), t.numel(), seed, offset, lo, hi, false);
+#endif
   std::vector<float> v(static_cast<size_t>(t.numel()));
   for (size_t i = 0; i < v.size(); ++i) v[i] = lo + (hi - lo) * philox_uniform(seed, offset + i);
   store_floats(t, v);
@@ -20,6 +27,9 @@ void fill_uniform(Tensor& t, uint64_t seed, uint64_t offset, float lo, float hi)
 
 void fill_normal(Tensor& t, uint64_t seed, uint64_t offset, float mean, float std) {
   check_float(t, "fill_normal", "t");
+#ifdef BB_WITH_CUDA
+  if (t.device().is_cuda()) return cuda::fill_random(t.raw(), t.dtype(), t.numel(), seed, offset, mean, std, true);
+#endif
   std::vector<float> v(static_cast<size_t>(t.numel()));
   for (size_t i = 0; i < v.size(); ++i) v[i] = mean + std * philox_normal(seed, offset + i);
   store_floats(t, v);

@@ -30,6 +30,7 @@ void ModelOptions::validate() const {
   BB_CHECK(permute == "standard" || permute == "memory_efficient", "primitives.permute = '",
            permute, "' is not one of: standard, memory_efficient");
   BB_CHECK(loss_chunk_tokens > 0 && loss_chunk_vocab > 0, "loss chunk sizes must be positive");
+  BB_CHECK(is_floating(param_dtype), "model parameter dtype must be a float type");
 }
 
 // Weights of one decoder layer (pointers into params_) — null where the layer has none.
@@ -94,8 +95,8 @@ Qwen3MoeModel::~Qwen3MoeModel() = default;
 Param& Qwen3MoeModel::add_param(const std::string& name, const Shape& shape, bool decay) {
   Param p;
   p.name = name;
-  p.value = Tensor::zeros(shape, DType::f32, Device::cpu(), MemCategory::params);
-  p.grad = Tensor::zeros(shape, DType::f32, Device::cpu(), MemCategory::grads);
+  p.value = Tensor::zeros(shape, opts_.param_dtype, opts_.device, MemCategory::params);
+  p.grad = Tensor::zeros(shape, DType::f32, opts_.device, MemCategory::grads);
   p.decay = decay;
   params_.push_back(std::move(p));
   return params_.back();
@@ -105,6 +106,8 @@ Qwen3MoeModel::Qwen3MoeModel(const ModelConfig& cfg, const ModelOptions& opts, u
     : cfg_(cfg), opts_(opts) {
   cfg_.validate();
   opts_.validate();
+  BB_CHECK(opts_.device.is_cpu() || cfg.shared_expert_intermediate_size == 0,
+           "the shared expert (Qwen2-MoE) is not implemented on ", opts_.device.str(), " yet");
   const int64_t H = cfg.hidden_size, D = cfg.head_dim, Hq = cfg.num_heads, Hkv = cfg.num_kv_heads;
   embed_ = &add_param("model.embed_tokens.weight", {cfg.vocab_size, H}, true);
   layers_.resize(static_cast<size_t>(cfg.num_layers));
@@ -213,6 +216,17 @@ std::vector<std::pair<std::string, Tensor>> Qwen3MoeModel::hf_tensors() {
   return out;
 }
 
+Tensor Qwen3MoeModel::to_act(const Tensor& t) const {
+  if (t.dtype() == opts_.param_dtype) return t;
+  return t.to_dtype(opts_.param_dtype, MemCategory::activations);
+}
+
+Tensor Qwen3MoeModel::linear_backward(const Tensor& d_out, const Tensor& x, Param* w, Param* b) {
+  const Tensor g = to_act(d_out);
+  linear_backward_weight(g, x, w->grad, b ? &b->grad : nullptr);
+  return linear_backward_data(g, w->value);
+}
+
 Tensor Qwen3MoeModel::layer_forward(Layer& L, const Tensor& x, const MicroBatch& mb, LayerSaved* s,
                                     ForwardStats& st) {
   const ModelConfig& c = cfg_;
@@ -234,7 +248,7 @@ Tensor Qwen3MoeModel::layer_forward(Layer& L, const Tensor& x, const MicroBatch&
   S.k_rot = rope_forward(kn, mb.positions, rope);
   S.o = attention_forward(S.q_rot, S.k_rot, S.v, mb.cu_seqlens, scale, &S.attn);
   Tensor attn_out = linear_forward(flat(S.o), L.wo->value, Tensor());
-  S.x2 = add(x, attn_out, MemCategory::activations);
+  S.x2 = to_act(add(x, attn_out, MemCategory::activations));
   S.h2 = rmsnorm_forward(S.x2, L.ln2->value, c.rms_norm_eps, &S.rms2);
 
   // MLP block.
@@ -247,7 +261,9 @@ Tensor Qwen3MoeModel::layer_forward(Layer& L, const Tensor& x, const MicroBatch&
     const RouterConfig rc = router_config(c, opts_);
     const bool mem_eff = opts_.permute == "memory_efficient";
     const ExpertsImpl impl = experts_impl(opts_);
-    S.router_logits = linear_forward(S.h2, L.router->value, Tensor());
+    // Router logits in f32 whatever the activation dtype (the router works in f32).
+    S.router_logits = Tensor::empty({T, c.num_experts}, DType::f32, S.h2.device(), MemCategory::activations);
+    matmul(S.h2, false, L.router->value, true, S.router_logits);
     RouterOutput r = router_forward(S.router_logits, Tensor(), rc, &S.router);
     st.aux_loss += r.aux_loss / static_cast<double>(c.num_moe_layers());
     st.z_loss += r.z_loss / static_cast<double>(c.num_moe_layers());
@@ -270,7 +286,7 @@ Tensor Qwen3MoeModel::layer_forward(Layer& L, const Tensor& x, const MicroBatch&
       mlp_out = mo;
     }
   }
-  return add(S.x2, mlp_out, MemCategory::activations);
+  return to_act(add(S.x2, mlp_out, MemCategory::activations));
 }
 
 Tensor Qwen3MoeModel::layer_backward(Layer& L, const Tensor& d_y, const MicroBatch& mb,
@@ -283,16 +299,14 @@ Tensor Qwen3MoeModel::layer_backward(Layer& L, const Tensor& d_y, const MicroBat
   // MLP block: y = x2 + mlp(h2).
   Tensor d_h2;
   if (!L.moe) {
-    linear_backward_weight(d_y, S.act, L.mlp_down->grad, nullptr);
-    Tensor d_act = linear_backward_data(d_y, L.mlp_down->value);
+    Tensor d_act = linear_backward(d_y, S.act, L.mlp_down, nullptr);
     Tensor d_gu = swiglu_backward(d_act, S.gate_up);
-    linear_backward_weight(d_gu, S.h2, L.mlp_gate_up->grad, nullptr);
-    d_h2 = linear_backward_data(d_gu, L.mlp_gate_up->value);
+    d_h2 = linear_backward(d_gu, S.h2, L.mlp_gate_up, nullptr);
   } else {
     const RouterConfig rc = router_config(c, opts_);
     const bool mem_eff = opts_.permute == "memory_efficient";
     const ExpertsImpl impl = experts_impl(opts_);
-    UnpermuteGrads ug = unpermute_backward(d_y, S.y_perm, S.map, mem_eff ? Tensor() : S.topk_prob);
+    UnpermuteGrads ug = unpermute_backward(to_act(d_y), S.y_perm, S.map, mem_eff ? Tensor() : S.topk_prob);
     ExpertsDgrad eg = experts_backward_data(impl, ug.d_y_perm, S.map.tokens_per_expert,
                                             L.experts_gate_up->value, L.experts_down->value,
                                             S.row_prob, S.experts);
@@ -302,8 +316,7 @@ Tensor Qwen3MoeModel::layer_backward(Layer& L, const Tensor& d_y, const MicroBat
     d_h2 = permute_backward(eg.d_x, S.map);
     if (d_h2.dtype() != DType::f32) d_h2 = d_h2.to_dtype(DType::f32, MemCategory::activations);
     Tensor d_logits = router_backward(d_topk_prob, aux_grad, z_grad, S.router_logits, rc, S.router);
-    linear_backward_weight(d_logits, S.h2, L.router->grad, nullptr);
-    add_inplace(d_h2, linear_backward_data(d_logits, L.router->value));
+    add_inplace(d_h2, linear_backward(d_logits, S.h2, L.router, nullptr));
     if (L.shared_gate_up) {
       // out += g * s_out, g = sigmoid(h2 . w_gate)
       Tensor d_sout = scale_rows(d_y, S.s_gate, MemCategory::activations);
@@ -329,20 +342,16 @@ Tensor Qwen3MoeModel::layer_backward(Layer& L, const Tensor& d_y, const MicroBat
   add_inplace(d_x2, d_y);
 
   // Attention block: x2 = x + o_proj(attn(h1)).
-  linear_backward_weight(d_x2, flat(S.o), L.wo->grad, nullptr);
-  Tensor d_o = linear_backward_data(d_x2, L.wo->value).view({T, Hq, D});
+  Tensor d_o = to_act(linear_backward(d_x2, flat(S.o), L.wo, nullptr)).view({T, Hq, D});
   AttentionGrads ag = attention_backward(d_o, S.q_rot, S.k_rot, S.v, S.o, mb.cu_seqlens, scale, S.attn);
   Tensor d_qn = rope_backward(ag.dq, mb.positions, rope);
   Tensor d_kn = rope_backward(ag.dk, mb.positions, rope);
   Tensor d_q = L.q_norm ? qk_norm_backward(d_qn, S.q_pre, L.q_norm->value, S.qn, L.q_norm->grad) : d_qn;
   Tensor d_k = L.k_norm ? qk_norm_backward(d_kn, S.k_pre, L.k_norm->value, S.kn, L.k_norm->grad) : d_kn;
   Tensor d_v = ag.dv;
-  linear_backward_weight(flat(d_q), S.h1, L.wq->grad, L.bq ? &L.bq->grad : nullptr);
-  linear_backward_weight(flat(d_k), S.h1, L.wk->grad, L.bk ? &L.bk->grad : nullptr);
-  linear_backward_weight(flat(d_v), S.h1, L.wv->grad, L.bv ? &L.bv->grad : nullptr);
-  Tensor d_h1 = linear_backward_data(flat(d_q), L.wq->value);
-  add_inplace(d_h1, linear_backward_data(flat(d_k), L.wk->value));
-  add_inplace(d_h1, linear_backward_data(flat(d_v), L.wv->value));
+  Tensor d_h1 = linear_backward(flat(d_q), S.h1, L.wq, L.bq);
+  add_inplace(d_h1, linear_backward(flat(d_k), S.h1, L.wk, L.bk));
+  add_inplace(d_h1, linear_backward(flat(d_v), S.h1, L.wv, L.bv));
   Tensor d_x = rmsnorm_backward(d_h1, S.x, L.ln1->value, S.rms1, L.ln1->grad);
   add_inplace(d_x, d_x2);
   return d_x;
@@ -382,7 +391,7 @@ ForwardStats Qwen3MoeModel::run(const MicroBatch& mb, bool backward, float loss_
   st.num_valid = lr.num_valid;
   if (!backward) return st;
 
-  Tensor d_h = Tensor::zeros(h.shape(), DType::f32, Device::cpu(), MemCategory::activations);
+  Tensor d_h = Tensor::zeros(h.shape(), DType::f32, opts_.device, MemCategory::activations);
   if (opts_.loss == "full_ce") full_ce_backward(loss_scale, h, lm_head_->value, mb.targets, ls, d_h, lm_head_->grad);
   else linear_ce_backward(loss_scale, h, lm_head_->value, mb.targets, lc, ls, d_h, lm_head_->grad);
   ls = LossHeadSaved{};

@@ -32,10 +32,14 @@ struct ModelOptions {
   std::string permute = "standard";     // standard | memory_efficient
   int64_t loss_chunk_tokens = 4096, loss_chunk_vocab = 32768;
   double aux_loss_coef = 0, z_loss_coef = 0;
+  // Where the model lives and how its weights are stored. On a GPU the weights are bf16 (fp32
+  // master copies live in the optimizer) and the residual stream is bf16; on the CPU all f32.
+  Device device = Device::cpu();
+  DType param_dtype = DType::f32;
   void validate() const;
 };
 
-// One trainable tensor: fp32 value on CPU (params), its gradient (grads, f32, same shape), the
+// One trainable tensor: its value (params, options.param_dtype), its gradient (grads, f32), the
 // Hugging Face name, and whether weight decay applies (matrices yes; norms and biases no).
 struct Param {
   std::string name;
@@ -89,6 +93,10 @@ class Qwen3MoeModel {
   Param& add_param(const std::string& name, const Shape& shape, bool decay);
   Tensor layer_forward(Layer& L, const Tensor& x, const MicroBatch& mb, LayerSaved* s, ForwardStats& st);
   Tensor layer_backward(Layer& L, const Tensor& d_y, const MicroBatch& mb, LayerSaved& s, double aux_grad, double z_grad);
+  // Activation dtype conversions at GEMM inputs and the residual stream (identity on the CPU).
+  Tensor to_act(const Tensor& t) const;
+  // d_in = d_out @ w (and w.grad += d_out^T x, b.grad += sum d_out).
+  Tensor linear_backward(const Tensor& d_out, const Tensor& x, Param* w, Param* b);
   ForwardStats run(const MicroBatch& mb, bool backward, float loss_scale, double aux_scale, Tensor* logits);
 
   ModelConfig cfg_;

@@ -29,7 +29,7 @@ Side run_side(const PairedOptions& o, const std::vector<std::string>& side, cons
   Side s;
   {
     DataLoader first(cfg.data);  // the same first micro-batch the trainer will see
-    MicroBatch mb = first.next();
+    MicroBatch mb = to_device(first.next(), cfg.resolved_device());
     Tensor logits;
     tr.model().forward(mb, &logits);
     s.logits = logits.to_floats();

@@ -8,6 +8,10 @@
 
 #include "core/error.h"
 
+#ifdef BB_WITH_CUDA
+#include "backend/cuda/runtime.h"
+#endif
+
 namespace bb {
 
 namespace {
@@ -131,7 +135,7 @@ RunConfig build(const toml::value& root, const std::string& src) {
   TableReader m(table_of(root, "model", src), "model", src);
   m.read("config", c.model_config);
   m.read_choice("init", c.model_init, {"random"});
-  m.read_choice("dtype", c.model_dtype, {"f32"});
+  m.read_choice("dtype", c.model_dtype, {"auto", "f32", "bf16"});
   m.finish();
   BB_CHECK(!c.model_config.empty(), "model.config is required in ", src,
            ": the path of a Hugging Face config.json, e.g. configs/models/demo-tiny/config.json");
@@ -226,6 +230,30 @@ RunConfig build(const toml::value& root, const std::string& src) {
 }
 
 }  // namespace
+
+Device RunConfig::resolved_device() const {
+  if (device == "auto") {
+#ifdef BB_WITH_CUDA
+    if (cuda::device_count() > 0) return Device::cuda(0);
+#endif
+    return Device::cpu();
+  }
+  const Device d = Device::parse(device);
+#ifndef BB_WITH_CUDA
+  BB_CHECK(d.is_cpu(), "parallel.device = '", device,
+           "' but this build has no CUDA backend (rebuild with -DBUMBLEBEE_CUDA=ON on a machine with the CUDA toolkit)");
+#else
+  if (d.is_cuda())
+    BB_CHECK(d.index < cuda::device_count(), "parallel.device = '", device, "' but ", cuda::device_count(),
+             " CUDA device(s) are visible (", cuda::unavailable_reason(), ")");
+#endif
+  return d;
+}
+
+DType RunConfig::resolved_param_dtype() const {
+  if (model_dtype == "auto") return resolved_device().is_cuda() ? DType::bf16 : DType::f32;
+  return dtype_from_name(model_dtype);
+}
 
 std::string RunConfig::primitives_summary() const {
   std::ostringstream os;

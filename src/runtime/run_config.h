@@ -33,12 +33,12 @@ struct RunConfig {
   // [model]
   std::string model_config;  // path to an HF config.json (or its directory)
   std::string model_init = "random";  // random
-  std::string model_dtype = "f32";    // parameter storage on CPU
+  std::string model_dtype = "auto";   // parameter storage: auto (f32 on CPU, bf16 on GPU), f32, bf16
   ModelConfig model;                  // parsed from model_config
   // [primitives]
   PrimitiveChoice prim;
   // [parallel]
-  std::string device = "cpu";  // cpu | cuda | cuda:N | auto
+  std::string device = "cpu";  // cpu | cuda | cuda:N | auto (cuda:0 when a GPU is visible)
   int64_t tp = 1, pp = 1, ep = 1, cp = 1;
   // [train]
   int64_t steps = 100;
@@ -64,6 +64,9 @@ struct RunConfig {
   std::string metrics_path;     // JSON lines, one object per step; empty = none
 
   double effective_aux_coef() const { return aux_loss_coef < 0 ? model.router_aux_loss_coef : aux_loss_coef; }
+  // The device the run uses ("auto" resolved) and the parameter dtype ("auto" resolved).
+  Device resolved_device() const;
+  DType resolved_param_dtype() const;
   // A one-line summary of the primitive choices, for logs.
   std::string primitives_summary() const;
 };

@@ -14,6 +14,10 @@
 #include "io/safetensors.h"
 #include "primitives/optim/adamw.h"
 
+#ifdef BB_WITH_CUDA
+#include "backend/cuda/runtime.h"
+#endif
+
 namespace bb {
 
 namespace {
@@ -34,6 +38,8 @@ ModelOptions model_options(const RunConfig& c) {
   o.loss_chunk_vocab = c.prim.loss_chunk_vocab;
   o.aux_loss_coef = c.effective_aux_coef();
   o.z_loss_coef = c.z_loss_coef;
+  o.device = c.resolved_device();
+  o.param_dtype = c.resolved_param_dtype();
   return o;
 }
 
@@ -82,6 +88,14 @@ std::vector<std::string> list_step_dirs(const std::string& root) {
 
 }  // namespace
 
+MicroBatch to_device(MicroBatch mb, Device d) {
+  if (d.is_cpu()) return mb;
+  mb.tokens = mb.tokens.to(d, MemCategory::activations);
+  mb.targets = mb.targets.to(d, MemCategory::activations);
+  mb.positions = mb.positions.to(d, MemCategory::activations);
+  return mb;
+}
+
 std::string human_count(double v) {
   char buf[32];
   if (v >= 1e9) std::snprintf(buf, sizeof buf, "%.2fG", v / 1e9);
@@ -107,23 +121,23 @@ std::string resolve_checkpoint(const std::string& path) {
 }
 
 Trainer::Trainer(const RunConfig& cfg, FILE* log) : cfg_(cfg), log_(log) {
-  BB_CHECK(cfg.device == "cpu" || cfg.device == "auto", "parallel.device = '", cfg.device,
-           "': this build trains on the CPU only so far (use device = \"cpu\")");
+  device_ = cfg.resolved_device();
   const double t0 = now_s();
   if (log_) {
     std::fprintf(log_, "[startup] model %s: %lld layers, hidden %lld, %lld experts top-%lld, %s parameters\n",
                  cfg.model_config.c_str(), static_cast<long long>(cfg.model.num_layers),
                  static_cast<long long>(cfg.model.hidden_size), static_cast<long long>(cfg.model.num_experts),
                  static_cast<long long>(cfg.model.top_k), human_count(static_cast<double>(cfg.model.num_params())).c_str());
-    std::fprintf(log_, "[startup] primitives: %s\n", cfg.primitives_summary().c_str());
+    std::fprintf(log_, "[startup] primitives: %s | device %s, weights %s\n", cfg.primitives_summary().c_str(),
+                 device_.str().c_str(), dtype_name(cfg.resolved_param_dtype()));
     std::fflush(log_);
   }
   model_ = std::make_unique<Qwen3MoeModel>(cfg.model, model_options(cfg), cfg.seed);
   for (Param* p : model_->params()) {
     OptState s;
-    s.master = p->value.clone(MemCategory::optimizer);
-    s.exp_avg = Tensor::zeros(p->value.shape(), DType::f32, Device::cpu(), MemCategory::optimizer);
-    s.exp_avg_sq = Tensor::zeros(p->value.shape(), DType::f32, Device::cpu(), MemCategory::optimizer);
+    s.master = p->value.to_dtype(DType::f32, MemCategory::optimizer);
+    s.exp_avg = Tensor::zeros(p->value.shape(), DType::f32, device_, MemCategory::optimizer);
+    s.exp_avg_sq = Tensor::zeros(p->value.shape(), DType::f32, device_, MemCategory::optimizer);
     opt_.push_back(std::move(s));
   }
   if (log_) {
@@ -163,14 +177,17 @@ double Trainer::lr_at(int64_t step) const {
 }
 
 StepMetrics Trainer::train_step() {
-  Allocator& alloc = allocator_for(Device::cpu());
+  Allocator& alloc = allocator_for(device_);
   alloc.reset_peak();
   const double t0 = now_s();
   StepMetrics m;
   m.step = step_ + 1;
+#ifdef BB_WITH_CUDA
+  const int64_t syncs0 = cuda::host_sync_count();
+#endif
 
   std::vector<MicroBatch> mbs;
-  for (int64_t i = 0; i < cfg_.grad_accum; ++i) mbs.push_back(data_->next());
+  for (int64_t i = 0; i < cfg_.grad_accum; ++i) mbs.push_back(to_device(data_->next(), device_));
   int64_t valid = 0;
   for (const MicroBatch& mb : mbs) valid += mb.num_valid;
   BB_CHECK(valid > 0, "step ", m.step, ": no token in the step has a loss target (all masked)");
@@ -208,6 +225,12 @@ StepMetrics Trainer::train_step() {
                ps[i]->decay ? cfg_.weight_decay : 0.0, ac, &ps[i]->value);
   }
   step_ = m.step;
+#ifdef BB_WITH_CUDA
+  if (device_.is_cuda()) {
+    cuda::synchronize();  // the step's time includes all its device work
+    m.host_syncs = cuda::host_sync_count() - syncs0;
+  }
+#endif
   m.step_time_s = now_s() - t0;
   m.tokens_per_s = static_cast<double>(m.tokens) / m.step_time_s;
   m.model_tflops = flops / m.step_time_s / 1e12;
@@ -228,6 +251,9 @@ void Trainer::log_line(const StepMetrics& m) {
                mib(pk[static_cast<int>(MemCategory::moe)]), mib(pk[static_cast<int>(MemCategory::params)]),
                mib(pk[static_cast<int>(MemCategory::grads)]), mib(pk[static_cast<int>(MemCategory::optimizer)]),
                mib(m.mem.peak_total));
+  if (device_.is_cuda())
+    std::fprintf(log_, "           reserved peak %.1f MiB | host syncs %lld\n", mib(m.mem.reserved_peak),
+                 static_cast<long long>(m.host_syncs));
   std::fflush(log_);
 }
 
@@ -262,6 +288,7 @@ std::vector<StepMetrics> Trainer::run() {
       pk["total"] = m.mem.peak_total;
       j["peak_bytes"] = pk;
       j["reserved_peak_bytes"] = m.mem.reserved_peak;
+      j["host_syncs"] = m.host_syncs;
       *metrics << j.dump() << "\n";
       metrics->flush();
     }
@@ -387,7 +414,13 @@ void Trainer::load_checkpoint(const std::string& path) {
             missing.size() > 8 ? " ..." : "");
   }
   // Commit.
-  for (size_t i = 0; i < hf.size(); ++i) hf[i].second.copy_from(staged_model[i]);
+  for (size_t i = 0; i < hf.size(); ++i)
+    hf[i].second.copy_from(staged_model[i].to_dtype(hf[i].second.dtype()).to(hf[i].second.device()));
+  for (OptState& s : staged_opt) {
+    s.master = s.master.to(device_, MemCategory::optimizer);
+    s.exp_avg = s.exp_avg.to(device_, MemCategory::optimizer);
+    s.exp_avg_sq = s.exp_avg_sq.to(device_, MemCategory::optimizer);
+  }
   opt_ = std::move(staged_opt);
   data_->restore(pos);
   step_ = step;

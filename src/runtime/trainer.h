@@ -31,6 +31,7 @@ struct StepMetrics {
   double tokens_per_s = 0;
   double model_tflops = 0;  // model FLOPs / step time (DESIGN.md sec. 6), per GPU/process
   MemoryStats mem;          // peaks over this step
+  int64_t host_syncs = 0;   // deliberate host-device synchronisations in the step (GPU)
 };
 
 class Trainer {
@@ -69,11 +70,16 @@ class Trainer {
   std::unique_ptr<DataLoader> data_;
   std::vector<OptState> opt_;
   int64_t step_ = 0;
+  Device device_;
 };
 
 // Resolves a checkpoint path: a step directory is returned as is; a root with a `latest` file
 // resolves to the step it names. Returns "" when `root` has no checkpoint yet.
 std::string resolve_checkpoint(const std::string& path);
+
+// Moves a micro-batch's token ids, targets and positions to `d`; cu_seqlens stays on the host
+// (attention plans and packing metadata are host-side).
+MicroBatch to_device(MicroBatch mb, Device d);
 
 // "12.3K", "4.56M" style for log lines.
 std::string human_count(double v);
