@@ -120,7 +120,9 @@ std::string resolve_checkpoint(const std::string& path) {
   return "";
 }
 
-Trainer::Trainer(const RunConfig& cfg, FILE* log) : cfg_(cfg), log_(log) {
+Trainer::Trainer(const RunConfig& cfg, FILE* log) : Trainer(cfg, log, Corpus{}) {}
+
+Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus) : cfg_(cfg), log_(log) {
   device_ = cfg.resolved_device();
   const double t0 = now_s();
   if (log_) {
@@ -144,7 +146,8 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log) : cfg_(cfg), log_(log) {
     std::fprintf(log_, "[startup] loading data '%s'\n", cfg.data.path.c_str());
     std::fflush(log_);
   }
-  data_ = std::make_unique<DataLoader>(cfg.data);
+  data_ = corpus.num_documents() > 0 ? std::make_unique<DataLoader>(cfg.data, std::move(corpus))
+                                     : std::make_unique<DataLoader>(cfg.data);
   if (!cfg.resume.empty()) {
     std::string path = cfg.resume == "auto" ? cfg.ckpt_dir : cfg.resume;
     std::string resolved = path_exists(path) ? resolve_checkpoint(path) : "";

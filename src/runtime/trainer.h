@@ -38,6 +38,8 @@ class Trainer {
  public:
   // Builds model, optimizer state and data loader; resumes if cfg.resume says so.
   explicit Trainer(const RunConfig& cfg, FILE* log = stdout);
+  // The same with data given in memory (benchmarks, tests) instead of cfg.data's source.
+  Trainer(const RunConfig& cfg, FILE* log, Corpus corpus);
   ~Trainer();
 
   // One optimizer step.

@@ -1,0 +1,119 @@
+// bench_train_step — end-to-end training step of a model on one device, one sequence of S
+// tokens per step, at several S. Prints tokens/s, model and hardware TFLOP/s and peak memory per
+// category (DESIGN.md sec. 6: timings after warm-up, median of several steps).
+//
+//   bench_train_step [--config PATH] [--seq 8192,32768,65536,131072] [--steps 5] [--warmup 2]
+//                    [--set table.key=value ...]
+// Default model: the 4-layer slice of Qwen3-30B-A3B with recompute=full, loss=linear_ce,
+// experts=grouped, on cuda:0 (falls back to a tiny CPU run if no GPU is visible).
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/rng.h"
+#include "runtime/trainer.h"
+
+using namespace bb;
+
+namespace {
+std::vector<int64_t> parse_list(const std::string& s) {
+  std::vector<int64_t> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(std::stoll(item));
+  return out;
+}
+
+// One document of exactly `len` tokens per step (random ids; the model sees one sequence).
+Corpus one_long_document(int64_t len, int64_t vocab, int64_t copies) {
+  Corpus c;
+  for (int64_t d = 0; d < copies; ++d) {
+    std::vector<int32_t> doc(static_cast<size_t>(len));
+    for (int64_t i = 0; i < len; ++i)
+      doc[i] = static_cast<int32_t>(philox4x32_10(99 + d, static_cast<uint64_t>(i)).v[0] % vocab);
+    c.add(doc);
+  }
+  return c;
+}
+
+// Recompute reruns every layer's forward once more (not the loss head).
+double recompute_flops(const ModelConfig& m, int64_t S) {
+  ModelConfig no_head = m;
+  const double head = 2.0 * static_cast<double>(m.vocab_size) * m.hidden_size * S;
+  return model_flops(no_head, {S}) / 3.0 - head;
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string config = "configs/models/qwen3-30b-a3b-4layer/config.json";
+  std::vector<int64_t> seqs = {8192, 32768, 65536, 131072};
+  int64_t steps = 5, warmup = 2;
+  std::vector<std::string> sets;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) { std::fprintf(stderr, "missing value after %s\n", a.c_str()); std::exit(2); }
+      return argv[++i];
+    };
+    if (a == "--config") config = next();
+    else if (a == "--seq") seqs = parse_list(next());
+    else if (a == "--steps") steps = std::stoll(next());
+    else if (a == "--warmup") warmup = std::stoll(next());
+    else if (a == "--set") sets.push_back(next());
+    else { std::fprintf(stderr, "unknown argument %s (see the header of bench_train_step.cpp)\n", a.c_str()); return 2; }
+  }
+  struct Row { int64_t S; double tok_s, model_tf, hw_tf, step_ms; MemoryStats mem; int64_t syncs; std::string err; };
+  std::vector<Row> rows;
+  for (int64_t S : seqs) {
+    Row r{S, 0, 0, 0, 0, {}, 0, ""};
+    try {
+      std::ostringstream toml;
+      toml << "[model]\nconfig = \"" << config << "\"\n"
+           << "[primitives]\nloss = \"linear_ce\"\nrecompute = \"full\"\nexperts = \"grouped\"\n"
+           << "[parallel]\ndevice = \"auto\"\n"
+           << "[train]\nsteps = " << (steps + warmup) << "\nmicro_batch_tokens = " << S
+           << "\nwarmup_steps = 1\nlr = 1e-4\nmin_lr = 1e-5\n";
+      std::vector<std::string> ov = sets;
+      RunConfig cfg = parse_run_config(toml.str(), "bench_train_step", ov);
+      Trainer tr(cfg, nullptr, one_long_document(S + 1, cfg.model.vocab_size, 2));
+      std::vector<StepMetrics> ms;
+      for (int64_t i = 0; i < steps + warmup; ++i) {
+        StepMetrics m = tr.train_step();
+        std::fprintf(stderr, "[bench] S=%lld step %lld: %.3fs loss %.4f\n", static_cast<long long>(S),
+                     static_cast<long long>(i + 1), m.step_time_s, m.loss);
+        if (i >= warmup) ms.push_back(m);
+      }
+      std::sort(ms.begin(), ms.end(), [](const StepMetrics& a, const StepMetrics& b) { return a.step_time_s < b.step_time_s; });
+      const StepMetrics& med = ms[ms.size() / 2];
+      const double mf = model_flops(cfg.model, {S});
+      r.step_ms = med.step_time_s * 1e3;
+      r.tok_s = static_cast<double>(S) / med.step_time_s;
+      r.model_tf = mf / med.step_time_s / 1e12;
+      r.hw_tf = (mf + (cfg.prim.recompute == "full" ? recompute_flops(cfg.model, S) : 0.0)) / med.step_time_s / 1e12;
+      r.mem = med.mem;
+      r.syncs = med.host_syncs;
+    } catch (const std::exception& e) {
+      r.err = e.what();
+    }
+    rows.push_back(r);
+  }
+  std::printf("\nend-to-end training step: %s, recompute=full, loss=linear_ce, experts=grouped\n", config.c_str());
+  std::printf("%8s | %10s | %12s | %10s | %10s | %8s | %10s %10s %10s %10s %10s %10s %10s | %10s\n", "tokens",
+              "step ms", "tokens/s", "model TF/s", "hw TF/s", "syncs", "params", "grads", "optim", "activ",
+              "logits", "moe", "workspace", "reserved");
+  auto g = [](int64_t b) { return static_cast<double>(b) / (1024.0 * 1024 * 1024); };
+  for (const Row& r : rows) {
+    if (!r.err.empty()) {
+      std::printf("%8lld | failed: %s\n", static_cast<long long>(r.S), r.err.c_str());
+      continue;
+    }
+    const auto& p = r.mem.peak;
+    std::printf("%8lld | %10.1f | %12.0f | %10.1f | %10.1f | %8lld | %9.2fG %9.2fG %9.2fG %9.2fG %9.2fG %9.2fG %9.2fG | %9.2fG\n",
+                static_cast<long long>(r.S), r.step_ms, r.tok_s, r.model_tf, r.hw_tf, static_cast<long long>(r.syncs),
+                g(p[0]), g(p[1]), g(p[2]), g(p[3]), g(p[4]), g(p[5]), g(p[7]), g(r.mem.reserved_peak));
+  }
+  return 0;
+}
