@@ -87,3 +87,26 @@ TEST(RMSNorm, BadInput) {
 
 }  // namespace
 }  // namespace bb
+
+namespace bb {
+namespace {
+// A primitive's saved tensors are accounted under `activations` and released with the stash.
+TEST(MemoryAccounting, SavedTensorsAreActivationsAndFreedAfterBackward) {
+  Allocator& a = allocator_for(Device::cpu());
+  const int64_t T = 50, H = 16;
+  Tensor x = Tensor::from_floats(test::randn(T * H, 1), {T, H});
+  Tensor w = Tensor::from_floats(test::randu(H, 2, 0.5f, 1.5f), {H});
+  Tensor dw = Tensor::zeros({H}, DType::f32, Device::cpu(), MemCategory::grads);
+  const int64_t base = a.stats().live_of(MemCategory::activations);
+  {
+    RMSNormSaved saved;
+    Tensor y = rmsnorm_forward(x, w, 1e-6, &saved, MemCategory::other);
+    EXPECT_EQ(a.stats().live_of(MemCategory::activations) - base, T * 4);  // rstd: T floats
+    Tensor dx = rmsnorm_backward(Tensor::from_floats(test::randn(T * H, 3), {T, H}), x, w, saved, dw);
+    dx = Tensor();
+    saved = RMSNormSaved{};  // the caller drops the stash once backward has run
+    EXPECT_EQ(a.stats().live_of(MemCategory::activations), base);
+  }
+}
+}  // namespace
+}  // namespace bb
