@@ -1,8 +1,9 @@
-// attention.cpp — boundary checks for causal GQA attention, then the blocked f32 CPU kernels.
+// attention.cpp — boundary checks for causal GQA attention, then the blocked f32 CPU kernels or,
+// for CUDA tensors, cuDNN's fused flash attention (attention_cudnn.h).
 //
 // Backward convention: dq, dk, dv are activation gradients, WRITTEN (=); there are no parameters.
-// bf16 inputs are widened to f32 workspace copies; outputs are computed in f32 and stored back.
-// The CPU path runs attention_cpu_fast.h (GEMM tiles, f32 sums); the loop reference in
+// CPU: bf16 inputs are widened to f32 workspace copies; outputs are computed in f32 and stored
+// back. The CPU path runs attention_cpu_fast.h (GEMM tiles, f32 sums); the loop reference in
 // attention_ref.h is kept as the test oracle and is not called from here.
 #include "primitives/attention/attention.h"
 
@@ -12,6 +13,7 @@
 
 #include "backend/cpu/util.h"
 #include "primitives/attention/attention_cpu_fast.h"
+#include "primitives/attention/attention_cudnn.h"
 
 namespace bb {
 
@@ -67,8 +69,16 @@ AttnDims check_inputs(const char* op, const Tensor& q, const Tensor& k, const Te
 
   check_same_device(q, k, op);
   check_same_device(q, v, op);
-  BB_CHECK(q.device().is_cpu(), op, ": not implemented on ", q.device().str(), " yet");
   return d;
+}
+
+// True when the call goes to the CUDA path; throws for a device this build cannot run.
+bool use_cuda(const char* op, const Tensor& q) {
+  if (q.device().is_cpu()) return false;
+#ifdef BB_WITH_CUDA
+  if (q.device().is_cuda()) return true;
+#endif
+  BB_FAIL(op, ": not implemented on ", q.device().str(), " in this build (no CUDA backend)");
 }
 
 // A new tensor of `dt` under activations, and the f32 buffer the reference writes into (the same
@@ -93,6 +103,11 @@ Tensor attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                          const Tensor& cu_seqlens, float softmax_scale, AttentionSaved* saved) {
   const char* op = "attention_forward";
   const AttnDims d = check_inputs(op, q, k, v, cu_seqlens, softmax_scale);
+  if (use_cuda(op, q)) {
+#ifdef BB_WITH_CUDA
+    return attention_forward_cudnn(q, k, v, cu_seqlens, softmax_scale, saved);
+#endif
+  }
   Tensor qf = cpu::as_f32(q), kf = cpu::as_f32(k), vf = cpu::as_f32(v);
   auto [o, of] = output_pair(q.shape(), q.dtype());
   Tensor lse;
@@ -121,6 +136,11 @@ AttentionGrads attention_backward(const Tensor& d_o, const Tensor& q, const Tens
   check_same_device(q, d_o, op);
   check_same_device(q, o, op);
   check_same_device(q, saved.lse, op);
+  if (use_cuda(op, q)) {
+#ifdef BB_WITH_CUDA
+    return attention_backward_cudnn(d_o, q, k, v, o, cu_seqlens, softmax_scale, saved);
+#endif
+  }
 
   Tensor qf = cpu::as_f32(q), kf = cpu::as_f32(k), vf = cpu::as_f32(v);
   Tensor dof = cpu::as_f32(d_o), off = cpu::as_f32(o);

@@ -1,0 +1,57 @@
+// attention_cudnn.h — the CUDA path of causal GQA attention (`sdpa`): cuDNN 9's fused flash
+// attention over packed (THD, ragged) sequences, forward and backward.
+//
+// attention_forward / attention_backward (attention.h) validate their arguments and call these
+// for CUDA tensors; the formulas, layouts and the meaning of every tensor are in attention.h.
+// Legend: T tokens, B sequences, Hq / Hkv query / kv heads, D head dim.
+//   q              [T, Hq, D]   bf16, cuda          in
+//   k, v           [T, Hkv, D]  bf16, cuda          in
+//   cu_seqlens     [B+1]        i32, host           in   (already validated by attention.cpp)
+//   o              [T, Hq, D]   bf16, activations   out
+//   saved->lse     [Hq, T]      f32, activations    out  natural log: lse_i = log sum_j exp(s_ij),
+//                                                        exactly the CPU reference's convention
+//   d_o            [T, Hq, D]   bf16                in
+//   dq / dk / dv   shapes of q / k / v, bf16, activations, WRITTEN (=) (no parameters here);
+//                  dq is accumulated in f32 inside cuDNN and rounded once; dk / dv of a kv head
+//                  are the sum over its Hq/Hkv query heads.
+// Scratch (offsets, cuDNN's workspace, f32 dq accumulator, per-query-head dk/dv for GQA) is
+// allocated per call under MemCategory::workspace and released on return.
+//
+// Everything runs on cuda::stream(). cu_seqlens goes host -> device inside a kernel's launch
+// parameters (no host synchronisation, no pinned staging). Graphs and execution plans are built
+// once per (direction, device, batch bucket, token bucket, Hq, Hkv, D, dtype) and cached for the
+// life of the process; the plan is the first engine cuDNN's heuristics (mode A) can finalize.
+// A configuration cuDNN cannot run throws bb::Error naming the shape; nothing falls back.
+// f32 (or f16) inputs are rejected: cuDNN's fused attention has no f32 I/O.
+#pragma once
+
+#ifdef BB_WITH_CUDA
+
+#include <cstdint>
+
+#include "core/tensor.h"
+#include "primitives/attention/attention.h"
+
+namespace bb {
+
+Tensor attention_forward_cudnn(const Tensor& q, const Tensor& k, const Tensor& v,
+                               const Tensor& cu_seqlens, float softmax_scale,
+                               AttentionSaved* saved);
+
+AttentionGrads attention_backward_cudnn(const Tensor& d_o, const Tensor& q, const Tensor& k,
+                                        const Tensor& v, const Tensor& o,
+                                        const Tensor& cu_seqlens, float softmax_scale,
+                                        const AttentionSaved& saved);
+
+// cuDNN's run-time version (e.g. 91900); throws when cuDNN cannot be loaded.
+int64_t cudnn_runtime_version();
+// Number of graphs (forward and backward) built so far in this process (tests check the cache).
+int64_t attention_cudnn_graph_count();
+// The token count the graph of a batch of T tokens is built for (T rounded up to 1/8 of its
+// power-of-two octave, at least 64), and the batch bucket (B rounded up to a power of two).
+int64_t attention_cudnn_token_bucket(int64_t num_tokens);
+int64_t attention_cudnn_batch_bucket(int64_t num_seqs);
+
+}  // namespace bb
+
+#endif  // BB_WITH_CUDA
