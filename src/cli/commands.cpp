@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 
+#include "models/hf_io.h"
 #include "runtime/paired.h"
 #include "runtime/run_config.h"
 #include "runtime/trainer.h"
@@ -29,6 +30,17 @@ Prints loss and grad norm per step, max |logits A - logits B| on the first micro
 training), peak memory per category and the step-time ratio B/A. Exits 0 when every step's loss
 and grad norm agree within the tolerances (relative), 1 when they do not, 2 on errors.
 Checkpoints and metrics files of the run config are not touched.)";
+
+constexpr const char* kExportHelp =
+    R"(Export a training checkpoint as a Hugging Face model directory.
+
+  bumblebee export --checkpoint runs/demo/checkpoints --out hf/demo [--dtype bf16|f32]
+                   [--max-shard-size 5GB]
+CKPT is a step_NNNNNNNN directory or a checkpoint root (its `latest` step is used). OUT gets
+config.json, generation_config.json and model.safetensors, or model-0000i-of-0000n.safetensors
++ model.safetensors.index.json when the weights exceed --max-shard-size. Tensor names are the
+classic per-expert Qwen3MoeForCausalLM / Qwen2MoeForCausalLM names, so
+AutoModelForCausalLM.from_pretrained(OUT) loads it; model.init = "hf:OUT" loads it back here.)";
 
 }  // namespace
 
@@ -61,6 +73,18 @@ int run(int argc, char** argv) {
   paired->add_option("--tol-loss", po.tol_loss, "Max relative loss difference per step (default 1e-4)");
   paired->add_option("--tol-grad-norm", po.tol_grad_norm, "Max relative grad-norm difference per step (default 1e-3)");
 
+  // export
+  auto* exp = app.add_subcommand("export", "Export a checkpoint as a Hugging Face model directory");
+  exp->footer(kExportHelp);
+  std::string exp_ckpt, exp_out, exp_dtype = "bf16", exp_shard = "5GB";
+  exp->add_option("--checkpoint", exp_ckpt, "Checkpoint step directory or checkpoint root")
+      ->required();
+  exp->add_option("--out", exp_out, "Output directory (created if missing)")->required();
+  exp->add_option("--dtype", exp_dtype, "Weight dtype in the files: bf16 (default) or f32")
+      ->check(CLI::IsMember({"bf16", "f32"}));
+  exp->add_option("--max-shard-size", exp_shard,
+                  "Largest shard file, e.g. 5GB (default), 500MB, 2GiB");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -76,6 +100,17 @@ int run(int argc, char** argv) {
     if (!metrics.empty())
       std::printf("[done] %lld steps, final loss %.4f (first %.4f)\n",
                   static_cast<long long>(metrics.back().step), metrics.back().loss, metrics.front().loss);
+    return 0;
+  }
+  if (exp->parsed()) {
+    HfExportOptions eo;
+    eo.dtype = dtype_from_name(exp_dtype);
+    eo.max_shard_bytes = parse_byte_size(exp_shard);
+    const std::string step = resolve_checkpoint(exp_ckpt);
+    BB_CHECK(!step.empty(), "export: no checkpoint at '", exp_ckpt,
+             "' (expected a step_* directory or a checkpoint root with a 'latest' file)");
+    export_checkpoint(step, exp_out, eo);
+    std::printf("[export] %s -> %s (%s)\n", step.c_str(), exp_out.c_str(), exp_dtype.c_str());
     return 0;
   }
   if (paired->parsed()) {

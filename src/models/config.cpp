@@ -40,6 +40,7 @@ const std::set<std::string>& common_keys() {
                                              "intermediate_size",
                                              "moe_intermediate_size",
                                              "num_experts",
+                                             "num_local_experts",
                                              "num_experts_per_tok",
                                              "norm_topk_prob",
                                              "decoder_sparse_step",
@@ -316,7 +317,14 @@ ModelConfig parse_hf_config(const json& j, const std::string& src) {
   c.num_kv_heads = r.get_int("num_key_value_heads");
   c.intermediate_size = r.get_int("intermediate_size");
   c.moe_intermediate_size = r.get_int("moe_intermediate_size");
-  c.num_experts = r.get_int("num_experts");
+  // transformers 5 writes Qwen3-MoE configs with `num_local_experts`; older ones `num_experts`.
+  if (r.has("num_local_experts")) {
+    c.num_experts = r.get_int("num_local_experts");
+    BB_CHECK(!r.has("num_experts") || r.get_int("num_experts") == c.num_experts, "keys 'num_experts' (",
+             r.get_int("num_experts"), ") and 'num_local_experts' (", c.num_experts, ") in ", src, " disagree");
+  } else {
+    c.num_experts = r.get_int("num_experts");
+  }
   c.top_k = r.get_int("num_experts_per_tok");
   BB_CHECK(c.num_heads > 0, "key 'num_attention_heads' in ", src, " must be > 0, got ",
            c.num_heads);

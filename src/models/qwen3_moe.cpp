@@ -88,6 +88,9 @@ ExpertsImpl experts_impl(const ModelOptions& o) {
 
 Tensor flat(const Tensor& t) { return t.view({t.size(0), -1}); }
 
+// A host-built tensor on `dev` (no copy on the CPU).
+Tensor on_device(const Tensor& host, Device dev) { return dev.is_cpu() ? host : host.to(dev); }
+
 }  // namespace
 
 Qwen3MoeModel::~Qwen3MoeModel() = default;
@@ -265,7 +268,7 @@ Tensor Qwen3MoeModel::layer_forward(Layer& L, const Tensor& x, const MicroBatch&
     S.router_logits = Tensor::empty({T, c.num_experts}, DType::f32, S.h2.device(), MemCategory::activations);
     matmul(S.h2, false, L.router->value, true, S.router_logits);
     RouterOutput r = router_forward(S.router_logits, Tensor(), rc, &S.router);
-    st.aux_loss += r.aux_loss / static_cast<double>(c.num_moe_layers());
+    if (aux_pooling_) pool_aux(S.router.scores, r.tokens_per_expert);
     st.z_loss += r.z_loss / static_cast<double>(c.num_moe_layers());
     last_routing_.push_back(r.topk_idx.clone(MemCategory::other));
     S.topk_prob = r.topk_prob;
@@ -315,7 +318,8 @@ Tensor Qwen3MoeModel::layer_backward(Layer& L, const Tensor& d_y, const MicroBat
     Tensor d_topk_prob = mem_eff ? unpermute_probs_grad(eg.d_row_prob, S.map) : ug.d_topk_prob;
     d_h2 = permute_backward(eg.d_x, S.map);
     if (d_h2.dtype() != DType::f32) d_h2 = d_h2.to_dtype(DType::f32, MemCategory::activations);
-    Tensor d_logits = router_backward(d_topk_prob, aux_grad, z_grad, S.router_logits, rc, S.router);
+    Tensor d_logits = router_backward(d_topk_prob, 0.0, z_grad, S.router_logits, rc, S.router);
+    add_aux_grad(d_logits, S.router.scores, aux_grad);
     add_inplace(d_h2, linear_backward(d_logits, S.h2, L.router, nullptr));
     if (L.shared_gate_up) {
       // out += g * s_out, g = sigmoid(h2 . w_gate)
@@ -368,6 +372,11 @@ ForwardStats Qwen3MoeModel::run(const MicroBatch& mb, bool backward, float loss_
   const bool full = opts_.recompute == "full";
   ForwardStats st;
   last_routing_.clear();
+  aux_counts_.assign(static_cast<size_t>(c.num_experts), 0.0);
+  aux_rows_ = 0;
+  if (c.num_moe_layers() > 0)
+    aux_prob_sum_ = Tensor::zeros({1, c.num_experts}, DType::f32, opts_.device, MemCategory::other);
+  aux_pooling_ = true;
 
   Tensor x = embedding_forward(mb.tokens, embed_->value);
   std::vector<LayerSaved> saved(layers_.size());
@@ -378,6 +387,14 @@ ForwardStats Qwen3MoeModel::run(const MicroBatch& mb, bool backward, float loss_
       if (backward) saved[l].x = x;  // full recompute: keep only the layer input
       x = layer_forward(layers_[l], x, mb, nullptr, st);
     }
+  }
+  aux_pooling_ = false;
+  if (aux_rows_ > 0) {
+    const std::vector<float> prob_sum = aux_prob_sum_.to_floats();
+    const double R = static_cast<double>(aux_rows_);
+    for (int64_t e = 0; e < c.num_experts; ++e)
+      st.aux_loss += (aux_counts_[e] / R) * (prob_sum[e] / R);
+    st.aux_loss *= static_cast<double>(c.num_experts);
   }
   RMSNormSaved fn;
   Tensor h = rmsnorm_forward(x, final_norm_->value, c.rms_norm_eps, &fn);
@@ -400,7 +417,7 @@ ForwardStats Qwen3MoeModel::run(const MicroBatch& mb, bool backward, float loss_
   x = Tensor();
 
   const double n_moe = static_cast<double>(std::max<int64_t>(1, c.num_moe_layers()));
-  const double aux_grad = aux_scale * opts_.aux_loss_coef / n_moe;
+  const double aux_grad = aux_scale * opts_.aux_loss_coef;  // d objective / d (pooled) aux
   const double z_grad = aux_scale * opts_.z_loss_coef / n_moe;
   ForwardStats scratch;
   for (size_t i = layers_.size(); i-- > 0;) {
@@ -415,6 +432,66 @@ ForwardStats Qwen3MoeModel::run(const MicroBatch& mb, bool backward, float loss_
   }
   embedding_backward(d_x, mb.tokens, embed_->grad);
   return st;
+}
+
+void Qwen3MoeModel::pool_aux(const Tensor& scores, const std::vector<int64_t>& counts) {
+  const int64_t T = scores.size(0), E = scores.size(1);
+  for (int64_t e = 0; e < E; ++e) aux_counts_[e] += static_cast<double>(counts[e]);
+  aux_rows_ += T;
+  Tensor p = scores;
+  if (opts_.router == "sigmoid_topk") {  // p = s / sum_e s, per token (host; sigmoid is rare here)
+    std::vector<float> s = scores.to_floats();
+    for (int64_t t = 0; t < T; ++t) {
+      double sum = 0;
+      for (int64_t e = 0; e < E; ++e) sum += s[t * E + e];
+      for (int64_t e = 0; e < E; ++e) s[t * E + e] = static_cast<float>(s[t * E + e] / sum);
+    }
+    p = on_device(Tensor::from_floats(s, {T, E}, DType::f32, MemCategory::workspace),
+                  scores.device());
+  }
+  // prob_sum[e] += sum_t p[t, e] as a [1, T] x [T, E] product (stays on the device).
+  const std::vector<float> one(static_cast<size_t>(T), 1.0f);
+  const Tensor ones = on_device(
+      Tensor::from_floats(one, {T, 1}, DType::f32, MemCategory::workspace), scores.device());
+  matmul(ones, true, p, false, aux_prob_sum_, 1.0f, 1.0f);
+}
+
+void Qwen3MoeModel::add_aux_grad(Tensor& d_logits, const Tensor& scores, double d_aux) const {
+  if (d_aux == 0 || aux_rows_ == 0) return;
+  const int64_t T = scores.size(0), E = scores.size(1);
+  const Device dev = scores.device();
+  // d aux / d p_te = E * c_e / R^2 for every layer and token (the counts are constants).
+  const double R = static_cast<double>(aux_rows_);
+  std::vector<float> g(static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e) g[e] = static_cast<float>(d_aux * E * aux_counts_[e] / (R * R));
+  if (opts_.router == "softmax_topk") {
+    // Through p = softmax(l): d l_te = s_te * (g_e - sum_j g_j s_tj).
+    std::vector<float> diag(static_cast<size_t>(E * E), 0.0f);
+    for (int64_t e = 0; e < E; ++e) diag[e * E + e] = g[e];
+    const Tensor G =
+        on_device(Tensor::from_floats(diag, {E, E}, DType::f32, MemCategory::workspace), dev);
+    const Tensor gcol =
+        on_device(Tensor::from_floats(g, {E, 1}, DType::f32, MemCategory::workspace), dev);
+    matmul(scores, false, G, false, d_logits, 1.0f, 1.0f);
+    Tensor u = Tensor::empty({T, 1}, DType::f32, dev, MemCategory::workspace);
+    matmul(scores, false, gcol, false, u);
+    axpy_inplace(d_logits, -1.0f, scale_rows(scores, u.view({T}), MemCategory::workspace));
+    return;
+  }
+  // Sigmoid: p = s / S (S = sum_e s), s = sigmoid(l): d s_j = (g_j - sum_e g_e p_e) / S,
+  // d l_j = d s_j * s_j * (1 - s_j). Host loop (sigmoid routing with an aux loss is rare).
+  const std::vector<float> s = scores.to_floats();
+  std::vector<float> dl(static_cast<size_t>(T * E));
+  for (int64_t t = 0; t < T; ++t) {
+    const float* st = s.data() + t * E;
+    double S = 0, dot = 0;
+    for (int64_t e = 0; e < E; ++e) S += st[e];
+    for (int64_t e = 0; e < E; ++e) dot += g[e] * st[e] / S;
+    for (int64_t e = 0; e < E; ++e)
+      dl[t * E + e] = static_cast<float>((g[e] - dot) / S * st[e] * (1.0 - st[e]));
+  }
+  add_inplace(d_logits,
+              on_device(Tensor::from_floats(dl, {T, E}, DType::f32, MemCategory::workspace), dev));
 }
 
 ForwardStats Qwen3MoeModel::forward_backward(const MicroBatch& mb, float loss_scale, double aux_scale) {

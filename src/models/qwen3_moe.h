@@ -48,8 +48,12 @@ struct Param {
   bool decay = true;
 };
 
-// Sums over one micro-batch (forward) — loss is a sum over valid tokens, aux/z are means over
-// MoE layers of the per-layer values.
+// Sums over one micro-batch (forward) — loss is a sum over valid tokens; aux_loss is the
+// load-balancing loss of transformers' load_balancing_loss_func, which POOLS the MoE layers:
+//   aux = E * sum_e (c_e / R) * (P_e / R),  R = (MoE layers) x T,
+//   c_e = top-k assignments to expert e summed over layers, P_e = sum over layers and tokens of
+//   the routing probability p_te (softmax; sigmoid scores normalised per token);
+// z_loss is the mean over MoE layers of the per-layer router z-loss.
 struct ForwardStats {
   double loss_sum = 0;
   int64_t num_valid = 0;
@@ -98,6 +102,11 @@ class Qwen3MoeModel {
   // d_in = d_out @ w (and w.grad += d_out^T x, b.grad += sum d_out).
   Tensor linear_backward(const Tensor& d_out, const Tensor& x, Param* w, Param* b);
   ForwardStats run(const MicroBatch& mb, bool backward, float loss_scale, double aux_scale, Tensor* logits);
+  // Pooled aux loss (see ForwardStats): pool_aux adds one MoE layer's counts and probability
+  // sums during the forward; add_aux_grad adds d(d_aux * aux)/d(logits) of one layer, which
+  // depends on the counts of ALL layers (so it cannot come from the per-layer router backward).
+  void pool_aux(const Tensor& scores, const std::vector<int64_t>& counts);
+  void add_aux_grad(Tensor& d_logits, const Tensor& scores, double d_aux) const;
 
   ModelConfig cfg_;
   ModelOptions opts_;
@@ -107,6 +116,12 @@ class Qwen3MoeModel {
   Param* lm_head_ = nullptr;  // == embed_ when tied
   std::vector<Layer> layers_;
   std::vector<Tensor> last_routing_;
+  // Aux-loss pool of the current micro-batch: counts [E] (host), probability sums [1, E] f32 on
+  // the model's device, rows = MoE layers x T. Only the forward pass fills it (not a recompute).
+  std::vector<double> aux_counts_;
+  Tensor aux_prob_sum_;
+  int64_t aux_rows_ = 0;
+  bool aux_pooling_ = false;
 };
 
 }  // namespace bb

@@ -134,7 +134,11 @@ RunConfig build(const toml::value& root, const std::string& src) {
 
   TableReader m(table_of(root, "model", src), "model", src);
   m.read("config", c.model_config);
-  m.read_choice("init", c.model_init, {"random"});
+  m.read("init", c.model_init);
+  const bool hf_init = c.model_init.rfind("hf:", 0) == 0 && c.model_init.size() > 3;
+  BB_CHECK(c.model_init == "random" || hf_init,
+           "model.init = '", c.model_init, "' in ", src,
+           " is not one of: random, hf:DIR (a Hugging Face checkpoint directory)");
   m.read_choice("dtype", c.model_dtype, {"auto", "f32", "bf16"});
   m.finish();
   BB_CHECK(!c.model_config.empty(), "model.config is required in ", src,

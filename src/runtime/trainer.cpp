@@ -12,6 +12,7 @@
 
 #include "io/fs.h"
 #include "io/safetensors.h"
+#include "models/hf_io.h"
 #include "primitives/optim/adamw.h"
 
 #ifdef BB_WITH_CUDA
@@ -135,6 +136,15 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus) : cfg_(cfg), lo
     std::fflush(log_);
   }
   model_ = std::make_unique<Qwen3MoeModel>(cfg.model, model_options(cfg), cfg.seed);
+  if (cfg.model_init.rfind("hf:", 0) == 0) {  // before the optimizer copies the weights
+    const std::string dir = cfg.model_init.substr(3);
+    const HfLoadReport rep = load_hf_weights(*model_, dir);
+    if (log_) {
+      std::fprintf(log_, "[startup] loaded %lld tensors from %s\n",
+                   static_cast<long long>(rep.tensors_read), dir.c_str());
+      std::fflush(log_);
+    }
+  }
   for (Param* p : model_->params()) {
     OptState s;
     s.master = p->value.to_dtype(DType::f32, MemCategory::optimizer);

@@ -1,0 +1,286 @@
+// hf_io.cpp — Hugging Face checkpoint load (staged, all-or-nothing) and export. See hf_io.h.
+#include "models/hf_io.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "io/fs.h"
+#include "io/safetensors.h"
+
+namespace bb {
+
+namespace {
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// "model.layers.3.mlp.experts.17.up_proj.weight" -> "model.layers.3.mlp.experts.gate_up_proj":
+// the fused tensor a per-expert name is a slice of; "" for any other name.
+std::string fused_group_of(const std::string& name) {
+  const std::string key = "mlp.experts.";
+  const size_t at = name.find(key);
+  if (at == std::string::npos) return "";
+  size_t i = at + key.size();
+  const size_t digits = i;
+  while (i < name.size() && std::isdigit(static_cast<unsigned char>(name[i]))) ++i;
+  if (i == digits || i >= name.size() || name[i] != '.') return "";
+  const std::string prefix = name.substr(0, at + key.size());
+  const std::string rest = name.substr(i + 1);
+  if (rest == "gate_proj.weight" || rest == "up_proj.weight") return prefix + "gate_up_proj";
+  if (rest == "down_proj.weight") return prefix + "down_proj";
+  return "";
+}
+
+// Buffers the model does not keep as parameters (recomputed from the config).
+bool is_ignored_buffer(const std::string& name) {
+  return ends_with(name, "rotary_emb.inv_freq");
+}
+
+// Every config.json key whose value differs, as " key (checkpoint X, model Y)".
+std::string config_diff(const ModelConfig& file, const ModelConfig& run) {
+  const nlohmann::json a = file.to_hf_json(), b = run.to_hf_json();
+  std::set<std::string> keys;
+  for (auto it = a.begin(); it != a.end(); ++it) keys.insert(it.key());
+  for (auto it = b.begin(); it != b.end(); ++it) keys.insert(it.key());
+  std::string out;
+  for (const std::string& k : keys) {
+    const std::string va = a.contains(k) ? a[k].dump() : "absent";
+    const std::string vb = b.contains(k) ? b[k].dump() : "absent";
+    if (va != vb) out += "\n  " + k + ": checkpoint " + va + ", model " + vb;
+  }
+  // Fields that to_hf_json does not spell out (e.g. the family flags) still differ somewhere.
+  return out.empty() ? "\n  (fields derived from the model type differ)" : out;
+}
+
+// Problems found while matching the files against the model, reported together.
+struct Problems {
+  std::vector<std::string> missing, unexpected, shape, dtype;
+  size_t count() const { return missing.size() + unexpected.size() + shape.size() + dtype.size(); }
+  static void list(std::string& out, const char* what, const std::vector<std::string>& v) {
+    if (v.empty()) return;
+    constexpr size_t kMaxListed = 20;
+    out += "\n  " + std::string(what) + " (" + std::to_string(v.size()) + "):";
+    for (size_t i = 0; i < v.size() && i < kMaxListed; ++i) out += "\n    " + v[i];
+    if (v.size() > kMaxListed)
+      out += "\n    ... and " + std::to_string(v.size() - kMaxListed) + " more";
+  }
+  std::string str() const {
+    std::string out;
+    list(out, "missing from the checkpoint", missing);
+    list(out, "unexpected (in the checkpoint, not in the model)", unexpected);
+    list(out, "wrong shape", shape);
+    list(out, "not a float tensor", dtype);
+    return out;
+  }
+};
+
+const char* hf_dtype_name(DType dt) {
+  switch (dt) {
+    case DType::f32:
+      return "float32";
+    case DType::bf16:
+      return "bfloat16";
+    case DType::f16:
+      return "float16";
+    default:
+      BB_FAIL("export: dtype ", dtype_name(dt), " is not a float type (use f32 or bf16)");
+  }
+}
+
+}  // namespace
+
+HfLoadReport load_hf_weights(Qwen3MoeModel& model, const std::string& dir) {
+  const std::string what = "load_hf_weights(" + dir + ")";
+  BB_CHECK(is_directory(dir), what, ": not a directory");
+  const std::string cfg_path = path_join(dir, "config.json");
+  BB_CHECK(path_exists(cfg_path), what, ": no config.json (a Hugging Face checkpoint directory ",
+           "holds config.json and model.safetensors or model.safetensors.index.json)");
+  const ModelConfig file_cfg = load_hf_config(cfg_path);
+  if (!(file_cfg == model.config()))
+    BB_FAIL(what, ": config.json describes a different model than the one being loaded into ",
+            "(set model.config to this checkpoint's config.json):",
+            config_diff(file_cfg, model.config()));
+  const ModelConfig& cfg = model.config();
+  SafetensorsDir files(dir);
+
+  // Which expert tensors the files hold fused: a per layer and projection choice.
+  std::set<std::string> fused;
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    if (!cfg.is_moe_layer(l)) continue;
+    const std::string base = "model.layers." + std::to_string(l) + ".mlp.experts.";
+    for (const char* proj : {"gate_up_proj", "down_proj"})
+      if (files.has(base + proj)) fused.insert(base + proj);
+  }
+
+  // Targets: checkpoint name -> where it goes in the model.
+  struct Target {
+    std::string name;
+    Tensor dst;
+  };
+  std::vector<Target> targets;
+  for (auto& [name, view] : model.hf_tensors()) {
+    if (fused.count(fused_group_of(name))) continue;  // covered by the fused tensor
+    targets.push_back({name, view});
+  }
+  for (const std::string& name : fused) {
+    Param* p = model.find_param(name);
+    BB_CHECK(p, what, ": internal: the model has no fused parameter ", name);
+    targets.push_back({name, p->value});
+  }
+
+  Problems pr;
+  std::set<std::string> claimed;
+  for (const Target& t : targets) {
+    claimed.insert(t.name);
+    if (!files.has(t.name)) {
+      pr.missing.push_back(t.name);
+      continue;
+    }
+    const SafetensorsEntry& e = files.entry(t.name);
+    if (!is_floating(e.dtype))
+      pr.dtype.push_back(t.name + " (" + safetensors_dtype_name(e.dtype) + ")");
+    else if (e.shape != t.dst.shape())
+      pr.shape.push_back(t.name + ": checkpoint " + shape_str(e.shape) + ", model expects " +
+                         shape_str(t.dst.shape()));
+  }
+  HfLoadReport report;
+  bool tied_head_in_file = false;
+  for (const std::string& name : files.names()) {
+    if (claimed.count(name)) continue;
+    if (is_ignored_buffer(name)) {
+      report.ignored.push_back(name);
+    } else if (cfg.tie_word_embeddings && name == "lm_head.weight") {
+      tied_head_in_file = true;  // checked against the embedding below
+      report.ignored.push_back(name);
+    } else {
+      std::string note;
+      if (const std::string g = fused_group_of(name); !g.empty() && fused.count(g))
+        note = " (the checkpoint also holds the fused " + g + ")";
+      pr.unexpected.push_back(name + note);
+    }
+  }
+  if (pr.count() > 0)
+    BB_FAIL(what, ": the checkpoint does not fit the model (", pr.count(),
+            " problem(s); nothing was loaded):", pr.str());
+
+  // Stage every tensor in the parameter dtype on the host; the model is untouched until all
+  // reads succeeded.
+  std::vector<Tensor> staged;
+  staged.reserve(targets.size());
+  for (const Target& t : targets)
+    staged.push_back(files.read_as(t.name, t.dst.dtype(), MemCategory::other));
+  if (tied_head_in_file) {
+    const Tensor head = files.read_as("lm_head.weight", DType::f32, MemCategory::other);
+    const std::string embed = "model.embed_tokens.weight";
+    for (size_t i = 0; i < targets.size(); ++i) {
+      if (targets[i].name != embed) continue;
+      const Tensor e = staged[i].dtype() == DType::f32 ? staged[i] : staged[i].to_dtype(DType::f32);
+      BB_CHECK(head.shape() == e.shape() && head.to_floats() == e.to_floats(), what,
+               ": tie_word_embeddings is true but lm_head.weight differs from ", embed,
+               " (nothing was loaded)");
+    }
+  }
+  for (size_t i = 0; i < targets.size(); ++i) {
+    targets[i].dst.copy_from(staged[i]);
+    ++report.tensors_read;
+    if (fused.count(targets[i].name)) ++report.fused_expert_tensors;
+  }
+  return report;
+}
+
+void export_hf(Qwen3MoeModel& model, const std::string& dir, const HfExportOptions& opts) {
+  const char* torch_dtype = hf_dtype_name(opts.dtype);
+  BB_CHECK(opts.max_shard_bytes > 0, "export: max shard size must be > 0");
+  make_dirs(dir);
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  for (auto& [name, t] : model.hf_tensors()) {
+    Tensor h = t.device().is_cpu() ? t : t.to(Device::cpu(), MemCategory::other);
+    if (h.dtype() != opts.dtype) h = h.to_dtype(opts.dtype, MemCategory::other);
+    tensors.emplace_back(name, h);
+  }
+  write_sharded_safetensors(dir, tensors, opts.max_shard_bytes, {{"format", "pt"}});
+
+  nlohmann::json cfg = model.config().to_hf_json();
+  cfg["torch_dtype"] = torch_dtype;
+  atomic_write(path_join(dir, "config.json"), cfg.dump(2) + "\n");
+  nlohmann::json gen = nlohmann::json::object();
+  if (model.config().bos_token_id >= 0) gen["bos_token_id"] = model.config().bos_token_id;
+  if (model.config().eos_token_id >= 0) gen["eos_token_id"] = model.config().eos_token_id;
+  atomic_write(path_join(dir, "generation_config.json"), gen.dump(2) + "\n");
+}
+
+std::string export_checkpoint(const std::string& step_dir, const std::string& out_dir,
+                              const HfExportOptions& opts) {
+  BB_CHECK(path_exists(path_join(step_dir, "model.safetensors")), "export: ", step_dir,
+           " is not a bumblebee checkpoint step directory (no model.safetensors)");
+  const ModelConfig cfg = load_hf_config(path_join(step_dir, "config.json"));
+  Qwen3MoeModel model(cfg, ModelOptions{}, 0);  // CPU f32; every weight is overwritten below
+  load_hf_weights(model, step_dir);
+  export_hf(model, out_dir, opts);
+  return step_dir;
+}
+
+uint64_t parse_byte_size(const std::string& text) {
+  std::string s;
+  for (char ch : text)
+    if (!std::isspace(static_cast<unsigned char>(ch))) s += static_cast<char>(std::tolower(ch));
+  size_t i = 0;
+  while (i < s.size() && (std::isdigit(static_cast<unsigned char>(s[i])) || s[i] == '.')) ++i;
+  const std::string num = s.substr(0, i), unit = s.substr(i);
+  static const std::map<std::string, double> kUnits = {{"", 1},
+                                                       {"b", 1},
+                                                       {"kb", 1e3},
+                                                       {"mb", 1e6},
+                                                       {"gb", 1e9},
+                                                       {"tb", 1e12},
+                                                       {"k", 1e3},
+                                                       {"m", 1e6},
+                                                       {"g", 1e9},
+                                                       {"t", 1e12},
+                                                       {"kib", 1024.0},
+                                                       {"mib", 1048576.0},
+                                                       {"gib", 1073741824.0},
+                                                       {"tib", 1099511627776.0}};
+  double v = 0;
+  bool ok = !num.empty() && std::count(num.begin(), num.end(), '.') <= 1 && num != "." &&
+            kUnits.count(unit);
+  if (ok) {
+    v = std::stod(num) * kUnits.at(unit);
+    ok = v >= 1 && std::isfinite(v) && v < 1.8e19;
+  }
+  BB_CHECK(ok, "bad size '", text, "': expected a positive number with an optional unit, e.g. ",
+           "5GB, 500MB, 2GiB or 1000 (bytes)");
+  return static_cast<uint64_t>(std::llround(v));
+}
+
+std::vector<HfNamedParam> hf_named_params(Qwen3MoeModel& model) {
+  std::vector<Param*> params = model.params();
+  std::vector<HfNamedParam> out;
+  for (auto& [name, view] : model.hf_tensors()) {
+    // hf_tensors() returns views into parameter storage: find the parameter by address and
+    // take the same element range of its gradient.
+    const auto* addr = static_cast<const char*>(view.raw());
+    Param* owner = nullptr;
+    for (Param* p : params) {
+      const auto* base = static_cast<const char*>(p->value.raw());
+      if (addr >= base && addr + view.nbytes() <= base + p->value.nbytes()) {
+        owner = p;
+        break;
+      }
+    }
+    BB_CHECK(owner, "hf_named_params: ", name, " is not a view of any parameter");
+    const int64_t offset = (addr - static_cast<const char*>(owner->value.raw())) /
+                           static_cast<int64_t>(dtype_size(owner->value.dtype()));
+    Tensor grad = owner->grad.view({-1}).narrow(offset, view.numel()).view(view.shape());
+    out.push_back({name, view, grad});
+  }
+  return out;
+}
+
+}  // namespace bb

@@ -1,0 +1,85 @@
+// hf_io.h — Hugging Face checkpoints in and out: load a transformers checkpoint directory into a
+// Qwen3MoeModel, and export a model (or a bumblebee training checkpoint) as a directory that
+// transformers loads with from_pretrained.
+//
+// Names are the Hugging Face ones (Qwen3MoeModel::hf_tensors()). Inside bumblebee the experts of
+// a layer are fused ([E, 2F, H] gate+up, [E, H, F] down) and so are the dense / shared-expert
+// gate+up projections ([2I, H]); hf_tensors() exposes per-expert `gate_proj` / `up_proj` /
+// `down_proj` views into them, so reading and writing through those names round-trips exactly.
+//
+// Loading accepts both expert layouts a checkpoint can have:
+//   per-expert (the classic layout; what save_pretrained writes by default)
+//     model.layers.L.mlp.experts.E.{gate_proj,up_proj,down_proj}.weight   [F, H] [F, H] [H, F]
+//   fused (transformers 5 in memory, and checkpoints saved with save_original_format=False)
+//     model.layers.L.mlp.experts.gate_up_proj   [E, 2F, H]  (rows 0..F-1 gate, F..2F-1 up)
+//     model.layers.L.mlp.experts.down_proj      [E, H, F]
+// chosen per layer and projection by which names the files hold. Every tensor is converted from
+// its stored float dtype (f32/bf16/f16) to the parameter dtype.
+//
+// Loading is all-or-nothing: the config is compared first, then every expected tensor is found,
+// shape-checked and read into a staging copy; all problems (missing, unexpected, misshaped,
+// non-float tensors) are collected into ONE error, and the model is written only when there
+// are none. Staging holds one extra copy of the weights in host memory (param dtype).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "models/qwen3_moe.h"
+
+namespace bb {
+
+// What a successful load did (for logs and tests).
+struct HfLoadReport {
+  int64_t tensors_read = 0;          // tensors read from the files
+  int64_t fused_expert_tensors = 0;  // of those, fused [E, ...] expert tensors
+  std::vector<std::string> ignored;  // present in the files, deliberately not loaded
+};
+
+// Loads the weights of the Hugging Face checkpoint in `dir` into `model`:
+//   dir/config.json must describe the same model (parse_hf_config(...) == model.config());
+//     otherwise the error names every differing config.json key with both values.
+//   dir/model.safetensors or dir/model.safetensors.index.json + shards (SafetensorsDir).
+// Ignored without complaint: rotary `inv_freq` buffers (`...rotary_emb.inv_freq`), which are
+// recomputed; with tied embeddings an `lm_head.weight` equal to the embedding (a different one
+// is an error). Any other tensor the model does not have is "unexpected".
+// Throws bb::Error (model untouched) on any mismatch. Gradients are not touched.
+HfLoadReport load_hf_weights(Qwen3MoeModel& model, const std::string& dir);
+
+struct HfExportOptions {
+  DType dtype = DType::bf16;                 // f32 or bf16 (f16 also accepted)
+  uint64_t max_shard_bytes = 5'000'000'000;  // per shard file (HF's default "5GB")
+};
+
+// Writes `dir` (created if missing) so that transformers' from_pretrained loads it:
+//   config.json              ModelConfig::to_hf_json() with "torch_dtype" set to opts.dtype
+//   generation_config.json   {"bos_token_id", "eos_token_id"} (those the config has)
+//   model.safetensors, or model-0000i-of-0000n.safetensors + model.safetensors.index.json when
+//   the tensors exceed max_shard_bytes (write_sharded_safetensors; metadata {"format": "pt"}).
+// Tensors are the per-expert classic names of hf_tensors(), converted to opts.dtype.
+void export_hf(Qwen3MoeModel& model, const std::string& dir, const HfExportOptions& opts = {});
+
+// `bumblebee export`: builds the model a training checkpoint step directory describes
+// (STEP/config.json, as the trainer writes it), loads STEP/model.safetensors through
+// load_hf_weights and export_hf's it to `out_dir`. The caller resolves a checkpoint root to its
+// step directory (resolve_checkpoint in runtime/trainer.h). Returns step_dir.
+std::string export_checkpoint(const std::string& step_dir, const std::string& out_dir,
+                              const HfExportOptions& opts = {});
+
+// "5GB", "500MB", "1.5GiB", "64KiB", "1000" (bytes): decimal units KB/MB/GB/TB = 1000^n and
+// binary units KiB/MiB/GiB/TiB = 1024^n, case-insensitive, optional "B". Throws on anything
+// else or on 0.
+uint64_t parse_byte_size(const std::string& text);
+
+// One Hugging Face-named tensor with its gradient: `value` is the hf_tensors() view and `grad`
+// the same slice of the parameter's gradient (f32). For comparing against reference dumps.
+struct HfNamedParam {
+  std::string name;
+  Tensor value;
+  Tensor grad;
+};
+std::vector<HfNamedParam> hf_named_params(Qwen3MoeModel& model);
+
+}  // namespace bb

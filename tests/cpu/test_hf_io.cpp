@@ -1,0 +1,381 @@
+// Hugging Face checkpoint I/O: loading the per-expert and the fused expert layouts, single-file
+// and sharded, dtype conversion; all-or-nothing loading with one error that lists every
+// problem; export (files, index, config) and the bit-exact f32 round trip.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "common/testing.h"
+#include "io/fs.h"
+#include "io/safetensors.h"
+#include "models/config.h"
+#include "models/hf_io.h"
+#include "models/qwen3_moe.h"
+
+namespace bb {
+namespace {
+
+namespace fs = std::filesystem;
+using Named = std::vector<std::pair<std::string, Tensor>>;
+
+// Layer 0 dense, layer 1 MoE (4 experts, ffn 6); qwen2: shared expert, q/k/v biases, tied.
+ModelConfig tiny_config(bool qwen2 = false) {
+  ModelConfig c;
+  c.model_type = qwen2 ? "qwen2_moe" : "qwen3_moe";
+  c.vocab_size = 19;
+  c.hidden_size = 8;
+  c.num_layers = 2;
+  c.num_heads = 2;
+  c.num_kv_heads = 1;
+  c.head_dim = 4;
+  c.intermediate_size = 10;
+  c.moe_intermediate_size = 6;
+  c.num_experts = 4;
+  c.top_k = 2;
+  c.mlp_only_layers = {0};
+  c.bos_token_id = 1;
+  c.eos_token_id = 2;
+  c.max_position_embeddings = 64;
+  if (qwen2) {
+    c.qk_norm = false;
+    c.qkv_bias = true;
+    c.shared_expert_intermediate_size = 5;
+    c.tie_word_embeddings = true;
+  }
+  return c;
+}
+
+// Scratch directories under one per-process root, removed when the test program exits.
+const fs::path& scratch_root() {
+  static const fs::path root =
+      fs::temp_directory_path() / ("bb_test_hf_io_" + std::to_string(::getpid()));
+  static const struct Remover {
+    ~Remover() { fs::remove_all(root); }
+  } remover;
+  return root;
+}
+
+std::string fresh_dir(const std::string& name) {
+  const std::string d = (scratch_root() / name).string();
+  fs::remove_all(d);
+  make_dirs(d);
+  return d;
+}
+
+void write_config(const std::string& dir, const ModelConfig& c) {
+  atomic_write(path_join(dir, "config.json"), c.to_hf_json().dump(2));
+}
+
+std::vector<std::vector<float>> values_of(Qwen3MoeModel& m) {
+  std::vector<std::vector<float>> v;
+  for (Param* p : m.params()) v.push_back(p->value.to_floats());
+  return v;
+}
+
+void expect_same_values(Qwen3MoeModel& a, Qwen3MoeModel& b) {
+  auto pa = a.params(), pb = b.params();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (size_t i = 0; i < pa.size(); ++i)
+    EXPECT_EQ(pa[i]->value.to_floats(), pb[i]->value.to_floats()) << pa[i]->name;
+}
+
+bool is_per_expert_name(const std::string& n) {
+  const size_t at = n.find("mlp.experts.");
+  return at != std::string::npos && std::isdigit(static_cast<unsigned char>(n[at + 12]));
+}
+
+// The checkpoint tensors of `m` in the fused expert layout (transformers 5 in-memory names).
+Named fused_layout(Qwen3MoeModel& m) {
+  Named out;
+  for (auto& [n, t] : m.hf_tensors())
+    if (!is_per_expert_name(n)) out.emplace_back(n, t);
+  for (Param* p : m.params())
+    if (p->name.find("mlp.experts.") != std::string::npos) out.emplace_back(p->name, p->value);
+  return out;
+}
+
+Named without(Named v, const std::string& name) {
+  std::erase_if(v, [&](const auto& e) { return e.first == name; });
+  return v;
+}
+
+TEST(HfLoad, PerExpertLayoutFromOurWriter) {
+  for (bool qwen2 : {false, true}) {
+    SCOPED_TRACE(qwen2 ? "qwen2_moe" : "qwen3_moe");
+    const ModelConfig c = tiny_config(qwen2);
+    Qwen3MoeModel src(c, ModelOptions{}, 1), dst(c, ModelOptions{}, 2);
+    const std::string dir = fresh_dir(qwen2 ? "per_expert_q2" : "per_expert_q3");
+    write_config(dir, c);
+    write_safetensors(path_join(dir, "model.safetensors"), src.hf_tensors(), {{"format", "pt"}});
+    const HfLoadReport r = load_hf_weights(dst, dir);
+    EXPECT_EQ(r.tensors_read, static_cast<int64_t>(src.hf_tensors().size()));
+    EXPECT_EQ(r.fused_expert_tensors, 0);
+    EXPECT_TRUE(r.ignored.empty());
+    expect_same_values(src, dst);
+  }
+}
+
+TEST(HfLoad, FusedExpertLayout) {
+  const ModelConfig c = tiny_config();
+  Qwen3MoeModel src(c, ModelOptions{}, 1), dst(c, ModelOptions{}, 2);
+  const std::string dir = fresh_dir("fused");
+  write_config(dir, c);
+  const Named fused = fused_layout(src);
+  ASSERT_TRUE(std::any_of(fused.begin(), fused.end(), [](auto& e) {
+    return e.first == "model.layers.1.mlp.experts.gate_up_proj";
+  }));
+  write_safetensors(path_join(dir, "model.safetensors"), fused);
+  const HfLoadReport r = load_hf_weights(dst, dir);
+  EXPECT_EQ(r.fused_expert_tensors, 2);  // gate_up_proj and down_proj of the one MoE layer
+  EXPECT_EQ(r.tensors_read, static_cast<int64_t>(fused.size()));
+  expect_same_values(src, dst);
+}
+
+TEST(HfLoad, MixedLayoutPerProjection) {
+  // gate_up fused, down per expert: chosen per projection by which names the file holds.
+  const ModelConfig c = tiny_config();
+  Qwen3MoeModel src(c, ModelOptions{}, 3), dst(c, ModelOptions{}, 4);
+  Named t;
+  for (auto& [n, v] : src.hf_tensors())
+    if (!(is_per_expert_name(n) && n.find("down_proj") == std::string::npos)) t.emplace_back(n, v);
+  t.emplace_back("model.layers.1.mlp.experts.gate_up_proj",
+                 src.find_param("model.layers.1.mlp.experts.gate_up_proj")->value);
+  const std::string dir = fresh_dir("mixed");
+  write_config(dir, c);
+  write_safetensors(path_join(dir, "model.safetensors"), t);
+  EXPECT_EQ(load_hf_weights(dst, dir).fused_expert_tensors, 1);
+  expect_same_values(src, dst);
+}
+
+TEST(HfLoad, ShardedAndBf16Converted) {
+  const ModelConfig c = tiny_config(true);
+  Qwen3MoeModel src(c, ModelOptions{}, 5), dst(c, ModelOptions{}, 6);
+  Named bf;
+  for (auto& [n, v] : src.hf_tensors()) bf.emplace_back(n, v.to_dtype(DType::bf16));
+  const std::string dir = fresh_dir("sharded");
+  write_config(dir, c);
+  write_sharded_safetensors(dir, bf, 300, {{"format", "pt"}});
+  SafetensorsDir files(dir);
+  ASSERT_TRUE(files.sharded());
+  ASSERT_GT(files.files().size(), 3u);
+  load_hf_weights(dst, dir);
+  auto ps = src.params(), pd = dst.params();
+  for (size_t i = 0; i < ps.size(); ++i) {
+    std::vector<float> want = ps[i]->value.to_floats();
+    for (float& x : want) x = round_bf16(x);
+    EXPECT_EQ(pd[i]->value.to_floats(), want) << ps[i]->name;
+  }
+}
+
+TEST(HfLoad, ProblemsAreListedTogetherAndNothingIsLoaded) {
+  const ModelConfig c = tiny_config();
+  Qwen3MoeModel src(c, ModelOptions{}, 7), dst(c, ModelOptions{}, 8);
+  const auto before = values_of(dst);
+  Named t = without(src.hf_tensors(), "model.layers.0.self_attn.k_proj.weight");  // missing
+  t = without(t, "model.layers.1.mlp.experts.3.up_proj.weight");                  // missing
+  t = without(t, "model.norm.weight");
+  t.emplace_back("model.norm.weight",
+                 Tensor::zeros({9}, DType::f32, Device::cpu(), MemCategory::other));
+  t.emplace_back("model.layers.0.mlp.extra_proj.weight",
+                 Tensor::zeros({2, 2}, DType::f32, Device::cpu(), MemCategory::other));
+  t = without(t, "model.layers.1.input_layernorm.weight");
+  t.emplace_back("model.layers.1.input_layernorm.weight",
+                 Tensor::from_ints(std::vector<int32_t>(8, 1), {8}));
+  // Both layouts at once: the per-expert down_proj tensors become "unexpected" with a note.
+  t.emplace_back("model.layers.1.mlp.experts.down_proj",
+                 src.find_param("model.layers.1.mlp.experts.down_proj")->value);
+  const std::string dir = fresh_dir("problems");
+  write_config(dir, c);
+  write_safetensors(path_join(dir, "model.safetensors"), t);
+  try {
+    load_hf_weights(dst, dir);
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    for (const char* needle :
+         {"nothing was loaded", "missing from the checkpoint (2)",
+          "model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight",
+          "unexpected (in the checkpoint, not in the model) (5)",
+          "model.layers.0.mlp.extra_proj.weight",
+          "model.layers.1.mlp.experts.0.down_proj.weight (the checkpoint also holds the fused "
+          "model.layers.1.mlp.experts.down_proj)",
+          "wrong shape (1)", "model.norm.weight: checkpoint [9], model expects [8]",
+          "not a float tensor (1)", "model.layers.1.input_layernorm.weight (I32)"})
+      EXPECT_NE(msg.find(needle), std::string::npos) << "missing '" << needle << "' in:\n" << msg;
+  }
+  EXPECT_EQ(values_of(dst), before) << "a failed load must leave the model untouched";
+}
+
+TEST(HfLoad, RotaryBuffersIgnoredTiedHeadChecked) {
+  const ModelConfig c = tiny_config(true);  // tied embeddings
+  Qwen3MoeModel src(c, ModelOptions{}, 9), dst(c, ModelOptions{}, 10);
+  Named t = src.hf_tensors();
+  t.emplace_back("model.layers.0.self_attn.rotary_emb.inv_freq",
+                 Tensor::zeros({2}, DType::f32, Device::cpu(), MemCategory::other));
+  t.emplace_back("lm_head.weight", src.find_param("model.embed_tokens.weight")->value);
+  const std::string dir = fresh_dir("ignored");
+  write_config(dir, c);
+  write_safetensors(path_join(dir, "model.safetensors"), t);
+  const HfLoadReport r = load_hf_weights(dst, dir);
+  EXPECT_EQ(r.ignored, (std::vector<std::string>{"model.layers.0.self_attn.rotary_emb.inv_freq",
+                                                 "lm_head.weight"}));
+  expect_same_values(src, dst);
+
+  // A tied checkpoint whose lm_head differs from the embedding would silently change the model.
+  Qwen3MoeModel other(c, ModelOptions{}, 11);
+  const auto before = values_of(other);
+  t.back().second =
+      Tensor::zeros(t.back().second.shape(), DType::f32, Device::cpu(), MemCategory::other);
+  write_safetensors(path_join(dir, "model.safetensors"), t);
+  test::expect_error_contains([&] { load_hf_weights(other, dir); },
+                              "lm_head.weight differs from model.embed_tokens.weight");
+  EXPECT_EQ(values_of(other), before);
+}
+
+TEST(HfLoad, ConfigMustMatch) {
+  const ModelConfig c = tiny_config();
+  Qwen3MoeModel m(c, ModelOptions{}, 1);
+  const std::string dir = fresh_dir("config");
+  write_safetensors(path_join(dir, "model.safetensors"), m.hf_tensors());
+  test::expect_error_contains([&] { load_hf_weights(m, dir); }, "no config.json");
+  ModelConfig other = c;
+  other.rope_theta = 500000;
+  other.moe_intermediate_size = 7;
+  write_config(dir, other);
+  try {
+    load_hf_weights(m, dir);
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("describes a different model"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("rope_theta: checkpoint 500000.0, model 10000.0"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("moe_intermediate_size: checkpoint 7, model 6"), std::string::npos) << msg;
+  }
+  test::expect_error_contains([&] { load_hf_weights(m, dir + "/nope"); }, "not a directory");
+}
+
+TEST(HfExport, WritesConfigGenerationConfigShardsAndIndex) {
+  const ModelConfig c = tiny_config(true);
+  Qwen3MoeModel m(c, ModelOptions{}, 12);
+  const std::string dir = fresh_dir("export");
+  HfExportOptions o;  // bf16 by default
+  o.max_shard_bytes = 400;
+  export_hf(m, dir, o);
+
+  EXPECT_TRUE(load_hf_config(dir) == c);
+  const auto cfg = nlohmann::json::parse(read_file(path_join(dir, "config.json")));
+  EXPECT_EQ(cfg["torch_dtype"], "bfloat16");
+  EXPECT_EQ(cfg["architectures"][0], "Qwen2MoeForCausalLM");
+  const auto gen = nlohmann::json::parse(read_file(path_join(dir, "generation_config.json")));
+  EXPECT_EQ(gen, (nlohmann::json{{"bos_token_id", 1}, {"eos_token_id", 2}}));
+
+  const auto index =
+      nlohmann::json::parse(read_file(path_join(dir, "model.safetensors.index.json")));
+  std::set<std::string> files;
+  for (auto it = index["weight_map"].begin(); it != index["weight_map"].end(); ++it)
+    files.insert(it.value().get<std::string>());
+  EXPECT_GT(files.size(), 3u);
+  for (const std::string& f : files) EXPECT_TRUE(path_exists(path_join(dir, f))) << f;
+  EXPECT_FALSE(path_exists(path_join(dir, "model.safetensors")));
+  auto hf = m.hf_tensors();
+  EXPECT_EQ(index["weight_map"].size(), hf.size());
+  EXPECT_EQ(index["metadata"]["total_size"].get<int64_t>(), m.num_params() * 2);  // bf16
+  SafetensorsDir d(dir);
+  for (auto& [n, t] : hf) {
+    ASSERT_TRUE(d.has(n)) << n;
+    EXPECT_EQ(d.entry(n).dtype, DType::bf16) << n;
+    EXPECT_EQ(d.entry(n).shape, t.shape()) << n;
+  }
+  EXPECT_FALSE(d.has("lm_head.weight"));       // tied: transformers re-ties it
+  EXPECT_EQ(d.metadata().at("format"), "pt");  // transformers refuses files without it
+
+  // Large shards: one model.safetensors, no index (and the old shards are gone).
+  o.max_shard_bytes = parse_byte_size("5GB");
+  export_hf(m, dir, o);
+  EXPECT_TRUE(path_exists(path_join(dir, "model.safetensors")));
+  EXPECT_FALSE(path_exists(path_join(dir, "model.safetensors.index.json")));
+  for (const std::string& f : files) EXPECT_FALSE(path_exists(path_join(dir, f))) << f;
+}
+
+TEST(HfExport, RoundTripIsBitExactInF32) {
+  const ModelConfig c = tiny_config();
+  Qwen3MoeModel a(c, ModelOptions{}, 13), b(c, ModelOptions{}, 14), d(c, ModelOptions{}, 15);
+  HfExportOptions o;
+  o.dtype = DType::f32;
+  o.max_shard_bytes = 1000;
+  const std::string d1 = fresh_dir("rt1"), d2 = fresh_dir("rt2");
+  export_hf(a, d1, o);
+  load_hf_weights(b, d1);
+  expect_same_values(a, b);
+  export_hf(b, d2, o);
+  load_hf_weights(d, d2);
+  expect_same_values(a, d);
+  // The writer is deterministic: the second export is byte-identical to the first.
+  for (const auto& e : fs::directory_iterator(d1))
+    EXPECT_EQ(read_file(e.path().string()), read_file(path_join(d2, e.path().filename().string())))
+        << e.path().filename();
+}
+
+TEST(HfExport, FromATrainingCheckpointStepDir) {
+  const ModelConfig c = tiny_config(true);
+  Qwen3MoeModel a(c, ModelOptions{}, 16), b(c, ModelOptions{}, 17);
+  const std::string step = fresh_dir("ckpt/step_00000003"), out = fresh_dir("ckpt_export");
+  // What the trainer writes: config.json + model.safetensors with the hf_tensors() names.
+  write_config(step, c);
+  write_safetensors(path_join(step, "model.safetensors"), a.hf_tensors(), {{"format", "pt"}});
+  HfExportOptions o;
+  o.dtype = DType::f32;
+  EXPECT_EQ(export_checkpoint(step, out, o), step);
+  load_hf_weights(b, out);
+  expect_same_values(a, b);
+  test::expect_error_contains([&] { export_checkpoint(out + "/none", out, o); },
+                              "not a bumblebee checkpoint");
+}
+
+TEST(HfNamedParams, GradViewsMatchValueViews) {
+  const ModelConfig c = tiny_config(true);
+  Qwen3MoeModel m(c, ModelOptions{}, 18);
+  // Fill every gradient with its flat element index, so each view shows where it points.
+  for (Param* p : m.params()) {
+    std::vector<float> idx(static_cast<size_t>(p->grad.numel()));
+    for (size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<float>(i);
+    p->grad.copy_from(Tensor::from_floats(idx, p->grad.shape()));
+  }
+  auto named = hf_named_params(m);
+  ASSERT_EQ(named.size(), m.hf_tensors().size());
+  std::map<std::string, HfNamedParam> by;
+  for (auto& n : named) {
+    EXPECT_EQ(n.grad.shape(), n.value.shape()) << n.name;
+    by[n.name] = n;
+  }
+  const int64_t F = c.moe_intermediate_size, H = c.hidden_size;
+  // Expert 2's up_proj starts at row (2 * 2F + F) of the fused [E, 2F, H] gate_up.
+  EXPECT_EQ(by.at("model.layers.1.mlp.experts.2.up_proj.weight").grad.to_floats()[0],
+            static_cast<float>((2 * 2 * F + F) * H));
+  // Expert 3's down_proj starts at 3 * H * F of [E, H, F].
+  EXPECT_EQ(by.at("model.layers.1.mlp.experts.3.down_proj.weight").grad.to_floats()[0],
+            static_cast<float>(3 * H * F));
+  // The dense up_proj is the second half of the fused [2I, H].
+  EXPECT_EQ(by.at("model.layers.0.mlp.up_proj.weight").grad.to_floats()[0],
+            static_cast<float>(c.intermediate_size * H));
+  EXPECT_EQ(by.at("model.norm.weight").grad.to_floats()[0], 0.0f);
+}
+
+TEST(HfIo, ParseByteSize) {
+  EXPECT_EQ(parse_byte_size("5GB"), 5'000'000'000u);
+  EXPECT_EQ(parse_byte_size("500mb"), 500'000'000u);
+  EXPECT_EQ(parse_byte_size("2GiB"), 2147483648u);
+  EXPECT_EQ(parse_byte_size("1.5 KiB"), 1536u);
+  EXPECT_EQ(parse_byte_size("1000"), 1000u);
+  EXPECT_EQ(parse_byte_size("64K"), 64000u);
+  for (const char* bad : {"", "GB", "0", "5XB", "-1GB", "1.2.3MB"})
+    test::expect_error_contains([&] { parse_byte_size(bad); }, "bad size");
+}
+
+}  // namespace
+}  // namespace bb
