@@ -21,7 +21,7 @@ namespace bb {
 struct StepMetrics {
   int64_t step = 0;         // 1-based index of the step just taken
   double loss = 0;          // mean CE per valid token over the step
-  double aux_loss = 0;      // mean over micro-batches of the mean-over-MoE-layers aux loss
+  double aux_loss = 0;      // mean over micro-batches of the aux loss (pooled over MoE layers, as HF)
   double z_loss = 0;
   double grad_norm = 0;     // before clipping
   double lr = 0;

@@ -22,7 +22,8 @@ ModelConfig tiny_config(bool qwen2 = false) {
   c.num_experts = 4;
   c.top_k = 2;
   c.norm_topk_prob = !qwen2;
-  c.mlp_only_layers = {0};
+  // qwen3: both layers MoE (exercises the aux loss pooled over layers); qwen2: a dense layer 0.
+  if (qwen2) c.mlp_only_layers = {0};
   c.rope_theta = 10000;
   c.rms_norm_eps = 1e-6;
   c.router_aux_loss_coef = 0.01;
@@ -191,7 +192,7 @@ TEST(PrimitiveSwap, GroupedExpertsEqualSequential) {
 }
 
 TEST(Model, HfTensorsAreViewsWithHfNames) {
-  Qwen3MoeModel m(tiny_config(), ModelOptions{}, 1);
+  Qwen3MoeModel m(tiny_config(true), ModelOptions{}, 1);  // qwen2 tiny: dense layer 0, shared expert
   auto ts = m.hf_tensors();
   std::map<std::string, Tensor> byname(ts.begin(), ts.end());
   ASSERT_TRUE(byname.count("model.layers.1.mlp.experts.3.down_proj.weight"));
@@ -208,7 +209,8 @@ TEST(Model, HfTensorsAreViewsWithHfNames) {
   int64_t n = 0;
   for (auto& [k, t] : ts) n += t.numel();
   EXPECT_EQ(n, m.num_params());
-  EXPECT_EQ(m.num_params(), tiny_config().num_params());
+  EXPECT_EQ(m.num_params(), tiny_config(true).num_params());
+  ASSERT_TRUE(byname.count("model.layers.1.mlp.shared_expert.up_proj.weight"));
 }
 
 TEST(Model, BadBatchIsAClearError) {
