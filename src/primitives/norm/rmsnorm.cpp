@@ -1,13 +1,24 @@
+// rmsnorm.cpp — boundary checks for RMSNorm / QK norm, then the CPU reference or the CUDA
+// kernels (rmsnorm_cuda.h) depending on where x lives.
 #include "primitives/norm/rmsnorm.h"
 
 #include "backend/cpu/util.h"
+#include "primitives/norm/rmsnorm_cuda.h"
 #include "primitives/norm/rmsnorm_ref.h"
 
 namespace bb {
 
 namespace {
-void check_cpu(const Tensor& t, const char* op) {
-  BB_CHECK(t.device().is_cpu(), op, ": not implemented on ", t.device().str(), " yet");
+// The CUDA kernels store f32 or bf16; f16 stays a CPU-only storage type.
+void check_cuda_dtype(const Tensor& t, const char* op, const char* arg) {
+  BB_CHECK(t.dtype() == DType::f32 || t.dtype() == DType::bf16, op, ": argument '", arg,
+           "' has dtype ", dtype_name(t.dtype()), ", the CUDA path takes f32 or bf16");
+}
+
+[[maybe_unused]] void require_cuda_build(const char* op, const Tensor& t) {
+#ifndef BB_WITH_CUDA
+  BB_FAIL(op, ": not implemented on ", t.device().str(), " in this build (no CUDA backend)");
+#endif
 }
 }  // namespace
 
@@ -21,7 +32,19 @@ Tensor rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, RMSNormSave
   BB_CHECK(H > 0, "rmsnorm_forward: hidden size must be positive");
   BB_CHECK(eps > 0, "rmsnorm_forward: eps must be positive, got ", eps);
   check_same_device(x, w, "rmsnorm_forward");
-  check_cpu(x, "rmsnorm_forward");
+  if (x.device().is_cuda()) {
+    require_cuda_build("rmsnorm_forward", x);
+    check_cuda_dtype(x, "rmsnorm_forward", "x");
+    check_cuda_dtype(w, "rmsnorm_forward", "w");
+    Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device(), out_cat);
+    Tensor rstd = Tensor::empty({rows}, DType::f32, x.device(), MemCategory::activations);
+#ifdef BB_WITH_CUDA
+    cuda::rmsnorm_forward(y.raw(), rstd.data<float>(), x.raw(), x.dtype(), w.raw(), w.dtype(),
+                          rows, H, static_cast<float>(eps));
+#endif
+    if (saved) saved->rstd = rstd;
+    return y;
+  }
   Tensor xf = cpu::as_f32(x), wf = cpu::as_f32(w);
   Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device(), out_cat);
   Tensor yf = x.dtype() == DType::f32 ? y : cpu::empty_f32(x.shape(), MemCategory::workspace);
@@ -42,7 +65,27 @@ Tensor rmsnorm_backward(const Tensor& d_y, const Tensor& x, const Tensor& w,
   check_shape(saved.rstd, {rows}, "rmsnorm_backward", "saved.rstd");
   check_shape(d_w, {H}, "rmsnorm_backward", "d_w");
   check_dtype(d_w, DType::f32, "rmsnorm_backward", "d_w");
-  check_cpu(x, "rmsnorm_backward");
+  check_float(x, "rmsnorm_backward", "x");
+  check_float(w, "rmsnorm_backward", "w");
+  check_shape(w, {H}, "rmsnorm_backward", "w");
+  check_dtype(saved.rstd, DType::f32, "rmsnorm_backward", "saved.rstd");
+  for (const Tensor* t : {&d_y, &w, &saved.rstd, static_cast<const Tensor*>(&d_w)})
+    check_same_device(x, *t, "rmsnorm_backward");
+  if (x.device().is_cuda()) {
+    require_cuda_build("rmsnorm_backward", x);
+    check_cuda_dtype(x, "rmsnorm_backward", "x");
+    check_cuda_dtype(w, "rmsnorm_backward", "w");
+    check_cuda_dtype(d_y, "rmsnorm_backward", "d_y");
+    Tensor dx = Tensor::empty(x.shape(), DType::f32, x.device(), MemCategory::activations);
+#ifdef BB_WITH_CUDA
+    Tensor ws = Tensor::empty({cuda::rmsnorm_backward_workspace(rows, H)}, DType::f32, x.device(),
+                              MemCategory::workspace);
+    cuda::rmsnorm_backward(dx.data<float>(), d_w.data<float>(), ws.data<float>(), d_y.raw(),
+                           d_y.dtype(), x.raw(), x.dtype(), w.raw(), w.dtype(),
+                           saved.rstd.data<float>(), rows, H);
+#endif
+    return dx;
+  }
   Tensor xf = cpu::as_f32(x), wf = cpu::as_f32(w), dyf = cpu::as_f32(d_y);
   Tensor dx = Tensor::empty(x.shape(), DType::f32, x.device(), MemCategory::activations);
   ref::rmsnorm_backward<float>(dx.data<float>(), d_w.data<float>(), dyf.data<float>(),

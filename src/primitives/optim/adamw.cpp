@@ -1,10 +1,51 @@
+// adamw.cpp — boundary checks for AdamW and gradient norms, then plain CPU loops or the CUDA
+// kernels (adamw_cuda.h) depending on where the tensors live.
 #include "primitives/optim/adamw.h"
 
 #include <cmath>
 
 #include "backend/cpu/util.h"
+#include "primitives/optim/adamw_cuda.h"
+#ifdef BB_WITH_CUDA
+#include "backend/cuda/runtime.h"
+#endif
 
 namespace bb {
+
+namespace {
+[[maybe_unused]] void require_cuda_build(const char* op, const Tensor& t) {
+#ifndef BB_WITH_CUDA
+  BB_FAIL(op, ": not implemented on ", t.device().str(), " in this build (no CUDA backend)");
+#endif
+}
+
+void check_cuda_float(const Tensor& t, const char* op, const char* arg) {
+  BB_CHECK(t.dtype() == DType::f32 || t.dtype() == DType::bf16, op, ": argument '", arg,
+           "' has dtype ", dtype_name(t.dtype()), ", the CUDA path takes f32 or bf16");
+}
+
+#ifdef BB_WITH_CUDA
+// Per-tensor sums of squares of CUDA tensors (all on one device), read back with ONE
+// device-to-host copy at the end: a deliberate sync, counted by cuda::memcpy through
+// cuda::note_host_sync(). Partials live in i64 tensors used as 8-byte doubles (there is no
+// f64 dtype).
+std::vector<double> device_sums_of_squares(const std::vector<const Tensor*>& ts) {
+  const Device dev = ts.front()->device();
+  const auto k = static_cast<int64_t>(ts.size());
+  Tensor partial = Tensor::empty({k * cuda::kSumSquaresSlots}, DType::i64, dev,
+                                 MemCategory::workspace);
+  Tensor out = Tensor::empty({k}, DType::i64, dev, MemCategory::workspace);
+  auto* pp = reinterpret_cast<double*>(partial.data<int64_t>());
+  for (int64_t i = 0; i < k; ++i)
+    cuda::sum_squares_partial(pp + i * cuda::kSumSquaresSlots, ts[i]->raw(), ts[i]->dtype(),
+                              ts[i]->numel());
+  cuda::sum_squares_finish(reinterpret_cast<double*>(out.data<int64_t>()), pp, k);
+  std::vector<double> sums(static_cast<size_t>(k));
+  cuda::memcpy(sums.data(), Device::cpu(), out.raw(), dev, sums.size() * sizeof(double));
+  return sums;
+}
+#endif
+}  // namespace
 
 void adamw_step(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
                 int64_t step, double lr, double weight_decay, const AdamWConfig& cfg,
@@ -21,10 +62,13 @@ void adamw_step(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp
   BB_CHECK(step >= 1, op, ": step is 1-based, got ", step);
   BB_CHECK(cfg.beta1 >= 0 && cfg.beta1 < 1 && cfg.beta2 >= 0 && cfg.beta2 < 1, op,
            ": betas must be in [0, 1), got ", cfg.beta1, ", ", cfg.beta2);
-  BB_CHECK(master.device().is_cpu(), op, ": not implemented on ", master.device().str(), " yet");
+  for (const Tensor* t : {&grad, static_cast<const Tensor*>(&exp_avg),
+                          static_cast<const Tensor*>(&exp_avg_sq)})
+    check_same_device(master, *t, op);
   if (model) {
     check_float(*model, op, "model");
     BB_CHECK(model->numel() == n, op, ": model has ", model->numel(), " elements, master ", n);
+    check_same_device(master, *model, op);
   }
   const double bc1 = 1.0 - std::pow(cfg.beta1, static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(cfg.beta2, static_cast<double>(step));
@@ -33,6 +77,17 @@ void adamw_step(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp
   const float decay = static_cast<float>(1.0 - lr * weight_decay);
   const float b1 = static_cast<float>(cfg.beta1), b2 = static_cast<float>(cfg.beta2);
   const float eps = static_cast<float>(cfg.eps);
+  if (master.device().is_cuda()) {
+    require_cuda_build(op, master);
+    if (model) check_cuda_float(*model, op, "model");
+#ifdef BB_WITH_CUDA
+    const cuda::AdamWScalars s{step_size, inv_sqrt_bc2, decay, b1, b2, eps};
+    cuda::adamw_step(master.data<float>(), grad.data<float>(), exp_avg.data<float>(),
+                     exp_avg_sq.data<float>(), model ? model->raw() : nullptr,
+                     model ? model->dtype() : DType::f32, n, s);
+#endif
+    return;
+  }
   float* p = master.data<float>();
   const float* g = grad.data<float>();
   float* m = exp_avg.data<float>();
@@ -48,6 +103,13 @@ void adamw_step(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp
 
 double sum_of_squares(const Tensor& g) {
   check_float(g, "sum_of_squares", "g");
+  if (g.device().is_cuda()) {
+    require_cuda_build("sum_of_squares", g);
+    check_cuda_float(g, "sum_of_squares", "g");
+#ifdef BB_WITH_CUDA
+    return device_sums_of_squares({&g}).front();
+#endif
+  }
   std::vector<float> v;
   const float* p;
   Tensor gf;
@@ -64,13 +126,34 @@ double sum_of_squares(const Tensor& g) {
 
 double global_grad_norm(const std::vector<Tensor>& grads) {
   double s = 0;
-  for (const Tensor& g : grads) s += sum_of_squares(g);
+  std::vector<const Tensor*> on_device;
+  for (const Tensor& g : grads) {
+    check_float(g, "global_grad_norm", "grads[i]");
+    if (g.device().is_cpu()) {
+      s += sum_of_squares(g);
+      continue;
+    }
+    require_cuda_build("global_grad_norm", g);
+    check_cuda_float(g, "global_grad_norm", "grads[i]");
+    if (!on_device.empty()) check_same_device(*on_device.front(), g, "global_grad_norm");
+    on_device.push_back(&g);
+  }
+#ifdef BB_WITH_CUDA
+  if (!on_device.empty())
+    for (double d : device_sums_of_squares(on_device)) s += d;
+#endif
   return std::sqrt(s);
 }
 
 void scale_inplace(Tensor& g, float s) {
   check_dtype(g, DType::f32, "scale_inplace", "g");
-  BB_CHECK(g.device().is_cpu(), "scale_inplace: not implemented on ", g.device().str(), " yet");
+  if (g.device().is_cuda()) {
+    require_cuda_build("scale_inplace", g);
+#ifdef BB_WITH_CUDA
+    cuda::scale_inplace(g.data<float>(), s, g.numel());
+#endif
+    return;
+  }
   float* p = g.data<float>();
   for (int64_t i = 0; i < g.numel(); ++i) p[i] *= s;
 }

@@ -1,0 +1,191 @@
+// elementwise_cuda.cu — one grid-stride kernel shape for every pointwise op: V = 4 elements per
+// step (a 16-byte f32 or 8-byte bf16 access) when all pointers are aligned, then a scalar tail;
+// V = 1 otherwise. Each op is a small functor that loads, computes in fp32 and stores.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "backend/cuda/check.cuh"
+#include "primitives/elementwise/elementwise_cuda.h"
+
+namespace bb::cuda {
+namespace {
+
+using bf16_t = uint16_t;  // bf16 storage bits
+
+constexpr int kThreads = 256;
+constexpr int kVec = 4;
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(bf16_t v) {
+  return __uint_as_float(static_cast<uint32_t>(v) << 16);
+}
+
+template <class T, int N>
+struct alignas(N * sizeof(T) < 16 ? N * sizeof(T) : 16) Pack {
+  T v[N];
+};
+
+template <class T, int N>
+__device__ __forceinline__ void load(const T* p, float (&out)[N]) {
+  const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
+#pragma unroll
+  for (int k = 0; k < N; ++k) out[k] = to_f32(pk.v[k]);
+}
+
+template <int N>
+__device__ __forceinline__ void store(float* p, const float (&in)[N]) {
+  Pack<float, N> pk;
+#pragma unroll
+  for (int k = 0; k < N; ++k) pk.v[k] = in[k];
+  *reinterpret_cast<Pack<float, N>*>(p) = pk;
+}
+
+// Elements [0, n): vectors of V first, then the n % V tail one by one.
+template <int V, class Op>
+__global__ void __launch_bounds__(kThreads) flat_kernel(int64_t n, Op op) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t gid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t nv = n / V;
+  for (int64_t i = gid; i < nv; i += stride) op.template apply<V>(i * V);
+  for (int64_t i = nv * V + gid; i < n; i += stride) op.template apply<1>(i);
+}
+
+template <class TB>
+struct Axpy {
+  float* a;
+  const TB* b;
+  float s;
+  template <int M>
+  __device__ void apply(int64_t i) const {
+    float av[M], bv[M];
+    load<float, M>(a + i, av);
+    load<TB, M>(b + i, bv);
+#pragma unroll
+    for (int k = 0; k < M; ++k) av[k] += s * bv[k];
+    store<M>(a + i, av);
+  }
+};
+
+template <class TA, class TB>
+struct Add {
+  float* out;
+  const TA* a;
+  const TB* b;
+  template <int M>
+  __device__ void apply(int64_t i) const {
+    float av[M], bv[M];
+    load<TA, M>(a + i, av);
+    load<TB, M>(b + i, bv);
+#pragma unroll
+    for (int k = 0; k < M; ++k) av[k] += bv[k];
+    store<M>(out + i, av);
+  }
+};
+
+// M elements never straddle a row: the host picks V = kVec only when kVec divides H.
+template <class TX>
+struct ScaleRows {
+  float* out;
+  const TX* x;
+  const void* g;
+  bool g_bf16;
+  int64_t H;
+  template <int M>
+  __device__ void apply(int64_t i) const {
+    const int64_t t = i / H;
+    const float gt =
+        g_bf16 ? to_f32(static_cast<const bf16_t*>(g)[t]) : static_cast<const float*>(g)[t];
+    float xv[M];
+    load<TX, M>(x + i, xv);
+#pragma unroll
+    for (int k = 0; k < M; ++k) xv[k] *= gt;
+    store<M>(out + i, xv);
+  }
+};
+
+template <class TX>
+struct Sigmoid {
+  float* out;
+  const TX* x;
+  template <int M>
+  __device__ void apply(int64_t i) const {
+    float xv[M];
+    load<TX, M>(x + i, xv);
+#pragma unroll
+    for (int k = 0; k < M; ++k) xv[k] = 1.0f / (1.0f + expf(-xv[k]));
+    store<M>(out + i, xv);
+  }
+};
+
+bool aligned(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+template <class Op>
+void launch(int64_t n, bool vec, const Op& op) {
+  if (n == 0) return;
+  int dev = 0, sms = 0;
+  BB_CHECK_CUDA(cudaGetDevice(&dev));
+  BB_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int64_t work = vec ? ceil_div(n, kVec) : n;
+  const auto blocks = static_cast<unsigned>(
+      std::max<int64_t>(1, std::min<int64_t>(ceil_div(work, kThreads), int64_t{sms} * 16)));
+  if (vec)
+    flat_kernel<kVec, Op><<<blocks, kThreads, 0, stream()>>>(n, op);
+  else
+    flat_kernel<1, Op><<<blocks, kThreads, 0, stream()>>>(n, op);
+  BB_CHECK_LAUNCH();
+}
+
+size_t vec_bytes(DType dt) { return kVec * dtype_size(dt); }
+
+}  // namespace
+
+void axpy_inplace(float* a, float s, const void* b, DType b_dtype, int64_t n) {
+  const bool vec = aligned(a, 16) && aligned(b, vec_bytes(b_dtype));
+  if (b_dtype == DType::bf16)
+    launch(n, vec, Axpy<bf16_t>{a, static_cast<const bf16_t*>(b), s});
+  else
+    launch(n, vec, Axpy<float>{a, static_cast<const float*>(b), s});
+}
+
+void add(float* out, const void* a, DType a_dtype, const void* b, DType b_dtype, int64_t n) {
+  const bool vec = aligned(out, 16) && aligned(a, vec_bytes(a_dtype)) &&
+                   aligned(b, vec_bytes(b_dtype));
+  const bool ab = a_dtype == DType::bf16, bb = b_dtype == DType::bf16;
+  const auto* a16 = static_cast<const bf16_t*>(a);
+  const auto* a32 = static_cast<const float*>(a);
+  const auto* b16 = static_cast<const bf16_t*>(b);
+  const auto* b32 = static_cast<const float*>(b);
+  if (ab && bb)
+    launch(n, vec, Add<bf16_t, bf16_t>{out, a16, b16});
+  else if (ab)
+    launch(n, vec, Add<bf16_t, float>{out, a16, b32});
+  else if (bb)
+    launch(n, vec, Add<float, bf16_t>{out, a32, b16});
+  else
+    launch(n, vec, Add<float, float>{out, a32, b32});
+}
+
+void scale_rows(float* out, const void* x, DType x_dtype, const void* g, DType g_dtype, int64_t T,
+                int64_t H) {
+  const bool vec = H % kVec == 0 && aligned(out, 16) && aligned(x, vec_bytes(x_dtype));
+  const bool gb = g_dtype == DType::bf16;
+  if (x_dtype == DType::bf16)
+    launch(T * H, vec, ScaleRows<bf16_t>{out, static_cast<const bf16_t*>(x), g, gb, H});
+  else
+    launch(T * H, vec, ScaleRows<float>{out, static_cast<const float*>(x), g, gb, H});
+}
+
+void sigmoid(float* out, const void* x, DType x_dtype, int64_t n) {
+  const bool vec = aligned(out, 16) && aligned(x, vec_bytes(x_dtype));
+  if (x_dtype == DType::bf16)
+    launch(n, vec, Sigmoid<bf16_t>{out, static_cast<const bf16_t*>(x)});
+  else
+    launch(n, vec, Sigmoid<float>{out, static_cast<const float*>(x)});
+}
+
+}  // namespace bb::cuda

@@ -1,0 +1,25 @@
+// elementwise_cuda.h — host-side declarations of the pointwise CUDA kernels behind
+// elementwise.h (residual adds, axpy, row gates, sigmoid). Plain C++ header: raw device
+// pointers, element counts and dtypes (inputs f32 or bf16; outputs f32); launches go on
+// cuda::stream(). Each kernel is one pass over memory.
+#pragma once
+
+#include <cstdint>
+
+#include "core/dtype.h"
+
+#ifdef BB_WITH_CUDA
+namespace bb::cuda {
+
+// a [n] f32 (in/out) += s * b [n] (b_dtype).
+void axpy_inplace(float* a, float s, const void* b, DType b_dtype, int64_t n);
+// out [n] f32 = a [n] (a_dtype) + b [n] (b_dtype).
+void add(float* out, const void* a, DType a_dtype, const void* b, DType b_dtype, int64_t n);
+// out [T, H] f32 = x [T, H] (x_dtype) * g [T] (g_dtype) per row.
+void scale_rows(float* out, const void* x, DType x_dtype, const void* g, DType g_dtype, int64_t T,
+                int64_t H);
+// out [n] f32 = 1 / (1 + exp(-x)), x [n] (x_dtype).
+void sigmoid(float* out, const void* x, DType x_dtype, int64_t n);
+
+}  // namespace bb::cuda
+#endif

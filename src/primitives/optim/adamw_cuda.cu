@@ -1,0 +1,217 @@
+// adamw_cuda.cu — the fused AdamW update (one read and one write of every state, the model
+// weights written in the same pass) and deterministic sums of squares for gradient norms.
+//
+// Sums of squares: stage 1 gives each block a fixed share of the tensor (the grid depends on n
+// only) and writes one double per block into a fixed slot; stage 2 adds a tensor's slots in a
+// fixed order. No float atomics, so a norm is bitwise reproducible run to run. Squares are
+// accumulated in double (the FP64 rate is far above what memory bandwidth feeds).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "backend/cuda/check.cuh"
+#include "primitives/optim/adamw_cuda.h"
+
+namespace bb::cuda {
+namespace {
+
+using bf16_t = uint16_t;  // bf16 storage bits
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(bf16_t v) {
+  return __uint_as_float(static_cast<uint32_t>(v) << 16);
+}
+template <class T>
+__device__ __forceinline__ T from_f32(float v);
+template <>
+__device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ bf16_t from_f32<bf16_t>(float v) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+
+template <class T, int N>
+struct alignas(N * sizeof(T) < 16 ? N * sizeof(T) : 16) Pack {
+  T v[N];
+};
+
+template <class T, int N>
+__device__ __forceinline__ void load(const T* p, float (&out)[N]) {
+  const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
+#pragma unroll
+  for (int k = 0; k < N; ++k) out[k] = to_f32(pk.v[k]);
+}
+
+template <class T, int N>
+__device__ __forceinline__ void store(T* p, const float (&in)[N]) {
+  Pack<T, N> pk;
+#pragma unroll
+  for (int k = 0; k < N; ++k) pk.v[k] = from_f32<T>(in[k]);
+  *reinterpret_cast<Pack<T, N>*>(p) = pk;
+}
+
+template <int M, class TM>
+__device__ __forceinline__ void adamw_elems(float* p, const float* g, float* m, float* v, TM* model,
+                                            int64_t i, const AdamWScalars& s) {
+  float pv[M], gv[M], mv[M], vv[M];
+  load<float, M>(p + i, pv);
+  load<float, M>(g + i, gv);
+  load<float, M>(m + i, mv);
+  load<float, M>(v + i, vv);
+#pragma unroll
+  for (int k = 0; k < M; ++k) {
+    pv[k] *= s.decay;
+    mv[k] = s.beta1 * mv[k] + (1.0f - s.beta1) * gv[k];
+    vv[k] = s.beta2 * vv[k] + (1.0f - s.beta2) * gv[k] * gv[k];
+    pv[k] -= s.step_size * mv[k] / (sqrtf(vv[k]) * s.inv_sqrt_bc2 + s.eps);
+  }
+  store<float, M>(p + i, pv);
+  store<float, M>(m + i, mv);
+  store<float, M>(v + i, vv);
+  if (model) store<TM, M>(model + i, pv);
+}
+
+template <class TM, int V>
+__global__ void __launch_bounds__(kThreads)
+    adamw_kernel(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
+                 float* __restrict__ v, TM* __restrict__ model, int64_t n, AdamWScalars s) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t gid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t nv = n / V;
+  for (int64_t i = gid; i < nv; i += stride) adamw_elems<V>(p, g, m, v, model, i * V, s);
+  for (int64_t i = nv * V + gid; i < n; i += stride) adamw_elems<1>(p, g, m, v, model, i, s);
+}
+
+__device__ __forceinline__ double block_sum(double x) {
+  __shared__ double red[kThreads / 32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = x;
+  __syncthreads();
+  double s = 0;
+  if (threadIdx.x == 0)
+    for (int i = 0; i < kThreads / 32; ++i) s += red[i];
+  return s;  // valid in thread 0
+}
+
+template <class T, int V>
+__global__ void __launch_bounds__(kThreads)
+    sum_squares_kernel(double* __restrict__ partial, const T* __restrict__ x, int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t gid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t nv = n / V;
+  double acc = 0;
+  for (int64_t i = gid; i < nv; i += stride) {
+    float xv[V];
+    load<T, V>(x + i * V, xv);
+#pragma unroll
+    for (int k = 0; k < V; ++k) acc += static_cast<double>(xv[k]) * xv[k];
+  }
+  for (int64_t i = nv * V + gid; i < n; i += stride) {
+    const double e = to_f32(x[i]);
+    acc += e * e;
+  }
+  const double s = block_sum(acc);
+  if (threadIdx.x == 0) partial[blockIdx.x] = s;
+  if (blockIdx.x == 0)
+    for (int j = gridDim.x + threadIdx.x; j < kSumSquaresSlots; j += blockDim.x) partial[j] = 0;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    sum_squares_finish_kernel(double* __restrict__ out, const double* __restrict__ partial) {
+  const double* p = partial + static_cast<int64_t>(blockIdx.x) * kSumSquaresSlots;
+  double acc = 0;
+  for (int j = threadIdx.x; j < kSumSquaresSlots; j += blockDim.x) acc += p[j];
+  const double s = block_sum(acc);
+  if (threadIdx.x == 0) out[blockIdx.x] = s;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    scale_kernel(float* __restrict__ g, float s, int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t gid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const bool vec = reinterpret_cast<uintptr_t>(g) % 16 == 0;
+  const int64_t nv = vec ? n / 4 : 0;
+  for (int64_t i = gid; i < nv; i += stride) {
+    float4 v = reinterpret_cast<float4*>(g)[i];
+    v.x *= s, v.y *= s, v.z *= s, v.w *= s;
+    reinterpret_cast<float4*>(g)[i] = v;
+  }
+  for (int64_t i = nv * 4 + gid; i < n; i += stride) g[i] *= s;
+}
+
+bool aligned(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+unsigned grid_for(int64_t work) {
+  int dev = 0, sms = 0;
+  BB_CHECK_CUDA(cudaGetDevice(&dev));
+  BB_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return static_cast<unsigned>(
+      std::max<int64_t>(1, std::min<int64_t>(ceil_div(work, kThreads), int64_t{sms} * 16)));
+}
+
+template <class TM>
+void launch_adamw(float* p, const float* g, float* m, float* v, TM* model, int64_t n,
+                  const AdamWScalars& s) {
+  const bool vec = aligned(p, 16) && aligned(g, 16) && aligned(m, 16) && aligned(v, 16) &&
+                   (model == nullptr || aligned(model, 4 * sizeof(TM)));
+  if (vec)
+    adamw_kernel<TM, 4><<<grid_for(ceil_div(n, 4)), kThreads, 0, stream()>>>(p, g, m, v, model, n,
+                                                                            s);
+  else
+    adamw_kernel<TM, 1><<<grid_for(n), kThreads, 0, stream()>>>(p, g, m, v, model, n, s);
+  BB_CHECK_LAUNCH();
+}
+
+template <class T>
+void launch_sum_squares(double* partial, const void* x, int64_t n) {
+  constexpr int V = 16 / sizeof(T);
+  // Depends on n only, so a tensor's sum is the same on every call (and every device).
+  const auto blocks = static_cast<unsigned>(
+      std::clamp<int64_t>(ceil_div(n, int64_t{kThreads} * V * 4), 1, kSumSquaresSlots));
+  const auto* xt = static_cast<const T*>(x);
+  if (aligned(x, 16))
+    sum_squares_kernel<T, V><<<blocks, kThreads, 0, stream()>>>(partial, xt, n);
+  else
+    sum_squares_kernel<T, 1><<<blocks, kThreads, 0, stream()>>>(partial, xt, n);
+  BB_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void adamw_step(float* master, const float* grad, float* exp_avg, float* exp_avg_sq, void* model,
+                DType model_dtype, int64_t n, const AdamWScalars& s) {
+  if (n == 0) return;
+  if (model && model_dtype == DType::bf16)
+    launch_adamw<bf16_t>(master, grad, exp_avg, exp_avg_sq, static_cast<bf16_t*>(model), n, s);
+  else
+    launch_adamw<float>(master, grad, exp_avg, exp_avg_sq, static_cast<float*>(model), n, s);
+}
+
+void sum_squares_partial(double* partial, const void* x, DType dtype, int64_t n) {
+  if (dtype == DType::bf16)
+    launch_sum_squares<bf16_t>(partial, x, n);
+  else
+    launch_sum_squares<float>(partial, x, n);
+}
+
+void sum_squares_finish(double* out, const double* partial, int64_t num_tensors) {
+  if (num_tensors == 0) return;
+  sum_squares_finish_kernel<<<static_cast<unsigned>(num_tensors), kThreads, 0, stream()>>>(
+      out, partial);
+  BB_CHECK_LAUNCH();
+}
+
+void scale_inplace(float* g, float s, int64_t n) {
+  if (n == 0) return;
+  scale_kernel<<<grid_for(ceil_div(n, 4)), kThreads, 0, stream()>>>(g, s, n);
+  BB_CHECK_LAUNCH();
+}
+
+}  // namespace bb::cuda

@@ -1,0 +1,415 @@
+// Memory-bound primitives on CUDA against their CPU path: embedding, RMSNorm / QK norm, RoPE,
+// SwiGLU, elementwise ops, AdamW and gradient norms. Each test draws fresh random inputs, runs
+// the Tensor API on CPU tensors and on copies on cuda:0, and compares with the per-dtype
+// tolerance (relative L2 error). Shapes include ones that divide no tile or vector size
+// (71x229, 1x1, 4097 rows) and views at odd offsets (the unvectorised paths).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "common/gpu.h"
+#include "common/testing.h"
+#include "core/tensor.h"
+#include "primitives/activation/swiglu.h"
+#include "primitives/elementwise/elementwise.h"
+#include "primitives/embedding/embedding.h"
+#include "primitives/norm/rmsnorm.h"
+#include "primitives/optim/adamw.h"
+#include "primitives/rope/rope.h"
+
+namespace bb {
+namespace {
+
+using test::randn;
+
+const Device kGpu = Device::cuda(0);
+
+double tol(DType dt) { return dt == DType::bf16 ? test::kTolBf16 : test::kTolF32; }
+
+Tensor host(const std::vector<float>& v, const Shape& s, DType dt = DType::f32,
+            MemCategory cat = MemCategory::other) {
+  return Tensor::from_floats(v, s, dt, cat);
+}
+
+// A device copy whose data starts `skew` elements after a 256-byte aligned allocation, so
+// that the kernels must take their element-by-element paths.
+Tensor on_gpu(const Tensor& h, int64_t skew = 0) {
+  if (skew == 0) return h.to(kGpu);
+  Tensor big = Tensor::empty({h.numel() + skew}, h.dtype(), kGpu, h.category());
+  Tensor v = big.narrow(skew, h.numel());
+  v.copy_from(h.view({h.numel()}));
+  return v.view(h.shape());
+}
+
+std::vector<int32_t> rand_ids(int64_t n, uint64_t seed, int32_t lo, int32_t hi) {
+  auto u = test::randu(static_cast<size_t>(n), seed, 0.0f, 1.0f);
+  std::vector<int32_t> v(u.size());
+  for (size_t i = 0; i < u.size(); ++i)
+    v[i] = std::min(hi - 1, lo + static_cast<int32_t>(u[i] * static_cast<float>(hi - lo)));
+  return v;
+}
+
+// ---- embedding ----------------------------------------------------------------------------
+
+TEST(EmbeddingGpu, ForwardIsExactAndBackwardMatchesCpuBitwise) {
+  BB_REQUIRE_GPU();
+  struct Case { int64_t V, H, T; };
+  for (DType dt : {DType::f32, DType::bf16}) {
+    for (Case c : {Case{1000, 229, 4097}, Case{1, 1, 1}, Case{300, 2048, 65}, Case{50, 64, 777}}) {
+      SCOPED_TRACE(testing::Message() << dtype_name(dt) << " V=" << c.V << " H=" << c.H
+                                      << " T=" << c.T);
+      // Ids from a small range: many tokens share an id (the accumulation case).
+      auto idv = rand_ids(c.T, 11, 0, static_cast<int32_t>(std::min<int64_t>(c.V, 40)));
+      idv.back() = static_cast<int32_t>(c.V - 1);
+      Tensor ids = Tensor::from_ints(idv, {c.T});
+      Tensor table = host(randn(c.V * c.H, 12), {c.V, c.H}, dt, MemCategory::params);
+      Tensor y_cpu = embedding_forward(ids, table);
+      Tensor y_gpu = embedding_forward(ids, on_gpu(table));
+      EXPECT_EQ(y_gpu.device(), kGpu);
+      EXPECT_EQ(y_gpu.dtype(), dt);
+      EXPECT_EQ(y_gpu.to_floats(), y_cpu.to_floats());
+
+      Tensor dy = host(randn(c.T * c.H, 13), {c.T, c.H}, dt);
+      auto init = randn(c.V * c.H, 14);  // d_table accumulates: start from non-zeros
+      Tensor dt_cpu = host(init, {c.V, c.H}, DType::f32, MemCategory::grads);
+      Tensor dt_gpu = on_gpu(dt_cpu);
+      embedding_backward(dy, ids, dt_cpu);
+      embedding_backward(on_gpu(dy), ids, dt_gpu);
+      // Same additions in the same order as the CPU loop: equal bit for bit.
+      EXPECT_EQ(dt_gpu.to_floats(), dt_cpu.to_floats());
+    }
+  }
+}
+
+TEST(EmbeddingGpu, DeviceIdsUnalignedRowsAndBadIds) {
+  BB_REQUIRE_GPU();
+  const int64_t V = 97, H = 13, T = 300;
+  auto idv = rand_ids(T, 21, 0, static_cast<int32_t>(V));
+  Tensor ids = Tensor::from_ints(idv, {T});
+  Tensor ids_dev = ids.to(kGpu);
+  Tensor table = host(randn(V * H, 22), {V, H}, DType::bf16);
+  Tensor y_cpu = embedding_forward(ids, table);
+  EXPECT_EQ(embedding_forward(ids_dev, on_gpu(table, 1)).to_floats(), y_cpu.to_floats());
+  Tensor dy = host(randn(T * H, 23), {T, H});
+  Tensor d_cpu = host(randn(V * H, 24), {V, H});
+  Tensor d_gpu = on_gpu(d_cpu, 3);
+  embedding_backward(dy, ids, d_cpu);
+  embedding_backward(on_gpu(dy, 1), ids_dev, d_gpu);
+  EXPECT_EQ(d_gpu.to_floats(), d_cpu.to_floats());
+
+  Tensor bad = Tensor::from_ints({0, 5, static_cast<int32_t>(V)}, {3});
+  test::expect_error_contains([&] { embedding_forward(bad, on_gpu(table)); },
+                              "outside the vocabulary");
+  test::expect_error_contains([&] { embedding_forward(bad.to(kGpu), on_gpu(table)); },
+                              "token id 97 at position 2");
+  Tensor d3 = Tensor::zeros({V, H}, DType::f32, kGpu, MemCategory::grads);
+  test::expect_error_contains(
+      [&] { embedding_backward(host(randn(3 * H, 25), {3, H}).to(kGpu), bad, d3); },
+      "outside the vocabulary");
+}
+
+// ---- RMSNorm / QK norm -----------------------------------------------------------------------
+
+struct NormShape { int64_t rows, H; };
+// 1x1, 17x7, 71x229: scalar paths with rows in registers (sub-warp groups for narrow rows);
+// 5x333: scalar, too wide for registers; 4097x128: half-warp groups (qk norm); 33x2048: bf16
+// rows in registers, f32 rows re-read; 3x4104: vectorised rows too wide for registers.
+const NormShape kNormShapes[] = {{71, 229}, {1, 1}, {17, 7},    {5, 333},
+                                 {4097, 128}, {33, 2048}, {9, 1024}, {3, 4104}};
+
+TEST(RMSNormGpu, ForwardMatchesCpu) {
+  BB_REQUIRE_GPU();
+  for (DType dt : {DType::f32, DType::bf16}) {
+    for (NormShape s : kNormShapes) {
+      SCOPED_TRACE(testing::Message() << dtype_name(dt) << " " << s.rows << "x" << s.H);
+      Tensor x = host(randn(s.rows * s.H, 31, 2.0f), {s.rows, s.H}, dt);
+      Tensor w = host(test::randu(s.H, 32, 0.5f, 1.5f), {s.H}, dt, MemCategory::params);
+      RMSNormSaved sc, sg;
+      Tensor yc = rmsnorm_forward(x, w, 1e-6, &sc);
+      Tensor yg = rmsnorm_forward(on_gpu(x), on_gpu(w), 1e-6, &sg);
+      EXPECT_EQ(yg.dtype(), dt);
+      EXPECT_EQ(sg.rstd.device(), kGpu);
+      EXPECT_EQ(sg.rstd.category(), MemCategory::activations);
+      EXPECT_LT(test::rel_error(yg.to_floats(), yc.to_floats()), tol(dt));
+      EXPECT_LT(test::rel_error(sg.rstd.to_floats(), sc.rstd.to_floats()), test::kTolF32);
+    }
+  }
+}
+
+TEST(RMSNormGpu, BackwardMatchesCpuAndIsDeterministic) {
+  BB_REQUIRE_GPU();
+  for (DType dt : {DType::f32, DType::bf16}) {
+    for (DType dyt : {DType::f32, DType::bf16}) {
+      for (NormShape s : kNormShapes) {
+        SCOPED_TRACE(testing::Message() << "x " << dtype_name(dt) << " dy " << dtype_name(dyt)
+                                        << " " << s.rows << "x" << s.H);
+        Tensor x = host(randn(s.rows * s.H, 41), {s.rows, s.H}, dt);
+        Tensor w = host(test::randu(s.H, 42, 0.5f, 1.5f), {s.H}, dt);
+        Tensor dy = host(randn(s.rows * s.H, 43), {s.rows, s.H}, dyt);
+        auto dw0 = randn(s.H, 44);  // d_w accumulates onto this
+        RMSNormSaved sc, sg;
+        rmsnorm_forward(x, w, 1e-5, &sc);
+        Tensor xg = on_gpu(x), wg = on_gpu(w), dyg = on_gpu(dy);
+        rmsnorm_forward(xg, wg, 1e-5, &sg);
+        Tensor dwc = host(dw0, {s.H}, DType::f32, MemCategory::grads);
+        Tensor dwg = on_gpu(dwc), dwg2 = on_gpu(dwc);
+        Tensor dxc = rmsnorm_backward(dy, x, w, sc, dwc);
+        Tensor dxg = rmsnorm_backward(dyg, xg, wg, sg, dwg);
+        rmsnorm_backward(dyg, xg, wg, sg, dwg2);
+        EXPECT_EQ(dxg.dtype(), DType::f32);
+        const double t = tol(dt == DType::bf16 || dyt == DType::bf16 ? DType::bf16 : DType::f32);
+        if (s.H > 1) {
+          EXPECT_LT(test::rel_error(dxg.to_floats(), dxc.to_floats()), t);
+        } else {
+          // H = 1: d_x = rstd dy w (1 - xhat^2) with xhat^2 = x^2 / (x^2 + eps) ~ 1, all
+          // cancellation; both sides are only accurate relative to the terms' size.
+          auto dys = dy.to_floats(), ws = w.to_floats(), rs = sc.rstd.to_floats();
+          double scale = 0;
+          for (int64_t i = 0; i < s.rows; ++i)
+            scale = std::max(scale, std::fabs(static_cast<double>(dys[i]) * ws[0] * rs[i]));
+          EXPECT_LT(test::max_abs_diff(dxg.to_floats(), dxc.to_floats()), t * scale);
+        }
+        EXPECT_LT(test::rel_error(dwg.to_floats(), dwc.to_floats()), t);
+        EXPECT_EQ(dwg.to_floats(), dwg2.to_floats()) << "d_w must not depend on scheduling";
+      }
+    }
+  }
+}
+
+TEST(RMSNormGpu, UnalignedViewsAndMixedWeightDtype) {
+  BB_REQUIRE_GPU();
+  const int64_t rows = 37, H = 256;
+  Tensor x = host(randn(rows * H, 51), {rows, H}, DType::bf16);
+  Tensor w = host(test::randu(H, 52, 0.5f, 1.5f), {H});  // f32 weight, bf16 activations
+  Tensor dy = host(randn(rows * H, 53), {rows, H});
+  RMSNormSaved sc, sg;
+  Tensor yc = rmsnorm_forward(x, w, 1e-6, &sc);
+  Tensor xg = on_gpu(x, 1);
+  Tensor yg = rmsnorm_forward(xg, on_gpu(w, 1), 1e-6, &sg);
+  EXPECT_LT(test::rel_error(yg.to_floats(), yc.to_floats()), test::kTolBf16);
+  Tensor dwc = Tensor::zeros({H}, DType::f32, Device::cpu(), MemCategory::grads);
+  Tensor dwg = dwc.to(kGpu);
+  Tensor dxc = rmsnorm_backward(dy, x, w, sc, dwc);
+  Tensor dxg = rmsnorm_backward(on_gpu(dy, 1), xg, on_gpu(w, 1), sg, dwg);
+  EXPECT_LT(test::rel_error(dxg.to_floats(), dxc.to_floats()), test::kTolBf16);
+  EXPECT_LT(test::rel_error(dwg.to_floats(), dwc.to_floats()), test::kTolBf16);
+}
+
+TEST(RMSNormGpu, QKNormPerHeadAndErrors) {
+  BB_REQUIRE_GPU();
+  const int64_t T = 37, n = 5, D = 128;
+  Tensor x = host(randn(T * n * D, 61), {T, n, D}, DType::bf16);
+  Tensor w = host(test::randu(D, 62, 0.5f, 1.5f), {D}, DType::bf16);
+  Tensor dy = host(randn(T * n * D, 63), {T, n, D});
+  RMSNormSaved sc, sg;
+  Tensor yc = qk_norm_forward(x, w, 1e-6, &sc);
+  Tensor xg = on_gpu(x), wg = on_gpu(w);
+  Tensor yg = qk_norm_forward(xg, wg, 1e-6, &sg);
+  EXPECT_EQ(yg.shape(), (Shape{T, n, D}));
+  EXPECT_EQ(sg.rstd.shape(), (Shape{T * n}));
+  EXPECT_LT(test::rel_error(yg.to_floats(), yc.to_floats()), test::kTolBf16);
+  Tensor dwc = host(randn(D, 64), {D});
+  Tensor dwg = on_gpu(dwc);
+  Tensor dxc = qk_norm_backward(dy, x, w, sc, dwc);
+  Tensor dxg = qk_norm_backward(on_gpu(dy), xg, wg, sg, dwg);
+  EXPECT_LT(test::rel_error(dxg.to_floats(), dxc.to_floats()), test::kTolBf16);
+  EXPECT_LT(test::rel_error(dwg.to_floats(), dwc.to_floats()), test::kTolBf16);
+
+  test::expect_error_contains([&] { rmsnorm_forward(xg.view({T * n, D}), w, 1e-6, nullptr); },
+                              "tensors on different devices");
+  Tensor x16 = Tensor::from_floats(randn(4 * D, 65), {4, D}, DType::f16).to(kGpu);
+  test::expect_error_contains([&] { rmsnorm_forward(x16, wg, 1e-6, nullptr); },
+                              "the CUDA path takes f32 or bf16");
+}
+
+// ---- RoPE ---------------------------------------------------------------------------------
+
+TEST(RopeGpu, FullAndPartialRotaryLongPositions) {
+  BB_REQUIRE_GPU();
+  struct Case { int64_t T, n, D, R; };
+  // Full, partial (vectorised), odd half-width and partial with a short tail (scalar), 1x1x2.
+  const Case cases[] = {{71, 3, 128, 0}, {50, 4, 128, 64}, {9, 3, 22, 0}, {17, 2, 10, 6},
+                        {1, 1, 2, 0}, {4097, 2, 64, 0}};
+  for (DType dt : {DType::f32, DType::bf16}) {
+    for (Case c : cases) {
+      SCOPED_TRACE(testing::Message() << dtype_name(dt) << " T=" << c.T << " n=" << c.n
+                                      << " D=" << c.D << " R=" << c.R);
+      const RopeConfig cfg{1000000.0, c.R};
+      // Positions far past 8192 (long-context angles), plus 0 and a run 0..T-1.
+      auto pv = rand_ids(c.T, 71, 0, 200000);
+      for (int64_t t = 0; t < std::min<int64_t>(c.T, 16); ++t) pv[t] = static_cast<int32_t>(t);
+      Tensor pos = Tensor::from_ints(pv, {c.T});
+      Tensor x = host(randn(c.T * c.n * c.D, 72), {c.T, c.n, c.D}, dt);
+      Tensor yc = rope_forward(x, pos, cfg);
+      Tensor yg = rope_forward(on_gpu(x), pos, cfg);
+      EXPECT_EQ(yg.dtype(), dt);
+      EXPECT_LT(test::rel_error(yg.to_floats(), yc.to_floats()), tol(dt));
+      Tensor dy = host(randn(c.T * c.n * c.D, 73), {c.T, c.n, c.D}, dt);
+      Tensor dc = rope_backward(dy, pos, cfg);
+      Tensor dg = rope_backward(on_gpu(dy), pos.to(kGpu), cfg);  // device positions
+      EXPECT_EQ(dg.dtype(), DType::f32);
+      EXPECT_LT(test::rel_error(dg.to_floats(), dc.to_floats()), tol(dt));
+    }
+  }
+}
+
+TEST(RopeGpu, AnglesMatchCpuClosely) {
+  BB_REQUIRE_GPU();
+  // f32 with one head: the error is the cos/sin error alone (same fp32 angle on both sides).
+  const int64_t T = 512, D = 128;
+  auto pv = rand_ids(T, 81, 8192, 1 << 20);
+  Tensor pos = Tensor::from_ints(pv, {T});
+  Tensor x = host(randn(T * D, 82), {T, 1, D});
+  const RopeConfig cfg{10000.0, 0};
+  auto yc = rope_forward(x, pos, cfg).to_floats();
+  auto yg = rope_forward(on_gpu(x, 1), pos, cfg).to_floats();
+  EXPECT_LT(test::max_abs_diff(yg, yc), 1e-5);
+  test::expect_error_contains(
+      [&] { rope_forward(on_gpu(x), pos.to(kGpu), RopeConfig{10000.0, 130}); },
+      "must be even and in (0, head_dim=128]");
+}
+
+// ---- SwiGLU -------------------------------------------------------------------------------
+
+TEST(SwiGLUGpu, ForwardAndBackwardMatchCpu) {
+  BB_REQUIRE_GPU();
+  struct Case { int64_t N, F; };
+  const Case cases[] = {{71, 229}, {1, 1}, {4097, 64}, {33, 768}};
+  for (DType dt : {DType::f32, DType::bf16}) {
+    for (DType dht : {DType::f32, DType::bf16}) {
+      for (Case c : cases) {
+        SCOPED_TRACE(testing::Message() << dtype_name(dt) << " d_h " << dtype_name(dht)
+                                        << " N=" << c.N << " F=" << c.F);
+        Tensor gu = host(randn(c.N * 2 * c.F, 91, 3.0f), {c.N, 2 * c.F}, dt);
+        Tensor dh = host(randn(c.N * c.F, 92), {c.N, c.F}, dht);
+        Tensor hc = swiglu_forward(gu);
+        Tensor gug = on_gpu(gu);
+        Tensor hg = swiglu_forward(gug);
+        EXPECT_EQ(hg.dtype(), dt);
+        EXPECT_LT(test::rel_error(hg.to_floats(), hc.to_floats()), tol(dt));
+        Tensor dc = swiglu_backward(dh, gu);
+        Tensor dg = swiglu_backward(on_gpu(dh), gug);
+        EXPECT_EQ(dg.dtype(), dt);
+        EXPECT_LT(test::rel_error(dg.to_floats(), dc.to_floats()), tol(dt));
+      }
+    }
+  }
+  // Odd offsets take the element-by-element path.
+  Tensor gu = host(randn(6 * 64, 93), {6, 64});
+  Tensor dh = host(randn(6 * 32, 94), {6, 32});
+  EXPECT_LT(test::rel_error(swiglu_backward(on_gpu(dh, 1), on_gpu(gu, 1)).to_floats(),
+                            swiglu_backward(dh, gu).to_floats()),
+            test::kTolF32);
+}
+
+// ---- elementwise --------------------------------------------------------------------------
+
+TEST(ElementwiseGpu, AddAxpyScaleRowsSigmoidMatchCpu) {
+  BB_REQUIRE_GPU();
+  struct Case { int64_t T, H; };
+  for (Case c : {Case{71, 229}, Case{1, 1}, Case{4097, 16}}) {
+    for (DType adt : {DType::f32, DType::bf16}) {
+      for (DType bdt : {DType::f32, DType::bf16}) {
+        for (int64_t skew : {0, 1}) {
+          SCOPED_TRACE(testing::Message() << c.T << "x" << c.H << " a " << dtype_name(adt)
+                                          << " b " << dtype_name(bdt) << " skew " << skew);
+          const double t = tol(adt == DType::bf16 || bdt == DType::bf16 ? DType::bf16 : DType::f32);
+          Tensor a = host(randn(c.T * c.H, 101), {c.T, c.H}, adt);
+          Tensor b = host(randn(c.T * c.H, 102), {c.T, c.H}, bdt);
+          Tensor ag = on_gpu(a, skew), bg = on_gpu(b, skew);
+          Tensor sc = add(a, b, MemCategory::activations);
+          Tensor sg = add(ag, bg, MemCategory::activations);
+          EXPECT_EQ(sg.dtype(), DType::f32);
+          EXPECT_EQ(sg.device(), kGpu);
+          EXPECT_LT(test::rel_error(sg.to_floats(), sc.to_floats()), t);
+
+          Tensor a32 = host(randn(c.T * c.H, 103), {c.T, c.H});
+          Tensor a32g = on_gpu(a32, skew);
+          axpy_inplace(a32, -0.75f, b);
+          axpy_inplace(a32g, -0.75f, bg);
+          add_inplace(a32, b);
+          add_inplace(a32g, bg);
+          EXPECT_LT(test::rel_error(a32g.to_floats(), a32.to_floats()), t);
+
+          Tensor g = host(randn(c.T, 104), {c.T}, bdt);
+          EXPECT_LT(test::rel_error(scale_rows(ag, on_gpu(g), MemCategory::activations).to_floats(),
+                                    scale_rows(a, g, MemCategory::activations).to_floats()),
+                    t);
+          EXPECT_LT(test::rel_error(sigmoid(ag, MemCategory::activations).to_floats(),
+                                    sigmoid(a, MemCategory::activations).to_floats()),
+                    t);
+        }
+      }
+    }
+  }
+  Tensor a = Tensor::zeros({4}, DType::f32, kGpu, MemCategory::other);
+  test::expect_error_contains([&] { add_inplace(a, host({1, 2, 3, 4}, {4})); },
+                              "tensors on different devices");
+}
+
+// ---- AdamW and gradient norms -------------------------------------------------------------
+
+TEST(AdamWGpu, ThreeStepsMatchCpu) {
+  BB_REQUIRE_GPU();
+  for (int64_t n : {4097, 1, 229 * 71}) {
+    for (int model_kind : {0, 1, 2}) {  // none, f32, bf16 model weights
+      for (int64_t skew : {0, 1}) {
+        SCOPED_TRACE(testing::Message() << "n=" << n << " model " << model_kind << " skew "
+                                        << skew);
+        Tensor p = host(randn(n, 111), {n}, DType::f32, MemCategory::optimizer);
+        Tensor m = host(randn(n, 112, 0.1f), {n}, DType::f32, MemCategory::optimizer);
+        Tensor v = host(test::randu(n, 113, 0.0f, 0.01f), {n}, DType::f32, MemCategory::optimizer);
+        Tensor pg = on_gpu(p, skew), mg = on_gpu(m, skew), vg = on_gpu(v, skew);
+        const DType mdt = model_kind == 2 ? DType::bf16 : DType::f32;
+        Tensor model = Tensor::zeros({n}, mdt, Device::cpu(), MemCategory::params);
+        Tensor model_g = on_gpu(model, skew);
+        Tensor* mc = model_kind ? &model : nullptr;
+        Tensor* mgp = model_kind ? &model_g : nullptr;
+        const AdamWConfig cfg{0.9, 0.95, 1e-8};
+        for (int64_t step = 1; step <= 3; ++step) {
+          Tensor g = host(randn(n, 120 + static_cast<uint64_t>(step)), {n}, DType::f32,
+                          MemCategory::grads);
+          adamw_step(p, g, m, v, step, 1e-2, 0.1, cfg, mc);
+          adamw_step(pg, on_gpu(g, skew), mg, vg, step, 1e-2, 0.1, cfg, mgp);
+        }
+        EXPECT_LT(test::rel_error(pg.to_floats(), p.to_floats()), test::kTolF32);
+        EXPECT_LT(test::rel_error(mg.to_floats(), m.to_floats()), test::kTolF32);
+        EXPECT_LT(test::rel_error(vg.to_floats(), v.to_floats()), test::kTolF32);
+        if (model_kind) {
+          EXPECT_EQ(model_g.dtype(), mdt);
+          EXPECT_LT(test::rel_error(model_g.to_floats(), model.to_floats()), tol(mdt));
+        }
+      }
+    }
+  }
+}
+
+TEST(AdamWGpu, GradNormSumOfSquaresAndScale) {
+  BB_REQUIRE_GPU();
+  std::vector<Tensor> cpu_grads = {
+      host(randn(71 * 229, 131), {71, 229}), host(randn(1, 132), {1}),
+      host(randn(4097, 133), {4097}, DType::bf16), host(randn(300001, 134, 0.01f), {300001})};
+  std::vector<Tensor> gpu_grads;
+  for (const Tensor& g : cpu_grads) gpu_grads.push_back(on_gpu(g));
+  gpu_grads[1] = on_gpu(cpu_grads[1], 1);  // an unaligned view
+  const double nc = global_grad_norm(cpu_grads);
+  const double ng = global_grad_norm(gpu_grads);
+  EXPECT_NEAR(ng, nc, 1e-9 * nc);
+  EXPECT_EQ(global_grad_norm(gpu_grads), ng) << "the norm must be bitwise reproducible";
+  EXPECT_NEAR(sum_of_squares(gpu_grads[2]), sum_of_squares(cpu_grads[2]),
+              1e-9 * sum_of_squares(cpu_grads[2]));
+  // Mixed host and device tensors are summed together.
+  std::vector<Tensor> mixed = {cpu_grads[0], gpu_grads[1], gpu_grads[2], cpu_grads[3]};
+  EXPECT_NEAR(global_grad_norm(mixed), nc, 1e-9 * nc);
+
+  Tensor s = host(randn(4099, 135), {4099});
+  Tensor sg = on_gpu(s, 1);
+  scale_inplace(s, 0.37f);
+  scale_inplace(sg, 0.37f);
+  EXPECT_EQ(sg.to_floats(), s.to_floats());
+}
+
+}  // namespace
+}  // namespace bb
