@@ -1,27 +1,55 @@
-// cross_entropy.cpp — Tensor-level cross-entropy and the full_ce loss head (CPU path).
+// cross_entropy.cpp — Tensor-level cross-entropy and the full_ce loss head: CPU path, and the
+// CUDA path for device tensors.
 //
-// Boundary checks live here; the arithmetic is in cross_entropy_ref.h (plus BLAS for the two
-// GEMMs of the head). Parameter gradients accumulate (+=), activation gradients are written (=).
+// Boundary checks live here; the CPU arithmetic is in cross_entropy_ref.h (plus BLAS for the two
+// GEMMs of the head), the CUDA kernels in loss_cuda.cu (plus `matmul` on device tensors for the
+// GEMMs). Parameter gradients accumulate (+=), activation gradients are written (=).
+//
+// CUDA notes: targets may be on the CPU (range-checked on the host, then copied to the device:
+// that copy synchronises) or on the logits' device (range-checked by the forward's kernels and
+// reported at its one host read; a backward with device targets does not re-check them, and a
+// target >= V there simply gets no one-hot term). The loss-head GEMMs need h and w of one dtype
+// (f32 or bf16); with bf16 the logits gradient is stored in bf16 for the bf16 GEMMs.
 #include "primitives/loss/cross_entropy.h"
 
 #include "backend/cpu/gemm.h"
 #include "backend/cpu/util.h"
 #include "primitives/loss/cross_entropy_ref.h"
 
+#ifdef BB_WITH_CUDA
+#include "backend/cuda/runtime.h"
+#include "primitives/linear/linear.h"
+#include "primitives/loss/loss_cuda.h"
+#endif
+
 namespace bb {
 
 namespace {
 
+// CPU always; CUDA when this build has the CUDA backend.
 void check_cpu(const Tensor& t, const char* op, const char* arg) {
+#ifdef BB_WITH_CUDA
+  if (t.device().is_cuda()) return;
+#endif
   BB_CHECK(t.device().is_cpu(), op, ": not implemented on ", t.device().str(), " yet (argument '",
            arg, "' is ", t.str(), ")");
 }
 
-// targets: [T] i32 on the CPU, every value < V (negative = masked).
-void check_targets(const Tensor& targets, int64_t T, int64_t V, const char* op) {
+void check_on(const Tensor& t, Device dev, const char* op, const char* arg) {
+  BB_CHECK(t.device() == dev, op, ": argument '", arg, "' is on ", t.device().str(),
+           " but the computation runs on ", dev.str());
+}
+
+// targets: [T] i32 with every value < V (negative = masked). On the CPU the values are checked
+// here; on the compute device (`dev`) they are checked by the CUDA forward.
+void check_targets(const Tensor& targets, int64_t T, int64_t V, Device dev, const char* op) {
   check_dtype(targets, DType::i32, op, "targets");
   check_shape(targets, {T}, op, "targets");
   check_cpu(targets, op, "targets");
+  if (!targets.device().is_cpu()) {
+    check_on(targets, dev, op, "targets");
+    return;
+  }
   const int32_t* tg = targets.data<int32_t>();
   for (int64_t t = 0; t < T; ++t)
     BB_CHECK(tg[t] < V, op, ": targets[", t, "] = ", tg[t], " is out of range for vocab size ", V,
@@ -37,22 +65,67 @@ void check_logits(const Tensor& logits, const char* op) {
   check_cpu(logits, op, "logits");
 }
 
+#ifdef BB_WITH_CUDA
+Tensor targets_on(const Tensor& targets, Device dev) {
+  return targets.device() == dev ? targets : targets.to(dev, MemCategory::workspace);
+}
+
+// Cross-entropy forward of device logits x [T, V] (row stride V): lse [T] f32 written, totals
+// read back once. Throws for targets >= V (device targets are only checked here).
+LossResult ce_forward_cuda(const Tensor& x, const Tensor& targets_dev, float* lse, int64_t T,
+                           int64_t V, const char* op) {
+  const Device dev = x.device();
+  BB_CHECK(x.dtype() == DType::f32 || x.dtype() == DType::bf16, op,
+           ": logits dtype ", dtype_name(x.dtype()), " is not supported on CUDA (f32 or bf16)");
+  Tensor run = Tensor::empty({3 * T}, DType::f32, dev, MemCategory::workspace);
+  float* run_max = run.data<float>();
+  float* run_sum = run_max + T;
+  float* target_logit = run_max + 2 * T;
+  Tensor totals = Tensor::empty({static_cast<int64_t>(cuda::ce_totals_bytes())}, DType::u8, dev,
+                                MemCategory::workspace);
+  const int32_t* tg = targets_dev.data<int32_t>();
+  cuda::ce_online_update(run_max, run_sum, target_logit, x.raw(), x.dtype(), V, tg, T, 0, V, true);
+  const cuda::CeTotals c =
+      cuda::ce_finalize(lse, totals.raw(), run_max, run_sum, target_logit, tg, T, V);
+  if (c.first_bad_row >= 0) {
+    const int32_t v = targets_dev.narrow(c.first_bad_row, 1).to_ints()[0];
+    BB_FAIL(op, ": targets[", c.first_bad_row, "] = ", v, " is out of range for vocab size ", V,
+            " (valid: 0..", V - 1, ", or negative to mask the position)");
+  }
+  LossResult r;
+  r.loss_sum = c.loss_sum;
+  r.num_valid = c.num_valid;
+  return r;
+}
+#endif
+
 }  // namespace
 
 LossResult cross_entropy_forward(const Tensor& logits, const Tensor& targets, Tensor* lse_out) {
   const char* op = "cross_entropy_forward";
   check_logits(logits, op);
   const int64_t T = logits.size(0), V = logits.size(1);
-  check_targets(targets, T, V, op);
+  const Device dev = logits.device();
+  check_targets(targets, T, V, dev, op);
   float* lse = nullptr;
   if (lse_out) {
-    if (!lse_out->defined())
-      *lse_out = Tensor::empty({T}, DType::f32, Device::cpu(), MemCategory::activations);
+    if (!lse_out->defined()) *lse_out = Tensor::empty({T}, DType::f32, dev, MemCategory::activations);
     check_shape(*lse_out, {T}, op, "lse_out");
     check_dtype(*lse_out, DType::f32, op, "lse_out");
     check_cpu(*lse_out, op, "lse_out");
+    check_on(*lse_out, dev, op, "lse_out");
     lse = lse_out->data<float>();
   }
+#ifdef BB_WITH_CUDA
+  if (dev.is_cuda()) {
+    Tensor lse_tmp;
+    if (!lse) {
+      lse_tmp = Tensor::empty({T}, DType::f32, dev, MemCategory::workspace);
+      lse = lse_tmp.data<float>();
+    }
+    return ce_forward_cuda(logits, targets_on(targets, dev), lse, T, V, op);
+  }
+#endif
   Tensor lf = cpu::as_f32(logits);
   LossResult r;
   ref::cross_entropy_forward<float>(lse, &r.loss_sum, &r.num_valid, lf.data<float>(),
@@ -65,10 +138,21 @@ Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const
   const char* op = "cross_entropy_backward";
   check_logits(logits, op);
   const int64_t T = logits.size(0), V = logits.size(1);
-  check_targets(targets, T, V, op);
+  const Device dev = logits.device();
+  check_targets(targets, T, V, dev, op);
   check_shape(lse, {T}, op, "lse");
   check_dtype(lse, DType::f32, op, "lse");
   check_cpu(lse, op, "lse");
+  check_on(lse, dev, op, "lse");
+#ifdef BB_WITH_CUDA
+  if (dev.is_cuda()) {
+    Tensor d = Tensor::empty({T, V}, DType::f32, dev, MemCategory::logits);
+    Tensor tg = targets_on(targets, dev);
+    cuda::ce_softmax_grad(d.raw(), DType::f32, V, logits.raw(), logits.dtype(), V,
+                          tg.data<int32_t>(), lse.data<float>(), scale, T, 0, V);
+    return d;
+  }
+#endif
   Tensor lf = cpu::as_f32(logits);
   Tensor d = Tensor::empty({T, V}, DType::f32, Device::cpu(), MemCategory::logits);
   ref::cross_entropy_backward<float>(d.data<float>(), lf.data<float>(), targets.data<int32_t>(),
@@ -92,7 +176,13 @@ LossHeadDims check_loss_head_inputs(const Tensor& h, const Tensor& w, const Tens
   BB_CHECK(d.vocab > 0, op, ": vocab size is 0 (w is ", shape_str(w.shape()), ")");
   check_cpu(h, op, "h");
   check_cpu(w, op, "w");
-  check_targets(targets, d.num_tokens, d.vocab, op);
+  check_on(w, h.device(), op, "w");
+  if (h.device().is_cuda()) {
+    BB_CHECK(h.dtype() == w.dtype() && (h.dtype() == DType::f32 || h.dtype() == DType::bf16), op,
+             ": on CUDA h and w must share one dtype, f32 or bf16 (the GEMM operands); got h ",
+             dtype_name(h.dtype()), " and w ", dtype_name(w.dtype()));
+  }
+  check_targets(targets, d.num_tokens, d.vocab, h.device(), op);
   return d;
 }
 
@@ -104,16 +194,19 @@ void check_loss_head_grads(const LossHeadDims& dims, const Tensor& h, const Loss
   check_shape(saved.lse, {dims.num_tokens}, op, "saved.lse");
   check_dtype(saved.lse, DType::f32, op, "saved.lse");
   check_cpu(saved.lse, op, "saved.lse");
+  check_on(saved.lse, h.device(), op, "saved.lse");
   BB_CHECK(d_w.defined(), op, ": d_w is undefined; it accumulates (+=), pass a zeroed [V, H] f32");
   check_shape(d_w, {dims.vocab, dims.hidden}, op, "d_w");
   check_dtype(d_w, DType::f32, op, "d_w");
   check_cpu(d_w, op, "d_w");
+  check_on(d_w, h.device(), op, "d_w");
   if (!d_h.defined())
-    d_h = Tensor::empty({dims.num_tokens, dims.hidden}, DType::f32, Device::cpu(),
+    d_h = Tensor::empty({dims.num_tokens, dims.hidden}, DType::f32, h.device(),
                         MemCategory::activations);
   check_shape(d_h, h.shape(), op, "d_h");
   check_float(d_h, op, "d_h");
   check_cpu(d_h, op, "d_h");
+  check_on(d_h, h.device(), op, "d_h");
 }
 
 }  // namespace detail
@@ -127,7 +220,15 @@ Tensor lm_head_logits(const Tensor& h, const Tensor& w) {
            shape_str(w.shape()));
   check_cpu(h, op, "h");
   check_cpu(w, op, "w");
+  check_on(w, h.device(), op, "w");
   const int64_t T = h.size(0), V = w.size(0), H = h.size(1);
+#ifdef BB_WITH_CUDA
+  if (h.device().is_cuda()) {
+    Tensor logits = Tensor::empty({T, V}, DType::f32, h.device(), MemCategory::logits);
+    matmul(h, false, w, true, logits);
+    return logits;
+  }
+#endif
   Tensor hf = cpu::as_f32(h), wf = cpu::as_f32(w);
   Tensor logits = Tensor::empty({T, V}, DType::f32, Device::cpu(), MemCategory::logits);
   cpu::gemm<float>(false, true, T, V, H, 1.0f, hf.data<float>(), wf.data<float>(), 0.0f,
@@ -140,12 +241,19 @@ LossResult full_ce_forward(const Tensor& h, const Tensor& w, const Tensor& targe
   const char* op = "full_ce_forward";
   const detail::LossHeadDims dims = detail::check_loss_head_inputs(h, w, targets, op);
   Tensor logits = lm_head_logits(h, w);
-  Tensor lse =
-      Tensor::empty({dims.num_tokens}, DType::f32, Device::cpu(), MemCategory::activations);
+  Tensor lse = Tensor::empty({dims.num_tokens}, DType::f32, h.device(), MemCategory::activations);
   LossResult r;
-  ref::cross_entropy_forward<float>(lse.data<float>(), &r.loss_sum, &r.num_valid,
-                                    logits.data<float>(), targets.data<int32_t>(), dims.num_tokens,
-                                    dims.vocab);
+#ifdef BB_WITH_CUDA
+  if (h.device().is_cuda()) {
+    r = ce_forward_cuda(logits, targets_on(targets, h.device()), lse.data<float>(),
+                        dims.num_tokens, dims.vocab, op);
+  } else
+#endif
+  {
+    ref::cross_entropy_forward<float>(lse.data<float>(), &r.loss_sum, &r.num_valid,
+                                      logits.data<float>(), targets.data<int32_t>(),
+                                      dims.num_tokens, dims.vocab);
+  }
   if (saved) {
     saved->logits = logits;
     saved->lse = lse;
@@ -163,8 +271,30 @@ void full_ce_backward(float scale, const Tensor& h, const Tensor& w, const Tenso
            "logits saved by full_ce_forward (did the forward run with linear_ce?)");
   check_shape(saved.logits, {dims.num_tokens, dims.vocab}, op, "saved.logits");
   check_dtype(saved.logits, DType::f32, op, "saved.logits");
+  check_on(saved.logits, h.device(), op, "saved.logits");
   const int64_t T = dims.num_tokens, V = dims.vocab, H = dims.hidden;
 
+#ifdef BB_WITH_CUDA
+  if (h.device().is_cuda()) {
+    const Device dev = h.device();
+    // d_logits in the GEMM operand dtype (bf16 for bf16 h/w): peak logits T*V*(4 + 2 or 4).
+    Tensor d_logits = Tensor::empty({T, V}, h.dtype(), dev, MemCategory::logits);
+    Tensor tg = targets_on(targets, dev);
+    cuda::ce_softmax_grad(d_logits.raw(), d_logits.dtype(), V, saved.logits.raw(), DType::f32, V,
+                          tg.data<int32_t>(), saved.lse.data<float>(), scale, T, 0, V);
+    // d_h = d_logits @ w  [T, V] x [V, H]
+    if (d_h.dtype() == DType::f32) {
+      matmul(d_logits, false, w, false, d_h);
+    } else {
+      Tensor dhf = Tensor::empty({T, H}, DType::f32, dev, MemCategory::workspace);
+      matmul(d_logits, false, w, false, dhf);
+      cuda::convert(d_h.raw(), d_h.dtype(), dhf.raw(), DType::f32, T * H);
+    }
+    // d_w += d_logits^T @ h  [V, T] x [T, H]
+    matmul(d_logits, true, h, false, d_w, 1.0f, 1.0f);
+    return;
+  }
+#endif
   Tensor d_logits = Tensor::empty({T, V}, DType::f32, Device::cpu(), MemCategory::logits);
   ref::cross_entropy_backward<float>(d_logits.data<float>(), saved.logits.data<float>(),
                                      targets.data<int32_t>(), saved.lse.data<float>(), scale, T, V);

@@ -1,10 +1,16 @@
-// linear_ce.cpp — the streaming loss head on the CPU (BLAS for the chunk GEMMs, the online
-// logsumexp and softmax gradient from cross_entropy_ref.h).
+// linear_ce.cpp — the streaming loss head: on the CPU (BLAS for the chunk GEMMs, the online
+// logsumexp and softmax gradient from cross_entropy_ref.h) and on CUDA (`matmul` on device
+// tensors for the chunk GEMMs, the kernels of loss_cuda.cu for the rest).
 //
 // NOTES: one logits block of min(ct, T) x min(cv, V) f32 is allocated once per call and reused
 // (prefix-packed with row stride nv) for every chunk pair; that keeps the logits peak at exactly
 // one chunk without allocator churn. bf16 inputs are converted per chunk (workspace), never
 // whole, so the f32 copies are [ct, H] and [cv, H] as well.
+// CUDA: the forward keeps the same single f32 block (peak logits exactly ct * cv * 4 bytes) and
+// reads its totals back once at the end. The backward with bf16 h/w needs the gradient block in
+// bf16 for the bf16 GEMMs next to the f32 recomputed logits, so it walks token sub-chunks of
+// ctb = max(1, 2 ct / 3) rows: 6 * ctb * cv <= 4 * ct * cv bytes, still within one chunk
+// (ct >= 2). With f32 h/w the gradient overwrites the block in place.
 // Parameter gradients accumulate (+=), activation gradients are written (=).
 #include "primitives/loss/linear_ce.h"
 
@@ -17,6 +23,12 @@
 #include "backend/cpu/util.h"
 #include "primitives/loss/cross_entropy_ref.h"
 
+#ifdef BB_WITH_CUDA
+#include "backend/cuda/runtime.h"
+#include "primitives/linear/linear.h"
+#include "primitives/loss/loss_cuda.h"
+#endif
+
 namespace bb {
 
 namespace {
@@ -25,6 +37,97 @@ void check_config(const LossHeadConfig& cfg, const char* op) {
   BB_CHECK(cfg.chunk_tokens > 0, op, ": cfg.chunk_tokens must be > 0, got ", cfg.chunk_tokens);
   BB_CHECK(cfg.chunk_vocab > 0, op, ": cfg.chunk_vocab must be > 0, got ", cfg.chunk_vocab);
 }
+
+#ifdef BB_WITH_CUDA
+Tensor targets_on(const Tensor& targets, Device dev) {
+  return targets.device() == dev ? targets : targets.to(dev, MemCategory::workspace);
+}
+
+LossResult linear_ce_forward_cuda(const Tensor& h, const Tensor& w, const Tensor& targets,
+                                  const LossHeadConfig& cfg, LossHeadSaved* saved,
+                                  const detail::LossHeadDims& dims, const char* op) {
+  const Device dev = h.device();
+  const int64_t T = dims.num_tokens, V = dims.vocab;
+  const int64_t ct = std::min(cfg.chunk_tokens, T), cv = std::min(cfg.chunk_vocab, V);
+  Tensor tg = targets_on(targets, dev);
+  const int32_t* tgp = tg.data<int32_t>();
+  Tensor lse = Tensor::empty({T}, DType::f32, dev, MemCategory::activations);
+  Tensor run = Tensor::empty({3 * T}, DType::f32, dev, MemCategory::workspace);
+  float* run_max = run.data<float>();
+  float* run_sum = run_max + T;
+  float* target_logit = run_max + 2 * T;
+  Tensor block = Tensor::empty({ct * cv}, DType::f32, dev, MemCategory::logits);
+
+  for (int64_t t0 = 0; t0 < T; t0 += ct) {
+    const int64_t nt = std::min(ct, T - t0);
+    const Tensor hc = h.narrow(t0, nt);
+    for (int64_t v0 = 0; v0 < V; v0 += cv) {
+      const int64_t nv = std::min(cv, V - v0);
+      Tensor x = block.narrow(0, nt * nv).view({nt, nv});
+      matmul(hc, false, w.narrow(v0, nv), true, x);
+      cuda::ce_online_update(run_max + t0, run_sum + t0, target_logit + t0, x.raw(), DType::f32,
+                             nv, tgp + t0, nt, v0, nv, v0 == 0);
+    }
+  }
+  Tensor totals = Tensor::empty({static_cast<int64_t>(cuda::ce_totals_bytes())}, DType::u8, dev,
+                                MemCategory::workspace);
+  const cuda::CeTotals c = cuda::ce_finalize(lse.data<float>(), totals.raw(), run_max, run_sum,
+                                             target_logit, tgp, T, V);
+  if (c.first_bad_row >= 0) {
+    const int32_t v = tg.narrow(c.first_bad_row, 1).to_ints()[0];
+    BB_FAIL(op, ": targets[", c.first_bad_row, "] = ", v, " is out of range for vocab size ", V,
+            " (valid: 0..", V - 1, ", or negative to mask the position)");
+  }
+  if (saved) {
+    saved->logits = Tensor();
+    saved->lse = lse;
+  }
+  LossResult r;
+  r.loss_sum = c.loss_sum;
+  r.num_valid = c.num_valid;
+  return r;
+}
+
+void linear_ce_backward_cuda(float scale, const Tensor& h, const Tensor& w, const Tensor& targets,
+                             const LossHeadConfig& cfg, const LossHeadSaved& saved, Tensor& d_h,
+                             Tensor& d_w, const detail::LossHeadDims& dims) {
+  const Device dev = h.device();
+  const int64_t T = dims.num_tokens, V = dims.vocab, H = dims.hidden;
+  const int64_t ct = std::min(cfg.chunk_tokens, T), cv = std::min(cfg.chunk_vocab, V);
+  const bool lowp = h.dtype() != DType::f32;  // bf16 GEMM operands: a bf16 gradient block
+  const int64_t ctb = lowp ? std::max<int64_t>(1, 2 * ct / 3) : ct;
+  Tensor tg = targets_on(targets, dev);
+  const int32_t* tgp = tg.data<int32_t>();
+  const float* lse = saved.lse.data<float>();
+  Tensor block = Tensor::empty({ctb * cv}, DType::f32, dev, MemCategory::logits);
+  Tensor dblock = lowp ? Tensor::empty({ctb * cv}, h.dtype(), dev, MemCategory::logits) : block;
+  // d_h rows are summed over vocab chunks in f32; non-f32 d_h gets a [ctb, H] f32 accumulator.
+  const bool dh_direct = d_h.dtype() == DType::f32;
+  Tensor dh_acc =
+      dh_direct ? Tensor() : Tensor::empty({ctb, H}, DType::f32, dev, MemCategory::workspace);
+
+  for (int64_t t0 = 0; t0 < T; t0 += ctb) {
+    const int64_t nt = std::min(ctb, T - t0);
+    const Tensor hc = h.narrow(t0, nt);
+    Tensor dh = dh_direct ? d_h.narrow(t0, nt) : dh_acc.narrow(0, nt);
+    for (int64_t v0 = 0; v0 < V; v0 += cv) {
+      const int64_t nv = std::min(cv, V - v0);
+      const Tensor wc = w.narrow(v0, nv);
+      Tensor x = block.narrow(0, nt * nv).view({nt, nv});
+      Tensor dx = dblock.narrow(0, nt * nv).view({nt, nv});
+      matmul(hc, false, wc, true, x);
+      cuda::ce_softmax_grad(dx.raw(), dx.dtype(), nv, x.raw(), DType::f32, nv, tgp + t0, lse + t0,
+                            scale, nt, v0, nv);
+      // d_h[chunk] = sum over vocab chunks of d_block @ w[vchunk]; the first chunk overwrites.
+      matmul(dx, false, wc, false, dh, 1.0f, v0 == 0 ? 0.0f : 1.0f);
+      Tensor dw = d_w.narrow(v0, nv);
+      matmul(dx, true, hc, false, dw, 1.0f, 1.0f);
+    }
+    if (!dh_direct)
+      cuda::convert(d_h.narrow(t0, nt).raw(), d_h.dtype(), dh_acc.raw(), DType::f32, nt * H);
+  }
+}
+#endif
 
 }  // namespace
 
@@ -38,6 +141,9 @@ LossResult linear_ce_forward(const Tensor& h, const Tensor& w, const Tensor& tar
   const char* op = "linear_ce_forward";
   check_config(cfg, op);
   const detail::LossHeadDims dims = detail::check_loss_head_inputs(h, w, targets, op);
+#ifdef BB_WITH_CUDA
+  if (h.device().is_cuda()) return linear_ce_forward_cuda(h, w, targets, cfg, saved, dims, op);
+#endif
   const int64_t T = dims.num_tokens, V = dims.vocab, H = dims.hidden;
   const int64_t ct = std::min(cfg.chunk_tokens, T), cv = std::min(cfg.chunk_vocab, V);
 
@@ -84,6 +190,12 @@ void linear_ce_backward(float scale, const Tensor& h, const Tensor& w, const Ten
   check_config(cfg, op);
   const detail::LossHeadDims dims = detail::check_loss_head_inputs(h, w, targets, op);
   detail::check_loss_head_grads(dims, h, saved, d_h, d_w, op);
+#ifdef BB_WITH_CUDA
+  if (h.device().is_cuda()) {
+    linear_ce_backward_cuda(scale, h, w, targets, cfg, saved, d_h, d_w, dims);
+    return;
+  }
+#endif
   const int64_t T = dims.num_tokens, V = dims.vocab, H = dims.hidden;
   const int64_t ct = std::min(cfg.chunk_tokens, T), cv = std::min(cfg.chunk_vocab, V);
 

@@ -1,7 +1,18 @@
-// router.cpp — boundary checks for the router, then the CPU reference (fp32 storage).
+// router.cpp — boundary checks for the router, then the CPU reference (fp32 storage) or, for
+// tensors on a CUDA device, the kernels of router_cuda.cu.
+//
+// On CUDA the forward makes exactly one device->host copy (aux, z and the expert counts, which
+// RouterOutput holds on the host); the backward makes none.
 #include "primitives/moe/router.h"
 
+#include <cstring>
+
 #include "primitives/moe/router_ref.h"
+
+#ifdef BB_WITH_CUDA
+#include "backend/cuda/runtime.h"
+#include "primitives/moe/router_cuda.h"
+#endif
 
 namespace bb {
 
@@ -22,14 +33,63 @@ void RouterConfig::validate() const {
 }
 
 namespace {
+// CPU always; CUDA when this build has the CUDA backend.
+void check_device(const Tensor& t, const char* op, const char* arg) {
+#ifdef BB_WITH_CUDA
+  if (t.device().is_cuda()) return;
+#endif
+  BB_CHECK(t.device().is_cpu(), op, ": not implemented on ", t.device().str(), " yet (argument '",
+           arg, "')");
+}
+
 void check_logits(const Tensor& logits, const RouterConfig& cfg, const char* op) {
   check_dtype(logits, DType::f32, op, "logits");
-  BB_CHECK(logits.device().is_cpu(), op, ": not implemented on ", logits.device().str(), " yet");
+  check_device(logits, op, "logits");
   BB_CHECK(logits.dim() == 2, op, ": argument 'logits' has shape ", shape_str(logits.shape()),
            ", expected [T, E = ", cfg.num_experts, "]");
   BB_CHECK(logits.size(0) > 0, op, ": empty batch (logits has T = 0 tokens)");
   check_shape(logits, {-1, cfg.num_experts}, op, "logits");
 }
+
+#ifdef BB_WITH_CUDA
+RouterOutput router_forward_cuda(const Tensor& logits, const Tensor& expert_bias,
+                                 const RouterConfig& cfg, RouterSaved* saved) {
+  const Device dev = logits.device();
+  const int64_t T = logits.size(0), E = cfg.num_experts, K = cfg.top_k;
+  RouterOutput out;
+  Tensor scores;
+  if (saved) scores = Tensor::empty({T, E}, DType::f32, dev, MemCategory::activations);
+  out.topk_idx = Tensor::empty({T, K}, DType::i32, dev, MemCategory::activations);
+  out.topk_prob = Tensor::empty({T, K}, DType::f32, dev, MemCategory::activations);
+  const size_t stats_bytes = cuda::RouterStatsLayout::bytes(E);
+  Tensor partials =
+      Tensor::empty({static_cast<int64_t>(cuda::router_partials_bytes(T, cfg))}, DType::u8, dev,
+                    MemCategory::workspace);
+  Tensor stats =
+      Tensor::empty({static_cast<int64_t>(stats_bytes)}, DType::u8, dev, MemCategory::workspace);
+  cuda::router_forward(logits.data<float>(),
+                       expert_bias.defined() ? expert_bias.data<float>() : nullptr,
+                       saved ? scores.data<float>() : nullptr, out.topk_idx.data<int32_t>(),
+                       out.topk_prob.data<float>(), partials.raw(), stats.raw(), T, cfg);
+  // The forward's one host synchronisation: aux, z and the counts in one small copy
+  // (cuda::memcpy waits for the stream and records it with cuda::note_host_sync()).
+  std::vector<unsigned char> host(stats_bytes);
+  cuda::memcpy(host.data(), Device::cpu(), stats.raw(), dev, stats_bytes);
+  std::memcpy(&out.aux_loss, host.data() + cuda::RouterStatsLayout::kAuxOffset, sizeof(double));
+  std::memcpy(&out.z_loss, host.data() + cuda::RouterStatsLayout::kZOffset, sizeof(double));
+  out.tokens_per_expert.assign(E, 0);
+  for (int64_t e = 0; e < E; ++e) {
+    int32_t c = 0;
+    std::memcpy(&c, host.data() + cuda::RouterStatsLayout::kCountsOffset + 4 * e, sizeof(c));
+    out.tokens_per_expert[e] = c;
+  }
+  if (saved) {
+    saved->scores = scores;
+    saved->topk_idx = out.topk_idx;
+  }
+  return out;
+}
+#endif
 }  // namespace
 
 RouterOutput router_forward(const Tensor& logits, const Tensor& expert_bias,
@@ -45,6 +105,9 @@ RouterOutput router_forward(const Tensor& logits, const Tensor& expert_bias,
     check_same_device(logits, expert_bias, op);
     bias = expert_bias.data<float>();
   }
+#ifdef BB_WITH_CUDA
+  if (logits.device().is_cuda()) return router_forward_cuda(logits, expert_bias, cfg, saved);
+#endif
 
   Tensor scores = Tensor::empty({T, E}, DType::f32, Device::cpu(),
                                 saved ? MemCategory::activations : MemCategory::workspace);
@@ -87,6 +150,18 @@ Tensor router_backward(const Tensor& d_topk_prob, double d_aux, double d_z, cons
     check_same_device(logits, d_topk_prob, op);
     dw = d_topk_prob.data<float>();
   }
+  check_same_device(logits, saved.topk_idx, op);
+#ifdef BB_WITH_CUDA
+  if (logits.device().is_cuda()) {
+    const Device dev = logits.device();
+    Tensor d_logits = Tensor::empty({T, E}, DType::f32, dev, MemCategory::activations);
+    Tensor counts = Tensor::empty({E}, DType::i32, dev, MemCategory::workspace);
+    cuda::router_backward(d_logits.data<float>(), dw, d_aux, d_z, logits.data<float>(),
+                          saved.scores.data<float>(), saved.topk_idx.data<int32_t>(),
+                          counts.data<int32_t>(), T, cfg);
+    return d_logits;
+  }
+#endif
   Tensor d_logits = Tensor::empty({T, E}, DType::f32, Device::cpu(), MemCategory::activations);
   ref::router_backward(d_logits.data<float>(), dw, d_aux, d_z, logits.data<float>(),
                        saved.scores.data<float>(), saved.topk_idx.data<int32_t>(), T, cfg);
@@ -97,11 +172,17 @@ void update_expert_bias(Tensor& expert_bias, const std::vector<int64_t>& tokens_
                         float rate) {
   const char* op = "update_expert_bias";
   check_dtype(expert_bias, DType::f32, op, "expert_bias");
-  BB_CHECK(expert_bias.device().is_cpu(), op, ": not implemented on ", expert_bias.device().str(),
-           " yet");
+  check_device(expert_bias, op, "expert_bias");
   const int64_t E = static_cast<int64_t>(tokens_per_expert.size());
   BB_CHECK(E >= 1, op, ": tokens_per_expert is empty");
   check_shape(expert_bias, {E}, op, "expert_bias");
+  if (!expert_bias.device().is_cpu()) {
+    // E floats once per step: update a host copy and write it back (two small copies).
+    Tensor host = expert_bias.to(Device::cpu());
+    ref::update_expert_bias(host.data<float>(), tokens_per_expert.data(), E, rate);
+    expert_bias.copy_from(host);
+    return;
+  }
   ref::update_expert_bias(expert_bias.data<float>(), tokens_per_expert.data(), E, rate);
 }
 

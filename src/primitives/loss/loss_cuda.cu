@@ -1,0 +1,299 @@
+// loss_cuda.cu — CUDA cross-entropy pieces: online logsumexp over one logits block, the
+// finalize/reduce step with its single host read, and the softmax gradient (in place or into a
+// bf16 block for the bf16 GEMMs of the loss heads).
+//
+// Legend: T tokens (rows), V vocab, nv columns of one block starting at column v0.
+// NOTES: one thread block owns one row in every kernel, so nothing is shared between blocks;
+// the loss sum is reduced by a single block in a fixed tree order, in double, so it is
+// deterministic. Row statistics are f32 (max, sum of exp(x - max) rescaled online); lse and the
+// loss terms are formed in double from them. Loads are 16 bytes wide when the row stride, the
+// chunk width and the base pointers allow.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "backend/cuda/check.cuh"
+#include "backend/cuda/runtime.h"
+#include "primitives/loss/loss_cuda.h"
+
+namespace bb::cuda {
+
+namespace {
+
+constexpr int kMaxThreads = 512;
+constexpr int kFinalThreads = 1024;
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+int row_threads(int64_t units) {
+  return static_cast<int>(
+      std::min<int64_t>(kMaxThreads, std::max<int64_t>(32, ceil_div(units, 32) * 32)));
+}
+
+// ---- element conversion and vector access ---------------------------------------------------
+template <class T> __device__ __forceinline__ float to_f32(T x);
+template <> __device__ __forceinline__ float to_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <class T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+template <int kBytes> struct Raw;
+template <> struct Raw<16> { using type = uint4; };
+template <> struct Raw<8> { using type = uint2; };
+template <> struct Raw<4> { using type = uint32_t; };
+template <> struct Raw<2> { using type = uint16_t; };
+
+// N consecutive elements to/from f32, in pieces of at most 16 bytes (each aligned to its size).
+template <class T, int N>
+__device__ __forceinline__ void load_f32(const T* p, float (&out)[N]) {
+  constexpr int kPiece = N * sizeof(T) > 16 ? 16 / sizeof(T) : N;
+  using R = typename Raw<kPiece * sizeof(T)>::type;
+#pragma unroll
+  for (int c = 0; c < N; c += kPiece) {
+    const R r = *reinterpret_cast<const R*>(p + c);
+    const T* e = reinterpret_cast<const T*>(&r);
+#pragma unroll
+    for (int i = 0; i < kPiece; ++i) out[c + i] = to_f32(e[i]);
+  }
+}
+template <class T, int N>
+__device__ __forceinline__ void store_f32(T* p, const float (&v)[N]) {
+  constexpr int kPiece = N * sizeof(T) > 16 ? 16 / sizeof(T) : N;
+  using R = typename Raw<kPiece * sizeof(T)>::type;
+#pragma unroll
+  for (int c = 0; c < N; c += kPiece) {
+    R r;
+    T* e = reinterpret_cast<T*>(&r);
+#pragma unroll
+    for (int i = 0; i < kPiece; ++i) e[i] = from_f32<T>(v[c + i]);
+    *reinterpret_cast<R*>(p + c) = r;
+  }
+}
+
+// ---- online logsumexp -----------------------------------------------------------------------
+// (m, s) represents sum_i exp(x_i) = s * exp(m); m = -inf, s = 0 is the empty set.
+__device__ __forceinline__ void lse_add(float& m, float& s, float x) {
+  if (x == -INFINITY) return;
+  if (x > m) {
+    s = s * expf(m - x) + 1.0f;  // exp(-inf) = 0 covers the empty set
+    m = x;
+  } else {
+    s += expf(x - m);
+  }
+}
+__device__ __forceinline__ void lse_merge(float& m, float& s, float om, float os) {
+  if (om == -INFINITY) return;
+  if (m == -INFINITY) {
+    m = om;
+    s = os;
+    return;
+  }
+  const float M = fmaxf(m, om);
+  s = s * expf(m - M) + os * expf(om - M);
+  m = M;
+}
+
+template <class T, int V>
+__global__ void ce_update_kernel(float* __restrict__ run_max, float* __restrict__ run_sum,
+                                 float* __restrict__ target_logit, const T* __restrict__ x,
+                                 int64_t ld, const int32_t* __restrict__ targets, int64_t v0,
+                                 int64_t nv, bool first) {
+  __shared__ float sh_m[32], sh_s[32];
+  const int64_t r = blockIdx.x;
+  const T* xr = x + r * ld;
+  float m = -INFINITY, s = 0.0f;
+  for (int64_t j = static_cast<int64_t>(threadIdx.x) * V; j < nv; j += static_cast<int64_t>(blockDim.x) * V) {
+    float v[V];
+    load_f32<T, V>(xr + j, v);
+#pragma unroll
+    for (int i = 0; i < V; ++i) lse_add(m, s, v[i]);
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    const float om = __shfl_down_sync(0xffffffffu, m, off);
+    const float os = __shfl_down_sync(0xffffffffu, s, off);
+    lse_merge(m, s, om, os);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  if (lane == 0) {
+    sh_m[warp] = m;
+    sh_s[warp] = s;
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  m = lane < warps ? sh_m[lane] : -INFINITY;
+  s = lane < warps ? sh_s[lane] : 0.0f;
+  for (int off = 16; off > 0; off >>= 1) {
+    const float om = __shfl_down_sync(0xffffffffu, m, off);
+    const float os = __shfl_down_sync(0xffffffffu, s, off);
+    lse_merge(m, s, om, os);
+  }
+  if (lane != 0) return;
+  if (!first) lse_merge(m, s, run_max[r], run_sum[r]);
+  run_max[r] = m;
+  run_sum[r] = s;
+  const int64_t tg = targets[r];
+  if (tg >= v0 && tg < v0 + nv) target_logit[r] = to_f32(xr[tg - v0]);
+}
+
+struct DeviceTotals {
+  double loss_sum;
+  long long num_valid;
+  long long first_bad_row;
+};
+
+__global__ void ce_finalize_kernel(float* __restrict__ lse, DeviceTotals* __restrict__ out,
+                                   const float* __restrict__ run_max,
+                                   const float* __restrict__ run_sum,
+                                   const float* __restrict__ target_logit,
+                                   const int32_t* __restrict__ targets, int64_t T, int64_t V) {
+  __shared__ double sh_loss[kFinalThreads];
+  __shared__ long long sh_valid[kFinalThreads], sh_bad[kFinalThreads];
+  double loss = 0.0;
+  long long valid = 0, bad = LLONG_MAX;
+  for (int64_t t = threadIdx.x; t < T; t += blockDim.x) {
+    const double l = static_cast<double>(run_max[t]) + log(static_cast<double>(run_sum[t]));
+    lse[t] = static_cast<float>(l);
+    const int64_t tg = targets[t];
+    if (tg >= V) {
+      bad = min(bad, static_cast<long long>(t));
+    } else if (tg >= 0) {
+      loss += l - static_cast<double>(target_logit[t]);
+      ++valid;
+    }
+  }
+  sh_loss[threadIdx.x] = loss;
+  sh_valid[threadIdx.x] = valid;
+  sh_bad[threadIdx.x] = bad;
+  __syncthreads();
+  for (int half = blockDim.x / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) {
+      sh_loss[threadIdx.x] += sh_loss[threadIdx.x + half];
+      sh_valid[threadIdx.x] += sh_valid[threadIdx.x + half];
+      sh_bad[threadIdx.x] = min(sh_bad[threadIdx.x], sh_bad[threadIdx.x + half]);
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    out->loss_sum = sh_loss[0];
+    out->num_valid = sh_valid[0];
+    out->first_bad_row = sh_bad[0] == LLONG_MAX ? -1 : sh_bad[0];
+  }
+}
+
+// d and x may alias (in place, both f32): each element is read, then written, by one thread.
+template <class TI, class TO, int V>
+__global__ void ce_softmax_grad_kernel(TO* d, int64_t ld_d, const TI* x, int64_t ld_x,
+                                       const int32_t* __restrict__ targets,
+                                       const float* __restrict__ lse, float scale, int64_t v0,
+                                       int64_t nv) {
+  const int64_t r = blockIdx.x;
+  const int64_t tg = targets[r];
+  const float l = lse[r];
+  const TI* xr = x + r * ld_x;
+  TO* dr = d + r * ld_d;
+  for (int64_t j = static_cast<int64_t>(threadIdx.x) * V; j < nv; j += static_cast<int64_t>(blockDim.x) * V) {
+    float v[V];
+    if (tg < 0) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) v[i] = 0.0f;
+    } else {
+      load_f32<TI, V>(xr + j, v);
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const float onehot = (v0 + j + i == tg) ? 1.0f : 0.0f;
+        v[i] = scale * (expf(v[i] - l) - onehot);
+      }
+    }
+    store_f32<TO, V>(dr + j, v);
+  }
+}
+
+template <class T>
+void launch_update(float* run_max, float* run_sum, float* target_logit, const void* x, int64_t ld,
+                   const int32_t* targets, int64_t rows, int64_t v0, int64_t nv, bool first) {
+  constexpr int kVec = 16 / sizeof(T);
+  const T* xp = static_cast<const T*>(x);
+  if (nv % kVec == 0 && ld % kVec == 0 && aligned16(x)) {
+    ce_update_kernel<T, kVec><<<static_cast<unsigned>(rows), row_threads(nv / kVec), 0, stream()>>>(
+        run_max, run_sum, target_logit, xp, ld, targets, v0, nv, first);
+  } else {
+    ce_update_kernel<T, 1><<<static_cast<unsigned>(rows), row_threads(nv), 0, stream()>>>(
+        run_max, run_sum, target_logit, xp, ld, targets, v0, nv, first);
+  }
+  BB_CHECK_LAUNCH();
+}
+
+template <class TI, class TO>
+void launch_grad(void* d, int64_t ld_d, const void* x, int64_t ld_x, const int32_t* targets,
+                 const float* lse, float scale, int64_t rows, int64_t v0, int64_t nv) {
+  constexpr int kVec = 16 / sizeof(TI);
+  TO* dp = static_cast<TO*>(d);
+  const TI* xp = static_cast<const TI*>(x);
+  if (nv % kVec == 0 && ld_x % kVec == 0 && ld_d % kVec == 0 && aligned16(x) && aligned16(d)) {
+    ce_softmax_grad_kernel<TI, TO, kVec><<<static_cast<unsigned>(rows), row_threads(nv / kVec), 0,
+                                           stream()>>>(dp, ld_d, xp, ld_x, targets, lse, scale, v0, nv);
+  } else {
+    ce_softmax_grad_kernel<TI, TO, 1><<<static_cast<unsigned>(rows), row_threads(nv), 0, stream()>>>(
+        dp, ld_d, xp, ld_x, targets, lse, scale, v0, nv);
+  }
+  BB_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void ce_online_update(float* run_max, float* run_sum, float* target_logit, const void* x,
+                      DType dt, int64_t ld, const int32_t* targets, int64_t rows, int64_t v0,
+                      int64_t nv, bool first) {
+  if (rows == 0) return;
+  switch (dt) {
+    case DType::f32:
+      launch_update<float>(run_max, run_sum, target_logit, x, ld, targets, rows, v0, nv, first);
+      break;
+    case DType::bf16:
+      launch_update<__nv_bfloat16>(run_max, run_sum, target_logit, x, ld, targets, rows, v0, nv,
+                                   first);
+      break;
+    default: BB_FAIL("cross-entropy on CUDA: logits dtype ", dtype_name(dt), " is not supported (f32 or bf16)");
+  }
+}
+
+size_t ce_totals_bytes() { return sizeof(DeviceTotals); }
+
+CeTotals ce_finalize(float* lse, void* totals_scratch, const float* run_max, const float* run_sum,
+                     const float* target_logit, const int32_t* targets, int64_t T, int64_t V) {
+  DeviceTotals* dev = static_cast<DeviceTotals*>(totals_scratch);
+  ce_finalize_kernel<<<1, kFinalThreads, 0, stream()>>>(lse, dev, run_max, run_sum, target_logit,
+                                                        targets, T, V);
+  BB_CHECK_LAUNCH();
+  // The loss head's one host read (cuda::memcpy waits and calls cuda::note_host_sync()).
+  int device_index = 0;
+  BB_CHECK_CUDA(cudaGetDevice(&device_index));
+  DeviceTotals host;
+  cuda::memcpy(&host, Device::cpu(), dev, Device::cuda(device_index), sizeof(host));
+  CeTotals t;
+  t.loss_sum = host.loss_sum;
+  t.num_valid = host.num_valid;
+  t.first_bad_row = host.first_bad_row;
+  return t;
+}
+
+void ce_softmax_grad(void* d, DType d_dt, int64_t ld_d, const void* x, DType x_dt, int64_t ld_x,
+                     const int32_t* targets, const float* lse, float scale, int64_t rows,
+                     int64_t v0, int64_t nv) {
+  if (rows == 0 || nv == 0) return;
+  using bf16 = __nv_bfloat16;
+  const bool xf = x_dt == DType::f32, df = d_dt == DType::f32;
+  BB_CHECK((xf || x_dt == DType::bf16) && (df || d_dt == DType::bf16),
+           "cross-entropy gradient on CUDA: dtypes ", dtype_name(x_dt), " -> ", dtype_name(d_dt),
+           " are not supported (f32 or bf16)");
+  if (xf && df) launch_grad<float, float>(d, ld_d, x, ld_x, targets, lse, scale, rows, v0, nv);
+  else if (xf) launch_grad<float, bf16>(d, ld_d, x, ld_x, targets, lse, scale, rows, v0, nv);
+  else if (df) launch_grad<bf16, float>(d, ld_d, x, ld_x, targets, lse, scale, rows, v0, nv);
+  else launch_grad<bf16, bf16>(d, ld_d, x, ld_x, targets, lse, scale, rows, v0, nv);
+}
+
+}  // namespace bb::cuda

@@ -1,0 +1,245 @@
+// Loss heads on CUDA against the CPU path: cross_entropy forward/backward (f32 and bf16 logits,
+// masked targets, targets on the host or the device, rows that do and do not allow 16-byte
+// loads), full_ce and linear_ce (loss, lse, d_h written, d_w accumulated; linear_ce == full_ce
+// on the GPU; chunk sizes that divide neither T nor V), the logits peak of linear_ce (one
+// chunk), one host read per cross-entropy forward, and bad targets found on the device.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "common/gpu.h"
+#include "common/testing.h"
+#include "primitives/loss/linear_ce.h"
+
+namespace bb {
+namespace {
+
+const Device kGpu = Device::cuda(0);
+
+// Targets in [0, V) with every `mask_every`-th position masked (-1).
+std::vector<int32_t> make_targets(int64_t T, int64_t V, int mask_every, uint64_t seed) {
+  auto u = test::randu(T, seed, 0.f, 1.f);
+  std::vector<int32_t> t(T);
+  for (int64_t i = 0; i < T; ++i)
+    t[i] = (mask_every > 0 && i % mask_every == 2) ? -1 : static_cast<int32_t>(u[i] * V) % V;
+  return t;
+}
+
+double tol(DType dt) { return dt == DType::f32 ? test::kTolF32 : test::kTolBf16; }
+double rel(double a, double b) { return std::fabs(a - b) / std::max(std::fabs(b), 1e-30); }
+
+// ---- plain cross-entropy --------------------------------------------------------------------
+struct CeCase {
+  const char* name;
+  int64_t T, V;
+  DType dt;
+  bool device_targets;
+};
+class CrossEntropyGpu : public ::testing::TestWithParam<CeCase> {};
+
+TEST_P(CrossEntropyGpu, ForwardAndBackwardMatchCpu) {
+  BB_REQUIRE_GPU();
+  const CeCase c = GetParam();
+  Tensor logits = Tensor::from_floats(test::randn(c.T * c.V, 1, 3.0f), {c.T, c.V}, c.dt);
+  Tensor targets = Tensor::from_ints(make_targets(c.T, c.V, 5, 2), {c.T});
+  Tensor lse_c, lse_g;
+  const LossResult rc = cross_entropy_forward(logits, targets, &lse_c);
+  Tensor lg = logits.to(kGpu);
+  Tensor tg = c.device_targets ? targets.to(kGpu) : targets;
+  const LossResult rg = cross_entropy_forward(lg, tg, &lse_g);
+  EXPECT_EQ(rg.num_valid, rc.num_valid);
+  EXPECT_LT(rel(rg.loss_sum, rc.loss_sum), 1e-5);
+  EXPECT_EQ(lse_g.device(), kGpu);
+  EXPECT_EQ(lse_g.category(), MemCategory::activations);
+  EXPECT_LT(test::rel_error(lse_g.to_floats(), lse_c.to_floats()), 1e-6);
+  const Tensor dc = cross_entropy_backward(logits, targets, lse_c, 0.37f);
+  const Tensor dg = cross_entropy_backward(lg, tg, lse_g, 0.37f);
+  EXPECT_EQ(dg.dtype(), DType::f32);
+  EXPECT_EQ(dg.category(), MemCategory::logits);
+  const auto dgv = dg.to_floats();
+  EXPECT_LT(test::rel_error(dgv, dc.to_floats()), test::kTolF32);
+  // Masked rows get exactly zero gradient.
+  const auto tv = targets.to_ints();
+  for (int64_t t = 0; t < c.T; ++t)
+    if (tv[t] < 0)
+      for (int64_t v = 0; v < c.V; ++v) ASSERT_EQ(dgv[t * c.V + v], 0.0f);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CrossEntropyGpu,
+    ::testing::Values(CeCase{"T71_V229_f32_host_targets", 71, 229, DType::f32, false},
+                      CeCase{"T71_V229_bf16_device_targets", 71, 229, DType::bf16, true},
+                      CeCase{"T33_V5000_f32_vector_loads", 33, 5000, DType::f32, true},
+                      CeCase{"T33_V5000_bf16_vector_loads", 33, 5000, DType::bf16, false},
+                      CeCase{"T1_V3", 1, 3, DType::f32, true}),
+    [](const ::testing::TestParamInfo<CeCase>& i) { return std::string(i.param.name); });
+
+TEST(CrossEntropyGpuRuns, OneHostReadAndBadTargets) {
+  BB_REQUIRE_GPU();
+#ifdef BB_WITH_CUDA
+  const int64_t T = 9, V = 229;
+  Tensor logits = Tensor::from_floats(test::randn(T * V, 3), {T, V}).to(kGpu);
+  Tensor targets = Tensor::from_ints(make_targets(T, V, 4, 4), {T}).to(kGpu);
+  const int64_t before = cuda::host_sync_count();
+  const LossResult a = cross_entropy_forward(logits, targets, nullptr);
+  EXPECT_EQ(cuda::host_sync_count() - before, 1);
+  const LossResult b = cross_entropy_forward(logits, targets, nullptr);
+  EXPECT_EQ(a.loss_sum, b.loss_sum);  // deterministic reduction
+  auto bad = make_targets(T, V, 4, 4);
+  bad[6] = static_cast<int32_t>(V);
+  test::expect_error_contains(
+      [&] { cross_entropy_forward(logits, Tensor::from_ints(bad, {T}).to(kGpu), nullptr); },
+      "cross_entropy_forward: targets[6] = 229 is out of range for vocab size 229");
+  // Host targets are still checked on the host.
+  test::expect_error_contains(
+      [&] { cross_entropy_forward(logits, Tensor::from_ints(bad, {T}), nullptr); },
+      "targets[6] = 229 is out of range");
+  test::expect_error_contains(
+      [&] { cross_entropy_forward(logits.to(Device::cpu()), targets, nullptr); },
+      "argument 'targets' is on cuda:0 but the computation runs on cpu");
+#endif
+}
+
+// ---- loss heads -----------------------------------------------------------------------------
+struct HeadCase {
+  const char* name;
+  int64_t T, V, H, chunk_tokens, chunk_vocab;
+  DType dt, dh_dt;
+};
+class LossHeadGpu : public ::testing::TestWithParam<HeadCase> {};
+
+struct HeadRun {
+  LossResult r;
+  std::vector<float> lse, d_h, d_w;
+};
+
+// Runs a loss head forward + backward; d_w starts from `dw0` (accumulation is checked).
+template <class Fwd, class Bwd>
+HeadRun run_head(Fwd fwd, Bwd bwd, const Tensor& h, const Tensor& w, const Tensor& targets,
+                 const std::vector<float>& dw0, DType dh_dt, float scale) {
+  HeadRun out;
+  LossHeadSaved saved;
+  out.r = fwd(h, w, targets, &saved);
+  out.lse = saved.lse.to_floats();
+  Tensor d_h = Tensor::empty(h.shape(), dh_dt, h.device(), MemCategory::activations);
+  Tensor d_w = Tensor::from_floats(dw0, w.shape()).to(h.device(), MemCategory::grads);
+  bwd(scale, h, w, targets, saved, d_h, d_w);
+  out.d_h = d_h.to_floats();
+  out.d_w = d_w.to_floats();
+  return out;
+}
+
+TEST_P(LossHeadGpu, FullAndLinearMatchCpuAndEachOther) {
+  BB_REQUIRE_GPU();
+  const HeadCase c = GetParam();
+  LossHeadConfig cfg;
+  cfg.chunk_tokens = c.chunk_tokens;
+  cfg.chunk_vocab = c.chunk_vocab;
+  Tensor h = Tensor::from_floats(test::randn(c.T * c.H, 21), {c.T, c.H}, c.dt);
+  Tensor w = Tensor::from_floats(test::randn(c.V * c.H, 22, 0.3f), {c.V, c.H}, c.dt);
+  Tensor targets = Tensor::from_ints(make_targets(c.T, c.V, 7, 23), {c.T});
+  const auto dw0 = test::randn(c.V * c.H, 24, 0.01f);
+  const float scale = 1.0f / c.T;
+
+  auto full_f = [](const Tensor& a, const Tensor& b, const Tensor& t, LossHeadSaved* s) {
+    return full_ce_forward(a, b, t, s);
+  };
+  auto full_b = [](float sc, const Tensor& a, const Tensor& b, const Tensor& t,
+                   const LossHeadSaved& s, Tensor& dh, Tensor& dw) {
+    full_ce_backward(sc, a, b, t, s, dh, dw);
+  };
+  auto lin_f = [&](const Tensor& a, const Tensor& b, const Tensor& t, LossHeadSaved* s) {
+    return linear_ce_forward(a, b, t, cfg, s);
+  };
+  auto lin_b = [&](float sc, const Tensor& a, const Tensor& b, const Tensor& t,
+                   const LossHeadSaved& s, Tensor& dh, Tensor& dw) {
+    linear_ce_backward(sc, a, b, t, cfg, s, dh, dw);
+  };
+
+  const HeadRun cpu = run_head(full_f, full_b, h, w, targets, dw0, c.dh_dt, scale);
+  const Tensor hg = h.to(kGpu), wg = w.to(kGpu), tg = targets.to(kGpu);
+  const HeadRun gfull = run_head(full_f, full_b, hg, wg, tg, dw0, c.dh_dt, scale);
+  const HeadRun glin = run_head(lin_f, lin_b, hg, wg, targets /* host targets */, dw0, c.dh_dt,
+                                scale);
+  const double t = tol(c.dt);
+  for (const HeadRun* g : {&gfull, &glin}) {
+    SCOPED_TRACE(g == &gfull ? "full_ce on GPU vs CPU" : "linear_ce on GPU vs CPU");
+    EXPECT_EQ(g->r.num_valid, cpu.r.num_valid);
+    EXPECT_LT(rel(g->r.loss_sum, cpu.r.loss_sum), t);
+    EXPECT_LT(test::rel_error(g->lse, cpu.lse), t);
+    EXPECT_LT(test::rel_error(g->d_h, cpu.d_h), t);
+    // d_w accumulated on top of dw0: compare the increments so dw0 cannot hide an error.
+    std::vector<double> inc_g(dw0.size()), inc_c(dw0.size());
+    for (size_t i = 0; i < dw0.size(); ++i) {
+      inc_g[i] = static_cast<double>(g->d_w[i]) - dw0[i];
+      inc_c[i] = static_cast<double>(cpu.d_w[i]) - dw0[i];
+    }
+    EXPECT_LT(test::rel_error(inc_g, inc_c), t);
+  }
+  // The two GPU heads against each other (same kernels for the statistics, different chunking).
+  EXPECT_LT(rel(glin.r.loss_sum, gfull.r.loss_sum), t);
+  EXPECT_LT(test::rel_error(glin.d_h, gfull.d_h), t);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, LossHeadGpu,
+    ::testing::Values(
+        HeadCase{"f32_T67_V1000_H96_chunks16x300", 67, 1000, 96, 16, 300, DType::f32, DType::f32},
+        HeadCase{"f32_T71_V229_H33_chunks10x50", 71, 229, 33, 10, 50, DType::f32, DType::f32},
+        HeadCase{"bf16_T67_V1000_H96_chunks16x300", 67, 1000, 96, 16, 300, DType::bf16,
+                 DType::f32},
+        HeadCase{"bf16_T130_V4099_H128_chunks48x1024_dh_bf16", 130, 4099, 128, 48, 1024,
+                 DType::bf16, DType::bf16},
+        HeadCase{"f32_T5_V7_H3_one_chunk", 5, 7, 3, 4096, 32768, DType::f32, DType::f32}),
+    [](const ::testing::TestParamInfo<HeadCase>& i) { return std::string(i.param.name); });
+
+TEST(LossHeadGpuMemory, LinearCeLogitsPeakIsOneChunk) {
+  BB_REQUIRE_GPU();
+  const int64_t T = 100, V = 3001, H = 64;
+  LossHeadConfig cfg;
+  cfg.chunk_tokens = 32;
+  cfg.chunk_vocab = 512;
+  const int64_t chunk = linear_ce_logits_bytes(T, V, cfg);
+  ASSERT_EQ(chunk, 32 * 512 * 4);
+  Allocator& alloc = allocator_for(kGpu);
+  for (DType dt : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    Tensor h = Tensor::from_floats(test::randn(T * H, 31), {T, H}, dt).to(kGpu);
+    Tensor w = Tensor::from_floats(test::randn(V * H, 32, 0.2f), {V, H}, dt).to(kGpu);
+    Tensor targets = Tensor::from_ints(make_targets(T, V, 0, 33), {T}).to(kGpu);
+    Tensor d_w = Tensor::zeros({V, H}, DType::f32, kGpu, MemCategory::grads);
+    Tensor d_h;
+    LossHeadSaved saved;
+    ASSERT_EQ(alloc.stats().live_of(MemCategory::logits), 0);
+    alloc.reset_peak();
+    linear_ce_forward(h, w, targets, cfg, &saved);
+    EXPECT_EQ(alloc.stats().peak_of(MemCategory::logits), chunk);
+    alloc.reset_peak();
+    linear_ce_backward(1.0f, h, w, targets, cfg, saved, d_h, d_w);
+    const int64_t bwd_peak = alloc.stats().peak_of(MemCategory::logits);
+    if (dt == DType::f32) EXPECT_EQ(bwd_peak, chunk);  // the gradient overwrites the block
+    else EXPECT_LE(bwd_peak, chunk);                  // f32 block + bf16 gradient, fewer rows
+    EXPECT_GT(bwd_peak, chunk / 2);
+    EXPECT_EQ(alloc.stats().live_of(MemCategory::logits), 0);
+    // full_ce holds the whole [T, V] logits for comparison.
+    alloc.reset_peak();
+    LossHeadSaved fs;
+    full_ce_forward(h, w, targets, &fs);
+    EXPECT_EQ(alloc.stats().peak_of(MemCategory::logits), T * V * 4);
+  }
+}
+
+TEST(LossHeadGpuMemory, BadInputs) {
+  BB_REQUIRE_GPU();
+  Tensor h = Tensor::from_floats(test::randn(4 * 8, 41), {4, 8}).to(kGpu);
+  Tensor w16 = Tensor::from_floats(test::randn(5 * 8, 42), {5, 8}, DType::bf16).to(kGpu);
+  Tensor targets = Tensor::from_ints({0, 1, -1, 4}, {4});
+  test::expect_error_contains([&] { full_ce_forward(h, w16, targets, nullptr); },
+                              "on CUDA h and w must share one dtype");
+  Tensor w_cpu = Tensor::from_floats(test::randn(5 * 8, 43), {5, 8});
+  test::expect_error_contains([&] { linear_ce_forward(h, w_cpu, targets, {}, nullptr); },
+                              "argument 'w' is on cpu but the computation runs on cuda:0");
+}
+
+}  // namespace
+}  // namespace bb
