@@ -1,7 +1,8 @@
 // experts.h — SwiGLU expert MLPs over permuted rows (family `experts`).
 //   sequential: one GEMM per expert slice (baseline);
 //   grouped:    all experts in one pass (on CPU: a per-row loop using each row's expert
-//               weights; the CUDA grouped GEMM comes later). Same results to fp32 rounding.
+//               weights; on a GPU one grouped GEMM call per projection). Same results to fp32
+//               rounding.
 //
 // Legend: N permuted rows, H hidden, F ffn dim, E experts.
 // tokens_per_expert [E] (host): expert e owns rows [off_e, off_e + count_e),

@@ -1,0 +1,665 @@
+// gemm.cu — cuBLASLt GEMM, cuBLAS grouped GEMM and a WMMA grouped weight-gradient kernel.
+//
+// Row-major on a column-major library: a row-major X[r, c] is the column-major X^T, so
+// C = op(A) op(B) is computed as C^T = op(B)^T op(A)^T: cuBLAS sees m = N, n = M, its "A" is our
+// B and its "B" is our A, with the same transpose flags.
+//
+// Per device, created once and kept for the life of the process: one cuBLASLt handle, one cuBLAS
+// handle (grouped GEMM only), one 32 MiB workspace Tensor under MemCategory::workspace. cuBLASLt
+// plans (descriptors, layouts and the heuristic's algorithm) are cached by everything that
+// decides them: shape, leading dims, batch strides, transposes, dtypes and pointer alignment.
+// NOTES: the alignment is part of the key because cuBLASLt's heuristic assumes 256-byte aligned
+// buffers unless told otherwise, and expert slices (rows [off_e, ...) of a tensor) rarely are.
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <mma.h>
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+#include "backend/cuda/check.cuh"
+#include "backend/cuda/gemm.h"
+#include "backend/cuda/runtime.h"
+#include "core/tensor.h"
+
+#define BB_CHECK_CUBLAS(expr)                                                  \
+  do {                                                                         \
+    cublasStatus_t bb_st_ = (expr);                                            \
+    BB_CHECK(bb_st_ == CUBLAS_STATUS_SUCCESS, "cuBLAS error in ", #expr, ": ", \
+             cublasLtGetStatusName(bb_st_));                                   \
+  } while (0)
+
+namespace bb::cuda {
+
+namespace {
+
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;
+
+cudaDataType_t cuda_type(DType dt) {
+  switch (dt) {
+    case DType::f32:
+      return CUDA_R_32F;
+    case DType::bf16:
+      return CUDA_R_16BF;
+    case DType::f16:
+      return CUDA_R_16F;
+    default:
+      BB_FAIL("cuda::gemm: dtype ", dtype_name(dt), " is not f32, bf16 or f16");
+  }
+}
+
+// ---- per-device state ------------------------------------------------------------------------
+
+struct PlanKey {
+  int64_t M, N, K, lda, ldb, ldc, sa, sb, sc, batch;
+  int ta, tb, a, b, c, align_a, align_b, align_c;
+  auto tie() const {
+    return std::tie(M, N, K, lda, ldb, ldc, sa, sb, sc, batch, ta, tb, a, b, c, align_a, align_b,
+                    align_c);
+  }
+  bool operator<(const PlanKey& o) const { return tie() < o.tie(); }
+};
+
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;  // cuBLAS's A, B, C(=D)
+  cublasLtMatmulAlgo_t algo{};
+  size_t workspace = 0;
+};
+
+struct DeviceGemm {
+  cublasLtHandle_t lt = nullptr;
+  cublasHandle_t blas = nullptr;
+  void* workspace = nullptr;
+  std::map<PlanKey, Plan> plans;
+};
+
+std::mutex g_mu;  // guards the states, their caches and handle use
+
+std::vector<std::unique_ptr<DeviceGemm>>& all_states() {
+  static std::vector<std::unique_ptr<DeviceGemm>> states;
+  if (states.empty()) states.resize(static_cast<size_t>(std::max(device_count(), 1)));
+  return states;
+}
+
+// The state of `dev`, created on first use; `dev` must be the current device (the handle is
+// bound to its compute stream).
+DeviceGemm& device_gemm(int dev) {
+  auto& states = all_states();
+  BB_CHECK(dev >= 0 && dev < static_cast<int>(states.size()), "cuda::gemm: cuda:", dev,
+           " requested but ", device_count(), " CUDA device(s) are visible");
+  auto& s = states[static_cast<size_t>(dev)];
+  if (!s) {
+    s = std::make_unique<DeviceGemm>();
+    BB_CHECK_CUBLAS(cublasLtCreate(&s->lt));
+    BB_CHECK_CUBLAS(cublasCreate(&s->blas));
+    BB_CHECK_CUBLAS(cublasSetStream(s->blas, stream()));
+    BB_CHECK_CUBLAS(cublasSetPointerMode(s->blas, CUBLAS_POINTER_MODE_HOST));
+    // Kept for the life of the process (deliberately never freed: it would be released after
+    // the allocator and the CUDA context at exit). It counts as live `workspace` memory.
+    auto* ws = new Tensor(Tensor::empty({static_cast<int64_t>(kWorkspaceBytes)}, DType::u8,
+                                        Device::cuda(dev), MemCategory::workspace));
+    s->workspace = ws->raw();
+    BB_CHECK_CUBLAS(cublasSetWorkspace(s->blas, s->workspace, kWorkspaceBytes));
+  }
+  return *s;
+}
+
+int alignment_of(const void* p, int64_t stride_bytes) {
+  uint64_t v = reinterpret_cast<uint64_t>(p) | 256u;
+  if (stride_bytes) v |= static_cast<uint64_t>(stride_bytes);
+  return static_cast<int>(v & (~v + 1));  // lowest set bit, at most 256
+}
+
+template <class T>
+void set_attr(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t a, T v) {
+  BB_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(d, a, &v, sizeof(v)));
+}
+template <class T>
+void set_attr(cublasLtMatrixLayout_t l, cublasLtMatrixLayoutAttribute_t a, T v) {
+  BB_CHECK_CUBLAS(cublasLtMatrixLayoutSetAttribute(l, a, &v, sizeof(v)));
+}
+template <class T>
+void set_attr(cublasLtMatmulPreference_t p, cublasLtMatmulPreferenceAttributes_t a, T v) {
+  BB_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(p, a, &v, sizeof(v)));
+}
+
+cublasLtMatrixLayout_t make_layout(DType dt, int64_t rows, int64_t cols, int64_t ld, int64_t batch,
+                                   int64_t stride) {
+  cublasLtMatrixLayout_t l = nullptr;
+  BB_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&l, cuda_type(dt), static_cast<uint64_t>(rows),
+                                             static_cast<uint64_t>(cols), ld));
+  if (batch > 1) {
+    set_attr(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, static_cast<int32_t>(batch));
+    set_attr(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, stride);
+  }
+  return l;
+}
+
+const Plan& get_plan(DeviceGemm& st, const PlanKey& k) {
+  auto it = st.plans.find(k);
+  if (it != st.plans.end()) return it->second;
+  const DType at = static_cast<DType>(k.a), bt = static_cast<DType>(k.b),
+              ct = static_cast<DType>(k.c);
+  Plan p;
+  BB_CHECK_CUBLAS(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  // cuBLAS's A is our B (op = trans_b), its B is our A (op = trans_a).
+  set_attr(p.desc, CUBLASLT_MATMUL_DESC_TRANSA,
+           static_cast<int32_t>(k.tb ? CUBLAS_OP_T : CUBLAS_OP_N));
+  set_attr(p.desc, CUBLASLT_MATMUL_DESC_TRANSB,
+           static_cast<int32_t>(k.ta ? CUBLAS_OP_T : CUBLAS_OP_N));
+  p.a = make_layout(bt, k.tb ? k.K : k.N, k.tb ? k.N : k.K, k.ldb, k.batch, k.sb);
+  p.b = make_layout(at, k.ta ? k.M : k.K, k.ta ? k.K : k.M, k.lda, k.batch, k.sa);
+  p.c = make_layout(ct, k.N, k.M, k.ldc, k.batch, k.sc);
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  BB_CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
+  set_attr(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<uint64_t>(kWorkspaceBytes));
+  set_attr(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, static_cast<uint32_t>(k.align_b));
+  set_attr(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, static_cast<uint32_t>(k.align_a));
+  set_attr(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, static_cast<uint32_t>(k.align_c));
+  set_attr(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, static_cast<uint32_t>(k.align_c));
+  cublasLtMatmulHeuristicResult_t res{};
+  int found = 0;
+  const cublasStatus_t st_h =
+      cublasLtMatmulAlgoGetHeuristic(st.lt, p.desc, p.a, p.b, p.c, p.c, pref, 1, &res, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  BB_CHECK(st_h == CUBLAS_STATUS_SUCCESS && found > 0,
+           "cuda::gemm: cuBLASLt has no algorithm for M=", k.M, " N=", k.N, " K=", k.K,
+           " trans_a=", k.ta, " trans_b=", k.tb, " A ", dtype_name(at), " B ", dtype_name(bt),
+           " C ", dtype_name(ct), " lda=", k.lda, " ldb=", k.ldb, " ldc=", k.ldc,
+           " batch=", k.batch, " (", cublasLtGetStatusName(st_h), ")");
+  p.algo = res.algo;
+  p.workspace = res.workspaceSize;
+  return st.plans.emplace(k, p).first->second;
+}
+
+bool native(DType ab, DType c) {
+  if (ab == DType::f32) return c == DType::f32;
+  if (ab == DType::bf16) return c == DType::bf16 || c == DType::f32;
+  if (ab == DType::f16) return c == DType::f16 || c == DType::f32;
+  return false;
+}
+
+// Elements spanned by `batch` row-major matrices of rows x cols with leading dim ld.
+int64_t span(int64_t rows, int64_t cols, int64_t ld, int64_t batch, int64_t stride) {
+  if (rows == 0 || cols == 0 || batch == 0) return 0;
+  return (batch - 1) * stride + (rows - 1) * ld + cols;
+}
+
+// A converted device copy of `n` elements (workspace category).
+Tensor converted(const void* p, DType from, DType to, int64_t n, int dev) {
+  Tensor t =
+      Tensor::empty({std::max<int64_t>(n, 1)}, to, Device::cuda(dev), MemCategory::workspace);
+  convert(t.raw(), to, p, from, n);
+  return t;
+}
+
+template <class T>
+__device__ __forceinline__ float to_f(T x) {
+  return static_cast<float>(x);
+}
+template <>
+__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+template <>
+__device__ __forceinline__ float to_f<__half>(__half x) {
+  return __half2float(x);
+}
+template <class T>
+__device__ __forceinline__ T from_f(float x) {
+  return static_cast<T>(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__device__ __forceinline__ __half from_f<__half>(float x) {
+  return __float2half_rn(x);
+}
+
+// C[b][r, c] = beta * C (beta = 0 writes zeros, NaN included): the K = 0 product.
+template <class T>
+__global__ void scale_kernel(T* C, int64_t rows, int64_t cols, int64_t ldc, int64_t stride,
+                             int64_t batch, float beta) {
+  const int64_t n = rows * cols * batch;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t b = i / (rows * cols), r = (i / cols) % rows, c = i % cols;
+    T* p = C + b * stride + r * ldc + c;
+    *p = from_f<T>(beta == 0.0f ? 0.0f : beta * to_f(*p));
+  }
+}
+
+void scale_c(void* C, DType dt, int64_t rows, int64_t cols, int64_t ldc, int64_t stride,
+             int64_t batch, float beta) {
+  if (beta == 1.0f || rows * cols * batch == 0) return;
+  const int threads = 256;
+  const int blocks =
+      static_cast<int>(std::min<int64_t>(ceil_div(rows * cols * batch, threads), 4096));
+  switch (dt) {
+    case DType::f32:
+      scale_kernel<<<blocks, threads, 0, stream()>>>(static_cast<float*>(C), rows, cols, ldc,
+                                                     stride, batch, beta);
+      break;
+    case DType::bf16:
+      scale_kernel<<<blocks, threads, 0, stream()>>>(static_cast<__nv_bfloat16*>(C), rows, cols,
+                                                     ldc, stride, batch, beta);
+      break;
+    case DType::f16:
+      scale_kernel<<<blocks, threads, 0, stream()>>>(static_cast<__half*>(C), rows, cols, ldc,
+                                                     stride, batch, beta);
+      break;
+    default:
+      BB_FAIL("cuda::gemm: C dtype ", dtype_name(dt), " is not a float type");
+  }
+  BB_CHECK_LAUNCH();
+}
+
+// cuBLASLt on a natively supported combination.
+void lt_matmul(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const void* A,
+               DType adt, int64_t lda, int64_t sa, const void* B, DType bdt, int64_t ldb,
+               int64_t sb, float beta, void* C, DType cdt, int64_t ldc, int64_t sc, int64_t batch,
+               int dev) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  DeviceGemm& st = device_gemm(dev);
+  const int64_t ea = static_cast<int64_t>(dtype_size(adt)),
+                eb = static_cast<int64_t>(dtype_size(bdt)),
+                ec = static_cast<int64_t>(dtype_size(cdt));
+  PlanKey k{M,
+            N,
+            K,
+            lda,
+            ldb,
+            ldc,
+            batch > 1 ? sa : 0,
+            batch > 1 ? sb : 0,
+            batch > 1 ? sc : 0,
+            batch,
+            ta,
+            tb,
+            static_cast<int>(adt),
+            static_cast<int>(bdt),
+            static_cast<int>(cdt),
+            alignment_of(A, batch > 1 ? sa * ea : 0),
+            alignment_of(B, batch > 1 ? sb * eb : 0),
+            alignment_of(C, batch > 1 ? sc * ec : 0)};
+  const Plan& p = get_plan(st, k);
+  BB_CHECK_CUBLAS(cublasLtMatmul(st.lt, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c,
+                                 &p.algo, st.workspace, kWorkspaceBytes, stream()));
+}
+
+void check_dims(const char* op, bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t lda,
+                int64_t ldb, int64_t ldc) {
+  BB_CHECK(M >= 0 && N >= 0 && K >= 0, op, ": negative size M=", M, " N=", N, " K=", K);
+  const int64_t a_cols = ta ? M : K, b_cols = tb ? K : N;
+  BB_CHECK(lda >= std::max<int64_t>(a_cols, 1), op, ": lda=", lda, " is less than the ", a_cols,
+           " columns of the stored A");
+  BB_CHECK(ldb >= std::max<int64_t>(b_cols, 1), op, ": ldb=", ldb, " is less than the ", b_cols,
+           " columns of the stored B");
+  BB_CHECK(ldc >= std::max<int64_t>(N, 1), op, ": ldc=", ldc, " is less than N=", N);
+}
+
+}  // namespace
+
+void gemm_strided_batched(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
+                          const void* A, DType adt, int64_t lda, int64_t sa, const void* B,
+                          DType bdt, int64_t ldb, int64_t sb, float beta, void* C, DType cdt,
+                          int64_t ldc, int64_t sc, int64_t batch, int dev) {
+  check_dims("cuda::gemm", ta, tb, M, N, K, lda, ldb, ldc);
+  BB_CHECK(batch >= 0 && sa >= 0 && sb >= 0 && sc >= 0, "cuda::gemm: negative batch or stride");
+  BB_CHECK(batch <= 1 || sc >= (M - 1) * ldc + N || M == 0 || N == 0,
+           "cuda::gemm: output matrices overlap (stride_c=", sc, ")");
+  (void)cuda_type(adt), (void)cuda_type(bdt), (void)cuda_type(cdt);  // dtype checks
+  if (M == 0 || N == 0 || batch == 0) return;
+  BB_CHECK_CUDA(cudaSetDevice(dev));
+  if (K == 0) {  // no product: C = beta C (cuBLASLt does not take k = 0 everywhere)
+    scale_c(C, cdt, M, N, ldc, sc, batch, beta);
+    return;
+  }
+  // Bring the operands to one dtype: widening to f32 is exact.
+  Tensor a_tmp, b_tmp, c_tmp;
+  DType ab = adt;
+  if (adt != bdt) {
+    ab = DType::f32;
+    if (adt != DType::f32) {
+      a_tmp = converted(A, adt, DType::f32, span(ta ? K : M, ta ? M : K, lda, batch, sa), dev);
+      A = a_tmp.raw();
+    }
+    if (bdt != DType::f32) {
+      b_tmp = converted(B, bdt, DType::f32, span(tb ? N : K, tb ? K : N, ldb, batch, sb), dev);
+      B = b_tmp.raw();
+    }
+  }
+  if (native(ab, cdt)) {
+    lt_matmul(ta, tb, M, N, K, alpha, A, ab, lda, sa, B, ab, ldb, sb, beta, C, cdt, ldc, sc, batch,
+              dev);
+    return;
+  }
+  // AB f32 with a 16-bit C (or bf16 x f16 mixes): widen what is not f32, run into an f32 copy
+  // of C (the whole span, so that the gaps between rows convert back to themselves), narrow.
+  if (ab != DType::f32) {
+    a_tmp = converted(A, ab, DType::f32, span(ta ? K : M, ta ? M : K, lda, batch, sa), dev);
+    b_tmp = converted(B, ab, DType::f32, span(tb ? N : K, tb ? K : N, ldb, batch, sb), dev);
+    A = a_tmp.raw();
+    B = b_tmp.raw();
+  }
+  const int64_t c_span = span(M, N, ldc, batch, sc);
+  c_tmp = converted(C, cdt, DType::f32, c_span, dev);
+  lt_matmul(ta, tb, M, N, K, alpha, A, DType::f32, lda, sa, B, DType::f32, ldb, sb, beta,
+            c_tmp.raw(), DType::f32, ldc, sc, batch, dev);
+  convert(C, cdt, c_tmp.raw(), DType::f32, c_span);
+}
+
+void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const void* A, DType adt,
+          int64_t lda, const void* B, DType bdt, int64_t ldb, float beta, void* C, DType cdt,
+          int64_t ldc, int dev) {
+  gemm_strided_batched(ta, tb, M, N, K, alpha, A, adt, lda, 0, B, bdt, ldb, 0, beta, C, cdt, ldc, 0,
+                       1, dev);
+}
+
+void gemm_clear_cache() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  for (auto& st_ptr : all_states()) {
+    if (!st_ptr) continue;
+    DeviceGemm& st = *st_ptr;
+    for (auto& [k, p] : st.plans) {
+      cublasLtMatrixLayoutDestroy(p.a);
+      cublasLtMatrixLayoutDestroy(p.b);
+      cublasLtMatrixLayoutDestroy(p.c);
+      cublasLtMatmulDescDestroy(p.desc);
+    }
+    st.plans.clear();
+  }
+}
+
+int64_t gemm_cache_size() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  int64_t n = 0;
+  for (auto& st : all_states())
+    if (st) n += static_cast<int64_t>(st->plans.size());
+  return n;
+}
+
+// ---- grouped GEMM ----------------------------------------------------------------------------
+
+namespace {
+
+// Copies host bytes to a new device buffer (workspace) without synchronising the host: a
+// pageable-source cudaMemcpyAsync returns once the bytes are staged, so `src` may die after.
+Tensor upload(const void* src, size_t bytes, int dev) {
+  Tensor t = Tensor::empty({static_cast<int64_t>(bytes)}, DType::u8, Device::cuda(dev),
+                           MemCategory::workspace);
+  BB_CHECK_CUDA(cudaMemcpyAsync(t.raw(), src, bytes, cudaMemcpyHostToDevice, stream()));
+  return t;
+}
+
+struct DevProblem {
+  int64_t M, N, K;
+  const void* A;
+  const void* B;
+  float* C;
+  int64_t tile_start;  // first CTA of this problem
+};
+
+constexpr int kBM = 128, kBN = 128, kBK = 32, kPad = 8, kThreads = 256;
+constexpr int kVec = 8;                              // 16-bit elements per 16-byte load
+constexpr int kLoads = kBK * kBM / kVec / kThreads;  // 16-byte loads per thread per operand
+
+// One operand tile, [kBK][kBM] (k rows, m or n contiguous), held in registers between the
+// global load of step k+1 and its store to shared memory after step k's math.
+template <class T>
+struct TileRegs {
+  uint4 v[kLoads];
+};
+
+// Loads rows [k0, k0 + kBK) x columns [c0, c0 + kBM) of a row-major [K, C] matrix (ld). The
+// 16-byte path needs ld % 8 == 0 and a 16-byte aligned base (checked on the host: `vec`);
+// otherwise, and at the right edge, elements are loaded one by one. Out of range reads as 0.
+template <class T>
+__device__ __forceinline__ void load_tile(TileRegs<T>& r, const T* X, int64_t ld, int64_t K,
+                                          int64_t C, int64_t k0, int64_t c0, bool vec) {
+#pragma unroll
+  for (int i = 0; i < kLoads; ++i) {
+    const int idx = threadIdx.x + i * kThreads;
+    const int kk = idx / (kBM / kVec), cc = (idx % (kBM / kVec)) * kVec;
+    const int64_t gk = k0 + kk, gc = c0 + cc;
+    const T* src = X + gk * ld + gc;
+    if (gk < K && vec && gc + kVec <= C) {
+      r.v[i] = *reinterpret_cast<const uint4*>(src);
+    } else {  // the raw 16-bit patterns (0 is +0.0 in bf16 and f16), packed little-endian
+      const uint16_t* s16 = reinterpret_cast<const uint16_t*>(src);
+      uint32_t w[kVec / 2];
+#pragma unroll
+      for (int j = 0; j < kVec / 2; ++j) {
+        const uint32_t lo = (gk < K && gc + 2 * j < C) ? s16[2 * j] : 0u;
+        const uint32_t hi = (gk < K && gc + 2 * j + 1 < C) ? s16[2 * j + 1] : 0u;
+        w[j] = lo | (hi << 16);
+      }
+      r.v[i] = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+}
+
+template <class T>
+__device__ __forceinline__ void store_tile(T (*S)[kBM + kPad], const TileRegs<T>& r) {
+#pragma unroll
+  for (int i = 0; i < kLoads; ++i) {
+    const int idx = threadIdx.x + i * kThreads;
+    const int kk = idx / (kBM / kVec), cc = (idx % (kBM / kVec)) * kVec;
+    *reinterpret_cast<uint4*>(&S[kk][cc]) = r.v[i];
+  }
+}
+
+// C_g[M, N] = alpha * A_g^T B_g + beta * C_g with A_g [K, M] (lda), B_g [K, N] (ldb) row-major,
+// 16-bit inputs, f32 C: the weight-gradient shape d_W += d_Y^T X. One CTA per 128x128 tile of
+// one problem; 8 warps of 64x32, each 4x2 WMMA 16x16x16 fragments with fp32 accumulators.
+// Shared tiles are double-buffered: the global loads of step k+1 are in flight (in registers)
+// while step k's MMAs run, so one barrier per step suffices.
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    grouped_tn_f32_kernel(const DevProblem* __restrict__ probs, int num_probs, int64_t lda,
+                          int64_t ldb, int64_t ldc, float alpha, float beta, bool vec) {
+  using namespace nvcuda;
+  __shared__ __align__(128) T As[2][kBK][kBM + kPad];
+  __shared__ __align__(128) T Bs[2][kBK][kBN + kPad];
+  __shared__ __align__(128) float Cw[kThreads / 32][16][16];  // per-warp epilogue staging
+  __shared__ int s_prob;
+  if (threadIdx.x == 0) {  // the problem owning this CTA: last one with tile_start <= blockIdx.x
+    int lo = 0, hi = num_probs - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (probs[mid].tile_start <= static_cast<int64_t>(blockIdx.x))
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    s_prob = lo;
+  }
+  __syncthreads();
+  const DevProblem p = probs[s_prob];
+  const int64_t tile = blockIdx.x - p.tile_start;
+  const int64_t tiles_n = (p.N + kBN - 1) / kBN;
+  const int64_t m0 = (tile / tiles_n) * kBM, n0 = (tile % tiles_n) * kBN;
+  const T* A = static_cast<const T*>(p.A);
+  const T* B = static_cast<const T*>(p.B);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wm = warp / 4, wn = warp % 4;  // warp tile: rows [wm*64, +64), cols [wn*32, +32)
+
+#if __CUDA_ARCH__ >= 800
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4][2];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+#else
+  // Pre-Ampere PTX (a build for compute_75 JIT-compiled on a newer GPU) has no bf16 WMMA:
+  // each lane accumulates the same 4x2 fragments' 64 outputs in scalar fp32 instead.
+  float acc_s[4][2][8];
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 2; ++j)
+      for (int e = 0; e < 8; ++e) acc_s[i][j][e] = 0.0f;
+#endif
+
+  TileRegs<T> ra, rb;
+  if (p.K > 0) {
+    load_tile(ra, A, lda, p.K, p.M, 0, m0, vec);
+    load_tile(rb, B, ldb, p.K, p.N, 0, n0, vec);
+    store_tile(As[0], ra);
+    store_tile(Bs[0], rb);
+  }
+  __syncthreads();
+  int cur = 0;
+  for (int64_t k0 = 0; k0 < p.K; k0 += kBK) {
+    const bool more = k0 + kBK < p.K;
+    if (more) {
+      load_tile(ra, A, lda, p.K, p.M, k0 + kBK, m0, vec);
+      load_tile(rb, B, ldb, p.K, p.N, k0 + kBK, n0, vec);
+    }
+#if __CUDA_ARCH__ >= 800
+#pragma unroll
+    for (int kk = 0; kk < kBK; kk += 16) {
+      // op(A) tile element (m, k) sits at As[k][m]: column-major for matrix_a.
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major> fa[4];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> fb[2];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        wmma::load_matrix_sync(fa[i], &As[cur][kk][wm * 64 + i * 16], kBM + kPad);
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+        wmma::load_matrix_sync(fb[j], &Bs[cur][kk][wn * 32 + j * 16], kBN + kPad);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+    }
+#else
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < 2; ++j)
+        for (int e = 0; e < 8; ++e) {
+          const int r = (lane * 8 + e) / 16, c = (lane * 8 + e) % 16;
+          float s = 0.0f;
+          for (int kk = 0; kk < kBK; ++kk)
+            s += to_f(As[cur][kk][wm * 64 + i * 16 + r]) * to_f(Bs[cur][kk][wn * 32 + j * 16 + c]);
+          acc_s[i][j][e] += s;
+        }
+#endif
+    if (more) {
+      store_tile(As[cur ^ 1], ra);
+      store_tile(Bs[cur ^ 1], rb);
+    }
+    __syncthreads();
+    cur ^= 1;
+  }
+  // Epilogue, one 16x16 fragment at a time through the warp's staging tile: bounds, alpha, beta.
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#if __CUDA_ARCH__ >= 800
+      wmma::store_matrix_sync(&Cw[warp][0][0], acc[i][j], 16, wmma::mem_row_major);
+#else
+      for (int e = 0; e < 8; ++e)
+        Cw[warp][(lane * 8 + e) / 16][(lane * 8 + e) % 16] = acc_s[i][j][e];
+#endif
+      __syncwarp();
+      for (int e = lane; e < 256; e += 32) {
+        const int r = e / 16, c = e % 16;
+        const int64_t gm = m0 + wm * 64 + i * 16 + r, gn = n0 + wn * 32 + j * 16 + c;
+        if (gm < p.M && gn < p.N) {
+          float* out = p.C + gm * ldc + gn;
+          const float v = alpha * Cw[warp][r][c];
+          *out = beta == 0.0f ? v : v + beta * *out;
+        }
+      }
+      __syncwarp();
+    }
+}
+
+void grouped_own_tn(const std::vector<GemmProblem>& ps, float alpha, DType ab, int64_t lda,
+                    int64_t ldb, float beta, int64_t ldc, int dev) {
+  std::vector<DevProblem> dp;
+  int64_t tiles = 0;
+  // 16-byte loads need every row start 16-byte aligned: ld % 8 == 0 and aligned bases.
+  bool vec = lda % kVec == 0 && ldb % kVec == 0;
+  for (const GemmProblem& p : ps) {
+    dp.push_back({p.M, p.N, p.K, p.A, p.B, static_cast<float*>(p.C), tiles});
+    tiles += ceil_div(p.M, kBM) * ceil_div(p.N, kBN);
+    vec = vec && reinterpret_cast<uintptr_t>(p.A) % 16 == 0 &&
+          reinterpret_cast<uintptr_t>(p.B) % 16 == 0;
+  }
+  BB_CHECK(tiles < (int64_t{1} << 31), "cuda::gemm_grouped: too many tiles (", tiles, ")");
+  Tensor meta = upload(dp.data(), dp.size() * sizeof(DevProblem), dev);
+  const auto* d = static_cast<const DevProblem*>(meta.raw());
+  const int n = static_cast<int>(dp.size());
+  if (ab == DType::bf16)
+    grouped_tn_f32_kernel<__nv_bfloat16><<<static_cast<unsigned>(tiles), kThreads, 0, stream()>>>(
+        d, n, lda, ldb, ldc, alpha, beta, vec);
+  else
+    grouped_tn_f32_kernel<__half><<<static_cast<unsigned>(tiles), kThreads, 0, stream()>>>(
+        d, n, lda, ldb, ldc, alpha, beta, vec);
+  BB_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void gemm_grouped(bool ta, bool tb, const std::vector<GemmProblem>& problems, float alpha, DType ab,
+                  int64_t lda, int64_t ldb, float beta, DType cdt, int64_t ldc, int dev) {
+  std::vector<GemmProblem> ps;
+  for (const GemmProblem& p : problems) {
+    check_dims("cuda::gemm_grouped", ta, tb, p.M, p.N, p.K, lda, ldb, ldc);
+    if (p.M > 0 && p.N > 0) ps.push_back(p);
+  }
+  if (ps.empty()) return;
+  BB_CHECK_CUDA(cudaSetDevice(dev));
+  const bool cublas_ok = (ab == DType::bf16 && cdt == DType::bf16) ||
+                         (ab == DType::f16 && cdt == DType::f16) ||
+                         (ab == DType::f32 && cdt == DType::f32);
+  if (!cublas_ok) {
+    BB_CHECK((ab == DType::bf16 || ab == DType::f16) && cdt == DType::f32 && ta && !tb,
+             "cuda::gemm_grouped: inputs ", dtype_name(ab), " with output ", dtype_name(cdt),
+             " and trans_a=", ta, " trans_b=", tb,
+             " is not supported (cuBLAS grouped GEMM takes bf16->bf16, f16->f16, f32->f32; the "
+             "own kernel takes 16-bit -> f32 with trans_a && !trans_b)");
+    grouped_own_tn(ps, alpha, ab, lda, ldb, beta, ldc, dev);
+    return;
+  }
+  // cuBLAS: one group per problem (group_size 1), swapped operands as in gemm().
+  const int G = static_cast<int>(ps.size());
+  std::vector<cublasOperation_t> op_a(G, tb ? CUBLAS_OP_T : CUBLAS_OP_N),
+      op_b(G, ta ? CUBLAS_OP_T : CUBLAS_OP_N);
+  std::vector<int> m(G), n(G), k(G), ld_a(G, static_cast<int>(ldb)), ld_b(G, static_cast<int>(lda)),
+      ld_c(G, static_cast<int>(ldc)), size(G, 1);
+  std::vector<float> alphas(G, alpha), betas(G, beta);
+  std::vector<const void*> ptrs(3 * static_cast<size_t>(G));
+  for (int g = 0; g < G; ++g) {
+    BB_CHECK(ps[g].M < (1 << 30) && ps[g].N < (1 << 30) && ps[g].K < (1 << 30) &&
+                 std::max({lda, ldb, ldc}) < (1 << 30),
+             "cuda::gemm_grouped: sizes must fit in int32");
+    m[g] = static_cast<int>(ps[g].N);
+    n[g] = static_cast<int>(ps[g].M);
+    k[g] = static_cast<int>(ps[g].K);
+    ptrs[g] = ps[g].B;
+    ptrs[G + g] = ps[g].A;
+    ptrs[2 * G + g] = ps[g].C;
+  }
+  Tensor dptrs = upload(ptrs.data(), ptrs.size() * sizeof(void*), dev);
+  const void* const* d = static_cast<const void* const*>(dptrs.raw());
+  std::lock_guard<std::mutex> lock(g_mu);
+  DeviceGemm& st = device_gemm(dev);
+  const cudaDataType_t t = cuda_type(ab), tc = cuda_type(cdt);
+  BB_CHECK_CUBLAS(cublasGemmGroupedBatchedEx(
+      st.blas, op_a.data(), op_b.data(), m.data(), n.data(), k.data(), alphas.data(), d, t,
+      ld_a.data(), d + G, t, ld_b.data(), betas.data(), const_cast<void* const*>(d + 2 * G), tc,
+      ld_c.data(), G, size.data(), CUBLAS_COMPUTE_32F));
+}
+
+}  // namespace bb::cuda

@@ -1,0 +1,382 @@
+// cuBLASLt GEMM, grouped GEMM and the linear primitive on the GPU against CPU references.
+//
+// Oracle: a double-precision loop (cpu::gemm<double>) over the very values the GPU sees (inputs
+// rounded to bf16 first when they are stored in bf16), and the CPU Tensor API for linear.
+// Tolerances (relative L2, common/gpu.h): bf16 output 1e-2, f32 output 1e-4 (f32 inputs run
+// without TF32). Fresh device memory is NaN-poisoned, so an unwritten output or a beta = 0 GEMM
+// that reads C fails.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "backend/cpu/gemm.h"
+#include "common/gpu.h"
+#include "common/testing.h"
+#include "core/tensor.h"
+#include "primitives/linear/linear.h"
+
+#ifdef BB_WITH_CUDA
+#include "backend/cuda/gemm.h"
+#endif
+
+namespace bb {
+namespace {
+
+const Device kGpu = Device::cuda(0);
+
+double tol_for(DType out) {
+  return out == DType::bf16 ? test::kTolBf16 : test::kTolF32;
+}
+
+// Host values as stored in dtype dt (bf16 rounding applied), as floats.
+std::vector<float> stored(const std::vector<float>& v, DType dt) {
+  return Tensor::from_floats(v, {static_cast<int64_t>(v.size())}, dt).to_floats();
+}
+
+Tensor on_gpu(const std::vector<float>& v, const Shape& s, DType dt,
+              MemCategory cat = MemCategory::other) {
+  return Tensor::from_floats(v, s, dt).to(kGpu, cat);
+}
+
+// ref[M, N] = alpha op(A) op(B) + beta C0 in double, row-major with packed leading dims.
+std::vector<double> ref_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, double alpha,
+                             const std::vector<float>& A, const std::vector<float>& B, double beta,
+                             const std::vector<float>& C0) {
+  std::vector<double> a(A.begin(), A.end()), b(B.begin(), B.end()), c(M * N, 0.0);
+  for (int64_t i = 0; i < M * N && beta != 0.0; ++i) c[i] = C0[i];
+  if (M * N > 0) cpu::gemm<double>(ta, tb, M, N, K, alpha, a.data(), b.data(), beta, c.data());
+  return c;
+}
+
+#ifdef BB_WITH_CUDA
+void gpu_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const Tensor& a,
+              const Tensor& b, float beta, Tensor& c) {
+  cuda::gemm(ta, tb, M, N, K, alpha, a.raw(), a.dtype(), std::max<int64_t>(a.size(1), 1), b.raw(),
+             b.dtype(), std::max<int64_t>(b.size(1), 1), beta, c.raw(), c.dtype(),
+             std::max<int64_t>(c.size(1), 1), 0);
+}
+#endif
+
+// ---- cuda::gemm: transposes x input dtype x output dtype x shape -------------------------------
+
+using GemmCase = std::tuple<bool, bool, DType, DType, std::tuple<int, int, int>>;
+
+std::string gemm_case_name(const testing::TestParamInfo<GemmCase>& info) {
+  const auto& [ta, tb, in, out, mnk] = info.param;
+  const auto& [M, N, K] = mnk;
+  return std::string(ta ? "T" : "N") + (tb ? "T" : "N") + "_" + dtype_name(in) + "_to_" +
+         dtype_name(out) + "_" + std::to_string(M) + "x" + std::to_string(N) + "x" +
+         std::to_string(K);
+}
+
+class GemmGpu : public ::testing::TestWithParam<GemmCase> {};
+
+TEST_P(GemmGpu, MatchesDoubleReference) {
+  BB_REQUIRE_GPU();
+#ifdef BB_WITH_CUDA
+  const auto& [ta, tb, in, out, mnk] = GetParam();
+  const auto& [M, N, K] = mnk;
+  const auto av = stored(test::randn(M * K, 1), in), bv = stored(test::randn(K * N, 2), in);
+  const Tensor a = on_gpu(av, ta ? Shape{K, M} : Shape{M, K}, in);
+  const Tensor b = on_gpu(bv, tb ? Shape{N, K} : Shape{K, N}, in);
+  // beta = 0 into poisoned memory: C must be written, never read.
+  Tensor c = Tensor::empty({M, N}, out, kGpu, MemCategory::other);
+  gpu_gemm(ta, tb, M, N, K, 1.0f, a, b, 0.0f, c);
+  const auto ref = ref_gemm(ta, tb, M, N, K, 1.0, av, bv, 0.0, {});
+  EXPECT_LT(test::rel_error(c.to_floats(), ref), tol_for(out));
+
+  // beta accumulation: C = 0.5 A B + 0.75 C0 on random C0.
+  const auto c0 = stored(test::randn(M * N, 3), out);
+  Tensor c2 = on_gpu(c0, {M, N}, out);
+  gpu_gemm(ta, tb, M, N, K, 0.5f, a, b, 0.75f, c2);
+  const auto ref2 = ref_gemm(ta, tb, M, N, K, 0.5, av, bv, 0.75, c0);
+  EXPECT_LT(test::rel_error(c2.to_floats(), ref2), tol_for(out));
+#endif
+}
+
+INSTANTIATE_TEST_SUITE_P(AllCombos, GemmGpu,
+                         ::testing::Combine(::testing::Bool(), ::testing::Bool(),
+                                            ::testing::Values(DType::bf16, DType::f32),
+                                            ::testing::Values(DType::bf16, DType::f32),
+                                            ::testing::Values(std::make_tuple(71, 229, 130),
+                                                              std::make_tuple(1, 1, 1))),
+                         gemm_case_name);
+
+TEST(GemmGpuEdge, BetaOneAccumulatesIntoF32) {  // the wgrad pattern d_w += d_y^T x, called twice
+  BB_REQUIRE_GPU();
+#ifdef BB_WITH_CUDA
+  const int64_t T = 130, out = 71, in = 229;
+  const auto dy = stored(test::randn(T * out, 4), DType::bf16);
+  const auto x = stored(test::randn(T * in, 5), DType::bf16);
+  const auto w0 = test::randn(out * in, 6);
+  const Tensor dyg = on_gpu(dy, {T, out}, DType::bf16), xg = on_gpu(x, {T, in}, DType::bf16);
+  Tensor dw = on_gpu(w0, {out, in}, DType::f32);
+  gpu_gemm(true, false, out, in, T, 1.0f, dyg, xg, 1.0f, dw);
+  gpu_gemm(true, false, out, in, T, 1.0f, dyg, xg, 1.0f, dw);
+  auto ref = ref_gemm(true, false, out, in, T, 2.0, dy, x, 1.0, w0);
+  EXPECT_LT(test::rel_error(dw.to_floats(), ref), test::kTolF32);
+#endif
+}
+
+TEST(GemmGpuEdge, MixedInputDtypesAndMisalignedSlices) {
+  BB_REQUIRE_GPU();
+#ifdef BB_WITH_CUDA
+  // A bf16, B f32 (widened to f32); operands start at odd element offsets (2-byte alignment
+  // for bf16), so a plan that assumes 256-byte alignment would be wrong.
+  const int64_t M = 37, N = 53, K = 29;
+  const auto big_a = stored(test::randn((M + 1) * K, 7), DType::bf16);
+  const auto bv = test::randn((K + 1) * N, 8);
+  const Tensor A = on_gpu(big_a, {M + 1, K}, DType::bf16).narrow(1, M);
+  const Tensor B = on_gpu(bv, {K + 1, N}, DType::f32).narrow(1, K);
+  Tensor C = Tensor::empty({M + 1, N}, DType::f32, kGpu, MemCategory::other).narrow(1, M);
+  gpu_gemm(false, false, M, N, K, 1.0f, A, B, 0.0f, C);
+  const std::vector<float> a(big_a.begin() + K, big_a.end()), b(bv.begin() + N, bv.end());
+  EXPECT_LT(test::rel_error(C.to_floats(), ref_gemm(false, false, M, N, K, 1.0, a, b, 0.0, {})),
+            test::kTolF32);
+  // f32 inputs with a bf16 output (through an f32 copy of C).
+  const auto av32 = test::randn(M * K, 9);
+  Tensor Cb = on_gpu(test::randn(M * N, 10), {M, N}, DType::bf16);
+  const auto cb0 = Cb.to_floats();
+  gpu_gemm(false, false, M, N, K, 1.0f, on_gpu(av32, {M, K}, DType::f32), B, 1.0f, Cb);
+  EXPECT_LT(
+      test::rel_error(Cb.to_floats(), ref_gemm(false, false, M, N, K, 1.0, av32, b, 1.0, cb0)),
+      test::kTolBf16);
+#endif
+}
+
+TEST(GemmGpuEdge, EmptyInnerDimensionScalesC) {
+  BB_REQUIRE_GPU();
+#ifdef BB_WITH_CUDA
+  const int64_t M = 5, N = 7;
+  const auto c0 = test::randn(M * N, 11);
+  Tensor a = Tensor::empty({M, 0}, DType::bf16, kGpu, MemCategory::other);
+  Tensor b = Tensor::empty({0, N}, DType::bf16, kGpu, MemCategory::other);
+  Tensor c = on_gpu(c0, {M, N}, DType::f32);
+  cuda::gemm(false, false, M, N, 0, 1.0f, a.raw(), DType::bf16, 1, b.raw(), DType::bf16, N, 0.5f,
+             c.raw(), DType::f32, N, 0);
+  std::vector<double> half(c0.begin(), c0.end());
+  for (double& v : half) v *= 0.5;
+  EXPECT_LT(test::rel_error(c.to_floats(), half), 1e-7);
+  Tensor z = Tensor::empty({M, N}, DType::bf16, kGpu, MemCategory::other);  // NaN-poisoned
+  cuda::gemm(false, false, M, N, 0, 1.0f, a.raw(), DType::bf16, 1, b.raw(), DType::bf16, N, 0.0f,
+             z.raw(), DType::bf16, N, 0);
+  EXPECT_EQ(z.to_floats(), std::vector<float>(M * N, 0.0f));
+#endif
+}
+
+TEST(GemmGpuEdge, PlansAreCachedByShape) {
+  BB_REQUIRE_GPU();
+#ifdef BB_WITH_CUDA
+  cuda::gemm_clear_cache();
+  const Tensor a = on_gpu(test::randn(64 * 32, 12), {64, 32}, DType::bf16);
+  const Tensor b = on_gpu(test::randn(32 * 48, 13), {32, 48}, DType::bf16);
+  Tensor c = Tensor::empty({64, 48}, DType::f32, kGpu, MemCategory::other);
+  gpu_gemm(false, false, 64, 48, 32, 1.0f, a, b, 0.0f, c);
+  EXPECT_EQ(cuda::gemm_cache_size(), 1);
+  gpu_gemm(false, false, 64, 48, 32, 1.0f, a, b, 0.0f, c);
+  EXPECT_EQ(cuda::gemm_cache_size(), 1);
+  Tensor c2 = Tensor::empty({64, 64}, DType::f32, kGpu, MemCategory::other);
+  gpu_gemm(false, true, 64, 64, 32, 1.0f, a, a, 0.0f, c2);  // another shape: a second plan
+  EXPECT_EQ(cuda::gemm_cache_size(), 2);
+#endif
+}
+
+TEST(GemmGpuEdge, StridedBatched) {
+  BB_REQUIRE_GPU();
+#ifdef BB_WITH_CUDA
+  const int64_t batch = 3, M = 19, N = 23, K = 17;
+  const auto av = stored(test::randn(batch * M * K, 14), DType::bf16);
+  const auto bv = stored(test::randn(K * N, 15), DType::bf16);  // broadcast: stride 0
+  const Tensor a = on_gpu(av, {batch * M, K}, DType::bf16), b = on_gpu(bv, {K, N}, DType::bf16);
+  Tensor c = Tensor::empty({batch * M, N}, DType::f32, kGpu, MemCategory::other);
+  cuda::gemm_strided_batched(false, false, M, N, K, 1.0f, a.raw(), DType::bf16, K, M * K, b.raw(),
+                             DType::bf16, N, 0, 0.0f, c.raw(), DType::f32, N, M * N, batch, 0);
+  std::vector<double> ref;
+  for (int64_t i = 0; i < batch; ++i) {
+    const std::vector<float> ai(av.begin() + i * M * K, av.begin() + (i + 1) * M * K);
+    const auto r = ref_gemm(false, false, M, N, K, 1.0, ai, bv, 0.0, {});
+    ref.insert(ref.end(), r.begin(), r.end());
+  }
+  EXPECT_LT(test::rel_error(c.to_floats(), ref), test::kTolF32);
+#endif
+}
+
+TEST(GemmGpuEdge, BadArgumentsAreClearErrors) {
+  BB_REQUIRE_GPU();
+#ifdef BB_WITH_CUDA
+  Tensor a = Tensor::empty({4, 8}, DType::bf16, kGpu, MemCategory::other);
+  test::expect_error_contains(
+      [&] {
+        cuda::gemm(false, false, 4, 4, 8, 1.0f, a.raw(), DType::bf16, 4, a.raw(), DType::bf16, 8,
+                   0.0f, a.raw(), DType::f32, 4, 0);
+      },
+      "lda=4 is less than the 8 columns of the stored A");
+  test::expect_error_contains(
+      [&] {
+        cuda::gemm(false, false, 1, 1, 1, 1.0f, a.raw(), DType::i32, 1, a.raw(), DType::bf16, 1,
+                   0.0f, a.raw(), DType::f32, 1, 0);
+      },
+      "dtype i32 is not f32, bf16 or f16");
+  std::vector<cuda::GemmProblem> ps(1);
+  ps[0].M = ps[0].N = ps[0].K = 2;
+  ps[0].A = ps[0].B = a.raw();
+  ps[0].C = a.raw();
+  test::expect_error_contains(
+      [&] {
+        cuda::gemm_grouped(false, false, ps, 1.0f, DType::bf16, 8, 8, 0.0f, DType::f32, 8, 0);
+      },
+      "is not supported");
+#endif
+}
+
+// ---- cuda::gemm_grouped ------------------------------------------------------------------------
+
+struct GroupedCase {
+  bool ta, tb;
+  DType in, out;
+};
+
+class GemmGroupedGpu : public ::testing::TestWithParam<GroupedCase> {};
+
+TEST_P(GemmGroupedGpu, EachProblemMatchesDoubleReference) {
+  BB_REQUIRE_GPU();
+#ifdef BB_WITH_CUDA
+  const GroupedCase g = GetParam();
+  // Problems of uneven sizes, one empty, one with K = 0 (C = beta C), all slices of one buffer
+  // each so the offsets are unaligned. Fixed lda/ldb/ldc across problems.
+  const std::vector<std::array<int64_t, 3>> mnk =
+      g.ta && !g.tb ? std::vector<std::array<int64_t, 3>>{{130, 71, 37},
+                                                          {130, 71, 0},
+                                                          {130, 71, 1},
+                                                          {130, 71, 200}}
+                    : std::vector<std::array<int64_t, 3>>{
+                          {37, 71, 130}, {0, 71, 130}, {1, 71, 130}, {200, 71, 130}};
+  const float alpha = 1.0f, beta = 1.0f;
+  const int64_t lda0 = g.ta ? mnk[0][0] : mnk[0][2];  // stored-A columns (same for all)
+  const int64_t ldb0 = g.tb ? mnk[0][2] : mnk[0][1];
+  const int64_t ldc0 = mnk[0][1];
+  std::vector<cuda::GemmProblem> ps;
+  std::vector<Tensor> keep;
+  std::vector<std::vector<float>> av, bv, cv;
+  for (size_t i = 0; i < mnk.size(); ++i) {
+    const auto [M, N, K] = mnk[i];
+    const int64_t a_rows = g.ta ? K : M, b_rows = g.tb ? N : K;
+    av.push_back(stored(test::randn(a_rows * lda0, 20 + i), g.in));
+    bv.push_back(stored(test::randn(b_rows * ldb0, 30 + i), g.in));
+    cv.push_back(stored(test::randn(M * ldc0, 40 + i), g.out));
+    keep.push_back(on_gpu(av.back(), {a_rows, lda0}, g.in));
+    keep.push_back(on_gpu(bv.back(), {b_rows, ldb0}, g.in));
+    keep.push_back(on_gpu(cv.back(), {M, ldc0}, g.out));
+    cuda::GemmProblem p;
+    p.M = M;
+    p.N = N;
+    p.K = K;
+    p.A = keep[keep.size() - 3].raw();
+    p.B = keep[keep.size() - 2].raw();
+    p.C = keep.back().raw();
+    ps.push_back(p);
+  }
+  cuda::gemm_grouped(g.ta, g.tb, ps, alpha, g.in, lda0, ldb0, beta, g.out, ldc0, 0);
+  for (size_t i = 0; i < mnk.size(); ++i) {
+    const auto [M, N, K] = mnk[i];
+    if (M == 0) continue;
+    const auto ref = ref_gemm(g.ta, g.tb, M, N, K, alpha, av[i], bv[i], beta, cv[i]);
+    EXPECT_LT(test::rel_error(keep[3 * i + 2].to_floats(), ref), tol_for(g.out)) << "problem " << i;
+  }
+#endif
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Combos, GemmGroupedGpu,
+    ::testing::Values(GroupedCase{false, true, DType::bf16, DType::bf16},   // expert forward
+                      GroupedCase{false, false, DType::bf16, DType::bf16},  // expert dgrad
+                      GroupedCase{false, true, DType::f32, DType::f32},
+                      GroupedCase{true, false, DType::bf16, DType::f32},  // wgrad: own kernel
+                      GroupedCase{true, false, DType::f32, DType::f32},
+                      GroupedCase{true, false, DType::bf16, DType::bf16}),
+    [](const testing::TestParamInfo<GroupedCase>& info) {
+      const GroupedCase& g = info.param;
+      return std::string(g.ta ? "T" : "N") + (g.tb ? "T" : "N") + "_" + dtype_name(g.in) + "_to_" +
+             dtype_name(g.out);
+    });
+
+// ---- linear / matmul on CUDA tensors vs the CPU path ------------------------------------------
+
+class LinearGpu : public ::testing::TestWithParam<DType> {};
+
+TEST_P(LinearGpu, ForwardBackwardMatchCpu) {
+  BB_REQUIRE_GPU();
+  const DType dt = GetParam();
+  const int64_t T = 71, in = 130, out = 229;
+  const Tensor x = Tensor::from_floats(test::randn(T * in, 50), {T, in}, dt);
+  const Tensor w = Tensor::from_floats(test::randn(out * in, 51, 0.1f), {out, in}, dt);
+  const Tensor b = Tensor::from_floats(test::randn(out, 52), {out}, dt);
+  const Tensor dy = Tensor::from_floats(test::randn(T * out, 53), {T, out}, dt);
+  const auto w0 = test::randn(out * in, 54), b0 = test::randn(out, 55);
+  const double tol = tol_for(dt);
+
+  for (bool with_bias : {true, false}) {
+    const Tensor y_cpu = linear_forward(x, w, with_bias ? b : Tensor());
+    const Tensor y_gpu = linear_forward(x.to(kGpu), w.to(kGpu), with_bias ? b.to(kGpu) : Tensor());
+    EXPECT_EQ(y_gpu.dtype(), dt);
+    EXPECT_EQ(y_gpu.device(), kGpu);
+    EXPECT_EQ(y_gpu.category(), MemCategory::activations);
+    EXPECT_LT(test::rel_error(y_gpu.to_floats(), y_cpu.to_floats()), tol) << "bias " << with_bias;
+  }
+  const Tensor dx_cpu = linear_backward_data(dy, w);
+  const Tensor dx_gpu = linear_backward_data(dy.to(kGpu), w.to(kGpu));
+  EXPECT_EQ(dx_gpu.dtype(), DType::f32);
+  EXPECT_LT(test::rel_error(dx_gpu.to_floats(), dx_cpu.to_floats()), test::kTolF32);
+
+  // Gradients start random (accumulation) and get two calls.
+  Tensor dw_cpu = Tensor::from_floats(w0, {out, in}), db_cpu = Tensor::from_floats(b0, {out});
+  Tensor dw_gpu = dw_cpu.to(kGpu, MemCategory::grads), db_gpu = db_cpu.to(kGpu, MemCategory::grads);
+  for (int rep = 0; rep < 2; ++rep) {
+    linear_backward_weight(dy, x, dw_cpu, &db_cpu);
+    linear_backward_weight(dy.to(kGpu), x.to(kGpu), dw_gpu, &db_gpu);
+  }
+  EXPECT_LT(test::rel_error(dw_gpu.to_floats(), dw_cpu.to_floats()), test::kTolF32);
+  EXPECT_LT(test::rel_error(db_gpu.to_floats(), db_cpu.to_floats()), test::kTolF32);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, LinearGpu, ::testing::Values(DType::f32, DType::bf16),
+                         [](const testing::TestParamInfo<DType>& i) {
+                           return std::string(dtype_name(i.param));
+                         });
+
+TEST(LinearGpuEdge, MatmulAllTransposesMatchCpu) {
+  BB_REQUIRE_GPU();
+  const int64_t M = 71, N = 229, K = 130;
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      const Tensor a =
+          Tensor::from_floats(test::randn(M * K, 60), ta ? Shape{K, M} : Shape{M, K}, DType::bf16);
+      const Tensor b = Tensor::from_floats(test::randn(K * N, 61), tb ? Shape{N, K} : Shape{K, N});
+      const auto c0 = test::randn(M * N, 62);
+      Tensor c_cpu = Tensor::from_floats(c0, {M, N});
+      Tensor c_gpu = c_cpu.to(kGpu);
+      matmul(a, ta, b, tb, c_cpu, 0.5f, 1.0f);
+      matmul(a.to(kGpu), ta, b.to(kGpu), tb, c_gpu, 0.5f, 1.0f);
+      EXPECT_LT(test::rel_error(c_gpu.to_floats(), c_cpu.to_floats()), test::kTolF32)
+          << "ta " << ta << " tb " << tb;
+    }
+}
+
+TEST(LinearGpuEdge, DeviceMismatchIsAClearError) {
+  BB_REQUIRE_GPU();
+  const Tensor x = Tensor::from_floats(test::randn(12, 70), {3, 4});
+  const Tensor w = Tensor::from_floats(test::randn(20, 71), {5, 4});
+  test::expect_error_contains([&] { linear_forward(x.to(kGpu), w, Tensor()); },
+                              "linear_forward: tensors on different devices (cuda:0 and cpu)");
+  Tensor c = Tensor::zeros({3, 5}, DType::f32, kGpu, MemCategory::other);
+  test::expect_error_contains([&] { matmul(x.to(kGpu), false, w.to(kGpu), false, c); },
+                              "matmul: inner dimensions differ");
+}
+
+}  // namespace
+}  // namespace bb
