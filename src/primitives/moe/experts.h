@@ -51,7 +51,7 @@ ExpertsDgrad experts_backward_data(ExpertsImpl impl, const Tensor& d_y,
 
 // d_w_gate_up [E, 2F, H] += d_gate_up^T x_perm;  d_w_down [E, H, F] += d_y^T (p * act).
 // d_y [N, H], x_perm [N, H] float (in); dgrad from experts_backward_data (its d_gate_up).
-// The gradient tensors may be any float dtype (usually f32, category grads), on the CPU.
+// The gradient tensors may be any float dtype (usually f32, category grads), on the same device as the data.
 void experts_backward_weight(ExpertsImpl impl, const Tensor& d_y, const Tensor& x_perm,
                              const std::vector<int64_t>& tokens_per_expert, const Tensor& row_prob,
                              const ExpertsSaved& saved, const ExpertsDgrad& dgrad,
