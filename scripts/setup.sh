@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the build dependencies (Debian/Ubuntu packages) when missing, then configures and
 # builds bumblebee into ./build. Re-running is cheap: apt is skipped when everything is there.
+#   ./scripts/setup.sh [TARGET...]   (default: everything; e.g. `bumblebee` for just the program)
 #   BUMBLEBEE_CUDA=AUTO|ON|OFF  (default AUTO: the CUDA backend is built when nvcc is found)
 #   BUILD_DIR=build             JOBS=$(nproc)
 set -euo pipefail
@@ -21,5 +22,9 @@ BUILD_DIR=${BUILD_DIR:-build}
 JOBS=${JOBS:-$(nproc)}
 echo "[setup] configuring ${BUILD_DIR} (BUMBLEBEE_CUDA=${BUMBLEBEE_CUDA:-AUTO})"
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUMBLEBEE_CUDA="${BUMBLEBEE_CUDA:-AUTO}" >/dev/null
-echo "[setup] building with ${JOBS} jobs"
-cmake --build "$BUILD_DIR" -j "$JOBS"
+echo "[setup] building ${*:-everything} with ${JOBS} jobs"
+if [ $# -gt 0 ]; then
+  cmake --build "$BUILD_DIR" -j "$JOBS" --target "$@"
+else
+  cmake --build "$BUILD_DIR" -j "$JOBS"
+fi
