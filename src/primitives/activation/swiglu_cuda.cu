@@ -8,47 +8,13 @@
 #include <cstdint>
 
 #include "backend/cuda/check.cuh"
+#include "backend/cuda/vec.cuh"
 #include "primitives/activation/swiglu_cuda.h"
 
 namespace bb::cuda {
 namespace {
 
-using bf16_t = uint16_t;  // bf16 storage bits
-
 constexpr int kThreads = 256;
-
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(bf16_t v) {
-  return __uint_as_float(static_cast<uint32_t>(v) << 16);
-}
-template <class T>
-__device__ __forceinline__ T from_f32(float v);
-template <>
-__device__ __forceinline__ float from_f32<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ bf16_t from_f32<bf16_t>(float v) {
-  return __bfloat16_as_ushort(__float2bfloat16_rn(v));
-}
-
-template <class T, int N>
-struct alignas(N * sizeof(T) < 16 ? N * sizeof(T) : 16) Pack {
-  T v[N];
-};
-
-template <class T, int N>
-__device__ __forceinline__ void load(const T* p, float (&out)[N]) {
-  const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
-#pragma unroll
-  for (int k = 0; k < N; ++k) out[k] = to_f32(pk.v[k]);
-}
-
-template <class T, int N>
-__device__ __forceinline__ void store(T* p, const float (&in)[N]) {
-  Pack<T, N> pk;
-#pragma unroll
-  for (int k = 0; k < N; ++k) pk.v[k] = from_f32<T>(in[k]);
-  *reinterpret_cast<Pack<T, N>*>(p) = pk;
-}
 
 // exp of -|x| never overflows (as ref::stable_sigmoid, without its branch). The fast
 // intrinsics keep the kernel memory-bound (precise expf and division cost about as many issue

@@ -8,40 +8,14 @@
 #include <cstdint>
 
 #include "backend/cuda/check.cuh"
+#include "backend/cuda/vec.cuh"
 #include "primitives/elementwise/elementwise_cuda.h"
 
 namespace bb::cuda {
 namespace {
 
-using bf16_t = uint16_t;  // bf16 storage bits
-
 constexpr int kThreads = 256;
 constexpr int kVec = 4;
-
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(bf16_t v) {
-  return __uint_as_float(static_cast<uint32_t>(v) << 16);
-}
-
-template <class T, int N>
-struct alignas(N * sizeof(T) < 16 ? N * sizeof(T) : 16) Pack {
-  T v[N];
-};
-
-template <class T, int N>
-__device__ __forceinline__ void load(const T* p, float (&out)[N]) {
-  const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
-#pragma unroll
-  for (int k = 0; k < N; ++k) out[k] = to_f32(pk.v[k]);
-}
-
-template <int N>
-__device__ __forceinline__ void store(float* p, const float (&in)[N]) {
-  Pack<float, N> pk;
-#pragma unroll
-  for (int k = 0; k < N; ++k) pk.v[k] = in[k];
-  *reinterpret_cast<Pack<float, N>*>(p) = pk;
-}
 
 // Elements [0, n): vectors of V first, then the n % V tail one by one.
 template <int V, class Op>
@@ -65,7 +39,7 @@ struct Axpy {
     load<TB, M>(b + i, bv);
 #pragma unroll
     for (int k = 0; k < M; ++k) av[k] += s * bv[k];
-    store<M>(a + i, av);
+    store<float, M>(a + i, av);
   }
 };
 
@@ -81,7 +55,7 @@ struct Add {
     load<TB, M>(b + i, bv);
 #pragma unroll
     for (int k = 0; k < M; ++k) av[k] += bv[k];
-    store<M>(out + i, av);
+    store<float, M>(out + i, av);
   }
 };
 
@@ -102,7 +76,7 @@ struct ScaleRows {
     load<TX, M>(x + i, xv);
 #pragma unroll
     for (int k = 0; k < M; ++k) xv[k] *= gt;
-    store<M>(out + i, xv);
+    store<float, M>(out + i, xv);
   }
 };
 
@@ -116,7 +90,7 @@ struct Sigmoid {
     load<TX, M>(x + i, xv);
 #pragma unroll
     for (int k = 0; k < M; ++k) xv[k] = 1.0f / (1.0f + expf(-xv[k]));
-    store<M>(out + i, xv);
+    store<float, M>(out + i, xv);
   }
 };
 

@@ -11,39 +11,13 @@
 #include <cstdint>
 
 #include "backend/cuda/check.cuh"
+#include "backend/cuda/vec.cuh"
 #include "primitives/embedding/embedding_cuda.h"
 
 namespace bb::cuda {
 namespace {
 
-using bf16_t = uint16_t;  // bf16 storage bits
-
 constexpr int kThreads = 128;
-
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(bf16_t v) {
-  return __uint_as_float(static_cast<uint32_t>(v) << 16);
-}
-
-template <class T, int N>
-struct alignas(N * sizeof(T) < 16 ? N * sizeof(T) : 16) Pack {
-  T v[N];
-};
-
-template <class T, int N>
-__device__ __forceinline__ void load(const T* p, float (&out)[N]) {
-  const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
-#pragma unroll
-  for (int k = 0; k < N; ++k) out[k] = to_f32(pk.v[k]);
-}
-
-template <int N>
-__device__ __forceinline__ void store(float* p, const float (&in)[N]) {
-  Pack<float, N> pk;
-#pragma unroll
-  for (int k = 0; k < N; ++k) pk.v[k] = in[k];
-  *reinterpret_cast<Pack<float, N>*>(p) = pk;
-}
 
 // y row t <- table row ids[t]; rows of `units` elements of type U.
 template <class U>
@@ -74,7 +48,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int j = 0; j < N; ++j) acc[j] += dv[j];
   }
-  store<N>(row, acc);
+  store<float, N>(row, acc);
 }
 
 bool aligned(const void* p, size_t bytes) {

@@ -1,0 +1,47 @@
+// vec.cuh — element conversion and vectorised (up to 16-byte) loads/stores for kernels over
+// f32 or bf16 storage with fp32 math. Shared by the memory-bound kernels.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace bb::cuda {
+
+using bf16_t = uint16_t;  // bf16 storage bits
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(bf16_t v) {
+  return __uint_as_float(static_cast<uint32_t>(v) << 16);
+}
+template <class T>
+__device__ __forceinline__ T from_f32(float v);
+template <>
+__device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ bf16_t from_f32<bf16_t>(float v) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+
+// N elements of T moved as one access (at most 16 bytes); the pointer must be aligned to it.
+template <class T, int N>
+struct alignas(N * sizeof(T) < 16 ? N * sizeof(T) : 16) Pack {
+  T v[N];
+};
+
+template <class T, int N>
+__device__ __forceinline__ void load(const T* p, float (&out)[N]) {
+  const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
+#pragma unroll
+  for (int k = 0; k < N; ++k) out[k] = to_f32(pk.v[k]);
+}
+
+template <class T, int N>
+__device__ __forceinline__ void store(T* p, const float (&in)[N]) {
+  Pack<T, N> pk;
+#pragma unroll
+  for (int k = 0; k < N; ++k) pk.v[k] = from_f32<T>(in[k]);
+  *reinterpret_cast<Pack<T, N>*>(p) = pk;
+}
+
+}  // namespace bb::cuda
