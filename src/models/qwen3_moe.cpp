@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/rng.h"
+#include "core/trace.h"
 #include "primitives/activation/swiglu.h"
 #include "primitives/attention/attention.h"
 #include "primitives/elementwise/elementwise.h"
@@ -239,6 +240,7 @@ Tensor Qwen3MoeModel::layer_forward(Layer& L, const Tensor& x, const MicroBatch&
   LayerSaved local;
   LayerSaved& S = s ? *s : local;
   S.x = x;
+  BB_RANGE(L.moe ? "moe_layer_forward" : "dense_layer_forward");
 
   // Attention block.
   S.h1 = rmsnorm_forward(x, L.ln1->value, c.rms_norm_eps, &S.rms1);

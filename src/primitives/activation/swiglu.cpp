@@ -2,6 +2,8 @@
 // (swiglu_cuda.h) depending on where gate_up lives.
 #include "primitives/activation/swiglu.h"
 
+#include "core/trace.h"
+
 #include "backend/cpu/util.h"
 #include "primitives/activation/swiglu_cuda.h"
 #include "primitives/activation/swiglu_ref.h"
@@ -26,6 +28,7 @@ void check_gate_up(const Tensor& gate_up, const char* op) {
 }  // namespace
 
 Tensor swiglu_forward(const Tensor& gate_up, MemCategory out_cat) {
+  BB_RANGE("swiglu_forward");
   check_gate_up(gate_up, "swiglu_forward");
   const int64_t N = gate_up.size(0), F = gate_up.size(1) / 2;
   if (gate_up.device().is_cuda()) {
@@ -46,6 +49,7 @@ Tensor swiglu_forward(const Tensor& gate_up, MemCategory out_cat) {
 }
 
 Tensor swiglu_backward(const Tensor& d_h, const Tensor& gate_up) {
+  BB_RANGE("swiglu_backward");
   check_gate_up(gate_up, "swiglu_backward");
   const int64_t N = gate_up.size(0), F = gate_up.size(1) / 2;
   check_float(d_h, "swiglu_backward", "d_h");

@@ -7,6 +7,8 @@
 // attention_ref.h is kept as the test oracle and is not called from here.
 #include "primitives/attention/attention.h"
 
+#include "core/trace.h"
+
 #include <algorithm>
 #include <cmath>
 #include <utility>
@@ -101,6 +103,7 @@ Tensor attention_workspace(const Tensor& cu_seqlens, int64_t num_seqs) {
 
 Tensor attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                          const Tensor& cu_seqlens, float softmax_scale, AttentionSaved* saved) {
+  BB_RANGE("attention_forward");
   const char* op = "attention_forward";
   const AttnDims d = check_inputs(op, q, k, v, cu_seqlens, softmax_scale);
   if (use_cuda(op, q)) {
@@ -125,6 +128,7 @@ Tensor attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
 AttentionGrads attention_backward(const Tensor& d_o, const Tensor& q, const Tensor& k,
                                   const Tensor& v, const Tensor& o, const Tensor& cu_seqlens,
                                   float softmax_scale, const AttentionSaved& saved) {
+  BB_RANGE("attention_backward");
   const char* op = "attention_backward";
   const AttnDims d = check_inputs(op, q, k, v, cu_seqlens, softmax_scale);
   check_attn_dtype(d_o, q.dtype(), op, "d_o");

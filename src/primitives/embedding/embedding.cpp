@@ -6,6 +6,8 @@
 // uploaded, device ids are read back; either copy synchronises (cuda::memcpy counts it).
 #include "primitives/embedding/embedding.h"
 
+#include "core/trace.h"
+
 #include <cstring>
 #include <vector>
 
@@ -42,6 +44,7 @@ Tensor cuda_ids(const char* op, const Tensor& ids, Device dev, int64_t V, Tensor
 }  // namespace
 
 Tensor embedding_forward(const Tensor& ids, const Tensor& table, MemCategory out_cat) {
+  BB_RANGE("embedding_forward");
   check_float(table, "embedding_forward", "table");
   BB_CHECK(table.dim() == 2, "embedding_forward: table must be [V, H], got ",
            shape_str(table.shape()));
@@ -74,6 +77,7 @@ Tensor embedding_forward(const Tensor& ids, const Tensor& table, MemCategory out
 }
 
 void embedding_backward(const Tensor& d_y, const Tensor& ids, Tensor& d_table) {
+  BB_RANGE("embedding_backward");
   check_dtype(d_table, DType::f32, "embedding_backward", "d_table");
   BB_CHECK(d_table.dim() == 2, "embedding_backward: d_table must be [V, H], got ",
            shape_str(d_table.shape()));

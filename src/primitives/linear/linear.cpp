@@ -3,6 +3,8 @@
 // Accumulation convention: d_w and d_bias are ACCUMULATED (+=); d_x is WRITTEN (=).
 #include "primitives/linear/linear.h"
 
+#include "core/trace.h"
+
 #include <algorithm>
 
 #include "backend/cpu/gemm.h"
@@ -56,6 +58,7 @@ void matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float
 }
 
 Tensor linear_forward(const Tensor& x, const Tensor& w, const Tensor& bias, MemCategory out_cat) {
+  BB_RANGE("linear_forward");
   check_float(x, "linear_forward", "x");
   check_float(w, "linear_forward", "w");
   BB_CHECK(x.dim() == 2 && w.dim() == 2, "linear_forward: x must be [T, in] and w [out, in], got x ",
@@ -101,6 +104,7 @@ Tensor linear_forward(const Tensor& x, const Tensor& w, const Tensor& bias, MemC
 }
 
 Tensor linear_backward_data(const Tensor& d_y, const Tensor& w) {
+  BB_RANGE("linear_backward_data");
   BB_CHECK(d_y.dim() == 2 && w.dim() == 2 && d_y.size(1) == w.size(0),
            "linear_backward_data: d_y ", shape_str(d_y.shape()), " does not match w ",
            shape_str(w.shape()));
@@ -114,6 +118,7 @@ Tensor linear_backward_data(const Tensor& d_y, const Tensor& w) {
 }
 
 void linear_backward_weight(const Tensor& d_y, const Tensor& x, Tensor& d_w, Tensor* d_bias) {
+  BB_RANGE("linear_backward_weight");
   BB_CHECK(d_y.dim() == 2 && x.dim() == 2 && d_y.size(0) == x.size(0),
            "linear_backward_weight: d_y ", shape_str(d_y.shape()), " and x ", shape_str(x.shape()),
            " must have the same number of rows");

@@ -12,6 +12,8 @@
 // (f32 or bf16); with bf16 the logits gradient is stored in bf16 for the bf16 GEMMs.
 #include "primitives/loss/cross_entropy.h"
 
+#include "core/trace.h"
+
 #include "backend/cpu/gemm.h"
 #include "backend/cpu/util.h"
 #include "primitives/loss/cross_entropy_ref.h"
@@ -238,6 +240,7 @@ Tensor lm_head_logits(const Tensor& h, const Tensor& w) {
 
 LossResult full_ce_forward(const Tensor& h, const Tensor& w, const Tensor& targets,
                            LossHeadSaved* saved) {
+  BB_RANGE("full_ce_forward");
   const char* op = "full_ce_forward";
   const detail::LossHeadDims dims = detail::check_loss_head_inputs(h, w, targets, op);
   Tensor logits = lm_head_logits(h, w);
@@ -263,6 +266,7 @@ LossResult full_ce_forward(const Tensor& h, const Tensor& w, const Tensor& targe
 
 void full_ce_backward(float scale, const Tensor& h, const Tensor& w, const Tensor& targets,
                       const LossHeadSaved& saved, Tensor& d_h, Tensor& d_w) {
+  BB_RANGE("full_ce_backward");
   const char* op = "full_ce_backward";
   const detail::LossHeadDims dims = detail::check_loss_head_inputs(h, w, targets, op);
   detail::check_loss_head_grads(dims, h, saved, d_h, d_w, op);

@@ -14,6 +14,8 @@
 // Parameter gradients accumulate (+=), activation gradients are written (=).
 #include "primitives/loss/linear_ce.h"
 
+#include "core/trace.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -138,6 +140,7 @@ int64_t linear_ce_logits_bytes(int64_t num_tokens, int64_t vocab, const LossHead
 
 LossResult linear_ce_forward(const Tensor& h, const Tensor& w, const Tensor& targets,
                              const LossHeadConfig& cfg, LossHeadSaved* saved) {
+  BB_RANGE("linear_ce_forward");
   const char* op = "linear_ce_forward";
   check_config(cfg, op);
   const detail::LossHeadDims dims = detail::check_loss_head_inputs(h, w, targets, op);
@@ -186,6 +189,7 @@ LossResult linear_ce_forward(const Tensor& h, const Tensor& w, const Tensor& tar
 void linear_ce_backward(float scale, const Tensor& h, const Tensor& w, const Tensor& targets,
                         const LossHeadConfig& cfg, const LossHeadSaved& saved, Tensor& d_h,
                         Tensor& d_w) {
+  BB_RANGE("linear_ce_backward");
   const char* op = "linear_ce_backward";
   check_config(cfg, op);
   const detail::LossHeadDims dims = detail::check_loss_head_inputs(h, w, targets, op);

@@ -5,6 +5,8 @@
 // backward_weight ACCUMULATES into d_w_gate_up and d_w_down (+=).
 #include "primitives/moe/experts.h"
 
+#include "core/trace.h"
+
 #include "backend/cpu/util.h"
 #include "primitives/moe/experts_ref.h"
 
@@ -258,6 +260,7 @@ void backward_weight_cuda(ExpertsImpl impl, const Tensor& d_y, const Tensor& x_p
 Tensor experts_forward(ExpertsImpl impl, const Tensor& x_perm,
                        const std::vector<int64_t>& tokens_per_expert, const Tensor& w_gate_up,
                        const Tensor& w_down, const Tensor& row_prob, ExpertsSaved* saved) {
+  BB_RANGE("experts_forward");
   const char* op = "experts_forward";
   const Dims d = check_all(op, x_perm, "x_perm", tokens_per_expert, w_gate_up, w_down, row_prob);
 #ifdef BB_WITH_CUDA
@@ -286,6 +289,7 @@ ExpertsDgrad experts_backward_data(ExpertsImpl impl, const Tensor& d_y,
                                    const std::vector<int64_t>& tokens_per_expert,
                                    const Tensor& w_gate_up, const Tensor& w_down,
                                    const Tensor& row_prob, const ExpertsSaved& saved) {
+  BB_RANGE("experts_backward_data");
   const char* op = "experts_backward_data";
   const Dims d = check_all(op, d_y, "d_y", tokens_per_expert, w_gate_up, w_down, row_prob);
   check_float_on(saved.gate_up, d_y.device(), op, "saved.gate_up");
@@ -319,6 +323,7 @@ void experts_backward_weight(ExpertsImpl impl, const Tensor& d_y, const Tensor& 
                              const std::vector<int64_t>& tokens_per_expert, const Tensor& row_prob,
                              const ExpertsSaved& saved, const ExpertsDgrad& dgrad,
                              Tensor& d_w_gate_up, Tensor& d_w_down) {
+  BB_RANGE("experts_backward_weight");
   const char* op = "experts_backward_weight";
   const Dims d = check_all(op, d_y, "d_y", tokens_per_expert, d_w_gate_up, d_w_down, row_prob);
   check_float_on(x_perm, d_y.device(), op, "x_perm");

@@ -5,6 +5,8 @@
 // on the host, plus an out-of-range flag); the other functions never synchronise.
 #include "primitives/moe/permute.h"
 
+#include "core/trace.h"
+
 #include "backend/cpu/util.h"
 #include "primitives/moe/permute_ref.h"
 
@@ -102,6 +104,7 @@ PermuteMap make_permute_map_cuda(const Tensor& topk_idx, int64_t E) {
 }  // namespace
 
 PermuteMap make_permute_map(const Tensor& topk_idx, int64_t num_experts) {
+  BB_RANGE("make_permute_map");
   const char* op = "make_permute_map";
   check_dtype(topk_idx, DType::i32, op, "topk_idx");
   check_cpu(topk_idx, op, "topk_idx");
@@ -131,6 +134,7 @@ PermuteMap make_permute_map(const Tensor& topk_idx, int64_t num_experts) {
 }
 
 Tensor permute_forward(const Tensor& x, const PermuteMap& map) {
+  BB_RANGE("permute_forward");
   const char* op = "permute_forward";
   check_map(map, op);
   const int64_t H = check_rows(x, map.num_tokens, op, "x");
@@ -154,6 +158,7 @@ Tensor permute_forward(const Tensor& x, const PermuteMap& map) {
 }
 
 Tensor permute_backward(const Tensor& d_x_perm, const PermuteMap& map) {
+  BB_RANGE("permute_backward");
   const char* op = "permute_backward";
   check_map(map, op);
   const int64_t H = check_rows(d_x_perm, map.num_rows(), op, "d_x_perm");
@@ -178,6 +183,7 @@ Tensor permute_backward(const Tensor& d_x_perm, const PermuteMap& map) {
 
 Tensor unpermute_forward(const Tensor& y_perm, const PermuteMap& map, const Tensor& topk_prob,
                          MemCategory out_cat) {
+  BB_RANGE("unpermute_forward");
   const char* op = "unpermute_forward";
   check_map(map, op);
   const int64_t H = check_rows(y_perm, map.num_rows(), op, "y_perm");
@@ -207,6 +213,7 @@ Tensor unpermute_forward(const Tensor& y_perm, const PermuteMap& map, const Tens
 
 UnpermuteGrads unpermute_backward(const Tensor& d_y, const Tensor& y_perm, const PermuteMap& map,
                                   const Tensor& topk_prob) {
+  BB_RANGE("unpermute_backward");
   const char* op = "unpermute_backward";
   check_map(map, op);
   const int64_t T = map.num_tokens, K = map.top_k, N = map.num_rows();

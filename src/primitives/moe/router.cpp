@@ -5,6 +5,8 @@
 // RouterOutput holds on the host); the backward makes none.
 #include "primitives/moe/router.h"
 
+#include "core/trace.h"
+
 #include <cstring>
 
 #include "primitives/moe/router_ref.h"
@@ -94,6 +96,7 @@ RouterOutput router_forward_cuda(const Tensor& logits, const Tensor& expert_bias
 
 RouterOutput router_forward(const Tensor& logits, const Tensor& expert_bias,
                             const RouterConfig& cfg, RouterSaved* saved) {
+  BB_RANGE("router_forward");
   const char* op = "router_forward";
   cfg.validate();
   check_logits(logits, cfg, op);
@@ -134,6 +137,7 @@ RouterOutput router_forward(const Tensor& logits, const Tensor& expert_bias,
 
 Tensor router_backward(const Tensor& d_topk_prob, double d_aux, double d_z, const Tensor& logits,
                        const RouterConfig& cfg, const RouterSaved& saved) {
+  BB_RANGE("router_backward");
   const char* op = "router_backward";
   cfg.validate();
   check_logits(logits, cfg, op);

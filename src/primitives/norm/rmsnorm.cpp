@@ -2,6 +2,8 @@
 // kernels (rmsnorm_cuda.h) depending on where x lives.
 #include "primitives/norm/rmsnorm.h"
 
+#include "core/trace.h"
+
 #include "backend/cpu/util.h"
 #include "primitives/norm/rmsnorm_cuda.h"
 #include "primitives/norm/rmsnorm_ref.h"
@@ -24,6 +26,7 @@ void check_cuda_dtype(const Tensor& t, const char* op, const char* arg) {
 
 Tensor rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, RMSNormSaved* saved,
                        MemCategory out_cat) {
+  BB_RANGE("rmsnorm_forward");
   check_float(x, "rmsnorm_forward", "x");
   check_float(w, "rmsnorm_forward", "w");
   BB_CHECK(x.dim() == 2, "rmsnorm_forward: x must be [T, H], got ", shape_str(x.shape()));
@@ -58,6 +61,7 @@ Tensor rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, RMSNormSave
 
 Tensor rmsnorm_backward(const Tensor& d_y, const Tensor& x, const Tensor& w,
                         const RMSNormSaved& saved, Tensor& d_w) {
+  BB_RANGE("rmsnorm_backward");
   check_float(d_y, "rmsnorm_backward", "d_y");
   BB_CHECK(x.dim() == 2, "rmsnorm_backward: x must be [T, H], got ", shape_str(x.shape()));
   const int64_t rows = x.size(0), H = x.size(1);

@@ -2,6 +2,8 @@
 // kernels (adamw_cuda.h) depending on where the tensors live.
 #include "primitives/optim/adamw.h"
 
+#include "core/trace.h"
+
 #include <cmath>
 
 #include "backend/cpu/util.h"
@@ -50,6 +52,7 @@ std::vector<double> device_sums_of_squares(const std::vector<const Tensor*>& ts)
 void adamw_step(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
                 int64_t step, double lr, double weight_decay, const AdamWConfig& cfg,
                 Tensor* model) {
+  BB_RANGE("adamw_step");
   const char* op = "adamw_step";
   check_dtype(master, DType::f32, op, "master");
   check_dtype(grad, DType::f32, op, "grad");
@@ -125,6 +128,7 @@ double sum_of_squares(const Tensor& g) {
 }
 
 double global_grad_norm(const std::vector<Tensor>& grads) {
+  BB_RANGE("global_grad_norm");
   double s = 0;
   std::vector<const Tensor*> on_device;
   for (const Tensor& g : grads) {

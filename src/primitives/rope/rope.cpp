@@ -2,6 +2,8 @@
 // (rope_cuda.h) depending on where x lives.
 #include "primitives/rope/rope.h"
 
+#include "core/trace.h"
+
 #include <vector>
 
 #include "backend/cpu/util.h"
@@ -66,10 +68,12 @@ Tensor apply(const char* op, const Tensor& x, const Tensor& positions, const Rop
 
 Tensor rope_forward(const Tensor& x, const Tensor& positions, const RopeConfig& cfg,
                     MemCategory out_cat) {
+  BB_RANGE("rope_forward");
   return apply("rope_forward", x, positions, cfg, +1, x.dtype(), out_cat);
 }
 
 Tensor rope_backward(const Tensor& d_y, const Tensor& positions, const RopeConfig& cfg) {
+  BB_RANGE("rope_backward");
   return apply("rope_backward", d_y, positions, cfg, -1, DType::f32, MemCategory::activations);
 }
 
