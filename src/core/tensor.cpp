@@ -277,4 +277,12 @@ void check_same_device(const Tensor& a, const Tensor& b, const char* op) {
            " and ", b.device().str(), ")");
 }
 
+void check_backend_device(const Tensor& t, const char* op, const char* arg) {
+#ifdef BB_WITH_CUDA
+  if (t.device().is_cuda()) return;
+#endif
+  BB_CHECK(t.device().is_cpu(), op, ": not implemented on ", t.device().str(), " yet (argument '",
+           arg, "' is ", t.str(), ")");
+}
+
 }  // namespace bb

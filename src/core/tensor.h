@@ -120,5 +120,7 @@ void check_dtype(const Tensor& t, DType expected, const char* op, const char* ar
 void check_float(const Tensor& t, const char* op, const char* arg);  // f32 or bf16 or f16
 void check_defined(const Tensor& t, const char* op, const char* arg);
 void check_same_device(const Tensor& a, const Tensor& b, const char* op);
+// The CPU always; a CUDA device when this build has the CUDA backend.
+void check_backend_device(const Tensor& t, const char* op, const char* arg);
 
 }  // namespace bb

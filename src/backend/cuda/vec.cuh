@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cstdint>
 
@@ -22,6 +23,14 @@ template <>
 __device__ __forceinline__ bf16_t from_f32<bf16_t>(float v) {
   return __bfloat16_as_ushort(__float2bfloat16_rn(v));
 }
+
+// Element i of a typed array to / from f32 (scalar paths over f32, bf16 or f16 storage).
+__device__ __forceinline__ float load_f(const float* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float load_f(const __nv_bfloat16* p, int64_t i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ float load_f(const __half* p, int64_t i) { return __half2float(p[i]); }
+__device__ __forceinline__ void store_f(float* p, int64_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void store_f(__nv_bfloat16* p, int64_t i, float v) { p[i] = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void store_f(__half* p, int64_t i, float v) { p[i] = __float2half_rn(v); }
 
 // N elements of T moved as one access (at most 16 bytes); the pointer must be aligned to it.
 template <class T, int N>

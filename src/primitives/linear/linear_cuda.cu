@@ -5,30 +5,13 @@
 #include <algorithm>
 
 #include "backend/cuda/check.cuh"
+#include "backend/cuda/vec.cuh"
 #include "primitives/linear/linear_cuda.h"
 
 namespace bb::cuda {
 
 namespace {
 
-__device__ __forceinline__ float load_f(const float* p, int64_t i) {
-  return p[i];
-}
-__device__ __forceinline__ float load_f(const __nv_bfloat16* p, int64_t i) {
-  return __bfloat162float(p[i]);
-}
-__device__ __forceinline__ float load_f(const __half* p, int64_t i) {
-  return __half2float(p[i]);
-}
-__device__ __forceinline__ void store_f(float* p, int64_t i, float v) {
-  p[i] = v;
-}
-__device__ __forceinline__ void store_f(__nv_bfloat16* p, int64_t i, float v) {
-  p[i] = __float2bfloat16_rn(v);
-}
-__device__ __forceinline__ void store_f(__half* p, int64_t i, float v) {
-  p[i] = __float2half_rn(v);
-}
 
 template <class TY, class TB>
 __global__ void bias_broadcast_kernel(TY* y, const TB* bias, int64_t T, int64_t O) {

@@ -28,15 +28,6 @@ namespace bb {
 
 namespace {
 
-// CPU always; CUDA when this build has the CUDA backend.
-void check_cpu(const Tensor& t, const char* op, const char* arg) {
-#ifdef BB_WITH_CUDA
-  if (t.device().is_cuda()) return;
-#endif
-  BB_CHECK(t.device().is_cpu(), op, ": not implemented on ", t.device().str(), " yet (argument '",
-           arg, "' is ", t.str(), ")");
-}
-
 void check_on(const Tensor& t, Device dev, const char* op, const char* arg) {
   BB_CHECK(t.device() == dev, op, ": argument '", arg, "' is on ", t.device().str(),
            " but the computation runs on ", dev.str());
@@ -47,7 +38,7 @@ void check_on(const Tensor& t, Device dev, const char* op, const char* arg) {
 void check_targets(const Tensor& targets, int64_t T, int64_t V, Device dev, const char* op) {
   check_dtype(targets, DType::i32, op, "targets");
   check_shape(targets, {T}, op, "targets");
-  check_cpu(targets, op, "targets");
+  check_backend_device(targets, op, "targets");
   if (!targets.device().is_cpu()) {
     check_on(targets, dev, op, "targets");
     return;
@@ -64,7 +55,7 @@ void check_logits(const Tensor& logits, const char* op) {
            shape_str(logits.shape()));
   BB_CHECK(logits.size(0) > 0, op, ": empty batch (T = 0 tokens); skip the loss instead");
   BB_CHECK(logits.size(1) > 0, op, ": vocab size is 0");
-  check_cpu(logits, op, "logits");
+  check_backend_device(logits, op, "logits");
 }
 
 #ifdef BB_WITH_CUDA
@@ -114,7 +105,7 @@ LossResult cross_entropy_forward(const Tensor& logits, const Tensor& targets, Te
     if (!lse_out->defined()) *lse_out = Tensor::empty({T}, DType::f32, dev, MemCategory::activations);
     check_shape(*lse_out, {T}, op, "lse_out");
     check_dtype(*lse_out, DType::f32, op, "lse_out");
-    check_cpu(*lse_out, op, "lse_out");
+    check_backend_device(*lse_out, op, "lse_out");
     check_on(*lse_out, dev, op, "lse_out");
     lse = lse_out->data<float>();
   }
@@ -144,7 +135,7 @@ Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const
   check_targets(targets, T, V, dev, op);
   check_shape(lse, {T}, op, "lse");
   check_dtype(lse, DType::f32, op, "lse");
-  check_cpu(lse, op, "lse");
+  check_backend_device(lse, op, "lse");
   check_on(lse, dev, op, "lse");
 #ifdef BB_WITH_CUDA
   if (dev.is_cuda()) {
@@ -176,8 +167,8 @@ LossHeadDims check_loss_head_inputs(const Tensor& h, const Tensor& w, const Tens
   BB_CHECK(w.size(1) == d.hidden, op, ": hidden size mismatch: h is ", shape_str(h.shape()),
            " and w is ", shape_str(w.shape()), "; expected w of shape [V, ", d.hidden, "]");
   BB_CHECK(d.vocab > 0, op, ": vocab size is 0 (w is ", shape_str(w.shape()), ")");
-  check_cpu(h, op, "h");
-  check_cpu(w, op, "w");
+  check_backend_device(h, op, "h");
+  check_backend_device(w, op, "w");
   check_on(w, h.device(), op, "w");
   if (h.device().is_cuda()) {
     BB_CHECK(h.dtype() == w.dtype() && (h.dtype() == DType::f32 || h.dtype() == DType::bf16), op,
@@ -195,19 +186,19 @@ void check_loss_head_grads(const LossHeadDims& dims, const Tensor& h, const Loss
            "the forward");
   check_shape(saved.lse, {dims.num_tokens}, op, "saved.lse");
   check_dtype(saved.lse, DType::f32, op, "saved.lse");
-  check_cpu(saved.lse, op, "saved.lse");
+  check_backend_device(saved.lse, op, "saved.lse");
   check_on(saved.lse, h.device(), op, "saved.lse");
   BB_CHECK(d_w.defined(), op, ": d_w is undefined; it accumulates (+=), pass a zeroed [V, H] f32");
   check_shape(d_w, {dims.vocab, dims.hidden}, op, "d_w");
   check_dtype(d_w, DType::f32, op, "d_w");
-  check_cpu(d_w, op, "d_w");
+  check_backend_device(d_w, op, "d_w");
   check_on(d_w, h.device(), op, "d_w");
   if (!d_h.defined())
     d_h = Tensor::empty({dims.num_tokens, dims.hidden}, DType::f32, h.device(),
                         MemCategory::activations);
   check_shape(d_h, h.shape(), op, "d_h");
   check_float(d_h, op, "d_h");
-  check_cpu(d_h, op, "d_h");
+  check_backend_device(d_h, op, "d_h");
   check_on(d_h, h.device(), op, "d_h");
 }
 
@@ -220,8 +211,8 @@ Tensor lm_head_logits(const Tensor& h, const Tensor& w) {
   BB_CHECK(h.dim() == 2 && w.dim() == 2 && h.size(1) == w.size(1), op,
            ": expected h [T, H] and w [V, H], got h ", shape_str(h.shape()), " and w ",
            shape_str(w.shape()));
-  check_cpu(h, op, "h");
-  check_cpu(w, op, "w");
+  check_backend_device(h, op, "h");
+  check_backend_device(w, op, "w");
   check_on(w, h.device(), op, "w");
   const int64_t T = h.size(0), V = w.size(0), H = h.size(1);
 #ifdef BB_WITH_CUDA

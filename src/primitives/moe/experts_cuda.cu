@@ -6,30 +6,13 @@
 #include <algorithm>
 
 #include "backend/cuda/check.cuh"
+#include "backend/cuda/vec.cuh"
 #include "primitives/moe/experts_cuda.h"
 
 namespace bb::cuda {
 
 namespace {
 
-__device__ __forceinline__ float load_f(const float* p, int64_t i) {
-  return p[i];
-}
-__device__ __forceinline__ float load_f(const __nv_bfloat16* p, int64_t i) {
-  return __bfloat162float(p[i]);
-}
-__device__ __forceinline__ float load_f(const __half* p, int64_t i) {
-  return __half2float(p[i]);
-}
-__device__ __forceinline__ void store_f(float* p, int64_t i, float v) {
-  p[i] = v;
-}
-__device__ __forceinline__ void store_f(__nv_bfloat16* p, int64_t i, float v) {
-  p[i] = __float2bfloat16_rn(v);
-}
-__device__ __forceinline__ void store_f(__half* p, int64_t i, float v) {
-  p[i] = __float2half_rn(v);
-}
 
 template <class T>
 __global__ void scale_rows_kernel(T* out, const T* act, const float* row_prob, int64_t N,

@@ -18,15 +18,6 @@ namespace bb {
 
 namespace {
 
-// CPU always; CUDA when this build has the CUDA backend.
-void check_cpu(const Tensor& t, const char* op, const char* arg) {
-#ifdef BB_WITH_CUDA
-  if (t.device().is_cuda()) return;
-#endif
-  BB_CHECK(t.device().is_cpu(), op, ": not implemented on ", t.device().str(), " yet (argument '",
-           arg, "')");
-}
-
 // The map must live where the data does.
 void check_map_device(const PermuteMap& map, const Tensor& t, const char* op, const char* arg) {
   BB_CHECK(map.slot_row.device() == t.device() && map.row_token.device() == t.device(), op,
@@ -50,7 +41,7 @@ void check_map(const PermuteMap& map, const char* op) {
 // Checks a float data tensor of shape [rows, -1]; returns its H.
 int64_t check_rows(const Tensor& t, int64_t rows, const char* op, const char* arg) {
   check_float(t, op, arg);
-  check_cpu(t, op, arg);
+  check_backend_device(t, op, arg);
   BB_CHECK(t.dim() == 2, op, ": argument '", arg, "' has shape ", shape_str(t.shape()),
            ", expected [", rows, ", H]");
   check_shape(t, {rows, -1}, op, arg);
@@ -59,7 +50,7 @@ int64_t check_rows(const Tensor& t, int64_t rows, const char* op, const char* ar
 
 void check_prob(const Tensor& p, const PermuteMap& map, const char* op) {
   check_dtype(p, DType::f32, op, "topk_prob");
-  check_cpu(p, op, "topk_prob");
+  check_backend_device(p, op, "topk_prob");
   check_shape(p, {map.num_tokens, map.top_k}, op, "topk_prob");
 }
 
@@ -107,7 +98,7 @@ PermuteMap make_permute_map(const Tensor& topk_idx, int64_t num_experts) {
   BB_RANGE("make_permute_map");
   const char* op = "make_permute_map";
   check_dtype(topk_idx, DType::i32, op, "topk_idx");
-  check_cpu(topk_idx, op, "topk_idx");
+  check_backend_device(topk_idx, op, "topk_idx");
   BB_CHECK(topk_idx.dim() == 2, op, ": argument 'topk_idx' has shape ", shape_str(topk_idx.shape()),
            ", expected [T, K]");
   BB_CHECK(topk_idx.size(0) > 0, op, ": empty batch (topk_idx has T = 0 tokens)");
@@ -278,7 +269,7 @@ Tensor unpermute_probs_grad(const Tensor& d_row_prob, const PermuteMap& map) {
   const char* op = "unpermute_probs_grad";
   check_map(map, op);
   check_dtype(d_row_prob, DType::f32, op, "d_row_prob");
-  check_cpu(d_row_prob, op, "d_row_prob");
+  check_backend_device(d_row_prob, op, "d_row_prob");
   check_shape(d_row_prob, {map.num_rows()}, op, "d_row_prob");
   check_map_device(map, d_row_prob, op, "d_row_prob");
   Tensor out = Tensor::empty({map.num_tokens, map.top_k}, DType::f32, d_row_prob.device(),
