@@ -1,4 +1,5 @@
-// cuBLASLt GEMM, grouped GEMM and the linear primitive on the GPU against CPU references.
+// cuBLASLt GEMM, grouped GEMM (cuBLAS grouped, multi-stream cuBLASLt, WMMA) and the linear
+// primitive on the GPU against CPU references.
 //
 // Oracle: a double-precision loop (cpu::gemm<double>) over the very values the GPU sees (inputs
 // rounded to bf16 first when they are stored in bf16), and the CPU Tensor API for linear.
@@ -226,19 +227,63 @@ TEST(GemmGpuEdge, BadArgumentsAreClearErrors) {
   ps[0].M = ps[0].N = ps[0].K = 2;
   ps[0].A = ps[0].B = a.raw();
   ps[0].C = a.raw();
+  auto grouped = [&](bool ta, DType ab, DType c, cuda::GroupedConfig cfg) {
+    cuda::gemm_grouped(ta, false, ps, 1.0f, ab, 8, 8, 0.0f, c, 8, 0, cfg);
+  };
   test::expect_error_contains(
-      [&] {
-        cuda::gemm_grouped(false, false, ps, 1.0f, DType::bf16, 8, 8, 0.0f, DType::f32, 8, 0);
-      },
-      "is not supported");
+      [&] { grouped(false, DType::bf16, DType::f32, {cuda::GroupedAlgo::wmma, 0}); },
+      "inputs bf16 with output f32 and trans_a=0 trans_b=0 is not supported by algorithm wmma");
+  test::expect_error_contains(
+      [&] { grouped(true, DType::bf16, DType::f32, {cuda::GroupedAlgo::cublas, 0}); },
+      "is not supported by algorithm cublas");
+  // f32 inputs into a bf16 C: no native cuBLASLt combination, so no grouped algorithm.
+  test::expect_error_contains(
+      [&] { grouped(false, DType::f32, DType::bf16, {}); },
+      "is not supported by algorithm multi_stream");
+  test::expect_error_contains(
+      [&] { grouped(true, DType::bf16, DType::f32, {cuda::GroupedAlgo::multi_stream, 17}); },
+      "num_streams=17 is not in [0, 16]");
+  cuda::GroupedDefaults d;
+  d.widening = cuda::GroupedAlgo::automatic;
+  test::expect_error_contains([&] { cuda::set_grouped_defaults(d); },
+                              "must name an algorithm, not automatic");
+  d = cuda::GroupedDefaults();
+  d.num_streams = 0;
+  test::expect_error_contains([&] { cuda::set_grouped_defaults(d); },
+                              "num_streams=0 is not in [1, 16]");
 #endif
 }
 
 // ---- cuda::gemm_grouped ------------------------------------------------------------------------
 
+// The algorithm under test, spelled without CUDA types so the file compiles in CPU builds.
+enum class Algo { automatic, cublas, multi_stream, wmma };
+
+#ifdef BB_WITH_CUDA
+cuda::GroupedConfig config_of(Algo a, int num_streams = 0) {
+  const cuda::GroupedAlgo g[] = {cuda::GroupedAlgo::automatic, cuda::GroupedAlgo::cublas,
+                                 cuda::GroupedAlgo::multi_stream, cuda::GroupedAlgo::wmma};
+  return {g[static_cast<int>(a)], num_streams};
+}
+#endif
+
+const char* algo_suffix(Algo a) {
+  switch (a) {
+    case Algo::cublas:
+      return "_cublas";
+    case Algo::multi_stream:
+      return "_multi_stream";
+    case Algo::wmma:
+      return "_wmma";
+    default:
+      return "";
+  }
+}
+
 struct GroupedCase {
   bool ta, tb;
   DType in, out;
+  Algo algo = Algo::automatic;
 };
 
 class GemmGroupedGpu : public ::testing::TestWithParam<GroupedCase> {};
@@ -281,7 +326,8 @@ TEST_P(GemmGroupedGpu, EachProblemMatchesDoubleReference) {
     p.C = keep.back().raw();
     ps.push_back(p);
   }
-  cuda::gemm_grouped(g.ta, g.tb, ps, alpha, g.in, lda0, ldb0, beta, g.out, ldc0, 0);
+  cuda::gemm_grouped(g.ta, g.tb, ps, alpha, g.in, lda0, ldb0, beta, g.out, ldc0, 0,
+                     config_of(g.algo));
   for (size_t i = 0; i < mnk.size(); ++i) {
     const auto [M, N, K] = mnk[i];
     if (M == 0) continue;
@@ -296,14 +342,221 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(GroupedCase{false, true, DType::bf16, DType::bf16},   // expert forward
                       GroupedCase{false, false, DType::bf16, DType::bf16},  // expert dgrad
                       GroupedCase{false, true, DType::f32, DType::f32},
-                      GroupedCase{true, false, DType::bf16, DType::f32},  // wgrad: own kernel
+                      GroupedCase{true, false, DType::bf16, DType::f32},  // wgrad: multi-stream
                       GroupedCase{true, false, DType::f32, DType::f32},
-                      GroupedCase{true, false, DType::bf16, DType::bf16}),
+                      GroupedCase{true, false, DType::bf16, DType::bf16},
+                      GroupedCase{true, false, DType::bf16, DType::f32, Algo::wmma},
+                      GroupedCase{false, true, DType::bf16, DType::bf16, Algo::multi_stream},
+                      GroupedCase{false, false, DType::bf16, DType::bf16, Algo::multi_stream},
+                      GroupedCase{false, false, DType::bf16, DType::f32, Algo::multi_stream},
+                      GroupedCase{true, false, DType::f32, DType::f32, Algo::multi_stream}),
     [](const testing::TestParamInfo<GroupedCase>& info) {
       const GroupedCase& g = info.param;
       return std::string(g.ta ? "T" : "N") + (g.tb ? "T" : "N") + "_" + dtype_name(g.in) + "_to_" +
-             dtype_name(g.out);
+             dtype_name(g.out) + algo_suffix(g.algo);
     });
+
+// ---- multi-stream grouped GEMM on the expert weight-gradient shape ----------------------------
+
+// d_W[g] += d_Y_g^T X_g as the experts issue it: A_g and B_g are consecutive row blocks
+// [off_g, off_g + K_g) of one A [sum K, lda] and one B [sum K, ldb] (bf16, so most blocks start
+// unaligned); C_g is matrix g of one f32 C [G * rows_c, ldc]. Twelve problems (more than the
+// streams), sizes that divide no tile, two K = 0 problems, an M = 0 and an N = 0 problem, and
+// one large problem, which a missing join would turn into a stale read.
+// Elements whose values differ (NaN compares unequal, so a NaN anywhere counts).
+int64_t num_differences(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return -1;
+  int64_t n = 0;
+  for (size_t i = 0; i < a.size(); ++i) n += a[i] != b[i];
+  return n;
+}
+
+struct WgradSet {
+  static constexpr int64_t lda = 150, ldb = 77, ldc = 77, rows_c = 150;
+  std::vector<std::array<int64_t, 3>> mnk = {{150, 77, 37}, {131, 77, 0},  {150, 60, 129},
+                                             {0, 77, 50},   {150, 77, 2048}, {1, 1, 1},
+                                             {150, 0, 30},  {99, 77, 300},  {150, 77, 0},
+                                             {150, 77, 511}, {7, 13, 3},    {150, 77, 250}};
+  int64_t total_k = 0;
+  std::vector<float> a, b, c0;  // host values as stored (a, b rounded to bf16)
+  Tensor A, B;
+
+  WgradSet() {
+    for (const auto& p : mnk) total_k += p[2];
+    a = stored(test::randn(total_k * lda, 90), DType::bf16);
+    b = stored(test::randn(total_k * ldb, 91), DType::bf16);
+    c0 = test::randn(num_problems() * rows_c * ldc, 92);
+    A = on_gpu(a, {total_k, lda}, DType::bf16);
+    B = on_gpu(b, {total_k, ldb}, DType::bf16);
+  }
+  int64_t num_problems() const { return static_cast<int64_t>(mnk.size()); }
+
+#ifdef BB_WITH_CUDA
+  std::vector<cuda::GemmProblem> problems(Tensor& C) const {
+    std::vector<cuda::GemmProblem> ps;
+    int64_t off = 0;
+    for (size_t g = 0; g < mnk.size(); ++g) {
+      cuda::GemmProblem p;
+      p.M = mnk[g][0];
+      p.N = mnk[g][1];
+      p.K = mnk[g][2];
+      p.A = static_cast<const char*>(A.raw()) + off * lda * 2;
+      p.B = static_cast<const char*>(B.raw()) + off * ldb * 2;
+      p.C = static_cast<char*>(C.raw()) + static_cast<int64_t>(g) * rows_c * ldc * 4;
+      ps.push_back(p);
+      off += p.K;
+    }
+    return ps;
+  }
+#endif
+
+  // C after C = alpha A_g^T B_g + beta C on the product regions of `before`, in double.
+  std::vector<double> reference(double alpha, double beta, const std::vector<float>& before) const {
+    std::vector<double> c(before.begin(), before.end());
+    int64_t off = 0;
+    for (size_t g = 0; g < mnk.size(); ++g) {
+      const auto [M, N, K] = mnk[g];
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+          double acc = 0;
+          for (int64_t k = 0; k < K; ++k)
+            acc += static_cast<double>(a[(off + k) * lda + m]) * b[(off + k) * ldb + n];
+          double& out = c[(static_cast<int64_t>(g) * rows_c + m) * ldc + n];
+          out = alpha * acc + beta * out;
+        }
+      off += K;
+    }
+    return c;
+  }
+
+  // Each product region within tol of the reference, everything else bit-identical to before.
+  void expect_matches(const std::vector<float>& got, const std::vector<double>& ref,
+                      const std::vector<float>& before, const std::string& what) const {
+    ASSERT_EQ(got.size(), ref.size());
+    for (size_t g = 0; g < mnk.size(); ++g) {
+      const auto [M, N, K] = mnk[g];
+      std::vector<float> gv;
+      std::vector<double> rv;
+      for (int64_t m = 0; m < rows_c; ++m)
+        for (int64_t n = 0; n < ldc; ++n) {
+          const size_t i = static_cast<size_t>((static_cast<int64_t>(g) * rows_c + m) * ldc + n);
+          if (m < M && n < N) {
+            gv.push_back(got[i]);
+            rv.push_back(ref[i]);
+          } else {
+            ASSERT_EQ(got[i], before[i]) << what << ": problem " << g << " wrote outside its "
+                                         << M << "x" << N << " block at (" << m << ", " << n << ")";
+          }
+        }
+      if (!gv.empty()) {
+        EXPECT_LT(test::rel_error(gv, rv), test::kTolF32) << what << ": problem " << g;
+      }
+    }
+  }
+};
+
+TEST(GemmGroupedMultiStream, WgradMatchesReferenceAndSequential) {
+  BB_REQUIRE_GPU();
+#ifdef BB_WITH_CUDA
+  const WgradSet w;
+  const int64_t rows = w.num_problems() * w.rows_c;
+  // C is scaled by 2 on the compute stream right before each call (a K = 0 GEMM): the side
+  // streams must see that, not the uploaded values.
+  std::vector<float> twice(w.c0);
+  for (float& v : twice) v *= 2.0f;
+  auto fresh_c = [&] {
+    Tensor c = on_gpu(w.c0, {rows, w.ldc}, DType::f32);
+    cuda::gemm(false, false, rows, w.ldc, 0, 1.0f, c.raw(), DType::f32, 1, c.raw(), DType::f32,
+               w.ldc, 2.0f, c.raw(), DType::f32, w.ldc, 0);
+    return c;
+  };
+  // Single-stream sequential: one cuda::gemm per problem on the compute stream.
+  Tensor c_seq = fresh_c();
+  for (const cuda::GemmProblem& p : w.problems(c_seq))
+    cuda::gemm(true, false, p.M, p.N, p.K, 1.0f, p.A, DType::bf16, w.lda, p.B, DType::bf16, w.ldb,
+               1.0f, p.C, DType::f32, w.ldc, 0);
+  const std::vector<float> seq = c_seq.to_floats();
+  const std::vector<double> ref = w.reference(1.0, 1.0, twice);
+  w.expect_matches(seq, ref, twice, "sequential");
+
+  for (int streams : {1, 3, 4, cuda::kMaxGroupedStreams}) {
+    const std::string what = "multi_stream S=" + std::to_string(streams);
+    Tensor c = fresh_c();
+    cuda::gemm_grouped(true, false, w.problems(c), 1.0f, DType::bf16, w.lda, w.ldb, 1.0f,
+                       DType::f32, w.ldc, 0, config_of(Algo::multi_stream, streams));
+    const std::vector<float> got = c.to_floats();
+    w.expect_matches(got, ref, twice, what);
+    // The same cuBLASLt plans as the sequential calls: the same bits.
+    EXPECT_EQ(num_differences(got, seq), 0) << what << " differs from the sequential result";
+
+    // alpha and beta other than 1 (K = 0 problems: C = 0.75 C, before the fork).
+    cuda::gemm_grouped(true, false, w.problems(c), 0.5f, DType::bf16, w.lda, w.ldb, 0.75f,
+                       DType::f32, w.ldc, 0, config_of(Algo::multi_stream, streams));
+    w.expect_matches(c.to_floats(), w.reference(0.5, 0.75, got), got, what + ", beta 0.75");
+  }
+#endif
+}
+
+TEST(GemmGroupedMultiStream, SteadyStateAllocatesNothing) {
+  BB_REQUIRE_GPU();
+#ifdef BB_WITH_CUDA
+  const WgradSet w;
+  Tensor c = on_gpu(w.c0, {w.num_problems() * w.rows_c, w.ldc}, DType::f32);
+  const auto ps = w.problems(c);
+  auto call = [&] {
+    cuda::gemm_grouped(true, false, ps, 1.0f, DType::bf16, w.lda, w.ldb, 1.0f, DType::f32, w.ldc,
+                       0, config_of(Algo::multi_stream, 4));
+  };
+  call();  // first use: side streams, events and their workspaces
+  cuda::synchronize();
+  Allocator& alloc = allocator_for(kGpu);
+  alloc.reset_peak();
+  const int64_t live = alloc.stats().live_of(MemCategory::workspace);
+  EXPECT_GE(live, 5 * (int64_t{32} << 20)) << "the main and four side workspaces are live";
+  for (int i = 0; i < 3; ++i) call();
+  cuda::synchronize();
+  EXPECT_EQ(alloc.stats().live_of(MemCategory::workspace), live);
+  EXPECT_EQ(alloc.stats().peak_of(MemCategory::workspace), live)
+      << "a steady-state multi-stream call allocated a temporary";
+#endif
+}
+
+TEST(GemmGroupedMultiStream, DefaultsSteerAutomatic) {
+  BB_REQUIRE_GPU();
+#ifdef BB_WITH_CUDA
+  const cuda::GroupedDefaults d0 = cuda::grouped_defaults();
+  EXPECT_EQ(d0.same_dtype, cuda::GroupedAlgo::cublas);
+  EXPECT_EQ(d0.widening, cuda::GroupedAlgo::multi_stream);
+  EXPECT_EQ(d0.num_streams, 4);
+  EXPECT_EQ(d0.multi_stream_min_flops, 4e9);
+  {
+    cuda::GroupedDefaults bad = d0;
+    bad.multi_stream_min_flops = -1;
+    test::expect_error_contains([&] { cuda::set_grouped_defaults(bad); },
+                                "multi_stream_min_flops must be >= 0");
+  }
+  struct Restore {
+    cuda::GroupedDefaults d;
+    ~Restore() { cuda::set_grouped_defaults(d); }
+  } restore{d0};
+  const WgradSet w;
+  Tensor c = on_gpu(w.c0, {w.num_problems() * w.rows_c, w.ldc}, DType::f32);
+  // Widening through wmma: the NN shape it does not take becomes an error naming it.
+  cuda::GroupedDefaults d = d0;
+  d.widening = cuda::GroupedAlgo::wmma;
+  cuda::set_grouped_defaults(d);
+  test::expect_error_contains(
+      [&] {
+        cuda::gemm_grouped(false, false, w.problems(c), 1.0f, DType::bf16, w.lda, w.ldb, 1.0f,
+                           DType::f32, w.ldc, 0);
+      },
+      "is not supported by algorithm wmma");
+  // ... and the TN shape it takes matches the reference (summed in another order than cuBLAS).
+  cuda::gemm_grouped(true, false, w.problems(c), 1.0f, DType::bf16, w.lda, w.ldb, 1.0f,
+                     DType::f32, w.ldc, 0);
+  w.expect_matches(c.to_floats(), w.reference(1.0, 1.0, w.c0), w.c0, "wmma via defaults");
+#endif
+}
 
 // ---- linear / matmul on CUDA tensors vs the CPU path ------------------------------------------
 

@@ -1,11 +1,14 @@
-// gemm.cu — cuBLASLt GEMM, cuBLAS grouped GEMM and a WMMA grouped weight-gradient kernel.
+// gemm.cu — cuBLASLt GEMM and grouped GEMM: cuBLAS grouped, multi-stream cuBLASLt, and a WMMA
+// grouped weight-gradient kernel.
 //
 // Row-major on a column-major library: a row-major X[r, c] is the column-major X^T, so
 // C = op(A) op(B) is computed as C^T = op(B)^T op(A)^T: cuBLAS sees m = N, n = M, its "A" is our
 // B and its "B" is our A, with the same transpose flags.
 //
 // Per device, created once and kept for the life of the process: one cuBLASLt handle, one cuBLAS
-// handle (grouped GEMM only), one 32 MiB workspace Tensor under MemCategory::workspace. cuBLASLt
+// handle (grouped GEMM only), one 32 MiB workspace Tensor under MemCategory::workspace, and for
+// the multi-stream grouped GEMM (created on its first use) side streams, each with its own
+// 32 MiB workspace (concurrent cuBLASLt calls must not share one) and a join event. cuBLASLt
 // plans (descriptors, layouts and the heuristic's algorithm) are cached by everything that
 // decides them: shape, leading dims, batch strides, transposes, dtypes and pointer alignment.
 // NOTES: the alignment is part of the key because cuBLASLt's heuristic assumes 256-byte aligned
@@ -20,6 +23,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -78,9 +82,25 @@ struct DeviceGemm {
   cublasHandle_t blas = nullptr;
   void* workspace = nullptr;
   std::map<PlanKey, Plan> plans;
+  // Multi-stream grouped GEMM: side stream s runs with workspace side_ws[s] and signals
+  // side_done[s]; `fork` is recorded on the compute stream for the side streams to wait on.
+  cudaEvent_t fork = nullptr;
+  std::vector<cudaStream_t> side;
+  std::vector<void*> side_ws;
+  std::vector<cudaEvent_t> side_done;
 };
 
-std::mutex g_mu;  // guards the states, their caches and handle use
+std::mutex g_mu;  // guards the states, their caches, handle use and the grouped defaults
+GroupedDefaults g_defaults;
+
+// A 32 MiB workspace on `dev`, kept for the life of the process (deliberately never freed: it
+// would be released after the allocator and the CUDA context at exit). It counts as live
+// `workspace` memory.
+void* new_workspace(int dev) {
+  auto* ws = new Tensor(Tensor::empty({static_cast<int64_t>(kWorkspaceBytes)}, DType::u8,
+                                      Device::cuda(dev), MemCategory::workspace));
+  return ws->raw();
+}
 
 std::vector<std::unique_ptr<DeviceGemm>>& all_states() {
   static std::vector<std::unique_ptr<DeviceGemm>> states;
@@ -101,11 +121,7 @@ DeviceGemm& device_gemm(int dev) {
     BB_CHECK_CUBLAS(cublasCreate(&s->blas));
     BB_CHECK_CUBLAS(cublasSetStream(s->blas, stream()));
     BB_CHECK_CUBLAS(cublasSetPointerMode(s->blas, CUBLAS_POINTER_MODE_HOST));
-    // Kept for the life of the process (deliberately never freed: it would be released after
-    // the allocator and the CUDA context at exit). It counts as live `workspace` memory.
-    auto* ws = new Tensor(Tensor::empty({static_cast<int64_t>(kWorkspaceBytes)}, DType::u8,
-                                        Device::cuda(dev), MemCategory::workspace));
-    s->workspace = ws->raw();
+    s->workspace = new_workspace(dev);
     BB_CHECK_CUBLAS(cublasSetWorkspace(s->blas, s->workspace, kWorkspaceBytes));
   }
   return *s;
@@ -264,13 +280,10 @@ void scale_c(void* C, DType dt, int64_t rows, int64_t cols, int64_t ldc, int64_t
   BB_CHECK_LAUNCH();
 }
 
-// cuBLASLt on a natively supported combination.
-void lt_matmul(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const void* A,
-               DType adt, int64_t lda, int64_t sa, const void* B, DType bdt, int64_t ldb,
-               int64_t sb, float beta, void* C, DType cdt, int64_t ldc, int64_t sc, int64_t batch,
-               int dev) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  DeviceGemm& st = device_gemm(dev);
+// The plan key of one cuBLASLt call (batch 1 ignores the strides).
+PlanKey plan_key(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* A, DType adt,
+                 int64_t lda, int64_t sa, const void* B, DType bdt, int64_t ldb, int64_t sb,
+                 const void* C, DType cdt, int64_t ldc, int64_t sc, int64_t batch) {
   const int64_t ea = static_cast<int64_t>(dtype_size(adt)),
                 eb = static_cast<int64_t>(dtype_size(bdt)),
                 ec = static_cast<int64_t>(dtype_size(cdt));
@@ -292,7 +305,18 @@ void lt_matmul(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, c
             alignment_of(A, batch > 1 ? sa * ea : 0),
             alignment_of(B, batch > 1 ? sb * eb : 0),
             alignment_of(C, batch > 1 ? sc * ec : 0)};
-  const Plan& p = get_plan(st, k);
+  return k;
+}
+
+// cuBLASLt on a natively supported combination, on the compute stream with the main workspace.
+void lt_matmul(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const void* A,
+               DType adt, int64_t lda, int64_t sa, const void* B, DType bdt, int64_t ldb,
+               int64_t sb, float beta, void* C, DType cdt, int64_t ldc, int64_t sc, int64_t batch,
+               int dev) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  DeviceGemm& st = device_gemm(dev);
+  const Plan& p = get_plan(
+      st, plan_key(ta, tb, M, N, K, A, adt, lda, sa, B, bdt, ldb, sb, C, cdt, ldc, sc, batch));
   BB_CHECK_CUBLAS(cublasLtMatmul(st.lt, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c,
                                  &p.algo, st.workspace, kWorkspaceBytes, stream()));
 }
@@ -609,30 +633,10 @@ void grouped_own_tn(const std::vector<GemmProblem>& ps, float alpha, DType ab, i
   BB_CHECK_LAUNCH();
 }
 
-}  // namespace
-
-void gemm_grouped(bool ta, bool tb, const std::vector<GemmProblem>& problems, float alpha, DType ab,
-                  int64_t lda, int64_t ldb, float beta, DType cdt, int64_t ldc, int dev) {
-  std::vector<GemmProblem> ps;
-  for (const GemmProblem& p : problems) {
-    check_dims("cuda::gemm_grouped", ta, tb, p.M, p.N, p.K, lda, ldb, ldc);
-    if (p.M > 0 && p.N > 0) ps.push_back(p);
-  }
-  if (ps.empty()) return;
-  BB_CHECK_CUDA(cudaSetDevice(dev));
-  const bool cublas_ok = (ab == DType::bf16 && cdt == DType::bf16) ||
-                         (ab == DType::f16 && cdt == DType::f16) ||
-                         (ab == DType::f32 && cdt == DType::f32);
-  if (!cublas_ok) {
-    BB_CHECK((ab == DType::bf16 || ab == DType::f16) && cdt == DType::f32 && ta && !tb,
-             "cuda::gemm_grouped: inputs ", dtype_name(ab), " with output ", dtype_name(cdt),
-             " and trans_a=", ta, " trans_b=", tb,
-             " is not supported (cuBLAS grouped GEMM takes bf16->bf16, f16->f16, f32->f32; the "
-             "own kernel takes 16-bit -> f32 with trans_a && !trans_b)");
-    grouped_own_tn(ps, alpha, ab, lda, ldb, beta, ldc, dev);
-    return;
-  }
-  // cuBLAS: one group per problem (group_size 1), swapped operands as in gemm().
+// All problems with one cublasGemmGroupedBatchedEx call: one group per problem (group_size 1),
+// swapped operands as in gemm().
+void grouped_cublas(bool ta, bool tb, const std::vector<GemmProblem>& ps, float alpha, DType ab,
+                    int64_t lda, int64_t ldb, float beta, DType cdt, int64_t ldc, int dev) {
   const int G = static_cast<int>(ps.size());
   std::vector<cublasOperation_t> op_a(G, tb ? CUBLAS_OP_T : CUBLAS_OP_N),
       op_b(G, ta ? CUBLAS_OP_T : CUBLAS_OP_N);
@@ -660,6 +664,194 @@ void gemm_grouped(bool ta, bool tb, const std::vector<GemmProblem>& problems, fl
       st.blas, op_a.data(), op_b.data(), m.data(), n.data(), k.data(), alphas.data(), d, t,
       ld_a.data(), d + G, t, ld_b.data(), betas.data(), const_cast<void* const*>(d + 2 * G), tc,
       ld_c.data(), G, size.data(), CUBLAS_COMPUTE_32F));
+}
+
+// Side streams 0..n-1 of `dev` with their workspaces and events, created on first need.
+// Caller holds g_mu; `dev` is current.
+void ensure_side_streams(DeviceGemm& st, int n, int dev) {
+  if (!st.fork) BB_CHECK_CUDA(cudaEventCreateWithFlags(&st.fork, cudaEventDisableTiming));
+  while (static_cast<int>(st.side.size()) < n) {
+    cudaStream_t s = nullptr;
+    cudaEvent_t e = nullptr;
+    // Non-blocking like the compute stream: no implicit ordering with the legacy stream.
+    BB_CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    BB_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    st.side.push_back(s);
+    st.side_done.push_back(e);
+    // Allocated on the compute stream, so first used after the fork event that follows it.
+    st.side_ws.push_back(new_workspace(dev));
+  }
+}
+
+// Per-problem cuBLASLt GEMMs spread over `num_streams` side streams (see gemm.h). The A, B, C
+// buffers were produced on (and will be freed on) the compute stream: the fork orders every
+// side stream after what the compute stream has queued so far, the join orders what it queues
+// next after every side stream, so the stream-ordered allocator stays correct.
+void grouped_multi_stream(bool ta, bool tb, const std::vector<GemmProblem>& ps, float alpha,
+                          DType ab, int64_t lda, int64_t ldb, float beta, DType cdt, int64_t ldc,
+                          int num_streams, int dev) {
+  std::vector<size_t> order;  // the problems with a product, largest first
+  for (size_t i = 0; i < ps.size(); ++i) {
+    if (ps[i].K == 0)  // C = beta C: a kernel on the compute stream, before the fork
+      scale_c(ps[i].C, cdt, ps[i].M, ps[i].N, ldc, 0, 1, beta);
+    else
+      order.push_back(i);
+  }
+  if (order.empty()) return;
+  auto work = [&](size_t i) {
+    return static_cast<double>(ps[i].M) * static_cast<double>(ps[i].N) *
+           static_cast<double>(ps[i].K);
+  };
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t x, size_t y) { return work(x) > work(y); });
+  const int S = static_cast<int>(std::min<size_t>(static_cast<size_t>(num_streams), order.size()));
+  // Largest first to the least-loaded stream (lowest index on ties: round-robin when equal).
+  std::vector<std::vector<size_t>> share(static_cast<size_t>(S));
+  std::vector<double> load(static_cast<size_t>(S), 0.0);
+  for (size_t i : order) {
+    const size_t s = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    share[s].push_back(i);
+    load[s] += work(i);
+  }
+
+  std::lock_guard<std::mutex> lock(g_mu);
+  DeviceGemm& st = device_gemm(dev);
+  ensure_side_streams(st, S, dev);
+  // Every plan before the fork: a missing algorithm throws here, with no side work in flight.
+  std::vector<const Plan*> plan(ps.size(), nullptr);
+  for (size_t i : order)
+    plan[i] = &get_plan(st, plan_key(ta, tb, ps[i].M, ps[i].N, ps[i].K, ps[i].A, ab, lda, 0,
+                                     ps[i].B, ab, ldb, 0, ps[i].C, cdt, ldc, 0, 1));
+  cudaStream_t main = stream();
+  BB_CHECK_CUDA(cudaEventRecord(st.fork, main));
+  for (int s = 0; s < S; ++s) BB_CHECK_CUDA(cudaStreamWaitEvent(st.side[s], st.fork, 0));
+  // Launches interleaved across the streams (the j-th problem of every share, then the next),
+  // so that all streams have work while the host is still enqueueing.
+  std::string failure;
+  size_t longest = 0;
+  for (const auto& sh : share) longest = std::max(longest, sh.size());
+  for (size_t j = 0; j < longest && failure.empty(); ++j)
+    for (int s = 0; s < S && failure.empty(); ++s) {
+      if (j >= share[s].size()) continue;
+      const GemmProblem& p = ps[share[s][j]];
+      const Plan& pl = *plan[share[s][j]];
+      const cublasStatus_t r =
+          cublasLtMatmul(st.lt, pl.desc, &alpha, p.B, pl.a, p.A, pl.b, &beta, p.C, pl.c, p.C,
+                         pl.c, &pl.algo, st.side_ws[s], kWorkspaceBytes, st.side[s]);
+      if (r != CUBLAS_STATUS_SUCCESS)
+        failure = std::string("cuBLAS error in cublasLtMatmul (multi-stream grouped GEMM, M=") +
+                  std::to_string(p.M) + " N=" + std::to_string(p.N) + " K=" +
+                  std::to_string(p.K) + "): " + cublasLtGetStatusName(r);
+    }
+  // Joined even after a failure: the compute stream must not run ahead of queued side work.
+  for (int s = 0; s < S; ++s) {
+    BB_CHECK_CUDA(cudaEventRecord(st.side_done[s], st.side[s]));
+    BB_CHECK_CUDA(cudaStreamWaitEvent(main, st.side_done[s], 0));
+  }
+  BB_CHECK(failure.empty(), failure);
+}
+
+}  // namespace
+
+const char* grouped_algo_name(GroupedAlgo a) {
+  switch (a) {
+    case GroupedAlgo::automatic:
+      return "automatic";
+    case GroupedAlgo::cublas:
+      return "cublas";
+    case GroupedAlgo::multi_stream:
+      return "multi_stream";
+    case GroupedAlgo::wmma:
+      return "wmma";
+  }
+  return "?";
+}
+
+GroupedDefaults grouped_defaults() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_defaults;
+}
+
+void set_grouped_defaults(const GroupedDefaults& d) {
+  BB_CHECK(d.same_dtype != GroupedAlgo::automatic && d.widening != GroupedAlgo::automatic,
+           "cuda::set_grouped_defaults: a default must name an algorithm, not automatic");
+  BB_CHECK(d.same_dtype != GroupedAlgo::wmma,
+           "cuda::set_grouped_defaults: wmma takes only 16-bit -> f32, not same_dtype problems");
+  BB_CHECK(d.widening != GroupedAlgo::cublas,
+           "cuda::set_grouped_defaults: cublas (13.1) refuses 16-bit -> f32, not a widening "
+           "default");
+  BB_CHECK(d.multi_stream_min_flops >= 0, "cuda::set_grouped_defaults: multi_stream_min_flops must "
+           "be >= 0, got ", d.multi_stream_min_flops);
+  BB_CHECK(d.num_streams >= 1 && d.num_streams <= kMaxGroupedStreams,
+           "cuda::set_grouped_defaults: num_streams=", d.num_streams, " is not in [1, ",
+           kMaxGroupedStreams, "]");
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_defaults = d;
+}
+
+void gemm_grouped(bool ta, bool tb, const std::vector<GemmProblem>& problems, float alpha, DType ab,
+                  int64_t lda, int64_t ldb, float beta, DType cdt, int64_t ldc, int dev,
+                  GroupedConfig cfg) {
+  (void)cuda_type(ab), (void)cuda_type(cdt);  // dtype checks
+  BB_CHECK(cfg.num_streams >= 0 && cfg.num_streams <= kMaxGroupedStreams,
+           "cuda::gemm_grouped: num_streams=", cfg.num_streams, " is not in [0, ",
+           kMaxGroupedStreams, "] (0 = the default)");
+  const GroupedDefaults defaults = grouped_defaults();
+  const bool same = ab == cdt;
+  GroupedAlgo algo = cfg.algo;
+  if (algo == GroupedAlgo::automatic) {
+    algo = same ? defaults.same_dtype : defaults.widening;
+    if (same && defaults.multi_stream_min_flops > 0 && native(ab, cdt)) {
+      double flops = 0;
+      int64_t n = 0;
+      for (const GemmProblem& p : problems)
+        if (p.M > 0 && p.N > 0) flops += 2.0 * p.M * p.N * p.K, ++n;
+      if (n > 0 && flops / static_cast<double>(n) >= defaults.multi_stream_min_flops)
+        algo = GroupedAlgo::multi_stream;
+    }
+  }
+  const int num_streams = cfg.num_streams > 0 ? cfg.num_streams : defaults.num_streams;
+  bool ok = false;
+  const char* takes = "";
+  switch (algo) {
+    case GroupedAlgo::cublas:
+      ok = same;
+      takes = "bf16 -> bf16, f16 -> f16, f32 -> f32";
+      break;
+    case GroupedAlgo::multi_stream:
+      ok = native(ab, cdt);
+      takes = "f32 -> f32, bf16 -> bf16|f32, f16 -> f16|f32";
+      break;
+    case GroupedAlgo::wmma:
+      ok = (ab == DType::bf16 || ab == DType::f16) && cdt == DType::f32 && ta && !tb;
+      takes = "bf16|f16 -> f32 with trans_a && !trans_b";
+      break;
+    case GroupedAlgo::automatic:
+      break;
+  }
+  BB_CHECK(ok, "cuda::gemm_grouped: inputs ", dtype_name(ab), " with output ", dtype_name(cdt),
+           " and trans_a=", ta, " trans_b=", tb, " is not supported by algorithm ",
+           grouped_algo_name(algo), " (it takes ", takes, ")");
+  std::vector<GemmProblem> ps;
+  for (const GemmProblem& p : problems) {
+    check_dims("cuda::gemm_grouped", ta, tb, p.M, p.N, p.K, lda, ldb, ldc);
+    if (p.M > 0 && p.N > 0) ps.push_back(p);
+  }
+  if (ps.empty()) return;
+  BB_CHECK_CUDA(cudaSetDevice(dev));
+  switch (algo) {
+    case GroupedAlgo::cublas:
+      grouped_cublas(ta, tb, ps, alpha, ab, lda, ldb, beta, cdt, ldc, dev);
+      break;
+    case GroupedAlgo::multi_stream:
+      grouped_multi_stream(ta, tb, ps, alpha, ab, lda, ldb, beta, cdt, ldc, num_streams, dev);
+      break;
+    case GroupedAlgo::wmma:
+      grouped_own_tn(ps, alpha, ab, lda, ldb, beta, ldc, dev);
+      break;
+    case GroupedAlgo::automatic:
+      break;
+  }
 }
 
 }  // namespace bb::cuda

@@ -44,18 +44,63 @@ struct GemmProblem {
   void* C = nullptr;
 };
 
-// All problems in one launch: C_g = alpha op(A_g) op(B_g) + beta C_g, the same transposes,
-// dtypes and leading dimensions for every g. Problems with M = 0 or N = 0 are dropped; K = 0
-// gives C_g = beta C_g.
-//   - AB -> C = bf16 -> bf16, f16 -> f16, f32 -> f32: cublasGemmGroupedBatchedEx (fp32 compute).
-//   - bf16|f16 -> f32 with trans_a && !trans_b (the weight-gradient shape d_W += d_Y^T X):
-//     cuBLAS (13.1) refuses this combination, so a WMMA tile kernel of our own runs it; CTAs are
-//     mapped to (problem, 128x128 output tile). It is far slower than cuBLASLt (skills/experts.md).
-//   - anything else is an error.
-// The per-problem metadata travels to the device with one asynchronous copy (no host sync).
+// How gemm_grouped runs its problems. Measured trade-offs: skills/experts.md ("CUDA path").
+enum class GroupedAlgo {
+  automatic,     // grouped_defaults(): same_dtype for AB == C, widening for 16-bit -> f32
+  cublas,        // one cublasGemmGroupedBatchedEx: bf16 -> bf16, f16 -> f16, f32 -> f32 only
+  multi_stream,  // one cuBLASLt GEMM per problem, spread over side streams (any native combo)
+  wmma,          // our WMMA tile kernel: bf16|f16 -> f32 with trans_a && !trans_b only
+};
+const char* grouped_algo_name(GroupedAlgo a);
+
+// Per-call choice. num_streams (multi_stream only): side streams used, 1..kMaxGroupedStreams;
+// 0 takes grouped_defaults().num_streams.
+struct GroupedConfig {
+  GroupedAlgo algo = GroupedAlgo::automatic;
+  int num_streams = 0;
+};
+constexpr int kMaxGroupedStreams = 16;
+
+// What GroupedAlgo::automatic resolves to, process-wide (benches and the trainer may change it).
+//   same_dtype: bf16 -> bf16, f16 -> f16, f32 -> f32 (the expert forward and dgrad);
+//   widening:   bf16|f16 -> f32 (the expert wgrad into f32 gradients).
+struct GroupedDefaults {
+  GroupedAlgo same_dtype = GroupedAlgo::cublas;
+  GroupedAlgo widening = GroupedAlgo::multi_stream;
+  int num_streams = 4;
+  // Same-dtype calls whose mean problem is at least this many FLOPs (2 M N K over the non-empty
+  // problems) take multi_stream instead of `same_dtype`: measured on an H200 at E = 128,
+  // H = 2048, F = 768, cuBLAS's grouped GEMM ran 1.15 ms vs multi_stream's 1.92 ms at 1.6 GFLOP
+  // per expert (T = 4K tokens, top-8), but 8.3 ms vs 3.8 ms at 12.9 GFLOP (T = 32K).
+  // 0 disables the switch.
+  double multi_stream_min_flops = 4e9;
+};
+GroupedDefaults grouped_defaults();
+void set_grouped_defaults(const GroupedDefaults& d);  // checked: no automatic, streams in range
+
+// All problems of one call: C_g = alpha op(A_g) op(B_g) + beta C_g, the same transposes, dtypes
+// and leading dimensions for every g. Problems with M = 0 or N = 0 are dropped; K = 0 gives
+// C_g = beta C_g. The C_g must not overlap (they may be written concurrently). Algorithms
+// (cfg.algo; automatic resolves through grouped_defaults()):
+//   - cublas: cublasGemmGroupedBatchedEx (fp32 compute), one launch. cuBLAS 13.1 refuses
+//     16-bit inputs with an f32 output. The pointer arrays travel to the device with one
+//     asynchronous copy (no host sync).
+//   - multi_stream: the problems, largest (M N K) first, are dealt to the side stream with the
+//     least work so far (round-robin for equal sizes); each side stream runs its share as
+//     cuBLASLt GEMMs (the plans of cuda::gemm) with its own workspace. The side streams are
+//     forked from cuda::stream() and joined back with events: work after the call on
+//     cuda::stream() sees every C_g. Streams, events and workspaces (kMaxGroupedStreams at
+//     most, 32 MiB each under MemCategory::workspace) are created per device on first use and
+//     reused. Any natively supported combination (see gemm above: f32 -> f32,
+//     bf16 -> bf16|f32, f16 -> f16|f32), any transposes. K = 0 problems are scaled on
+//     cuda::stream() before the fork.
+//   - wmma: our tile kernel, one CTA per (problem, 128x128 output tile), bf16 WMMA with fp32
+//     accumulators; bf16|f16 -> f32 with trans_a && !trans_b (d_W += d_Y^T X) only. Kept for
+//     comparison: cuBLASLt is several times faster.
+// A combination the chosen algorithm does not take is an error naming it.
 void gemm_grouped(bool trans_a, bool trans_b, const std::vector<GemmProblem>& problems, float alpha,
                   DType ab_dt, int64_t lda, int64_t ldb, float beta, DType c_dt, int64_t ldc,
-                  int device);
+                  int device, GroupedConfig cfg = {});
 
 // Drops the cached descriptors and heuristics (tests; the handle and workspace stay).
 void gemm_clear_cache();
