@@ -1,11 +1,13 @@
-// bench_moe_loss — the loss heads (linear_ce vs full_ce) and MoE token permutation on the GPU
-// at realistic sizes; prints two tables.
+// bench_moe_loss — the loss heads (linear_ce, linear_ce fused, full_ce) and MoE token
+// permutation on the GPU at realistic sizes; prints two tables.
 //
 //   loss heads: T = 32768 tokens, V = 151936 (Qwen vocab), H = 2048, bf16 h and w. Forward and
 //     backward time (median of 5 after 1 warm-up; wall clock around a synchronised call, since
 //     the forward reads its loss back anyway), achieved TFLOP/s (forward 2TVH; backward 4TVH
 //     for full_ce, 6TVH for linear_ce whose recompute is counted), and the peak of the `logits`
-//     memory category over forward + backward.
+//     memory category over forward + backward. `linear_ce fused` is one pass (loss and
+//     gradients, 6TVH): its time goes in the fwd+bwd column. Below the table: fused and two-pass
+//     linear_ce against full_ce (time ratio, goal <= 1.2; logits peak ratio, goal <= 1/8).
 //   permute: T = 32768, H = 2048, K = 8, E = 128, bf16. make_permute_map (includes its host
 //     read), permute / unpermute forward and backward; GB/s counts each tensor's bytes once.
 //
@@ -17,6 +19,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/tensor.h"
@@ -68,15 +71,15 @@ void bench_loss(int64_t T, int64_t V, int64_t H, bool skip_full) {
   const double flop_fwd = 2.0 * T * V * H;
   Allocator& alloc = allocator_for(kGpu);
 
-  std::printf("%-26s %10s %10s %12s %12s %14s %12s\n", "head", "fwd ms", "bwd ms", "fwd TFLOP/s",
-              "bwd TFLOP/s", "logits peak", "loss/token");
+  std::printf("%-26s %10s %10s %12s %12s %12s %14s %12s\n", "head", "fwd ms", "bwd ms",
+              "fwd+bwd ms", "fwd TFLOP/s", "bwd TFLOP/s", "logits peak", "loss/token");
   struct Row {
     const char* name;
     std::function<LossResult(LossHeadSaved*)> fwd;
     std::function<void(const LossHeadSaved&)> bwd;
     double bwd_flop;
   };
-  LossHeadConfig cfg;  // defaults: 4096 x 32768 chunks
+  LossHeadConfig cfg;  // defaults: 4096 x 32768 chunks; fused: 2048-token chunks
   char lin_name[64];
   std::snprintf(lin_name, sizeof lin_name, "linear_ce (%lldx%lld)",
                 static_cast<long long>(cfg.chunk_tokens), static_cast<long long>(cfg.chunk_vocab));
@@ -90,6 +93,12 @@ void bench_loss(int64_t T, int64_t V, int64_t H, bool skip_full) {
                     [&](LossHeadSaved* s) { return full_ce_forward(h, w, targets, s); },
                     [&](const LossHeadSaved& s) { full_ce_backward(1.0f / T, h, w, targets, s, d_h, d_w); },
                     2.0 * flop_fwd});
+  struct Measured {
+    double total_ms = 0;  // 0 = not measured
+    int64_t peak = 0;
+    double flop = 0;  // fwd + bwd, recompute included
+  };
+  Measured full_m, lin_m, fused_m;
   for (const Row& r : rows) {
     try {
       LossResult res;
@@ -118,11 +127,50 @@ void bench_loss(int64_t T, int64_t V, int64_t H, bool skip_full) {
       saved = LossHeadSaved();
       cuda::synchronize();
       const int64_t peak = alloc.stats().peak_of(MemCategory::logits);
-      std::printf("%-26s %10.2f %10.2f %12.1f %12.1f %14s %12.4f\n", r.name, fwd, bwd,
-                  flop_fwd / fwd * 1e-9, r.bwd_flop / bwd * 1e-9, format_bytes(peak).c_str(),
-                  res.loss_sum / std::max<int64_t>(1, res.num_valid));
+      std::printf("%-26s %10.2f %10.2f %12.2f %12.1f %12.1f %14s %12.4f\n", r.name, fwd, bwd,
+                  fwd + bwd, flop_fwd / fwd * 1e-9, r.bwd_flop / bwd * 1e-9,
+                  format_bytes(peak).c_str(), res.loss_sum / std::max<int64_t>(1, res.num_valid));
+      Measured& m = r.name == lin_name ? lin_m : full_m;
+      m = Measured{fwd + bwd, peak, flop_fwd + r.bwd_flop};
     } catch (const Error& e) {
       std::printf("%-26s failed: %s\n", r.name, e.what());
+    }
+  }
+
+  // linear_ce fused: one pass with the scale known up front (what training does).
+  char fused_name[64];
+  std::snprintf(fused_name, sizeof fused_name, "linear_ce fused (%lld)",
+                static_cast<long long>(cfg.fused_chunk_tokens));
+  try {
+    LossResult res;
+    const double ms =
+        median_ms([&] { res = linear_ce_fused(1.0f / T, h, w, targets, cfg, d_h, d_w); }, 1, 5);
+    cuda::synchronize();
+    alloc.reset_peak();
+    linear_ce_fused(1.0f / T, h, w, targets, cfg, d_h, d_w);
+    cuda::synchronize();
+    const int64_t peak = alloc.stats().peak_of(MemCategory::logits);
+    std::printf("%-26s %10s %10s %12.2f %12s %12s %14s %12.4f\n", fused_name, "-", "-", ms, "-",
+                "-", format_bytes(peak).c_str(),
+                res.loss_sum / std::max<int64_t>(1, res.num_valid));
+    fused_m = Measured{ms, peak, 3.0 * flop_fwd};
+  } catch (const Error& e) {
+    std::printf("%-26s failed: %s\n", fused_name, e.what());
+  }
+
+  if (full_m.total_ms > 0) {
+    std::printf("\nagainst full_ce (fwd+bwd %.2f ms, logits peak %s); goal: time <= 1.20x, "
+                "peak <= 1/8 = 0.125x\n",
+                full_m.total_ms, format_bytes(full_m.peak).c_str());
+    for (const auto& [name, m] : {std::pair<const char*, Measured>{fused_name, fused_m},
+                                  std::pair<const char*, Measured>{lin_name, lin_m}}) {
+      if (m.total_ms <= 0) continue;
+      const double tr = m.total_ms / full_m.total_ms;
+      const double pr = static_cast<double>(m.peak) / std::max<int64_t>(1, full_m.peak);
+      std::printf("  %-26s time %.3fx (%s, %.0f TFLOP/s fwd+bwd)   logits peak %.4fx = 1/%.1f "
+                  "(%s)\n",
+                  name, tr, tr <= 1.2 ? "met" : "missed", m.flop / m.total_ms * 1e-9, pr,
+                  1.0 / std::max(pr, 1e-12), pr <= 0.125 ? "met" : "missed");
     }
   }
 }

@@ -110,8 +110,6 @@ Qwen3MoeModel::Qwen3MoeModel(const ModelConfig& cfg, const ModelOptions& opts, u
     : cfg_(cfg), opts_(opts) {
   cfg_.validate();
   opts_.validate();
-  BB_CHECK(opts_.device.is_cpu() || cfg.shared_expert_intermediate_size == 0,
-           "the shared expert (Qwen2-MoE) is not implemented on ", opts_.device.str(), " yet");
   const int64_t H = cfg.hidden_size, D = cfg.head_dim, Hq = cfg.num_heads, Hkv = cfg.num_kv_heads;
   embed_ = &add_param("model.embed_tokens.weight", {cfg.vocab_size, H}, true);
   layers_.resize(static_cast<size_t>(cfg.num_layers));
@@ -274,7 +272,7 @@ Tensor Qwen3MoeModel::layer_forward(Layer& L, const Tensor& x, const MicroBatch&
     st.z_loss += r.z_loss / static_cast<double>(c.num_moe_layers());
     last_routing_.push_back(r.topk_idx.clone(MemCategory::other));
     S.topk_prob = r.topk_prob;
-    S.map = make_permute_map(r.topk_idx, c.num_experts);
+    S.map = make_permute_map(r.topk_idx, c.num_experts, &r.tokens_per_expert);
     S.x_perm = permute_forward(S.h2, S.map);
     if (mem_eff) S.row_prob = permute_probs(r.topk_prob, S.map);
     S.y_perm = experts_forward(impl, S.x_perm, S.map.tokens_per_expert, L.experts_gate_up->value,
@@ -296,6 +294,7 @@ Tensor Qwen3MoeModel::layer_forward(Layer& L, const Tensor& x, const MicroBatch&
 
 Tensor Qwen3MoeModel::layer_backward(Layer& L, const Tensor& d_y, const MicroBatch& mb,
                                      LayerSaved& S, double aux_grad, double z_grad) {
+  BB_RANGE(L.moe ? "moe_layer_backward" : "dense_layer_backward");
   const ModelConfig& c = cfg_;
   const int64_t T = d_y.size(0), D = c.head_dim, Hq = c.num_heads;
   const RopeConfig rope{c.rope_theta, 0};
@@ -326,22 +325,11 @@ Tensor Qwen3MoeModel::layer_backward(Layer& L, const Tensor& d_y, const MicroBat
     if (L.shared_gate_up) {
       // out += g * s_out, g = sigmoid(h2 . w_gate)
       Tensor d_sout = scale_rows(d_y, S.s_gate, MemCategory::activations);
-      std::vector<float> dy = d_y.to_floats(), so = S.s_out.to_floats(), g = S.s_gate.to_floats();
-      const int64_t H = c.hidden_size;
-      std::vector<float> d_glogit(static_cast<size_t>(T));
-      for (int64_t t = 0; t < T; ++t) {
-        double dot = 0;
-        for (int64_t h = 0; h < H; ++h) dot += static_cast<double>(dy[t * H + h]) * so[t * H + h];
-        d_glogit[t] = static_cast<float>(dot * g[t] * (1.0 - g[t]));
-      }
-      Tensor dgl = Tensor::from_floats(d_glogit, {T, 1}, DType::f32, MemCategory::activations);
-      linear_backward_weight(dgl, S.h2, L.shared_gate->grad, nullptr);
-      add_inplace(d_h2, linear_backward_data(dgl, L.shared_gate->value));
-      linear_backward_weight(d_sout, S.s_act, L.shared_down->grad, nullptr);
-      Tensor d_sact = linear_backward_data(d_sout, L.shared_down->value);
+      Tensor dgl = sigmoid_gate_backward(d_y, S.s_out, S.s_gate, MemCategory::activations);
+      add_inplace(d_h2, linear_backward(dgl, S.h2, L.shared_gate, nullptr));
+      Tensor d_sact = linear_backward(d_sout, S.s_act, L.shared_down, nullptr);
       Tensor d_sgu = swiglu_backward(d_sact, S.s_gate_up);
-      linear_backward_weight(d_sgu, S.h2, L.shared_gate_up->grad, nullptr);
-      add_inplace(d_h2, linear_backward_data(d_sgu, L.shared_gate_up->value));
+      add_inplace(d_h2, linear_backward(d_sgu, S.h2, L.shared_gate_up, nullptr));
     }
   }
   Tensor d_x2 = rmsnorm_backward(d_h2, S.x2, L.ln2->value, S.rms2, L.ln2->grad);
@@ -404,16 +392,44 @@ ForwardStats Qwen3MoeModel::run(const MicroBatch& mb, bool backward, float loss_
 
   LossHeadSaved ls;
   LossHeadConfig lc{opts_.loss_chunk_tokens, opts_.loss_chunk_vocab};
-  LossResult lr = opts_.loss == "full_ce" ? full_ce_forward(h, lm_head_->value, mb.targets, backward ? &ls : nullptr)
-                                          : linear_ce_forward(h, lm_head_->value, mb.targets, lc, backward ? &ls : nullptr);
+  lc.fused_chunk_tokens = opts_.loss_chunk_tokens;
+  if (backward && opts_.loss == "linear_ce") {
+    // Training: the loss scale is known up front, so linear_ce computes the loss and both
+    // gradients in one pass over [chunk_tokens, V] blocks (no logits recompute).
+    Tensor d_h;
+    {
+      BB_RANGE("loss_head_fused");
+      const LossResult lr = linear_ce_fused(loss_scale, h, lm_head_->value, mb.targets, lc, d_h, lm_head_->grad);
+      st.loss_sum = lr.loss_sum;
+      st.num_valid = lr.num_valid;
+    }
+    return backward_layers(mb, st, x, fn, d_h, saved, aux_scale);
+  }
+  LossResult lr;
+  {
+    BB_RANGE("loss_head_forward");
+    lr = opts_.loss == "full_ce" ? full_ce_forward(h, lm_head_->value, mb.targets, backward ? &ls : nullptr)
+                                 : linear_ce_forward(h, lm_head_->value, mb.targets, lc, backward ? &ls : nullptr);
+  }
   st.loss_sum = lr.loss_sum;
   st.num_valid = lr.num_valid;
   if (!backward) return st;
 
   Tensor d_h = Tensor::zeros(h.shape(), DType::f32, opts_.device, MemCategory::activations);
-  if (opts_.loss == "full_ce") full_ce_backward(loss_scale, h, lm_head_->value, mb.targets, ls, d_h, lm_head_->grad);
-  else linear_ce_backward(loss_scale, h, lm_head_->value, mb.targets, lc, ls, d_h, lm_head_->grad);
+  {
+    BB_RANGE("loss_head_backward");
+    if (opts_.loss == "full_ce") full_ce_backward(loss_scale, h, lm_head_->value, mb.targets, ls, d_h, lm_head_->grad);
+    else linear_ce_backward(loss_scale, h, lm_head_->value, mb.targets, lc, ls, d_h, lm_head_->grad);
+  }
   ls = LossHeadSaved{};
+  return backward_layers(mb, st, x, fn, d_h, saved, aux_scale);
+}
+
+ForwardStats Qwen3MoeModel::backward_layers(const MicroBatch& mb, ForwardStats st, Tensor& x,
+                                            RMSNormSaved& fn, const Tensor& d_h,
+                                            std::vector<LayerSaved>& saved, double aux_scale) {
+  const ModelConfig& c = cfg_;
+  const bool full = opts_.recompute == "full";
   Tensor d_x = rmsnorm_backward(d_h, x, final_norm_->value, fn, final_norm_->grad);
   fn = RMSNormSaved{};
   x = Tensor();
@@ -425,6 +441,7 @@ ForwardStats Qwen3MoeModel::run(const MicroBatch& mb, bool backward, float loss_
   for (size_t i = layers_.size(); i-- > 0;) {
     if (full) {
       // Re-run this layer's forward to rebuild what its backward needs.
+      BB_RANGE("layer_recompute");
       Tensor input = saved[i].x;
       saved[i] = LayerSaved{};
       layer_forward(layers_[i], input, mb, &saved[i], scratch);
@@ -451,11 +468,14 @@ void Qwen3MoeModel::pool_aux(const Tensor& scores, const std::vector<int64_t>& c
     p = on_device(Tensor::from_floats(s, {T, E}, DType::f32, MemCategory::workspace),
                   scores.device());
   }
-  // prob_sum[e] += sum_t p[t, e] as a [1, T] x [T, E] product (stays on the device).
-  const std::vector<float> one(static_cast<size_t>(T), 1.0f);
-  const Tensor ones = on_device(
-      Tensor::from_floats(one, {T, 1}, DType::f32, MemCategory::workspace), scores.device());
-  matmul(ones, true, p, false, aux_prob_sum_, 1.0f, 1.0f);
+  // prob_sum[e] += sum_t p[t, e] as a [1, T] x [T, E] product (stays on the device). The
+  // column of ones is uploaded once per micro-batch size, not per layer (an upload waits).
+  if (aux_ones_.numel() != T || aux_ones_.device() != scores.device()) {
+    const std::vector<float> one(static_cast<size_t>(T), 1.0f);
+    aux_ones_ = on_device(Tensor::from_floats(one, {T, 1}, DType::f32, MemCategory::other),
+                          scores.device());
+  }
+  matmul(aux_ones_, true, p, false, aux_prob_sum_, 1.0f, 1.0f);
 }
 
 void Qwen3MoeModel::add_aux_grad(Tensor& d_logits, const Tensor& scores, double d_aux) const {
@@ -468,12 +488,14 @@ void Qwen3MoeModel::add_aux_grad(Tensor& d_logits, const Tensor& scores, double 
   for (int64_t e = 0; e < E; ++e) g[e] = static_cast<float>(d_aux * E * aux_counts_[e] / (R * R));
   if (opts_.router == "softmax_topk") {
     // Through p = softmax(l): d l_te = s_te * (g_e - sum_j g_j s_tj).
-    std::vector<float> diag(static_cast<size_t>(E * E), 0.0f);
-    for (int64_t e = 0; e < E; ++e) diag[e * E + e] = g[e];
-    const Tensor G =
-        on_device(Tensor::from_floats(diag, {E, E}, DType::f32, MemCategory::workspace), dev);
-    const Tensor gcol =
-        on_device(Tensor::from_floats(g, {E, 1}, DType::f32, MemCategory::workspace), dev);
+    // diag(g) [E, E] and g [E, 1] travel in one upload (each upload waits for the device).
+    std::vector<float> both(static_cast<size_t>((E + 1) * E), 0.0f);
+    for (int64_t e = 0; e < E; ++e) both[e * E + e] = g[e];
+    std::copy(g.begin(), g.end(), both.begin() + E * E);
+    const Tensor up =
+        on_device(Tensor::from_floats(both, {E + 1, E}, DType::f32, MemCategory::workspace), dev);
+    const Tensor G = up.narrow(0, E);
+    const Tensor gcol = up.narrow(E, 1).view({E, 1});
     matmul(scores, false, G, false, d_logits, 1.0f, 1.0f);
     Tensor u = Tensor::empty({T, 1}, DType::f32, dev, MemCategory::workspace);
     matmul(scores, false, gcol, false, u);

@@ -23,6 +23,10 @@
 #include "runtime/data.h"
 
 namespace bb {
+struct RMSNormSaved;
+}
+
+namespace bb {
 
 struct ModelOptions {
   std::string loss = "linear_ce";       // full_ce | linear_ce
@@ -30,7 +34,7 @@ struct ModelOptions {
   std::string router = "softmax_topk";  // softmax_topk | sigmoid_topk
   std::string experts = "sequential";   // sequential | grouped
   std::string permute = "standard";     // standard | memory_efficient
-  int64_t loss_chunk_tokens = 4096, loss_chunk_vocab = 32768;
+  int64_t loss_chunk_tokens = 2048, loss_chunk_vocab = 32768;
   double aux_loss_coef = 0, z_loss_coef = 0;
   // Where the model lives and how its weights are stored. On a GPU the weights are bf16 (fp32
   // master copies live in the optimizer) and the residual stream is bf16; on the CPU all f32.
@@ -102,6 +106,9 @@ class Qwen3MoeModel {
   // d_in = d_out @ w (and w.grad += d_out^T x, b.grad += sum d_out).
   Tensor linear_backward(const Tensor& d_out, const Tensor& x, Param* w, Param* b);
   ForwardStats run(const MicroBatch& mb, bool backward, float loss_scale, double aux_scale, Tensor* logits);
+  // From d(loss)/d(final-norm output) down to the embedding (recomputing layers when asked).
+  ForwardStats backward_layers(const MicroBatch& mb, ForwardStats st, Tensor& x, RMSNormSaved& fn,
+                               const Tensor& d_h, std::vector<LayerSaved>& saved, double aux_scale);
   // Pooled aux loss (see ForwardStats): pool_aux adds one MoE layer's counts and probability
   // sums during the forward; add_aux_grad adds d(d_aux * aux)/d(logits) of one layer, which
   // depends on the counts of ALL layers (so it cannot come from the per-layer router backward).
@@ -119,6 +126,7 @@ class Qwen3MoeModel {
   // Aux-loss pool of the current micro-batch: counts [E] (host), probability sums [1, E] f32 on
   // the model's device, rows = MoE layers x T. Only the forward pass fills it (not a recompute).
   std::vector<double> aux_counts_;
+  Tensor aux_ones_;  // [T, 1] f32 ones for the aux pooling product, reused across layers
   Tensor aux_prob_sum_;
   int64_t aux_rows_ = 0;
   bool aux_pooling_ = false;

@@ -25,7 +25,7 @@ struct PrimitiveChoice {
   std::string moe_dispatch = "allgather";
   std::string state = "replicated";
   std::string optimizer = "adamw";
-  int64_t loss_chunk_tokens = 4096;     // linear_ce token chunk
+  int64_t loss_chunk_tokens = 2048;     // linear_ce token chunk (training: [chunk, V] blocks)
   int64_t loss_chunk_vocab = 32768;     // linear_ce vocabulary chunk
 };
 

@@ -1,9 +1,10 @@
-// Loss family: cross_entropy forward/backward, the full_ce and linear_ce loss heads.
+// Loss family: cross_entropy forward/backward, the full_ce and linear_ce loss heads, and
+// linear_ce's fused training pass (linear_ce_fused).
 //
 // Oracles: a naive double loss (explicit loops, no max trick) for the values; central finite
 // differences in double (ref kernels instantiated with double) for every backward; full_ce as the
-// paired baseline of linear_ce across chunk sizes that do and do not divide T and V; the
-// allocator's per-category peaks for the memory claim (one logits chunk alive).
+// paired baseline of linear_ce and linear_ce_fused across chunk sizes that do and do not divide T
+// and V; the allocator's per-category peaks for the memory claim (one logits chunk alive).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -23,7 +24,8 @@ namespace bb {
 
 // Readable names for the parameterized chunk sizes in gtest output.
 void PrintTo(const LossHeadConfig& c, std::ostream* os) {
-  *os << "{chunk_tokens " << c.chunk_tokens << ", chunk_vocab " << c.chunk_vocab << "}";
+  *os << "{chunk_tokens " << c.chunk_tokens << ", chunk_vocab " << c.chunk_vocab
+      << ", fused_chunk_tokens " << c.fused_chunk_tokens << "}";
 }
 
 namespace {
@@ -78,20 +80,32 @@ double naive_loss(const HeadCase& c, int64_t* num_valid) {
   return loss;
 }
 
-enum class Head { full, linear };
+enum class Head { full, linear, fused };
+
+const char* head_name(Head k) {
+  return k == Head::full ? "full_ce" : k == Head::linear ? "linear_ce" : "linear_ce_fused";
+}
 
 struct HeadOut {
   LossResult r;
   std::vector<float> lse, d_h, d_w;
 };
 
-// Forward + backward of one head. d_h starts as garbage (it must be written), d_w as d_w_init
-// (it must be accumulated into).
+// Forward + backward of one head (the fused head: its one pass; it has no lse to return). d_h
+// starts as garbage (it must be written), d_w as d_w_init (it must be accumulated into).
 HeadOut run_head(Head kind, const Tensor& h, const Tensor& w, const Tensor& tg, float scale,
                  const LossHeadConfig& cfg, const std::vector<float>& d_w_init,
                  DType d_h_dtype = DType::f32) {
   const int64_t T = h.size(0), H = h.size(1), V = w.size(0);
   HeadOut out;
+  if (kind == Head::fused) {
+    Tensor d_h = Tensor::from_floats(test::randn(T * H, 999, 7.0f), {T, H}, d_h_dtype);
+    Tensor d_w = Tensor::from_floats(d_w_init, {V, H});
+    out.r = linear_ce_fused(scale, h, w, tg, cfg, d_h, d_w);
+    out.d_h = d_h.to_floats();
+    out.d_w = d_w.to_floats();
+    return out;
+  }
   LossHeadSaved saved;
   out.r = kind == Head::full ? full_ce_forward(h, w, tg, &saved)
                              : linear_ce_forward(h, w, tg, cfg, &saved);
@@ -331,9 +345,9 @@ TEST(LossHead, Bf16InputsAndBf16Dh) {
   Tensor hr = hb.to_dtype(DType::f32), wr = wb.to_dtype(DType::f32);  // the rounded values
   Tensor tg = Tensor::from_ints(c.targets, {c.T});
   auto d_w0 = test::randn(c.V * c.H, 92);
-  const LossHeadConfig cfg{3, 5};
-  for (Head kind : {Head::full, Head::linear}) {
-    SCOPED_TRACE(kind == Head::full ? "full_ce" : "linear_ce");
+  const LossHeadConfig cfg{3, 5, 4};
+  for (Head kind : {Head::full, Head::linear, Head::fused}) {
+    SCOPED_TRACE(head_name(kind));
     HeadOut ref_f32 = run_head(kind, hr, wr, tg, 0.25f, cfg, d_w0);
     HeadOut b = run_head(kind, hb, wb, tg, 0.25f, cfg, d_w0, DType::bf16);
     EXPECT_EQ(b.r.loss_sum, ref_f32.r.loss_sum);  // bf16 is converted to exactly these f32
@@ -348,9 +362,9 @@ TEST(LossHead, AllMaskedGivesZeroLossAndGrads) {
   Tensor h = Tensor::from_floats(c.h, {c.T, c.H}), w = Tensor::from_floats(c.w, {c.V, c.H});
   Tensor tg = Tensor::from_ints(masked, {c.T});
   auto d_w0 = test::randn(c.V * c.H, 102);
-  for (Head kind : {Head::full, Head::linear}) {
-    SCOPED_TRACE(kind == Head::full ? "full_ce" : "linear_ce");
-    HeadOut o = run_head(kind, h, w, tg, 1.0f, LossHeadConfig{4, 5}, d_w0);
+  for (Head kind : {Head::full, Head::linear, Head::fused}) {
+    SCOPED_TRACE(head_name(kind));
+    HeadOut o = run_head(kind, h, w, tg, 1.0f, LossHeadConfig{4, 5, 4}, d_w0);
     EXPECT_EQ(o.r.loss_sum, 0.0);
     EXPECT_EQ(o.r.num_valid, 0);
     for (float v : o.d_h) EXPECT_EQ(v, 0.0f);  // written (the garbage is gone), and zero
@@ -418,6 +432,166 @@ TEST(LinearCe, LogitsPeakIsExactlyOneChunk) {
   EXPECT_EQ(full_peak, 2 * T * V * 4);  // saved logits + d_logits during the backward
   // Chunks larger than the problem are clamped to it.
   EXPECT_EQ(linear_ce_logits_bytes(T, V, LossHeadConfig{1000, 50}), T * 50 * 4);
+}
+
+// ---- linear_ce_fused: the one-pass training mode --------------------------------------------
+
+LossHeadConfig fused_cfg(int64_t fused_chunk_tokens) {
+  LossHeadConfig cfg;
+  cfg.fused_chunk_tokens = fused_chunk_tokens;
+  return cfg;
+}
+
+TEST(LinearCeFused, GradientsMatchFiniteDifferences) {
+  for (int64_t ct : {3, 1, 7, 100}) {  // T = 7: divides, single rows, exact, clamped
+    SCOPED_TRACE("fused_chunk_tokens " + std::to_string(ct));
+    check_head_gradients(Head::fused, fused_cfg(ct));
+  }
+}
+
+TEST(LinearCeFused, DefaultChunkIs2048Tokens) {
+  EXPECT_EQ(LossHeadConfig{}.fused_chunk_tokens, 2048);
+  // The bench shape: one [2048, 151936] f32 block, 1.16 GiB (full_ce holds 2 x [T, V] f32).
+  EXPECT_EQ(linear_ce_fused_logits_bytes(32768, 151936, LossHeadConfig{}),
+            int64_t{2048} * 151936 * 4);
+  EXPECT_LE(linear_ce_fused_logits_bytes(32768, 151936, LossHeadConfig{}) * 16,
+            int64_t{2} * 32768 * 151936 * 4);
+}
+
+// linear_ce_fused against full_ce (forward + backward) and against the two-pass linear_ce, for
+// token chunks that do and do not divide T; masked targets; d_w accumulates onto nonzero values.
+class LinearCeFusedVsFullCe : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(LinearCeFusedVsFullCe, SameLossAndGradients) {
+  const LossHeadConfig cfg = fused_cfg(GetParam());
+  HeadCase c = make_case(36, 101, 16, 171, 5);
+  Tensor h = Tensor::from_floats(c.h, {c.T, c.H}), w = Tensor::from_floats(c.w, {c.V, c.H});
+  Tensor tg = Tensor::from_ints(c.targets, {c.T});
+  auto d_w0 = test::randn(c.V * c.H, 172, 0.1f);
+  const float scale = 1.0f / 30.0f;
+  HeadOut f = run_head(Head::full, h, w, tg, scale, cfg, d_w0);
+  HeadOut l = run_head(Head::linear, h, w, tg, scale, LossHeadConfig{5, 7}, d_w0);
+  HeadOut u = run_head(Head::fused, h, w, tg, scale, cfg, d_w0);
+  EXPECT_GT(u.r.num_valid, 0);
+  EXPECT_LT(u.r.num_valid, c.T);  // some rows are masked
+  EXPECT_EQ(u.r.num_valid, f.r.num_valid);
+  EXPECT_NEAR(u.r.loss_sum, f.r.loss_sum, 1e-6 * std::fabs(f.r.loss_sum));
+  EXPECT_NEAR(u.r.loss_sum, l.r.loss_sum, 1e-6 * std::fabs(f.r.loss_sum));
+  EXPECT_LT(test::rel_error(u.d_h, f.d_h), 1e-5);
+  EXPECT_LT(test::rel_error(u.d_h, l.d_h), 1e-5);
+  const auto inc_u = minus(u.d_w, d_w0), inc_f = minus(f.d_w, d_w0);
+  EXPECT_LT(test::rel_error(inc_u, inc_f), 1e-5);
+  EXPECT_LT(test::rel_error(inc_u, minus(l.d_w, d_w0)), 1e-5);
+  EXPECT_GT(test::rel_error(u.d_w, inc_u), 0.1);  // d_w0 is really there (+=, not =)
+  for (int64_t t = 0; t < c.T; ++t)  // masked rows get no gradient
+    if (c.targets[t] < 0)
+      for (int64_t k = 0; k < c.H; ++k) ASSERT_EQ(u.d_h[t * c.H + k], 0.0f) << "row " << t;
+}
+
+INSTANTIATE_TEST_SUITE_P(Chunks, LinearCeFusedVsFullCe, ::testing::Values(36, 12, 7, 5, 1, 2048),
+                         [](const ::testing::TestParamInfo<int64_t>& i) {
+                           return "ct" + std::to_string(i.param);
+                         });
+
+TEST(LinearCeFused, Bf16InputsMatchFullCe) {
+  HeadCase c = make_case(19, 53, 12, 181, 4);
+  Tensor hb = Tensor::from_floats(c.h, {c.T, c.H}, DType::bf16);
+  Tensor wb = Tensor::from_floats(c.w, {c.V, c.H}, DType::bf16);
+  Tensor tg = Tensor::from_ints(c.targets, {c.T});
+  auto d_w0 = test::randn(c.V * c.H, 182, 0.2f);
+  for (DType dh_dt : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(dh_dt));
+    HeadOut f = run_head(Head::full, hb, wb, tg, 0.1f, {}, d_w0, dh_dt);
+    HeadOut u = run_head(Head::fused, hb, wb, tg, 0.1f, fused_cfg(6), d_w0, dh_dt);
+    EXPECT_EQ(u.r.num_valid, f.r.num_valid);
+    EXPECT_NEAR(u.r.loss_sum, f.r.loss_sum, 1e-6 * std::fabs(f.r.loss_sum));
+    // bf16 d_h: both round the same f32 values, up to GEMM blocking; allow one bf16 ulp.
+    EXPECT_LT(test::rel_error(u.d_h, f.d_h), dh_dt == DType::f32 ? 1e-5 : 4e-3);
+    EXPECT_LT(test::rel_error(minus(u.d_w, d_w0), minus(f.d_w, d_w0)), 1e-5);
+  }
+}
+
+TEST(LinearCeFused, LargeLogitsStayFinite) {
+  HeadCase c = make_case(11, 31, 6, 81, 4, 40.0f);
+  Tensor h = Tensor::from_floats(c.h, {c.T, c.H}), w = Tensor::from_floats(c.w, {c.V, c.H});
+  Tensor tg = Tensor::from_ints(c.targets, {c.T});
+  auto d_w0 = std::vector<float>(c.V * c.H, 0.0f);
+  HeadOut f = run_head(Head::full, h, w, tg, 1.0f, {}, d_w0);
+  HeadOut u = run_head(Head::fused, h, w, tg, 1.0f, fused_cfg(4), d_w0);
+  ASSERT_TRUE(std::isfinite(u.r.loss_sum));
+  EXPECT_GT(u.r.loss_sum, 10.0);
+  EXPECT_NEAR(u.r.loss_sum, f.r.loss_sum, 1e-6 * std::fabs(f.r.loss_sum));
+  for (float v : u.d_h) ASSERT_TRUE(std::isfinite(v));
+  EXPECT_LT(test::rel_error(u.d_h, f.d_h), 1e-5);
+  EXPECT_LT(test::rel_error(u.d_w, f.d_w), 1e-5);
+}
+
+TEST(LinearCeFused, DhAllocatedWhenUndefined) {
+  HeadCase c = make_case(5, 9, 3, 191);
+  Tensor h = Tensor::from_floats(c.h, {c.T, c.H}), w = Tensor::from_floats(c.w, {c.V, c.H});
+  Tensor tg = Tensor::from_ints(c.targets, {c.T});
+  Tensor d_h, d_w = Tensor::zeros({c.V, c.H}, DType::f32, Device::cpu(), MemCategory::grads);
+  const LossResult r = linear_ce_fused(1.0f, h, w, tg, fused_cfg(2), d_h, d_w);
+  EXPECT_GT(r.num_valid, 0);
+  ASSERT_TRUE(d_h.defined());
+  EXPECT_EQ(d_h.shape(), (Shape{c.T, c.H}));
+  EXPECT_EQ(d_h.dtype(), DType::f32);
+  EXPECT_EQ(d_h.category(), MemCategory::activations);
+}
+
+TEST(LinearCeFused, LogitsPeakIsExactlyOneChunk) {
+  const int64_t T = 64, V = 96, H = 8;
+  HeadCase c = make_case(T, V, H, 201);
+  Tensor h = Tensor::from_floats(c.h, {T, H}), w = Tensor::from_floats(c.w, {V, H});
+  Tensor tg = Tensor::from_ints(c.targets, {T});
+  Allocator& a = allocator_for(Device::cpu());
+  ASSERT_EQ(a.stats().live_of(MemCategory::logits), 0) << "a logits tensor leaked from elsewhere";
+  for (int64_t ct : {16, 24, 1000}) {  // divides T, does not, clamped to T
+    SCOPED_TRACE("fused_chunk_tokens " + std::to_string(ct));
+    const LossHeadConfig cfg = fused_cfg(ct);
+    Tensor d_h, d_w = Tensor::zeros({V, H}, DType::f32, Device::cpu(), MemCategory::grads);
+    a.reset_peak();
+    linear_ce_fused(1.0f, h, w, tg, cfg, d_h, d_w);
+    const int64_t peak = a.stats().peak_of(MemCategory::logits);
+    EXPECT_EQ(peak, std::min<int64_t>(ct, T) * V * 4);  // one [ct, V] f32 block, nothing else
+    EXPECT_EQ(peak, linear_ce_fused_logits_bytes(T, V, cfg));
+    EXPECT_EQ(a.stats().live_of(MemCategory::logits), 0);
+  }
+}
+
+TEST(LinearCeFused, BadInputsRaiseClearErrors) {
+  const int64_t T = 6, V = 11, H = 4;
+  HeadCase c = make_case(T, V, H, 211);
+  Tensor h = Tensor::from_floats(c.h, {T, H}), w = Tensor::from_floats(c.w, {V, H});
+  Tensor tg = Tensor::from_ints(c.targets, {T});
+  Tensor d_h, d_w = Tensor::zeros({V, H}, DType::f32, Device::cpu(), MemCategory::grads);
+  test::expect_error_contains([&] { linear_ce_fused(1.0f, h, w, tg, fused_cfg(0), d_h, d_w); },
+                              "linear_ce_fused: cfg.fused_chunk_tokens must be > 0, got 0");
+  test::expect_error_contains(
+      [&] { linear_ce_fused_logits_bytes(T, V, fused_cfg(-3)); },
+      "linear_ce_fused_logits_bytes: cfg.fused_chunk_tokens must be > 0, got -3");
+  auto bad = c.targets;
+  bad[3] = static_cast<int32_t>(V);
+  test::expect_error_contains(
+      [&] { linear_ce_fused(1.0f, h, w, Tensor::from_ints(bad, {T}), {}, d_h, d_w); },
+      "linear_ce_fused: targets[3] = 11 is out of range for vocab size 11");
+  Tensor w_bad = Tensor::from_floats(test::randn(V * 5, 3), {V, 5});
+  test::expect_error_contains([&] { linear_ce_fused(1.0f, h, w_bad, tg, {}, d_h, d_w); },
+                              "linear_ce_fused: hidden size mismatch");
+  Tensor no_dw;
+  test::expect_error_contains([&] { linear_ce_fused(1.0f, h, w, tg, {}, d_h, no_dw); },
+                              "linear_ce_fused: d_w is undefined");
+  Tensor d_w_bad = Tensor::zeros({V + 1, H}, DType::f32, Device::cpu(), MemCategory::grads);
+  test::expect_error_contains([&] { linear_ce_fused(1.0f, h, w, tg, {}, d_h, d_w_bad); },
+                              "argument 'd_w' has shape [12, 4], expected [11, 4]");
+  Tensor d_w_bf16 = Tensor::zeros({V, H}, DType::bf16, Device::cpu(), MemCategory::grads);
+  test::expect_error_contains([&] { linear_ce_fused(1.0f, h, w, tg, {}, d_h, d_w_bf16); },
+                              "argument 'd_w' has dtype bf16, expected f32");
+  Tensor d_h_bad = Tensor::zeros({T, H + 2}, DType::f32, Device::cpu(), MemCategory::other);
+  test::expect_error_contains([&] { linear_ce_fused(1.0f, h, w, tg, {}, d_h_bad, d_w); },
+                              "argument 'd_h' has shape [6, 6], expected [6, 4]");
+  // Nothing above touched d_w (all checks come before any arithmetic).
+  for (float v : d_w.to_floats()) ASSERT_EQ(v, 0.0f);
 }
 
 // ---- bad inputs ----------------------------------------------------------------------------

@@ -3,6 +3,10 @@
 // loads), full_ce and linear_ce (loss, lse, d_h written, d_w accumulated; linear_ce == full_ce
 // on the GPU; chunk sizes that divide neither T nor V), the logits peak of linear_ce (one
 // chunk), one host read per cross-entropy forward, and bad targets found on the device.
+// linear_ce_fused (one pass, gradient written over the logits block) against full_ce on the CPU
+// and on the GPU: f32 and bf16, bf16 or f32 d_h, vocab sizes that take each vector width of its
+// row kernel (8, 4, 1) and several loop steps per row, masked rows, host and device targets; its
+// logits peak (one [ct, V] f32 block), its one host read, and a bad device target.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -227,6 +231,151 @@ TEST(LossHeadGpuMemory, LinearCeLogitsPeakIsOneChunk) {
     full_ce_forward(h, w, targets, &fs);
     EXPECT_EQ(alloc.stats().peak_of(MemCategory::logits), T * V * 4);
   }
+}
+
+// ---- linear_ce_fused -------------------------------------------------------------------------
+struct FusedCase {
+  const char* name;
+  int64_t T, V, H, chunk;
+  DType dt, dh_dt;
+  bool device_targets;
+  int mask_every;
+};
+class LinearCeFusedGpu : public ::testing::TestWithParam<FusedCase> {};
+
+TEST_P(LinearCeFusedGpu, MatchesCpuAndFullCe) {
+  BB_REQUIRE_GPU();
+  const FusedCase c = GetParam();
+  LossHeadConfig cfg;
+  cfg.fused_chunk_tokens = c.chunk;
+  Tensor h = Tensor::from_floats(test::randn(c.T * c.H, 51), {c.T, c.H}, c.dt);
+  Tensor w = Tensor::from_floats(test::randn(c.V * c.H, 52, 0.3f), {c.V, c.H}, c.dt);
+  const auto tv = make_targets(c.T, c.V, c.mask_every, 53);
+  Tensor targets = Tensor::from_ints(tv, {c.T});
+  const auto dw0 = test::randn(c.V * c.H, 54, 0.01f);
+  const float scale = 1.0f / c.T;
+
+  auto full_f = [](const Tensor& a, const Tensor& b, const Tensor& t, LossHeadSaved* s) {
+    return full_ce_forward(a, b, t, s);
+  };
+  auto full_b = [](float sc, const Tensor& a, const Tensor& b, const Tensor& t,
+                   const LossHeadSaved& s, Tensor& dh, Tensor& dw) {
+    full_ce_backward(sc, a, b, t, s, dh, dw);
+  };
+  const HeadRun cpu = run_head(full_f, full_b, h, w, targets, dw0, c.dh_dt, scale);
+  const Tensor hg = h.to(kGpu), wg = w.to(kGpu), tg_dev = targets.to(kGpu);
+  const HeadRun gfull = run_head(full_f, full_b, hg, wg, tg_dev, dw0, c.dh_dt, scale);
+
+  // d_h starts as NaN bytes (poisoned allocation): every element must be written.
+  Tensor d_h = Tensor::empty(h.shape(), c.dh_dt, kGpu, MemCategory::activations);
+  Tensor d_w = Tensor::from_floats(dw0, w.shape()).to(kGpu, MemCategory::grads);
+  const LossResult r =
+      linear_ce_fused(scale, hg, wg, c.device_targets ? tg_dev : targets, cfg, d_h, d_w);
+  const auto dh = d_h.to_floats(), dw = d_w.to_floats();
+
+  const double t = tol(c.dt);
+  EXPECT_EQ(r.num_valid, cpu.r.num_valid);
+  EXPECT_LT(rel(r.loss_sum, cpu.r.loss_sum), t);
+  EXPECT_LT(test::rel_error(dh, cpu.d_h), t);
+  std::vector<double> inc(dw0.size()), inc_c(dw0.size()), inc_g(dw0.size());
+  for (size_t i = 0; i < dw0.size(); ++i) {
+    inc[i] = static_cast<double>(dw[i]) - dw0[i];
+    inc_c[i] = static_cast<double>(cpu.d_w[i]) - dw0[i];
+    inc_g[i] = static_cast<double>(gfull.d_w[i]) - dw0[i];
+  }
+  EXPECT_LT(test::rel_error(inc, inc_c), t);
+  // Against full_ce on the GPU: the same bf16 gradient rounding, so a tighter match is expected.
+  EXPECT_LT(rel(r.loss_sum, gfull.r.loss_sum), t);
+  EXPECT_LT(test::rel_error(dh, gfull.d_h), t);
+  EXPECT_LT(test::rel_error(inc, inc_g), t);
+  for (int64_t i = 0; i < c.T; ++i) {
+    for (int64_t k = 0; k < c.H; ++k) ASSERT_TRUE(std::isfinite(dh[i * c.H + k])) << "row " << i;
+    if (tv[i] < 0)  // masked rows: exactly zero gradient
+      for (int64_t k = 0; k < c.H; ++k) ASSERT_EQ(dh[i * c.H + k], 0.0f) << "row " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, LinearCeFusedGpu,
+    ::testing::Values(
+        // V = 229: scalar row kernel (vector width 1); chunks that do not divide T.
+        FusedCase{"f32_T71_V229_H33_ct10", 71, 229, 33, 10, DType::f32, DType::f32, false, 7},
+        FusedCase{"bf16_T71_V229_H33_ct16_dh_bf16", 71, 229, 33, 16, DType::bf16, DType::bf16,
+                  true, 7},
+        // V = 1000: 8-wide vectors.
+        FusedCase{"f32_T67_V1000_H96_ct16", 67, 1000, 96, 16, DType::f32, DType::f32, true, 5},
+        FusedCase{"bf16_T67_V1000_H96_ct16", 67, 1000, 96, 16, DType::bf16, DType::f32, false, 5},
+        // V = 4100: 4-wide vectors; V = 4099: scalar with 5 loop steps per row.
+        FusedCase{"bf16_T130_V4100_H128_ct48_dh_bf16", 130, 4100, 128, 48, DType::bf16,
+                  DType::bf16, true, 7},
+        FusedCase{"bf16_T33_V4099_H40_ct33", 33, 4099, 40, 33, DType::bf16, DType::f32, false, 4},
+        // V = 20000: 8-wide vectors, 3 loop steps per row (the in-place bf16 write ordering).
+        FusedCase{"bf16_T40_V20000_H64_ct16", 40, 20000, 64, 16, DType::bf16, DType::f32, true,
+                  3},
+        FusedCase{"f32_T40_V20000_H64_ct16", 40, 20000, 64, 16, DType::f32, DType::f32, true, 3},
+        // Heavy masking (every third row), and a chunk larger than T.
+        FusedCase{"bf16_T24_V1000_H32_ct8_third_masked", 24, 1000, 32, 8, DType::bf16,
+                  DType::f32, true, 3},
+        FusedCase{"f32_T5_V7_H3_one_chunk", 5, 7, 3, 2048, DType::f32, DType::f32, false, 0}),
+    [](const ::testing::TestParamInfo<FusedCase>& i) { return std::string(i.param.name); });
+
+TEST(LossHeadGpuMemory, LinearCeFusedLogitsPeakIsOneChunk) {
+  BB_REQUIRE_GPU();
+  const int64_t T = 100, V = 3001, H = 64;
+  LossHeadConfig cfg;
+  cfg.fused_chunk_tokens = 32;
+  const int64_t chunk = linear_ce_fused_logits_bytes(T, V, cfg);
+  ASSERT_EQ(chunk, 32 * V * 4);
+  Allocator& alloc = allocator_for(kGpu);
+  for (DType dt : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    Tensor h = Tensor::from_floats(test::randn(T * H, 61), {T, H}, dt).to(kGpu);
+    Tensor w = Tensor::from_floats(test::randn(V * H, 62, 0.2f), {V, H}, dt).to(kGpu);
+    Tensor targets = Tensor::from_ints(make_targets(T, V, 6, 63), {T}).to(kGpu);
+    Tensor d_w = Tensor::zeros({V, H}, DType::f32, kGpu, MemCategory::grads);
+    Tensor d_h;
+    ASSERT_EQ(alloc.stats().live_of(MemCategory::logits), 0);
+    alloc.reset_peak();
+    linear_ce_fused(1.0f / T, h, w, targets, cfg, d_h, d_w);
+    // One f32 block; the bf16 gradient lives inside it, so nothing else is allocated.
+    EXPECT_EQ(alloc.stats().peak_of(MemCategory::logits), chunk);
+    EXPECT_EQ(alloc.stats().live_of(MemCategory::logits), 0);
+    ASSERT_TRUE(d_h.defined());
+    EXPECT_EQ(d_h.dtype(), DType::f32);
+    EXPECT_EQ(d_h.category(), MemCategory::activations);
+  }
+}
+
+TEST(LossHeadGpuMemory, LinearCeFusedOneHostReadAndBadTargets) {
+  BB_REQUIRE_GPU();
+#ifdef BB_WITH_CUDA
+  const int64_t T = 9, V = 229, H = 16;
+  Tensor h = Tensor::from_floats(test::randn(T * H, 71), {T, H}, DType::bf16).to(kGpu);
+  Tensor w = Tensor::from_floats(test::randn(V * H, 72, 0.3f), {V, H}, DType::bf16).to(kGpu);
+  Tensor targets = Tensor::from_ints(make_targets(T, V, 4, 73), {T}).to(kGpu);
+  Tensor d_w = Tensor::zeros({V, H}, DType::f32, kGpu, MemCategory::grads);
+  Tensor d_h;
+  LossHeadConfig cfg;
+  cfg.fused_chunk_tokens = 4;
+  const LossResult a = linear_ce_fused(0.5f, h, w, targets, cfg, d_h, d_w);  // plans cached
+  const auto dh_a = d_h.to_floats();
+  const int64_t before = cuda::host_sync_count();
+  const LossResult b = linear_ce_fused(0.5f, h, w, targets, cfg, d_h, d_w);
+  EXPECT_EQ(cuda::host_sync_count() - before, 1);  // the totals, read once at the end
+  EXPECT_EQ(a.loss_sum, b.loss_sum);  // deterministic
+  EXPECT_EQ(d_h.to_floats(), dh_a);   // d_h written, not accumulated
+  auto bad = make_targets(T, V, 4, 73);
+  bad[6] = static_cast<int32_t>(V);
+  test::expect_error_contains(
+      [&] { linear_ce_fused(0.5f, h, w, Tensor::from_ints(bad, {T}).to(kGpu), cfg, d_h, d_w); },
+      "linear_ce_fused: targets[6] = 229 is out of range for vocab size 229");
+  test::expect_error_contains(
+      [&] { linear_ce_fused(0.5f, h, w, Tensor::from_ints(bad, {T}), cfg, d_h, d_w); },
+      "linear_ce_fused: targets[6] = 229 is out of range");
+  Tensor d_w_cpu = Tensor::zeros({V, H}, DType::f32, Device::cpu(), MemCategory::grads);
+  test::expect_error_contains([&] { linear_ce_fused(0.5f, h, w, targets, cfg, d_h, d_w_cpu); },
+                              "argument 'd_w' is on cpu but the computation runs on cuda:0");
+#endif
 }
 
 TEST(LossHeadGpuMemory, BadInputs) {

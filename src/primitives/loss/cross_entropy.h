@@ -38,9 +38,15 @@ Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const
                               float scale);
 
 // linear_ce only: chunk sizes of the streamed logits blocks (need not divide T or V).
+//   chunk_tokens x chunk_vocab: the two-pass linear_ce_forward / linear_ce_backward blocks.
+//   fused_chunk_tokens: token rows of linear_ce_fused's whole-vocabulary block; its logits peak
+//     is min(fused_chunk_tokens, T) * V * 4 bytes (the gradient overwrites the block in place).
+//     2048 keeps that at 1.16 GiB for V = 151936 while the d_w GEMM (K = 2048) stays
+//     compute-bound; see skills/loss-linear-ce.md.
 struct LossHeadConfig {
   int64_t chunk_tokens = 4096;
   int64_t chunk_vocab = 32768;
+  int64_t fused_chunk_tokens = 2048;
 };
 
 // What a loss head forward saves for its backward (owned by the caller).

@@ -11,6 +11,9 @@
 // bf16 for the bf16 GEMMs next to the f32 recomputed logits, so it walks token sub-chunks of
 // ctb = max(1, 2 ct / 3) rows: 6 * ctb * cv <= 4 * ct * cv bytes, still within one chunk
 // (ct >= 2). With f32 h/w the gradient overwrites the block in place.
+// linear_ce_fused (training, scale known up front): one [ct, V] f32 block per token chunk holds
+// the logits, then, in place, their gradient; three GEMMs per chunk (cuda::gemm with explicit
+// leading dimensions on CUDA, because the bf16 gradient sits in the f32 rows with stride 2V).
 // Parameter gradients accumulate (+=), activation gradients are written (=).
 #include "primitives/loss/linear_ce.h"
 
@@ -26,6 +29,7 @@
 #include "primitives/loss/cross_entropy_ref.h"
 
 #ifdef BB_WITH_CUDA
+#include "backend/cuda/gemm.h"
 #include "backend/cuda/runtime.h"
 #include "primitives/linear/linear.h"
 #include "primitives/loss/loss_cuda.h"
@@ -38,6 +42,34 @@ namespace {
 void check_config(const LossHeadConfig& cfg, const char* op) {
   BB_CHECK(cfg.chunk_tokens > 0, op, ": cfg.chunk_tokens must be > 0, got ", cfg.chunk_tokens);
   BB_CHECK(cfg.chunk_vocab > 0, op, ": cfg.chunk_vocab must be > 0, got ", cfg.chunk_vocab);
+}
+
+void check_fused_config(const LossHeadConfig& cfg, const char* op) {
+  BB_CHECK(cfg.fused_chunk_tokens > 0, op, ": cfg.fused_chunk_tokens must be > 0, got ",
+           cfg.fused_chunk_tokens);
+}
+
+void check_on(const Tensor& t, Device dev, const char* op, const char* arg) {
+  BB_CHECK(t.device() == dev, op, ": argument '", arg, "' is on ", t.device().str(),
+           " but the computation runs on ", dev.str());
+}
+
+// d_w [V, H] f32 (+=) must be given; d_h [T, H] (=) is allocated f32 under activations when
+// undefined.
+void check_fused_grads(const detail::LossHeadDims& dims, const Tensor& h, Tensor& d_h,
+                       const Tensor& d_w, const char* op) {
+  BB_CHECK(d_w.defined(), op, ": d_w is undefined; it accumulates (+=), pass a zeroed [V, H] f32");
+  check_shape(d_w, {dims.vocab, dims.hidden}, op, "d_w");
+  check_dtype(d_w, DType::f32, op, "d_w");
+  check_backend_device(d_w, op, "d_w");
+  check_on(d_w, h.device(), op, "d_w");
+  if (!d_h.defined())
+    d_h = Tensor::empty({dims.num_tokens, dims.hidden}, DType::f32, h.device(),
+                        MemCategory::activations);
+  check_shape(d_h, h.shape(), op, "d_h");
+  check_float(d_h, op, "d_h");
+  check_backend_device(d_h, op, "d_h");
+  check_on(d_h, h.device(), op, "d_h");
 }
 
 #ifdef BB_WITH_CUDA
@@ -128,6 +160,64 @@ void linear_ce_backward_cuda(float scale, const Tensor& h, const Tensor& w, cons
     if (!dh_direct)
       cuda::convert(d_h.narrow(t0, nt).raw(), d_h.dtype(), dh_acc.raw(), DType::f32, nt * H);
   }
+}
+
+LossResult linear_ce_fused_cuda(float scale, const Tensor& h, const Tensor& w,
+                                const Tensor& targets, const LossHeadConfig& cfg, Tensor& d_h,
+                                Tensor& d_w, const detail::LossHeadDims& dims, const char* op) {
+  const Device dev = h.device();
+  const int idx = dev.index;
+  const int64_t T = dims.num_tokens, V = dims.vocab, H = dims.hidden;
+  const int64_t ct = std::min(cfg.fused_chunk_tokens, T);
+  const DType dt = h.dtype();  // GEMM operand dtype of h, w and the gradient block
+  const int64_t ldd = cuda::ce_fused_grad_ld(V, dt);
+  Tensor tg = targets_on(targets, dev);
+  const int32_t* tgp = tg.data<int32_t>();
+  Tensor stats = Tensor::empty({4 * T}, DType::f32, dev, MemCategory::workspace);
+  float* run_max = stats.data<float>();
+  float* run_sum = run_max + T;
+  float* target_logit = run_max + 2 * T;
+  float* lse = run_max + 3 * T;  // formed by ce_finalize; not kept
+  Tensor block = Tensor::empty({ct * V}, DType::f32, dev, MemCategory::logits);
+  // cuBLASLt writes bf16 or f32 C from bf16 operands (and f32 from f32); anything else goes
+  // through a [ct, H] f32 workspace and a conversion.
+  const bool dh_direct = d_h.dtype() == DType::f32 || d_h.dtype() == dt;
+  Tensor dh_acc =
+      dh_direct ? Tensor() : Tensor::empty({ct, H}, DType::f32, dev, MemCategory::workspace);
+
+  for (int64_t t0 = 0; t0 < T; t0 += ct) {
+    const int64_t nt = std::min(ct, T - t0);
+    const void* hc = h.narrow(t0, nt).raw();
+    // x [nt, V] f32 = h[tc] @ w^T
+    cuda::gemm(false, true, nt, V, H, 1.0f, hc, dt, H, w.raw(), dt, H, 0.0f, block.raw(),
+               DType::f32, V, idx);
+    // x -> scale * (softmax - onehot) in place, dtype dt, row stride ldd
+    cuda::ce_fused_rows(block.data<float>(), V, dt, tgp + t0, scale, nt, run_max + t0,
+                        run_sum + t0, target_logit + t0);
+    // d_h[tc] = d @ w   [nt, V] x [V, H]
+    Tensor dh_dst = d_h.narrow(t0, nt);
+    cuda::gemm(false, false, nt, H, V, 1.0f, block.raw(), dt, ldd, w.raw(), dt, H, 0.0f,
+               dh_direct ? dh_dst.raw() : dh_acc.raw(), dh_direct ? d_h.dtype() : DType::f32, H,
+               idx);
+    if (!dh_direct)
+      cuda::convert(dh_dst.raw(), d_h.dtype(), dh_acc.raw(), DType::f32, nt * H);
+    // d_w += d^T @ h[tc]   [V, nt] x [nt, H]
+    cuda::gemm(true, false, V, H, nt, 1.0f, block.raw(), dt, ldd, hc, dt, H, 1.0f, d_w.raw(),
+               DType::f32, H, idx);
+  }
+  Tensor totals = Tensor::empty({static_cast<int64_t>(cuda::ce_totals_bytes())}, DType::u8, dev,
+                                MemCategory::workspace);
+  const cuda::CeTotals c =
+      cuda::ce_finalize(lse, totals.raw(), run_max, run_sum, target_logit, tgp, T, V);
+  if (c.first_bad_row >= 0) {
+    const int32_t v = tg.narrow(c.first_bad_row, 1).to_ints()[0];
+    BB_FAIL(op, ": targets[", c.first_bad_row, "] = ", v, " is out of range for vocab size ", V,
+            " (valid: 0..", V - 1, ", or negative to mask the position); d_h and d_w are invalid");
+  }
+  LossResult r;
+  r.loss_sum = c.loss_sum;
+  r.num_valid = c.num_valid;
+  return r;
 }
 #endif
 
@@ -231,6 +321,59 @@ void linear_ce_backward(float scale, const Tensor& h, const Tensor& w, const Ten
       cpu::store_f32(dst, dh_acc.narrow(0, nt));
     }
   }
+}
+
+int64_t linear_ce_fused_logits_bytes(int64_t num_tokens, int64_t vocab,
+                                     const LossHeadConfig& cfg) {
+  check_fused_config(cfg, "linear_ce_fused_logits_bytes");
+  return std::min(cfg.fused_chunk_tokens, num_tokens) * vocab * 4;
+}
+
+LossResult linear_ce_fused(float scale, const Tensor& h, const Tensor& w, const Tensor& targets,
+                           const LossHeadConfig& cfg, Tensor& d_h, Tensor& d_w) {
+  BB_RANGE("linear_ce_fused");
+  const char* op = "linear_ce_fused";
+  check_fused_config(cfg, op);
+  const detail::LossHeadDims dims = detail::check_loss_head_inputs(h, w, targets, op);
+  check_fused_grads(dims, h, d_h, d_w, op);
+#ifdef BB_WITH_CUDA
+  if (h.device().is_cuda())
+    return linear_ce_fused_cuda(scale, h, w, targets, cfg, d_h, d_w, dims, op);
+#endif
+  const int64_t T = dims.num_tokens, V = dims.vocab, H = dims.hidden;
+  const int64_t ct = std::min(cfg.fused_chunk_tokens, T);
+
+  // Every token chunk multiplies by all of w: convert a bf16 w once, not per chunk.
+  Tensor wf = cpu::as_f32(w);
+  Tensor block = Tensor::empty({ct * V}, DType::f32, Device::cpu(), MemCategory::logits);
+  const bool dh_direct = d_h.dtype() == DType::f32;
+  Tensor dh_acc = dh_direct ? Tensor() : cpu::empty_f32({ct, H}, MemCategory::workspace);
+  std::vector<float> lse(static_cast<size_t>(ct));
+  float* x = block.data<float>();
+  const int32_t* tg = targets.data<int32_t>();
+  float* dw = d_w.data<float>();
+  LossResult r;
+
+  for (int64_t t0 = 0; t0 < T; t0 += ct) {
+    const int64_t nt = std::min(ct, T - t0);
+    Tensor hc = cpu::as_f32(h.narrow(t0, nt));
+    cpu::gemm<float>(false, true, nt, V, H, 1.0f, hc.data<float>(), wf.data<float>(), 0.0f, x);
+    // Whole rows: the same two-sweep reference as full_ce, then the gradient in place.
+    double loss = 0;
+    int64_t valid = 0;
+    ref::cross_entropy_forward<float>(lse.data(), &loss, &valid, x, tg + t0, nt, V);
+    r.loss_sum += loss;
+    r.num_valid += valid;
+    ref::softmax_grad_chunk<float>(x, x, V, tg + t0, lse.data(), scale, nt, 0, V);
+    float* dh = dh_direct ? d_h.data<float>() + t0 * H : dh_acc.data<float>();
+    cpu::gemm<float>(false, false, nt, H, V, 1.0f, x, wf.data<float>(), 0.0f, dh);
+    cpu::gemm<float>(true, false, V, H, nt, 1.0f, x, hc.data<float>(), 1.0f, dw);
+    if (!dh_direct) {
+      Tensor dst = d_h.narrow(t0, nt);
+      cpu::store_f32(dst, dh_acc.narrow(0, nt));
+    }
+  }
+  return r;
 }
 
 }  // namespace bb

@@ -12,6 +12,16 @@
 // Backward: recomputes each logits block, turns it into scale * (softmax - onehot) in place using
 // the saved lse, then d_h[tchunk] = sum over vchunks of block @ w[vchunk] and
 // d_w[vchunk] += block^T @ h[tchunk].
+// Fused training mode (linear_ce_fused): when the loss scale is known before the forward (it is
+// in training: 1 / valid tokens of the step), loss and gradients come out of ONE pass and the
+// logits GEMM is not recomputed. Per token chunk of ct = min(cfg.fused_chunk_tokens, T) rows:
+//   x = h[tc] @ w^T                       [ct, V] f32, the whole vocabulary (category logits)
+//   per row: lse, target logit, then x <- scale * (softmax - onehot) IN PLACE (0 on masked
+//            rows; bf16 for bf16 h/w, packed into the first half of each f32 row on CUDA)
+//   d_h[tc] (=) x @ w;  d_w (+=) x^T @ h[tc]
+// Logits peak: exactly ct * V * 4 bytes (linear_ce_fused_logits_bytes). FLOPs 6TVH as full_ce.
+// The two-pass forward/backward stays for evaluation and whenever the scale is only known after
+// the forward.
 // Accumulation convention: d_w ACCUMULATED (+=, f32 [V, H]); d_h WRITTEN (=, any float dtype,
 // allocated as f32 under activations when undefined on entry).
 #pragma once
@@ -32,5 +42,20 @@ void linear_ce_backward(float scale, const Tensor& h, const Tensor& w, const Ten
 
 // Bytes of the one logits block linear_ce keeps alive (what the memory estimator should add).
 int64_t linear_ce_logits_bytes(int64_t num_tokens, int64_t vocab, const LossHeadConfig& cfg);
+
+// Loss and gradients in one pass (training). Same result as linear_ce_forward followed by
+// linear_ce_backward(scale, ...); saves nothing (no lse, no logits).
+//   h [T, H], w [V, H]: f32 or bf16 (on CUDA: one dtype for both); targets [T] i32 (< 0 masked)
+//   scale: d(total loss) / d(loss_sum), known up front (e.g. 1 / valid tokens of the step)
+//   d_h [T, H] (=): any float dtype; if undefined on entry, allocated f32 under activations
+//   d_w [V, H] f32 (+=): must be defined
+// Uses cfg.fused_chunk_tokens only (> 0). Returns loss_sum and num_valid as linear_ce_forward.
+// Device targets are range-checked by the pass itself: a target >= V throws at the end, after
+// d_h and d_w were written (they are then meaningless); host targets are checked up front.
+LossResult linear_ce_fused(float scale, const Tensor& h, const Tensor& w, const Tensor& targets,
+                           const LossHeadConfig& cfg, Tensor& d_h, Tensor& d_w);
+
+// Bytes of the logits block linear_ce_fused keeps alive: min(fused_chunk_tokens, T) * V * 4.
+int64_t linear_ce_fused_logits_bytes(int64_t num_tokens, int64_t vocab, const LossHeadConfig& cfg);
 
 }  // namespace bb

@@ -1,6 +1,7 @@
 // loss_cuda.cu — CUDA cross-entropy pieces: online logsumexp over one logits block, the
-// finalize/reduce step with its single host read, and the softmax gradient (in place or into a
-// bf16 block for the bf16 GEMMs of the loss heads).
+// finalize/reduce step with its single host read, the softmax gradient (in place or into a
+// bf16 block for the bf16 GEMMs of the loss heads), and the whole-row step of linear_ce_fused
+// (statistics and gradient in one kernel, gradient written over the logits).
 //
 // Legend: T tokens (rows), V vocab, nv columns of one block starting at column v0.
 // NOTES: one thread block owns one row in every kernel, so nothing is shared between blocks;
@@ -8,6 +9,9 @@
 // deterministic. Row statistics are f32 (max, sum of exp(x - max) rescaled online); lse and the
 // loss terms are formed in double from them. Loads are 16 bytes wide when the row stride, the
 // chunk width and the base pointers allow.
+// ce_fused_rows_kernel is the hot one of linear_ce_fused: it streams a [ct, V] f32 block twice
+// and writes the gradient once, so it is pure memory traffic (10 bytes per logit for bf16);
+// see its NOTES for why the bf16 gradient can overwrite the f32 logits it is computed from.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -243,7 +247,198 @@ void launch_grad(void* d, int64_t ld_d, const void* x, int64_t ld_x, const int32
   BB_CHECK_LAUNCH();
 }
 
+// ---- linear_ce_fused: statistics + gradient of whole rows -----------------------------------
+constexpr int kFusedThreads = 512;
+constexpr int kFusedGroups = 2;  // vectors in flight per thread per loop step
+
+// Folds kVec values into a thread's running (m, s): one rescale per vector, not per element.
+// Branch-free, so the loads of unrolled steps are not held behind data-dependent jumps. While
+// everything seen is -inf the offset is 0 instead of -inf (no inf - inf): s stays 0.
+template <int kVec>
+__device__ __forceinline__ void lse_fold(float& m, float& s, const float (&v)[kVec]) {
+  float nm = m;
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) nm = fmaxf(nm, v[i]);
+  const float off = nm == -INFINITY ? 0.0f : nm;
+  s *= expf(m - off);  // 1 when the max did not move; 0 while m is still -inf
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) s += expf(v[i] - off);
+  m = nm;
+}
+
+// Sweep-1 step of ce_fused_rows_kernel at columns [base, base + tile). kChecked: the step may run
+// past the end of the row (the last, partial tile); the full tiles skip the bounds tests so the
+// compiler can issue the loads of unrolled steps together.
+template <int kVec, bool kChecked>
+__device__ __forceinline__ void lse_step(const float* __restrict__ xr, int64_t base,
+                                         int64_t vocab, int64_t nthreads, float& m, float& s) {
+  float v[kFusedGroups][kVec];
+#pragma unroll
+  for (int g = 0; g < kFusedGroups; ++g) {
+    const int64_t j = base + (g * nthreads + threadIdx.x) * kVec;
+    if (!kChecked || j < vocab) load_f32<float, kVec>(xr + j, v[g]);
+  }
+#pragma unroll
+  for (int g = 0; g < kFusedGroups; ++g) {
+    const int64_t j = base + (g * nthreads + threadIdx.x) * kVec;
+    if (!kChecked || j < vocab) lse_fold<kVec>(m, s, v[g]);
+  }
+}
+
+// Block-wide merge of every thread's (m, s); all threads get the result. Contains barriers:
+// every thread of the block must call it.
+__device__ __forceinline__ void block_lse_merge(float& m, float& s) {
+  __shared__ float sh_m[32], sh_s[32];
+  for (int off = 16; off > 0; off >>= 1) {
+    const float om = __shfl_down_sync(0xffffffffu, m, off);
+    const float os = __shfl_down_sync(0xffffffffu, s, off);
+    lse_merge(m, s, om, os);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  if (lane == 0) {
+    sh_m[warp] = m;
+    sh_s[warp] = s;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    m = lane < warps ? sh_m[lane] : -INFINITY;
+    s = lane < warps ? sh_s[lane] : 0.0f;
+    for (int off = 16; off > 0; off >>= 1) {
+      const float om = __shfl_down_sync(0xffffffffu, m, off);
+      const float os = __shfl_down_sync(0xffffffffu, s, off);
+      lse_merge(m, s, om, os);
+    }
+    if (lane == 0) {
+      sh_m[0] = m;
+      sh_s[0] = s;
+    }
+  }
+  __syncthreads();
+  m = sh_m[0];
+  s = sh_s[0];
+}
+
+// One block per row r of x [rows, vocab] f32. Loop step `base` covers `tile` = blockDim * kVec *
+// kFusedGroups columns; thread t's vector g starts at column base + (g * blockDim + t) * kVec, so every
+// group is one coalesced sweep of the block. kVec divides vocab (the launcher makes sure), so a
+// vector is either wholly inside the row or wholly past its end.
+// NOTES (in place, bf16): row r of d is written over the first 2 * vocab bytes of x's row r.
+// Step k writes bf16 columns [k*tile, (k+1)*tile), i.e. the bytes of f32 columns
+// [k*tile/2, (k+1)*tile/2): columns read at steps <= k and never read again. Step k's own reads
+// are turned into values (exp evaluated) before the barrier and its writes come after it, and
+// the barrier also keeps any warp from running a step ahead of a lagging one; so no thread
+// overwrites a logit another thread has yet to read. Sweep 1 finishes (block_lse_merge's
+// barriers) before any write. For f32 output each thread rewrites only its own elements.
+template <class TO, int kVec>
+__global__ void __launch_bounds__(kFusedThreads)
+    ce_fused_rows_kernel(float* __restrict__ x, int64_t vocab, const int32_t* __restrict__ targets,
+                         float scale, float* __restrict__ run_max, float* __restrict__ run_sum,
+                         float* __restrict__ target_logit) {
+  constexpr bool kNarrow = sizeof(TO) < sizeof(float);
+  const int64_t r = blockIdx.x;
+  float* xr = x + r * vocab;
+  TO* dr = reinterpret_cast<TO*>(xr);
+  const int64_t tg = targets[r];
+  const int64_t nthreads = blockDim.x;
+  const int64_t tile = nthreads * kVec * kFusedGroups;
+
+  if (tg < 0) {  // masked row: zero gradient, neutral statistics; nothing is read
+    float z[kVec];
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) z[i] = 0.0f;
+    for (int64_t j = threadIdx.x * static_cast<int64_t>(kVec); j < vocab; j += nthreads * kVec)
+      store_f32<TO, kVec>(dr + j, z);
+    if (threadIdx.x == 0) {
+      run_max[r] = 0.0f;
+      run_sum[r] = 1.0f;
+      target_logit[r] = 0.0f;
+    }
+    return;
+  }
+  // The target logit is read (and stored, so the load has completed) before the barriers that
+  // precede every write to the row.
+  if (threadIdx.x == 0) target_logit[r] = tg < vocab ? xr[tg] : 0.0f;
+
+  // Sweep 1: running (max, sum of exp) per thread, merged over the block.
+  float m = -INFINITY, s = 0.0f;
+  {
+    const int64_t full_end = vocab - vocab % tile;
+    int64_t base = 0;
+#pragma unroll 2
+    for (; base < full_end; base += tile) lse_step<kVec, false>(xr, base, vocab, nthreads, m, s);
+    if (base < vocab) lse_step<kVec, true>(xr, base, vocab, nthreads, m, s);
+  }
+  block_lse_merge(m, s);
+  if (threadIdx.x == 0) {
+    run_max[r] = m;
+    run_sum[r] = s;
+  }
+  const float lse = m + logf(s);
+
+  // Sweep 2: d = scale * (softmax - onehot), written over the row.
+  for (int64_t base = 0; base < vocab; base += tile) {
+    float v[kFusedGroups][kVec];
+    bool in[kFusedGroups];
+#pragma unroll
+    for (int g = 0; g < kFusedGroups; ++g) {
+      const int64_t j = base + (g * nthreads + threadIdx.x) * kVec;
+      in[g] = j < vocab;
+      if (!in[g]) continue;
+      load_f32<float, kVec>(xr + j, v[g]);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        const float onehot = (j + i == tg) ? 1.0f : 0.0f;
+        v[g][i] = scale * (expf(v[g][i] - lse) - onehot);
+      }
+    }
+    if constexpr (kNarrow) __syncthreads();
+#pragma unroll
+    for (int g = 0; g < kFusedGroups; ++g) {
+      const int64_t j = base + (g * nthreads + threadIdx.x) * kVec;
+      if (in[g]) store_f32<TO, kVec>(dr + j, v[g]);
+    }
+  }
+}
+
+template <class TO>
+void launch_fused(float* x, int64_t vocab, const int32_t* targets, float scale, int64_t rows,
+                  float* run_max, float* run_sum, float* target_logit) {
+  const unsigned grid = static_cast<unsigned>(rows);
+  auto threads = [&](int vec) {
+    return std::min(kFusedThreads, row_threads(ceil_div(vocab, vec * kFusedGroups)));
+  };
+  // Row starts are 16-byte aligned for f32 (and the bf16 rows, which start at the same bytes)
+  // when vocab is a multiple of 4 and the block is.
+  if (vocab % 8 == 0 && aligned16(x)) {
+    ce_fused_rows_kernel<TO, 8><<<grid, threads(8), 0, stream()>>>(
+        x, vocab, targets, scale, run_max, run_sum, target_logit);
+  } else if (vocab % 4 == 0 && aligned16(x)) {
+    ce_fused_rows_kernel<TO, 4><<<grid, threads(4), 0, stream()>>>(
+        x, vocab, targets, scale, run_max, run_sum, target_logit);
+  } else {
+    ce_fused_rows_kernel<TO, 1><<<grid, threads(1), 0, stream()>>>(
+        x, vocab, targets, scale, run_max, run_sum, target_logit);
+  }
+  BB_CHECK_LAUNCH();
+}
+
 }  // namespace
+
+void ce_fused_rows(float* x, int64_t V, DType d_dt, const int32_t* targets, float scale,
+                   int64_t rows, float* run_max, float* run_sum, float* target_logit) {
+  if (rows == 0) return;
+  switch (d_dt) {
+    case DType::f32:
+      launch_fused<float>(x, V, targets, scale, rows, run_max, run_sum, target_logit);
+      break;
+    case DType::bf16:
+      launch_fused<__nv_bfloat16>(x, V, targets, scale, rows, run_max, run_sum, target_logit);
+      break;
+    default:
+      BB_FAIL("linear_ce_fused on CUDA: gradient dtype ", dtype_name(d_dt),
+              " is not supported (f32 or bf16)");
+  }
+}
 
 void ce_online_update(float* run_max, float* run_sum, float* target_logit, const void* x,
                       DType dt, int64_t ld, const int32_t* targets, int64_t rows, int64_t v0,

@@ -8,6 +8,8 @@
 // exponentials) per row and records the target logit; ce_finalize turns the running state into
 // lse and reduces the loss on the device in a fixed order (deterministic), then makes the one
 // host read. targets < 0 are masked; targets >= V are reported (first_bad_row), never read.
+// linear_ce_fused uses a third entry, ce_fused_rows: statistics and gradient of whole rows in
+// one kernel, the gradient written over the logits it came from.
 #pragma once
 
 #ifdef BB_WITH_CUDA
@@ -43,6 +45,25 @@ CeTotals ce_finalize(float* lse, void* totals_scratch, const float* run_max, con
 void ce_softmax_grad(void* d, DType d_dt, int64_t ld_d, const void* x, DType x_dt, int64_t ld_x,
                      const int32_t* targets, const float* lse, float scale, int64_t rows,
                      int64_t v0, int64_t nv);
+
+// ---- linear_ce_fused ---------------------------------------------------------------------------
+// One row step of the fused loss head over a whole-vocabulary f32 logits block x [rows, V] (row
+// stride V), one thread block per row, two sweeps over the row:
+//   1. running max and sum of exp(x - max) over the row -> run_max, run_sum [rows] f32 (the state
+//      ce_finalize takes), and the target logit -> target_logit [rows] f32;
+//   2. d = scale * (exp(x - lse) - onehot(target)), lse = max + log(sum); 0 on masked rows
+//      (target < 0), no one-hot term for a target >= V (ce_finalize reports it).
+// d is written IN PLACE over x, in dtype d_dt, with row stride ce_fused_grad_ld(V, d_dt):
+//   f32:  d[r, v] replaces x[r, v];
+//   bf16: row r of d fills the first 2V bytes of x's row r (row stride 2V bf16 elements).
+// Masked rows get run_max = 0, run_sum = 1 (lse 0) and are skipped by ce_finalize's loss.
+void ce_fused_rows(float* x, int64_t V, DType d_dt, const int32_t* targets, float scale,
+                   int64_t rows, float* run_max, float* run_sum, float* target_logit);
+
+// Row stride, in elements of d_dt, of the gradient ce_fused_rows leaves in the block.
+inline int64_t ce_fused_grad_ld(int64_t V, DType d_dt) {
+  return d_dt == DType::f32 ? V : 2 * V;
+}
 
 }  // namespace bb::cuda
 
