@@ -1,5 +1,7 @@
 #include "runtime/trainer.h"
 
+#include "core/trace.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -205,7 +207,10 @@ StepMetrics Trainer::train_step() {
   for (const MicroBatch& mb : mbs) valid += mb.num_valid;
   BB_CHECK(valid > 0, "step ", m.step, ": no token in the step has a loss target (all masked)");
 
-  model_->zero_grad();
+  {
+    BB_RANGE("zero_grad");
+    model_->zero_grad();
+  }
   double loss_sum = 0, flops = 0;
   const float loss_scale = 1.0f / static_cast<float>(valid);
   const double aux_scale = 1.0 / static_cast<double>(cfg_.grad_accum);
@@ -223,15 +228,18 @@ StepMetrics Trainer::train_step() {
   std::vector<Param*> ps = model_->params();
   std::vector<Tensor> grads;
   for (Param* p : ps) grads.push_back(p->grad);
-  m.grad_norm = global_grad_norm(grads);
+  {
+    BB_RANGE("grad_norm");
+    m.grad_norm = global_grad_norm(grads);
+  }
   BB_CHECK(std::isfinite(m.grad_norm), "step ", m.step, ": gradient norm is ", m.grad_norm,
            " (loss ", m.loss, "); lower train.lr or check the data");
-  if (cfg_.grad_clip > 0 && m.grad_norm > cfg_.grad_clip) {
-    const float s = static_cast<float>(cfg_.grad_clip / (m.grad_norm + 1e-6));
-    for (Tensor& g : grads) scale_inplace(g, s);
-  }
   m.lr = lr_at(m.step);
   AdamWConfig ac{cfg_.beta1, cfg_.beta2, cfg_.adam_eps};
+  // Clipping is folded into the update (one pass over the gradients instead of two).
+  if (cfg_.grad_clip > 0 && m.grad_norm > cfg_.grad_clip)
+    ac.grad_scale = static_cast<float>(cfg_.grad_clip / (m.grad_norm + 1e-6));
+  BB_RANGE("optimizer_step");
   for (size_t i = 0; i < ps.size(); ++i) {
     OptState& s = opt_[i];
     adamw_step(s.master, ps[i]->grad, s.exp_avg, s.exp_avg_sq, m.step, m.lr,

@@ -46,6 +46,31 @@ TEST(AdamW, FirstStepIsSignedLr) {
   EXPECT_NEAR(r[2], 0.9, 1e-5);
 }
 
+TEST(AdamW, GradScaleEqualsPrescaledGradient) {
+  // Clipping folded into the update: grad_scale s on g gives bit-for-bit the step on s * g, and
+  // leaves g untouched.
+  const int64_t n = 33;
+  const auto g0 = test::randn(n, 7);
+  const float s = 0.37f;
+  std::vector<float> scaled(g0);
+  for (float& x : scaled) x *= s;
+  Tensor p1 = Tensor::from_floats(test::randn(n, 8), {n}), p2 = p1.clone(MemCategory::optimizer);
+  Tensor m1 = Tensor::from_floats(test::randn(n, 9, 0.1f), {n}), m2 = m1.clone(MemCategory::optimizer);
+  Tensor v1 = Tensor::from_floats(test::randu(n, 10, 0.0f, 0.01f), {n}), v2 = v1.clone(MemCategory::optimizer);
+  Tensor g = Tensor::from_floats(g0, {n});
+  AdamWConfig scaled_cfg;
+  scaled_cfg.grad_scale = s;
+  adamw_step(p1, g, m1, v1, 3, 1e-2, 0.1, scaled_cfg, nullptr);
+  adamw_step(p2, Tensor::from_floats(scaled, {n}), m2, v2, 3, 1e-2, 0.1, {}, nullptr);
+  EXPECT_EQ(p1.to_floats(), p2.to_floats());
+  EXPECT_EQ(m1.to_floats(), m2.to_floats());
+  EXPECT_EQ(v1.to_floats(), v2.to_floats());
+  EXPECT_EQ(g.to_floats(), g0);
+  scaled_cfg.grad_scale = -1;
+  test::expect_error_contains([&] { adamw_step(p1, g, m1, v1, 4, 1e-2, 0.1, scaled_cfg, nullptr); },
+                              "grad_scale must be finite and >= 0");
+}
+
 TEST(GradNorm, GlobalNormAndScale) {
   auto a = test::randn(10, 1), b = test::randn(7, 2);
   double ref = 0;

@@ -185,6 +185,21 @@ TEST(PermuteGpuMap, RepeatedExpertsAndLargeT) {
   EXPECT_EQ(mg.tokens_per_expert, mc.tokens_per_expert);
   EXPECT_EQ(mg.row_token.to_ints(), mc.row_token.to_ints());
   EXPECT_EQ(mg.slot_row.to_ints(), mc.slot_row.to_ints());
+  // With the router's counts given, the map is the same and no host synchronisation happens.
+  const Tensor tg = t.to(kGpu);
+#ifdef BB_WITH_CUDA
+  const int64_t syncs0 = cuda::host_sync_count();
+#endif
+  const PermuteMap mk = make_permute_map(tg, E, &mc.tokens_per_expert);
+#ifdef BB_WITH_CUDA
+  EXPECT_EQ(cuda::host_sync_count(), syncs0);
+#endif
+  EXPECT_EQ(mk.tokens_per_expert, mc.tokens_per_expert);
+  EXPECT_EQ(mk.row_token.to_ints(), mc.row_token.to_ints());
+  EXPECT_EQ(mk.slot_row.to_ints(), mc.slot_row.to_ints());
+  const std::vector<int64_t> short_counts(2, 0);
+  test::expect_error_contains([&] { make_permute_map(tg, E, &short_counts); },
+                              "make_permute_map: known_counts has 2 entries for 3 experts");
 }
 
 TEST(PermuteGpuMap, BadInputs) {

@@ -340,6 +340,14 @@ TEST(ElementwiseGpu, AddAxpyScaleRowsSigmoidMatchCpu) {
           EXPECT_LT(test::rel_error(sigmoid(ag, MemCategory::activations).to_floats(),
                                     sigmoid(a, MemCategory::activations).to_floats()),
                     t);
+          // The shared-expert gate backward (row dot product times g (1 - g)); g in (0, 1).
+          Tensor gs = sigmoid(g, MemCategory::activations);
+          Tensor dz = sigmoid_gate_backward(ag, bg, on_gpu(gs), MemCategory::activations);
+          EXPECT_EQ(dz.shape(), (Shape{c.T, 1}));
+          EXPECT_LT(test::rel_error(dz.to_floats(),
+                                    sigmoid_gate_backward(a, b, gs, MemCategory::activations)
+                                        .to_floats()),
+                    t);
         }
       }
     }
@@ -367,8 +375,9 @@ TEST(AdamWGpu, ThreeStepsMatchCpu) {
         Tensor model_g = on_gpu(model, skew);
         Tensor* mc = model_kind ? &model : nullptr;
         Tensor* mgp = model_kind ? &model_g : nullptr;
-        const AdamWConfig cfg{0.9, 0.95, 1e-8};
+        AdamWConfig cfg{0.9, 0.95, 1e-8};
         for (int64_t step = 1; step <= 3; ++step) {
+          cfg.grad_scale = step == 2 ? 0.37 : 1.0;  // a clipped step
           Tensor g = host(randn(n, 120 + static_cast<uint64_t>(step)), {n}, DType::f32,
                           MemCategory::grads);
           adamw_step(p, g, m, v, step, 1e-2, 0.1, cfg, mc);

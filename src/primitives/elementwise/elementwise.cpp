@@ -104,4 +104,39 @@ Tensor sigmoid(const Tensor& x, MemCategory cat) {
   return out;
 }
 
+Tensor sigmoid_gate_backward(const Tensor& d_y, const Tensor& s, const Tensor& g, MemCategory cat) {
+  const char* op = "sigmoid_gate_backward";
+  check_float(d_y, op, "d_y");
+  check_float(s, op, "s");
+  check_float(g, op, "g");
+  BB_CHECK(d_y.dim() == 2, op, ": d_y must be [T, H], got ", shape_str(d_y.shape()));
+  BB_CHECK(s.shape() == d_y.shape(), op, ": s must match d_y ", shape_str(d_y.shape()), ", got ",
+           shape_str(s.shape()));
+  BB_CHECK(g.numel() == d_y.size(0), op, ": gate has ", g.numel(), " entries for ", d_y.size(0),
+           " rows");
+  check_same_device(d_y, s, op);
+  check_same_device(d_y, g, op);
+  const int64_t T = d_y.size(0), H = d_y.size(1);
+  Tensor out = Tensor::empty({T, 1}, DType::f32, d_y.device(), cat);
+  if (d_y.device().is_cuda()) {
+    check_device_dtype(op, d_y, "d_y");
+    check_device_dtype(op, s, "s");
+    check_device_dtype(op, g, "g");
+#ifdef BB_WITH_CUDA
+    cuda::sigmoid_gate_backward(out.data<float>(), d_y.raw(), d_y.dtype(), s.raw(), s.dtype(),
+                                g.raw(), g.dtype(), T, H);
+#endif
+    return out;
+  }
+  Tensor dy = cpu::as_f32(d_y), sf = cpu::as_f32(s), gf = cpu::as_f32(g);
+  const float *a = dy.data<float>(), *b = sf.data<float>(), *gp = gf.data<float>();
+  float* o = out.data<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    double dot = 0;
+    for (int64_t h = 0; h < H; ++h) dot += static_cast<double>(a[t * H + h]) * b[t * H + h];
+    o[t] = static_cast<float>(dot * gp[t] * (1.0 - gp[t]));
+  }
+  return out;
+}
+
 }  // namespace bb

@@ -16,5 +16,10 @@ Tensor add(const Tensor& a, const Tensor& b, MemCategory cat);
 Tensor scale_rows(const Tensor& x, const Tensor& g, MemCategory cat);
 // Logistic sigmoid of an f32 tensor (new tensor under `cat`).
 Tensor sigmoid(const Tensor& x, MemCategory cat);
+// Backward of a sigmoid row gate y[t, :] = sigmoid(z[t]) * s[t, :] with respect to the gate
+// logit z: d_z[t] = (sum_h d_y[t, h] * s[t, h]) * g[t] * (1 - g[t]), g = sigmoid(z).
+// d_y, s [T, H] any float dtype; g [T] (or [T, 1]) f32/bf16. Returns d_z [T, 1] f32 under `cat`
+// (written), the row sum in fp32.
+Tensor sigmoid_gate_backward(const Tensor& d_y, const Tensor& s, const Tensor& g, MemCategory cat);
 
 }  // namespace bb

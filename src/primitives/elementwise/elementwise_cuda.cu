@@ -116,7 +116,49 @@ void launch(int64_t n, bool vec, const Op& op) {
 
 size_t vec_bytes(DType dt) { return kVec * dtype_size(dt); }
 
+template <class TA, class TB>
+__global__ void __launch_bounds__(kThreads)
+    gate_backward_kernel(float* d_z, const TA* d_y, const TB* s, const void* g, bool g_bf16,
+                         int64_t T, int64_t H) {
+  const int64_t row = blockIdx.x * static_cast<int64_t>(kThreads / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= T) return;
+  float acc = 0.0f;
+  for (int64_t h = lane; h < H; h += 32)
+    acc += to_f32(d_y[row * H + h]) * to_f32(s[row * H + h]);
+  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (lane == 0) {
+    const float gt =
+        g_bf16 ? to_f32(static_cast<const bf16_t*>(g)[row]) : static_cast<const float*>(g)[row];
+    d_z[row] = acc * gt * (1.0f - gt);
+  }
+}
+
+template <class TA, class TB>
+void launch_gate_backward(float* d_z, const void* d_y, const void* s, const void* g, bool g_bf16,
+                          int64_t T, int64_t H) {
+  if (T == 0) return;
+  const auto blocks = static_cast<unsigned>(ceil_div(T, int64_t{kThreads / 32}));
+  gate_backward_kernel<TA, TB><<<blocks, kThreads, 0, stream()>>>(
+      d_z, static_cast<const TA*>(d_y), static_cast<const TB*>(s), g, g_bf16, T, H);
+  BB_CHECK_LAUNCH();
+}
+
 }  // namespace
+
+void sigmoid_gate_backward(float* d_z, const void* d_y, DType dy_dtype, const void* s,
+                           DType s_dtype, const void* g, DType g_dtype, int64_t T, int64_t H) {
+  const bool gb = g_dtype == DType::bf16;
+  const bool a16 = dy_dtype == DType::bf16, b16 = s_dtype == DType::bf16;
+  if (a16 && b16)
+    launch_gate_backward<bf16_t, bf16_t>(d_z, d_y, s, g, gb, T, H);
+  else if (a16)
+    launch_gate_backward<bf16_t, float>(d_z, d_y, s, g, gb, T, H);
+  else if (b16)
+    launch_gate_backward<float, bf16_t>(d_z, d_y, s, g, gb, T, H);
+  else
+    launch_gate_backward<float, float>(d_z, d_y, s, g, gb, T, H);
+}
 
 void axpy_inplace(float* a, float s, const void* b, DType b_dtype, int64_t n) {
   const bool vec = aligned(a, 16) && aligned(b, vec_bytes(b_dtype));

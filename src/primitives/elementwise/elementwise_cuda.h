@@ -20,6 +20,9 @@ void scale_rows(float* out, const void* x, DType x_dtype, const void* g, DType g
                 int64_t H);
 // out [n] f32 = 1 / (1 + exp(-x)), x [n] (x_dtype).
 void sigmoid(float* out, const void* x, DType x_dtype, int64_t n);
+// d_z [T] f32 = (sum_h d_y[t, h] * s[t, h]) * g[t] * (1 - g[t]); one warp per row.
+void sigmoid_gate_backward(float* d_z, const void* d_y, DType dy_dtype, const void* s,
+                           DType s_dtype, const void* g, DType g_dtype, int64_t T, int64_t H);
 
 }  // namespace bb::cuda
 #endif

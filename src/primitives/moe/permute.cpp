@@ -63,7 +63,8 @@ Tensor finish(const Tensor& tmp, DType dt, MemCategory cat) {
 }
 
 #ifdef BB_WITH_CUDA
-PermuteMap make_permute_map_cuda(const Tensor& topk_idx, int64_t E) {
+PermuteMap make_permute_map_cuda(const Tensor& topk_idx, int64_t E,
+                                 const std::vector<int64_t>* known_counts) {
   const char* op = "make_permute_map";
   const Device dev = topk_idx.device();
   const int64_t T = topk_idx.size(0), K = topk_idx.size(1), N = T * K;
@@ -79,6 +80,10 @@ PermuteMap make_permute_map_cuda(const Tensor& topk_idx, int64_t E) {
   cuda::make_permute_map(map.row_token.data<int32_t>(), map.slot_row.data<int32_t>(),
                          stats.data<int32_t>(), topk_idx.data<int32_t>(), T, K, E, ws.raw(),
                          ws_bytes);
+  if (known_counts) {  // the router's counts: no host synchronisation
+    map.tokens_per_expert = *known_counts;
+    return map;
+  }
   // The one host synchronisation: counts + range flag (to_ints copies through cuda::memcpy,
   // which waits for the stream and records it with cuda::note_host_sync()).
   const std::vector<int32_t> st = stats.to_ints();
@@ -94,7 +99,8 @@ PermuteMap make_permute_map_cuda(const Tensor& topk_idx, int64_t E) {
 
 }  // namespace
 
-PermuteMap make_permute_map(const Tensor& topk_idx, int64_t num_experts) {
+PermuteMap make_permute_map(const Tensor& topk_idx, int64_t num_experts,
+                            const std::vector<int64_t>* known_counts) {
   BB_RANGE("make_permute_map");
   const char* op = "make_permute_map";
   check_dtype(topk_idx, DType::i32, op, "topk_idx");
@@ -106,7 +112,10 @@ PermuteMap make_permute_map(const Tensor& topk_idx, int64_t num_experts) {
   BB_CHECK(num_experts >= 1, op, ": num_experts must be >= 1, got ", num_experts);
   const int64_t T = topk_idx.size(0), K = topk_idx.size(1);
 #ifdef BB_WITH_CUDA
-  if (topk_idx.device().is_cuda()) return make_permute_map_cuda(topk_idx, num_experts);
+  if (known_counts)
+    BB_CHECK(static_cast<int64_t>(known_counts->size()) == num_experts, op, ": known_counts has ",
+             known_counts->size(), " entries for ", num_experts, " experts");
+  if (topk_idx.device().is_cuda()) return make_permute_map_cuda(topk_idx, num_experts, known_counts);
 #endif
   const int32_t* idx = topk_idx.data<int32_t>();
   for (int64_t i = 0; i < T * K; ++i)

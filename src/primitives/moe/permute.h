@@ -30,7 +30,11 @@ struct PermuteMap {
 };
 
 // topk_idx [T, K] i32 (in), values in [0, num_experts). T >= 1.
-PermuteMap make_permute_map(const Tensor& topk_idx, int64_t num_experts);
+// known_counts: the tokens per expert when the caller already has them on the host (the router
+// returns them): the CUDA path then skips its host synchronisation (reading the counts and the
+// range check back). They must be the counts of topk_idx; the values are trusted.
+PermuteMap make_permute_map(const Tensor& topk_idx, int64_t num_experts,
+                            const std::vector<int64_t>* known_counts = nullptr);
 
 // x [T, H] float (in) -> x_perm [N, H], dtype of x, category moe: x_perm[n] = x[row_token[n]].
 Tensor permute_forward(const Tensor& x, const PermuteMap& map);

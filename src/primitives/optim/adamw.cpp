@@ -80,11 +80,13 @@ void adamw_step(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp
   const float decay = static_cast<float>(1.0 - lr * weight_decay);
   const float b1 = static_cast<float>(cfg.beta1), b2 = static_cast<float>(cfg.beta2);
   const float eps = static_cast<float>(cfg.eps);
+  const float gs = static_cast<float>(cfg.grad_scale);
+  BB_CHECK(std::isfinite(gs) && gs >= 0, op, ": grad_scale must be finite and >= 0, got ", gs);
   if (master.device().is_cuda()) {
     require_cuda_build(op, master);
     if (model) check_cuda_float(*model, op, "model");
 #ifdef BB_WITH_CUDA
-    const cuda::AdamWScalars s{step_size, inv_sqrt_bc2, decay, b1, b2, eps};
+    const cuda::AdamWScalars s{step_size, inv_sqrt_bc2, decay, b1, b2, eps, gs};
     cuda::adamw_step(master.data<float>(), grad.data<float>(), exp_avg.data<float>(),
                      exp_avg_sq.data<float>(), model ? model->raw() : nullptr,
                      model ? model->dtype() : DType::f32, n, s);
@@ -96,9 +98,10 @@ void adamw_step(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp
   float* m = exp_avg.data<float>();
   float* v = exp_avg_sq.data<float>();
   for (int64_t i = 0; i < n; ++i) {
+    const float gi = gs * g[i];  // gs == 1 leaves g exact
     p[i] *= decay;
-    m[i] = b1 * m[i] + (1.0f - b1) * g[i];
-    v[i] = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
+    m[i] = b1 * m[i] + (1.0f - b1) * gi;
+    v[i] = b2 * v[i] + (1.0f - b2) * gi * gi;
     p[i] -= step_size * m[i] / (std::sqrt(v[i]) * inv_sqrt_bc2 + eps);
   }
   if (model) cpu::store_f32(*model, master);

@@ -20,6 +20,9 @@ namespace bb {
 
 struct AdamWConfig {
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  // The gradient is used as grad_scale * grad (gradient clipping folded into the update, so the
+  // gradients are not rewritten in a separate pass); grad itself is not modified.
+  double grad_scale = 1.0;
 };
 
 // step is 1-based. lr and weight_decay are per call (schedules and no-decay groups).

@@ -30,6 +30,7 @@ __device__ __forceinline__ void adamw_elems(float* p, const float* g, float* m, 
   load<float, M>(v + i, vv);
 #pragma unroll
   for (int k = 0; k < M; ++k) {
+    gv[k] *= s.grad_scale;
     pv[k] *= s.decay;
     mv[k] = s.beta1 * mv[k] + (1.0f - s.beta1) * gv[k];
     vv[k] = s.beta2 * vv[k] + (1.0f - s.beta2) * gv[k] * gv[k];

@@ -16,10 +16,11 @@ struct AdamWScalars {
   float inv_sqrt_bc2;  // 1 / sqrt(1 - beta2^t)
   float decay;         // 1 - lr * weight_decay
   float beta1, beta2, eps;
+  float grad_scale;    // g is read as grad_scale * grad
 };
 
 // master, grad, exp_avg, exp_avg_sq [n] f32; model [n] (model_dtype f32 or bf16) or null.
-// One pass: p *= decay; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+// One pass: g = grad_scale * grad; p *= decay; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
 // p -= step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps); model = p (rounded to model_dtype).
 void adamw_step(float* master, const float* grad, float* exp_avg, float* exp_avg_sq, void* model,
                 DType model_dtype, int64_t n, const AdamWScalars& s);
