@@ -3,7 +3,9 @@
 // category (DESIGN.md sec. 6: timings after warm-up, median of several steps).
 //
 //   bench_train_step [--config PATH] [--seq 8192,32768,65536,131072] [--steps 5] [--warmup 2]
-//                    [--set table.key=value ...]
+//                    [--set table.key=value ...] [--profile]
+// --profile: the last step of each size runs under the built-in range profiler (core/trace.h)
+// and its GPU time per BB_RANGE name is printed (CUDA builds).
 // Default model: the 4-layer slice of Qwen3-30B-A3B with recompute=full, loss=linear_ce,
 // experts=grouped, on cuda:0 (falls back to a tiny CPU run if no GPU is visible).
 #include <algorithm>
@@ -14,6 +16,7 @@
 #include <vector>
 
 #include "core/rng.h"
+#include "core/trace.h"
 #include "runtime/trainer.h"
 
 using namespace bb;
@@ -52,6 +55,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> seqs = {8192, 32768, 65536, 131072};
   int64_t steps = 5, warmup = 2;
   std::vector<std::string> sets;
+  bool profile = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -63,6 +67,7 @@ int main(int argc, char** argv) {
     else if (a == "--steps") steps = std::stoll(next());
     else if (a == "--warmup") warmup = std::stoll(next());
     else if (a == "--set") sets.push_back(next());
+    else if (a == "--profile") profile = true;
     else { std::fprintf(stderr, "unknown argument %s (see the header of bench_train_step.cpp)\n", a.c_str()); return 2; }
   }
   struct Row { int64_t S; double tok_s, model_tf, hw_tf, step_ms; MemoryStats mem; int64_t syncs; std::string err; };
@@ -81,7 +86,14 @@ int main(int argc, char** argv) {
       Trainer tr(cfg, nullptr, one_long_document(S + 1, cfg.model.vocab_size, 2));
       std::vector<StepMetrics> ms;
       for (int64_t i = 0; i < steps + warmup; ++i) {
+        const bool prof = profile && i + 1 == steps + warmup;
+        if (prof) trace::profile_begin();
         StepMetrics m = tr.train_step();
+        if (prof) {
+          std::printf("\nprofile of one step at %lld tokens (%.1f ms):\n", static_cast<long long>(S),
+                      m.step_time_s * 1e3);
+          trace::profile_report(stdout, m.step_time_s * 1e3);
+        }
         std::fprintf(stderr, "[bench] S=%lld step %lld: %.3fs loss %.4f\n", static_cast<long long>(S),
                      static_cast<long long>(i + 1), m.step_time_s, m.loss);
         if (i >= warmup) ms.push_back(m);

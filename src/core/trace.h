@@ -1,20 +1,51 @@
-// trace.h — named ranges for profiler timelines (NVTX on CUDA builds; nothing otherwise).
+// trace.h — named ranges for profiler timelines (NVTX on CUDA builds; nothing otherwise), and a
+// small built-in GPU-time profiler over the same ranges for machines without Nsight.
 //
 // BB_RANGE("attention_forward") opens a range that closes at the end of the enclosing scope,
 // so an Nsight timeline reads like the model: layer -> primitive. NVTX v3 is header-only and
 // costs a branch when no profiler is attached.
+//
+// Built-in profiler (CUDA builds): between trace::profile_begin() and trace::profile_report(),
+// every BB_RANGE also records a pair of CUDA events on the compute stream; the report sums the
+// GPU time between each range's events per name (inclusive of nested ranges) and prints a table.
+// It measures the stream's timeline, so gaps where the GPU waits for the host count towards the
+// enclosing ranges. Off by default: a range then costs one branch more.
 #pragma once
+
+#include <cstdio>
+
+namespace bb::trace {
+// Starts collecting (drops what an earlier session collected).
+void profile_begin();
+// Stops collecting, waits for the device, prints "name | calls | total ms | % of `total_ms`"
+// sorted by total time, to `out`. total_ms <= 0: percentages of the largest range.
+void profile_report(FILE* out, double total_ms = 0);
+bool profiling();
+}  // namespace bb::trace
 
 #ifdef BB_WITH_CUDA
 #include <nvtx3/nvToolsExt.h>
 
 namespace bb {
+namespace trace {
+int range_begin(const char* name);  // -1 when not profiling
+void range_end(int id);
+}  // namespace trace
+
 class TraceRange {
  public:
-  explicit TraceRange(const char* name) { nvtxRangePushA(name); }
-  ~TraceRange() { nvtxRangePop(); }
+  explicit TraceRange(const char* name) : id_(trace::profiling() ? trace::range_begin(name) : -1) {
+    nvtxRangePushA(name);
+  }
+  ~TraceRange() {
+    nvtxRangePop();
+    if (id_ >= 0) trace::range_end(id_);
+  }
   TraceRange(const TraceRange&) = delete;
   TraceRange& operator=(const TraceRange&) = delete;
+
+ private:
+  int id_;
 };
 }  // namespace bb
 
