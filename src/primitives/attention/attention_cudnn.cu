@@ -614,6 +614,11 @@ CallDims check_cuda_inputs(const char* op, const NamedTensors& ts, const Tensor&
     BB_CHECK(reinterpret_cast<uintptr_t>(t->raw()) % 16 == 0, op, ": argument '", name,
              "' must be 16-byte aligned for cuDNN, got ", t->raw());
   }
+  // Head dims the GPU tests cover. cuDNN accepts other multiples of 8, but a head dim of 8 was
+  // seen to give wrong gradients on an H200 (cuDNN 9.19), so untested ones are refused.
+  BB_CHECK(c.d == 128 || c.d == 256, op, ": head_dim ", c.d,
+           " is not supported by the CUDA path (cuDNN fused attention is validated for head_dim "
+           "128 and 256); use one of those or run attention on the CPU");
   BB_CHECK(runtime_version() >= 90600, op, ": the packed (THD) cuDNN path needs cuDNN >= 9.6.0, "
            "found ", runtime_version());
   BB_CHECK_CUDA(cudaSetDevice(c.device));
