@@ -20,6 +20,7 @@
 #include <mma.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -77,11 +78,18 @@ struct Plan {
   size_t workspace = 0;
 };
 
+// What the heuristic chose for a bucket of shapes (see bucket_key).
+struct Algo {
+  cublasLtMatmulAlgo_t algo{};
+  size_t workspace = 0;
+};
+
 struct DeviceGemm {
   cublasLtHandle_t lt = nullptr;
   cublasHandle_t blas = nullptr;
   void* workspace = nullptr;
   std::map<PlanKey, Plan> plans;
+  std::map<PlanKey, Algo> algos;  // by bucketed key
   // Multi-stream grouped GEMM: side stream s runs with workspace side_ws[s] and signals
   // side_done[s]; `fork` is recorded on the compute stream for the side streams to wait on.
   cudaEvent_t fork = nullptr;
@@ -91,7 +99,27 @@ struct DeviceGemm {
 };
 
 std::mutex g_mu;  // guards the states, their caches, handle use and the grouped defaults
-GroupedDefaults g_defaults;
+// The built-in defaults, with two environment overrides for tuning runs on a new card:
+// BB_GROUPED_MIN_FLOPS (multi_stream_min_flops) and BB_GROUPED_STREAMS (num_streams).
+GroupedDefaults defaults_from_env() {
+  GroupedDefaults d;
+  if (const char* e = std::getenv("BB_GROUPED_MIN_FLOPS")) {
+    char* end = nullptr;
+    const double v = std::strtod(e, &end);
+    BB_CHECK(end != e && *end == '\0' && v >= 0, "BB_GROUPED_MIN_FLOPS='", e,
+             "' is not a number >= 0");
+    d.multi_stream_min_flops = v;
+  }
+  if (const char* e = std::getenv("BB_GROUPED_STREAMS")) {
+    char* end = nullptr;
+    const long v = std::strtol(e, &end, 10);
+    BB_CHECK(end != e && *end == '\0' && v >= 1 && v <= kMaxGroupedStreams, "BB_GROUPED_STREAMS='",
+             e, "' is not an integer in [1, ", kMaxGroupedStreams, "]");
+    d.num_streams = static_cast<int>(v);
+  }
+  return d;
+}
+GroupedDefaults g_defaults = defaults_from_env();
 
 // A 32 MiB workspace on `dev`, kept for the life of the process (deliberately never freed: it
 // would be released after the allocator and the CUDA context at exit). It counts as live
@@ -158,9 +186,47 @@ cublasLtMatrixLayout_t make_layout(DType dt, int64_t rows, int64_t cols, int64_t
   return l;
 }
 
+// Expert GEMMs change M (forward, dgrad) or K (wgrad) with the routing every step; asking
+// cuBLASLt's heuristic for every new size costs host time in every step. Sizes are bucketed
+// (steps of 1/8 of the power of two below, at least 64; exact below 64) and the heuristic runs once
+// per bucket; a bucket's algorithm is checked against each exact size (cublasLtMatmulAlgoCheck)
+// before use and the exact size gets its own heuristic if the check fails.
+// BB_GEMM_EXACT_HEURISTICS=1 turns the bucketing off (every size asks the heuristic).
+int64_t size_bucket(int64_t x) {
+  if (x < 64) return x;
+  int64_t p = 1;
+  while (p * 2 <= x) p *= 2;
+  const int64_t step = std::max<int64_t>(64, p / 8);
+  return (x + step - 1) / step * step;
+}
+
+PlanKey bucket_key(PlanKey k) {
+  k.M = size_bucket(k.M);
+  k.K = size_bucket(k.K);
+  return k;
+}
+
+bool exact_heuristics() {
+  static const bool exact = [] {
+    const char* e = std::getenv("BB_GEMM_EXACT_HEURISTICS");
+    return e != nullptr && std::string(e) == "1";
+  }();
+  return exact;
+}
+
+int64_t g_heuristic_calls = 0;  // guarded by g_mu
+
+// Bounds the exact-shape plan cache (every distinct expert size adds one).
+constexpr size_t kMaxPlans = 16384;
+void destroy_plan(Plan& p);
+
 const Plan& get_plan(DeviceGemm& st, const PlanKey& k) {
   auto it = st.plans.find(k);
   if (it != st.plans.end()) return it->second;
+  if (st.plans.size() >= kMaxPlans) {
+    for (auto& [key, plan] : st.plans) destroy_plan(plan);
+    st.plans.clear();
+  }
   const DType at = static_cast<DType>(k.a), bt = static_cast<DType>(k.b),
               ct = static_cast<DType>(k.c);
   Plan p;
@@ -174,6 +240,23 @@ const Plan& get_plan(DeviceGemm& st, const PlanKey& k) {
   p.b = make_layout(at, k.ta ? k.M : k.K, k.ta ? k.K : k.M, k.lda, k.batch, k.sa);
   p.c = make_layout(ct, k.N, k.M, k.ldc, k.batch, k.sc);
 
+  // A bucket's algorithm, if one was found and it runs this exact size.
+  const PlanKey bk = bucket_key(k);
+  const bool bucketed = !exact_heuristics() && !(bk.M == k.M && bk.K == k.K);
+  if (bucketed) {
+    auto ai = st.algos.find(bk);
+    if (ai != st.algos.end()) {
+      cublasLtMatmulHeuristicResult_t chk{};
+      if (cublasLtMatmulAlgoCheck(st.lt, p.desc, p.a, p.b, p.c, p.c, &ai->second.algo, &chk) ==
+              CUBLAS_STATUS_SUCCESS &&
+          chk.workspaceSize <= kWorkspaceBytes) {
+        p.algo = ai->second.algo;
+        p.workspace = chk.workspaceSize;
+        return st.plans.emplace(k, p).first->second;
+      }
+    }
+  }
+
   cublasLtMatmulPreference_t pref = nullptr;
   BB_CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
   set_attr(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<uint64_t>(kWorkspaceBytes));
@@ -181,6 +264,7 @@ const Plan& get_plan(DeviceGemm& st, const PlanKey& k) {
   set_attr(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, static_cast<uint32_t>(k.align_a));
   set_attr(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, static_cast<uint32_t>(k.align_c));
   set_attr(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, static_cast<uint32_t>(k.align_c));
+  ++g_heuristic_calls;
   cublasLtMatmulHeuristicResult_t res{};
   int found = 0;
   const cublasStatus_t st_h =
@@ -193,7 +277,16 @@ const Plan& get_plan(DeviceGemm& st, const PlanKey& k) {
            " batch=", k.batch, " (", cublasLtGetStatusName(st_h), ")");
   p.algo = res.algo;
   p.workspace = res.workspaceSize;
+  // The first size seen in a bucket donates its algorithm to the bucket.
+  if (bucketed) st.algos.emplace(bk, Algo{res.algo, res.workspaceSize});
   return st.plans.emplace(k, p).first->second;
+}
+
+void destroy_plan(Plan& p) {
+  cublasLtMatrixLayoutDestroy(p.a);
+  cublasLtMatrixLayoutDestroy(p.b);
+  cublasLtMatrixLayoutDestroy(p.c);
+  cublasLtMatmulDescDestroy(p.desc);
 }
 
 bool native(DType ab, DType c) {
@@ -395,14 +488,15 @@ void gemm_clear_cache() {
   for (auto& st_ptr : all_states()) {
     if (!st_ptr) continue;
     DeviceGemm& st = *st_ptr;
-    for (auto& [k, p] : st.plans) {
-      cublasLtMatrixLayoutDestroy(p.a);
-      cublasLtMatrixLayoutDestroy(p.b);
-      cublasLtMatrixLayoutDestroy(p.c);
-      cublasLtMatmulDescDestroy(p.desc);
-    }
+    for (auto& [k, p] : st.plans) destroy_plan(p);
     st.plans.clear();
+    st.algos.clear();
   }
+}
+
+int64_t gemm_heuristic_calls() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_heuristic_calls;
 }
 
 int64_t gemm_cache_size() {

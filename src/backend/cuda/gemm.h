@@ -71,9 +71,9 @@ struct GroupedDefaults {
   // Same-dtype calls whose mean problem is at least this many FLOPs (2 M N K over the non-empty
   // problems) take multi_stream instead of `same_dtype`: measured on an H200 at E = 128,
   // H = 2048, F = 768, cuBLAS's grouped GEMM ran 1.15 ms vs multi_stream's 1.92 ms at 1.6 GFLOP
-  // per expert (T = 4K tokens, top-8), but 8.3 ms vs 3.8 ms at 12.9 GFLOP (T = 32K).
-  // 0 disables the switch.
-  double multi_stream_min_flops = 4e9;
+  // per expert (T = 4K tokens, top-8), 2.12 ms vs 1.98 ms (S = 2) at 3.2 GFLOP (T = 8K), and
+  // 8.3 ms vs 3.8 ms at 12.9 GFLOP (T = 32K). 0 disables the switch.
+  double multi_stream_min_flops = 2e9;
 };
 GroupedDefaults grouped_defaults();
 void set_grouped_defaults(const GroupedDefaults& d);  // checked: no automatic, streams in range
@@ -106,6 +106,9 @@ void gemm_grouped(bool trans_a, bool trans_b, const std::vector<GemmProblem>& pr
 void gemm_clear_cache();
 // Number of cached cuBLASLt plans (tests check that a repeated shape reuses its plan).
 int64_t gemm_cache_size();
+// cuBLASLt heuristic queries so far (a new shape bucket asks once; sizes inside a bucket reuse
+// its algorithm after cublasLtMatmulAlgoCheck). BB_GEMM_EXACT_HEURISTICS=1: one per new shape.
+int64_t gemm_heuristic_calls();
 
 }  // namespace bb::cuda
 
