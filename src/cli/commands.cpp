@@ -72,6 +72,10 @@ int run(int argc, char** argv) {
   paired->add_option("--steps", po.steps, "Optimizer steps per side (default 5)")->check(CLI::PositiveNumber);
   paired->add_option("--tol-loss", po.tol_loss, "Max relative loss difference per step (default 1e-4)");
   paired->add_option("--tol-grad-norm", po.tol_grad_norm, "Max relative grad-norm difference per step (default 1e-3)");
+  paired->add_option("--warmup", po.warmup_steps,
+                     "Untimed steps per side before the timed runs, so one-time costs do not land "
+                     "on side A (default: 1 on a GPU, 0 on the CPU)")
+      ->check(CLI::NonNegativeNumber);
 
   // export
   auto* exp = app.add_subcommand("export", "Export a checkpoint as a Hugging Face model directory");

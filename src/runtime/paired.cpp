@@ -62,9 +62,42 @@ std::string join(const std::vector<std::string>& v) {
 
 }  // namespace
 
+namespace {
+
+// Runs `steps` untimed steps of one side in a trainer that is then dropped.
+void warm_up(const PairedOptions& o, const std::vector<std::string>& side, int64_t steps,
+             const char* label, FILE* out) {
+  std::vector<std::string> ov = o.common;
+  ov.insert(ov.end(), side.begin(), side.end());
+  ov.push_back("train.steps=" + std::to_string(steps));
+  ov.push_back("checkpoint.dir=\"\"");
+  ov.push_back("checkpoint.resume=\"\"");
+  ov.push_back("log.metrics=\"\"");
+  Trainer tr(load_run_config(o.config_path, ov), nullptr);
+  for (int64_t i = 0; i < steps; ++i) tr.train_step();
+  if (out) {
+    std::fprintf(out, "[paired] warm-up of side %s: %lld untimed step(s)\n", label,
+                 static_cast<long long>(steps));
+    std::fflush(out);
+  }
+}
+
+}  // namespace
+
 PairedResult run_paired(const PairedOptions& o, FILE* out) {
   BB_CHECK(o.steps >= 1, "paired: --steps must be >= 1");
   BB_CHECK(!o.a.empty() || !o.b.empty(), "paired: give at least one --a or --b override (KEY=VALUE)");
+  BB_CHECK(o.warmup_steps >= -1, "paired: --warmup must be >= 0 (or -1 for the default)");
+  int64_t warm = o.warmup_steps;
+  if (warm < 0) {
+    std::vector<std::string> ov = o.common;
+    ov.insert(ov.end(), o.a.begin(), o.a.end());
+    warm = load_run_config(o.config_path, ov).resolved_device().is_cuda() ? 1 : 0;
+  }
+  if (warm > 0) {
+    warm_up(o, o.a, warm, "A", out);
+    warm_up(o, o.b, warm, "B", out);
+  }
   Side a = run_side(o, o.a, "A", out);
   Side b = run_side(o, o.b, "B", out);
   PairedResult r;

@@ -18,6 +18,10 @@ struct PairedOptions {
   int64_t steps = 5;
   double tol_loss = 1e-4;       // relative, per step
   double tol_grad_norm = 1e-3;  // relative, per step
+  // Untimed steps run first for each side in a throw-away trainer, so that one-time costs of the
+  // process (GPU memory pool growth, attention graph builds, GEMM heuristics) do not land on side
+  // A's timed steps only. -1: 1 on a GPU, 0 on the CPU.
+  int64_t warmup_steps = -1;
 };
 
 struct PairedResult {

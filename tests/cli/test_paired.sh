@@ -33,6 +33,11 @@ expect 1 "a different learning rate must fail" --a train.lr=3e-3 --b train.lr=6e
 for want in "max |logits A - logits B|" "peak memory" "activations" "ratio B/A" "gnorm A"; do
   grep -qF "$want" "$TMP/t.txt" || { echo "FAIL: paired output lacks '$want'"; fail=1; }
 done
+# An explicit warm-up runs untimed steps of each side first (the default on a GPU).
+"$BB" paired "${COMMON[@]}" --warmup 1 --a primitives.recompute=none --b primitives.recompute=full > "$TMP/w.txt" 2>&1
+for want in "warm-up of side A: 1 untimed step" "warm-up of side B: 1 untimed step"; do
+  grep -qF "$want" "$TMP/w.txt" || { echo "FAIL: paired --warmup 1 output lacks '$want'"; fail=1; }
+done
 # Bad usage is an error (exit 2) with a message.
 "$BB" paired "${COMMON[@]}" --a primitives.loss=nope > "$TMP/e.txt" 2>&1
 code=$?
