@@ -562,7 +562,7 @@ TEST(GemmGroupedMultiStream, DefaultsSteerAutomatic) {
   EXPECT_EQ(d0.same_dtype, cuda::GroupedAlgo::cublas);
   EXPECT_EQ(d0.widening, cuda::GroupedAlgo::multi_stream);
   EXPECT_EQ(d0.num_streams, 4);
-  EXPECT_EQ(d0.multi_stream_min_flops, 2e9);
+  EXPECT_EQ(d0.multi_stream_min_flops, 1e9);
   {
     cuda::GroupedDefaults bad = d0;
     bad.multi_stream_min_flops = -1;

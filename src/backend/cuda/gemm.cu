@@ -20,11 +20,14 @@
 #include <mma.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -96,6 +99,7 @@ struct DeviceGemm {
   std::vector<cudaStream_t> side;
   std::vector<void*> side_ws;
   std::vector<cudaEvent_t> side_done;
+  struct EnqueuePool* pool = nullptr;  // host threads that enqueue side streams 1.. (leaked)
 };
 
 std::mutex g_mu;  // guards the states, their caches, handle use and the grouped defaults
@@ -777,6 +781,64 @@ void ensure_side_streams(DeviceGemm& st, int n, int dev) {
   }
 }
 
+// Enqueueing one cuBLASLt call costs the host ~8 us; with 2E calls per stage and small experts
+// the host, not the GPU, sets the pace (bench_experts' `host ms`). The pool's threads enqueue the
+// shares of side streams 1..S-1 in parallel with the calling thread, which takes share 0. Each
+// thread has its own cuBLASLt handle. Created once per device and never destroyed (the threads
+// are detached and wait on the pool's condition variable for the life of the process).
+struct EnqueuePool {
+  std::mutex m;
+  std::condition_variable cv_job, cv_done;
+  uint64_t generation = 0;
+  int pending = 0;
+  std::vector<std::function<void(cublasLtHandle_t)>> jobs;  // jobs[w] for worker w (w >= 1)
+  std::vector<cublasLtHandle_t> handles;                     // handles[w]
+  int workers = 0;                                           // threads started (w = 1..workers)
+};
+
+void worker_loop(EnqueuePool* pool, int w, int dev) {
+  cudaSetDevice(dev);
+  uint64_t seen = 0;
+  for (;;) {
+    std::function<void(cublasLtHandle_t)> job;
+    {
+      std::unique_lock<std::mutex> lk(pool->m);
+      pool->cv_job.wait(lk, [&] { return pool->generation != seen; });
+      seen = pool->generation;
+      if (w < static_cast<int>(pool->jobs.size())) job = pool->jobs[w];
+    }
+    if (job) job(pool->handles[w]);
+    {
+      std::lock_guard<std::mutex> lk(pool->m);
+      if (job && --pool->pending == 0) pool->cv_done.notify_all();
+    }
+  }
+}
+
+// Caller holds g_mu; `dev` is current.
+EnqueuePool& ensure_pool(DeviceGemm& st, int n, int dev) {
+  if (!st.pool) st.pool = new EnqueuePool;
+  EnqueuePool& pool = *st.pool;
+  std::lock_guard<std::mutex> lk(pool.m);
+  if (pool.handles.empty()) pool.handles.push_back(nullptr);  // worker 0 is the caller
+  while (pool.workers < n - 1) {
+    cublasLtHandle_t h = nullptr;
+    BB_CHECK_CUBLAS(cublasLtCreate(&h));
+    pool.handles.push_back(h);
+    ++pool.workers;
+    std::thread(worker_loop, &pool, pool.workers, dev).detach();
+  }
+  return pool;
+}
+
+bool threaded_enqueue() {
+  static const bool on = [] {
+    const char* e = std::getenv("BB_GROUPED_THREADED");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  return on;
+}
+
 // Per-problem cuBLASLt GEMMs spread over `num_streams` side streams (see gemm.h). The A, B, C
 // buffers were produced on (and will be freed on) the compute stream: the fork orders every
 // side stream after what the compute stream has queued so far, the join orders what it queues
@@ -819,24 +881,62 @@ void grouped_multi_stream(bool ta, bool tb, const std::vector<GemmProblem>& ps, 
   cudaStream_t main = stream();
   BB_CHECK_CUDA(cudaEventRecord(st.fork, main));
   for (int s = 0; s < S; ++s) BB_CHECK_CUDA(cudaStreamWaitEvent(st.side[s], st.fork, 0));
-  // Launches interleaved across the streams (the j-th problem of every share, then the next),
-  // so that all streams have work while the host is still enqueueing.
-  std::string failure;
-  size_t longest = 0;
-  for (const auto& sh : share) longest = std::max(longest, sh.size());
-  for (size_t j = 0; j < longest && failure.empty(); ++j)
-    for (int s = 0; s < S && failure.empty(); ++s) {
-      if (j >= share[s].size()) continue;
-      const GemmProblem& p = ps[share[s][j]];
-      const Plan& pl = *plan[share[s][j]];
+  // Stream s's share, enqueued with handle `lt`; returns the first failure ("" if none).
+  auto enqueue_share = [&](int s, cublasLtHandle_t lt) -> std::string {
+    for (size_t i : share[s]) {
+      const GemmProblem& p = ps[i];
+      const Plan& pl = *plan[i];
       const cublasStatus_t r =
-          cublasLtMatmul(st.lt, pl.desc, &alpha, p.B, pl.a, p.A, pl.b, &beta, p.C, pl.c, p.C,
-                         pl.c, &pl.algo, st.side_ws[s], kWorkspaceBytes, st.side[s]);
+          cublasLtMatmul(lt, pl.desc, &alpha, p.B, pl.a, p.A, pl.b, &beta, p.C, pl.c, p.C, pl.c,
+                         &pl.algo, st.side_ws[s], kWorkspaceBytes, st.side[s]);
       if (r != CUBLAS_STATUS_SUCCESS)
-        failure = std::string("cuBLAS error in cublasLtMatmul (multi-stream grouped GEMM, M=") +
-                  std::to_string(p.M) + " N=" + std::to_string(p.N) + " K=" +
-                  std::to_string(p.K) + "): " + cublasLtGetStatusName(r);
+        return std::string("cuBLAS error in cublasLtMatmul (multi-stream grouped GEMM, M=") +
+               std::to_string(p.M) + " N=" + std::to_string(p.N) + " K=" + std::to_string(p.K) +
+               "): " + cublasLtGetStatusName(r);
     }
+    return "";
+  };
+  std::string failure;
+  if (S > 1 && threaded_enqueue()) {
+    // Shares 1..S-1 on the pool's threads, share 0 here, all at once.
+    EnqueuePool& pool = ensure_pool(st, S, dev);
+    std::vector<std::string> fails(static_cast<size_t>(S));
+    {
+      std::lock_guard<std::mutex> lk(pool.m);
+      pool.jobs.assign(static_cast<size_t>(S), nullptr);
+      for (int w = 1; w < S; ++w)
+        pool.jobs[w] = [&, w](cublasLtHandle_t lt) { fails[w] = enqueue_share(w, lt); };
+      pool.pending = S - 1;
+      ++pool.generation;
+    }
+    pool.cv_job.notify_all();
+    fails[0] = enqueue_share(0, st.lt);
+    {
+      std::unique_lock<std::mutex> lk(pool.m);
+      pool.cv_done.wait(lk, [&] { return pool.pending == 0; });
+      pool.jobs.clear();
+    }
+    for (const std::string& f : fails)
+      if (failure.empty()) failure = f;
+  } else {
+    // One thread: launches interleaved across the streams (the j-th problem of every share,
+    // then the next), so that all streams have work while the host is still enqueueing.
+    size_t longest = 0;
+    for (const auto& sh : share) longest = std::max(longest, sh.size());
+    for (size_t j = 0; j < longest && failure.empty(); ++j)
+      for (int s = 0; s < S && failure.empty(); ++s) {
+        if (j >= share[s].size()) continue;
+        const GemmProblem& p = ps[share[s][j]];
+        const Plan& pl = *plan[share[s][j]];
+        const cublasStatus_t r =
+            cublasLtMatmul(st.lt, pl.desc, &alpha, p.B, pl.a, p.A, pl.b, &beta, p.C, pl.c, p.C,
+                           pl.c, &pl.algo, st.side_ws[s], kWorkspaceBytes, st.side[s]);
+        if (r != CUBLAS_STATUS_SUCCESS)
+          failure = std::string("cuBLAS error in cublasLtMatmul (multi-stream grouped GEMM, M=") +
+                    std::to_string(p.M) + " N=" + std::to_string(p.N) + " K=" +
+                    std::to_string(p.K) + "): " + cublasLtGetStatusName(r);
+      }
+  }
   // Joined even after a failure: the compute stream must not run ahead of queued side work.
   for (int s = 0; s < S; ++s) {
     BB_CHECK_CUDA(cudaEventRecord(st.side_done[s], st.side[s]));

@@ -69,11 +69,13 @@ struct GroupedDefaults {
   GroupedAlgo widening = GroupedAlgo::multi_stream;
   int num_streams = 4;
   // Same-dtype calls whose mean problem is at least this many FLOPs (2 M N K over the non-empty
-  // problems) take multi_stream instead of `same_dtype`: measured on an H200 at E = 128,
-  // H = 2048, F = 768, cuBLAS's grouped GEMM ran 1.15 ms vs multi_stream's 1.92 ms at 1.6 GFLOP
-  // per expert (T = 4K tokens, top-8), 2.12 ms vs 1.98 ms (S = 2) at 3.2 GFLOP (T = 8K), and
-  // 8.3 ms vs 3.8 ms at 12.9 GFLOP (T = 32K). 0 disables the switch.
-  double multi_stream_min_flops = 2e9;
+  // problems) take multi_stream instead of `same_dtype`. Measured on an H200 at E = 128,
+  // H = 2048, F = 768 (forward stage, both projections): cuBLAS's grouped GEMM 1.15 ms vs
+  // single-thread multi_stream 1.92 ms at T = 4K tokens x top-8 (0.8-1.6 GFLOP per expert);
+  // 2.14 vs 1.78 ms (S = 2, threaded enqueue) at T = 8K; 8.7 vs 3.9 ms at T = 32K. In the
+  // end-to-end step of the 4-layer Qwen3-30B-A3B slice at 8K tokens, 1e9 gave 121.2 ms, 2e9
+  // 125.5 ms. 0 sends every same-dtype call to multi_stream.
+  double multi_stream_min_flops = 1e9;
 };
 GroupedDefaults grouped_defaults();
 void set_grouped_defaults(const GroupedDefaults& d);  // checked: no automatic, streams in range
@@ -87,7 +89,10 @@ void set_grouped_defaults(const GroupedDefaults& d);  // checked: no automatic, 
 //     asynchronous copy (no host sync).
 //   - multi_stream: the problems, largest (M N K) first, are dealt to the side stream with the
 //     least work so far (round-robin for equal sizes); each side stream runs its share as
-//     cuBLASLt GEMMs (the plans of cuda::gemm) with its own workspace. The side streams are
+//     cuBLASLt GEMMs (the plans of cuda::gemm) with its own workspace. Side streams 1..S-1 are
+//     enqueued by a per-device pool of host threads (one cuBLASLt handle each) while the
+//     calling thread enqueues stream 0: the ~8 us host cost per cublasLtMatmul is paid in
+//     parallel (BB_GROUPED_THREADED=0: one thread, interleaved). The side streams are
 //     forked from cuda::stream() and joined back with events: work after the call on
 //     cuda::stream() sees every C_g. Streams, events and workspaces (kMaxGroupedStreams at
 //     most, 32 MiB each under MemCategory::workspace) are created per device on first use and
