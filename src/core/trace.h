@@ -12,6 +12,7 @@
 // enclosing ranges. Off by default: a range then costs one branch more.
 #pragma once
 
+#include <cstdint>
 #include <cstdio>
 
 namespace bb::trace {
@@ -28,8 +29,9 @@ bool profiling();
 
 namespace bb {
 namespace trace {
-int range_begin(const char* name);  // -1 when not profiling
-void range_end(int id);
+// An id naming the profiling session and the record; -1 when not profiling.
+int64_t range_begin(const char* name);
+void range_end(int64_t id) noexcept;
 }  // namespace trace
 
 class TraceRange {
@@ -45,7 +47,7 @@ class TraceRange {
   TraceRange& operator=(const TraceRange&) = delete;
 
  private:
-  int id_;
+  int64_t id_;
 };
 }  // namespace bb
 

@@ -123,7 +123,12 @@ GroupedDefaults defaults_from_env() {
   }
   return d;
 }
-GroupedDefaults g_defaults = defaults_from_env();
+// Read on first use (under g_mu), so a bad environment value is an error of the first grouped
+// GEMM call rather than of static initialisation.
+GroupedDefaults& defaults_locked() {
+  static GroupedDefaults d = defaults_from_env();
+  return d;
+}
 
 // A 32 MiB workspace on `dev`, kept for the life of the process (deliberately never freed: it
 // would be released after the allocator and the CUDA context at exit). It counts as live
@@ -224,13 +229,20 @@ int64_t g_heuristic_calls = 0;  // guarded by g_mu
 constexpr size_t kMaxPlans = 16384;
 void destroy_plan(Plan& p);
 
+// Empties the plan cache if `n` more plans might not fit, so that the next n get_plan calls
+// never evict (a caller holding several plan references at once calls this first).
+void make_room(DeviceGemm& st, size_t n) {
+  BB_CHECK(n < kMaxPlans, "cuda::gemm: ", n, " problems in one call exceed the plan cache (",
+           kMaxPlans, ")");
+  if (st.plans.size() + n <= kMaxPlans) return;
+  for (auto& [key, plan] : st.plans) destroy_plan(plan);
+  st.plans.clear();
+}
+
 const Plan& get_plan(DeviceGemm& st, const PlanKey& k) {
   auto it = st.plans.find(k);
   if (it != st.plans.end()) return it->second;
-  if (st.plans.size() >= kMaxPlans) {
-    for (auto& [key, plan] : st.plans) destroy_plan(plan);
-    st.plans.clear();
-  }
+  make_room(st, 1);
   const DType at = static_cast<DType>(k.a), bt = static_cast<DType>(k.b),
               ct = static_cast<DType>(k.c);
   Plan p;
@@ -769,15 +781,18 @@ void grouped_cublas(bool ta, bool tb, const std::vector<GemmProblem>& ps, float 
 void ensure_side_streams(DeviceGemm& st, int n, int dev) {
   if (!st.fork) BB_CHECK_CUDA(cudaEventCreateWithFlags(&st.fork, cudaEventDisableTiming));
   while (static_cast<int>(st.side.size()) < n) {
+    // The workspace first (the step most likely to fail, near a full GPU), so that a failure
+    // leaves the three lists the same length. Allocated on the compute stream, so first used
+    // after the fork event that follows it.
+    void* ws = new_workspace(dev);
     cudaStream_t s = nullptr;
     cudaEvent_t e = nullptr;
     // Non-blocking like the compute stream: no implicit ordering with the legacy stream.
     BB_CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     BB_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    st.side_ws.push_back(ws);
     st.side.push_back(s);
     st.side_done.push_back(e);
-    // Allocated on the compute stream, so first used after the fork event that follows it.
-    st.side_ws.push_back(new_workspace(dev));
   }
 }
 
@@ -824,9 +839,15 @@ EnqueuePool& ensure_pool(DeviceGemm& st, int n, int dev) {
   while (pool.workers < n - 1) {
     cublasLtHandle_t h = nullptr;
     BB_CHECK_CUBLAS(cublasLtCreate(&h));
-    pool.handles.push_back(h);
-    ++pool.workers;
-    std::thread(worker_loop, &pool, pool.workers, dev).detach();
+    pool.handles.push_back(h);  // before the thread, which reads handles[w]
+    try {
+      std::thread(worker_loop, &pool, pool.workers + 1, dev).detach();
+    } catch (...) {
+      pool.handles.pop_back();
+      cublasLtDestroy(h);
+      throw;
+    }
+    ++pool.workers;  // only a started thread counts: jobs are given to w <= workers
   }
   return pool;
 }
@@ -874,6 +895,8 @@ void grouped_multi_stream(bool ta, bool tb, const std::vector<GemmProblem>& ps, 
   DeviceGemm& st = device_gemm(dev);
   ensure_side_streams(st, S, dev);
   // Every plan before the fork: a missing algorithm throws here, with no side work in flight.
+  // Room first: an eviction in the middle would free plans already looked up.
+  make_room(st, order.size());
   std::vector<const Plan*> plan(ps.size(), nullptr);
   for (size_t i : order)
     plan[i] = &get_plan(st, plan_key(ta, tb, ps[i].M, ps[i].N, ps[i].K, ps[i].A, ab, lda, 0,
@@ -963,7 +986,7 @@ const char* grouped_algo_name(GroupedAlgo a) {
 
 GroupedDefaults grouped_defaults() {
   std::lock_guard<std::mutex> lock(g_mu);
-  return g_defaults;
+  return defaults_locked();
 }
 
 void set_grouped_defaults(const GroupedDefaults& d) {
@@ -980,7 +1003,7 @@ void set_grouped_defaults(const GroupedDefaults& d) {
            "cuda::set_grouped_defaults: num_streams=", d.num_streams, " is not in [1, ",
            kMaxGroupedStreams, "]");
   std::lock_guard<std::mutex> lock(g_mu);
-  g_defaults = d;
+  defaults_locked() = d;
 }
 
 void gemm_grouped(bool ta, bool tb, const std::vector<GemmProblem>& problems, float alpha, DType ab,
@@ -995,7 +1018,7 @@ void gemm_grouped(bool ta, bool tb, const std::vector<GemmProblem>& problems, fl
   GroupedAlgo algo = cfg.algo;
   if (algo == GroupedAlgo::automatic) {
     algo = same ? defaults.same_dtype : defaults.widening;
-    if (same && defaults.multi_stream_min_flops > 0 && native(ab, cdt)) {
+    if (same && native(ab, cdt)) {
       double flops = 0;
       int64_t n = 0;
       for (const GemmProblem& p : problems)

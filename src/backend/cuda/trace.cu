@@ -23,6 +23,7 @@ struct Rec {
 };
 
 std::atomic<bool> g_on{false};
+int64_t g_session = 0;            // bumped by profile_begin; the high bits of a range id
 std::mutex g_mu;
 std::vector<Rec> g_recs;         // this session's ranges, in open order
 std::vector<cudaEvent_t> g_pool;  // events of earlier sessions, for reuse
@@ -53,24 +54,34 @@ bool profiling() { return g_on.load(std::memory_order_relaxed); }
 void profile_begin() {
   std::lock_guard<std::mutex> lock(g_mu);
   recycle_locked();
+  ++g_session;
   g_on = true;
 }
 
-int range_begin(const char* name) {
+int64_t range_begin(const char* name) {
   std::lock_guard<std::mutex> lock(g_mu);
   Rec r;
   r.name = name;
   r.a = take_event();
   cudaEventRecord(r.a, cuda::stream());
   g_recs.push_back(r);
-  return static_cast<int>(g_recs.size()) - 1;
+  return (g_session << 32) | static_cast<int64_t>(g_recs.size() - 1);
 }
 
-void range_end(int id) {
+void range_end(int64_t id) noexcept {
   std::lock_guard<std::mutex> lock(g_mu);
-  if (id < 0 || id >= static_cast<int>(g_recs.size())) return;  // a new session started
-  g_recs[id].b = take_event();
-  cudaEventRecord(g_recs[id].b, cuda::stream());
+  const int64_t idx = id & 0xffffffff;
+  // A range opened in an earlier session (or before this one) is not recorded.
+  if (id < 0 || (id >> 32) != g_session || idx >= static_cast<int64_t>(g_recs.size())) return;
+  cudaEvent_t e = nullptr;
+  if (!g_pool.empty()) {
+    e = g_pool.back();
+    g_pool.pop_back();
+  } else if (cudaEventCreate(&e) != cudaSuccess) {
+    return;  // a destructor must not throw: the range is simply not timed
+  }
+  g_recs[idx].b = e;
+  cudaEventRecord(e, cuda::stream());
 }
 
 void profile_report(FILE* out, double total_ms) {
