@@ -188,6 +188,11 @@ void check_loss_head_grads(const LossHeadDims& dims, const Tensor& h, const Loss
   check_dtype(saved.lse, DType::f32, op, "saved.lse");
   check_backend_device(saved.lse, op, "saved.lse");
   check_on(saved.lse, h.device(), op, "saved.lse");
+  check_head_grad_args(dims, h, d_h, d_w, op);
+}
+
+void check_head_grad_args(const LossHeadDims& dims, const Tensor& h, Tensor& d_h,
+                          const Tensor& d_w, const char* op) {
   BB_CHECK(d_w.defined(), op, ": d_w is undefined; it accumulates (+=), pass a zeroed [V, H] f32");
   check_shape(d_w, {dims.vocab, dims.hidden}, op, "d_w");
   check_dtype(d_w, DType::f32, op, "d_w");

@@ -80,6 +80,10 @@ LossHeadDims check_loss_head_inputs(const Tensor& h, const Tensor& w, const Tens
 // Checks saved.lse, d_w and d_h (allocating d_h as described at full_ce_backward).
 void check_loss_head_grads(const LossHeadDims& dims, const Tensor& h, const LossHeadSaved& saved,
                            Tensor& d_h, const Tensor& d_w, const char* op);
+// d_w [V, H] f32 (+=) must be given; d_h [T, H] (=) is allocated f32 under activations when
+// undefined. The checks every head's gradient call shares.
+void check_head_grad_args(const LossHeadDims& dims, const Tensor& h, Tensor& d_h,
+                          const Tensor& d_w, const char* op);
 }  // namespace detail
 
 }  // namespace bb

@@ -49,29 +49,6 @@ void check_fused_config(const LossHeadConfig& cfg, const char* op) {
            cfg.fused_chunk_tokens);
 }
 
-void check_on(const Tensor& t, Device dev, const char* op, const char* arg) {
-  BB_CHECK(t.device() == dev, op, ": argument '", arg, "' is on ", t.device().str(),
-           " but the computation runs on ", dev.str());
-}
-
-// d_w [V, H] f32 (+=) must be given; d_h [T, H] (=) is allocated f32 under activations when
-// undefined.
-void check_fused_grads(const detail::LossHeadDims& dims, const Tensor& h, Tensor& d_h,
-                       const Tensor& d_w, const char* op) {
-  BB_CHECK(d_w.defined(), op, ": d_w is undefined; it accumulates (+=), pass a zeroed [V, H] f32");
-  check_shape(d_w, {dims.vocab, dims.hidden}, op, "d_w");
-  check_dtype(d_w, DType::f32, op, "d_w");
-  check_backend_device(d_w, op, "d_w");
-  check_on(d_w, h.device(), op, "d_w");
-  if (!d_h.defined())
-    d_h = Tensor::empty({dims.num_tokens, dims.hidden}, DType::f32, h.device(),
-                        MemCategory::activations);
-  check_shape(d_h, h.shape(), op, "d_h");
-  check_float(d_h, op, "d_h");
-  check_backend_device(d_h, op, "d_h");
-  check_on(d_h, h.device(), op, "d_h");
-}
-
 #ifdef BB_WITH_CUDA
 Tensor targets_on(const Tensor& targets, Device dev) {
   return targets.device() == dev ? targets : targets.to(dev, MemCategory::workspace);
@@ -335,7 +312,7 @@ LossResult linear_ce_fused(float scale, const Tensor& h, const Tensor& w, const 
   const char* op = "linear_ce_fused";
   check_fused_config(cfg, op);
   const detail::LossHeadDims dims = detail::check_loss_head_inputs(h, w, targets, op);
-  check_fused_grads(dims, h, d_h, d_w, op);
+  detail::check_head_grad_args(dims, h, d_h, d_w, op);
 #ifdef BB_WITH_CUDA
   if (h.device().is_cuda())
     return linear_ce_fused_cuda(scale, h, w, targets, cfg, d_h, d_w, dims, op);

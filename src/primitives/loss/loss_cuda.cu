@@ -101,21 +101,10 @@ __device__ __forceinline__ void lse_merge(float& m, float& s, float om, float os
   m = M;
 }
 
-template <class T, int V>
-__global__ void ce_update_kernel(float* __restrict__ run_max, float* __restrict__ run_sum,
-                                 float* __restrict__ target_logit, const T* __restrict__ x,
-                                 int64_t ld, const int32_t* __restrict__ targets, int64_t v0,
-                                 int64_t nv, bool first) {
+// Block-wide merge of every thread's (m, s); all threads get the result. Contains barriers:
+// every thread of the block must call it.
+__device__ __forceinline__ void block_lse_merge(float& m, float& s) {
   __shared__ float sh_m[32], sh_s[32];
-  const int64_t r = blockIdx.x;
-  const T* xr = x + r * ld;
-  float m = -INFINITY, s = 0.0f;
-  for (int64_t j = static_cast<int64_t>(threadIdx.x) * V; j < nv; j += static_cast<int64_t>(blockDim.x) * V) {
-    float v[V];
-    load_f32<T, V>(xr + j, v);
-#pragma unroll
-    for (int i = 0; i < V; ++i) lse_add(m, s, v[i]);
-  }
   for (int off = 16; off > 0; off >>= 1) {
     const float om = __shfl_down_sync(0xffffffffu, m, off);
     const float os = __shfl_down_sync(0xffffffffu, s, off);
@@ -127,15 +116,40 @@ __global__ void ce_update_kernel(float* __restrict__ run_max, float* __restrict_
     sh_s[warp] = s;
   }
   __syncthreads();
-  if (warp != 0) return;
-  m = lane < warps ? sh_m[lane] : -INFINITY;
-  s = lane < warps ? sh_s[lane] : 0.0f;
-  for (int off = 16; off > 0; off >>= 1) {
-    const float om = __shfl_down_sync(0xffffffffu, m, off);
-    const float os = __shfl_down_sync(0xffffffffu, s, off);
-    lse_merge(m, s, om, os);
+  if (warp == 0) {
+    m = lane < warps ? sh_m[lane] : -INFINITY;
+    s = lane < warps ? sh_s[lane] : 0.0f;
+    for (int off = 16; off > 0; off >>= 1) {
+      const float om = __shfl_down_sync(0xffffffffu, m, off);
+      const float os = __shfl_down_sync(0xffffffffu, s, off);
+      lse_merge(m, s, om, os);
+    }
+    if (lane == 0) {
+      sh_m[0] = m;
+      sh_s[0] = s;
+    }
   }
-  if (lane != 0) return;
+  __syncthreads();
+  m = sh_m[0];
+  s = sh_s[0];
+}
+
+template <class T, int V>
+__global__ void ce_update_kernel(float* __restrict__ run_max, float* __restrict__ run_sum,
+                                 float* __restrict__ target_logit, const T* __restrict__ x,
+                                 int64_t ld, const int32_t* __restrict__ targets, int64_t v0,
+                                 int64_t nv, bool first) {
+  const int64_t r = blockIdx.x;
+  const T* xr = x + r * ld;
+  float m = -INFINITY, s = 0.0f;
+  for (int64_t j = static_cast<int64_t>(threadIdx.x) * V; j < nv; j += static_cast<int64_t>(blockDim.x) * V) {
+    float v[V];
+    load_f32<T, V>(xr + j, v);
+#pragma unroll
+    for (int i = 0; i < V; ++i) lse_add(m, s, v[i]);
+  }
+  block_lse_merge(m, s);
+  if (threadIdx.x != 0) return;
   if (!first) lse_merge(m, s, run_max[r], run_sum[r]);
   run_max[r] = m;
   run_sum[r] = s;
@@ -285,38 +299,6 @@ __device__ __forceinline__ void lse_step(const float* __restrict__ xr, int64_t b
   }
 }
 
-// Block-wide merge of every thread's (m, s); all threads get the result. Contains barriers:
-// every thread of the block must call it.
-__device__ __forceinline__ void block_lse_merge(float& m, float& s) {
-  __shared__ float sh_m[32], sh_s[32];
-  for (int off = 16; off > 0; off >>= 1) {
-    const float om = __shfl_down_sync(0xffffffffu, m, off);
-    const float os = __shfl_down_sync(0xffffffffu, s, off);
-    lse_merge(m, s, om, os);
-  }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  if (lane == 0) {
-    sh_m[warp] = m;
-    sh_s[warp] = s;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    m = lane < warps ? sh_m[lane] : -INFINITY;
-    s = lane < warps ? sh_s[lane] : 0.0f;
-    for (int off = 16; off > 0; off >>= 1) {
-      const float om = __shfl_down_sync(0xffffffffu, m, off);
-      const float os = __shfl_down_sync(0xffffffffu, s, off);
-      lse_merge(m, s, om, os);
-    }
-    if (lane == 0) {
-      sh_m[0] = m;
-      sh_s[0] = s;
-    }
-  }
-  __syncthreads();
-  m = sh_m[0];
-  s = sh_s[0];
-}
 
 // One block per row r of x [rows, vocab] f32. Loop step `base` covers `tile` = blockDim * kVec *
 // kFusedGroups columns; thread t's vector g starts at column base + (g * blockDim + t) * kVec, so every
