@@ -102,9 +102,10 @@ def tiny_configs():
     # biases; no top-k renormalisation; tied embeddings.
     qwen2 = dict(common, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[0],
                  shared_expert_intermediate_size=24, qkv_bias=True, tie_word_embeddings=True)
-    # GPU variants: the same models with head_dim 128 (what the cuDNN attention path takes) and
-    # a wider routing margin, so bf16 rounding on the GPU cannot flip a top-k choice.
-    d128 = dict(head_dim=128, min_routing_margin=1e-2)
+    # GPU variants: the same models with head_dim 128 (what the cuDNN attention path takes), a
+    # wider routing margin, so bf16 rounding on the GPU cannot flip a top-k choice, and weights
+    # that are bf16 numbers, so the GPU model's bf16 weights equal the reference's.
+    d128 = dict(head_dim=128, min_routing_margin=1e-2, bf16_values=True)
     return {"qwen3_moe_tiny": ("qwen3_moe", qwen3), "qwen2_moe_tiny": ("qwen2_moe", qwen2),
             "qwen3_moe_tiny_d128": ("qwen3_moe", dict(qwen3, **d128)),
             "qwen2_moe_tiny_d128": ("qwen2_moe", dict(qwen2, **d128))}
@@ -149,16 +150,19 @@ def build_model(family, cfg):
 
 
 @torch.no_grad()
-def reinit(model, seed):
+def reinit(model, seed, bf16_values=False):
+    """bf16_values: every weight is a bf16 number (stored in fp32), so a bf16 model holds the
+    reference's weights exactly and the comparison measures only the bf16 arithmetic."""
     g = torch.Generator().manual_seed(seed)
     for name, p in sorted(model.named_parameters()):
         r = torch.randn(p.shape, generator=g, dtype=torch.float32)
         if "norm" in name:
-            p.copy_(1.0 + 0.1 * r)
+            v = 1.0 + 0.1 * r
         elif name.endswith(".bias"):
-            p.copy_(0.1 * r)
+            v = 0.1 * r
         else:
-            p.copy_(MATRIX_STD * r)
+            v = MATRIX_STD * r
+        p.copy_(v.bfloat16().float() if bf16_values else v)
 
 
 def make_batch(vocab, seed):
@@ -293,12 +297,13 @@ def make_golden(name, family, kw, out_root, seed, device):
     import transformers
     kw = dict(kw)
     min_margin = kw.pop("min_routing_margin", 1e-3)
+    bf16_values = kw.pop("bf16_values", False)
     cfg = build_config(family, kw)
     for attempt in range(400):
         s = seed + attempt
         torch.manual_seed(s)
         model = build_model(family, cfg)
-        reinit(model, s)
+        reinit(model, s, bf16_values)
         seqs = make_batch(cfg.vocab_size, s)
         with torch.no_grad():
             _, raw, _, _, _ = run_batch(model, seqs)

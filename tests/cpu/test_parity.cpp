@@ -195,8 +195,8 @@ TEST(HfParity, OtherGoldenDirs) {
     check_golden(e.path().string());
     if (path_exists(path_join(e.path().string(), "loss_curve.json")))
       // 2e-3: the qwen3 d128 curve turns sensitive near the end (at steps 15-17 a single token
-      // swings the grad norm); a different BLAS summation order alone (1 vs 2 OpenBLAS threads)
-      // moved it by 6e-4 relative there.
+      // swings the grad norm); the BLAS summation order alone (1 vs 2 OpenBLAS threads) moves
+      // it by 7e-4 to 9e-4 relative there.
       check_curve(e.path().string(), "linear_ce", 2e-3);
   }
 }

@@ -6,8 +6,9 @@
 // reference AdamW loss curve (tools/hf_reference.py --train-steps 20).
 //
 // The GPU uses the `_d128` goldens: the same tiny models with head_dim 128 (the head dims the
-// cuDNN attention path takes) and a top-k margin of 1e-2 in probability, so that bf16 rounding
-// cannot flip an expert choice. A missing golden is a failure, not a skip.
+// cuDNN attention path takes), a top-k margin of 1e-2 in probability, so that bf16 rounding
+// cannot flip an expert choice, and weights that are bf16 numbers. A missing golden is a
+// failure, not a skip.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -30,14 +31,16 @@ using test::golden_rel_err;
 using test::meta_number;
 using test::rel_scalar;
 
-// Logits and losses: DESIGN.md's bf16 tolerance. Gradients: the whole model end to end in bf16
-// (weights rounded to bf16 from the fp32 checkpoint, activations and activation gradients
-// rounded at every primitive boundary) against fp32 transformers; measured on an H200, the
-// gradient errors were 0.4e-2 to 3.0e-2 (small bias gradients, sums over few tokens with
-// cancellation, are the worst), mean about 1.4e-2. So: every gradient below 5e-2, and their mean
-// below 2e-2. The per-primitive tests (test_*_gpu) hold each kernel to 1e-2.
+// Logits and losses: DESIGN.md's bf16 tolerance (1e-2). Gradients: the whole model end to end
+// in bf16 (activations and activation gradients rounded at every primitive boundary; the goldens'
+// weights are bf16 numbers, so the weights themselves match exactly) against fp32 transformers.
+// Measured on an H200: per-tensor errors 2.7e-3 to 2.9e-2, the largest on the q/k bias gradients
+// (sums over 26 tokens with cancellation), mean 9.7e-3 (qwen3) and 9.6e-3 (qwen2), i.e. within
+// DESIGN's 1e-2 on average. Asserted with headroom for other cards and library versions: every
+// gradient below 4e-2 and their mean below 1.5e-2. Each kernel alone is held to 1e-2 by its own
+// test (test_*_gpu).
 constexpr double kTol = test::kTolBf16;
-constexpr double kGradTol = 5e-2, kGradMeanTol = 2e-2;
+constexpr double kGradTol = 4e-2, kGradMeanTol = 1.5e-2;
 
 // Per golden: forward and backward in bf16 on cuda:0 against the fp32 reference.
 void check_golden_gpu(const std::string& dir, const std::string& loss) {
@@ -121,7 +124,7 @@ void check_golden_gpu(const std::string& dir, const std::string& loss) {
 // difference <= 2e-2 over the run; the grad norm within 2e-2 relative over the first 10 steps
 // (later, at low loss, a tiny model's grad norm swings with single tokens: measured on an H200,
 // qwen3 d128 showed 1.34 vs 0.91 at step 16 while the losses stayed within 0.02 nats). Measured
-// maxima: 0.020 nats (qwen3) and 0.012 nats (qwen2).
+// maxima: 0.013 nats (qwen3) and 0.010 nats (qwen2); mean relative 8.3e-3 and 4.1e-3.
 void check_curve_gpu(const std::string& dir, const std::string& loss) {
   SafetensorsReader g(path_join(dir, "golden.safetensors"));
   const test::GoldenCurve ref = test::read_golden_curve(dir);
