@@ -3,6 +3,9 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
+#include <cstdint>
+
 #include "core/error.h"
 
 #define BB_CHECK_CUDA(expr)                                                                  \
@@ -18,4 +21,17 @@ namespace bb::cuda {
 // The stream all primitives run on (one compute stream per device for now).
 cudaStream_t stream();
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// Whether p is a multiple of `bytes` (the precondition of the vectorised kernel paths).
+inline bool aligned(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+// Multiprocessors of the current device (asked once per device, then cached).
+int sm_count();
+// Blocks of `threads` for a grid-stride loop over `work` items: enough to cover the work, at
+// most `blocks_per_sm` per multiprocessor (enough resident threads to hide memory latency).
+inline unsigned grid_stride_blocks(int64_t work, int threads, int blocks_per_sm = 16) {
+  const int64_t cap = int64_t{sm_count()} * blocks_per_sm;
+  return static_cast<unsigned>(
+      work <= 0 ? 1 : (ceil_div(work, threads) < cap ? ceil_div(work, threads) : cap));
+}
 }  // namespace bb::cuda

@@ -34,6 +34,7 @@
 #include "backend/cuda/check.cuh"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/runtime.h"
+#include "backend/cuda/vec.cuh"
 #include "core/tensor.h"
 
 #define BB_CHECK_CUBLAS(expr)                                                  \
@@ -326,31 +327,6 @@ Tensor converted(const void* p, DType from, DType to, int64_t n, int dev) {
   return t;
 }
 
-template <class T>
-__device__ __forceinline__ float to_f(T x) {
-  return static_cast<float>(x);
-}
-template <>
-__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-template <>
-__device__ __forceinline__ float to_f<__half>(__half x) {
-  return __half2float(x);
-}
-template <class T>
-__device__ __forceinline__ T from_f(float x) {
-  return static_cast<T>(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <>
-__device__ __forceinline__ __half from_f<__half>(float x) {
-  return __float2half_rn(x);
-}
-
 // C[b][r, c] = beta * C (beta = 0 writes zeros, NaN included): the K = 0 product.
 template <class T>
 __global__ void scale_kernel(T* C, int64_t rows, int64_t cols, int64_t ldc, int64_t stride,
@@ -360,7 +336,7 @@ __global__ void scale_kernel(T* C, int64_t rows, int64_t cols, int64_t ldc, int6
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t b = i / (rows * cols), r = (i / cols) % rows, c = i % cols;
     T* p = C + b * stride + r * ldc + c;
-    *p = from_f<T>(beta == 0.0f ? 0.0f : beta * to_f(*p));
+    store_f(p, 0, beta == 0.0f ? 0.0f : beta * load_f(p, 0));
   }
 }
 
@@ -682,7 +658,8 @@ __global__ void __launch_bounds__(kThreads)
           const int r = (lane * 8 + e) / 16, c = (lane * 8 + e) % 16;
           float s = 0.0f;
           for (int kk = 0; kk < kBK; ++kk)
-            s += to_f(As[cur][kk][wm * 64 + i * 16 + r]) * to_f(Bs[cur][kk][wn * 32 + j * 16 + c]);
+            s += load_f(&As[cur][kk][wm * 64 + i * 16 + r], 0) *
+                 load_f(&Bs[cur][kk][wn * 32 + j * 16 + c], 0);
           acc_s[i][j][e] += s;
         }
 #endif

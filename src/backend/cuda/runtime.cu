@@ -24,6 +24,7 @@ std::atomic<int64_t> g_host_syncs{0};
 struct DeviceState {
   cudaStream_t stream = nullptr;
   cudaMemPool_t pool = nullptr;
+  int sms = 0;
 };
 
 DeviceState& state(int dev) {
@@ -44,6 +45,7 @@ DeviceState& state(int dev) {
     BB_CHECK_CUDA(cudaDeviceGetDefaultMemPool(&s.pool, dev));
     uint64_t keep = UINT64_MAX;  // never give memory back to the driver between steps
     BB_CHECK_CUDA(cudaMemPoolSetAttribute(s.pool, cudaMemPoolAttrReleaseThreshold, &keep));
+    BB_CHECK_CUDA(cudaDeviceGetAttribute(&s.sms, cudaDevAttrMultiProcessorCount, dev));
   }
   return s;
 }
@@ -93,6 +95,7 @@ void convert_from(void* dst, DType dt, const void* src, int64_t n) {
 }  // namespace
 
 cudaStream_t stream() { return state(current_device()).stream; }
+int sm_count() { return state(current_device()).sms; }
 
 int device_count() {
   int n = 0;

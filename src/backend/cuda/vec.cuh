@@ -11,10 +11,13 @@ namespace bb::cuda {
 
 using bf16_t = uint16_t;  // bf16 storage bits
 
+// bf16 arrives either as raw bits (bf16_t) or as CUDA's __nv_bfloat16; f16 as __half.
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(bf16_t v) {
   return __uint_as_float(static_cast<uint32_t>(v) << 16);
 }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
 template <class T>
 __device__ __forceinline__ T from_f32(float v);
 template <>
@@ -23,6 +26,12 @@ template <>
 __device__ __forceinline__ bf16_t from_f32<bf16_t>(float v) {
   return __bfloat16_as_ushort(__float2bfloat16_rn(v));
 }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
 
 // Element i of a typed array to / from f32 (scalar paths over f32, bf16 or f16 storage).
 __device__ __forceinline__ float load_f(const float* p, int64_t i) { return p[i]; }
@@ -32,7 +41,8 @@ __device__ __forceinline__ void store_f(float* p, int64_t i, float v) { p[i] = v
 __device__ __forceinline__ void store_f(__nv_bfloat16* p, int64_t i, float v) { p[i] = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void store_f(__half* p, int64_t i, float v) { p[i] = __float2half_rn(v); }
 
-// N elements of T moved as one access (at most 16 bytes); the pointer must be aligned to it.
+// N elements of T moved as one access of N * sizeof(T) bytes (several 16-byte accesses beyond
+// 16); the pointer must be aligned to min(N * sizeof(T), 16).
 template <class T, int N>
 struct alignas(N * sizeof(T) < 16 ? N * sizeof(T) : 16) Pack {
   T v[N];

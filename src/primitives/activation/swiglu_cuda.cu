@@ -77,28 +77,17 @@ __global__ void __launch_bounds__(kThreads)
 
 #undef ROW_COL_LOOP
 
-bool aligned(const void* p, size_t bytes) {
-  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
-}
-
-unsigned grid_for(int64_t work) {
-  int dev = 0, sms = 0;
-  BB_CHECK_CUDA(cudaGetDevice(&dev));
-  BB_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  // Enough resident threads to cover memory latency; the loops stride over the rest.
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(ceil_div(work, kThreads),
-                                                                      int64_t{sms} * 16)));
-}
-
 template <class T>
 void launch_fwd(void* h, const void* gate_up, int64_t N, int64_t F) {
   constexpr int V = 16 / sizeof(T);
   auto* ho = static_cast<T*>(h);
   auto* gi = static_cast<const T*>(gate_up);
   if (F % V == 0 && aligned(h, 16) && aligned(gate_up, 16))
-    swiglu_fwd_kernel<T, V><<<grid_for(N * F / V), kThreads, 0, stream()>>>(ho, gi, N, F);
+    swiglu_fwd_kernel<T, V>
+        <<<grid_stride_blocks(N * F / V, kThreads), kThreads, 0, stream()>>>(ho, gi, N, F);
   else
-    swiglu_fwd_kernel<T, 1><<<grid_for(N * F), kThreads, 0, stream()>>>(ho, gi, N, F);
+    swiglu_fwd_kernel<T, 1>
+        <<<grid_stride_blocks(N * F, kThreads), kThreads, 0, stream()>>>(ho, gi, N, F);
   BB_CHECK_LAUNCH();
 }
 
@@ -109,9 +98,11 @@ void launch_bwd(void* d_gate_up, const void* d_h, const void* gate_up, int64_t N
   auto* dh = static_cast<const TH*>(d_h);
   auto* gi = static_cast<const T*>(gate_up);
   if (F % V == 0 && aligned(d_gate_up, 16) && aligned(gate_up, 16) && aligned(d_h, 16))
-    swiglu_bwd_kernel<T, TH, V><<<grid_for(N * F / V), kThreads, 0, stream()>>>(d, dh, gi, N, F);
+    swiglu_bwd_kernel<T, TH, V>
+        <<<grid_stride_blocks(N * F / V, kThreads), kThreads, 0, stream()>>>(d, dh, gi, N, F);
   else
-    swiglu_bwd_kernel<T, TH, 1><<<grid_for(N * F), kThreads, 0, stream()>>>(d, dh, gi, N, F);
+    swiglu_bwd_kernel<T, TH, 1>
+        <<<grid_stride_blocks(N * F, kThreads), kThreads, 0, stream()>>>(d, dh, gi, N, F);
   BB_CHECK_LAUNCH();
 }
 

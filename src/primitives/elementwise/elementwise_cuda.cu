@@ -94,19 +94,10 @@ struct Sigmoid {
   }
 };
 
-bool aligned(const void* p, size_t bytes) {
-  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
-}
-
 template <class Op>
 void launch(int64_t n, bool vec, const Op& op) {
   if (n == 0) return;
-  int dev = 0, sms = 0;
-  BB_CHECK_CUDA(cudaGetDevice(&dev));
-  BB_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  const int64_t work = vec ? ceil_div(n, kVec) : n;
-  const auto blocks = static_cast<unsigned>(
-      std::max<int64_t>(1, std::min<int64_t>(ceil_div(work, kThreads), int64_t{sms} * 16)));
+  const unsigned blocks = grid_stride_blocks(vec ? ceil_div(n, kVec) : n, kThreads);
   if (vec)
     flat_kernel<kVec, Op><<<blocks, kThreads, 0, stream()>>>(n, op);
   else

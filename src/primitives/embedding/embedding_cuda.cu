@@ -51,10 +51,6 @@ __global__ void __launch_bounds__(kThreads)
   store<float, N>(row, acc);
 }
 
-bool aligned(const void* p, size_t bytes) {
-  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
-}
-
 template <class U>
 void launch_gather(void* y, const void* table, const int32_t* ids, int64_t T, int64_t row_bytes) {
   gather_rows_kernel<U><<<static_cast<unsigned>(T), kThreads, 0, stream()>>>(

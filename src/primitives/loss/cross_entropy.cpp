@@ -59,10 +59,6 @@ void check_logits(const Tensor& logits, const char* op) {
 }
 
 #ifdef BB_WITH_CUDA
-Tensor targets_on(const Tensor& targets, Device dev) {
-  return targets.device() == dev ? targets : targets.to(dev, MemCategory::workspace);
-}
-
 // Cross-entropy forward of device logits x [T, V] (row stride V): lse [T] f32 written, totals
 // read back once. Throws for targets >= V (device targets are only checked here).
 LossResult ce_forward_cuda(const Tensor& x, const Tensor& targets_dev, float* lse, int64_t T,
@@ -74,21 +70,9 @@ LossResult ce_forward_cuda(const Tensor& x, const Tensor& targets_dev, float* ls
   float* run_max = run.data<float>();
   float* run_sum = run_max + T;
   float* target_logit = run_max + 2 * T;
-  Tensor totals = Tensor::empty({static_cast<int64_t>(cuda::ce_totals_bytes())}, DType::u8, dev,
-                                MemCategory::workspace);
-  const int32_t* tg = targets_dev.data<int32_t>();
-  cuda::ce_online_update(run_max, run_sum, target_logit, x.raw(), x.dtype(), V, tg, T, 0, V, true);
-  const cuda::CeTotals c =
-      cuda::ce_finalize(lse, totals.raw(), run_max, run_sum, target_logit, tg, T, V);
-  if (c.first_bad_row >= 0) {
-    const int32_t v = targets_dev.narrow(c.first_bad_row, 1).to_ints()[0];
-    BB_FAIL(op, ": targets[", c.first_bad_row, "] = ", v, " is out of range for vocab size ", V,
-            " (valid: 0..", V - 1, ", or negative to mask the position)");
-  }
-  LossResult r;
-  r.loss_sum = c.loss_sum;
-  r.num_valid = c.num_valid;
-  return r;
+  cuda::ce_online_update(run_max, run_sum, target_logit, x.raw(), x.dtype(), V,
+                         targets_dev.data<int32_t>(), T, 0, V, true);
+  return detail::finish_ce_cuda(lse, run_max, run_sum, target_logit, targets_dev, T, V, op);
 }
 #endif
 
@@ -116,7 +100,7 @@ LossResult cross_entropy_forward(const Tensor& logits, const Tensor& targets, Te
       lse_tmp = Tensor::empty({T}, DType::f32, dev, MemCategory::workspace);
       lse = lse_tmp.data<float>();
     }
-    return ce_forward_cuda(logits, targets_on(targets, dev), lse, T, V, op);
+    return ce_forward_cuda(logits, detail::targets_on(targets, dev), lse, T, V, op);
   }
 #endif
   Tensor lf = cpu::as_f32(logits);
@@ -140,7 +124,7 @@ Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const
 #ifdef BB_WITH_CUDA
   if (dev.is_cuda()) {
     Tensor d = Tensor::empty({T, V}, DType::f32, dev, MemCategory::logits);
-    Tensor tg = targets_on(targets, dev);
+    Tensor tg = detail::targets_on(targets, dev);
     cuda::ce_softmax_grad(d.raw(), DType::f32, V, logits.raw(), logits.dtype(), V,
                           tg.data<int32_t>(), lse.data<float>(), scale, T, 0, V);
     return d;
@@ -207,6 +191,30 @@ void check_head_grad_args(const LossHeadDims& dims, const Tensor& h, Tensor& d_h
   check_on(d_h, h.device(), op, "d_h");
 }
 
+#ifdef BB_WITH_CUDA
+Tensor targets_on(const Tensor& targets, Device dev) {
+  return targets.device() == dev ? targets : targets.to(dev, MemCategory::workspace);
+}
+
+LossResult finish_ce_cuda(float* lse, const float* run_max, const float* run_sum,
+                          const float* target_logit, const Tensor& targets_dev, int64_t T,
+                          int64_t V, const char* op, const char* consequence) {
+  Tensor totals = Tensor::empty({static_cast<int64_t>(cuda::ce_totals_bytes())}, DType::u8,
+                                targets_dev.device(), MemCategory::workspace);
+  const cuda::CeTotals c = cuda::ce_finalize(lse, totals.raw(), run_max, run_sum, target_logit,
+                                             targets_dev.data<int32_t>(), T, V);
+  if (c.first_bad_row >= 0) {
+    const int32_t v = targets_dev.narrow(c.first_bad_row, 1).to_ints()[0];
+    BB_FAIL(op, ": targets[", c.first_bad_row, "] = ", v, " is out of range for vocab size ", V,
+            " (valid: 0..", V - 1, ", or negative to mask the position)", consequence);
+  }
+  LossResult r;
+  r.loss_sum = c.loss_sum;
+  r.num_valid = c.num_valid;
+  return r;
+}
+#endif
+
 }  // namespace detail
 
 Tensor lm_head_logits(const Tensor& h, const Tensor& w) {
@@ -244,7 +252,7 @@ LossResult full_ce_forward(const Tensor& h, const Tensor& w, const Tensor& targe
   LossResult r;
 #ifdef BB_WITH_CUDA
   if (h.device().is_cuda()) {
-    r = ce_forward_cuda(logits, targets_on(targets, h.device()), lse.data<float>(),
+    r = ce_forward_cuda(logits, detail::targets_on(targets, h.device()), lse.data<float>(),
                         dims.num_tokens, dims.vocab, op);
   } else
 #endif
@@ -279,7 +287,7 @@ void full_ce_backward(float scale, const Tensor& h, const Tensor& w, const Tenso
     const Device dev = h.device();
     // d_logits in the GEMM operand dtype (bf16 for bf16 h/w): peak logits T*V*(4 + 2 or 4).
     Tensor d_logits = Tensor::empty({T, V}, h.dtype(), dev, MemCategory::logits);
-    Tensor tg = targets_on(targets, dev);
+    Tensor tg = detail::targets_on(targets, dev);
     cuda::ce_softmax_grad(d_logits.raw(), d_logits.dtype(), V, saved.logits.raw(), DType::f32, V,
                           tg.data<int32_t>(), saved.lse.data<float>(), scale, T, 0, V);
     // d_h = d_logits @ w  [T, V] x [V, H]

@@ -84,6 +84,16 @@ void check_loss_head_grads(const LossHeadDims& dims, const Tensor& h, const Loss
 // undefined. The checks every head's gradient call shares.
 void check_head_grad_args(const LossHeadDims& dims, const Tensor& h, Tensor& d_h,
                           const Tensor& d_w, const char* op);
+#ifdef BB_WITH_CUDA
+// targets as an i32 tensor on `dev` (a workspace copy when they live elsewhere).
+Tensor targets_on(const Tensor& targets, Device dev);
+// The end of every CUDA loss head: lse [T] f32 from the running max / sum (device [T] each),
+// loss sum and valid count read back once, and the error for a target >= V (device targets are
+// only checked here); `consequence` is appended to that message.
+LossResult finish_ce_cuda(float* lse, const float* run_max, const float* run_sum,
+                          const float* target_logit, const Tensor& targets_dev, int64_t T,
+                          int64_t V, const char* op, const char* consequence = "");
+#endif
 }  // namespace detail
 
 }  // namespace bb

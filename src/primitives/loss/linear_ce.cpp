@@ -50,9 +50,6 @@ void check_fused_config(const LossHeadConfig& cfg, const char* op) {
 }
 
 #ifdef BB_WITH_CUDA
-Tensor targets_on(const Tensor& targets, Device dev) {
-  return targets.device() == dev ? targets : targets.to(dev, MemCategory::workspace);
-}
 
 LossResult linear_ce_forward_cuda(const Tensor& h, const Tensor& w, const Tensor& targets,
                                   const LossHeadConfig& cfg, LossHeadSaved* saved,
@@ -60,7 +57,7 @@ LossResult linear_ce_forward_cuda(const Tensor& h, const Tensor& w, const Tensor
   const Device dev = h.device();
   const int64_t T = dims.num_tokens, V = dims.vocab;
   const int64_t ct = std::min(cfg.chunk_tokens, T), cv = std::min(cfg.chunk_vocab, V);
-  Tensor tg = targets_on(targets, dev);
+  Tensor tg = detail::targets_on(targets, dev);
   const int32_t* tgp = tg.data<int32_t>();
   Tensor lse = Tensor::empty({T}, DType::f32, dev, MemCategory::activations);
   Tensor run = Tensor::empty({3 * T}, DType::f32, dev, MemCategory::workspace);
@@ -80,22 +77,12 @@ LossResult linear_ce_forward_cuda(const Tensor& h, const Tensor& w, const Tensor
                              nv, tgp + t0, nt, v0, nv, v0 == 0);
     }
   }
-  Tensor totals = Tensor::empty({static_cast<int64_t>(cuda::ce_totals_bytes())}, DType::u8, dev,
-                                MemCategory::workspace);
-  const cuda::CeTotals c = cuda::ce_finalize(lse.data<float>(), totals.raw(), run_max, run_sum,
-                                             target_logit, tgp, T, V);
-  if (c.first_bad_row >= 0) {
-    const int32_t v = tg.narrow(c.first_bad_row, 1).to_ints()[0];
-    BB_FAIL(op, ": targets[", c.first_bad_row, "] = ", v, " is out of range for vocab size ", V,
-            " (valid: 0..", V - 1, ", or negative to mask the position)");
-  }
+  const LossResult r = detail::finish_ce_cuda(lse.data<float>(), run_max, run_sum, target_logit,
+                                              tg, T, V, op);
   if (saved) {
     saved->logits = Tensor();
     saved->lse = lse;
   }
-  LossResult r;
-  r.loss_sum = c.loss_sum;
-  r.num_valid = c.num_valid;
   return r;
 }
 
@@ -107,7 +94,7 @@ void linear_ce_backward_cuda(float scale, const Tensor& h, const Tensor& w, cons
   const int64_t ct = std::min(cfg.chunk_tokens, T), cv = std::min(cfg.chunk_vocab, V);
   const bool lowp = h.dtype() != DType::f32;  // bf16 GEMM operands: a bf16 gradient block
   const int64_t ctb = lowp ? std::max<int64_t>(1, 2 * ct / 3) : ct;
-  Tensor tg = targets_on(targets, dev);
+  Tensor tg = detail::targets_on(targets, dev);
   const int32_t* tgp = tg.data<int32_t>();
   const float* lse = saved.lse.data<float>();
   Tensor block = Tensor::empty({ctb * cv}, DType::f32, dev, MemCategory::logits);
@@ -148,7 +135,7 @@ LossResult linear_ce_fused_cuda(float scale, const Tensor& h, const Tensor& w,
   const int64_t ct = std::min(cfg.fused_chunk_tokens, T);
   const DType dt = h.dtype();  // GEMM operand dtype of h, w and the gradient block
   const int64_t ldd = cuda::ce_fused_grad_ld(V, dt);
-  Tensor tg = targets_on(targets, dev);
+  Tensor tg = detail::targets_on(targets, dev);
   const int32_t* tgp = tg.data<int32_t>();
   Tensor stats = Tensor::empty({4 * T}, DType::f32, dev, MemCategory::workspace);
   float* run_max = stats.data<float>();
@@ -182,19 +169,8 @@ LossResult linear_ce_fused_cuda(float scale, const Tensor& h, const Tensor& w,
     cuda::gemm(true, false, V, H, nt, 1.0f, block.raw(), dt, ldd, hc, dt, H, 1.0f, d_w.raw(),
                DType::f32, H, idx);
   }
-  Tensor totals = Tensor::empty({static_cast<int64_t>(cuda::ce_totals_bytes())}, DType::u8, dev,
-                                MemCategory::workspace);
-  const cuda::CeTotals c =
-      cuda::ce_finalize(lse, totals.raw(), run_max, run_sum, target_logit, tgp, T, V);
-  if (c.first_bad_row >= 0) {
-    const int32_t v = tg.narrow(c.first_bad_row, 1).to_ints()[0];
-    BB_FAIL(op, ": targets[", c.first_bad_row, "] = ", v, " is out of range for vocab size ", V,
-            " (valid: 0..", V - 1, ", or negative to mask the position); d_h and d_w are invalid");
-  }
-  LossResult r;
-  r.loss_sum = c.loss_sum;
-  r.num_valid = c.num_valid;
-  return r;
+  return detail::finish_ce_cuda(lse, run_max, run_sum, target_logit, tg, T, V, op,
+                                "; d_h and d_w are invalid");
 }
 #endif
 

@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include "backend/cuda/check.cuh"
+#include "backend/cuda/vec.cuh"
 #include "backend/cuda/runtime.h"
 #include "primitives/loss/loss_cuda.h"
 
@@ -31,51 +32,9 @@ namespace {
 constexpr int kMaxThreads = 512;
 constexpr int kFinalThreads = 1024;
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 int row_threads(int64_t units) {
   return static_cast<int>(
       std::min<int64_t>(kMaxThreads, std::max<int64_t>(32, ceil_div(units, 32) * 32)));
-}
-
-// ---- element conversion and vector access ---------------------------------------------------
-template <class T> __device__ __forceinline__ float to_f32(T x);
-template <> __device__ __forceinline__ float to_f32<float>(float x) { return x; }
-template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <class T> __device__ __forceinline__ T from_f32(float x);
-template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-
-template <int kBytes> struct Raw;
-template <> struct Raw<16> { using type = uint4; };
-template <> struct Raw<8> { using type = uint2; };
-template <> struct Raw<4> { using type = uint32_t; };
-template <> struct Raw<2> { using type = uint16_t; };
-
-// N consecutive elements to/from f32, in pieces of at most 16 bytes (each aligned to its size).
-template <class T, int N>
-__device__ __forceinline__ void load_f32(const T* p, float (&out)[N]) {
-  constexpr int kPiece = N * sizeof(T) > 16 ? 16 / sizeof(T) : N;
-  using R = typename Raw<kPiece * sizeof(T)>::type;
-#pragma unroll
-  for (int c = 0; c < N; c += kPiece) {
-    const R r = *reinterpret_cast<const R*>(p + c);
-    const T* e = reinterpret_cast<const T*>(&r);
-#pragma unroll
-    for (int i = 0; i < kPiece; ++i) out[c + i] = to_f32(e[i]);
-  }
-}
-template <class T, int N>
-__device__ __forceinline__ void store_f32(T* p, const float (&v)[N]) {
-  constexpr int kPiece = N * sizeof(T) > 16 ? 16 / sizeof(T) : N;
-  using R = typename Raw<kPiece * sizeof(T)>::type;
-#pragma unroll
-  for (int c = 0; c < N; c += kPiece) {
-    R r;
-    T* e = reinterpret_cast<T*>(&r);
-#pragma unroll
-    for (int i = 0; i < kPiece; ++i) e[i] = from_f32<T>(v[c + i]);
-    *reinterpret_cast<R*>(p + c) = r;
-  }
 }
 
 // ---- online logsumexp -----------------------------------------------------------------------
@@ -144,7 +103,7 @@ __global__ void ce_update_kernel(float* __restrict__ run_max, float* __restrict_
   float m = -INFINITY, s = 0.0f;
   for (int64_t j = static_cast<int64_t>(threadIdx.x) * V; j < nv; j += static_cast<int64_t>(blockDim.x) * V) {
     float v[V];
-    load_f32<T, V>(xr + j, v);
+    load<T, V>(xr + j, v);
 #pragma unroll
     for (int i = 0; i < V; ++i) lse_add(m, s, v[i]);
   }
@@ -219,14 +178,14 @@ __global__ void ce_softmax_grad_kernel(TO* d, int64_t ld_d, const TI* x, int64_t
 #pragma unroll
       for (int i = 0; i < V; ++i) v[i] = 0.0f;
     } else {
-      load_f32<TI, V>(xr + j, v);
+      load<TI, V>(xr + j, v);
 #pragma unroll
       for (int i = 0; i < V; ++i) {
         const float onehot = (v0 + j + i == tg) ? 1.0f : 0.0f;
         v[i] = scale * (expf(v[i] - l) - onehot);
       }
     }
-    store_f32<TO, V>(dr + j, v);
+    store<TO, V>(dr + j, v);
   }
 }
 
@@ -235,7 +194,7 @@ void launch_update(float* run_max, float* run_sum, float* target_logit, const vo
                    const int32_t* targets, int64_t rows, int64_t v0, int64_t nv, bool first) {
   constexpr int kVec = 16 / sizeof(T);
   const T* xp = static_cast<const T*>(x);
-  if (nv % kVec == 0 && ld % kVec == 0 && aligned16(x)) {
+  if (nv % kVec == 0 && ld % kVec == 0 && aligned(x, 16)) {
     ce_update_kernel<T, kVec><<<static_cast<unsigned>(rows), row_threads(nv / kVec), 0, stream()>>>(
         run_max, run_sum, target_logit, xp, ld, targets, v0, nv, first);
   } else {
@@ -251,7 +210,7 @@ void launch_grad(void* d, int64_t ld_d, const void* x, int64_t ld_x, const int32
   constexpr int kVec = 16 / sizeof(TI);
   TO* dp = static_cast<TO*>(d);
   const TI* xp = static_cast<const TI*>(x);
-  if (nv % kVec == 0 && ld_x % kVec == 0 && ld_d % kVec == 0 && aligned16(x) && aligned16(d)) {
+  if (nv % kVec == 0 && ld_x % kVec == 0 && ld_d % kVec == 0 && aligned(x, 16) && aligned(d, 16)) {
     ce_softmax_grad_kernel<TI, TO, kVec><<<static_cast<unsigned>(rows), row_threads(nv / kVec), 0,
                                            stream()>>>(dp, ld_d, xp, ld_x, targets, lse, scale, v0, nv);
   } else {
@@ -290,7 +249,7 @@ __device__ __forceinline__ void lse_step(const float* __restrict__ xr, int64_t b
 #pragma unroll
   for (int g = 0; g < kFusedGroups; ++g) {
     const int64_t j = base + (g * nthreads + threadIdx.x) * kVec;
-    if (!kChecked || j < vocab) load_f32<float, kVec>(xr + j, v[g]);
+    if (!kChecked || j < vocab) load<float, kVec>(xr + j, v[g]);
   }
 #pragma unroll
   for (int g = 0; g < kFusedGroups; ++g) {
@@ -298,7 +257,6 @@ __device__ __forceinline__ void lse_step(const float* __restrict__ xr, int64_t b
     if (!kChecked || j < vocab) lse_fold<kVec>(m, s, v[g]);
   }
 }
-
 
 // One block per row r of x [rows, vocab] f32. Loop step `base` covers `tile` = blockDim * kVec *
 // kFusedGroups columns; thread t's vector g starts at column base + (g * blockDim + t) * kVec, so every
@@ -329,7 +287,7 @@ __global__ void __launch_bounds__(kFusedThreads)
 #pragma unroll
     for (int i = 0; i < kVec; ++i) z[i] = 0.0f;
     for (int64_t j = threadIdx.x * static_cast<int64_t>(kVec); j < vocab; j += nthreads * kVec)
-      store_f32<TO, kVec>(dr + j, z);
+      store<TO, kVec>(dr + j, z);
     if (threadIdx.x == 0) {
       run_max[r] = 0.0f;
       run_sum[r] = 1.0f;
@@ -366,7 +324,7 @@ __global__ void __launch_bounds__(kFusedThreads)
       const int64_t j = base + (g * nthreads + threadIdx.x) * kVec;
       in[g] = j < vocab;
       if (!in[g]) continue;
-      load_f32<float, kVec>(xr + j, v[g]);
+      load<float, kVec>(xr + j, v[g]);
 #pragma unroll
       for (int i = 0; i < kVec; ++i) {
         const float onehot = (j + i == tg) ? 1.0f : 0.0f;
@@ -377,7 +335,7 @@ __global__ void __launch_bounds__(kFusedThreads)
 #pragma unroll
     for (int g = 0; g < kFusedGroups; ++g) {
       const int64_t j = base + (g * nthreads + threadIdx.x) * kVec;
-      if (in[g]) store_f32<TO, kVec>(dr + j, v[g]);
+      if (in[g]) store<TO, kVec>(dr + j, v[g]);
     }
   }
 }
@@ -391,10 +349,10 @@ void launch_fused(float* x, int64_t vocab, const int32_t* targets, float scale, 
   };
   // Row starts are 16-byte aligned for f32 (and the bf16 rows, which start at the same bytes)
   // when vocab is a multiple of 4 and the block is.
-  if (vocab % 8 == 0 && aligned16(x)) {
+  if (vocab % 8 == 0 && aligned(x, 16)) {
     ce_fused_rows_kernel<TO, 8><<<grid, threads(8), 0, stream()>>>(
         x, vocab, targets, scale, run_max, run_sum, target_logit);
-  } else if (vocab % 4 == 0 && aligned16(x)) {
+  } else if (vocab % 4 == 0 && aligned(x, 16)) {
     ce_fused_rows_kernel<TO, 4><<<grid, threads(4), 0, stream()>>>(
         x, vocab, targets, scale, run_max, run_sum, target_logit);
   } else {

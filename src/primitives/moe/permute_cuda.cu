@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "backend/cuda/check.cuh"
+#include "backend/cuda/vec.cuh"
 #include "backend/cuda/runtime.h"
 #include "primitives/moe/permute_cuda.h"
 
@@ -30,44 +31,8 @@ constexpr size_t kAlign = 256;
 constexpr size_t kSmemLimit = 48 * 1024;
 
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 int row_threads(int64_t units) {
   return static_cast<int>(std::min<int64_t>(kThreads, std::max<int64_t>(32, ceil_div(units, 32) * 32)));
-}
-
-// ---- element conversion and vector access ---------------------------------------------------
-template <class T> __device__ __forceinline__ float to_f32(T x);
-template <> __device__ __forceinline__ float to_f32<float>(float x) { return x; }
-template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <> __device__ __forceinline__ float to_f32<__half>(__half x) { return __half2float(x); }
-template <class T> __device__ __forceinline__ T from_f32(float x);
-template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
-
-template <int kBytes> struct Raw;
-template <> struct Raw<16> { using type = uint4; };
-template <> struct Raw<8> { using type = uint2; };
-template <> struct Raw<4> { using type = uint32_t; };
-template <> struct Raw<2> { using type = uint16_t; };
-
-// N consecutive elements (N * sizeof(T) <= 16 bytes, aligned to that size) to/from f32.
-template <class T, int N>
-__device__ __forceinline__ void load_f32(const T* p, float (&out)[N]) {
-  using R = typename Raw<N * sizeof(T)>::type;
-  const R r = *reinterpret_cast<const R*>(p);
-  const T* e = reinterpret_cast<const T*>(&r);
-#pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = to_f32(e[i]);
-}
-template <class T, int N>
-__device__ __forceinline__ void store_f32(T* p, const float (&v)[N]) {
-  using R = typename Raw<N * sizeof(T)>::type;
-  R r;
-  T* e = reinterpret_cast<T*>(&r);
-#pragma unroll
-  for (int i = 0; i < N; ++i) e[i] = from_f32<T>(v[i]);
-  *reinterpret_cast<R*>(p) = r;
 }
 
 // Deterministic block sum (fixed tree); every thread must call it; result valid in thread 0.
@@ -209,11 +174,11 @@ __global__ void gather_sum_kernel(T* __restrict__ out, const T* __restrict__ in,
     for (int i = 0; i < V; ++i) acc[i] = 0.0f;
     for (int k = 0; k < K; ++k) {
       float v[V];
-      load_f32<T, V>(in + rows[k] * H + j, v);
+      load<T, V>(in + rows[k] * H + j, v);
 #pragma unroll
       for (int i = 0; i < V; ++i) acc[i] += w[k] * v[i];
     }
-    store_f32<T, V>(out + t * H + j, acc);
+    store<T, V>(out + t * H + j, acc);
   }
 }
 
@@ -234,13 +199,13 @@ __global__ void unpermute_bwd_kernel(T* __restrict__ d_y_perm, float* __restrict
     float dot = 0.0f;
     for (int64_t j = static_cast<int64_t>(threadIdx.x) * V; j < H; j += static_cast<int64_t>(blockDim.x) * V) {
       float g[V], o[V];
-      load_f32<T, V>(dy + j, g);
+      load<T, V>(dy + j, g);
 #pragma unroll
       for (int i = 0; i < V; ++i) o[i] = w * g[i];
-      store_f32<T, V>(dst + j, o);
+      store<T, V>(dst + j, o);
       if (yp) {
         float y[V];
-        load_f32<T, V>(yp + j, y);
+        load<T, V>(yp + j, y);
 #pragma unroll
         for (int i = 0; i < V; ++i) dot += g[i] * y[i];
       }
@@ -271,7 +236,7 @@ template <class T>
 void launch_gather_sum(void* out, const void* in, const int32_t* slot_row, const float* prob,
                        int64_t T_, int64_t K, int64_t H) {
   constexpr int kVec = 16 / sizeof(T);
-  const bool vec = H % kVec == 0 && aligned16(out) && aligned16(in);
+  const bool vec = H % kVec == 0 && aligned(out, 16) && aligned(in, 16);
   const size_t smem = gather_smem_bytes(K);
   BB_CHECK(smem <= kSmemLimit, "gather_sum_rows on CUDA: K = ", K, " is too large");
   if (vec) {
@@ -289,8 +254,8 @@ void launch_unpermute_bwd(void* d_y_perm, float* d_prob, const void* d_y, const 
                           const int32_t* slot_row, const float* prob, int64_t T_, int64_t K,
                           int64_t H) {
   constexpr int kVec = 16 / sizeof(T);
-  const bool vec = H % kVec == 0 && aligned16(d_y_perm) && aligned16(d_y) &&
-                   (!d_prob || aligned16(y_perm));
+  const bool vec = H % kVec == 0 && aligned(d_y_perm, 16) && aligned(d_y, 16) &&
+                   (!d_prob || aligned(y_perm, 16));
   if (vec) {
     unpermute_bwd_kernel<T, kVec><<<static_cast<unsigned>(T_), row_threads(H / kVec), 0, stream()>>>(
         static_cast<T*>(d_y_perm), d_prob, static_cast<const T*>(d_y),

@@ -270,17 +270,6 @@ __global__ void dw_reduce_kernel(float* __restrict__ dw, const float* __restrict
   }
 }
 
-int num_sms() {
-  int dev = 0, n = 0;
-  BB_CHECK_CUDA(cudaGetDevice(&dev));
-  BB_CHECK_CUDA(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-  return n;
-}
-
-bool aligned(const void* p, size_t bytes) {
-  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
-}
-
 // Dynamic shared memory above the 48 KiB default needs an opt-in per kernel.
 template <class Kernel>
 void allow_smem(Kernel kernel, size_t bytes, const char* op, int64_t H) {
@@ -317,7 +306,7 @@ template <class Kernel>
 int64_t wave_blocks(Kernel kernel, size_t smem, int64_t rows, int groups) {
   int per_sm = 0;
   BB_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
-  const int64_t wave = static_cast<int64_t>(std::clamp(per_sm, 1, kMaxBlocksPerSm)) * num_sms();
+  const int64_t wave = static_cast<int64_t>(std::clamp(per_sm, 1, kMaxBlocksPerSm)) * sm_count();
   return std::min(ceil_div(rows, groups), wave);
 }
 
@@ -402,7 +391,7 @@ void rmsnorm_forward(void* y, float* rstd, const void* x, DType x_dtype, const v
 }
 
 int64_t rmsnorm_backward_workspace(int64_t rows, int64_t H) {
-  return std::min<int64_t>(rows, int64_t{kMaxBlocksPerSm} * num_sms()) * H;
+  return std::min<int64_t>(rows, int64_t{kMaxBlocksPerSm} * sm_count()) * H;
 }
 
 void rmsnorm_backward(float* dx, float* dw, float* workspace, const void* dy, DType dy_dtype,

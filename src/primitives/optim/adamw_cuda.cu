@@ -111,28 +111,16 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t i = nv * 4 + gid; i < n; i += stride) g[i] *= s;
 }
 
-bool aligned(const void* p, size_t bytes) {
-  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
-}
-
-unsigned grid_for(int64_t work) {
-  int dev = 0, sms = 0;
-  BB_CHECK_CUDA(cudaGetDevice(&dev));
-  BB_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  return static_cast<unsigned>(
-      std::max<int64_t>(1, std::min<int64_t>(ceil_div(work, kThreads), int64_t{sms} * 16)));
-}
-
 template <class TM>
 void launch_adamw(float* p, const float* g, float* m, float* v, TM* model, int64_t n,
                   const AdamWScalars& s) {
   const bool vec = aligned(p, 16) && aligned(g, 16) && aligned(m, 16) && aligned(v, 16) &&
                    (model == nullptr || aligned(model, 4 * sizeof(TM)));
   if (vec)
-    adamw_kernel<TM, 4><<<grid_for(ceil_div(n, 4)), kThreads, 0, stream()>>>(p, g, m, v, model, n,
+    adamw_kernel<TM, 4><<<grid_stride_blocks(ceil_div(n, 4), kThreads), kThreads, 0, stream()>>>(p, g, m, v, model, n,
                                                                             s);
   else
-    adamw_kernel<TM, 1><<<grid_for(n), kThreads, 0, stream()>>>(p, g, m, v, model, n, s);
+    adamw_kernel<TM, 1><<<grid_stride_blocks(n, kThreads), kThreads, 0, stream()>>>(p, g, m, v, model, n, s);
   BB_CHECK_LAUNCH();
 }
 
@@ -177,7 +165,7 @@ void sum_squares_finish(double* out, const double* partial, int64_t num_tensors)
 
 void scale_inplace(float* g, float s, int64_t n) {
   if (n == 0) return;
-  scale_kernel<<<grid_for(ceil_div(n, 4)), kThreads, 0, stream()>>>(g, s, n);
+  scale_kernel<<<grid_stride_blocks(ceil_div(n, 4), kThreads), kThreads, 0, stream()>>>(g, s, n);
   BB_CHECK_LAUNCH();
 }
 

@@ -67,10 +67,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-bool aligned(const void* p, size_t bytes) {
-  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
-}
-
 template <class TI, class TO>
 void launch(void* y, const void* x, const int32_t* positions, int64_t T, int64_t heads, int64_t D,
             int64_t R, const InvFreq& f, float sign) {
