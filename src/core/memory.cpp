@@ -23,7 +23,7 @@ class CpuAllocator final : public Allocator {
   Device device() const override { return Device::cpu(); }
 
  protected:
-  void* raw_allocate(size_t bytes) override {
+  void* raw_allocate(size_t bytes, int) override {
     if (bytes == 0) return nullptr;
     // 64-byte alignment keeps vector loads and OpenBLAS happy.
     size_t rounded = (bytes + 63) / 64 * 64;
@@ -31,7 +31,7 @@ class CpuAllocator final : public Allocator {
     BB_CHECK(p != nullptr, "out of host memory allocating ", format_bytes(bytes));
     return p;
   }
-  void raw_deallocate(void* p, size_t) override { std::free(p); }
+  void raw_deallocate(void* p, size_t, int, uint32_t) override { std::free(p); }
 };
 }  // namespace
 
@@ -61,8 +61,8 @@ Device Device::parse(const std::string& s) {
   BB_FAIL("bad device '", s, "': expected cpu, cuda or cuda:N");
 }
 
-void* Allocator::allocate(size_t bytes, MemCategory cat) {
-  void* p = raw_allocate(bytes);
+void* Allocator::allocate(size_t bytes, MemCategory cat, int stream) {
+  void* p = raw_allocate(bytes, stream);
   std::lock_guard<std::mutex> lock(mu_);
   const int c = static_cast<int>(cat);
   stats_.live[c] += static_cast<int64_t>(bytes);
@@ -72,8 +72,9 @@ void* Allocator::allocate(size_t bytes, MemCategory cat) {
   return p;
 }
 
-void Allocator::deallocate(void* p, size_t bytes, MemCategory cat) {
-  raw_deallocate(p, bytes);
+void Allocator::deallocate(void* p, size_t bytes, MemCategory cat, int stream,
+                           uint32_t used_streams) {
+  raw_deallocate(p, bytes, stream, used_streams);
   std::lock_guard<std::mutex> lock(mu_);
   const int c = static_cast<int>(cat);
   stats_.live[c] -= static_cast<int64_t>(bytes);

@@ -64,17 +64,21 @@ class Allocator {
  public:
   virtual ~Allocator() = default;
   virtual Device device() const = 0;
-  // Returns memory for `bytes` (may be 0, then a valid unique pointer or nullptr).
-  void* allocate(size_t bytes, MemCategory cat);
-  void deallocate(void* p, size_t bytes, MemCategory cat);
+  // Returns memory for `bytes` (may be 0, then a valid unique pointer or nullptr), ordered on
+  // stream `stream` (an index of core/stream.h's Stream; the CPU ignores it).
+  void* allocate(size_t bytes, MemCategory cat, int stream);
+  // Gives memory back. `stream` is the stream it was allocated on; `used_streams` a bit mask of
+  // every stream that used it (core/stream.h stream_bit): the memory is not handed out again
+  // before each of them has passed the work it has queued so far.
+  void deallocate(void* p, size_t bytes, MemCategory cat, int stream, uint32_t used_streams);
 
   MemoryStats stats() const;
   // Starts a new peak window: peaks are set to current live values.
   void reset_peak();
 
  protected:
-  virtual void* raw_allocate(size_t bytes) = 0;
-  virtual void raw_deallocate(void* p, size_t bytes) = 0;
+  virtual void* raw_allocate(size_t bytes, int stream) = 0;
+  virtual void raw_deallocate(void* p, size_t bytes, int stream, uint32_t used_streams) = 0;
   virtual int64_t reserved_peak() const { return 0; }
   virtual void reset_reserved_peak() {}
 

@@ -23,11 +23,14 @@ int64_t shape_numel(const Shape& s) {
   return n;
 }
 
-Storage::Storage(size_t bytes, Device dev, MemCategory cat) : bytes_(bytes), dev_(dev), cat_(cat) {
-  ptr_ = allocator_for(dev).allocate(bytes, cat);
+Storage::Storage(size_t bytes, Device dev, MemCategory cat)
+    : bytes_(bytes), dev_(dev), cat_(cat), stream_(current_stream()), used_(stream_bit(stream_)) {
+  ptr_ = allocator_for(dev).allocate(bytes, cat, static_cast<int>(stream_));
 }
 
-Storage::~Storage() { allocator_for(dev_).deallocate(ptr_, bytes_, cat_); }
+Storage::~Storage() {
+  allocator_for(dev_).deallocate(ptr_, bytes_, cat_, static_cast<int>(stream_), used_streams());
+}
 
 namespace {
 void device_copy(void* dst, Device ddev, const void* src, Device sdev, size_t bytes) {
@@ -200,6 +203,10 @@ void Tensor::zero_() {
 #ifdef BB_WITH_CUDA
   cuda::memset_zero(raw(), nbytes());
 #endif
+}
+
+void Tensor::record_stream(Stream s) const {
+  if (storage_) storage_->record_stream(s);
 }
 
 void Tensor::fill_(double value) {

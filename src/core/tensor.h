@@ -6,6 +6,7 @@
 // Copies between devices are explicit (`to`). There is no autograd.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
@@ -16,11 +17,15 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/memory.h"
+#include "core/stream.h"
 
 namespace bb {
 
 using Shape = std::vector<int64_t>;
 
+// Memory of one allocation. It is allocated on the creating thread's current stream
+// (core/stream.h); record_stream adds the streams that use it besides that one, so the memory is
+// not handed out again before they are done with it.
 class Storage {
  public:
   Storage(size_t bytes, Device dev, MemCategory cat);
@@ -32,12 +37,17 @@ class Storage {
   size_t bytes() const { return bytes_; }
   Device device() const { return dev_; }
   MemCategory category() const { return cat_; }
+  Stream stream() const { return stream_; }
+  void record_stream(Stream s) { used_.fetch_or(stream_bit(s), std::memory_order_relaxed); }
+  uint32_t used_streams() const { return used_.load(std::memory_order_relaxed); }
 
  private:
   void* ptr_ = nullptr;
   size_t bytes_ = 0;
   Device dev_;
   MemCategory cat_;
+  Stream stream_;
+  std::atomic<uint32_t> used_;
 };
 
 template <class T>
@@ -98,6 +108,9 @@ class Tensor {
   // Copies src (same shape and dtype, any device) into this tensor.
   void copy_from(const Tensor& src);
   void zero_();
+  // Marks the storage as used by work on stream `s` (record-stream semantics, core/stream.h):
+  // call it when a side stream reads or writes this tensor.
+  void record_stream(Stream s) const;
   // Sets every element (float dtypes: value; integer dtypes: value truncated).
   void fill_(double value);
 

@@ -12,7 +12,9 @@
 namespace bb::test {
 
 // Every GPU test binary poisons fresh device memory (NaN bytes) so an unwritten output fails.
-inline const bool kPoisonAllocations = (setenv("BB_POISON_ALLOC", "1", 0), true);
+#ifdef BB_WITH_CUDA
+inline const bool kPoisonAllocations = (cuda::set_poison_allocations(true), true);
+#endif
 
 // Tolerances of GPU-vs-CPU-reference checks (DESIGN.md sec. 10): relative L2 error.
 constexpr double kTolBf16 = 1e-2;

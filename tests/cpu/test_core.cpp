@@ -8,6 +8,7 @@
 #include "core/dtype.h"
 #include "core/memory.h"
 #include "core/rng.h"
+#include "core/stream.h"
 #include "core/tensor.h"
 
 namespace bb {
@@ -141,6 +142,38 @@ TEST(Rng, CounterBasedAndDistribution) {
   EXPECT_NE(b.to_floats()[0], va[400]);  // another seed, another stream
   fill_uniform(a, 1, 0, -2.0f, 3.0f);
   for (float x : a.to_floats()) EXPECT_TRUE(x > -2.0f && x <= 3.0f);
+}
+
+TEST(Streams, ScopesNestAndRestoreTheCurrentStream) {
+  EXPECT_EQ(current_stream(), Stream::compute);
+  {
+    StreamScope a(Stream::comm);
+    EXPECT_EQ(current_stream(), Stream::comm);
+    {
+      StreamScope b(Stream::wgrad);
+      EXPECT_EQ(current_stream(), Stream::wgrad);
+    }
+    EXPECT_EQ(current_stream(), Stream::comm);
+  }
+  EXPECT_EQ(current_stream(), Stream::compute);
+  EXPECT_STREQ(stream_name(Stream::copy), "copy");
+}
+
+TEST(Streams, CpuEventsAreCompleteAndRecordStreamKeepsAccounting) {
+  const Event e = Event::record(Device::cpu(), Stream::comm);
+  EXPECT_TRUE(e.done());
+  e.wait(Stream::compute);
+  e.synchronize();
+  EXPECT_TRUE(Event().done());
+  Allocator& a = allocator_for(Device::cpu());
+  const int64_t before = a.stats().live_of(MemCategory::comm);
+  {
+    Tensor t = Tensor::zeros({16}, DType::f32, Device::cpu(), MemCategory::comm);
+    t.record_stream(Stream::comm);
+    EXPECT_EQ(a.stats().live_of(MemCategory::comm) - before, 64);
+  }
+  EXPECT_EQ(a.stats().live_of(MemCategory::comm), before);
+  synchronize_device(Device::cpu());
 }
 
 TEST(Error, MessageHasLocationAndText) {

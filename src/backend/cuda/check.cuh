@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "core/error.h"
+#include "core/stream.h"
 
 #define BB_CHECK_CUDA(expr)                                                                  \
   do {                                                                                       \
@@ -18,8 +19,11 @@
 #define BB_CHECK_LAUNCH() BB_CHECK_CUDA(cudaGetLastError())
 
 namespace bb::cuda {
-// The stream all primitives run on (one compute stream per device for now).
+// The calling thread's current stream on its current device (core/stream.h): where every
+// primitive enqueues its work. A thread-local read after the first call.
 cudaStream_t stream();
+// Stream `s` of device `dev` (created on first use).
+cudaStream_t stream_of(int dev, Stream s);
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Whether p is a multiple of `bytes` (the precondition of the vectorised kernel paths).
 inline bool aligned(const void* p, size_t bytes) {

@@ -20,6 +20,7 @@
 #include <mma.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstdlib>
 #include <functional>
@@ -88,14 +89,14 @@ struct Algo {
   size_t workspace = 0;
 };
 
+// Shared by every thread, per device.
 struct DeviceGemm {
-  cublasLtHandle_t lt = nullptr;
-  cublasHandle_t blas = nullptr;
-  void* workspace = nullptr;
-  std::map<PlanKey, Plan> plans;
-  std::map<PlanKey, Algo> algos;  // by bucketed key
-  // Multi-stream grouped GEMM: side stream s runs with workspace side_ws[s] and signals
-  // side_done[s]; `fork` is recorded on the compute stream for the side streams to wait on.
+  std::atomic<void*> workspace[kNumStreams] = {};  // created on first use under `mu`
+  std::mutex mu;                                     // workspace creation, `algos`
+  std::map<PlanKey, Algo> algos;                     // by bucketed key
+  // Multi-stream grouped GEMM, under `grouped_mu`: side stream s runs with workspace side_ws[s]
+  // and signals side_done[s]; `fork` is recorded on the calling stream for them to wait on.
+  std::mutex grouped_mu;
   cudaEvent_t fork = nullptr;
   std::vector<cudaStream_t> side;
   std::vector<void*> side_ws;
@@ -103,66 +104,98 @@ struct DeviceGemm {
   struct EnqueuePool* pool = nullptr;  // host threads that enqueue side streams 1.. (leaked)
 };
 
-std::mutex g_mu;  // guards the states, their caches, handle use and the grouped defaults
-// The built-in defaults, with two environment overrides for tuning runs on a new card:
-// BB_GROUPED_MIN_FLOPS (multi_stream_min_flops) and BB_GROUPED_STREAMS (num_streams).
-GroupedDefaults defaults_from_env() {
-  GroupedDefaults d;
-  if (const char* e = std::getenv("BB_GROUPED_MIN_FLOPS")) {
-    char* end = nullptr;
-    const double v = std::strtod(e, &end);
-    BB_CHECK(end != e && *end == '\0' && v >= 0, "BB_GROUPED_MIN_FLOPS='", e,
-             "' is not a number >= 0");
-    d.multi_stream_min_flops = v;
-  }
-  if (const char* e = std::getenv("BB_GROUPED_STREAMS")) {
-    char* end = nullptr;
-    const long v = std::strtol(e, &end, 10);
-    BB_CHECK(end != e && *end == '\0' && v >= 1 && v <= kMaxGroupedStreams, "BB_GROUPED_STREAMS='",
-             e, "' is not an integer in [1, ", kMaxGroupedStreams, "]");
-    d.num_streams = static_cast<int>(v);
-  }
-  return d;
-}
-// Read on first use (under g_mu), so a bad environment value is an error of the first grouped
-// GEMM call rather than of static initialisation.
-GroupedDefaults& defaults_locked() {
-  static GroupedDefaults d = defaults_from_env();
-  return d;
+// One thread's handles and plans on one device.
+struct ThreadGemm {
+  cublasLtHandle_t lt = nullptr;
+  cublasHandle_t blas = nullptr;
+  std::map<PlanKey, Plan> plans;
+  uint64_t generation = 0;  // of g_generation when `plans` was last valid
+};
+
+constexpr int kMaxDevices = 64;
+std::atomic<DeviceGemm*> g_devices[kMaxDevices] = {};
+std::mutex g_devices_mu;
+std::atomic<uint64_t> g_generation{1};  // bumped by gemm_clear_cache
+std::atomic<int64_t> g_heuristic_calls{0};
+
+// Process-wide knobs ([backend] in the run config, applied through set_grouped_defaults and
+// set_exact_heuristics). Atomics: read on every grouped call without a lock.
+struct Knobs {
+  std::atomic<int> same_dtype{static_cast<int>(GroupedAlgo::cublas)};
+  std::atomic<int> widening{static_cast<int>(GroupedAlgo::multi_stream)};
+  std::atomic<int> num_streams{4};
+  std::atomic<double> min_flops{1e9};
+  std::atomic<bool> threaded{true};
+  std::atomic<bool> exact{false};
+};
+Knobs& knobs() {
+  static Knobs k;
+  return k;
 }
 
 // A 32 MiB workspace on `dev`, kept for the life of the process (deliberately never freed: it
 // would be released after the allocator and the CUDA context at exit). It counts as live
-// `workspace` memory.
+// `workspace` memory. Allocated on the compute stream, before the work that first uses it.
 void* new_workspace(int dev) {
+  StreamScope on_compute(Stream::compute);
   auto* ws = new Tensor(Tensor::empty({static_cast<int64_t>(kWorkspaceBytes)}, DType::u8,
                                       Device::cuda(dev), MemCategory::workspace));
   return ws->raw();
 }
 
-std::vector<std::unique_ptr<DeviceGemm>>& all_states() {
-  static std::vector<std::unique_ptr<DeviceGemm>> states;
-  if (states.empty()) states.resize(static_cast<size_t>(std::max(device_count(), 1)));
-  return states;
+DeviceGemm& device_gemm(int dev) {
+  BB_CHECK(dev >= 0 && dev < device_count() && dev < kMaxDevices, "cuda::gemm: cuda:", dev,
+           " requested but ", device_count(), " CUDA device(s) are visible");
+  if (DeviceGemm* d = g_devices[dev].load(std::memory_order_acquire)) return *d;
+  std::lock_guard<std::mutex> lock(g_devices_mu);
+  if (DeviceGemm* d = g_devices[dev].load(std::memory_order_acquire)) return *d;
+  auto* d = new DeviceGemm;  // lives for the process
+  g_devices[dev].store(d, std::memory_order_release);
+  return *d;
 }
 
-// The state of `dev`, created on first use; `dev` must be the current device (the handle is
-// bound to its compute stream).
-DeviceGemm& device_gemm(int dev) {
-  auto& states = all_states();
-  BB_CHECK(dev >= 0 && dev < static_cast<int>(states.size()), "cuda::gemm: cuda:", dev,
-           " requested but ", device_count(), " CUDA device(s) are visible");
-  auto& s = states[static_cast<size_t>(dev)];
-  if (!s) {
-    s = std::make_unique<DeviceGemm>();
-    BB_CHECK_CUBLAS(cublasLtCreate(&s->lt));
-    BB_CHECK_CUBLAS(cublasCreate(&s->blas));
-    BB_CHECK_CUBLAS(cublasSetStream(s->blas, stream()));
-    BB_CHECK_CUBLAS(cublasSetPointerMode(s->blas, CUBLAS_POINTER_MODE_HOST));
-    s->workspace = new_workspace(dev);
-    BB_CHECK_CUBLAS(cublasSetWorkspace(s->blas, s->workspace, kWorkspaceBytes));
+// The workspace of the calling thread's current stream on `dev`.
+void* stream_workspace(DeviceGemm& d, int dev) {
+  const int s = static_cast<int>(current_stream());
+  if (void* w = d.workspace[s].load(std::memory_order_acquire)) return w;
+  std::lock_guard<std::mutex> lock(d.mu);
+  if (void* w = d.workspace[s].load(std::memory_order_acquire)) return w;
+  void* w = new_workspace(dev);
+  // The workspace was allocated on the compute stream; work on another stream must not touch
+  // it before that allocation is ordered.
+  if (s != 0) Event::record(Device::cuda(dev), Stream::compute).wait(static_cast<Stream>(s));
+  d.workspace[s].store(w, std::memory_order_release);
+  return w;
+}
+
+void destroy_plan(Plan& p);
+
+// The calling thread's handles and plans for `dev` (the current device), created on first use.
+// Never destroyed: a thread-exit destructor could run after the CUDA context is gone.
+ThreadGemm& thread_gemm(int dev) {
+  thread_local std::vector<ThreadGemm*> mine;
+  if (static_cast<int>(mine.size()) <= dev) mine.resize(static_cast<size_t>(dev) + 1, nullptr);
+  ThreadGemm*& t = mine[static_cast<size_t>(dev)];
+  if (!t) {
+    t = new ThreadGemm;
+    BB_CHECK_CUBLAS(cublasLtCreate(&t->lt));
+    t->generation = g_generation.load();
   }
-  return *s;
+  const uint64_t gen = g_generation.load(std::memory_order_acquire);
+  if (t->generation != gen) {  // gemm_clear_cache ran: drop this thread's plans
+    for (auto& [k, p] : t->plans) destroy_plan(p);
+    t->plans.clear();
+    t->generation = gen;
+  }
+  return *t;
+}
+
+cublasHandle_t thread_blas(ThreadGemm& t) {
+  if (!t.blas) {
+    BB_CHECK_CUBLAS(cublasCreate(&t.blas));
+    BB_CHECK_CUBLAS(cublasSetPointerMode(t.blas, CUBLAS_POINTER_MODE_HOST));
+  }
+  return t.blas;
 }
 
 int alignment_of(const void* p, int64_t stride_bytes) {
@@ -201,7 +234,8 @@ cublasLtMatrixLayout_t make_layout(DType dt, int64_t rows, int64_t cols, int64_t
 // (steps of 1/8 of the power of two below, at least 64; exact below 64) and the heuristic runs once
 // per bucket; a bucket's algorithm is checked against each exact size (cublasLtMatmulAlgoCheck)
 // before use and the exact size gets its own heuristic if the check fails.
-// BB_GEMM_EXACT_HEURISTICS=1 turns the bucketing off (every size asks the heuristic).
+// set_exact_heuristics(true) ([backend] gemm_heuristics = "exact") turns the bucketing off
+// (every new shape asks the heuristic).
 int64_t size_bucket(int64_t x) {
   if (x < 64) return x;
   int64_t p = 1;
@@ -216,34 +250,25 @@ PlanKey bucket_key(PlanKey k) {
   return k;
 }
 
-bool exact_heuristics() {
-  static const bool exact = [] {
-    const char* e = std::getenv("BB_GEMM_EXACT_HEURISTICS");
-    return e != nullptr && std::string(e) == "1";
-  }();
-  return exact;
-}
-
-int64_t g_heuristic_calls = 0;  // guarded by g_mu
-
-// Bounds the exact-shape plan cache (every distinct expert size adds one).
+// Bounds the exact-shape plan cache of a thread (every distinct expert size adds one).
 constexpr size_t kMaxPlans = 16384;
-void destroy_plan(Plan& p);
 
 // Empties the plan cache if `n` more plans might not fit, so that the next n get_plan calls
 // never evict (a caller holding several plan references at once calls this first).
-void make_room(DeviceGemm& st, size_t n) {
+void make_room(ThreadGemm& t, size_t n) {
   BB_CHECK(n < kMaxPlans, "cuda::gemm: ", n, " problems in one call exceed the plan cache (",
            kMaxPlans, ")");
-  if (st.plans.size() + n <= kMaxPlans) return;
-  for (auto& [key, plan] : st.plans) destroy_plan(plan);
-  st.plans.clear();
+  if (t.plans.size() + n <= kMaxPlans) return;
+  for (auto& [key, plan] : t.plans) destroy_plan(plan);
+  t.plans.clear();
 }
 
-const Plan& get_plan(DeviceGemm& st, const PlanKey& k) {
-  auto it = st.plans.find(k);
-  if (it != st.plans.end()) return it->second;
-  make_room(st, 1);
+// The plan of `k` from this thread's cache; on a miss, built with the shared algorithm of its
+// bucket (checked for this exact size) or a new heuristic query.
+const Plan& get_plan(ThreadGemm& t, DeviceGemm& d, const PlanKey& k) {
+  auto it = t.plans.find(k);
+  if (it != t.plans.end()) return it->second;
+  make_room(t, 1);
   const DType at = static_cast<DType>(k.a), bt = static_cast<DType>(k.b),
               ct = static_cast<DType>(k.c);
   Plan p;
@@ -257,20 +282,20 @@ const Plan& get_plan(DeviceGemm& st, const PlanKey& k) {
   p.b = make_layout(at, k.ta ? k.M : k.K, k.ta ? k.K : k.M, k.lda, k.batch, k.sa);
   p.c = make_layout(ct, k.N, k.M, k.ldc, k.batch, k.sc);
 
-  // A bucket's algorithm, if one was found and it runs this exact size.
-  const PlanKey bk = bucket_key(k);
-  const bool bucketed = !exact_heuristics() && !(bk.M == k.M && bk.K == k.K);
-  if (bucketed) {
-    auto ai = st.algos.find(bk);
-    if (ai != st.algos.end()) {
-      cublasLtMatmulHeuristicResult_t chk{};
-      if (cublasLtMatmulAlgoCheck(st.lt, p.desc, p.a, p.b, p.c, p.c, &ai->second.algo, &chk) ==
-              CUBLAS_STATUS_SUCCESS &&
-          chk.workspaceSize <= kWorkspaceBytes) {
-        p.algo = ai->second.algo;
-        p.workspace = chk.workspaceSize;
-        return st.plans.emplace(k, p).first->second;
-      }
+  // The shared algorithm of this shape's key (its bucket, or the shape itself), if one was
+  // found and it runs this exact size.
+  const PlanKey ak = knobs().exact.load(std::memory_order_relaxed) ? k : bucket_key(k);
+  const bool exact_key = ak.M == k.M && ak.K == k.K;
+  std::lock_guard<std::mutex> lock(d.mu);
+  auto ai = d.algos.find(ak);
+  if (ai != d.algos.end()) {
+    cublasLtMatmulHeuristicResult_t chk{};
+    if (exact_key || (cublasLtMatmulAlgoCheck(t.lt, p.desc, p.a, p.b, p.c, p.c,
+                                              &ai->second.algo, &chk) == CUBLAS_STATUS_SUCCESS &&
+                      chk.workspaceSize <= kWorkspaceBytes)) {
+      p.algo = ai->second.algo;
+      p.workspace = exact_key ? ai->second.workspace : chk.workspaceSize;
+      return t.plans.emplace(k, p).first->second;
     }
   }
 
@@ -281,12 +306,13 @@ const Plan& get_plan(DeviceGemm& st, const PlanKey& k) {
   set_attr(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, static_cast<uint32_t>(k.align_a));
   set_attr(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, static_cast<uint32_t>(k.align_c));
   set_attr(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, static_cast<uint32_t>(k.align_c));
-  ++g_heuristic_calls;
+  g_heuristic_calls.fetch_add(1);
   cublasLtMatmulHeuristicResult_t res{};
   int found = 0;
   const cublasStatus_t st_h =
-      cublasLtMatmulAlgoGetHeuristic(st.lt, p.desc, p.a, p.b, p.c, p.c, pref, 1, &res, &found);
+      cublasLtMatmulAlgoGetHeuristic(t.lt, p.desc, p.a, p.b, p.c, p.c, pref, 1, &res, &found);
   cublasLtMatmulPreferenceDestroy(pref);
+  if (st_h != CUBLAS_STATUS_SUCCESS || found == 0) destroy_plan(p);
   BB_CHECK(st_h == CUBLAS_STATUS_SUCCESS && found > 0,
            "cuda::gemm: cuBLASLt has no algorithm for M=", k.M, " N=", k.N, " K=", k.K,
            " trans_a=", k.ta, " trans_b=", k.tb, " A ", dtype_name(at), " B ", dtype_name(bt),
@@ -295,8 +321,8 @@ const Plan& get_plan(DeviceGemm& st, const PlanKey& k) {
   p.algo = res.algo;
   p.workspace = res.workspaceSize;
   // The first size seen in a bucket donates its algorithm to the bucket.
-  if (bucketed) st.algos.emplace(bk, Algo{res.algo, res.workspaceSize});
-  return st.plans.emplace(k, p).first->second;
+  d.algos.emplace(ak, Algo{res.algo, res.workspaceSize});
+  return t.plans.emplace(k, p).first->second;
 }
 
 void destroy_plan(Plan& p) {
@@ -393,17 +419,17 @@ PlanKey plan_key(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* 
   return k;
 }
 
-// cuBLASLt on a natively supported combination, on the compute stream with the main workspace.
+// cuBLASLt on a natively supported combination, on the current stream with its workspace.
 void lt_matmul(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const void* A,
                DType adt, int64_t lda, int64_t sa, const void* B, DType bdt, int64_t ldb,
                int64_t sb, float beta, void* C, DType cdt, int64_t ldc, int64_t sc, int64_t batch,
                int dev) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  DeviceGemm& st = device_gemm(dev);
+  DeviceGemm& d = device_gemm(dev);
+  ThreadGemm& t = thread_gemm(dev);
   const Plan& p = get_plan(
-      st, plan_key(ta, tb, M, N, K, A, adt, lda, sa, B, bdt, ldb, sb, C, cdt, ldc, sc, batch));
-  BB_CHECK_CUBLAS(cublasLtMatmul(st.lt, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c,
-                                 &p.algo, st.workspace, kWorkspaceBytes, stream()));
+      t, d, plan_key(ta, tb, M, N, K, A, adt, lda, sa, B, bdt, ldb, sb, C, cdt, ldc, sc, batch));
+  BB_CHECK_CUBLAS(cublasLtMatmul(t.lt, p.desc, &alpha, B, p.a, A, p.b, &beta, C, p.c, C, p.c,
+                                 &p.algo, stream_workspace(d, dev), kWorkspaceBytes, stream()));
 }
 
 void check_dims(const char* op, bool ta, bool tb, int64_t M, int64_t N, int64_t K, int64_t lda,
@@ -429,7 +455,7 @@ void gemm_strided_batched(bool ta, bool tb, int64_t M, int64_t N, int64_t K, flo
            "cuda::gemm: output matrices overlap (stride_c=", sc, ")");
   (void)cuda_type(adt), (void)cuda_type(bdt), (void)cuda_type(cdt);  // dtype checks
   if (M == 0 || N == 0 || batch == 0) return;
-  BB_CHECK_CUDA(cudaSetDevice(dev));
+  cuda::set_device(dev);
   if (K == 0) {  // no product: C = beta C (cuBLASLt does not take k = 0 everywhere)
     scale_c(C, cdt, M, N, ldc, sc, batch, beta);
     return;
@@ -476,39 +502,38 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const 
 }
 
 void gemm_clear_cache() {
-  std::lock_guard<std::mutex> lock(g_mu);
-  for (auto& st_ptr : all_states()) {
-    if (!st_ptr) continue;
-    DeviceGemm& st = *st_ptr;
-    for (auto& [k, p] : st.plans) destroy_plan(p);
-    st.plans.clear();
-    st.algos.clear();
+  g_generation.fetch_add(1, std::memory_order_acq_rel);  // every thread drops its plans
+  for (auto& dp : g_devices) {
+    DeviceGemm* d = dp.load(std::memory_order_acquire);
+    if (!d) continue;
+    std::lock_guard<std::mutex> lock(d->mu);
+    d->algos.clear();
   }
 }
 
-int64_t gemm_heuristic_calls() {
-  std::lock_guard<std::mutex> lock(g_mu);
-  return g_heuristic_calls;
-}
+int64_t gemm_heuristic_calls() { return g_heuristic_calls.load(); }
 
 int64_t gemm_cache_size() {
-  std::lock_guard<std::mutex> lock(g_mu);
   int64_t n = 0;
-  for (auto& st : all_states())
-    if (st) n += static_cast<int64_t>(st->plans.size());
+  for (int dev = 0; dev < std::min(device_count(), kMaxDevices); ++dev)
+    if (g_devices[dev].load(std::memory_order_acquire))
+      n += static_cast<int64_t>(thread_gemm(dev).plans.size());
   return n;
 }
+
+void set_exact_heuristics(bool exact) { knobs().exact.store(exact); }
+bool exact_heuristics() { return knobs().exact.load(); }
 
 // ---- grouped GEMM ----------------------------------------------------------------------------
 
 namespace {
 
-// Copies host bytes to a new device buffer (workspace) without synchronising the host: a
-// pageable-source cudaMemcpyAsync returns once the bytes are staged, so `src` may die after.
+// Copies host bytes to a new device buffer (workspace) without synchronising the host
+// (cuda::memcpy stages them in pinned memory), so `src` may die after.
 Tensor upload(const void* src, size_t bytes, int dev) {
   Tensor t = Tensor::empty({static_cast<int64_t>(bytes)}, DType::u8, Device::cuda(dev),
                            MemCategory::workspace);
-  BB_CHECK_CUDA(cudaMemcpyAsync(t.raw(), src, bytes, cudaMemcpyHostToDevice, stream()));
+  cuda::memcpy(t.raw(), Device::cuda(dev), src, Device::cpu(), bytes);
   return t;
 }
 
@@ -744,17 +769,19 @@ void grouped_cublas(bool ta, bool tb, const std::vector<GemmProblem>& ps, float 
   }
   Tensor dptrs = upload(ptrs.data(), ptrs.size() * sizeof(void*), dev);
   const void* const* d = static_cast<const void* const*>(dptrs.raw());
-  std::lock_guard<std::mutex> lock(g_mu);
-  DeviceGemm& st = device_gemm(dev);
+  DeviceGemm& dg = device_gemm(dev);
+  cublasHandle_t blas = thread_blas(thread_gemm(dev));
+  BB_CHECK_CUBLAS(cublasSetStream(blas, stream()));
+  BB_CHECK_CUBLAS(cublasSetWorkspace(blas, stream_workspace(dg, dev), kWorkspaceBytes));
   const cudaDataType_t t = cuda_type(ab), tc = cuda_type(cdt);
   BB_CHECK_CUBLAS(cublasGemmGroupedBatchedEx(
-      st.blas, op_a.data(), op_b.data(), m.data(), n.data(), k.data(), alphas.data(), d, t,
+      blas, op_a.data(), op_b.data(), m.data(), n.data(), k.data(), alphas.data(), d, t,
       ld_a.data(), d + G, t, ld_b.data(), betas.data(), const_cast<void* const*>(d + 2 * G), tc,
       ld_c.data(), G, size.data(), CUBLAS_COMPUTE_32F));
 }
 
 // Side streams 0..n-1 of `dev` with their workspaces and events, created on first need.
-// Caller holds g_mu; `dev` is current.
+// Caller holds st.grouped_mu; `dev` is current.
 void ensure_side_streams(DeviceGemm& st, int n, int dev) {
   if (!st.fork) BB_CHECK_CUDA(cudaEventCreateWithFlags(&st.fork, cudaEventDisableTiming));
   while (static_cast<int>(st.side.size()) < n) {
@@ -789,7 +816,7 @@ struct EnqueuePool {
 };
 
 void worker_loop(EnqueuePool* pool, int w, int dev) {
-  cudaSetDevice(dev);
+  set_device(dev);
   uint64_t seen = 0;
   for (;;) {
     std::function<void(cublasLtHandle_t)> job;
@@ -807,7 +834,7 @@ void worker_loop(EnqueuePool* pool, int w, int dev) {
   }
 }
 
-// Caller holds g_mu; `dev` is current.
+// Caller holds st.grouped_mu; `dev` is current.
 EnqueuePool& ensure_pool(DeviceGemm& st, int n, int dev) {
   if (!st.pool) st.pool = new EnqueuePool;
   EnqueuePool& pool = *st.pool;
@@ -829,18 +856,11 @@ EnqueuePool& ensure_pool(DeviceGemm& st, int n, int dev) {
   return pool;
 }
 
-bool threaded_enqueue() {
-  static const bool on = [] {
-    const char* e = std::getenv("BB_GROUPED_THREADED");
-    return e == nullptr || std::string(e) != "0";
-  }();
-  return on;
-}
-
 // Per-problem cuBLASLt GEMMs spread over `num_streams` side streams (see gemm.h). The A, B, C
-// buffers were produced on (and will be freed on) the compute stream: the fork orders every
-// side stream after what the compute stream has queued so far, the join orders what it queues
-// next after every side stream, so the stream-ordered allocator stays correct.
+// buffers were produced on (and will be freed on) the calling stream: the fork orders every
+// side stream after what the calling stream has queued so far, the join orders what it queues
+// next after every side stream, so the stream-ordered allocator stays correct. One call at a
+// time per device uses the side streams (st.grouped_mu).
 void grouped_multi_stream(bool ta, bool tb, const std::vector<GemmProblem>& ps, float alpha,
                           DType ab, int64_t lda, int64_t ldb, float beta, DType cdt, int64_t ldc,
                           int num_streams, int dev) {
@@ -868,15 +888,16 @@ void grouped_multi_stream(bool ta, bool tb, const std::vector<GemmProblem>& ps, 
     load[s] += work(i);
   }
 
-  std::lock_guard<std::mutex> lock(g_mu);
   DeviceGemm& st = device_gemm(dev);
+  ThreadGemm& tg = thread_gemm(dev);
+  std::lock_guard<std::mutex> lock(st.grouped_mu);
   ensure_side_streams(st, S, dev);
   // Every plan before the fork: a missing algorithm throws here, with no side work in flight.
   // Room first: an eviction in the middle would free plans already looked up.
-  make_room(st, order.size());
+  make_room(tg, order.size());
   std::vector<const Plan*> plan(ps.size(), nullptr);
   for (size_t i : order)
-    plan[i] = &get_plan(st, plan_key(ta, tb, ps[i].M, ps[i].N, ps[i].K, ps[i].A, ab, lda, 0,
+    plan[i] = &get_plan(tg, st, plan_key(ta, tb, ps[i].M, ps[i].N, ps[i].K, ps[i].A, ab, lda, 0,
                                      ps[i].B, ab, ldb, 0, ps[i].C, cdt, ldc, 0, 1));
   cudaStream_t main = stream();
   BB_CHECK_CUDA(cudaEventRecord(st.fork, main));
@@ -897,7 +918,7 @@ void grouped_multi_stream(bool ta, bool tb, const std::vector<GemmProblem>& ps, 
     return "";
   };
   std::string failure;
-  if (S > 1 && threaded_enqueue()) {
+  if (S > 1 && knobs().threaded.load(std::memory_order_relaxed)) {
     // Shares 1..S-1 on the pool's threads, share 0 here, all at once.
     EnqueuePool& pool = ensure_pool(st, S, dev);
     std::vector<std::string> fails(static_cast<size_t>(S));
@@ -910,7 +931,7 @@ void grouped_multi_stream(bool ta, bool tb, const std::vector<GemmProblem>& ps, 
       ++pool.generation;
     }
     pool.cv_job.notify_all();
-    fails[0] = enqueue_share(0, st.lt);
+    fails[0] = enqueue_share(0, tg.lt);
     {
       std::unique_lock<std::mutex> lk(pool.m);
       pool.cv_done.wait(lk, [&] { return pool.pending == 0; });
@@ -929,7 +950,7 @@ void grouped_multi_stream(bool ta, bool tb, const std::vector<GemmProblem>& ps, 
         const GemmProblem& p = ps[share[s][j]];
         const Plan& pl = *plan[share[s][j]];
         const cublasStatus_t r =
-            cublasLtMatmul(st.lt, pl.desc, &alpha, p.B, pl.a, p.A, pl.b, &beta, p.C, pl.c, p.C,
+            cublasLtMatmul(tg.lt, pl.desc, &alpha, p.B, pl.a, p.A, pl.b, &beta, p.C, pl.c, p.C,
                            pl.c, &pl.algo, st.side_ws[s], kWorkspaceBytes, st.side[s]);
         if (r != CUBLAS_STATUS_SUCCESS)
           failure = std::string("cuBLAS error in cublasLtMatmul (multi-stream grouped GEMM, M=") +
@@ -937,7 +958,7 @@ void grouped_multi_stream(bool ta, bool tb, const std::vector<GemmProblem>& ps, 
                     std::to_string(p.K) + "): " + cublasLtGetStatusName(r);
       }
   }
-  // Joined even after a failure: the compute stream must not run ahead of queued side work.
+  // Joined even after a failure: the calling stream must not run ahead of queued side work.
   for (int s = 0; s < S; ++s) {
     BB_CHECK_CUDA(cudaEventRecord(st.side_done[s], st.side[s]));
     BB_CHECK_CUDA(cudaStreamWaitEvent(main, st.side_done[s], 0));
@@ -962,8 +983,14 @@ const char* grouped_algo_name(GroupedAlgo a) {
 }
 
 GroupedDefaults grouped_defaults() {
-  std::lock_guard<std::mutex> lock(g_mu);
-  return defaults_locked();
+  const Knobs& k = knobs();
+  GroupedDefaults d;
+  d.same_dtype = static_cast<GroupedAlgo>(k.same_dtype.load());
+  d.widening = static_cast<GroupedAlgo>(k.widening.load());
+  d.num_streams = k.num_streams.load();
+  d.multi_stream_min_flops = k.min_flops.load();
+  d.threaded_enqueue = k.threaded.load();
+  return d;
 }
 
 void set_grouped_defaults(const GroupedDefaults& d) {
@@ -979,8 +1006,12 @@ void set_grouped_defaults(const GroupedDefaults& d) {
   BB_CHECK(d.num_streams >= 1 && d.num_streams <= kMaxGroupedStreams,
            "cuda::set_grouped_defaults: num_streams=", d.num_streams, " is not in [1, ",
            kMaxGroupedStreams, "]");
-  std::lock_guard<std::mutex> lock(g_mu);
-  defaults_locked() = d;
+  Knobs& k = knobs();
+  k.same_dtype.store(static_cast<int>(d.same_dtype));
+  k.widening.store(static_cast<int>(d.widening));
+  k.num_streams.store(d.num_streams);
+  k.min_flops.store(d.multi_stream_min_flops);
+  k.threaded.store(d.threaded_enqueue);
 }
 
 void gemm_grouped(bool ta, bool tb, const std::vector<GemmProblem>& problems, float alpha, DType ab,
@@ -1032,7 +1063,7 @@ void gemm_grouped(bool ta, bool tb, const std::vector<GemmProblem>& problems, fl
     if (p.M > 0 && p.N > 0) ps.push_back(p);
   }
   if (ps.empty()) return;
-  BB_CHECK_CUDA(cudaSetDevice(dev));
+  cuda::set_device(dev);
   switch (algo) {
     case GroupedAlgo::cublas:
       grouped_cublas(ta, tb, ps, alpha, ab, lda, ldb, beta, cdt, ldc, dev);

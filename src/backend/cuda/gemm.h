@@ -4,7 +4,9 @@
 //   op(A) is A[M,K] (trans_a = false) or A[K,M]^T; op(B) is B[K,N] or B[N,K]^T.
 // Same semantics as backend/cpu/gemm.h. Leading dimensions are those of the stored (row-major)
 // matrices. Pointers are device pointers on `device`, which is made current; work is ordered on
-// cuda::stream(); nothing synchronises the host.
+// the calling thread's current stream (cuda::stream(), core/stream.h), with that stream's own
+// workspace; nothing synchronises the host. Calls from several threads and on several streams
+// may run at once; a call whose plan this thread has cached takes no lock.
 //
 // dtypes: A and B f32, bf16 or f16; C f32, bf16 or f16. Native cuBLASLt combinations
 // (AB -> C): f32 -> f32, bf16 -> bf16|f32, f16 -> f16|f32. Others run through converted
@@ -61,7 +63,8 @@ struct GroupedConfig {
 };
 constexpr int kMaxGroupedStreams = 16;
 
-// What GroupedAlgo::automatic resolves to, process-wide (benches and the trainer may change it).
+// What GroupedAlgo::automatic resolves to, process-wide. The trainer sets it from the run
+// config's [backend] table (backend/config.h); benches and tests may change it.
 //   same_dtype: bf16 -> bf16, f16 -> f16, f32 -> f32 (the expert forward and dgrad);
 //   widening:   bf16|f16 -> f32 (the expert wgrad into f32 gradients).
 struct GroupedDefaults {
@@ -76,6 +79,9 @@ struct GroupedDefaults {
   // end-to-end step of the 4-layer Qwen3-30B-A3B slice at 8K tokens, 1e9 gave 121.2 ms, 2e9
   // 125.5 ms. 0 sends every same-dtype call to multi_stream.
   double multi_stream_min_flops = 1e9;
+  // multi_stream: side streams 1..S-1 are enqueued by a pool of host threads while the calling
+  // thread enqueues stream 0 (false: one thread, launches interleaved across the streams).
+  bool threaded_enqueue = true;
 };
 GroupedDefaults grouped_defaults();
 void set_grouped_defaults(const GroupedDefaults& d);  // checked: no automatic, streams in range
@@ -92,9 +98,9 @@ void set_grouped_defaults(const GroupedDefaults& d);  // checked: no automatic, 
 //     cuBLASLt GEMMs (the plans of cuda::gemm) with its own workspace. Side streams 1..S-1 are
 //     enqueued by a per-device pool of host threads (one cuBLASLt handle each) while the
 //     calling thread enqueues stream 0: the ~8 us host cost per cublasLtMatmul is paid in
-//     parallel (BB_GROUPED_THREADED=0: one thread, interleaved). The side streams are
+//     parallel (threaded_enqueue = false: one thread, interleaved). The side streams are
 //     forked from cuda::stream() and joined back with events: work after the call on
-//     cuda::stream() sees every C_g. Streams, events and workspaces (kMaxGroupedStreams at
+//     cuda::stream() sees every C_g. One multi_stream call at a time per device uses them. Streams, events and workspaces (kMaxGroupedStreams at
 //     most, 32 MiB each under MemCategory::workspace) are created per device on first use and
 //     reused. Any natively supported combination (see gemm above: f32 -> f32,
 //     bf16 -> bf16|f32, f16 -> f16|f32), any transposes. K = 0 problems are scaled on
@@ -107,13 +113,18 @@ void gemm_grouped(bool trans_a, bool trans_b, const std::vector<GemmProblem>& pr
                   DType ab_dt, int64_t lda, int64_t ldb, float beta, DType c_dt, int64_t ldc,
                   int device, GroupedConfig cfg = {});
 
-// Drops the cached descriptors and heuristics (tests; the handle and workspace stay).
+// Drops the cached descriptors and heuristics of every thread (tests; handles and workspaces
+// stay).
 void gemm_clear_cache();
-// Number of cached cuBLASLt plans (tests check that a repeated shape reuses its plan).
+// Number of cuBLASLt plans the calling thread has cached (tests check that a repeated shape
+// reuses its plan).
 int64_t gemm_cache_size();
-// cuBLASLt heuristic queries so far (a new shape bucket asks once; sizes inside a bucket reuse
-// its algorithm after cublasLtMatmulAlgoCheck). BB_GEMM_EXACT_HEURISTICS=1: one per new shape.
+// cuBLASLt heuristic queries so far, all threads (a new shape bucket asks once; sizes inside a
+// bucket reuse its algorithm after cublasLtMatmulAlgoCheck).
 int64_t gemm_heuristic_calls();
+// true: every new shape asks the heuristic (no buckets); [backend] gemm_heuristics = "exact".
+void set_exact_heuristics(bool exact);
+bool exact_heuristics();
 
 }  // namespace bb::cuda
 

@@ -1,11 +1,26 @@
-// runtime.cu — device copies, conversions, the compute stream and the stream-ordered allocator.
+// runtime.cu — streams, events, device copies, conversions and the stream-ordered allocator.
 //
-// Device memory comes from the CUDA memory pool of each device (cudaMallocAsync on the compute
-// stream). The pool's release threshold is raised to "keep everything", so after the first
-// step no allocation reaches the driver (no cudaMalloc/cudaFree inside the step); the pool's
-// reserved high-water mark is reported next to the per-category peaks.
+// Device memory comes from the CUDA memory pool of each device (cudaMallocAsync on the
+// allocating thread's current stream). The pool's release threshold is raised to "keep
+// everything", so after the first step no allocation reaches the driver (no cudaMalloc/cudaFree
+// inside the step); the pool's reserved high-water mark is reported next to the per-category
+// peaks.
+//
+// Record-stream semantics (core/stream.h). A buffer used only on the stream it was allocated on
+// is freed on that stream: the pool hands it out again in that stream's order. A buffer that
+// other streams used as well is freed on the device's private *release stream*, after that
+// stream waited for an event recorded on every user: the free is then ordered after all their
+// queued work, and no user stream waits for another because of it. The pool does not insert
+// dependencies of its own (cudaMemPoolReuseAllowInternalDependencies = 0): a block freed on the
+// release stream is reused by another stream only once the free has completed.
+//
+// NOTES: the per-thread cache (device, current stream, SM count) is what makes cuda::stream()
+// and the launch helpers cheap; every device switch goes through cuda::set_device so the cache
+// stays right.
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <mutex>
@@ -20,41 +35,149 @@ namespace cuda {
 
 namespace {
 std::atomic<int64_t> g_host_syncs{0};
+std::atomic<bool> g_poison{false};
+
+constexpr int kMaxDevices = 64;
 
 struct DeviceState {
-  cudaStream_t stream = nullptr;
+  std::mutex mu;  // creation of streams, the event pool, the release path
+  std::atomic<cudaStream_t> streams[kNumStreams] = {};
+  cudaStream_t release = nullptr;
+  cudaEvent_t release_marks[kNumStreams] = {};
   cudaMemPool_t pool = nullptr;
   int sms = 0;
+  int priority_low = 0, priority_high = 0;
+  std::vector<cudaEvent_t> free_events;
 };
 
+std::atomic<DeviceState*> g_states[kMaxDevices] = {};
+std::mutex g_states_mu;
+
+int visible_devices() {
+  static const int n = [] {
+    int c = 0;
+    if (cudaGetDeviceCount(&c) != cudaSuccess) {
+      cudaGetLastError();
+      c = 0;
+    }
+    return c;
+  }();
+  return n;
+}
+
 DeviceState& state(int dev) {
-  static std::mutex mu;
-  static std::vector<DeviceState> states;
-  std::lock_guard<std::mutex> lock(mu);
-  if (states.empty()) {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
-    states.resize(static_cast<size_t>(n));
-  }
-  BB_CHECK(dev >= 0 && dev < static_cast<int>(states.size()), "cuda:", dev, " requested but ",
-           states.size(), " CUDA device(s) are visible");
-  DeviceState& s = states[static_cast<size_t>(dev)];
-  if (!s.stream) {
-    BB_CHECK_CUDA(cudaSetDevice(dev));
-    BB_CHECK_CUDA(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
-    BB_CHECK_CUDA(cudaDeviceGetDefaultMemPool(&s.pool, dev));
-    uint64_t keep = UINT64_MAX;  // never give memory back to the driver between steps
-    BB_CHECK_CUDA(cudaMemPoolSetAttribute(s.pool, cudaMemPoolAttrReleaseThreshold, &keep));
-    BB_CHECK_CUDA(cudaDeviceGetAttribute(&s.sms, cudaDevAttrMultiProcessorCount, dev));
-  }
+  BB_CHECK(dev >= 0 && dev < visible_devices() && dev < kMaxDevices, "cuda:", dev,
+           " requested but ", visible_devices(), " CUDA device(s) are visible");
+  if (DeviceState* s = g_states[dev].load(std::memory_order_acquire)) return *s;
+  std::lock_guard<std::mutex> lock(g_states_mu);
+  if (DeviceState* s = g_states[dev].load(std::memory_order_acquire)) return *s;
+  auto* s = new DeviceState;  // lives for the process (streams outlive static destructors)
+  BB_CHECK_CUDA(cudaSetDevice(dev));
+  BB_CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&s->priority_low, &s->priority_high));
+  cudaStream_t compute = nullptr;
+  BB_CHECK_CUDA(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking));
+  s->streams[0].store(compute);
+  BB_CHECK_CUDA(cudaDeviceGetDefaultMemPool(&s->pool, dev));
+  uint64_t keep = UINT64_MAX;  // never give memory back to the driver between steps
+  BB_CHECK_CUDA(cudaMemPoolSetAttribute(s->pool, cudaMemPoolAttrReleaseThreshold, &keep));
+  int no = 0;
+  BB_CHECK_CUDA(
+      cudaMemPoolSetAttribute(s->pool, cudaMemPoolReuseAllowInternalDependencies, &no));
+  BB_CHECK_CUDA(cudaDeviceGetAttribute(&s->sms, cudaDevAttrMultiProcessorCount, dev));
+  g_states[dev].store(s, std::memory_order_release);
+  return *s;
+}
+
+cudaStream_t named_stream(DeviceState& st, int dev, Stream which) {
+  const int i = static_cast<int>(which);
+  if (cudaStream_t s = st.streams[i].load(std::memory_order_acquire)) return s;
+  std::lock_guard<std::mutex> lock(st.mu);
+  if (cudaStream_t s = st.streams[i].load(std::memory_order_acquire)) return s;
+  set_device(dev);
+  cudaStream_t s = nullptr;
+  const int prio = which == Stream::comm ? st.priority_high : st.priority_low;
+  BB_CHECK_CUDA(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, prio));
+  st.streams[i].store(s, std::memory_order_release);
   return s;
 }
 
-int current_device() {
-  int d = 0;
-  BB_CHECK_CUDA(cudaGetDevice(&d));
-  return d;
+struct ThreadCache {
+  int dev = -1;
+  cudaStream_t stream = nullptr;  // current stream of `dev`, null = look it up
+  int sms = 0;
+};
+thread_local ThreadCache t_cache;
+
+int cached_device() {
+  if (t_cache.dev < 0) {
+    int d = 0;
+    BB_CHECK_CUDA(cudaGetDevice(&d));
+    t_cache.dev = d;
+  }
+  return t_cache.dev;
 }
+
+// ---- pinned staging of host -> device copies -----------------------------------------------
+
+constexpr size_t kStagedMaxBytes = size_t{64} << 20;   // larger copies go synchronously
+constexpr size_t kStagingCapBytes = size_t{512} << 20;  // pinned memory held at most
+constexpr size_t kMinBlockBytes = size_t{1} << 20;
+
+struct StagingBlock {
+  void* host = nullptr;
+  size_t bytes = 0;
+  cudaEvent_t done = nullptr;  // recorded after the copy out of the block
+  bool busy = false;           // a copy out of it was queued (done may not have fired)
+};
+
+struct Staging {
+  std::mutex mu;
+  std::vector<StagingBlock> blocks;
+  size_t total = 0;
+};
+
+Staging& staging() {
+  static Staging* s = new Staging;  // pinned blocks live for the process
+  return *s;
+}
+
+// Copies into a free pinned block and queues the upload; false when no block can be had
+// within the cap (the caller then copies synchronously).
+bool staged_upload(void* dst, const void* src, size_t bytes, cudaStream_t s) {
+  Staging& st = staging();
+  std::lock_guard<std::mutex> lock(st.mu);
+  StagingBlock* pick = nullptr;
+  for (StagingBlock& b : st.blocks) {
+    if (b.bytes < bytes) continue;
+    if (b.busy) {
+      const cudaError_t q = cudaEventQuery(b.done);
+      if (q == cudaErrorNotReady) continue;
+      BB_CHECK_CUDA(q);
+      b.busy = false;
+    }
+    if (!pick || b.bytes < pick->bytes) pick = &b;
+  }
+  if (!pick) {
+    size_t size = kMinBlockBytes;
+    while (size < bytes) size *= 2;
+    if (st.total + size > kStagingCapBytes) return false;
+    StagingBlock b;
+    b.bytes = size;
+    BB_CHECK(cudaMallocHost(&b.host, size) == cudaSuccess, "cannot allocate ",
+             format_bytes(static_cast<int64_t>(size)), " of pinned host memory for uploads");
+    BB_CHECK_CUDA(cudaEventCreateWithFlags(&b.done, cudaEventDisableTiming));
+    st.total += size;
+    st.blocks.push_back(b);
+    pick = &st.blocks.back();
+  }
+  std::memcpy(pick->host, src, bytes);
+  BB_CHECK_CUDA(cudaMemcpyAsync(dst, pick->host, bytes, cudaMemcpyHostToDevice, s));
+  BB_CHECK_CUDA(cudaEventRecord(pick->done, s));
+  pick->busy = true;
+  return true;
+}
+
+// ---- conversions -----------------------------------------------------------------------------
 
 template <class D, class S>
 __device__ __forceinline__ D convert_one(S x);
@@ -92,19 +215,48 @@ void convert_from(void* dst, DType dt, const void* src, int64_t n) {
     default: BB_FAIL("cuda::convert: destination dtype ", dtype_name(dt), " is not a float type");
   }
 }
+
+__global__ void spin_then_copy_kernel(unsigned char* dst, const unsigned char* src, size_t bytes,
+                                      long long cycles) {
+  if (threadIdx.x == 0) {
+    const long long start = clock64();
+    while (clock64() - start < cycles) {
+    }
+  }
+  __syncthreads();
+  for (size_t i = threadIdx.x; i < bytes; i += blockDim.x) dst[i] = src[i];
+}
 }  // namespace
 
-cudaStream_t stream() { return state(current_device()).stream; }
-int sm_count() { return state(current_device()).sms; }
+// ---- streams ---------------------------------------------------------------------------------
 
-int device_count() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky "no driver" error
-    return 0;
-  }
-  return n;
+void set_device(int dev) {
+  if (t_cache.dev == dev) return;
+  BB_CHECK_CUDA(cudaSetDevice(dev));
+  t_cache.dev = dev;
+  t_cache.stream = nullptr;
+  t_cache.sms = 0;
 }
+
+int current_device() { return cached_device(); }
+
+void current_stream_changed() { t_cache.stream = nullptr; }
+
+cudaStream_t stream() {
+  if (t_cache.stream) return t_cache.stream;
+  const int dev = cached_device();
+  t_cache.stream = named_stream(state(dev), dev, current_stream());
+  return t_cache.stream;
+}
+
+cudaStream_t stream_of(int dev, Stream s) { return named_stream(state(dev), dev, s); }
+
+int sm_count() {
+  if (t_cache.sms == 0) t_cache.sms = state(cached_device()).sms;
+  return t_cache.sms;
+}
+
+int device_count() { return visible_devices(); }
 
 const char* unavailable_reason() {
   int n = 0;
@@ -116,19 +268,22 @@ const char* unavailable_reason() {
   return n > 0 ? "" : "no CUDA device is visible";
 }
 
+// ---- copies ----------------------------------------------------------------------------------
+
 void memcpy(void* dst, Device ddev, const void* src, Device sdev, size_t bytes) {
   if (bytes == 0) return;
-  const int dev = ddev.is_cuda() ? ddev.index : sdev.index;
-  BB_CHECK_CUDA(cudaSetDevice(dev));
+  set_device(ddev.is_cuda() ? ddev.index : sdev.index);
   cudaStream_t s = stream();
-  cudaMemcpyKind kind = ddev.is_cuda() ? (sdev.is_cuda() ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice)
-                                       : cudaMemcpyDeviceToHost;
-  BB_CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, kind, s));
-  // Host memory must not change or be read before the copy completes.
-  if (kind != cudaMemcpyDeviceToDevice) {
-    BB_CHECK_CUDA(cudaStreamSynchronize(s));
-    note_host_sync();
+  if (ddev.is_cuda() && sdev.is_cuda()) {
+    BB_CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
+    return;
   }
+  if (ddev.is_cuda() && bytes <= kStagedMaxBytes && staged_upload(dst, src, bytes, s)) return;
+  // Device -> host (the host reads the result) or a large upload: wait for the copy.
+  BB_CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes,
+                                ddev.is_cuda() ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, s));
+  BB_CHECK_CUDA(cudaStreamSynchronize(s));
+  note_host_sync();
 }
 
 void memset_zero(void* p, size_t bytes) {
@@ -150,8 +305,70 @@ void synchronize() {
   note_host_sync();
 }
 
+void synchronize_device(int dev) {
+  set_device(dev);
+  BB_CHECK_CUDA(cudaDeviceSynchronize());
+  note_host_sync();
+}
+
 int64_t host_sync_count() { return g_host_syncs.load(); }
 void note_host_sync() { g_host_syncs.fetch_add(1); }
+
+// ---- events ----------------------------------------------------------------------------------
+
+void* event_acquire(int dev) {
+  DeviceState& st = state(dev);
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    if (!st.free_events.empty()) {
+      cudaEvent_t e = st.free_events.back();
+      st.free_events.pop_back();
+      return e;
+    }
+  }
+  set_device(dev);
+  cudaEvent_t e = nullptr;
+  BB_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  return e;
+}
+
+void event_release(int dev, void* event) {
+  DeviceState& st = state(dev);
+  std::lock_guard<std::mutex> lock(st.mu);
+  st.free_events.push_back(static_cast<cudaEvent_t>(event));
+}
+
+void event_record(void* event, int dev, Stream s) {
+  BB_CHECK_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(event), stream_of(dev, s)));
+}
+
+void stream_wait_event(int dev, Stream s, void* event) {
+  BB_CHECK_CUDA(cudaStreamWaitEvent(stream_of(dev, s), static_cast<cudaEvent_t>(event), 0));
+}
+
+bool event_done(void* event) {
+  const cudaError_t q = cudaEventQuery(static_cast<cudaEvent_t>(event));
+  if (q == cudaErrorNotReady) return false;
+  BB_CHECK_CUDA(q);
+  return true;
+}
+
+void event_synchronize(void* event) {
+  BB_CHECK_CUDA(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
+  note_host_sync();
+}
+
+void set_poison_allocations(bool on) { g_poison.store(on); }
+
+void spin_then_copy(void* dst, const void* src, size_t bytes, double spin_ms) {
+  int khz = 0;
+  BB_CHECK_CUDA(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, cached_device()));
+  const long long cycles = static_cast<long long>(spin_ms * khz);
+  spin_then_copy_kernel<<<1, 256, 0, stream()>>>(static_cast<unsigned char*>(dst),
+                                                 static_cast<const unsigned char*>(src), bytes,
+                                                 cycles);
+  BB_CHECK_LAUNCH();
+}
 
 }  // namespace cuda
 
@@ -162,21 +379,40 @@ class CudaAllocator final : public Allocator {
   Device device() const override { return Device::cuda(dev_); }
 
  protected:
-  void* raw_allocate(size_t bytes) override {
+  void* raw_allocate(size_t bytes, int stream) override {
     if (bytes == 0) return nullptr;
-    BB_CHECK_CUDA(cudaSetDevice(dev_));
+    cuda::set_device(dev_);
+    cudaStream_t s = cuda::stream_of(dev_, static_cast<Stream>(stream));
     void* p = nullptr;
-    cudaError_t e = cudaMallocAsync(&p, bytes, cuda::stream());
+    cudaError_t e = cudaMallocAsync(&p, bytes, s);
     BB_CHECK(e == cudaSuccess, "out of GPU memory on cuda:", dev_, " allocating ", format_bytes(static_cast<int64_t>(bytes)),
              " (", cudaGetErrorString(e), "); see the per-category peaks in the log");
-    // Tests set BB_POISON_ALLOC=1: new memory reads as NaN (0xFF bytes) so that an output a
-    // kernel forgot to write cannot pass as zeros.
-    static const bool poison = std::getenv("BB_POISON_ALLOC") != nullptr;
-    if (poison) BB_CHECK_CUDA(cudaMemsetAsync(p, 0xFF, bytes, cuda::stream()));
+    if (cuda::g_poison.load(std::memory_order_relaxed)) BB_CHECK_CUDA(cudaMemsetAsync(p, 0xFF, bytes, s));
     return p;
   }
-  void raw_deallocate(void* p, size_t) override {
-    if (p) cudaFreeAsync(p, cuda::stream());
+  void raw_deallocate(void* p, size_t, int stream, uint32_t used) override {
+    if (!p) return;
+    const Stream own = static_cast<Stream>(stream);
+    used |= stream_bit(own);
+    if (used == stream_bit(own)) {
+      cudaFreeAsync(p, cuda::stream_of(dev_, own));
+      return;
+    }
+    // Used on several streams: free on the release stream, after the work every user queued.
+    cuda::DeviceState& st = cuda::state(dev_);
+    std::lock_guard<std::mutex> lock(st.mu);
+    cuda::set_device(dev_);
+    if (!st.release) {
+      if (cudaStreamCreateWithFlags(&st.release, cudaStreamNonBlocking) != cudaSuccess) return;
+      for (cudaEvent_t& m : st.release_marks) cudaEventCreateWithFlags(&m, cudaEventDisableTiming);
+    }
+    for (int i = 0; i < kNumStreams; ++i) {
+      if (!(used & (1u << i))) continue;
+      // Each wait captures the mark as recorded now, so one event per stream is reused.
+      cudaEventRecord(st.release_marks[i], cuda::stream_of(dev_, static_cast<Stream>(i)));
+      cudaStreamWaitEvent(st.release, st.release_marks[i], 0);
+    }
+    cudaFreeAsync(p, st.release);
   }
   int64_t reserved_peak() const override {
     cudaMemPool_t pool;
@@ -197,16 +433,19 @@ class CudaAllocator final : public Allocator {
 };
 }  // namespace
 
+// Looked up on every tensor allocation and free: lock-free after the first use of a device.
 Allocator& cuda_allocator(int device_index) {
+  static std::atomic<CudaAllocator*> allocs[cuda::kMaxDevices] = {};
   static std::mutex mu;
-  static std::vector<std::unique_ptr<CudaAllocator>> allocs;
-  std::lock_guard<std::mutex> lock(mu);
   const int n = cuda::device_count();
-  BB_CHECK(device_index >= 0 && device_index < n, "cuda:", device_index, " requested but ", n,
-           " CUDA device(s) are visible (", cuda::unavailable_reason(), ")");
-  if (allocs.empty()) allocs.resize(static_cast<size_t>(n));
-  auto& a = allocs[static_cast<size_t>(device_index)];
-  if (!a) a = std::make_unique<CudaAllocator>(device_index);
+  BB_CHECK(device_index >= 0 && device_index < n && device_index < cuda::kMaxDevices, "cuda:",
+           device_index, " requested but ", n, " CUDA device(s) are visible (",
+           cuda::unavailable_reason(), ")");
+  if (CudaAllocator* a = allocs[device_index].load(std::memory_order_acquire)) return *a;
+  std::lock_guard<std::mutex> lock(mu);
+  if (CudaAllocator* a = allocs[device_index].load(std::memory_order_acquire)) return *a;
+  auto* a = new CudaAllocator(device_index);  // lives for the process, like the pool
+  allocs[device_index].store(a, std::memory_order_release);
   return *a;
 }
 

@@ -1,8 +1,15 @@
-// runtime.h — the CUDA runtime pieces the core needs: a checked-call macro, the stream every
-// primitive uses, device copies, dtype conversion, and the stream-ordered allocator.
+// runtime.h — the CUDA runtime pieces the core needs: streams and events (the CUDA side of
+// core/stream.h), device copies, dtype conversion, host-sync accounting and the stream-ordered
+// allocator.
 //
-// Host-only header (no CUDA types leak into core headers): streams are passed as void* here;
-// kernels and .cu files include backend/cuda/check.cuh for the CUDA types.
+// Host-only header (no CUDA types leak into core headers): streams and events are passed as
+// void* here; kernels and .cu files include backend/cuda/check.cuh for the CUDA types.
+//
+// Streams. Each device has one stream per bb::Stream (compute, comm, wgrad, copy), created on
+// first use, non-blocking (no implicit ordering with the legacy stream); comm has the highest
+// priority so that collectives are not starved by compute. cuda::stream() (check.cuh) is the
+// calling thread's current stream: a thread-local read, no lock and no driver call once the
+// thread has used it (the device is cached per thread by cuda::set_device).
 #pragma once
 
 #include <cstddef>
@@ -10,6 +17,7 @@
 
 #include "core/dtype.h"
 #include "core/memory.h"
+#include "core/stream.h"
 
 namespace bb::cuda {
 
@@ -18,16 +26,45 @@ int device_count();
 // Human-readable reason why no device is usable, or "" when one is.
 const char* unavailable_reason();
 
-// Copies between any combination of host and device memory, ordered on the current stream;
-// device-to-host copies synchronize before returning (the host reads the result).
+// Makes `dev` current for this thread (a no-op when it already is; cached per thread).
+void set_device(int dev);
+// The device this thread issues work on.
+int current_device();
+// core/stream.h tells the runtime that this thread's current stream changed.
+void current_stream_changed();
+
+// Copies between any combination of host and device memory, ordered on the current stream.
+//   host -> device: the bytes are first copied into a pinned staging buffer, so the call
+//     returns at once and `src` may change right after (no host sync); copies over 64 MiB
+//     (checkpoint loads) take the synchronous path instead and count a host sync;
+//   device -> host: waits for the copy (the host reads the result): a counted host sync;
+//   device -> device: asynchronous.
 void memcpy(void* dst, Device ddev, const void* src, Device sdev, size_t bytes);
 void memset_zero(void* p, size_t bytes);
 // Element conversion between float dtypes on the device (f32/bf16/f16).
 void convert(void* dst, DType dt, const void* src, DType st, int64_t n);
 // Waits for all work on the current stream.
 void synchronize();
+// Waits for all work on every stream of `dev`.
+void synchronize_device(int dev);
 // Counts deliberate host-device synchronisations (the step log prints them).
 int64_t host_sync_count();
 void note_host_sync();
+
+// Events (what core/stream.h's Event is built on). Pooled per device; disable-timing events.
+void* event_acquire(int dev);
+void event_release(int dev, void* event);
+void event_record(void* event, int dev, Stream s);
+void stream_wait_event(int dev, Stream s, void* event);
+bool event_done(void* event);
+void event_synchronize(void* event);  // counts a host sync
+
+// Fresh device memory reads as NaN (0xFF bytes) while on, so that an output a kernel forgot to
+// write cannot pass as zeros. The GPU tests turn it on; off by default.
+void set_poison_allocations(bool on);
+
+// Test helper: on the current stream, spins for about `spin_ms` milliseconds of GPU time, then
+// copies `bytes` from src to dst (device pointers). Gives tests a long-running reader.
+void spin_then_copy(void* dst, const void* src, size_t bytes, double spin_ms);
 
 }  // namespace bb::cuda

@@ -133,7 +133,7 @@ cudnnHandle_t handle_for(int device) {
   std::lock_guard<std::mutex> lock(mu);
   auto it = handles.find(device);
   if (it != handles.end()) return it->second;
-  BB_CHECK_CUDA(cudaSetDevice(device));
+  cuda::set_device(device);
   cudnnHandle_t h = nullptr;
   BB_CHECK_CUDNN(cudnn::api().Create(&h), "cudnnCreate on cuda:", device);
   handles.emplace(device, h);
@@ -621,7 +621,7 @@ CallDims check_cuda_inputs(const char* op, const NamedTensors& ts, const Tensor&
            "128 and 256); use one of those or run attention on the CPU");
   BB_CHECK(runtime_version() >= 90600, op, ": the packed (THD) cuDNN path needs cuDNN >= 9.6.0, "
            "found ", runtime_version());
-  BB_CHECK_CUDA(cudaSetDevice(c.device));
+  cuda::set_device(c.device);
   return c;
 }
 

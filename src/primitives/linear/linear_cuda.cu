@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "backend/cuda/check.cuh"
+#include "backend/cuda/runtime.h"
 #include "backend/cuda/vec.cuh"
 #include "primitives/linear/linear_cuda.h"
 
@@ -67,7 +68,7 @@ void broadcast_to(TY* y, const void* bias, DType b_dt, int64_t T, int64_t O) {
 void linear_bias_broadcast(void* y, DType y_dt, const void* bias, DType b_dt, int64_t T, int64_t O,
                            int device) {
   if (T * O == 0) return;
-  BB_CHECK_CUDA(cudaSetDevice(device));
+  cuda::set_device(device);
   switch (y_dt) {
     case DType::f32:
       broadcast_to(static_cast<float*>(y), bias, b_dt, T, O);
@@ -86,7 +87,7 @@ void linear_bias_broadcast(void* y, DType y_dt, const void* bias, DType b_dt, in
 void linear_bias_grad(float* d_bias, const void* d_y, DType dy_dt, int64_t T, int64_t O,
                       int device) {
   if (O == 0) return;
-  BB_CHECK_CUDA(cudaSetDevice(device));
+  cuda::set_device(device);
   const dim3 block(32, 8);
   const unsigned grid = static_cast<unsigned>(ceil_div(O, 32));
   switch (dy_dt) {

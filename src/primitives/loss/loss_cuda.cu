@@ -405,10 +405,8 @@ CeTotals ce_finalize(float* lse, void* totals_scratch, const float* run_max, con
                                                         targets, T, V);
   BB_CHECK_LAUNCH();
   // The loss head's one host read (cuda::memcpy waits and calls cuda::note_host_sync()).
-  int device_index = 0;
-  BB_CHECK_CUDA(cudaGetDevice(&device_index));
   DeviceTotals host;
-  cuda::memcpy(&host, Device::cpu(), dev, Device::cuda(device_index), sizeof(host));
+  cuda::memcpy(&host, Device::cpu(), dev, Device::cuda(cuda::current_device()), sizeof(host));
   CeTotals t;
   t.loss_sum = host.loss_sum;
   t.num_valid = host.num_valid;

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "backend/cuda/check.cuh"
+#include "backend/cuda/runtime.h"
 #include "backend/cuda/vec.cuh"
 #include "primitives/moe/experts_cuda.h"
 
@@ -45,7 +46,7 @@ __global__ void prob_backward_kernel(float* d_row_prob, T* d_a, const T* act, co
 void experts_scale_rows(void* out, const void* act, DType dt, const float* row_prob, int64_t N,
                         int64_t F, int device) {
   if (N * F == 0) return;
-  BB_CHECK_CUDA(cudaSetDevice(device));
+  cuda::set_device(device);
   const int threads = 256;
   const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(N * F, threads), 8192));
   switch (dt) {
@@ -70,7 +71,7 @@ void experts_scale_rows(void* out, const void* act, DType dt, const float* row_p
 void experts_prob_backward(float* d_row_prob, void* d_a, const void* act, DType dt,
                            const float* row_prob, int64_t N, int64_t F, int device) {
   if (N == 0) return;
-  BB_CHECK_CUDA(cudaSetDevice(device));
+  cuda::set_device(device);
   const unsigned blocks = static_cast<unsigned>(ceil_div(N, kRowsPerBlock));
   const int threads = 32 * kRowsPerBlock;
   switch (dt) {

@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "backend/cuda/check.cuh"
+#include "backend/cuda/runtime.h"
 #include "backend/cuda/vec.cuh"
 #include "primitives/norm/rmsnorm_cuda.h"
 
@@ -274,8 +275,8 @@ __global__ void dw_reduce_kernel(float* __restrict__ dw, const float* __restrict
 template <class Kernel>
 void allow_smem(Kernel kernel, size_t bytes, const char* op, int64_t H) {
   if (bytes <= 48 * 1024) return;
-  int dev = 0, max_optin = 0;
-  BB_CHECK_CUDA(cudaGetDevice(&dev));
+  const int dev = current_device();
+  int max_optin = 0;
   BB_CHECK_CUDA(cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
   BB_CHECK(bytes <= static_cast<size_t>(max_optin), op, ": hidden size ", H,
            " needs ", bytes, " bytes of shared memory, the device allows ", max_optin);
