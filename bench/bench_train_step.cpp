@@ -72,6 +72,7 @@ int main(int argc, char** argv) {
   }
   struct Row { int64_t S; double tok_s, model_tf, hw_tf, step_ms; MemoryStats mem; int64_t syncs; std::string err; };
   std::vector<Row> rows;
+  std::string summary;
   for (int64_t S : seqs) {
     Row r{S, 0, 0, 0, 0, {}, 0, ""};
     try {
@@ -104,7 +105,9 @@ int main(int argc, char** argv) {
       r.step_ms = med.step_time_s * 1e3;
       r.tok_s = static_cast<double>(S) / med.step_time_s;
       r.model_tf = mf / med.step_time_s / 1e12;
-      r.hw_tf = (mf + (cfg.prim.recompute == "full" ? recompute_flops(cfg.model, S) : 0.0)) / med.step_time_s / 1e12;
+      r.hw_tf = (mf + (cfg.prim.recompute.value == RecomputePolicy::full ? recompute_flops(cfg.model, S) : 0.0)) /
+                med.step_time_s / 1e12;
+      if (summary.empty()) summary = cfg.primitives_summary() + "\nbackend: " + cfg.backend.summary();
       r.mem = med.mem;
       r.syncs = med.host_syncs;
     } catch (const std::exception& e) {
@@ -112,7 +115,7 @@ int main(int argc, char** argv) {
     }
     rows.push_back(r);
   }
-  std::printf("\nend-to-end training step: %s, recompute=full, loss=linear_ce, experts=grouped\n", config.c_str());
+  std::printf("\nend-to-end training step: %s\nprimitives: %s\n", config.c_str(), summary.c_str());
   std::printf("%8s | %10s | %12s | %10s | %10s | %8s | %10s %10s %10s %10s %10s %10s %10s | %10s\n", "tokens",
               "step ms", "tokens/s", "model TF/s", "hw TF/s", "syncs", "params", "grads", "optim", "activ",
               "logits", "moe", "workspace", "reserved");

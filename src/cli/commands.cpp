@@ -27,8 +27,9 @@ constexpr const char* kPairedHelp = R"(Run the same model, data and seed twice (
 A and B differ only by the overrides you give (KEY=VALUE, same syntax as --set):
   bumblebee paired --config configs/demo.toml --a primitives.loss=full_ce --b primitives.loss=linear_ce
 Prints loss and grad norm per step, max |logits A - logits B| on the first micro-batch (before
-training), peak memory per category and the step-time ratio B/A. Exits 0 when every step's loss
-and grad norm agree within the tolerances (relative), 1 when they do not, 2 on errors.
+training), the ten parameters whose gradients after step 1 differ most (relative), peak memory
+per category and the step-time ratio B/A. Exits 0 when every step's loss and grad norm, the
+logits and every gradient agree within the tolerances, 1 when they do not, 2 on errors.
 Checkpoints and metrics files of the run config are not touched.)";
 
 constexpr const char* kExportHelp =
@@ -72,6 +73,10 @@ int run(int argc, char** argv) {
   paired->add_option("--steps", po.steps, "Optimizer steps per side (default 5)")->check(CLI::PositiveNumber);
   paired->add_option("--tol-loss", po.tol_loss, "Max relative loss difference per step (default 1e-4)");
   paired->add_option("--tol-grad-norm", po.tol_grad_norm, "Max relative grad-norm difference per step (default 1e-3)");
+  paired->add_option("--tol-logits", po.tol_logits,
+                     "Max |logits A - logits B| on the first micro-batch (default 1e-3)");
+  paired->add_option("--tol-grad", po.tol_grad,
+                     "Max relative difference of any parameter's gradient after step 1 (default 1e-3)");
   paired->add_option("--warmup", po.warmup_steps,
                      "Untimed steps per side before the timed runs, so one-time costs do not land "
                      "on side A (default: 1 on a GPU, 0 on the CPU)")

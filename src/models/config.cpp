@@ -148,6 +148,16 @@ bool ModelConfig::is_moe_layer(int64_t layer) const {
   return num_experts > 0 && (layer + 1) % decoder_sparse_step == 0;
 }
 
+const char* layer_type_name(LayerType t) {
+  return t == LayerType::full_attention ? "full_attention" : "linear_attention";
+}
+
+LayerType ModelConfig::layer_type(int64_t layer) const {
+  BB_CHECK(layer >= 0 && layer < num_layers, "layer_type: layer ", layer, " out of range [0, ",
+           num_layers, ")");
+  return layer_types.empty() ? LayerType::full_attention : layer_types[static_cast<size_t>(layer)];
+}
+
 int64_t ModelConfig::num_moe_layers() const {
   int64_t n = 0;
   for (int64_t l = 0; l < num_layers; ++l) n += is_moe_layer(l) ? 1 : 0;

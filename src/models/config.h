@@ -18,6 +18,10 @@
 
 namespace bb {
 
+// The token mixer of a decoder layer (Hugging Face `layer_types`).
+enum class LayerType : uint8_t { full_attention, linear_attention };
+const char* layer_type_name(LayerType t);
+
 struct ModelConfig {
   std::string model_type;  // "qwen3_moe" or "qwen2_moe"
   int64_t vocab_size = 0, hidden_size = 0, num_layers = 0, num_heads = 0, num_kv_heads = 0;
@@ -38,11 +42,15 @@ struct ModelConfig {
   int64_t bos_token_id = -1, eos_token_id = -1;  // -1 = none
   bool qk_norm = true;    // qwen3_moe: per-head q/k RMSNorm (weights of size head_dim)
   bool qkv_bias = false;  // qwen2_moe: q/k/v projections have biases (o_proj has none)
+  // Token mixer per layer; empty = every layer full_attention (the only kind these families
+  // have: a `layer_types` key naming anything else is rejected).
+  std::vector<LayerType> layer_types;
 
   // HF rule (modeling_qwen3_moe.py): layer `layer` (0-based) is an MoE layer iff it is not in
   // mlp_only_layers, num_experts > 0 and (layer + 1) % decoder_sparse_step == 0.
   bool is_moe_layer(int64_t layer) const;
   int64_t num_moe_layers() const;
+  LayerType layer_type(int64_t layer) const;
 
   // Throws bb::Error naming the field when the config is inconsistent: sizes <= 0, heads not a
   // multiple of kv heads, top_k not in [1, num_experts], mlp_only_layers out of range, family

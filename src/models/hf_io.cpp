@@ -95,7 +95,8 @@ const char* hf_dtype_name(DType dt) {
 
 }  // namespace
 
-HfLoadReport load_hf_weights(Qwen3MoeModel& model, const std::string& dir) {
+HfLoadReport load_hf_weights(DecoderModel& model, const std::string& dir,
+                             std::vector<Tensor>* f32_units) {
   const std::string what = "load_hf_weights(" + dir + ")";
   BB_CHECK(is_directory(dir), what, ": not a directory");
   const std::string cfg_path = path_join(dir, "config.json");
@@ -118,20 +119,38 @@ HfLoadReport load_hf_weights(Qwen3MoeModel& model, const std::string& dir) {
       if (files.has(base + proj)) fused.insert(base + proj);
   }
 
-  // Targets: checkpoint name -> where it goes in the model.
+  // Targets: checkpoint name -> where it goes in the model (a parameter slice).
+  std::vector<ParamUnit*> units = model.units();
+  if (f32_units) {
+    BB_CHECK(f32_units->size() == units.size(), what, ": ", f32_units->size(),
+             " f32 targets for ", units.size(), " parameter units");
+    for (size_t u = 0; u < units.size(); ++u)
+      BB_CHECK((*f32_units)[u].dtype() == DType::f32 && (*f32_units)[u].numel() == units[u]->numel,
+               what, ": the f32 target of unit ", units[u]->name, " is ", (*f32_units)[u].str(),
+               ", expected f32[", units[u]->numel, "]");
+  }
   struct Target {
     std::string name;
     Tensor dst;
+    Tensor dst_f32;  // the same slice of the unit's f32 target, when asked for
+  };
+  auto target = [&](const std::string& name, Param* p, int64_t offset, const Shape& shape) {
+    Target t{name, p->unit->value.narrow(p->offset + offset, shape_numel(shape)).view(shape), {}};
+    if (f32_units)
+      t.dst_f32 = (*f32_units)[static_cast<size_t>(p->unit->index)]
+                      .narrow(p->offset + offset, shape_numel(shape))
+                      .view(shape);
+    return t;
   };
   std::vector<Target> targets;
-  for (auto& [name, view] : model.hf_tensors()) {
-    if (fused.count(fused_group_of(name))) continue;  // covered by the fused tensor
-    targets.push_back({name, view});
+  for (const HfTensor& t : model.hf_tensors()) {
+    if (fused.count(fused_group_of(t.name))) continue;  // covered by the fused tensor
+    targets.push_back(target(t.name, t.param, t.offset, t.shape));
   }
   for (const std::string& name : fused) {
     Param* p = model.find_param(name);
     BB_CHECK(p, what, ": internal: the model has no fused parameter ", name);
-    targets.push_back({name, p->value});
+    targets.push_back(target(name, p, 0, p->shape));
   }
 
   Problems pr;
@@ -169,12 +188,13 @@ HfLoadReport load_hf_weights(Qwen3MoeModel& model, const std::string& dir) {
     BB_FAIL(what, ": the checkpoint does not fit the model (", pr.count(),
             " problem(s); nothing was loaded):", pr.str());
 
-  // Stage every tensor in the parameter dtype on the host; the model is untouched until all
-  // reads succeeded.
+  // Stage every tensor on the host (in the parameter dtype, or f32 for f32 targets); the model
+  // is untouched until all reads succeeded.
   std::vector<Tensor> staged;
   staged.reserve(targets.size());
   for (const Target& t : targets)
-    staged.push_back(files.read_as(t.name, t.dst.dtype(), MemCategory::other));
+    staged.push_back(
+        files.read_as(t.name, f32_units ? DType::f32 : t.dst.dtype(), MemCategory::other));
   if (tied_head_in_file) {
     const Tensor head = files.read_as("lm_head.weight", DType::f32, MemCategory::other);
     const std::string embed = "model.embed_tokens.weight";
@@ -187,19 +207,22 @@ HfLoadReport load_hf_weights(Qwen3MoeModel& model, const std::string& dir) {
     }
   }
   for (size_t i = 0; i < targets.size(); ++i) {
-    targets[i].dst.copy_from(staged[i]);
+    if (f32_units) targets[i].dst_f32.copy_from(staged[i]);
+    targets[i].dst.copy_from(staged[i].dtype() == targets[i].dst.dtype()
+                                 ? staged[i]
+                                 : staged[i].to_dtype(targets[i].dst.dtype()));
     ++report.tensors_read;
     if (fused.count(targets[i].name)) ++report.fused_expert_tensors;
   }
   return report;
 }
 
-void export_hf(Qwen3MoeModel& model, const std::string& dir, const HfExportOptions& opts) {
+void export_hf(DecoderModel& model, const std::string& dir, const HfExportOptions& opts) {
   const char* torch_dtype = hf_dtype_name(opts.dtype);
   BB_CHECK(opts.max_shard_bytes > 0, "export: max shard size must be > 0");
   make_dirs(dir);
   std::vector<std::pair<std::string, Tensor>> tensors;
-  for (auto& [name, t] : model.hf_tensors()) {
+  for (auto& [name, t] : hf_state(model)) {
     Tensor h = t.device().is_cpu() ? t : t.to(Device::cpu(), MemCategory::other);
     if (h.dtype() != opts.dtype) h = h.to_dtype(opts.dtype, MemCategory::other);
     tensors.emplace_back(name, h);
@@ -220,8 +243,25 @@ std::string export_checkpoint(const std::string& step_dir, const std::string& ou
   BB_CHECK(path_exists(path_join(step_dir, "model.safetensors")), "export: ", step_dir,
            " is not a bumblebee checkpoint step directory (no model.safetensors)");
   const ModelConfig cfg = load_hf_config(path_join(step_dir, "config.json"));
-  Qwen3MoeModel model(cfg, ModelOptions{}, 0);  // CPU f32; every weight is overwritten below
+  DecoderModel model(cfg, ModelOptions{}, 0);  // CPU f32; every weight is overwritten below
   load_hf_weights(model, step_dir);
+  const std::string opt_path = path_join(step_dir, "optimizer.safetensors");
+  if (opts.dtype == DType::f32 && path_exists(opt_path)) {
+    // The fp32 master weights, not the (bf16 in a GPU run) parameters: all read first.
+    SafetensorsReader opt(opt_path);
+    std::vector<Tensor> masters;
+    for (Param* p : model.params()) {
+      const std::string name = p->name + ".master";
+      BB_CHECK(opt.has(name), "export: ", opt_path, " has no ", name,
+               " (export with --dtype bf16 to write the parameters instead)");
+      Tensor m = opt.read(name, MemCategory::other);
+      BB_CHECK(m.dtype() == DType::f32 && m.shape() == p->shape, "export: ", opt_path, ": ", name,
+               " is ", m.str(), ", expected f32", shape_str(p->shape));
+      masters.push_back(m);
+    }
+    std::vector<Param*> ps = model.params();
+    for (size_t i = 0; i < ps.size(); ++i) ps[i]->value.copy_from(masters[i]);
+  }
   export_hf(model, out_dir, opts);
   return step_dir;
 }
@@ -259,27 +299,15 @@ uint64_t parse_byte_size(const std::string& text) {
   return static_cast<uint64_t>(std::llround(v));
 }
 
-std::vector<HfNamedParam> hf_named_params(Qwen3MoeModel& model) {
-  std::vector<Param*> params = model.params();
+std::vector<std::pair<std::string, Tensor>> hf_state(DecoderModel& model) {
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (const HfTensor& t : model.hf_tensors()) out.emplace_back(t.name, t.value());
+  return out;
+}
+
+std::vector<HfNamedParam> hf_named_params(DecoderModel& model) {
   std::vector<HfNamedParam> out;
-  for (auto& [name, view] : model.hf_tensors()) {
-    // hf_tensors() returns views into parameter storage: find the parameter by address and
-    // take the same element range of its gradient.
-    const auto* addr = static_cast<const char*>(view.raw());
-    Param* owner = nullptr;
-    for (Param* p : params) {
-      const auto* base = static_cast<const char*>(p->value.raw());
-      if (addr >= base && addr + view.nbytes() <= base + p->value.nbytes()) {
-        owner = p;
-        break;
-      }
-    }
-    BB_CHECK(owner, "hf_named_params: ", name, " is not a view of any parameter");
-    const int64_t offset = (addr - static_cast<const char*>(owner->value.raw())) /
-                           static_cast<int64_t>(dtype_size(owner->value.dtype()));
-    Tensor grad = owner->grad.view({-1}).narrow(offset, view.numel()).view(view.shape());
-    out.push_back({name, view, grad});
-  }
+  for (const HfTensor& t : model.hf_tensors()) out.push_back({t.name, t.value(), t.grad()});
   return out;
 }
 

@@ -1,11 +1,12 @@
 // hf_io.h — Hugging Face checkpoints in and out: load a transformers checkpoint directory into a
-// Qwen3MoeModel, and export a model (or a bumblebee training checkpoint) as a directory that
+// DecoderModel, and export a model (or a bumblebee training checkpoint) as a directory that
 // transformers loads with from_pretrained.
 //
-// Names are the Hugging Face ones (Qwen3MoeModel::hf_tensors()). Inside bumblebee the experts of
+// Names are the Hugging Face ones (DecoderModel::hf_tensors()). Inside bumblebee the experts of
 // a layer are fused ([E, 2F, H] gate+up, [E, H, F] down) and so are the dense / shared-expert
 // gate+up projections ([2I, H]); hf_tensors() exposes per-expert `gate_proj` / `up_proj` /
-// `down_proj` views into them, so reading and writing through those names round-trips exactly.
+// `down_proj` slices of them (addressed by unit offsets), so reading and writing through those
+// names round-trips exactly.
 //
 // Loading accepts both expert layouts a checkpoint can have:
 //   per-expert (the classic layout; what save_pretrained writes by default)
@@ -27,7 +28,7 @@
 #include <vector>
 
 #include "core/tensor.h"
-#include "models/qwen3_moe.h"
+#include "models/decoder.h"
 
 namespace bb {
 
@@ -46,7 +47,12 @@ struct HfLoadReport {
 // recomputed; with tied embeddings an `lm_head.weight` equal to the embedding (a different one
 // is an error). Any other tensor the model does not have is "unexpected".
 // Throws bb::Error (model untouched) on any mismatch. Gradients are not touched.
-HfLoadReport load_hf_weights(Qwen3MoeModel& model, const std::string& dir);
+// f32_units: when given, one [numel] f32 tensor per parameter unit (model.units() order, e.g.
+// the optimizer's fp32 master weights) that receives the checkpoint's values converted to f32
+// from their stored dtype, not from the (possibly bf16-rounded) parameters; staging then holds
+// an f32 host copy of the weights.
+HfLoadReport load_hf_weights(DecoderModel& model, const std::string& dir,
+                             std::vector<Tensor>* f32_units = nullptr);
 
 struct HfExportOptions {
   DType dtype = DType::bf16;                 // f32 or bf16 (f16 also accepted)
@@ -59,12 +65,14 @@ struct HfExportOptions {
 //   model.safetensors, or model-0000i-of-0000n.safetensors + model.safetensors.index.json when
 //   the tensors exceed max_shard_bytes (write_sharded_safetensors; metadata {"format": "pt"}).
 // Tensors are the per-expert classic names of hf_tensors(), converted to opts.dtype.
-void export_hf(Qwen3MoeModel& model, const std::string& dir, const HfExportOptions& opts = {});
+void export_hf(DecoderModel& model, const std::string& dir, const HfExportOptions& opts = {});
 
 // `bumblebee export`: builds the model a training checkpoint step directory describes
 // (STEP/config.json, as the trainer writes it), loads STEP/model.safetensors through
-// load_hf_weights and export_hf's it to `out_dir`. The caller resolves a checkpoint root to its
-// step directory (resolve_checkpoint in runtime/trainer.h). Returns step_dir.
+// load_hf_weights and export_hf's it to `out_dir`. With opts.dtype f32 and the step's
+// optimizer.safetensors present, the weights written are the optimizer's fp32 master weights
+// (`<param>.master`), not the parameters (bf16 in a GPU run). The caller resolves a checkpoint
+// root to its step directory (resolve_checkpoint in runtime/trainer.h). Returns step_dir.
 std::string export_checkpoint(const std::string& step_dir, const std::string& out_dir,
                               const HfExportOptions& opts = {});
 
@@ -73,13 +81,16 @@ std::string export_checkpoint(const std::string& step_dir, const std::string& ou
 // else or on 0.
 uint64_t parse_byte_size(const std::string& text);
 
+// The model's Hugging Face tensors as (name, view of the values): what a checkpoint file holds.
+std::vector<std::pair<std::string, Tensor>> hf_state(DecoderModel& model);
+
 // One Hugging Face-named tensor with its gradient: `value` is the hf_tensors() view and `grad`
-// the same slice of the parameter's gradient (f32). For comparing against reference dumps.
+// the same slice of the unit's gradient (f32). For comparing against reference dumps.
 struct HfNamedParam {
   std::string name;
   Tensor value;
   Tensor grad;
 };
-std::vector<HfNamedParam> hf_named_params(Qwen3MoeModel& model);
+std::vector<HfNamedParam> hf_named_params(DecoderModel& model);
 
 }  // namespace bb

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "core/batch.h"
 #include "core/tensor.h"
 
 namespace bb {
@@ -83,15 +84,6 @@ std::string resolve_format(const DataConfig& cfg);
 // Loads the data `cfg` names (checks the file exists first; prints a progress line to stderr for
 // files of more than ~10M tokens).
 Corpus load_corpus(const DataConfig& cfg);
-
-// One packed micro-batch. All tensors are CPU, i32, category `other`.
-struct MicroBatch {
-  Tensor tokens;          // [T] input ids
-  Tensor targets;         // [T] next-token ids; -1 = no loss here
-  Tensor positions;       // [T] position of each token within its sequence (RoPE), from 0
-  Tensor cu_seqlens;      // [B+1] cumulative sequence lengths (host), cu[0] = 0, cu[B] = T
-  int64_t num_valid = 0;  // number of targets >= 0: the loss denominator
-};
 
 // Where the loader stands: the next token it packs is token `token_offset` of the
 // `doc_index`-th document visited in epoch `epoch`. Saved in checkpoints.

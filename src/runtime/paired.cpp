@@ -10,6 +10,7 @@ namespace {
 struct Side {
   std::vector<StepMetrics> steps;
   std::vector<float> logits;
+  std::vector<std::pair<std::string, std::vector<float>>> grads;  // after step 1
 };
 
 Side run_side(const PairedOptions& o, const std::vector<std::string>& side, const char* label, FILE* out) {
@@ -31,11 +32,13 @@ Side run_side(const PairedOptions& o, const std::vector<std::string>& side, cons
     DataLoader first(cfg.data);  // the same first micro-batch the trainer will see
     MicroBatch mb = to_device(first.next(), cfg.resolved_device());
     Tensor logits;
-    tr.model().forward(mb, &logits);
+    tr.schedule().forward(mb, &logits);
     s.logits = logits.to_floats();
   }
   for (int64_t i = 0; i < o.steps; ++i) {
     s.steps.push_back(tr.train_step());
+    if (i == 0)  // the gradients of step 1 stay until the next step zeroes them
+      for (Param* p : tr.model().params()) s.grads.emplace_back(p->name, p->grad.to_floats());
     if (out) {
       std::fprintf(out, "[paired] side %s step %lld/%lld loss %.6f\n", label,
                    static_cast<long long>(i + 1), static_cast<long long>(o.steps), s.steps.back().loss);
@@ -88,12 +91,18 @@ PairedResult run_paired(const PairedOptions& o, FILE* out) {
   BB_CHECK(o.steps >= 1, "paired: --steps must be >= 1");
   BB_CHECK(!o.a.empty() || !o.b.empty(), "paired: give at least one --a or --b override (KEY=VALUE)");
   BB_CHECK(o.warmup_steps >= -1, "paired: --warmup must be >= 0 (or -1 for the default)");
-  int64_t warm = o.warmup_steps;
-  if (warm < 0) {
-    std::vector<std::string> ov = o.common;
-    ov.insert(ov.end(), o.a.begin(), o.a.end());
-    warm = load_run_config(o.config_path, ov).resolved_device().is_cuda() ? 1 : 0;
+  // Both sides' configs are checked before either runs.
+  RunConfig cfg_a, cfg_b;
+  {
+    std::vector<std::string> ova = o.common, ovb = o.common;
+    ova.insert(ova.end(), o.a.begin(), o.a.end());
+    ovb.insert(ovb.end(), o.b.begin(), o.b.end());
+    cfg_a = load_run_config(o.config_path, ova);
+    cfg_b = load_run_config(o.config_path, ovb);
   }
+  int64_t warm = o.warmup_steps;
+  if (warm < 0)
+    warm = cfg_a.resolved_device().is_cuda() || cfg_b.resolved_device().is_cuda() ? 1 : 0;
   if (warm > 0) {
     warm_up(o, o.a, warm, "A", out);
     warm_up(o, o.b, warm, "B", out);
@@ -111,9 +120,30 @@ PairedResult run_paired(const PairedOptions& o, FILE* out) {
     r.max_loss_rel = std::max(r.max_loss_rel, rel(r.a[i].loss, r.b[i].loss));
     r.max_grad_norm_rel = std::max(r.max_grad_norm_rel, rel(r.a[i].grad_norm, r.b[i].grad_norm));
   }
+  BB_CHECK(a.grads.size() == b.grads.size(), "paired: the two sides have different parameters (",
+           a.grads.size(), " vs ", b.grads.size(), "): A and B must be the same model");
+  for (size_t i = 0; i < a.grads.size(); ++i) {
+    const auto& [name, ga] = a.grads[i];
+    const std::vector<float>& gb = b.grads[i].second;
+    BB_CHECK(name == b.grads[i].first && ga.size() == gb.size(), "paired: parameter ", name,
+             " differs between the sides");
+    double num = 0, den = 0;
+    for (size_t j = 0; j < ga.size(); ++j) {
+      const double d = static_cast<double>(ga[j]) - gb[j];
+      num += d * d;
+      den += static_cast<double>(ga[j]) * ga[j];
+    }
+    // Both zero: equal. A zero, B not: as different as it gets.
+    const double e = num == 0 ? 0.0 : (den == 0 ? INFINITY : std::sqrt(num / den));
+    r.grad_rel.emplace_back(name, e);
+    r.max_grad_rel = std::max(r.max_grad_rel, e);
+  }
+  std::stable_sort(r.grad_rel.begin(), r.grad_rel.end(),
+                   [](const auto& x, const auto& y) { return x.second > y.second; });
   const double ta = median_time(r.a), tb = median_time(r.b);
   r.step_time_ratio = ta > 0 ? tb / ta : 0;
-  r.pass = r.max_loss_rel <= o.tol_loss && r.max_grad_norm_rel <= o.tol_grad_norm;
+  r.pass = r.max_loss_rel <= o.tol_loss && r.max_grad_norm_rel <= o.tol_grad_norm &&
+           r.max_logits_diff <= o.tol_logits && r.max_grad_rel <= o.tol_grad;
 
   if (out) {
     std::fprintf(out, "\npaired baseline: %s\n  A: %s\n  B: %s\n\n", o.config_path.c_str(), join(o.a).c_str(), join(o.b).c_str());
@@ -123,7 +153,15 @@ PairedResult run_paired(const PairedOptions& o, FILE* out) {
       std::fprintf(out, "%5lld | %14.8f %14.8f %10.2e | %12.6f %12.6f %10.2e\n", static_cast<long long>(r.a[i].step),
                    r.a[i].loss, r.b[i].loss, rel(r.a[i].loss, r.b[i].loss), r.a[i].grad_norm, r.b[i].grad_norm,
                    rel(r.a[i].grad_norm, r.b[i].grad_norm));
-    std::fprintf(out, "\nmax |logits A - logits B| on the first micro-batch: %.3e\n\n", r.max_logits_diff);
+    std::fprintf(out, "\nmax |logits A - logits B| on the first micro-batch: %.3e (tol %.1e)\n",
+                 r.max_logits_diff, o.tol_logits);
+    std::fprintf(out, "\ngradients after step 1, ||g_A - g_B|| / ||g_A|| (worst %d of %zu, tol %.1e):\n",
+                 static_cast<int>(std::min<size_t>(10, r.grad_rel.size())), r.grad_rel.size(),
+                 o.tol_grad);
+    for (size_t i = 0; i < r.grad_rel.size() && i < 10; ++i)
+      std::fprintf(out, "  %-60s %10.2e%s\n", r.grad_rel[i].first.c_str(), r.grad_rel[i].second,
+                   r.grad_rel[i].second > o.tol_grad ? "  <- above tolerance" : "");
+    std::fprintf(out, "\n");
     std::fprintf(out, "%-12s | %14s %14s\n", "peak memory", "A", "B");
     auto peak_max = [](const std::vector<StepMetrics>& v, int c) {
       int64_t m = 0;
@@ -138,9 +176,12 @@ PairedResult run_paired(const PairedOptions& o, FILE* out) {
     }
     std::fprintf(out, "\nstep time (median): A %.4fs, B %.4fs, ratio B/A %.3f\n", ta, tb, r.step_time_ratio);
   }
-  char buf[512];
-  std::snprintf(buf, sizeof buf, "%s: max loss rel diff %.2e (tol %.1e), max grad-norm rel diff %.2e (tol %.1e)",
-                r.pass ? "PASS" : "FAIL", r.max_loss_rel, o.tol_loss, r.max_grad_norm_rel, o.tol_grad_norm);
+  char buf[768];
+  std::snprintf(buf, sizeof buf,
+                "%s: max loss rel diff %.2e (tol %.1e), max grad-norm rel diff %.2e (tol %.1e), "
+                "max logits diff %.2e (tol %.1e), max gradient rel diff %.2e (tol %.1e)",
+                r.pass ? "PASS" : "FAIL", r.max_loss_rel, o.tol_loss, r.max_grad_norm_rel,
+                o.tol_grad_norm, r.max_logits_diff, o.tol_logits, r.max_grad_rel, o.tol_grad);
   r.verdict = buf;
   if (out) std::fprintf(out, "%s\n", r.verdict.c_str());
   return r;

@@ -126,10 +126,10 @@ const toml::value* table_of(const toml::value& root, const std::string& name, co
 
 RunConfig build(const toml::value& root, const std::string& src) {
   static const std::set<std::string> kTables = {"model", "primitives", "parallel", "train",
-                                                "data", "checkpoint", "log"};
+                                                "data", "checkpoint", "log", "backend"};
   for (const auto& [k, v] : root.as_table())
     BB_CHECK(kTables.count(k), "unknown table '[", k, "]' in ", src,
-             ": expected model, primitives, parallel, train, data, checkpoint, log");
+             ": expected model, primitives, parallel, train, data, checkpoint, log, backend");
   RunConfig c;
 
   TableReader m(table_of(root, "model", src), "model", src);
@@ -146,21 +146,17 @@ RunConfig build(const toml::value& root, const std::string& src) {
   c.model = load_hf_config(c.model_config);
 
   TableReader p(table_of(root, "primitives", src), "primitives", src);
-  PrimitiveChoice& pc = c.prim;
-  p.read_choice("loss", pc.loss, {"full_ce", "linear_ce"});
-  p.read_choice("recompute", pc.recompute, {"none", "full"});
-  p.read_choice("router", pc.router, {"softmax_topk", "sigmoid_topk"});
-  p.read_choice("experts", pc.experts, {"sequential", "grouped"});
-  p.read_choice("permute", pc.permute, {"standard", "memory_efficient"});
-  p.read_choice("attention", pc.attention, {"sdpa"});
-  p.read_choice("moe_dispatch", pc.moe_dispatch, {"allgather"});
-  p.read_choice("state", pc.state, {"replicated"});
-  p.read_choice("optimizer", pc.optimizer, {"adamw"});
-  p.read("loss_chunk_tokens", pc.loss_chunk_tokens);
-  p.read("loss_chunk_vocab", pc.loss_chunk_vocab);
+  PrimitiveSet& pc = c.prim;
+  for (const std::string& family : PrimitiveSet::keys()) {
+    std::string name = pc.name_of(family);
+    p.read(family, name);
+    pc.set(family, name, src);
+  }
+  p.read("loss_chunk_tokens", pc.loss_chunks.chunk_tokens);
+  p.read("loss_chunk_vocab", pc.loss_chunks.chunk_vocab);
+  p.read("loss_fused_chunk_tokens", pc.loss_chunks.fused_chunk_tokens);
   p.finish();
-  BB_CHECK(pc.loss_chunk_tokens > 0 && pc.loss_chunk_vocab > 0,
-           "primitives.loss_chunk_tokens and loss_chunk_vocab must be positive in ", src);
+  pc.validate(src);
 
   TableReader par(table_of(root, "parallel", src), "parallel", src);
   par.read("device", c.device);
@@ -230,6 +226,18 @@ RunConfig build(const toml::value& root, const std::string& src) {
   l.read("metrics", c.metrics_path);
   l.finish();
   BB_CHECK(c.log_every >= 1, "log.every must be >= 1");
+
+  TableReader be(table_of(root, "backend", src), "backend", src);
+  BackendConfig& b = c.backend;
+  be.read("grouped_gemm_same_dtype", b.grouped_gemm_same_dtype);
+  be.read("grouped_gemm_widening", b.grouped_gemm_widening);
+  be.read("grouped_gemm_streams", b.grouped_gemm_streams);
+  be.read("grouped_gemm_multi_stream_min_flops", b.grouped_gemm_multi_stream_min_flops);
+  be.read("grouped_gemm_threaded_enqueue", b.grouped_gemm_threaded_enqueue);
+  be.read("gemm_heuristics", b.gemm_heuristics);
+  be.read("cudnn_library", b.cudnn_library);
+  be.finish();
+  b.validate(src);
   return c;
 }
 
@@ -257,13 +265,6 @@ Device RunConfig::resolved_device() const {
 DType RunConfig::resolved_param_dtype() const {
   if (model_dtype == "auto") return resolved_device().is_cuda() ? DType::bf16 : DType::f32;
   return dtype_from_name(model_dtype);
-}
-
-std::string RunConfig::primitives_summary() const {
-  std::ostringstream os;
-  os << "loss=" << prim.loss << " recompute=" << prim.recompute << " router=" << prim.router
-     << " experts=" << prim.experts << " permute=" << prim.permute << " attention=" << prim.attention;
-  return os.str();
 }
 
 RunConfig parse_run_config(const std::string& text, const std::string& source,

@@ -1,7 +1,7 @@
 // run_config.h — the run configuration (TOML) every command reads, validated strictly.
 //
-// Tables: [model] [primitives] [parallel] [train] [data] [checkpoint] [log]. Every key is
-// documented in docs/config.md. Unknown tables or keys and bad values are errors naming the
+// Tables: [model] [primitives] [parallel] [train] [data] [checkpoint] [log] [backend]. Every key
+// is documented in docs/config.md. Unknown tables or keys and bad values are errors naming the
 // key; `--set table.key=value` overrides apply before validation, with the same checks.
 #pragma once
 
@@ -9,25 +9,13 @@
 #include <string>
 #include <vector>
 
+#include "backend/config.h"
 #include "core/memory.h"
 #include "models/config.h"
+#include "primitives/registry.h"
 #include "runtime/data.h"
 
 namespace bb {
-
-struct PrimitiveChoice {
-  std::string loss = "linear_ce";       // full_ce | linear_ce
-  std::string recompute = "none";       // none | full
-  std::string router = "softmax_topk";  // softmax_topk | sigmoid_topk
-  std::string experts = "sequential";   // sequential | grouped
-  std::string permute = "standard";     // standard | memory_efficient
-  std::string attention = "sdpa";       // sdpa
-  std::string moe_dispatch = "allgather";
-  std::string state = "replicated";
-  std::string optimizer = "adamw";
-  int64_t loss_chunk_tokens = 2048;     // linear_ce token chunk (training: [chunk, V] blocks)
-  int64_t loss_chunk_vocab = 32768;     // linear_ce vocabulary chunk
-};
 
 struct RunConfig {
   // [model]
@@ -35,8 +23,8 @@ struct RunConfig {
   std::string model_init = "random";  // random
   std::string model_dtype = "auto";   // parameter storage: auto (f32 on CPU, bf16 on GPU), f32, bf16
   ModelConfig model;                  // parsed from model_config
-  // [primitives]
-  PrimitiveChoice prim;
+  // [primitives]: every family's choice, typed (primitives/registry.h)
+  PrimitiveSet prim;
   // [parallel]
   std::string device = "cpu";  // cpu | cuda | cuda:N | auto (cuda:0 when a GPU is visible)
   int64_t tp = 1, pp = 1, ep = 1, cp = 1;
@@ -62,13 +50,15 @@ struct RunConfig {
   // [log]
   int64_t log_every = 1;
   std::string metrics_path;     // JSON lines, one object per step; empty = none
+  // [backend]
+  BackendConfig backend;
 
   double effective_aux_coef() const { return aux_loss_coef < 0 ? model.router_aux_loss_coef : aux_loss_coef; }
   // The device the run uses ("auto" resolved) and the parameter dtype ("auto" resolved).
   Device resolved_device() const;
   DType resolved_param_dtype() const;
   // A one-line summary of the primitive choices, for logs.
-  std::string primitives_summary() const;
+  std::string primitives_summary() const { return prim.summary(); }
 };
 
 // Loads and validates a run config; `overrides` are "table.key=value" strings (value in TOML

@@ -3,6 +3,7 @@
 #include "core/trace.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -15,6 +16,7 @@
 #include "io/fs.h"
 #include "io/safetensors.h"
 #include "models/hf_io.h"
+#include "backend/config.h"
 #include "primitives/optim/adamw.h"
 
 #ifdef BB_WITH_CUDA
@@ -32,13 +34,7 @@ double now_s() {
 
 ModelOptions model_options(const RunConfig& c) {
   ModelOptions o;
-  o.loss = c.prim.loss;
-  o.recompute = c.prim.recompute;
-  o.router = c.prim.router;
-  o.experts = c.prim.experts;
-  o.permute = c.prim.permute;
-  o.loss_chunk_tokens = c.prim.loss_chunk_tokens;
-  o.loss_chunk_vocab = c.prim.loss_chunk_vocab;
+  o.prims = c.prim;
   o.aux_loss_coef = c.effective_aux_coef();
   o.z_loss_coef = c.z_loss_coef;
   o.device = c.resolved_device();
@@ -93,7 +89,6 @@ std::vector<std::string> list_step_dirs(const std::string& root) {
 
 MicroBatch to_device(MicroBatch mb, Device d) {
   if (d.is_cpu()) return mb;
-  mb.tokens = mb.tokens.to(d, MemCategory::activations);
   mb.targets = mb.targets.to(d, MemCategory::activations);
   mb.positions = mb.positions.to(d, MemCategory::activations);
   return mb;
@@ -128,6 +123,7 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log) : Trainer(cfg, log, Corpus{}) 
 Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus) : cfg_(cfg), log_(log) {
   device_ = cfg.resolved_device();
   const double t0 = now_s();
+  apply_backend_config(cfg.backend);
   if (log_) {
     std::fprintf(log_, "[startup] model %s: %lld layers, hidden %lld, %lld experts top-%lld, %s parameters\n",
                  cfg.model_config.c_str(), static_cast<long long>(cfg.model.num_layers),
@@ -135,23 +131,34 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus) : cfg_(cfg), lo
                  static_cast<long long>(cfg.model.top_k), human_count(static_cast<double>(cfg.model.num_params())).c_str());
     std::fprintf(log_, "[startup] primitives: %s | device %s, weights %s\n", cfg.primitives_summary().c_str(),
                  device_.str().c_str(), dtype_name(cfg.resolved_param_dtype()));
+    std::fprintf(log_, "[startup] backend: %s\n", cfg.backend.summary().c_str());
     std::fflush(log_);
   }
-  model_ = std::make_unique<Qwen3MoeModel>(cfg.model, model_options(cfg), cfg.seed);
-  if (cfg.model_init.rfind("hf:", 0) == 0) {  // before the optimizer copies the weights
+  model_ = std::make_unique<DecoderModel>(cfg.model, model_options(cfg), cfg.seed);
+  schedule_ = std::make_unique<Schedule>(*model_, ScheduleOptions{cfg.prim.recompute.value, false});
+  std::vector<ParamUnit*> units = model_->units();
+  std::vector<Tensor> masters;
+  for (ParamUnit* u : units)
+    masters.push_back(Tensor::empty({u->numel}, DType::f32, device_, MemCategory::optimizer));
+  if (cfg.model_init.rfind("hf:", 0) == 0) {
+    // The fp32 masters take the checkpoint's values at full precision (the parameters may be
+    // bf16), so they are loaded together.
     const std::string dir = cfg.model_init.substr(3);
-    const HfLoadReport rep = load_hf_weights(*model_, dir);
+    const HfLoadReport rep = load_hf_weights(*model_, dir, &masters);
     if (log_) {
       std::fprintf(log_, "[startup] loaded %lld tensors from %s\n",
                    static_cast<long long>(rep.tensors_read), dir.c_str());
       std::fflush(log_);
     }
+  } else {
+    for (size_t u = 0; u < units.size(); ++u)
+      masters[u] = units[u]->value.to_dtype(DType::f32, MemCategory::optimizer);
   }
-  for (Param* p : model_->params()) {
+  for (size_t u = 0; u < units.size(); ++u) {
     OptState s;
-    s.master = p->value.to_dtype(DType::f32, MemCategory::optimizer);
-    s.exp_avg = Tensor::zeros(p->value.shape(), DType::f32, device_, MemCategory::optimizer);
-    s.exp_avg_sq = Tensor::zeros(p->value.shape(), DType::f32, device_, MemCategory::optimizer);
+    s.master = masters[u];
+    s.exp_avg = Tensor::zeros({units[u]->numel}, DType::f32, device_, MemCategory::optimizer);
+    s.exp_avg_sq = Tensor::zeros({units[u]->numel}, DType::f32, device_, MemCategory::optimizer);
     opt_.push_back(std::move(s));
   }
   if (log_) {
@@ -201,7 +208,7 @@ StepMetrics Trainer::train_step() {
   const int64_t syncs0 = cuda::host_sync_count();
 #endif
 
-  std::vector<MicroBatch> mbs;
+  std::vector<MicroBatch> mbs;  // uploaded without a host sync (pinned staging)
   for (int64_t i = 0; i < cfg_.grad_accum; ++i) mbs.push_back(to_device(data_->next(), device_));
   int64_t valid = 0;
   for (const MicroBatch& mb : mbs) valid += mb.num_valid;
@@ -215,7 +222,7 @@ StepMetrics Trainer::train_step() {
   const float loss_scale = 1.0f / static_cast<float>(valid);
   const double aux_scale = 1.0 / static_cast<double>(cfg_.grad_accum);
   for (const MicroBatch& mb : mbs) {
-    ForwardStats st = model_->forward_backward(mb, loss_scale, aux_scale);
+    ForwardStats st = schedule_->forward_backward(mb, loss_scale, aux_scale);
     loss_sum += st.loss_sum;
     m.aux_loss += st.aux_loss * aux_scale;
     m.z_loss += st.z_loss * aux_scale;
@@ -225,9 +232,10 @@ StepMetrics Trainer::train_step() {
   m.valid_tokens = valid;
   m.loss = loss_sum / static_cast<double>(valid);
 
-  std::vector<Param*> ps = model_->params();
+  // The global grad norm: one sum of squares per unit, added (a later all-reduce is one call).
+  std::vector<ParamUnit*> units = model_->units();
   std::vector<Tensor> grads;
-  for (Param* p : ps) grads.push_back(p->grad);
+  for (ParamUnit* u : units) grads.push_back(u->grad);
   {
     BB_RANGE("grad_norm");
     m.grad_norm = global_grad_norm(grads);
@@ -240,10 +248,19 @@ StepMetrics Trainer::train_step() {
   if (cfg_.grad_clip > 0 && m.grad_norm > cfg_.grad_clip)
     ac.grad_scale = static_cast<float>(cfg_.grad_clip / (m.grad_norm + 1e-6));
   BB_RANGE("optimizer_step");
-  for (size_t i = 0; i < ps.size(); ++i) {
+  for (size_t i = 0; i < units.size(); ++i) {
+    // Two flat buckets per unit: the weight-decayed elements, then the others.
+    const ParamUnit& u = *units[i];
     OptState& s = opt_[i];
-    adamw_step(s.master, ps[i]->grad, s.exp_avg, s.exp_avg_sq, m.step, m.lr,
-               ps[i]->decay ? cfg_.weight_decay : 0.0, ac, &ps[i]->value);
+    const int64_t bounds[3] = {0, u.decay_numel, u.numel};
+    for (int b = 0; b < 2; ++b) {
+      const int64_t n = bounds[b + 1] - bounds[b];
+      if (n == 0) continue;
+      Tensor master = s.master.narrow(bounds[b], n), m1 = s.exp_avg.narrow(bounds[b], n),
+             m2 = s.exp_avg_sq.narrow(bounds[b], n), value = u.value.narrow(bounds[b], n);
+      adamw_step(master, u.grad.narrow(bounds[b], n), m1, m2, m.step, m.lr,
+                 b == 0 ? cfg_.weight_decay : 0.0, ac, &value);
+    }
   }
   step_ = m.step;
 #ifdef BB_WITH_CUDA
@@ -334,13 +351,16 @@ std::string Trainer::save_checkpoint(const std::string& root) {
   make_dirs(tmp_dir);
   try {
     std::map<std::string, std::string> meta = {{"format", "pt"}, {"bumblebee_step", std::to_string(step_)}};
-    write_safetensors(path_join(tmp_dir, "model.safetensors"), model_->hf_tensors(), meta);
+    write_safetensors(path_join(tmp_dir, "model.safetensors"), hf_state(*model_), meta);
+    // Optimizer state per parameter (the same slices of the unit's flat buffers), so the file
+    // does not depend on the unit layout.
     std::vector<std::pair<std::string, Tensor>> opt;
-    std::vector<Param*> ps = model_->params();
-    for (size_t i = 0; i < ps.size(); ++i) {
-      opt.emplace_back(ps[i]->name + ".master", opt_[i].master);
-      opt.emplace_back(ps[i]->name + ".exp_avg", opt_[i].exp_avg);
-      opt.emplace_back(ps[i]->name + ".exp_avg_sq", opt_[i].exp_avg_sq);
+    for (Param* p : model_->params()) {
+      const OptState& s = opt_[static_cast<size_t>(p->unit->index)];
+      auto slice = [&](const Tensor& flat) { return flat.narrow(p->offset, p->numel()).view(p->shape); };
+      opt.emplace_back(p->name + ".master", slice(s.master));
+      opt.emplace_back(p->name + ".exp_avg", slice(s.exp_avg));
+      opt.emplace_back(p->name + ".exp_avg_sq", slice(s.exp_avg_sq));
     }
     write_safetensors(path_join(tmp_dir, "optimizer.safetensors"), opt, {{"bumblebee_step", std::to_string(step_)}});
     nlohmann::json st;
@@ -350,6 +370,7 @@ std::string Trainer::save_checkpoint(const std::string& root) {
     st["data_position"] = data_->position();
     st["model_config"] = cfg_.model.to_hf_json();
     st["primitives"] = cfg_.primitives_summary();
+    st["backend"] = cfg_.backend;
     atomic_write(path_join(tmp_dir, "state.json"), st.dump(2));
     atomic_write(path_join(tmp_dir, "config.json"), cfg_.model.to_hf_json().dump(2));
     remove_tree(final_dir);  // a stale directory of the same step (e.g. a re-run) is replaced
@@ -398,23 +419,23 @@ void Trainer::load_checkpoint(const std::string& path) {
   // Stage everything; commit only when all tensors were read and checked.
   SafetensorsReader model_file(path_join(dir, "model.safetensors"));
   SafetensorsReader opt_file(path_join(dir, "optimizer.safetensors"));
-  auto hf = model_->hf_tensors();
+  std::vector<HfTensor> hf = model_->hf_tensors();
   std::vector<Tensor> staged_model;
   std::vector<std::string> missing;
-  for (auto& [name, t] : hf) {
-    if (!model_file.has(name)) {
-      missing.push_back(name);
+  for (const HfTensor& t : hf) {
+    if (!model_file.has(t.name)) {
+      missing.push_back(t.name);
       continue;
     }
-    Tensor v = model_file.read_as(name, DType::f32, MemCategory::other);
-    BB_CHECK(v.shape() == t.shape(), "checkpoint ", dir, ": tensor ", name, " has shape ",
-             shape_str(v.shape()), ", the model expects ", shape_str(t.shape()));
+    Tensor v = model_file.read_as(t.name, DType::f32, MemCategory::other);
+    BB_CHECK(v.shape() == t.shape, "checkpoint ", dir, ": tensor ", t.name, " has shape ",
+             shape_str(v.shape()), ", the model expects ", shape_str(t.shape));
     staged_model.push_back(v);
   }
+  // Host staging of the optimizer state, per parameter: [param][master, exp_avg, exp_avg_sq].
   std::vector<Param*> ps = model_->params();
-  std::vector<OptState> staged_opt(ps.size());
+  std::vector<std::array<Tensor, 3>> staged_opt(ps.size());
   for (size_t i = 0; i < ps.size(); ++i) {
-    Tensor* dst[3] = {&staged_opt[i].master, &staged_opt[i].exp_avg, &staged_opt[i].exp_avg_sq};
     const char* suffix[3] = {".master", ".exp_avg", ".exp_avg_sq"};
     for (int k = 0; k < 3; ++k) {
       const std::string name = ps[i]->name + suffix[k];
@@ -422,10 +443,10 @@ void Trainer::load_checkpoint(const std::string& path) {
         missing.push_back(name);
         continue;
       }
-      Tensor v = opt_file.read(name, MemCategory::optimizer);
-      BB_CHECK(v.shape() == ps[i]->value.shape() && v.dtype() == DType::f32, "checkpoint ", dir,
-               ": optimizer tensor ", name, " is ", v.str(), ", expected f32", shape_str(ps[i]->value.shape()));
-      *dst[k] = v;
+      Tensor v = opt_file.read(name, MemCategory::other);
+      BB_CHECK(v.shape() == ps[i]->shape && v.dtype() == DType::f32, "checkpoint ", dir,
+               ": optimizer tensor ", name, " is ", v.str(), ", expected f32", shape_str(ps[i]->shape));
+      staged_opt[i][static_cast<size_t>(k)] = v;
     }
   }
   if (!missing.empty()) {
@@ -435,14 +456,17 @@ void Trainer::load_checkpoint(const std::string& path) {
             missing.size() > 8 ? " ..." : "");
   }
   // Commit.
-  for (size_t i = 0; i < hf.size(); ++i)
-    hf[i].second.copy_from(staged_model[i].to_dtype(hf[i].second.dtype()).to(hf[i].second.device()));
-  for (OptState& s : staged_opt) {
-    s.master = s.master.to(device_, MemCategory::optimizer);
-    s.exp_avg = s.exp_avg.to(device_, MemCategory::optimizer);
-    s.exp_avg_sq = s.exp_avg_sq.to(device_, MemCategory::optimizer);
+  for (size_t i = 0; i < hf.size(); ++i) {
+    Tensor dst = hf[i].value();
+    dst.copy_from(staged_model[i].to_dtype(dst.dtype()));
   }
-  opt_ = std::move(staged_opt);
+  for (size_t i = 0; i < ps.size(); ++i) {
+    OptState& s = opt_[static_cast<size_t>(ps[i]->unit->index)];
+    Tensor* flat[3] = {&s.master, &s.exp_avg, &s.exp_avg_sq};
+    for (int k = 0; k < 3; ++k)
+      flat[k]->narrow(ps[i]->offset, ps[i]->numel()).copy_from(
+          staged_opt[i][static_cast<size_t>(k)].view({ps[i]->numel()}));
+  }
   data_->restore(pos);
   step_ = step;
 }

@@ -12,9 +12,10 @@
 #include <vector>
 
 #include "core/memory.h"
-#include "models/qwen3_moe.h"
+#include "models/decoder.h"
 #include "runtime/data.h"
 #include "runtime/run_config.h"
+#include "runtime/schedule.h"
 
 namespace bb {
 
@@ -50,7 +51,8 @@ class Trainer {
 
   int64_t step() const { return step_; }
   double lr_at(int64_t step) const;  // learning rate of (1-based) step
-  Qwen3MoeModel& model() { return *model_; }
+  DecoderModel& model() { return *model_; }
+  Schedule& schedule() { return *schedule_; }
   DataLoader& data() { return *data_; }
   const RunConfig& config() const { return cfg_; }
 
@@ -61,6 +63,8 @@ class Trainer {
   void load_checkpoint(const std::string& path);
 
  private:
+  // AdamW state of one parameter unit: flat [numel] f32 tensors, stepped as two buckets (the
+  // weight-decayed elements [0, decay_numel) and the rest).
   struct OptState {
     Tensor master, exp_avg, exp_avg_sq;
   };
@@ -68,7 +72,8 @@ class Trainer {
 
   RunConfig cfg_;
   FILE* log_;
-  std::unique_ptr<Qwen3MoeModel> model_;
+  std::unique_ptr<DecoderModel> model_;
+  std::unique_ptr<Schedule> schedule_;
   std::unique_ptr<DataLoader> data_;
   std::vector<OptState> opt_;
   int64_t step_ = 0;
@@ -79,8 +84,9 @@ class Trainer {
 // resolves to the step it names. Returns "" when `root` has no checkpoint yet.
 std::string resolve_checkpoint(const std::string& path);
 
-// Moves a micro-batch's token ids, targets and positions to `d`; cu_seqlens stays on the host
-// (attention plans and packing metadata are host-side).
+// Moves a micro-batch's targets and positions to `d` (host -> device from pinned staging, no
+// host sync); token ids and cu_seqlens stay on the host (the embedding checks the ids there and
+// uploads them itself; attention plans and packing metadata are host-side).
 MicroBatch to_device(MicroBatch mb, Device d);
 
 // "12.3K", "4.56M" style for log lines.

@@ -23,14 +23,24 @@ expect() {  # expect <exit code> <label> <args...>
   fi
 }
 expect 0 "loss full_ce vs linear_ce" --a primitives.loss=full_ce --b primitives.loss=linear_ce \
-  --set primitives.loss_chunk_tokens=100 --set primitives.loss_chunk_vocab=50
+  --set primitives.loss_chunk_tokens=100 --set primitives.loss_chunk_vocab=50 \
+  --set primitives.loss_fused_chunk_tokens=100
 expect 0 "recompute none vs full" --a primitives.recompute=none --b primitives.recompute=full
 expect 0 "permute standard vs memory_efficient" --a primitives.permute=standard --b primitives.permute=memory_efficient
 expect 0 "experts sequential vs grouped" --a primitives.experts=sequential --b primitives.experts=grouped
 expect 1 "a different learning rate must fail" --a train.lr=3e-3 --b train.lr=6e-3
+# Recompute reruns the same primitives: every logit and every gradient is bit-identical.
+expect 0 "recompute: zero logits and gradient tolerance" --a primitives.recompute=none \
+  --b primitives.recompute=full --tol-logits 0 --tol-grad 0
+# The logits and per-gradient checks fail on their own when their tolerance is exceeded.
+expect 1 "logits above --tol-logits must fail" --a primitives.permute=standard \
+  --b primitives.permute=memory_efficient --tol-logits 0
+expect 1 "a gradient above --tol-grad must fail" --a primitives.loss=full_ce \
+  --b primitives.loss=linear_ce --set primitives.loss_fused_chunk_tokens=100 --tol-grad 0
 # The table is there.
 "$BB" paired "${COMMON[@]}" --a primitives.recompute=none --b primitives.recompute=full > "$TMP/t.txt" 2>&1
-for want in "max |logits A - logits B|" "peak memory" "activations" "ratio B/A" "gnorm A"; do
+for want in "max |logits A - logits B|" "gradients after step 1" "peak memory" "activations" \
+            "ratio B/A" "gnorm A"; do
   grep -qF "$want" "$TMP/t.txt" || { echo "FAIL: paired output lacks '$want'"; fail=1; }
 done
 # An explicit warm-up runs untimed steps of each side first (the default on a GPU).
@@ -41,7 +51,7 @@ done
 # Bad usage is an error (exit 2) with a message.
 "$BB" paired "${COMMON[@]}" --a primitives.loss=nope > "$TMP/e.txt" 2>&1
 code=$?
-if [ $code -ne 2 ] || ! grep -q "is not one of: full_ce, linear_ce" "$TMP/e.txt"; then
+if [ $code -ne 2 ] || ! grep -q "registered members: full_ce, linear_ce" "$TMP/e.txt"; then
   echo "FAIL: bad override: exit $code"; cat "$TMP/e.txt"; fail=1
 fi
 exit $fail

@@ -146,6 +146,7 @@ inline std::string golden_run_toml(const std::string& dir, const GoldenCurve& c,
   std::snprintf(buf, sizeof buf,
                 "[model]\nconfig = \"%s/config.json\"\ninit = \"hf:%s\"\n"
                 "[primitives]\nloss = \"%s\"\nloss_chunk_tokens = 7\nloss_chunk_vocab = 24\n"
+                "loss_fused_chunk_tokens = 7\n"
                 "[parallel]\ndevice = \"%s\"\n"
                 "[train]\nsteps = %zu\nmicro_batch_tokens = %lld\nlr = %.17g\nmin_lr = %.17g\n"
                 "warmup_steps = 0\nweight_decay = %.17g\nbeta1 = %.17g\nbeta2 = %.17g\n"

@@ -15,7 +15,7 @@
 #include "io/safetensors.h"
 #include "models/config.h"
 #include "models/hf_io.h"
-#include "models/qwen3_moe.h"
+#include "models/decoder.h"
 
 namespace bb {
 namespace {
@@ -71,13 +71,13 @@ void write_config(const std::string& dir, const ModelConfig& c) {
   atomic_write(path_join(dir, "config.json"), c.to_hf_json().dump(2));
 }
 
-std::vector<std::vector<float>> values_of(Qwen3MoeModel& m) {
+std::vector<std::vector<float>> values_of(DecoderModel& m) {
   std::vector<std::vector<float>> v;
   for (Param* p : m.params()) v.push_back(p->value.to_floats());
   return v;
 }
 
-void expect_same_values(Qwen3MoeModel& a, Qwen3MoeModel& b) {
+void expect_same_values(DecoderModel& a, DecoderModel& b) {
   auto pa = a.params(), pb = b.params();
   ASSERT_EQ(pa.size(), pb.size());
   for (size_t i = 0; i < pa.size(); ++i)
@@ -90,9 +90,9 @@ bool is_per_expert_name(const std::string& n) {
 }
 
 // The checkpoint tensors of `m` in the fused expert layout (transformers 5 in-memory names).
-Named fused_layout(Qwen3MoeModel& m) {
+Named fused_layout(DecoderModel& m) {
   Named out;
-  for (auto& [n, t] : m.hf_tensors())
+  for (auto& [n, t] : hf_state(m))
     if (!is_per_expert_name(n)) out.emplace_back(n, t);
   for (Param* p : m.params())
     if (p->name.find("mlp.experts.") != std::string::npos) out.emplace_back(p->name, p->value);
@@ -108,12 +108,12 @@ TEST(HfLoad, PerExpertLayoutFromOurWriter) {
   for (bool qwen2 : {false, true}) {
     SCOPED_TRACE(qwen2 ? "qwen2_moe" : "qwen3_moe");
     const ModelConfig c = tiny_config(qwen2);
-    Qwen3MoeModel src(c, ModelOptions{}, 1), dst(c, ModelOptions{}, 2);
+    DecoderModel src(c, ModelOptions{}, 1), dst(c, ModelOptions{}, 2);
     const std::string dir = fresh_dir(qwen2 ? "per_expert_q2" : "per_expert_q3");
     write_config(dir, c);
-    write_safetensors(path_join(dir, "model.safetensors"), src.hf_tensors(), {{"format", "pt"}});
+    write_safetensors(path_join(dir, "model.safetensors"), hf_state(src), {{"format", "pt"}});
     const HfLoadReport r = load_hf_weights(dst, dir);
-    EXPECT_EQ(r.tensors_read, static_cast<int64_t>(src.hf_tensors().size()));
+    EXPECT_EQ(r.tensors_read, static_cast<int64_t>(hf_state(src).size()));
     EXPECT_EQ(r.fused_expert_tensors, 0);
     EXPECT_TRUE(r.ignored.empty());
     expect_same_values(src, dst);
@@ -122,7 +122,7 @@ TEST(HfLoad, PerExpertLayoutFromOurWriter) {
 
 TEST(HfLoad, FusedExpertLayout) {
   const ModelConfig c = tiny_config();
-  Qwen3MoeModel src(c, ModelOptions{}, 1), dst(c, ModelOptions{}, 2);
+  DecoderModel src(c, ModelOptions{}, 1), dst(c, ModelOptions{}, 2);
   const std::string dir = fresh_dir("fused");
   write_config(dir, c);
   const Named fused = fused_layout(src);
@@ -139,9 +139,9 @@ TEST(HfLoad, FusedExpertLayout) {
 TEST(HfLoad, MixedLayoutPerProjection) {
   // gate_up fused, down per expert: chosen per projection by which names the file holds.
   const ModelConfig c = tiny_config();
-  Qwen3MoeModel src(c, ModelOptions{}, 3), dst(c, ModelOptions{}, 4);
+  DecoderModel src(c, ModelOptions{}, 3), dst(c, ModelOptions{}, 4);
   Named t;
-  for (auto& [n, v] : src.hf_tensors())
+  for (auto& [n, v] : hf_state(src))
     if (!(is_per_expert_name(n) && n.find("down_proj") == std::string::npos)) t.emplace_back(n, v);
   t.emplace_back("model.layers.1.mlp.experts.gate_up_proj",
                  src.find_param("model.layers.1.mlp.experts.gate_up_proj")->value);
@@ -154,9 +154,9 @@ TEST(HfLoad, MixedLayoutPerProjection) {
 
 TEST(HfLoad, ShardedAndBf16Converted) {
   const ModelConfig c = tiny_config(true);
-  Qwen3MoeModel src(c, ModelOptions{}, 5), dst(c, ModelOptions{}, 6);
+  DecoderModel src(c, ModelOptions{}, 5), dst(c, ModelOptions{}, 6);
   Named bf;
-  for (auto& [n, v] : src.hf_tensors()) bf.emplace_back(n, v.to_dtype(DType::bf16));
+  for (auto& [n, v] : hf_state(src)) bf.emplace_back(n, v.to_dtype(DType::bf16));
   const std::string dir = fresh_dir("sharded");
   write_config(dir, c);
   write_sharded_safetensors(dir, bf, 300, {{"format", "pt"}});
@@ -174,9 +174,9 @@ TEST(HfLoad, ShardedAndBf16Converted) {
 
 TEST(HfLoad, ProblemsAreListedTogetherAndNothingIsLoaded) {
   const ModelConfig c = tiny_config();
-  Qwen3MoeModel src(c, ModelOptions{}, 7), dst(c, ModelOptions{}, 8);
+  DecoderModel src(c, ModelOptions{}, 7), dst(c, ModelOptions{}, 8);
   const auto before = values_of(dst);
-  Named t = without(src.hf_tensors(), "model.layers.0.self_attn.k_proj.weight");  // missing
+  Named t = without(hf_state(src), "model.layers.0.self_attn.k_proj.weight");  // missing
   t = without(t, "model.layers.1.mlp.experts.3.up_proj.weight");                  // missing
   t = without(t, "model.norm.weight");
   t.emplace_back("model.norm.weight",
@@ -213,8 +213,8 @@ TEST(HfLoad, ProblemsAreListedTogetherAndNothingIsLoaded) {
 
 TEST(HfLoad, RotaryBuffersIgnoredTiedHeadChecked) {
   const ModelConfig c = tiny_config(true);  // tied embeddings
-  Qwen3MoeModel src(c, ModelOptions{}, 9), dst(c, ModelOptions{}, 10);
-  Named t = src.hf_tensors();
+  DecoderModel src(c, ModelOptions{}, 9), dst(c, ModelOptions{}, 10);
+  Named t = hf_state(src);
   t.emplace_back("model.layers.0.self_attn.rotary_emb.inv_freq",
                  Tensor::zeros({2}, DType::f32, Device::cpu(), MemCategory::other));
   t.emplace_back("lm_head.weight", src.find_param("model.embed_tokens.weight")->value);
@@ -227,7 +227,7 @@ TEST(HfLoad, RotaryBuffersIgnoredTiedHeadChecked) {
   expect_same_values(src, dst);
 
   // A tied checkpoint whose lm_head differs from the embedding would silently change the model.
-  Qwen3MoeModel other(c, ModelOptions{}, 11);
+  DecoderModel other(c, ModelOptions{}, 11);
   const auto before = values_of(other);
   t.back().second =
       Tensor::zeros(t.back().second.shape(), DType::f32, Device::cpu(), MemCategory::other);
@@ -239,9 +239,9 @@ TEST(HfLoad, RotaryBuffersIgnoredTiedHeadChecked) {
 
 TEST(HfLoad, ConfigMustMatch) {
   const ModelConfig c = tiny_config();
-  Qwen3MoeModel m(c, ModelOptions{}, 1);
+  DecoderModel m(c, ModelOptions{}, 1);
   const std::string dir = fresh_dir("config");
-  write_safetensors(path_join(dir, "model.safetensors"), m.hf_tensors());
+  write_safetensors(path_join(dir, "model.safetensors"), hf_state(m));
   test::expect_error_contains([&] { load_hf_weights(m, dir); }, "no config.json");
   ModelConfig other = c;
   other.rope_theta = 500000;
@@ -261,7 +261,7 @@ TEST(HfLoad, ConfigMustMatch) {
 
 TEST(HfExport, WritesConfigGenerationConfigShardsAndIndex) {
   const ModelConfig c = tiny_config(true);
-  Qwen3MoeModel m(c, ModelOptions{}, 12);
+  DecoderModel m(c, ModelOptions{}, 12);
   const std::string dir = fresh_dir("export");
   HfExportOptions o;  // bf16 by default
   o.max_shard_bytes = 400;
@@ -282,7 +282,7 @@ TEST(HfExport, WritesConfigGenerationConfigShardsAndIndex) {
   EXPECT_GT(files.size(), 3u);
   for (const std::string& f : files) EXPECT_TRUE(path_exists(path_join(dir, f))) << f;
   EXPECT_FALSE(path_exists(path_join(dir, "model.safetensors")));
-  auto hf = m.hf_tensors();
+  auto hf = hf_state(m);
   EXPECT_EQ(index["weight_map"].size(), hf.size());
   EXPECT_EQ(index["metadata"]["total_size"].get<int64_t>(), m.num_params() * 2);  // bf16
   SafetensorsDir d(dir);
@@ -304,7 +304,7 @@ TEST(HfExport, WritesConfigGenerationConfigShardsAndIndex) {
 
 TEST(HfExport, RoundTripIsBitExactInF32) {
   const ModelConfig c = tiny_config();
-  Qwen3MoeModel a(c, ModelOptions{}, 13), b(c, ModelOptions{}, 14), d(c, ModelOptions{}, 15);
+  DecoderModel a(c, ModelOptions{}, 13), b(c, ModelOptions{}, 14), d(c, ModelOptions{}, 15);
   HfExportOptions o;
   o.dtype = DType::f32;
   o.max_shard_bytes = 1000;
@@ -323,11 +323,11 @@ TEST(HfExport, RoundTripIsBitExactInF32) {
 
 TEST(HfExport, FromATrainingCheckpointStepDir) {
   const ModelConfig c = tiny_config(true);
-  Qwen3MoeModel a(c, ModelOptions{}, 16), b(c, ModelOptions{}, 17);
+  DecoderModel a(c, ModelOptions{}, 16), b(c, ModelOptions{}, 17);
   const std::string step = fresh_dir("ckpt/step_00000003"), out = fresh_dir("ckpt_export");
   // What the trainer writes: config.json + model.safetensors with the hf_tensors() names.
   write_config(step, c);
-  write_safetensors(path_join(step, "model.safetensors"), a.hf_tensors(), {{"format", "pt"}});
+  write_safetensors(path_join(step, "model.safetensors"), hf_state(a), {{"format", "pt"}});
   HfExportOptions o;
   o.dtype = DType::f32;
   EXPECT_EQ(export_checkpoint(step, out, o), step);
@@ -339,7 +339,7 @@ TEST(HfExport, FromATrainingCheckpointStepDir) {
 
 TEST(HfNamedParams, GradViewsMatchValueViews) {
   const ModelConfig c = tiny_config(true);
-  Qwen3MoeModel m(c, ModelOptions{}, 18);
+  DecoderModel m(c, ModelOptions{}, 18);
   // Fill every gradient with its flat element index, so each view shows where it points.
   for (Param* p : m.params()) {
     std::vector<float> idx(static_cast<size_t>(p->grad.numel()));

@@ -1,9 +1,14 @@
 // Whole-model checks: gradients against finite differences, recompute equivalence and its
-// memory effect, and primitive swaps that must not change the math.
+// memory effect, primitive swaps that must not change the math, the schedule (hooks, routing
+// reuse, delayed weight gradients) and the parameter units.
 #include <gtest/gtest.h>
 
+#include <map>
+
+#include "common/model.h"
 #include "common/testing.h"
-#include "models/qwen3_moe.h"
+#include "models/decoder.h"
+#include "primitives/optim/adamw.h"
 
 namespace bb {
 namespace {
@@ -68,17 +73,16 @@ double objective(const ForwardStats& s, const ModelOptions& o) {
 }
 
 void check_model_gradients(bool qwen2, const std::string& loss) {
-  ModelOptions o;
-  o.loss = loss;
-  o.loss_chunk_tokens = 5;
-  o.loss_chunk_vocab = 8;
+  ModelOptions o = test::model_options({{"loss", loss}});
+  o.prims.loss_chunks = {5, 8, 5};
   o.aux_loss_coef = 0.3;
   o.z_loss_coef = 0.05;
-  Qwen3MoeModel m(tiny_config(qwen2), o, 7);
+  test::ModelRun run(tiny_config(qwen2), o, 7);
+  DecoderModel& m = run.model;
   MicroBatch mb = tiny_batch(37, 3);
   m.zero_grad();
-  m.forward_backward(mb, 1.0f, 1.0);
-  std::vector<Tensor> routing0 = m.last_routing();
+  run.forward_backward(mb, 1.0f, 1.0);
+  std::vector<Tensor> routing0 = run.last_routing();
   ASSERT_FALSE(routing0.empty());
   int checked = 0;
   uint64_t dir_seed = 100;
@@ -95,10 +99,10 @@ void check_model_gradients(bool qwen2, const std::string& loss) {
       std::vector<float> w(w0);
       for (int64_t i = 0; i < n; ++i) w[i] += static_cast<float>(sgn * h * u[i]);
       p->value.copy_from(Tensor::from_floats(w, p->value.shape()));
-      const double L = objective(m.forward(mb, nullptr), o);
+      const double L = objective(run.forward(mb, nullptr), o);
       // Finite differences are only valid while the top-k selection stays put.
       for (size_t l = 0; l < routing0.size(); ++l)
-        EXPECT_EQ(m.last_routing()[l].to_ints(), routing0[l].to_ints())
+        EXPECT_EQ(run.last_routing()[l].to_ints(), routing0[l].to_ints())
             << p->name << ": routing changed under perturbation";
       return L;
     };
@@ -115,7 +119,7 @@ void check_model_gradients(bool qwen2, const std::string& loss) {
 TEST(ModelGrad, Qwen3MoeMatchesFiniteDifferences) { check_model_gradients(false, "linear_ce"); }
 TEST(ModelGrad, Qwen2MoeSharedExpertMatchesFiniteDifferences) { check_model_gradients(true, "full_ce"); }
 
-std::vector<std::vector<float>> grads_of(Qwen3MoeModel& m) {
+std::vector<std::vector<float>> grads_of(DecoderModel& m) {
   std::vector<std::vector<float>> g;
   for (Param* p : m.params()) g.push_back(p->grad.to_floats());
   return g;
@@ -125,22 +129,26 @@ struct RunResult {
   ForwardStats stats;
   std::vector<std::vector<float>> grads;
   int64_t act_peak = 0;
+  std::vector<std::vector<int32_t>> routing;
+  std::vector<int64_t> replays;
 };
 
-RunResult run_once(const ModelOptions& o, bool qwen2 = false) {
+RunResult run_once(const ModelOptions& o, bool qwen2 = false, bool delay_wgrad = false) {
   ModelConfig c = tiny_config(qwen2);
   c.num_layers = 4;
-  Qwen3MoeModel m(c, o, 11);
+  test::ModelRun run(c, o, 11, delay_wgrad);
   MicroBatch mb = tiny_batch(37, 5);
-  m.zero_grad();
+  run.model.zero_grad();
   Allocator& a = allocator_for(Device::cpu());
   a.reset_peak();
   const int64_t base = a.stats().live_of(MemCategory::activations);
   RunResult r;
-  r.stats = m.forward_backward(mb, 1.0f / static_cast<float>(mb.num_valid), 1.0);
+  r.stats = run.forward_backward(mb, 1.0f / static_cast<float>(mb.num_valid), 1.0);
   r.act_peak = a.stats().peak_of(MemCategory::activations) - base;
   EXPECT_EQ(a.stats().live_of(MemCategory::activations), base) << "activations leaked past backward";
-  r.grads = grads_of(m);
+  r.grads = grads_of(run.model);
+  for (const Tensor& t : run.last_routing()) r.routing.push_back(t.to_ints());
+  r.replays = run.schedule.last_replays();
   return r;
 }
 
@@ -157,44 +165,126 @@ void expect_same(const RunResult& a, const RunResult& b, double tol, const char*
 }
 
 TEST(Recompute, FullGivesIdenticalGradientsAndSmallerActivationPeak) {
-  ModelOptions none, full;
+  ModelOptions none = test::model_options(), full = test::model_options({{"recompute", "full"}});
   none.aux_loss_coef = full.aux_loss_coef = 0.01;
-  full.recompute = "full";
   RunResult a = run_once(none), b = run_once(full);
   // Same primitives in the same order: bit-identical.
   EXPECT_EQ(a.stats.loss_sum, b.stats.loss_sum);
+  EXPECT_EQ(a.stats.aux_loss, b.stats.aux_loss);
   for (size_t i = 0; i < a.grads.size(); ++i) EXPECT_EQ(a.grads[i], b.grads[i]) << "param " << i;
   EXPECT_LT(b.act_peak, a.act_peak) << "full recompute should lower the activations peak";
   std::printf("activations peak: recompute=none %lld B, recompute=full %lld B\n",
               static_cast<long long>(a.act_peak), static_cast<long long>(b.act_peak));
 }
 
+TEST(Recompute, FullReusesTheStashedRouting) {
+  ModelOptions none = test::model_options(), full = test::model_options({{"recompute", "full"}});
+  for (bool qwen2 : {false, true}) {
+    SCOPED_TRACE(qwen2 ? "qwen2 (a dense layer)" : "qwen3");
+    RunResult a = run_once(none, qwen2), b = run_once(full, qwen2);
+    ModelConfig c = tiny_config(qwen2);
+    c.num_layers = 4;
+    const size_t moe = static_cast<size_t>(c.num_moe_layers());
+    // One routing entry per MoE layer (not two, the recompute's reversed), the same routing.
+    ASSERT_EQ(a.routing.size(), moe);
+    ASSERT_EQ(b.routing.size(), moe);
+    EXPECT_EQ(a.routing, b.routing);
+    // The recompute replayed each layer's stashed selection exactly once; no recompute, no replay.
+    EXPECT_EQ(b.replays, std::vector<int64_t>(moe, 1));
+    EXPECT_EQ(a.replays, std::vector<int64_t>(moe, 0));
+  }
+}
+
+TEST(Recompute, ReplayIgnoresRouterChangesBeforeTheRecompute) {
+  // A hook flips the router weights between the forward and each layer's recompute: a fresh
+  // top-k would pick other experts, the replayed selection must not change.
+  struct FlipRouters : LayerHooks {
+    DecoderModel* m = nullptr;
+    void before_forward(const Layer& L, Pass pass) override {
+      if (pass != Pass::recompute || !L.moe) return;
+      Param* r = m->find_param("model.layers." + std::to_string(L.index) + ".mlp.gate.weight");
+      std::vector<float> w = r->value.to_floats();
+      for (float& x : w) x = -x;
+      r->value.copy_from(Tensor::from_floats(w, r->value.shape()));
+    }
+  };
+  test::ModelRun run(tiny_config(), test::model_options({{"recompute", "full"}}), 11);
+  FlipRouters flip;
+  flip.m = &run.model;
+  run.schedule.add_hooks(&flip);
+  MicroBatch mb = tiny_batch(37, 5);
+  auto routing = [&] {
+    std::vector<std::vector<int32_t>> r;
+    for (const Tensor& t : run.last_routing()) r.push_back(t.to_ints());
+    return r;
+  };
+  run.forward(mb, nullptr);
+  const auto before = routing();
+  run.forward_backward(mb, 1.0f, 1.0);  // flips every router once, before its recompute
+  EXPECT_EQ(routing(), before);
+  run.forward(mb, nullptr);  // the flipped routers, routed afresh: another selection
+  EXPECT_NE(routing(), before) << "the test would not notice a re-route";
+}
+
+TEST(Schedule, DelayedWeightGradientsAreBitIdentical) {
+  for (bool qwen2 : {false, true}) {
+    SCOPED_TRACE(qwen2 ? "qwen2" : "qwen3");
+    ModelOptions o = test::model_options();
+    o.aux_loss_coef = 0.01;
+    RunResult a = run_once(o, qwen2, false), b = run_once(o, qwen2, true);
+    EXPECT_EQ(a.stats.loss_sum, b.stats.loss_sum);
+    for (size_t i = 0; i < a.grads.size(); ++i) EXPECT_EQ(a.grads[i], b.grads[i]) << "param " << i;
+  }
+}
+
+TEST(Schedule, HooksRunAroundEveryLayerInOrder) {
+  struct Recorder : LayerHooks {
+    std::string tag;
+    std::vector<std::string>* log = nullptr;
+    void add(const char* what, const Layer& L) { log->push_back(tag + what + std::to_string(L.index)); }
+    void before_forward(const Layer& L, Pass p) override { add(p == Pass::recompute ? "Rf" : "f", L); }
+    void after_forward(const Layer& L, Pass p) override { add(p == Pass::recompute ? "R/f" : "/f", L); }
+    void before_backward(const Layer& L) override { add("b", L); }
+    void after_backward(const Layer& L) override { add("/b", L); }
+  };
+  test::ModelRun run(tiny_config(), test::model_options({{"recompute", "full"}}), 3);
+  std::vector<std::string> log;
+  Recorder one, two;
+  one.tag = "1";
+  two.tag = "2";
+  one.log = two.log = &log;
+  run.schedule.add_hooks(&one);
+  run.schedule.add_hooks(&two);
+  run.forward_backward(tiny_batch(37, 2), 1.0f, 1.0);
+  const std::vector<std::string> want = {
+      "1f0", "2f0", "2/f0", "1/f0", "1f1", "2f1", "2/f1", "1/f1",      // forward
+      "1b1", "2b1", "1Rf1", "2Rf1", "2R/f1", "1R/f1", "2/b1", "1/b1",  // layer 1 backward
+      "1b0", "2b0", "1Rf0", "2Rf0", "2R/f0", "1R/f0", "2/b0", "1/b0"}; // layer 0 backward
+  EXPECT_EQ(log, want);
+}
+
 TEST(PrimitiveSwap, LinearCeEqualsFullCe) {
-  ModelOptions a, b;
-  a.loss = "full_ce";
-  b.loss = "linear_ce";
-  b.loss_chunk_tokens = 5;
-  b.loss_chunk_vocab = 7;
+  ModelOptions a = test::model_options({{"loss", "full_ce"}});
+  ModelOptions b = test::model_options({{"loss", "linear_ce"}});
+  b.prims.loss_chunks = {5, 7, 5};
   expect_same(run_once(a), run_once(b), 1e-5, "full_ce vs linear_ce");
 }
 
 TEST(PrimitiveSwap, MemoryEfficientPermuteEqualsStandard) {
-  ModelOptions a, b;
-  b.permute = "memory_efficient";
+  ModelOptions a = test::model_options(), b = test::model_options({{"permute", "memory_efficient"}});
   expect_same(run_once(a), run_once(b), 1e-5, "permute");
   expect_same(run_once(a, true), run_once(b, true), 1e-5, "permute (qwen2)");
 }
 
 TEST(PrimitiveSwap, GroupedExpertsEqualSequential) {
-  ModelOptions a, b;
-  b.experts = "grouped";
+  ModelOptions a = test::model_options(), b = test::model_options({{"experts", "grouped"}});
   expect_same(run_once(a), run_once(b), 1e-5, "experts");
 }
 
 TEST(Model, HfTensorsAreViewsWithHfNames) {
-  Qwen3MoeModel m(tiny_config(true), ModelOptions{}, 1);  // qwen2 tiny: dense layer 0, shared expert
-  auto ts = m.hf_tensors();
-  std::map<std::string, Tensor> byname(ts.begin(), ts.end());
+  DecoderModel m(tiny_config(true), ModelOptions{}, 1);  // qwen2 tiny: dense layer 0, shared expert
+  std::map<std::string, Tensor> byname;
+  for (const HfTensor& t : m.hf_tensors()) byname[t.name] = t.value();
   ASSERT_TRUE(byname.count("model.layers.1.mlp.experts.3.down_proj.weight"));
   ASSERT_TRUE(byname.count("model.layers.1.mlp.experts.0.gate_proj.weight"));
   ASSERT_TRUE(byname.count("model.layers.0.mlp.up_proj.weight"));
@@ -207,20 +297,104 @@ TEST(Model, HfTensorsAreViewsWithHfNames) {
   EXPECT_EQ(fused[(2 * 24 + 12) * 16], 5.0f);  // expert 2, row F (first up row)
   EXPECT_NE(fused[(2 * 24 + 11) * 16], 5.0f);  // last gate row untouched
   int64_t n = 0;
-  for (auto& [k, t] : ts) n += t.numel();
+  for (auto& [k, t] : byname) n += t.numel();
   EXPECT_EQ(n, m.num_params());
   EXPECT_EQ(m.num_params(), tiny_config(true).num_params());
   ASSERT_TRUE(byname.count("model.layers.1.mlp.shared_expert.up_proj.weight"));
 }
 
+TEST(Model, ExpertNamesTakeTheUnitsGlobalExpertOffset) {
+  DecoderModel m(tiny_config(true), ModelOptions{}, 1);
+  for (ParamUnit* u : m.units())
+    if (u->kind == UnitKind::experts) u->first_expert = 8;  // as expert parallelism will place them
+  std::map<std::string, HfTensor> byname;
+  for (const HfTensor& t : m.hf_tensors()) byname[t.name] = t;
+  EXPECT_FALSE(byname.count("model.layers.1.mlp.experts.0.gate_proj.weight"));
+  ASSERT_TRUE(byname.count("model.layers.1.mlp.experts.8.gate_proj.weight"));
+  ASSERT_TRUE(byname.count("model.layers.1.mlp.experts.11.down_proj.weight"));
+  const HfTensor& t = byname.at("model.layers.1.mlp.experts.9.up_proj.weight");
+  EXPECT_EQ(t.offset, (1 * 24 + 12) * 16);  // local expert 1, row F
+}
+
+TEST(Units, ParamsAreViewsIntoFlatUnitBuffers) {
+  ModelConfig c = tiny_config(true);
+  DecoderModel m(c, ModelOptions{}, 1);
+  std::vector<ParamUnit*> units = m.units();
+  std::vector<std::string> names;
+  for (ParamUnit* u : units) names.push_back(u->name);
+  EXPECT_EQ(names, (std::vector<std::string>{"embed", "layers.0.dense", "layers.1.dense",
+                                             "layers.1.experts", "head"}));
+  int64_t params = 0;
+  for (ParamUnit* u : units) {
+    SCOPED_TRACE(u->name);
+    EXPECT_EQ(u->value.numel(), u->numel);
+    EXPECT_EQ(u->grad.numel(), u->numel);
+    EXPECT_EQ(u->grad.dtype(), DType::f32);
+    EXPECT_EQ(u->numel % ParamStore::kAlign, 0);
+    bool in_decay = true;
+    int64_t end = 0;
+    for (Param* p : u->params) {
+      EXPECT_EQ(p->unit, u);
+      EXPECT_EQ(p->offset % ParamStore::kAlign, 0) << p->name;
+      EXPECT_GE(p->offset, end) << p->name << " overlaps the previous parameter";
+      end = p->offset + p->numel();
+      if (!p->decay) in_decay = false;
+      EXPECT_EQ(p->decay, in_decay) << p->name << ": the weight-decayed parameters come first";
+      EXPECT_EQ(p->offset < u->decay_numel, p->decay) << p->name;
+      // The views point into the flat buffers.
+      EXPECT_EQ(p->value.raw(), static_cast<char*>(u->value.raw()) + p->offset * 4) << p->name;
+      EXPECT_EQ(p->grad.raw(), static_cast<char*>(u->grad.raw()) + p->offset * 4) << p->name;
+      params += p->numel();
+    }
+    EXPECT_LE(end, u->numel);
+  }
+  EXPECT_EQ(params, c.num_params());
+  // A write through a Param view lands in its unit's flat buffer, at its offset.
+  Param* wq = m.find_param("model.layers.1.self_attn.q_proj.weight");
+  wq->value.fill_(3.0);
+  wq->grad.fill_(-2.0);
+  const std::vector<float> flat = wq->unit->value.to_floats(), gflat = wq->unit->grad.to_floats();
+  EXPECT_EQ(flat[wq->offset], 3.0f);
+  EXPECT_EQ(flat[wq->offset + wq->numel() - 1], 3.0f);
+  EXPECT_EQ(gflat[wq->offset + 7], -2.0f);
+  // zero_grad clears the whole unit (one memset).
+  m.zero_grad();
+  for (float g : wq->unit->grad.to_floats()) ASSERT_EQ(g, 0.0f);
+  // The experts of a MoE layer are their own unit and know how many they hold.
+  ParamUnit* ex = m.find_param("model.layers.1.mlp.experts.down_proj")->unit;
+  EXPECT_EQ(ex->kind, UnitKind::experts);
+  EXPECT_EQ(ex->layer, 1);
+  EXPECT_EQ(ex->num_experts, c.num_experts);
+  EXPECT_EQ(ex->first_expert, 0);
+  EXPECT_EQ(m.find_param("model.layers.1.mlp.gate.weight")->unit->kind, UnitKind::dense);
+  EXPECT_EQ(m.find_param("model.norm.weight")->unit->kind, UnitKind::head);
+}
+
+TEST(Units, GradNormIsTheSumOfPerUnitSumsOfSquares) {
+  test::ModelRun run(tiny_config(true), test::model_options(), 4);
+  MicroBatch mb = tiny_batch(37, 8);
+  run.forward_backward(mb, 1.0f / static_cast<float>(mb.num_valid), 1.0);
+  std::vector<Tensor> per_param, per_unit;
+  for (Param* p : run.model.params()) per_param.push_back(p->grad);
+  double units_sq = 0;
+  for (ParamUnit* u : run.model.units()) {
+    per_unit.push_back(u->grad);
+    units_sq += sum_of_squares(u->grad);
+  }
+  const double by_param = global_grad_norm(per_param), by_unit = global_grad_norm(per_unit);
+  EXPECT_GT(by_param, 0);
+  EXPECT_NEAR(by_unit, by_param, 1e-12 * by_param) << "the padding must hold no gradient";
+  EXPECT_NEAR(std::sqrt(units_sq), by_param, 1e-12 * by_param);
+}
+
 TEST(Model, BadBatchIsAClearError) {
-  Qwen3MoeModel m(tiny_config(), ModelOptions{}, 1);
+  test::ModelRun run(tiny_config(), ModelOptions{}, 1);
   MicroBatch mb = tiny_batch(37, 1);
   mb.tokens = Tensor::from_ints({}, {0});
-  test::expect_error_contains([&] { m.forward(mb, nullptr); }, "empty micro-batch");
+  test::expect_error_contains([&] { run.forward(mb, nullptr); }, "empty micro-batch");
   MicroBatch mb2 = tiny_batch(37, 1);
   mb2.tokens = Tensor::from_ints(std::vector<int32_t>(12, 40), {12});
-  test::expect_error_contains([&] { m.forward(mb2, nullptr); }, "outside the vocabulary");
+  test::expect_error_contains([&] { run.forward(mb2, nullptr); }, "outside the vocabulary");
 }
 
 }  // namespace

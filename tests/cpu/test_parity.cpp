@@ -27,7 +27,8 @@
 #include "io/safetensors.h"
 #include "models/config.h"
 #include "models/hf_io.h"
-#include "models/qwen3_moe.h"
+#include "common/model.h"
+#include "models/decoder.h"
 #include "runtime/trainer.h"
 
 namespace bb {
@@ -48,7 +49,7 @@ double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
 
 // Compares every HF-named gradient with `prefix` + name in the golden; prints the worst
 // relative error per tensor family.
-void compare_grads(Qwen3MoeModel& m, const SafetensorsReader& g, const std::string& prefix,
+void compare_grads(DecoderModel& m, const SafetensorsReader& g, const std::string& prefix,
                    const std::string& what) {
   std::map<std::string, double> worst;
   std::set<std::string> seen;
@@ -92,12 +93,11 @@ void check_golden(const std::string& dir) {
 
   for (const char* loss : {"full_ce", "linear_ce"}) {
     SCOPED_TRACE(std::string("loss head ") + loss);
-    ModelOptions o;
-    o.loss = loss;
-    o.loss_chunk_tokens = 7;  // several chunks on the tiny batch
-    o.loss_chunk_vocab = 24;
+    ModelOptions o = test::model_options({{"loss", loss}});
+    o.prims.loss_chunks = {7, 24, 7};  // several chunks on the tiny batch
     o.aux_loss_coef = cfg.router_aux_loss_coef;
-    Qwen3MoeModel m(cfg, o, 99);
+    test::ModelRun run(cfg, o, 99);
+    DecoderModel& m = run.model;
     const HfLoadReport rep = load_hf_weights(m, dir);
     EXPECT_GT(rep.tensors_read, 0);
     const MicroBatch mb = golden_batch(g);
@@ -105,7 +105,7 @@ void check_golden(const std::string& dir) {
 
     // Forward: logits, losses, routing.
     Tensor logits;
-    const ForwardStats st = m.forward(mb, &logits);
+    const ForwardStats st = run.forward(mb, &logits);
     const double e_logits = rel_err(logits.to_floats(), g.read("logits").to_floats());
     EXPECT_LT(e_logits, kLogitsTol) << "logits differ";
     const double ce = st.loss_sum / static_cast<double>(st.num_valid);
@@ -119,8 +119,8 @@ void check_golden(const std::string& dir) {
     size_t r = 0;
     for (int64_t l = 0; l < cfg.num_layers; ++l) {
       if (!cfg.is_moe_layer(l)) continue;
-      ASSERT_LT(r, m.last_routing().size());
-      std::vector<int32_t> ours = m.last_routing()[r++].to_ints();
+      ASSERT_LT(r, run.last_routing().size());
+      std::vector<int32_t> ours = run.last_routing()[r++].to_ints();
       std::vector<int32_t> ref = g.read("routing." + std::to_string(l)).to_ints();
       ASSERT_EQ(ours.size(), ref.size()) << "routing of layer " << l;
       const size_t K = static_cast<size_t>(cfg.top_k);
@@ -134,10 +134,10 @@ void check_golden(const std::string& dir) {
     // Backward: loss = CE / N + coef * aux, then CE / N alone (aux_scale 0).
     const float inv_n = 1.0f / static_cast<float>(mb.num_valid);
     m.zero_grad();
-    m.forward_backward(mb, inv_n, 1.0);
+    run.forward_backward(mb, inv_n, 1.0);
     compare_grads(m, g, "grad.", std::string(loss) + " d(CE/N + coef*aux)");
     m.zero_grad();
-    m.forward_backward(mb, inv_n, 0.0);
+    run.forward_backward(mb, inv_n, 0.0);
     compare_grads(m, g, "grad_ce.", std::string(loss) + " d(CE/N)");
   }
 }

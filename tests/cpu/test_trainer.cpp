@@ -7,6 +7,8 @@
 
 #include "common/testing.h"
 #include "io/fs.h"
+#include "io/safetensors.h"
+#include "models/hf_io.h"
 #include "runtime/run_config.h"
 #include "runtime/trainer.h"
 
@@ -156,7 +158,8 @@ TEST(RunConfig, BadConfigsAreClearErrors) {
   const std::string run = write_run(dir, small_model());
   test::expect_error_contains([&] { load_run_config(run, {"train.stepz=3"}); }, "unknown key 'train.stepz'");
   test::expect_error_contains([&] { load_run_config(run, {"primitives.loss=\"fast_ce\""}); },
-                              "primitives.loss (in " + run + ") = 'fast_ce' is not one of: full_ce, linear_ce");
+                              "primitives.loss = 'fast_ce' in " + run +
+                                  " is not registered; registered members: full_ce, linear_ce");
   test::expect_error_contains([&] { load_run_config(run, {"train.steps=\"ten\""}); }, "train.steps (in");
   test::expect_error_contains([&] { load_run_config(run, {"parallel.ep=2"}); }, "only single-rank runs");
   test::expect_error_contains([&] { load_run_config(run, {"train.lr=-1"}); }, "train.lr must be > 0");
@@ -167,9 +170,90 @@ TEST(RunConfig, BadConfigsAreClearErrors) {
   test::expect_error_contains([&] { parse_run_config("[train]\nsteps = 1\n", "x.toml"); }, "model.config is required");
   // Overrides parse as TOML; a bare word is a string.
   RunConfig c = load_run_config(run, {"primitives.loss=full_ce", "train.lr=0.5", "data.shuffle=false"});
-  EXPECT_EQ(c.prim.loss, "full_ce");
+  EXPECT_EQ(c.prim.loss.name, "full_ce");
   EXPECT_DOUBLE_EQ(c.lr, 0.5);
   EXPECT_FALSE(c.data.shuffle);
+}
+
+TEST(RunConfig, BackendTableIsParsedCheckedAndSavedInStateJson) {
+  const std::string dir = make_tmpdir();
+  const std::string run = write_run(dir, small_model(),
+                                    "[backend]\ngrouped_gemm_streams = 2\ngemm_heuristics = \"exact\"\n");
+  RunConfig c = load_run_config(run, {"backend.grouped_gemm_same_dtype=multi_stream",
+                                      "backend.grouped_gemm_multi_stream_min_flops=5e8",
+                                      "backend.grouped_gemm_threaded_enqueue=false", "train.steps=1"});
+  EXPECT_EQ(c.backend.grouped_gemm_streams, 2);
+  EXPECT_EQ(c.backend.gemm_heuristics, "exact");
+  EXPECT_EQ(c.backend.grouped_gemm_same_dtype, "multi_stream");
+  EXPECT_DOUBLE_EQ(c.backend.grouped_gemm_multi_stream_min_flops, 5e8);
+  EXPECT_FALSE(c.backend.grouped_gemm_threaded_enqueue);
+  EXPECT_NE(c.backend.summary().find("grouped_gemm_streams=2"), std::string::npos);
+  // Saved with the checkpoint, read back equal.
+  Trainer t(c, nullptr);
+  t.train_step();
+  const std::string step = t.save_checkpoint(dir + "/ckpt");
+  const auto st = nlohmann::json::parse(read_file(path_join(step, "state.json")));
+  ASSERT_TRUE(st.contains("backend"));
+  EXPECT_EQ(st["backend"].get<BackendConfig>(), c.backend);
+  EXPECT_FALSE(st["backend"].get<BackendConfig>() == BackendConfig{});
+  // Bad values name the key.
+  test::expect_error_contains([&] { load_run_config(run, {"backend.grouped_gemm_streams=17"}); },
+                              "backend.grouped_gemm_streams = 17");
+  test::expect_error_contains([&] { load_run_config(run, {"backend.gemm_heuristics=fast"}); },
+                              "backend.gemm_heuristics = 'fast'");
+  test::expect_error_contains([&] { load_run_config(run, {"backend.grouped_gemm_widening=cublas"}); },
+                              "is not one of: multi_stream, wmma");
+  test::expect_error_contains([&] { load_run_config(run, {"backend.streams=2"}); },
+                              "unknown key 'backend.streams'");
+  nlohmann::json bad = nlohmann::json{{"grouped_gemm_streams", 0}};
+  test::expect_error_contains([&] { bad.get<BackendConfig>(); }, "backend.grouped_gemm_streams = 0");
+}
+
+TEST(RunConfig, LossChunksAreSetSeparatelyAndDefaultToTheLossHeadDefaults) {
+  const std::string dir = make_tmpdir();
+  const std::string run = write_run(dir, small_model());
+  const LossHeadConfig defaults;
+  RunConfig c = load_run_config(run);
+  EXPECT_EQ(c.prim.loss_chunks.chunk_tokens, defaults.chunk_tokens);
+  EXPECT_EQ(c.prim.loss_chunks.chunk_vocab, defaults.chunk_vocab);
+  EXPECT_EQ(c.prim.loss_chunks.fused_chunk_tokens, defaults.fused_chunk_tokens);
+  c = load_run_config(run, {"primitives.loss_chunk_tokens=100", "primitives.loss_fused_chunk_tokens=64"});
+  EXPECT_EQ(c.prim.loss_chunks.chunk_tokens, 100);
+  EXPECT_EQ(c.prim.loss_chunks.fused_chunk_tokens, 64);
+  EXPECT_EQ(c.prim.loss_chunks.chunk_vocab, defaults.chunk_vocab);
+  test::expect_error_contains([&] { load_run_config(run, {"primitives.loss_fused_chunk_tokens=0"}); },
+                              "primitives.loss_fused_chunk_tokens must be > 0");
+}
+
+// An fp32 Hugging Face checkpoint loaded into bf16 parameters: the fp32 master weights take the
+// checkpoint's values, not the bf16-rounded parameters; `export --dtype f32` writes the masters.
+TEST(Trainer, HfInitKeepsFp32MastersAndExportWritesThem) {
+  const std::string dir = make_tmpdir();
+  const ModelConfig mc = small_model();
+  DecoderModel src(mc, ModelOptions{}, 21);  // f32
+  HfExportOptions f32;
+  f32.dtype = DType::f32;
+  export_hf(src, dir + "/hf", f32);
+  const std::string run = write_run(dir, mc);
+  Trainer t(load_run_config(run, {"model.dtype=bf16", "model.init=\"hf:" + dir + "/hf\"",
+                                  "train.steps=0"}),
+            nullptr);
+  const std::string step = t.save_checkpoint(dir + "/ckpt");
+  SafetensorsReader opt(path_join(step, "optimizer.safetensors"));
+  int64_t rounded = 0;
+  for (Param* p : src.params()) {
+    const std::vector<float> want = p->value.to_floats();
+    EXPECT_EQ(opt.read(p->name + ".master").to_floats(), want) << p->name << ": master not fp32";
+    const std::vector<float> param = t.model().find_param(p->name)->value.to_floats();
+    for (size_t i = 0; i < want.size(); ++i) rounded += param[i] != want[i];
+  }
+  EXPECT_GT(rounded, 0) << "the parameters should be bf16-rounded (else the test proves nothing)";
+  // Export in f32 from the checkpoint: the masters, exactly.
+  export_checkpoint(step, dir + "/out", f32);
+  DecoderModel back(mc, ModelOptions{}, 0);
+  load_hf_weights(back, dir + "/out");
+  for (Param* p : src.params())
+    EXPECT_EQ(back.find_param(p->name)->value.to_floats(), p->value.to_floats()) << p->name;
 }
 
 }  // namespace

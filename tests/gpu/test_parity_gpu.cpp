@@ -21,7 +21,8 @@
 #include "io/safetensors.h"
 #include "models/config.h"
 #include "models/hf_io.h"
-#include "models/qwen3_moe.h"
+#include "common/model.h"
+#include "models/decoder.h"
 #include "runtime/trainer.h"
 
 namespace bb {
@@ -46,21 +47,19 @@ constexpr double kGradTol = 4e-2, kGradMeanTol = 1.5e-2;
 void check_golden_gpu(const std::string& dir, const std::string& loss) {
   SafetensorsReader g(path_join(dir, "golden.safetensors"));
   const ModelConfig cfg = load_hf_config(dir);
-  ModelOptions o;
-  o.loss = loss;
-  o.loss_chunk_tokens = 7;
-  o.loss_chunk_vocab = 24;
+  ModelOptions o = test::model_options({{"loss", loss}, {"experts", "grouped"}});
+  o.prims.loss_chunks = {7, 24, 7};
   o.aux_loss_coef = cfg.router_aux_loss_coef;
-  o.experts = "grouped";
   o.device = Device::cuda(0);
   o.param_dtype = DType::bf16;
-  Qwen3MoeModel m(cfg, o, 99);
+  test::ModelRun run(cfg, o, 99);
+  DecoderModel& m = run.model;
   load_hf_weights(m, dir);
   const MicroBatch host_mb = test::golden_batch(g);
   const MicroBatch mb = to_device(host_mb, o.device);
 
   Tensor logits;
-  const ForwardStats st = m.forward(mb, &logits);
+  const ForwardStats st = run.forward(mb, &logits);
   const double e_logits = golden_rel_err(logits.to_floats(), g.read("logits").to_floats());
   const double ce = st.loss_sum / static_cast<double>(st.num_valid);
   const double e_ce = rel_scalar(ce, meta_number(g, "ce_loss"));
@@ -75,8 +74,8 @@ void check_golden_gpu(const std::string& dir, const std::string& loss) {
   size_t r = 0, flips = 0, rows = 0;
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     if (!cfg.is_moe_layer(l)) continue;
-    ASSERT_LT(r, m.last_routing().size());
-    std::vector<int32_t> ours = m.last_routing()[r++].to_ints();
+    ASSERT_LT(r, run.last_routing().size());
+    std::vector<int32_t> ours = run.last_routing()[r++].to_ints();
     std::vector<int32_t> ref = g.read("routing." + std::to_string(l)).to_ints();
     ASSERT_EQ(ours.size(), ref.size());
     const size_t K = static_cast<size_t>(cfg.top_k);
@@ -93,7 +92,7 @@ void check_golden_gpu(const std::string& dir, const std::string& loss) {
 
   const float inv_n = 1.0f / static_cast<float>(mb.num_valid);
   m.zero_grad();
-  m.forward_backward(mb, inv_n, 1.0);
+  run.forward_backward(mb, inv_n, 1.0);
   std::map<std::string, double> worst;
   double sum_err = 0;
   int64_t count = 0;

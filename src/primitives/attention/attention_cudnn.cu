@@ -649,6 +649,8 @@ int64_t attention_cudnn_batch_bucket(int64_t num_seqs) {
 
 int64_t cudnn_runtime_version() { return runtime_version(); }
 
+void set_cudnn_library(const std::string& file) { cudnn::set_library(file); }
+
 int64_t attention_cudnn_graph_count() {
   std::lock_guard<std::mutex> lock(g_cache_mu);
   return g_graphs_built;

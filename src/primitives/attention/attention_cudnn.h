@@ -28,6 +28,7 @@
 #ifdef BB_WITH_CUDA
 
 #include <cstdint>
+#include <string>
 
 #include "core/tensor.h"
 #include "primitives/attention/attention.h"
@@ -43,6 +44,9 @@ AttentionGrads attention_backward_cudnn(const Tensor& d_o, const Tensor& q, cons
                                         const Tensor& cu_seqlens, float softmax_scale,
                                         const AttentionSaved& saved);
 
+// The cuDNN library file to load ([backend] cudnn_library; "" = libcudnn.so.9 from the library
+// path). Must be chosen before the first attention call; changing it afterwards is an error.
+void set_cudnn_library(const std::string& file);
 // cuDNN's run-time version (e.g. 91900); throws when cuDNN cannot be loaded.
 int64_t cudnn_runtime_version();
 // Number of graphs (forward and backward) built so far in this process (tests check the cache).

@@ -4,7 +4,8 @@
 // Why dlopen: libbumblebee.a is linked into every executable of a CUDA build; resolving cuDNN at
 // run time means no executable needs -lcudnn, a machine without cuDNN still runs everything but
 // this op, and the error says which library was missing. Only the dozen backend-API entry
-// points below are used (no cudnn-frontend). Set BB_CUDNN_LIBRARY to load a specific file.
+// points below are used (no cudnn-frontend). [backend] cudnn_library (set_library) names a
+// specific file; it must be chosen before the first attention call loads cuDNN.
 //
 // Include from .cu files only (needs the CUDA toolkit's cudnn_graph.h for types and enums).
 #pragma once
@@ -12,8 +13,8 @@
 #include <cudnn_graph.h>
 #include <dlfcn.h>
 
-#include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -44,11 +45,29 @@ void resolve(void* lib, const char* name, F& fn, std::string& missing) {
   if (!fn) missing += std::string(missing.empty() ? "" : ", ") + name;
 }
 
+// The file [backend] cudnn_library asked for ("" = the default names), and whether cuDNN was
+// loaded already (then the choice is fixed).
+struct LibraryChoice {
+  std::mutex mu;
+  std::string file;
+  bool loaded = false;
+};
+inline LibraryChoice& library_choice() {
+  static LibraryChoice c;
+  return c;
+}
+
 inline Api load_api(std::string& error) {
   Api api;
-  const char* forced = std::getenv("BB_CUDNN_LIBRARY");
+  std::string forced;
+  {
+    LibraryChoice& c = library_choice();
+    std::lock_guard<std::mutex> lock(c.mu);
+    forced = c.file;
+    c.loaded = true;
+  }
   std::vector<std::string> names;
-  if (forced && *forced) names.push_back(forced);
+  if (!forced.empty()) names.push_back(forced);
   names.push_back("libcudnn.so.9");
   names.push_back("libcudnn.so");
   void* lib = nullptr;
@@ -61,7 +80,7 @@ inline Api load_api(std::string& error) {
   }
   if (!lib) {
     error = "cuDNN 9 could not be loaded (the CUDA attention path needs it; put libcudnn.so.9 on "
-            "LD_LIBRARY_PATH or set BB_CUDNN_LIBRARY):" + tried;
+            "LD_LIBRARY_PATH or set backend.cudnn_library):" + tried;
     return api;
   }
   std::string missing;
@@ -81,6 +100,17 @@ inline Api load_api(std::string& error) {
   return api;
 }
 }  // namespace detail
+
+// Chooses the file to load ("" = libcudnn.so.9 from the library path). An error once cuDNN was
+// loaded from another choice (the library cannot be swapped inside a process).
+inline void set_library(const std::string& file) {
+  detail::LibraryChoice& c = detail::library_choice();
+  std::lock_guard<std::mutex> lock(c.mu);
+  BB_CHECK(!c.loaded || c.file == file, "backend.cudnn_library = '", file,
+           "': cuDNN was already loaded in this process from '",
+           c.file.empty() ? "libcudnn.so.9" : c.file, "'; it cannot change inside one process");
+  c.file = file;
+}
 
 // The process-wide table; throws bb::Error (with the reason) when cuDNN cannot be loaded.
 inline const Api& api() {

@@ -3,6 +3,7 @@
 #include "primitives/elementwise/elementwise.h"
 
 #include <cmath>
+#include <cstring>
 
 #include "backend/cpu/util.h"
 #include "primitives/elementwise/elementwise_cuda.h"
@@ -136,6 +137,121 @@ Tensor sigmoid_gate_backward(const Tensor& d_y, const Tensor& s, const Tensor& g
     for (int64_t h = 0; h < H; ++h) dot += static_cast<double>(a[t * H + h]) * b[t * H + h];
     o[t] = static_cast<float>(dot * gp[t] * (1.0 - gp[t]));
   }
+  return out;
+}
+
+Tensor sigmoid_mul(const Tensor& x, const Tensor& z, MemCategory cat) {
+  const char* op = "sigmoid_mul";
+  check_float(x, op, "x");
+  check_float(z, op, "z");
+  BB_CHECK(x.shape() == z.shape(), op, ": x ", shape_str(x.shape()), " and z ",
+           shape_str(z.shape()), " must have the same shape");
+  check_same_device(x, z, op);
+  Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device(), cat);
+  if (x.device().is_cuda()) {
+    check_device_dtype(op, x, "x");
+    check_device_dtype(op, z, "z");
+#ifdef BB_WITH_CUDA
+    cuda::sigmoid_mul(y.raw(), x.raw(), x.dtype(), z.raw(), z.dtype(), x.numel());
+#endif
+    return y;
+  }
+  Tensor xf = cpu::as_f32(x), zf = cpu::as_f32(z);
+  Tensor yf = x.dtype() == DType::f32 ? y : cpu::empty_f32(x.shape(), MemCategory::workspace);
+  const float *a = xf.data<float>(), *b = zf.data<float>();
+  float* o = yf.data<float>();
+  for (int64_t i = 0; i < x.numel(); ++i) o[i] = a[i] / (1.0f + std::exp(-b[i]));
+  if (x.dtype() != DType::f32) cpu::store_f32(y, yf);
+  return y;
+}
+
+std::pair<Tensor, Tensor> sigmoid_mul_backward(const Tensor& d_y, const Tensor& x, const Tensor& z) {
+  const char* op = "sigmoid_mul_backward";
+  check_float(d_y, op, "d_y");
+  check_float(x, op, "x");
+  check_float(z, op, "z");
+  BB_CHECK(d_y.shape() == x.shape() && x.shape() == z.shape(), op, ": d_y ", shape_str(d_y.shape()),
+           ", x ", shape_str(x.shape()), " and z ", shape_str(z.shape()), " must have one shape");
+  check_same_device(d_y, x, op);
+  check_same_device(d_y, z, op);
+  Tensor dx = Tensor::empty(x.shape(), DType::f32, x.device(), MemCategory::activations);
+  Tensor dz = Tensor::empty(z.shape(), DType::f32, x.device(), MemCategory::activations);
+  if (x.device().is_cuda()) {
+    check_device_dtype(op, d_y, "d_y");
+    check_device_dtype(op, x, "x");
+    check_device_dtype(op, z, "z");
+#ifdef BB_WITH_CUDA
+    cuda::sigmoid_mul_backward(dx.data<float>(), dz.data<float>(), d_y.raw(), d_y.dtype(), x.raw(),
+                               x.dtype(), z.raw(), z.dtype(), x.numel());
+#endif
+    return {dx, dz};
+  }
+  Tensor g = cpu::as_f32(d_y), xf = cpu::as_f32(x), zf = cpu::as_f32(z);
+  const float *gp = g.data<float>(), *xp = xf.data<float>(), *zp = zf.data<float>();
+  float *dxp = dx.data<float>(), *dzp = dz.data<float>();
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    const float s = 1.0f / (1.0f + std::exp(-zp[i]));
+    dxp[i] = gp[i] * s;
+    dzp[i] = gp[i] * xp[i] * s * (1.0f - s);
+  }
+  return {dx, dz};
+}
+
+std::pair<Tensor, Tensor> split_halves(const Tensor& x, MemCategory cat) {
+  const char* op = "split_halves";
+  check_float(x, op, "x");
+  BB_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, op, ": x must be [R, 2C], got ",
+           shape_str(x.shape()));
+  const int64_t R = x.size(0), C = x.size(1) / 2;
+  Tensor a = Tensor::empty({R, C}, x.dtype(), x.device(), cat);
+  Tensor b = Tensor::empty({R, C}, x.dtype(), x.device(), cat);
+  if (x.device().is_cuda()) {
+    check_device_dtype(op, x, "x");
+#ifdef BB_WITH_CUDA
+    cuda::split_halves(a.raw(), b.raw(), x.raw(), x.dtype(), R, C);
+#endif
+    return {a, b};
+  }
+  const size_t es = dtype_size(x.dtype()), row = static_cast<size_t>(C) * es;
+  const char* src = static_cast<const char*>(x.raw());
+  char* pa = static_cast<char*>(a.raw());
+  char* pb = static_cast<char*>(b.raw());
+  for (int64_t r = 0; r < R; ++r) {  // a copy in any dtype
+    std::memcpy(pa + r * row, src + 2 * r * row, row);
+    std::memcpy(pb + r * row, src + (2 * r + 1) * row, row);
+  }
+  return {a, b};
+}
+
+Tensor join_halves(const Tensor& a, const Tensor& b, DType dt, MemCategory cat) {
+  const char* op = "join_halves";
+  check_float(a, op, "a");
+  check_float(b, op, "b");
+  BB_CHECK(a.dim() == 2 && a.shape() == b.shape(), op, ": a and b must be [R, C] of one shape, got ",
+           shape_str(a.shape()), " and ", shape_str(b.shape()));
+  check_same_device(a, b, op);
+  BB_CHECK(is_floating(dt), op, ": output dtype ", dtype_name(dt), " is not a float type");
+  const int64_t R = a.size(0), C = a.size(1);
+  Tensor out = Tensor::empty({R, 2 * C}, dt, a.device(), cat);
+  if (a.device().is_cuda()) {
+    check_device_dtype(op, a, "a");
+    check_device_dtype(op, b, "b");
+    check_device_dtype(op, out, "out");
+#ifdef BB_WITH_CUDA
+    cuda::join_halves(out.raw(), dt, a.raw(), a.dtype(), b.raw(), b.dtype(), R, C);
+#endif
+    return out;
+  }
+  Tensor af = cpu::as_f32(a), bf = cpu::as_f32(b);
+  Tensor of = dt == DType::f32 ? out : cpu::empty_f32({R, 2 * C}, MemCategory::workspace);
+  const float *pa = af.data<float>(), *pb = bf.data<float>();
+  float* po = of.data<float>();
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) {
+      po[r * 2 * C + c] = pa[r * C + c];
+      po[r * 2 * C + C + c] = pb[r * C + c];
+    }
+  if (dt != DType::f32) cpu::store_f32(out, of);
   return out;
 }
 

@@ -2,6 +2,8 @@
 // gates). fp32 compute; outputs f32 unless stated.
 #pragma once
 
+#include <utility>
+
 #include "core/tensor.h"
 
 namespace bb {
@@ -21,5 +23,18 @@ Tensor sigmoid(const Tensor& x, MemCategory cat);
 // d_y, s [T, H] any float dtype; g [T] (or [T, 1]) f32/bf16. Returns d_z [T, 1] f32 under `cat`
 // (written), the row sum in fp32.
 Tensor sigmoid_gate_backward(const Tensor& d_y, const Tensor& s, const Tensor& g, MemCategory cat);
+
+// Element-wise gate (the attention output gate): y = x * sigmoid(z), x and z of the same shape
+// (any float dtypes). y: x's dtype and shape, under `cat`.
+Tensor sigmoid_mul(const Tensor& x, const Tensor& z, MemCategory cat);
+// Its backward: d_x = d_y * sigmoid(z), d_z = d_y * x * s * (1 - s). New f32 tensors of x's and
+// z's shapes (category activations), written.
+std::pair<Tensor, Tensor> sigmoid_mul_backward(const Tensor& d_y, const Tensor& x, const Tensor& z);
+
+// Halves of the last dimension of a 2-d x [R, 2C]: a = x[:, :C], b = x[:, C:] (new [R, C]
+// tensors in x's dtype under `cat`).
+std::pair<Tensor, Tensor> split_halves(const Tensor& x, MemCategory cat);
+// The inverse: a, b [R, C] (any float dtypes) -> [R, 2C] in dtype `dt` under `cat`.
+Tensor join_halves(const Tensor& a, const Tensor& b, DType dt, MemCategory cat);
 
 }  // namespace bb

@@ -94,6 +94,94 @@ struct Sigmoid {
   }
 };
 
+// y = x * sigmoid(z) (y in x's storage type).
+template <class TX, class TZ>
+struct SigmoidMul {
+  TX* y;
+  const TX* x;
+  const TZ* z;
+  template <int M>
+  __device__ void apply(int64_t i) const {
+    float xv[M], zv[M];
+    load<TX, M>(x + i, xv);
+    load<TZ, M>(z + i, zv);
+#pragma unroll
+    for (int k = 0; k < M; ++k) xv[k] = xv[k] / (1.0f + expf(-zv[k]));
+    store<TX, M>(y + i, xv);
+  }
+};
+
+template <class TG, class TX, class TZ>
+struct SigmoidMulBackward {
+  float* d_x;
+  float* d_z;
+  const TG* d_y;
+  const TX* x;
+  const TZ* z;
+  template <int M>
+  __device__ void apply(int64_t i) const {
+    float gv[M], xv[M], zv[M], dx[M], dz[M];
+    load<TG, M>(d_y + i, gv);
+    load<TX, M>(x + i, xv);
+    load<TZ, M>(z + i, zv);
+#pragma unroll
+    for (int k = 0; k < M; ++k) {
+      const float s = 1.0f / (1.0f + expf(-zv[k]));
+      dx[k] = gv[k] * s;
+      dz[k] = gv[k] * xv[k] * s * (1.0f - s);
+    }
+    store<float, M>(d_x + i, dx);
+    store<float, M>(d_z + i, dz);
+  }
+};
+
+// Element i of an [R, C] half: row i / C, column i % C of the [R, 2C] whole. M elements never
+// straddle a row: the host picks V = kVec only when kVec divides C.
+template <class T>
+struct SplitHalves {
+  T* a;
+  T* b;
+  const T* x;
+  int64_t C;
+  template <int M>
+  __device__ void apply(int64_t i) const {
+    const int64_t r = i / C, c = i % C;
+    float v[M];
+    load<T, M>(x + r * 2 * C + c, v);
+    store<T, M>(a + i, v);
+    load<T, M>(x + r * 2 * C + C + c, v);
+    store<T, M>(b + i, v);
+  }
+};
+
+template <class TO, class TA, class TB>
+struct JoinHalves {
+  TO* out;
+  const TA* a;
+  const TB* b;
+  int64_t C;
+  template <int M>
+  __device__ void apply(int64_t i) const {
+    const int64_t r = i / C, c = i % C;
+    float v[M];
+    load<TA, M>(a + i, v);
+    store<TO, M>(out + r * 2 * C + c, v);
+    load<TB, M>(b + i, v);
+    store<TO, M>(out + r * 2 * C + C + c, v);
+  }
+};
+
+// Calls f(TypeTag<T>{}) with T the storage type of dt (f32 or bf16).
+template <class T>
+struct TypeTag {
+  using type = T;
+};
+template <class F>
+void with_type(DType dt, F&& f) {
+  if (dt == DType::bf16) f(TypeTag<bf16_t>{});
+  else f(TypeTag<float>{});
+}
+
 template <class Op>
 void launch(int64_t n, bool vec, const Op& op) {
   if (n == 0) return;
@@ -193,6 +281,65 @@ void sigmoid(float* out, const void* x, DType x_dtype, int64_t n) {
     launch(n, vec, Sigmoid<bf16_t>{out, static_cast<const bf16_t*>(x)});
   else
     launch(n, vec, Sigmoid<float>{out, static_cast<const float*>(x)});
+}
+
+void sigmoid_mul(void* y, const void* x, DType x_dtype, const void* z, DType z_dtype, int64_t n) {
+  const bool vec = aligned(y, vec_bytes(x_dtype)) && aligned(x, vec_bytes(x_dtype)) &&
+                   aligned(z, vec_bytes(z_dtype));
+  with_type(x_dtype, [&](auto tx) {
+    using TX = typename decltype(tx)::type;
+    with_type(z_dtype, [&](auto tz) {
+      using TZ = typename decltype(tz)::type;
+      launch(n, vec, SigmoidMul<TX, TZ>{static_cast<TX*>(y), static_cast<const TX*>(x),
+                                        static_cast<const TZ*>(z)});
+    });
+  });
+}
+
+void sigmoid_mul_backward(float* d_x, float* d_z, const void* d_y, DType dy_dtype, const void* x,
+                          DType x_dtype, const void* z, DType z_dtype, int64_t n) {
+  const bool vec = aligned(d_x, 16) && aligned(d_z, 16) && aligned(d_y, vec_bytes(dy_dtype)) &&
+                   aligned(x, vec_bytes(x_dtype)) && aligned(z, vec_bytes(z_dtype));
+  with_type(dy_dtype, [&](auto tg) {
+    using TG = typename decltype(tg)::type;
+    with_type(x_dtype, [&](auto tx) {
+      using TX = typename decltype(tx)::type;
+      with_type(z_dtype, [&](auto tz) {
+        using TZ = typename decltype(tz)::type;
+        launch(n, vec,
+               SigmoidMulBackward<TG, TX, TZ>{d_x, d_z, static_cast<const TG*>(d_y),
+                                              static_cast<const TX*>(x), static_cast<const TZ*>(z)});
+      });
+    });
+  });
+}
+
+void split_halves(void* a, void* b, const void* x, DType dtype, int64_t R, int64_t C) {
+  const bool vec = C % kVec == 0 && aligned(a, vec_bytes(dtype)) && aligned(b, vec_bytes(dtype)) &&
+                   aligned(x, vec_bytes(dtype));
+  with_type(dtype, [&](auto t) {
+    using T = typename decltype(t)::type;
+    launch(R * C, vec,
+           SplitHalves<T>{static_cast<T*>(a), static_cast<T*>(b), static_cast<const T*>(x), C});
+  });
+}
+
+void join_halves(void* out, DType out_dtype, const void* a, DType a_dtype, const void* b,
+                 DType b_dtype, int64_t R, int64_t C) {
+  const bool vec = C % kVec == 0 && aligned(out, vec_bytes(out_dtype)) &&
+                   aligned(a, vec_bytes(a_dtype)) && aligned(b, vec_bytes(b_dtype));
+  with_type(out_dtype, [&](auto to) {
+    using TO = typename decltype(to)::type;
+    with_type(a_dtype, [&](auto ta) {
+      using TA = typename decltype(ta)::type;
+      with_type(b_dtype, [&](auto tb) {
+        using TB = typename decltype(tb)::type;
+        launch(R * C, vec,
+               JoinHalves<TO, TA, TB>{static_cast<TO*>(out), static_cast<const TA*>(a),
+                                      static_cast<const TB*>(b), C});
+      });
+    });
+  });
 }
 
 }  // namespace bb::cuda

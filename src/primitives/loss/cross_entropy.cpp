@@ -11,6 +11,7 @@
 // target >= V there simply gets no one-hot term). The loss-head GEMMs need h and w of one dtype
 // (f32 or bf16); with bf16 the logits gradient is stored in bf16 for the bf16 GEMMs.
 #include "primitives/loss/cross_entropy.h"
+#include "primitives/loss/loss_head.h"
 
 #include "core/trace.h"
 
@@ -315,6 +316,30 @@ void full_ce_backward(float scale, const Tensor& h, const Tensor& w, const Tenso
   // d_w += d_logits^T @ h  [V, T] x [T, H]
   cpu::gemm<float>(true, false, V, H, T, 1.0f, d_logits.data<float>(), hf.data<float>(), 1.0f,
                    d_w.data<float>());
+}
+
+}  // namespace bb
+
+namespace bb {
+
+namespace {
+class FullCeHead final : public LossHead {
+ public:
+  LossResult train(float scale, const Tensor& h, const Tensor& w, const Tensor& targets,
+                   Tensor& d_h, Tensor& d_w) const override {
+    LossHeadSaved saved;
+    const LossResult r = full_ce_forward(h, w, targets, &saved);
+    full_ce_backward(scale, h, w, targets, saved, d_h, d_w);
+    return r;
+  }
+  LossResult evaluate(const Tensor& h, const Tensor& w, const Tensor& targets) const override {
+    return full_ce_forward(h, w, targets, nullptr);
+  }
+};
+}  // namespace
+
+std::unique_ptr<LossHead> make_full_ce_head(const LossHeadConfig&) {
+  return std::make_unique<FullCeHead>();
 }
 
 }  // namespace bb

@@ -16,6 +16,7 @@
 // leading dimensions on CUDA, because the bf16 gradient sits in the f32 rows with stride 2V).
 // Parameter gradients accumulate (+=), activation gradients are written (=).
 #include "primitives/loss/linear_ce.h"
+#include "primitives/loss/loss_head.h"
 
 #include "core/trace.h"
 
@@ -327,6 +328,31 @@ LossResult linear_ce_fused(float scale, const Tensor& h, const Tensor& w, const 
     }
   }
   return r;
+}
+
+}  // namespace bb
+
+namespace bb {
+
+namespace {
+class LinearCeHead final : public LossHead {
+ public:
+  explicit LinearCeHead(const LossHeadConfig& cfg) : cfg_(cfg) {}
+  LossResult train(float scale, const Tensor& h, const Tensor& w, const Tensor& targets,
+                   Tensor& d_h, Tensor& d_w) const override {
+    return linear_ce_fused(scale, h, w, targets, cfg_, d_h, d_w);
+  }
+  LossResult evaluate(const Tensor& h, const Tensor& w, const Tensor& targets) const override {
+    return linear_ce_forward(h, w, targets, cfg_, nullptr);
+  }
+
+ private:
+  LossHeadConfig cfg_;
+};
+}  // namespace
+
+std::unique_ptr<LossHead> make_linear_ce_head(const LossHeadConfig& cfg) {
+  return std::make_unique<LinearCeHead>(cfg);
 }
 
 }  // namespace bb

@@ -21,6 +21,9 @@
 
 namespace bb {
 
+// Where the routing probability is applied (the family's members, see above).
+enum class PermuteMode { standard, memory_efficient };
+
 struct PermuteMap {
   int64_t num_tokens = 0, top_k = 0, num_experts = 0;
   Tensor row_token;  // [N = T*K] i32: source token of each permuted row (category moe)

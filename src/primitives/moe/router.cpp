@@ -55,13 +55,15 @@ void check_logits(const Tensor& logits, const RouterConfig& cfg, const char* op)
 
 #ifdef BB_WITH_CUDA
 RouterOutput router_forward_cuda(const Tensor& logits, const Tensor& expert_bias,
-                                 const RouterConfig& cfg, RouterSaved* saved) {
+                                 const RouterConfig& cfg, RouterSaved* saved,
+                                 const RouterReplay* replay) {
   const Device dev = logits.device();
   const int64_t T = logits.size(0), E = cfg.num_experts, K = cfg.top_k;
   RouterOutput out;
   Tensor scores;
   if (saved) scores = Tensor::empty({T, E}, DType::f32, dev, MemCategory::activations);
-  out.topk_idx = Tensor::empty({T, K}, DType::i32, dev, MemCategory::activations);
+  out.topk_idx = replay ? replay->topk_idx
+                        : Tensor::empty({T, K}, DType::i32, dev, MemCategory::activations);
   out.topk_prob = Tensor::empty({T, K}, DType::f32, dev, MemCategory::activations);
   const size_t stats_bytes = cuda::RouterStatsLayout::bytes(E);
   Tensor partials =
@@ -72,7 +74,16 @@ RouterOutput router_forward_cuda(const Tensor& logits, const Tensor& expert_bias
   cuda::router_forward(logits.data<float>(),
                        expert_bias.defined() ? expert_bias.data<float>() : nullptr,
                        saved ? scores.data<float>() : nullptr, out.topk_idx.data<int32_t>(),
-                       out.topk_prob.data<float>(), partials.raw(), stats.raw(), T, cfg);
+                       out.topk_prob.data<float>(), partials.raw(), stats.raw(), T, cfg,
+                       replay ? replay->topk_idx.data<int32_t>() : nullptr);
+  if (replay) {  // the counts are known; no losses: nothing to read back
+    out.tokens_per_expert = replay->tokens_per_expert;
+    if (saved) {
+      saved->scores = scores;
+      saved->topk_idx = out.topk_idx;
+    }
+    return out;
+  }
   // The forward's one host synchronisation: aux, z and the counts in one small copy
   // (cuda::memcpy waits for the stream and records it with cuda::note_host_sync()).
   std::vector<unsigned char> host(stats_bytes);
@@ -95,7 +106,8 @@ RouterOutput router_forward_cuda(const Tensor& logits, const Tensor& expert_bias
 }  // namespace
 
 RouterOutput router_forward(const Tensor& logits, const Tensor& expert_bias,
-                            const RouterConfig& cfg, RouterSaved* saved) {
+                            const RouterConfig& cfg, RouterSaved* saved,
+                            const RouterReplay* replay) {
   BB_RANGE("router_forward");
   const char* op = "router_forward";
   cfg.validate();
@@ -108,8 +120,17 @@ RouterOutput router_forward(const Tensor& logits, const Tensor& expert_bias,
     check_same_device(logits, expert_bias, op);
     bias = expert_bias.data<float>();
   }
+  if (replay) {
+    check_dtype(replay->topk_idx, DType::i32, op, "replay.topk_idx");
+    check_shape(replay->topk_idx, {T, K}, op, "replay.topk_idx");
+    check_same_device(logits, replay->topk_idx, op);
+    BB_CHECK(static_cast<int64_t>(replay->tokens_per_expert.size()) == E, op,
+             ": replay.tokens_per_expert has ", replay->tokens_per_expert.size(),
+             " entries for ", E, " experts");
+  }
 #ifdef BB_WITH_CUDA
-  if (logits.device().is_cuda()) return router_forward_cuda(logits, expert_bias, cfg, saved);
+  if (logits.device().is_cuda())
+    return router_forward_cuda(logits, expert_bias, cfg, saved, replay);
 #endif
 
   Tensor scores = Tensor::empty({T, E}, DType::f32, Device::cpu(),
@@ -117,12 +138,28 @@ RouterOutput router_forward(const Tensor& logits, const Tensor& expert_bias,
   ref::router_scores(scores.data<float>(), logits.data<float>(), T, E, cfg.score);
 
   RouterOutput out;
-  out.topk_idx = Tensor::empty({T, K}, DType::i32, Device::cpu(), MemCategory::activations);
-  ref::router_select(out.topk_idx.data<int32_t>(), scores.data<float>(), bias, T, cfg);
+  if (replay) {
+    const int32_t* idx = replay->topk_idx.data<int32_t>();
+    for (int64_t i = 0; i < T * K; ++i)
+      BB_CHECK(idx[i] >= 0 && idx[i] < E, op, ": replay.topk_idx[", i / K, ", ", i % K, "] = ",
+               idx[i], " is out of range [0, ", E, ")");
+    out.topk_idx = replay->topk_idx;
+  } else {
+    out.topk_idx = Tensor::empty({T, K}, DType::i32, Device::cpu(), MemCategory::activations);
+    ref::router_select(out.topk_idx.data<int32_t>(), scores.data<float>(), bias, T, cfg);
+  }
   out.topk_prob = Tensor::empty({T, K}, DType::f32, Device::cpu(), MemCategory::activations);
   ref::router_weights(out.topk_prob.data<float>(), scores.data<float>(),
                       out.topk_idx.data<int32_t>(), T, E, K, cfg.norm_topk_prob,
                       cfg.routed_scaling);
+  if (replay) {
+    out.tokens_per_expert = replay->tokens_per_expert;
+    if (saved) {
+      saved->scores = scores;
+      saved->topk_idx = out.topk_idx;
+    }
+    return out;
+  }
   out.tokens_per_expert.assign(E, 0);
   ref::router_counts(out.tokens_per_expert.data(), out.topk_idx.data<int32_t>(), T, E, K);
   out.aux_loss =

@@ -53,13 +53,27 @@ struct RouterOutput {
   double z_loss = 0;  // mean_t (logsumexp_e logits_te)^2
 };
 
+// A selection decided earlier, to be used instead of the top-k search: the first forward's
+// routing when a full-recompute pass reruns the layer, or routing given as input (RL router
+// replay). topk_idx [T, K] i32 on the logits' device, values in [0, E); tokens_per_expert [E]
+// its counts (trusted, as make_permute_map's known_counts).
+struct RouterReplay {
+  Tensor topk_idx;
+  std::vector<int64_t> tokens_per_expert;
+};
+
 // logits [T, E] f32 (in). expert_bias [E] f32 (in) or undefined: added to the scores for
 // SELECTION only, never to the weights (aux-loss-free balancing; meant for sigmoid routing but
 // accepted for softmax too). With s = scores and S the selected set of token t:
 //   topk_prob[t, k] = routed_scaling * s[t, idx_k] / (norm_topk_prob ? sum_{j in S} s[t, j] : 1)
 // `saved` may be null when no backward follows.
+// With `replay`, S is replay->topk_idx: the output's topk_idx is that tensor, tokens_per_expert
+// its counts, topk_prob and saved->scores are computed from the logits as above (bit-identical
+// to the forward that chose S), and aux_loss and z_loss are not computed (0). On CUDA a replayed
+// forward makes no host synchronisation.
 RouterOutput router_forward(const Tensor& logits, const Tensor& expert_bias,
-                            const RouterConfig& cfg, RouterSaved* saved);
+                            const RouterConfig& cfg, RouterSaved* saved,
+                            const RouterReplay* replay = nullptr);
 
 // d_topk_prob [T, K] f32 (in; undefined = zeros); d_aux, d_z: upstream gradients of aux_loss and
 // z_loss; logits [T, E] f32 (in, the forward's input). Returns d_logits [T, E] f32, category

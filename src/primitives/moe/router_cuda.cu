@@ -116,7 +116,10 @@ __device__ __forceinline__ float stable_sigmoid(float x) {
   return e / (1.0f + e);
 }
 
+// given: a selection decided earlier ([T, K], replay): used instead of the top-k search; then
+// topk_idx and counts may be null (nothing to write).
 __global__ void router_fwd_kernel(const float* __restrict__ logits, const float* __restrict__ bias,
+                                  const int32_t* __restrict__ given,
                                   float* __restrict__ scores_out, int32_t* __restrict__ topk_idx,
                                   float* __restrict__ topk_prob, double* __restrict__ part_col,
                                   double* __restrict__ part_z, int32_t* __restrict__ counts,
@@ -170,7 +173,10 @@ __global__ void router_fwd_kernel(const float* __restrict__ logits, const float*
     }
     __syncwarp();
 
-    if (G > 1) {
+    if (given) {
+      for (int k = lane; k < K; k += 32) sidx[k] = given[t * K + k];
+      __syncwarp();
+    } else if (G > 1) {
       // Group score: sum of the group's two best selection scores (ties do not change it).
       const int gs = p.group_size;
       for (int g = lane; g < G; g += 32) {
@@ -198,7 +204,7 @@ __global__ void router_fwd_kernel(const float* __restrict__ logits, const float*
       __syncwarp();
     }
 
-    for (int k = 0; k < K; ++k) {
+    for (int k = 0; k < K && !given; ++k) {
       float v = 0.0f;
       int bi = -1;
       for (int e = lane; e < E; e += 32)
@@ -219,9 +225,9 @@ __global__ void router_fwd_kernel(const float* __restrict__ logits, const float*
     }
     for (int k = lane; k < K; k += 32) {
       const int e = sidx[k];
-      topk_idx[t * K + k] = e;
+      if (topk_idx) topk_idx[t * K + k] = e;
       topk_prob[t * K + k] = p.scaling * sc[e] / denom;
-      atomicAdd(&counts[e], 1);
+      if (counts) atomicAdd(&counts[e], 1);
     }
 
     // Aux loss: p = scores (softmax) or scores / sum_e scores (sigmoid).
@@ -379,7 +385,7 @@ size_t router_partials_bytes(int64_t T, const RouterConfig& cfg) {
 
 void router_forward(const float* logits, const float* bias, float* scores, int32_t* topk_idx,
                     float* topk_prob, void* partials, void* stats, int64_t T,
-                    const RouterConfig& cfg) {
+                    const RouterConfig& cfg, const int32_t* given) {
   const Params p = make_params(cfg);
   const int warps = forward_warps(cfg);
   const int64_t blocks = router_num_blocks(T, cfg);
@@ -389,10 +395,16 @@ void router_forward(const float* logits, const float* bias, float* scores, int32
   unsigned char* st = static_cast<unsigned char*>(stats);
   double* part_col = static_cast<double*>(partials);
   double* part_z = part_col + blocks * p.E;
+  if (given) {  // replay: weights and scores only, no losses, no counts
+    router_fwd_kernel<<<static_cast<unsigned>(blocks), warps * 32, smem, stream()>>>(
+        logits, bias, given, scores, nullptr, topk_prob, part_col, part_z, nullptr, T, p);
+    BB_CHECK_LAUNCH();
+    return;
+  }
   int32_t* counts = reinterpret_cast<int32_t*>(st + RouterStatsLayout::kCountsOffset);
   memset_zero(stats, RouterStatsLayout::bytes(p.E));
   router_fwd_kernel<<<static_cast<unsigned>(blocks), warps * 32, smem, stream()>>>(
-      logits, bias, scores, topk_idx, topk_prob, part_col, part_z, counts, T, p);
+      logits, bias, nullptr, scores, topk_idx, topk_prob, part_col, part_z, counts, T, p);
   BB_CHECK_LAUNCH();
   router_finalize_kernel<<<1, kFinalThreads, 0, stream()>>>(part_col, part_z, blocks, T, p.E, st);
   BB_CHECK_LAUNCH();

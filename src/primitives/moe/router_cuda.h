@@ -33,9 +33,11 @@ size_t router_partials_bytes(int64_t T, const RouterConfig& cfg);
 // scores [T, E] f32 (out, may be null when nothing is saved); topk_idx [T, K] i32 (out);
 // topk_prob [T, K] f32 (out); partials (scratch, router_partials_bytes); stats
 // (RouterStatsLayout::bytes(E), out: aux, z and the counts; zeroed here first).
+// given [T, K] i32 or null: a selection to replay instead of the top-k search; then only scores
+// and topk_prob are written (topk_idx and stats are not touched, no losses are computed).
 void router_forward(const float* logits, const float* bias, float* scores, int32_t* topk_idx,
                     float* topk_prob, void* partials, void* stats, int64_t T,
-                    const RouterConfig& cfg);
+                    const RouterConfig& cfg, const int32_t* given = nullptr);
 
 // d_topk_prob [T, K] f32 or null (= zeros); logits, scores [T, E] f32; topk_idx [T, K] i32;
 // counts [E] i32 scratch (recomputed here from topk_idx). d_logits [T, E] f32 (WRITTEN).

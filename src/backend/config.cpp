@@ -1,0 +1,103 @@
+// config.cpp — the [backend] knobs: checks, JSON form, and applying them to the CUDA backend.
+#include "backend/config.h"
+
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/error.h"
+
+#ifdef BB_WITH_CUDA
+#include "backend/cuda/gemm.h"
+#include "primitives/attention/attention_cudnn.h"
+#endif
+
+namespace bb {
+
+namespace {
+void check_one_of(const std::string& where, const char* key, const std::string& v,
+                  std::initializer_list<const char*> allowed) {
+  std::string list;
+  for (const char* a : allowed) {
+    if (v == a) return;
+    list += (list.empty() ? "" : ", ") + std::string(a);
+  }
+  BB_FAIL("backend.", key, " = '", v, "'", where.empty() ? "" : " in " + where,
+          " is not one of: ", list);
+}
+}  // namespace
+
+void BackendConfig::validate(const std::string& where) const {
+  const std::string in = where.empty() ? "" : " in " + where;
+  check_one_of(where, "grouped_gemm_same_dtype", grouped_gemm_same_dtype,
+               {"cublas", "multi_stream"});
+  check_one_of(where, "grouped_gemm_widening", grouped_gemm_widening, {"multi_stream", "wmma"});
+  BB_CHECK(grouped_gemm_streams >= 1 && grouped_gemm_streams <= 16,
+           "backend.grouped_gemm_streams = ", grouped_gemm_streams, in, " is not in [1, 16]");
+  BB_CHECK(grouped_gemm_multi_stream_min_flops >= 0,
+           "backend.grouped_gemm_multi_stream_min_flops = ", grouped_gemm_multi_stream_min_flops,
+           in, " must be >= 0 (0 = every same-dtype grouped GEMM takes multi_stream)");
+  check_one_of(where, "gemm_heuristics", gemm_heuristics, {"bucketed", "exact"});
+}
+
+std::string BackendConfig::summary() const {
+  std::ostringstream os;
+  os << "grouped_gemm_same_dtype=" << grouped_gemm_same_dtype
+     << " grouped_gemm_widening=" << grouped_gemm_widening
+     << " grouped_gemm_streams=" << grouped_gemm_streams
+     << " grouped_gemm_multi_stream_min_flops=" << grouped_gemm_multi_stream_min_flops
+     << " grouped_gemm_threaded_enqueue=" << (grouped_gemm_threaded_enqueue ? "true" : "false")
+     << " gemm_heuristics=" << gemm_heuristics
+     << " cudnn_library=" << (cudnn_library.empty() ? "(default)" : cudnn_library);
+  return os.str();
+}
+
+void to_json(nlohmann::json& j, const BackendConfig& c) {
+  j = nlohmann::json{{"grouped_gemm_same_dtype", c.grouped_gemm_same_dtype},
+                     {"grouped_gemm_widening", c.grouped_gemm_widening},
+                     {"grouped_gemm_streams", c.grouped_gemm_streams},
+                     {"grouped_gemm_multi_stream_min_flops", c.grouped_gemm_multi_stream_min_flops},
+                     {"grouped_gemm_threaded_enqueue", c.grouped_gemm_threaded_enqueue},
+                     {"gemm_heuristics", c.gemm_heuristics},
+                     {"cudnn_library", c.cudnn_library}};
+}
+
+void from_json(const nlohmann::json& j, BackendConfig& c) {
+  BB_CHECK(j.is_object(), "backend settings must be a JSON object, got ", j.dump());
+  c = BackendConfig{};
+  try {
+    for (auto it = j.begin(); it != j.end(); ++it) {
+      const std::string& k = it.key();
+      if (k == "grouped_gemm_same_dtype") c.grouped_gemm_same_dtype = it->get<std::string>();
+      else if (k == "grouped_gemm_widening") c.grouped_gemm_widening = it->get<std::string>();
+      else if (k == "grouped_gemm_streams") c.grouped_gemm_streams = it->get<int64_t>();
+      else if (k == "grouped_gemm_multi_stream_min_flops")
+        c.grouped_gemm_multi_stream_min_flops = it->get<double>();
+      else if (k == "grouped_gemm_threaded_enqueue") c.grouped_gemm_threaded_enqueue = it->get<bool>();
+      else if (k == "gemm_heuristics") c.gemm_heuristics = it->get<std::string>();
+      else if (k == "cudnn_library") c.cudnn_library = it->get<std::string>();
+      else BB_FAIL("unknown backend setting '", k, "'");
+    }
+  } catch (const nlohmann::json::exception& e) {
+    BB_FAIL("backend settings: ", e.what());
+  }
+  c.validate("");
+}
+
+void apply_backend_config(const BackendConfig& c) {
+  c.validate("");
+#ifdef BB_WITH_CUDA
+  cuda::GroupedDefaults d;
+  d.same_dtype = c.grouped_gemm_same_dtype == "multi_stream" ? cuda::GroupedAlgo::multi_stream
+                                                             : cuda::GroupedAlgo::cublas;
+  d.widening = c.grouped_gemm_widening == "wmma" ? cuda::GroupedAlgo::wmma
+                                                 : cuda::GroupedAlgo::multi_stream;
+  d.num_streams = static_cast<int>(c.grouped_gemm_streams);
+  d.multi_stream_min_flops = c.grouped_gemm_multi_stream_min_flops;
+  d.threaded_enqueue = c.grouped_gemm_threaded_enqueue;
+  cuda::set_grouped_defaults(d);
+  cuda::set_exact_heuristics(c.gemm_heuristics == "exact");
+  set_cudnn_library(c.cudnn_library);
+#endif
+}
+
+}  // namespace bb

@@ -1,0 +1,50 @@
+// config.h — the [backend] table of the run config: tuning knobs of the CUDA backend that
+// change how work runs, never what it computes beyond rounding (docs/config.md). Parsed with
+// the run config, printed at startup, saved in a checkpoint's state.json, settable per side in
+// `paired`; applied process-wide when a Trainer is built. Environment variables do not change
+// what runs.
+//
+// The defaults are those measured best on an H200 (bench/results/): they equal the built-in
+// defaults of backend/cuda/gemm.h (a test checks that they stay equal).
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+
+namespace bb {
+
+struct BackendConfig {
+  // Grouped GEMM of same-dtype problems (the expert forward and dgrad): cublas | multi_stream.
+  std::string grouped_gemm_same_dtype = "cublas";
+  // Grouped GEMM of 16-bit inputs into f32 (the expert wgrad): multi_stream | wmma.
+  std::string grouped_gemm_widening = "multi_stream";
+  // Side streams of the multi_stream grouped GEMM, 1..16.
+  int64_t grouped_gemm_streams = 4;
+  // Same-dtype grouped calls whose mean problem has at least this many FLOPs take multi_stream.
+  double grouped_gemm_multi_stream_min_flops = 1e9;
+  // multi_stream: enqueue the side streams from a pool of host threads (false: one thread).
+  bool grouped_gemm_threaded_enqueue = true;
+  // cuBLASLt algorithm choice: bucketed (one heuristic query per size bucket, checked per size)
+  // or exact (one query per new shape).
+  std::string gemm_heuristics = "bucketed";
+  // The cuDNN library file for the attention path; "" = libcudnn.so.9 from the library path.
+  std::string cudnn_library;
+
+  // Throws bb::Error naming the key (as `backend.<key>` in `where`) when a value is not allowed.
+  void validate(const std::string& where) const;
+  // "grouped_gemm_same_dtype=cublas ... gemm_heuristics=bucketed" for logs.
+  std::string summary() const;
+  bool operator==(const BackendConfig&) const = default;
+};
+
+void to_json(nlohmann::json& j, const BackendConfig& c);
+// Missing keys keep their defaults; values are validated.
+void from_json(const nlohmann::json& j, BackendConfig& c);
+
+// Makes `c` the process-wide setting of the CUDA backend (grouped GEMM defaults, heuristics
+// mode, cuDNN library). Nothing to set in a CPU-only build. The cuDNN library is loaded once:
+// asking for another file after it was loaded is an error.
+void apply_backend_config(const BackendConfig& c);
+
+}  // namespace bb

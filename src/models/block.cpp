@@ -1,0 +1,37 @@
+// block.cpp — shared pieces of the blocks: the weight-gradient queue and the linear backward.
+#include "models/block.h"
+
+#include "primitives/linear/linear.h"
+
+namespace bb {
+
+void Block::backward_weight(BatchContext&, BlockSaved& saved) {
+  for (auto& fn : saved.deferred_wgrad) fn();
+  saved.deferred_wgrad.clear();
+}
+
+namespace block {
+
+Tensor as_dtype(const Tensor& t, DType dt) {
+  return t.dtype() == dt ? t : t.to_dtype(dt, MemCategory::activations);
+}
+
+Tensor flat(const Tensor& t) { return t.view({t.size(0), -1}); }
+
+void weight_grad(BatchContext& ctx, BlockSaved& saved, std::function<void()> fn) {
+  if (ctx.defer_wgrad) saved.deferred_wgrad.push_back(std::move(fn));
+  else fn();
+}
+
+Tensor linear_backward(BatchContext& ctx, BlockSaved& saved, const Tensor& d_y, const Tensor& x,
+                       Param* w, Param* b) {
+  const Tensor g = as_dtype(d_y, w->value.dtype());
+  weight_grad(ctx, saved, [g, x, w, b] {
+    linear_backward_weight(g, x, w->grad, b ? &b->grad : nullptr);
+  });
+  return linear_backward_data(g, w->value);
+}
+
+}  // namespace block
+
+}  // namespace bb

@@ -1,0 +1,115 @@
+// block.h — the building blocks of a decoder layer (DESIGN.md sec. 11).
+//
+// A layer is a list of residual blocks, y = x + f(norm(x)): a token mixer (attention; later the
+// gated delta net) then an MLP (dense or MoE). A block has an explicit forward and a backward
+// split into a data part and a weight part:
+//   forward(x, ctx, saved)      -> y; keeps in `saved` what its backward needs (saved may be
+//                                  null: inference, or the first pass under full recompute)
+//   backward_data(d_y, ctx, s)  -> d_x (=); norm-weight gradients (vectors) are added here,
+//                                  fused with d_x
+//   backward_weight(ctx, s)     the weight-gradient GEMMs (+=)
+// With ctx.defer_wgrad false each wgrad GEMM runs inside backward_data right after its dgrad
+// (what keeps memory lowest); with it true they are queued in `saved` with the tensors they read
+// and run by backward_weight, so a schedule can move them (e.g. into a communication window).
+// Gradients are identical either way: every parameter gradient has one writer per block.
+// No block knows the parallel layout; a schedule (runtime/schedule.h) owns the layer loop.
+//
+// Legend: T tokens, H hidden.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/batch.h"
+#include "core/tensor.h"
+#include "models/config.h"
+#include "models/params.h"
+
+namespace bb {
+
+class AuxLossPool;
+
+// Sums over one micro-batch (forward): loss is a sum over valid tokens; aux_loss the pooled
+// load-balancing loss (primitives/moe/aux_loss.h); z_loss the mean over MoE layers of the
+// per-layer router z-loss.
+struct ForwardStats {
+  double loss_sum = 0;
+  int64_t num_valid = 0;
+  double aux_loss = 0;
+  double z_loss = 0;
+};
+
+// Which forward this is.
+//   train      the first forward of a training micro-batch: routing is decided (and stashed),
+//              the aux-loss pool and z-loss are filled
+//   recompute  the forward rerun in backward under full recompute: routing comes from the
+//              stash, no loss is added (the first forward counted it)
+//   eval       a forward with no backward (routing stashed too, losses counted)
+enum class Pass : uint8_t { train, recompute, eval };
+
+// The routing of one micro-batch, one entry per MoE layer, written by the train / eval forward
+// and read by a recompute (so the recomputed layer routes, permutes and dispatches exactly as
+// the first forward did, with no second top-k and no host read).
+struct RoutingStash {
+  struct Entry {
+    Tensor topk_idx;                         // [T, K] i32 on the model's device
+    std::vector<int64_t> tokens_per_expert;  // [E] host
+    bool valid = false;
+    int64_t replays = 0;  // recompute passes that reused it
+  };
+  std::vector<Entry> layers;
+};
+
+// Everything a block reads besides its input and weights, per micro-batch.
+struct BatchContext {
+  const MicroBatch* mb = nullptr;
+  Pass pass = Pass::train;
+  ForwardStats* stats = nullptr;  // forwards add their z-loss here
+  AuxLossPool* aux = nullptr;     // MoE blocks pool counts and probabilities (train, eval)
+  RoutingStash* routing = nullptr;
+  // Backward: d objective / d pooled aux loss, and / d each layer's z-loss.
+  double aux_grad = 0, z_grad = 0;
+  bool defer_wgrad = false;  // queue weight gradients for backward_weight
+};
+
+// A block's saved state. The base keeps the queued weight-gradient calls.
+struct BlockSaved {
+  virtual ~BlockSaved() = default;
+  std::vector<std::function<void()>> deferred_wgrad;
+};
+
+class Block {
+ public:
+  virtual ~Block() = default;
+  virtual const char* kind() const = 0;  // "attention", "mlp", "moe"
+  virtual std::unique_ptr<BlockSaved> make_saved() const = 0;
+  virtual Tensor forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) = 0;
+  virtual Tensor backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved& saved) = 0;
+  // Runs the queued weight gradients (none unless ctx.defer_wgrad was set) and drops them.
+  virtual void backward_weight(BatchContext& ctx, BlockSaved& saved);
+};
+
+struct Layer {
+  int64_t index = 0;
+  LayerType type = LayerType::full_attention;
+  bool moe = false;
+  std::vector<std::unique_ptr<Block>> blocks;
+};
+
+namespace block {
+// `t` in dtype `dt` (a converted copy under activations when it differs).
+Tensor as_dtype(const Tensor& t, DType dt);
+// [T, ...] -> [T, rest].
+Tensor flat(const Tensor& t);
+// Runs `fn` now, or queues it in `saved` for backward_weight when ctx.defer_wgrad.
+void weight_grad(BatchContext& ctx, BlockSaved& saved, std::function<void()> fn);
+// The backward of y = x w^T (+ b) for the data part: d_x = d_y w (f32); queues or runs
+// w.grad += d_y^T x and b.grad += sum d_y. d_y is taken in the weight's dtype.
+Tensor linear_backward(BatchContext& ctx, BlockSaved& saved, const Tensor& d_y, const Tensor& x,
+                       Param* w, Param* b);
+}  // namespace block
+
+}  // namespace bb

@@ -1,0 +1,196 @@
+// decoder.cpp — building a decoder from its config (units, blocks, initialisation), its embedding
+// and head, and the Hugging Face view of its parameters (decoder.h).
+#include "models/decoder.h"
+
+#include <cmath>
+
+#include "core/rng.h"
+#include "core/trace.h"
+#include "models/attention_block.h"
+#include "models/mlp_block.h"
+#include "models/moe_block.h"
+#include "primitives/embedding/embedding.h"
+#include "primitives/loss/cross_entropy.h"
+#include "primitives/norm/rmsnorm.h"
+
+namespace bb {
+
+void ModelOptions::validate() const {
+  prims.validate("");
+  BB_CHECK(is_floating(param_dtype), "model parameter dtype must be a float type");
+  BB_CHECK(std::isfinite(aux_loss_coef) && aux_loss_coef >= 0 && std::isfinite(z_loss_coef) &&
+               z_loss_coef >= 0,
+           "aux and z loss coefficients must be finite and >= 0, got ", aux_loss_coef, " and ",
+           z_loss_coef);
+}
+
+Tensor HfTensor::value() const {
+  return param->unit->value.narrow(param->offset + offset, shape_numel(shape)).view(shape);
+}
+
+Tensor HfTensor::grad() const {
+  return param->unit->grad.narrow(param->offset + offset, shape_numel(shape)).view(shape);
+}
+
+DecoderModel::~DecoderModel() = default;
+
+DecoderModel::DecoderModel(const ModelConfig& cfg, const ModelOptions& opts, uint64_t seed)
+    : cfg_(cfg), opts_(opts) {
+  cfg_.validate();
+  opts_.validate();
+  const int64_t H = cfg.hidden_size, V = cfg.vocab_size;
+  num_moe_layers_ = cfg.num_moe_layers();
+  ParamUnit& embed_unit = store_.add_unit("embed", UnitKind::embedding);
+  embed_ = &store_.add(embed_unit, "model.embed_tokens.weight", {V, H}, true);
+
+  AttentionBlockConfig ac;
+  ac.hidden = H;
+  ac.num_heads = cfg.num_heads;
+  ac.num_kv_heads = cfg.num_kv_heads;
+  ac.head_dim = cfg.head_dim;
+  ac.qkv_bias = cfg.qkv_bias;
+  ac.qk_norm = cfg.qk_norm;
+  ac.rope_theta = cfg.rope_theta;
+  ac.rms_norm_eps = cfg.rms_norm_eps;
+  int64_t moe_index = 0;
+  layers_.resize(static_cast<size_t>(cfg.num_layers));
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    Layer& L = layers_[static_cast<size_t>(l)];
+    L.index = l;
+    L.type = cfg.layer_type(l);
+    L.moe = cfg.is_moe_layer(l);
+    const std::string prefix = "model.layers." + std::to_string(l) + ".";
+    const std::string unit = "layers." + std::to_string(l) + ".";
+    ParamUnit& dense = store_.add_unit(unit + "dense", UnitKind::dense, l);
+    switch (L.type) {
+      case LayerType::full_attention:
+        L.blocks.push_back(std::make_unique<AttentionBlock>(store_, dense, prefix, ac));
+        break;
+      case LayerType::linear_attention:
+        BB_FAIL("layer ", l, ": linear_attention layers are not implemented by this model family");
+    }
+    if (L.moe) {
+      ParamUnit& experts = store_.add_unit(unit + "experts", UnitKind::experts, l);
+      MoeBlockConfig mc;
+      mc.hidden = H;
+      mc.num_experts = cfg.num_experts;
+      mc.top_k = cfg.top_k;
+      mc.expert_ffn = cfg.moe_intermediate_size;
+      mc.shared_ffn = cfg.shared_expert_intermediate_size;
+      mc.norm_topk_prob = cfg.norm_topk_prob;
+      mc.rms_norm_eps = cfg.rms_norm_eps;
+      mc.router = opts_.prims.router.value;
+      mc.experts = opts_.prims.experts.value;
+      mc.permute = opts_.prims.permute.value;
+      mc.moe_index = moe_index++;
+      mc.num_moe_layers = num_moe_layers_;
+      L.blocks.push_back(std::make_unique<MoeBlock>(store_, dense, experts, prefix, mc,
+                                                    opts_.prims.moe_dispatch.value(cfg.num_experts)));
+    } else {
+      L.blocks.push_back(std::make_unique<MlpBlock>(store_, dense, prefix, H,
+                                                    cfg.intermediate_size, cfg.rms_norm_eps));
+    }
+  }
+  ParamUnit& head = store_.add_unit("head", UnitKind::head);
+  final_norm_ = &store_.add(head, "model.norm.weight", {H}, false);
+  lm_head_ = cfg.tie_word_embeddings ? embed_ : &store_.add(head, "lm_head.weight", {V, H}, true);
+  store_.allocate(opts_.device, opts_.param_dtype);
+
+  // Initialisation: each parameter draws from its own Philox stream (offset = index << 40), in
+  // the order the parameters were declared.
+  uint64_t index = 0;
+  for (Param* p : store_.params()) {
+    const bool is_norm = p->name.find("norm") != std::string::npos;
+    const bool is_bias = p->name.size() > 5 && p->name.compare(p->name.size() - 5, 5, ".bias") == 0;
+    if (is_norm) p->value.fill_(1.0);
+    else if (!is_bias) fill_normal(p->value, seed, index << 40, 0.0f, static_cast<float>(cfg.init_std));
+    ++index;
+  }
+  loss_ = opts_.prims.loss.value(opts_.prims.loss_chunks);
+}
+
+void DecoderModel::check_batch(const MicroBatch& mb) const {
+  check_dtype(mb.tokens, DType::i32, "model forward", "tokens");
+  check_dtype(mb.targets, DType::i32, "model forward", "targets");
+  BB_CHECK(mb.tokens.numel() > 0, "model forward: empty micro-batch (0 tokens)");
+  BB_CHECK(mb.targets.numel() == mb.tokens.numel() && mb.positions.numel() == mb.tokens.numel(),
+           "model forward: tokens, targets and positions must have the same length");
+}
+
+Tensor DecoderModel::embed_forward(const MicroBatch& mb) {
+  return embedding_forward(mb.tokens, embed_->value);
+}
+
+void DecoderModel::embed_backward(const Tensor& d_x, const MicroBatch& mb) {
+  embedding_backward(d_x, mb.tokens, embed_->grad);
+}
+
+Tensor DecoderModel::head_train(const Tensor& x, const MicroBatch& mb, float loss_scale,
+                                ForwardStats& st) {
+  RMSNormSaved fn;
+  Tensor h = rmsnorm_forward(x, final_norm_->value, cfg_.rms_norm_eps, &fn);
+  Tensor d_h;
+  {
+    BB_RANGE("loss_head");
+    const LossResult r = loss_->train(loss_scale, h, lm_head_->value, mb.targets, d_h, lm_head_->grad);
+    st.loss_sum = r.loss_sum;
+    st.num_valid = r.num_valid;
+  }
+  h = Tensor();
+  return rmsnorm_backward(d_h, x, final_norm_->value, fn, final_norm_->grad);
+}
+
+void DecoderModel::head_eval(const Tensor& x, const MicroBatch& mb, ForwardStats& st,
+                             Tensor* logits) {
+  Tensor h = rmsnorm_forward(x, final_norm_->value, cfg_.rms_norm_eps, nullptr);
+  if (logits) *logits = lm_head_logits(h, lm_head_->value);
+  BB_RANGE("loss_head");
+  const LossResult r = loss_->evaluate(h, lm_head_->value, mb.targets);
+  st.loss_sum = r.loss_sum;
+  st.num_valid = r.num_valid;
+}
+
+std::vector<HfTensor> DecoderModel::hf_tensors() {
+  std::vector<HfTensor> out;
+  auto strip = [](const std::string& name, const std::string& suffix) {
+    BB_CHECK(name.size() >= suffix.size() &&
+                 name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0,
+             "hf_tensors: parameter ", name, " does not end in ", suffix);
+    return name.substr(0, name.size() - suffix.size());
+  };
+  for (Param* p : store_.params()) {
+    switch (p->hf) {
+      case HfSplit::none:
+        out.push_back({p->name, p, 0, p->shape});
+        break;
+      case HfSplit::gate_up: {  // [2I, H] -> gate_proj [I, H], up_proj [I, H]
+        const std::string base = strip(p->name, "gate_up_proj");
+        const int64_t I = p->shape[0] / 2, H = p->shape[1];
+        out.push_back({base + "gate_proj.weight", p, 0, {I, H}});
+        out.push_back({base + "up_proj.weight", p, I * H, {I, H}});
+        break;
+      }
+      case HfSplit::experts_gate_up: {  // [E_l, 2F, H] -> per expert gate_proj, up_proj [F, H]
+        const std::string base = strip(p->name, "gate_up_proj");
+        const int64_t F = p->shape[1] / 2, H = p->shape[2];
+        for (int64_t e = 0; e < p->shape[0]; ++e) {
+          const std::string pre = base + std::to_string(p->unit->first_expert + e) + ".";
+          out.push_back({pre + "gate_proj.weight", p, e * 2 * F * H, {F, H}});
+          out.push_back({pre + "up_proj.weight", p, e * 2 * F * H + F * H, {F, H}});
+        }
+        break;
+      }
+      case HfSplit::experts_down: {  // [E_l, H, F] -> per expert down_proj [H, F]
+        const std::string base = strip(p->name, "down_proj");
+        const int64_t Hd = p->shape[1], F = p->shape[2];
+        for (int64_t e = 0; e < p->shape[0]; ++e)
+          out.push_back({base + std::to_string(p->unit->first_expert + e) + ".down_proj.weight", p,
+                         e * Hd * F, {Hd, F}});
+        break;
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace bb

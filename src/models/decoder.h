@@ -1,0 +1,104 @@
+// decoder.h — a decoder-only MoE language model as a list of layers built from the config's
+// `layer_types`, each layer a list of residual blocks (models/block.h):
+//
+//   ids -> embedding -> N x [token mixer block (attention) -> MLP block (dense | MoE)]
+//       -> final RMSNorm -> loss head (loss family), tied or untied LM head.
+//
+// Families: Qwen3-MoE and Qwen2-MoE (every layer full attention; Qwen2-MoE adds q/k/v biases
+// and a shared expert, Qwen3-MoE per-head QK norm). A new layer type plugs in as a new block.
+//
+// The model owns its parameters (flat units, models/params.h) and its blocks, and offers the
+// pieces a schedule composes: the embedding, the layers, the head. It does not own the layer
+// loop, the recompute policy or anything about parallelism: runtime/schedule.h runs the loop,
+// and the dispatcher each MoE block is given decides where experts live.
+//
+// Legend: T tokens of the micro-batch, H hidden, V vocab.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/batch.h"
+#include "core/tensor.h"
+#include "models/block.h"
+#include "models/config.h"
+#include "models/params.h"
+#include "primitives/registry.h"
+
+namespace bb {
+
+struct ModelOptions {
+  PrimitiveSet prims;  // the model reads loss, router, experts, permute, moe_dispatch
+  double aux_loss_coef = 0, z_loss_coef = 0;
+  // Where the model lives and how its weights are stored. On a GPU the weights are bf16 (fp32
+  // master copies live in the optimizer) and the residual stream is bf16; on the CPU all f32.
+  Device device = Device::cpu();
+  DType param_dtype = DType::f32;
+  void validate() const;
+};
+
+// One Hugging Face tensor: a slice of one parameter, addressed through its unit's flat buffers
+// (offset counts elements from the parameter's start).
+struct HfTensor {
+  std::string name;
+  Param* param = nullptr;
+  int64_t offset = 0;
+  Shape shape;
+  Tensor value() const;  // view into the unit's values
+  Tensor grad() const;   // view into the unit's gradients
+};
+
+class DecoderModel {
+ public:
+  // Builds the parameters and initialises them from `seed` (normal(0, init_std) for matrices,
+  // ones for norms, zeros for biases), counter-based so the values do not depend on order.
+  DecoderModel(const ModelConfig& cfg, const ModelOptions& opts, uint64_t seed);
+  DecoderModel(const DecoderModel&) = delete;
+  DecoderModel& operator=(const DecoderModel&) = delete;
+  ~DecoderModel();
+
+  const ModelConfig& config() const { return cfg_; }
+  const ModelOptions& options() const { return opts_; }
+  ParamStore& param_store() { return store_; }
+  std::vector<Param*> params() { return store_.params(); }
+  std::vector<ParamUnit*> units() { return store_.units(); }
+  Param* find_param(const std::string& name) { return store_.find(name); }
+  int64_t num_params() const { return store_.num_params(); }
+  void zero_grad() { store_.zero_grad(); }
+
+  std::vector<Layer>& layers() { return layers_; }
+  int64_t num_moe_layers() const { return num_moe_layers_; }
+
+  // Checks a micro-batch (dtypes, lengths) before anything runs.
+  void check_batch(const MicroBatch& mb) const;
+  // The embedding: x [T, H] in the parameter dtype.
+  Tensor embed_forward(const MicroBatch& mb);
+  // Adds d_x [T, H]'s contribution to the embedding's gradient.
+  void embed_backward(const Tensor& d_x, const MicroBatch& mb);
+  // The head on the last layer's output x [T, H]: final norm, loss and, for training, the
+  // gradient d(objective)/d(x) (returned; f32) with loss_scale = d(objective)/d(loss_sum) and the
+  // LM head's gradient accumulated. Fills loss_sum and num_valid of `st`.
+  Tensor head_train(const Tensor& x, const MicroBatch& mb, float loss_scale, ForwardStats& st);
+  // Evaluation: the loss, and the [T, V] f32 logits if `logits` is non-null.
+  void head_eval(const Tensor& x, const MicroBatch& mb, ForwardStats& st, Tensor* logits);
+
+  // The Hugging Face tensors: per-expert gate_proj/up_proj/down_proj slices of the fused expert
+  // weights (named with the unit's global expert ids), gate/up halves of the fused dense and
+  // shared-expert projections, every other parameter whole. Reading and writing through them
+  // round-trips the model.
+  std::vector<HfTensor> hf_tensors();
+
+ private:
+  ModelConfig cfg_;
+  ModelOptions opts_;
+  ParamStore store_;
+  Param* embed_ = nullptr;
+  Param* final_norm_ = nullptr;
+  Param* lm_head_ = nullptr;  // == embed_ when tied
+  std::vector<Layer> layers_;
+  int64_t num_moe_layers_ = 0;
+  std::unique_ptr<LossHead> loss_;
+};
+
+}  // namespace bb

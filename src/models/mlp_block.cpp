@@ -1,0 +1,51 @@
+// mlp_block.cpp — the dense MLP residual block (mlp_block.h). Backward convention as every
+// block: d_x written, weight gradients added (now or queued, block.h).
+#include "models/mlp_block.h"
+
+#include "core/trace.h"
+#include "primitives/activation/swiglu.h"
+#include "primitives/elementwise/elementwise.h"
+#include "primitives/linear/linear.h"
+
+namespace bb {
+
+struct MlpBlock::Saved final : BlockSaved {
+  Tensor x, h;  // block input, norm output [T, H]
+  RMSNormSaved rms;
+  Tensor gate_up, act;  // [T, 2I], [T, I]
+};
+
+MlpBlock::MlpBlock(ParamStore& store, ParamUnit& unit, const std::string& prefix, int64_t hidden,
+                   int64_t ffn, double rms_norm_eps)
+    : eps_(rms_norm_eps) {
+  ln_ = &store.add(unit, prefix + "post_attention_layernorm.weight", {hidden}, false);
+  gate_up_ = &store.add(unit, prefix + "mlp.gate_up_proj", {2 * ffn, hidden}, true, HfSplit::gate_up);
+  down_ = &store.add(unit, prefix + "mlp.down_proj.weight", {hidden, ffn}, true);
+}
+
+std::unique_ptr<BlockSaved> MlpBlock::make_saved() const { return std::make_unique<Saved>(); }
+
+Tensor MlpBlock::forward(const Tensor& x, BatchContext&, BlockSaved* saved) {
+  BB_RANGE("mlp_block_forward");
+  Saved local;
+  Saved& S = saved ? static_cast<Saved&>(*saved) : local;
+  S.x = x;
+  S.h = rmsnorm_forward(x, ln_->value, eps_, &S.rms);
+  S.gate_up = linear_forward(S.h, gate_up_->value, Tensor());
+  S.act = swiglu_forward(S.gate_up);
+  Tensor out = linear_forward(S.act, down_->value, Tensor());
+  return block::as_dtype(add(x, out, MemCategory::activations), x.dtype());
+}
+
+Tensor MlpBlock::backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved& saved) {
+  BB_RANGE("mlp_block_backward");
+  Saved& S = static_cast<Saved&>(saved);
+  Tensor d_act = block::linear_backward(ctx, S, d_y, S.act, down_, nullptr);
+  Tensor d_gu = swiglu_backward(d_act, S.gate_up);
+  Tensor d_h = block::linear_backward(ctx, S, d_gu, S.h, gate_up_, nullptr);
+  Tensor d_x = rmsnorm_backward(d_h, S.x, ln_->value, S.rms, ln_->grad);
+  add_inplace(d_x, d_y);
+  return d_x;
+}
+
+}  // namespace bb

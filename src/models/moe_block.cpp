@@ -1,0 +1,178 @@
+// moe_block.cpp — the MoE residual block (moe_block.h). Backward convention as every block:
+// d_x written; weight gradients (router, experts, shared expert) added now or queued (block.h);
+// the norm weight's gradient fused with d_x.
+#include "models/moe_block.h"
+
+#include "core/trace.h"
+#include "primitives/activation/swiglu.h"
+#include "primitives/elementwise/elementwise.h"
+#include "primitives/linear/linear.h"
+#include "primitives/moe/aux_loss.h"
+#include "primitives/norm/rmsnorm.h"
+
+namespace bb {
+
+struct MoeBlock::Saved final : BlockSaved {
+  Tensor x, h;  // block input, norm output [T, H]
+  RMSNormSaved rms;
+  Tensor logits;      // [T, E] f32 router logits
+  RouterSaved router;
+  Tensor topk_prob;   // [T, K] f32
+  PermuteMap map;
+  DispatchState dispatch;
+  Tensor rows, rows_prob;  // the experts' input rows [M, H] (and their probabilities [M])
+  ExpertsSaved experts;
+  Tensor y_perm;      // [N, H] the combined expert outputs (standard permute only)
+  Tensor s_gate_up, s_act, s_out, s_gate;  // shared expert; s_gate = sigmoid(gate logit) [T]
+};
+
+MoeBlock::MoeBlock(ParamStore& store, ParamUnit& dense_unit, ParamUnit& expert_unit,
+                   const std::string& prefix, const MoeBlockConfig& cfg,
+                   std::unique_ptr<Dispatcher> dispatcher)
+    : cfg_(cfg), dispatcher_(std::move(dispatcher)) {
+  const int64_t H = cfg.hidden, E = cfg.num_experts, F = cfg.expert_ffn;
+  BB_CHECK(dispatcher_, "MoeBlock: no dispatcher");
+  BB_CHECK(H > 0 && E > 0 && F > 0 && cfg.top_k >= 1 && cfg.top_k <= E,
+           "MoeBlock: bad shape (hidden ", H, ", experts ", E, ", top-k ", cfg.top_k, ", ffn ", F,
+           ")");
+  expert_unit.num_experts = dispatcher_->num_local_experts(E);
+  expert_unit.first_expert = dispatcher_->first_local_expert(E);
+  const int64_t El = expert_unit.num_experts;
+  ln_ = &store.add(dense_unit, prefix + "post_attention_layernorm.weight", {H}, false);
+  router_ = &store.add(dense_unit, prefix + "mlp.gate.weight", {E, H}, true);
+  experts_gate_up_ = &store.add(expert_unit, prefix + "mlp.experts.gate_up_proj", {El, 2 * F, H},
+                                true, HfSplit::experts_gate_up);
+  experts_down_ = &store.add(expert_unit, prefix + "mlp.experts.down_proj", {El, H, F}, true,
+                             HfSplit::experts_down);
+  if (cfg.shared_ffn > 0) {
+    const int64_t S = cfg.shared_ffn;
+    shared_gate_up_ = &store.add(dense_unit, prefix + "mlp.shared_expert.gate_up_proj", {2 * S, H},
+                                 true, HfSplit::gate_up);
+    shared_down_ = &store.add(dense_unit, prefix + "mlp.shared_expert.down_proj.weight", {H, S},
+                              true);
+    shared_gate_ = &store.add(dense_unit, prefix + "mlp.shared_expert_gate.weight", {1, H}, true);
+  }
+}
+
+std::unique_ptr<BlockSaved> MoeBlock::make_saved() const { return std::make_unique<Saved>(); }
+
+RouterConfig MoeBlock::router_config() const {
+  RouterConfig r;
+  r.num_experts = static_cast<int>(cfg_.num_experts);
+  r.top_k = static_cast<int>(cfg_.top_k);
+  r.score = cfg_.router;
+  r.norm_topk_prob = cfg_.norm_topk_prob;
+  return r;
+}
+
+Tensor MoeBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) {
+  BB_RANGE("moe_block_forward");
+  Saved local;
+  Saved& S = saved ? static_cast<Saved&>(*saved) : local;
+  const int64_t T = x.size(0), E = cfg_.num_experts;
+  const RouterConfig rc = router_config();
+  const bool mem_eff = cfg_.permute == PermuteMode::memory_efficient;
+  S.x = x;
+  S.h = rmsnorm_forward(x, ln_->value, cfg_.rms_norm_eps, &S.rms);
+
+  // Route (once per micro-batch: a recompute replays the stashed selection).
+  S.logits = Tensor::empty({T, E}, DType::f32, x.device(), MemCategory::activations);
+  matmul(S.h, false, router_->value, true, S.logits);
+  RoutingStash::Entry* slot = nullptr;
+  if (ctx.routing) {
+    BB_CHECK(cfg_.moe_index < static_cast<int64_t>(ctx.routing->layers.size()),
+             "MoE block: routing stash has ", ctx.routing->layers.size(), " entries, layer needs ",
+             cfg_.moe_index + 1);
+    slot = &ctx.routing->layers[static_cast<size_t>(cfg_.moe_index)];
+  }
+  RouterOutput r;
+  if (ctx.pass == Pass::recompute) {
+    BB_CHECK(slot && slot->valid, "MoE block: a recompute pass needs the routing that the first "
+             "forward of this micro-batch stashed, and there is none");
+    const RouterReplay replay{slot->topk_idx, slot->tokens_per_expert};
+    r = router_forward(S.logits, Tensor(), rc, &S.router, &replay);
+    ++slot->replays;
+  } else {
+    r = router_forward(S.logits, Tensor(), rc, &S.router);
+    if (slot) *slot = {r.topk_idx, r.tokens_per_expert, true, 0};
+    if (ctx.aux) ctx.aux->add(S.router.scores, r.tokens_per_expert);
+    if (ctx.stats) ctx.stats->z_loss += r.z_loss / static_cast<double>(cfg_.num_moe_layers);
+  }
+  S.topk_prob = r.topk_prob;
+
+  // Permute -> dispatch -> experts -> combine -> unpermute.
+  S.map = make_permute_map(r.topk_idx, E, &r.tokens_per_expert);
+  Tensor x_perm = permute_forward(S.h, S.map);
+  Tensor row_prob = mem_eff ? permute_probs(r.topk_prob, S.map) : Tensor();
+  DispatchRows d = dispatcher_->dispatch(x_perm, row_prob, r.tokens_per_expert, S.dispatch);
+  S.rows = d.rows;
+  S.rows_prob = d.row_prob;
+  Tensor y_local = experts_forward(cfg_.experts, S.rows, S.dispatch.tokens_per_local_expert,
+                                   experts_gate_up_->value, experts_down_->value, S.rows_prob,
+                                   &S.experts);
+  Tensor y_perm = dispatcher_->combine(y_local, S.dispatch);
+  if (!mem_eff) S.y_perm = y_perm;  // unpermute's backward needs it to form d_prob
+  Tensor out = unpermute_forward(y_perm, S.map, mem_eff ? Tensor() : r.topk_prob);
+
+  if (shared_gate_up_) {
+    S.s_gate_up = linear_forward(S.h, shared_gate_up_->value, Tensor());
+    S.s_act = swiglu_forward(S.s_gate_up);
+    S.s_out = linear_forward(S.s_act, shared_down_->value, Tensor());
+    S.s_gate = sigmoid(linear_forward(S.h, shared_gate_->value, Tensor()), MemCategory::activations);
+    Tensor gated = scale_rows(S.s_out, S.s_gate, MemCategory::activations);
+    Tensor mo = out.dtype() == DType::f32 ? out : out.to_dtype(DType::f32);
+    add_inplace(mo, gated);
+    out = mo;
+  }
+  return block::as_dtype(add(x, out, MemCategory::activations), x.dtype());
+}
+
+Tensor MoeBlock::backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved& saved) {
+  BB_RANGE("moe_block_backward");
+  Saved& S = static_cast<Saved&>(saved);
+  const RouterConfig rc = router_config();
+  const bool mem_eff = cfg_.permute == PermuteMode::memory_efficient;
+  const ExpertsImpl impl = cfg_.experts;
+
+  // Unpermute -> combine -> experts -> dispatch -> permute, backwards.
+  UnpermuteGrads ug = unpermute_backward(block::as_dtype(d_y, S.h.dtype()), S.y_perm, S.map,
+                                         mem_eff ? Tensor() : S.topk_prob);
+  Tensor d_local = dispatcher_->combine_backward(ug.d_y_perm, S.dispatch);
+  const std::vector<int64_t>& counts = S.dispatch.tokens_per_local_expert;
+  ExpertsDgrad eg = experts_backward_data(impl, d_local, counts, experts_gate_up_->value,
+                                          experts_down_->value, S.rows_prob, S.experts);
+  {
+    ExpertsDgrad wg;  // only d_gate_up is read by the weight part; d_x is not held for it
+    wg.d_gate_up = eg.d_gate_up;
+    block::weight_grad(ctx, S, [this, impl, d_local, rows = S.rows, counts, rp = S.rows_prob,
+                                ex = S.experts, wg] {
+      experts_backward_weight(impl, d_local, rows, counts, rp, ex, wg, experts_gate_up_->grad,
+                              experts_down_->grad);
+    });
+  }
+  DispatchRows back = dispatcher_->dispatch_backward(eg.d_x, eg.d_row_prob, S.dispatch);
+  eg = ExpertsDgrad{};
+  Tensor d_topk_prob = mem_eff ? unpermute_probs_grad(back.row_prob, S.map) : ug.d_topk_prob;
+  Tensor d_h = permute_backward(back.rows, S.map);
+  if (d_h.dtype() != DType::f32) d_h = d_h.to_dtype(DType::f32, MemCategory::activations);
+
+  // Route: the combine weights' gradient, the z-loss and the pooled aux loss.
+  Tensor d_logits = router_backward(d_topk_prob, 0.0, ctx.z_grad, S.logits, rc, S.router);
+  if (ctx.aux) ctx.aux->add_grad(d_logits, S.router.scores, ctx.aux_grad);
+  add_inplace(d_h, block::linear_backward(ctx, S, d_logits, S.h, router_, nullptr));
+
+  if (shared_gate_up_) {
+    // out += g * s_out, g = sigmoid(h . w_gate)
+    Tensor d_sout = scale_rows(d_y, S.s_gate, MemCategory::activations);
+    Tensor dgl = sigmoid_gate_backward(d_y, S.s_out, S.s_gate, MemCategory::activations);
+    add_inplace(d_h, block::linear_backward(ctx, S, dgl, S.h, shared_gate_, nullptr));
+    Tensor d_sact = block::linear_backward(ctx, S, d_sout, S.s_act, shared_down_, nullptr);
+    Tensor d_sgu = swiglu_backward(d_sact, S.s_gate_up);
+    add_inplace(d_h, block::linear_backward(ctx, S, d_sgu, S.h, shared_gate_up_, nullptr));
+  }
+  Tensor d_x = rmsnorm_backward(d_h, S.x, ln_->value, S.rms, ln_->grad);
+  add_inplace(d_x, d_y);
+  return d_x;
+}
+
+}  // namespace bb

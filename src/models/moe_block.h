@@ -1,0 +1,64 @@
+// moe_block.h — the sparse MoE MLP as a residual block, in explicit stages:
+//   h = RMSNorm(x)
+//   route      logits = h W_router^T (f32); top-k (router family) -> idx, prob, counts
+//   permute    x_perm = rows of h grouped by expert
+//   dispatch   rows to the ranks that hold their experts (Dispatcher; nothing moves on one rank)
+//   experts    SwiGLU expert MLPs on the local rows (experts family)
+//   combine    expert outputs back in x_perm's order (Dispatcher)
+//   unpermute  weighted sum of each token's K outputs (permute family)
+//   [+ shared expert: sigmoid(h w_gate) * W_sd swiglu(W_sgu h)]
+//   y = x + out
+// Routing is decided once per micro-batch (the train or eval pass) and stashed in
+// ctx.routing; the recompute pass replays it (router_forward with RouterReplay): the same
+// selection and counts, no second top-k, no host read, one routing entry per layer. The aux loss
+// pools over layers through ctx.aux (its gradient is added in backward_data).
+// Parameters under `prefix`: post_attention_layernorm.weight [H], mlp.gate.weight [E, H] and
+// the shared expert's mlp.shared_expert.gate_up_proj [2S, H], .down_proj.weight [H, S],
+// mlp.shared_expert_gate.weight [1, H] in the dense unit; mlp.experts.gate_up_proj
+// [E_l, 2F, H] and mlp.experts.down_proj [E_l, H, F] in the expert unit.
+// Legend: T tokens, H hidden, E experts (E_l local), K top-k, F expert ffn, S shared ffn,
+// N = T K permuted rows.
+#pragma once
+
+#include "models/block.h"
+#include "primitives/moe/dispatcher.h"
+#include "primitives/moe/experts.h"
+#include "primitives/moe/permute.h"
+#include "primitives/moe/router.h"
+
+namespace bb {
+
+struct MoeBlockConfig {
+  int64_t hidden = 0, num_experts = 0, top_k = 0, expert_ffn = 0, shared_ffn = 0;
+  bool norm_topk_prob = true;
+  double rms_norm_eps = 1e-6;
+  RouterScore router = RouterScore::softmax;
+  ExpertsImpl experts = ExpertsImpl::sequential;
+  PermuteMode permute = PermuteMode::standard;
+  int64_t moe_index = 0;       // this layer's slot in the routing stash
+  int64_t num_moe_layers = 1;  // the z-loss is the mean over MoE layers
+};
+
+class MoeBlock final : public Block {
+ public:
+  MoeBlock(ParamStore& store, ParamUnit& dense_unit, ParamUnit& expert_unit,
+           const std::string& prefix, const MoeBlockConfig& cfg,
+           std::unique_ptr<Dispatcher> dispatcher);
+  const char* kind() const override { return "moe"; }
+  std::unique_ptr<BlockSaved> make_saved() const override;
+  Tensor forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) override;
+  Tensor backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved& saved) override;
+
+  const MoeBlockConfig& config() const { return cfg_; }
+  Dispatcher& dispatcher() { return *dispatcher_; }
+
+ private:
+  struct Saved;
+  RouterConfig router_config() const;
+  MoeBlockConfig cfg_;
+  std::unique_ptr<Dispatcher> dispatcher_;
+  Param *ln_ = nullptr, *router_ = nullptr, *experts_gate_up_ = nullptr, *experts_down_ = nullptr;
+  Param *shared_gate_up_ = nullptr, *shared_down_ = nullptr, *shared_gate_ = nullptr;
+};
+
+}  // namespace bb

@@ -1,0 +1,109 @@
+// params.cpp — flat parameter units: layout, allocation and the views (models/params.h).
+#include "models/params.h"
+
+#include "core/error.h"
+
+namespace bb {
+
+const char* unit_kind_name(UnitKind k) {
+  switch (k) {
+    case UnitKind::embedding: return "embedding";
+    case UnitKind::dense: return "dense";
+    case UnitKind::experts: return "experts";
+    case UnitKind::head: return "head";
+  }
+  return "?";
+}
+
+ParamUnit& ParamStore::add_unit(const std::string& name, UnitKind kind, int64_t layer) {
+  BB_CHECK(!allocated_, "ParamStore: unit '", name, "' added after allocate()");
+  for (const ParamUnit& u : units_)
+    BB_CHECK(u.name != name, "ParamStore: unit '", name, "' added twice");
+  units_.emplace_back();
+  ParamUnit& u = units_.back();
+  u.index = static_cast<int64_t>(units_.size()) - 1;
+  u.name = name;
+  u.kind = kind;
+  u.layer = layer;
+  return u;
+}
+
+Param& ParamStore::add(ParamUnit& unit, const std::string& name, const Shape& shape, bool decay,
+                       HfSplit hf) {
+  BB_CHECK(!allocated_, "ParamStore: parameter '", name, "' added after allocate()");
+  for (int64_t d : shape)
+    BB_CHECK(d > 0, "ParamStore: parameter '", name, "' has shape ", shape_str(shape));
+  BB_CHECK(find(name) == nullptr, "ParamStore: parameter '", name, "' added twice");
+  params_.emplace_back();
+  Param& p = params_.back();
+  p.name = name;
+  p.shape = shape;
+  p.decay = decay;
+  p.hf = hf;
+  p.unit = &unit;
+  unit.params.push_back(&p);
+  return p;
+}
+
+void ParamStore::allocate(Device dev, DType param_dtype) {
+  BB_CHECK(!allocated_, "ParamStore: allocate() called twice");
+  auto align = [](int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; };
+  for (ParamUnit& u : units_) {
+    std::vector<Param*> ordered;
+    for (Param* p : u.params)
+      if (p->decay) ordered.push_back(p);
+    for (Param* p : u.params)
+      if (!p->decay) ordered.push_back(p);
+    int64_t off = 0;
+    bool seen_plain = false;
+    for (Param* p : ordered) {
+      off = align(off);
+      if (!p->decay && !seen_plain) {  // the no-decay bucket starts here
+        u.decay_numel = off;
+        seen_plain = true;
+      }
+      p->offset = off;
+      off += p->numel();
+    }
+    u.numel = align(off);
+    if (!seen_plain) u.decay_numel = u.numel;
+    u.params = ordered;
+    u.value = Tensor::zeros({u.numel}, param_dtype, dev, MemCategory::params);
+    u.grad = Tensor::zeros({u.numel}, DType::f32, dev, MemCategory::grads);
+    for (Param* p : ordered) {
+      p->value = u.value.narrow(p->offset, p->numel()).view(p->shape);
+      p->grad = u.grad.narrow(p->offset, p->numel()).view(p->shape);
+    }
+  }
+  allocated_ = true;
+}
+
+std::vector<Param*> ParamStore::params() {
+  std::vector<Param*> out;
+  for (Param& p : params_) out.push_back(&p);
+  return out;
+}
+
+std::vector<ParamUnit*> ParamStore::units() {
+  std::vector<ParamUnit*> out;
+  for (ParamUnit& u : units_) out.push_back(&u);
+  return out;
+}
+
+Param* ParamStore::find(const std::string& name) {
+  for (Param& p : params_)
+    if (p.name == name) return &p;
+  return nullptr;
+}
+
+int64_t ParamStore::num_params() const {
+  int64_t n = 0;
+  for (const Param& p : params_) n += p.numel();
+  return n;
+}
+
+void ParamStore::zero_grad() {
+  for (ParamUnit& u : units_) u.grad.zero_();
+}
+
+}  // namespace bb

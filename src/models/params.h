@@ -1,0 +1,98 @@
+// params.h — a model's parameters in flat units (DESIGN.md sec. 11).
+//
+// Every parameter belongs to one unit, and a unit keeps all its values in one flat buffer and all
+// its gradients in one flat f32 buffer; a Param's value and grad are views into them. Units are
+// what the optimizer steps (as flat buckets, split by weight decay), what the global grad norm
+// sums over (one sum of squares per unit), and what state sharding will gather, shard and
+// reduce-scatter. The units of a decoder:
+//   embed             the token embedding (and the LM head when the embeddings are tied)
+//   layers.L.dense    attention, norms, router, shared expert, dense MLP of layer L
+//   layers.L.experts  the routed experts of MoE layer L (E_l local experts from first_expert)
+//   head              the final norm and the untied LM head
+// Layout inside a unit: the weight-decayed parameters first, then the others, each starting at a
+// multiple of kAlign elements (256 bytes in bf16: the alignment cuBLASLt's fastest kernels want);
+// the padding between them stays zero (zero gradient, zero value, decay keeps it zero).
+// Building is two-phase: declare units and parameters (add_unit, add), then allocate() lays out
+// and allocates every unit and points the views at it.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace bb {
+
+enum class UnitKind : uint8_t { embedding, dense, experts, head };
+const char* unit_kind_name(UnitKind k);
+
+// How a parameter maps onto Hugging Face tensor names (models/decoder.h hf_tensors).
+enum class HfSplit : uint8_t {
+  none,             // one tensor, the parameter's name
+  gate_up,          // [2I, H]: rows [0, I) are `<prefix>gate_proj.weight`, [I, 2I) `up_proj`
+  experts_gate_up,  // [E_l, 2F, H]: per expert `<prefix>{e}.gate_proj.weight` / `up_proj`
+  experts_down,     // [E_l, H, F]: per expert `<prefix>{e}.down_proj.weight`
+};
+
+struct ParamUnit;
+
+struct Param {
+  std::string name;  // Hugging Face name (fused tensors carry the fused name)
+  Shape shape;
+  bool decay = true;  // weight decay applies (matrices yes; norms and biases no)
+  HfSplit hf = HfSplit::none;
+  ParamUnit* unit = nullptr;
+  int64_t offset = 0;  // first element in the unit's flat buffers
+  Tensor value;        // view of unit->value: the model's parameter dtype, category params
+  Tensor grad;         // view of unit->grad: f32, category grads
+  int64_t numel() const { return shape_numel(shape); }
+};
+
+struct ParamUnit {
+  int64_t index = 0;  // position among the store's units
+  std::string name;
+  UnitKind kind = UnitKind::dense;
+  int64_t layer = -1;  // decoder layer, -1 for embed and head
+  // Expert units: the global expert id of local expert 0 (Hugging Face names use it) and the
+  // number of experts held. Set where experts are placed (the dispatcher); 0 and E on one rank.
+  int64_t first_expert = 0, num_experts = 0;
+  std::vector<Param*> params;  // in layout order (weight-decayed first)
+  int64_t numel = 0;           // elements including the alignment padding (what sharding splits)
+  int64_t decay_numel = 0;     // elements [0, decay_numel) are weight-decayed, the rest are not
+  Tensor value;                // [numel] in the parameter dtype, category params
+  Tensor grad;                 // [numel] f32, category grads
+};
+
+class ParamStore {
+ public:
+  static constexpr int64_t kAlign = 128;
+
+  ParamStore() = default;
+  ParamStore(const ParamStore&) = delete;
+  ParamStore& operator=(const ParamStore&) = delete;
+
+  ParamUnit& add_unit(const std::string& name, UnitKind kind, int64_t layer = -1);
+  Param& add(ParamUnit& unit, const std::string& name, const Shape& shape, bool decay,
+             HfSplit hf = HfSplit::none);
+  // Lays out, allocates (zeros) and makes the views. Once; parameters cannot be added after.
+  void allocate(Device dev, DType param_dtype);
+  bool allocated() const { return allocated_; }
+
+  // Parameters in the order they were added (the checkpoint's and the initialiser's order).
+  std::vector<Param*> params();
+  std::vector<ParamUnit*> units();
+  Param* find(const std::string& name);
+  // Parameter elements, without padding.
+  int64_t num_params() const;
+  // Zeroes every unit's gradient (one memset per unit).
+  void zero_grad();
+
+ private:
+  std::deque<Param> params_;  // deque: pointers stay valid as parameters are added
+  std::deque<ParamUnit> units_;
+  bool allocated_ = false;
+};
+
+}  // namespace bb

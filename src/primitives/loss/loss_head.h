@@ -1,0 +1,33 @@
+// loss_head.h — the loss family's interface: what a model's head calls, whatever the member
+// (`full_ce`, `linear_ce`; registered in primitives/registry.cpp). Tensors and formulas as in
+// cross_entropy.h: h [T, H], w [V, H] (LM head), targets [T] i32 (< 0 = no loss).
+// Accumulation convention: d_w ACCUMULATED (+=, f32 [V, H]); d_h WRITTEN (=, allocated f32
+// under activations when undefined on entry).
+#pragma once
+
+#include <memory>
+
+#include "primitives/loss/cross_entropy.h"
+
+namespace bb {
+
+class LossHead {
+ public:
+  virtual ~LossHead() = default;
+  // Training: the loss and both gradients, with scale = d(objective)/d(loss_sum) known up front.
+  virtual LossResult train(float scale, const Tensor& h, const Tensor& w, const Tensor& targets,
+                           Tensor& d_h, Tensor& d_w) const = 0;
+  // Evaluation: the loss alone (no gradient, nothing kept).
+  virtual LossResult evaluate(const Tensor& h, const Tensor& w, const Tensor& targets) const = 0;
+};
+
+// Builds a head with its chunk sizes (members that do not chunk ignore them).
+using LossHeadFactory = std::unique_ptr<LossHead> (*)(const LossHeadConfig& cfg);
+
+// full_ce: materialized logits (cross_entropy.cpp).
+std::unique_ptr<LossHead> make_full_ce_head(const LossHeadConfig& cfg);
+// linear_ce: the fused single pass for training, the two-pass stream for evaluation
+// (linear_ce.cpp).
+std::unique_ptr<LossHead> make_linear_ce_head(const LossHeadConfig& cfg);
+
+}  // namespace bb

@@ -1,0 +1,108 @@
+// registry.h — one typed choice per primitive family (DESIGN.md sec. 3), parsed once from the
+// run config's [primitives] table into a PrimitiveSet that the model, the schedule and the
+// trainer read; nothing downstream compares names.
+//
+// A family is a named list of members; each member is a name and the family's typed value: an
+// enum for the families whose members are variants of one primitive (router, experts, permute,
+// recompute, ...), a factory for the families with an interface (loss: LossHead; moe_dispatch:
+// Dispatcher). Adding a member is its folder plus one line in registry.cpp; an unknown name is
+// an error that lists the registered ones.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "primitives/loss/loss_head.h"
+#include "primitives/moe/dispatcher.h"
+#include "primitives/moe/experts.h"
+#include "primitives/moe/permute.h"
+#include "primitives/moe/router.h"
+
+namespace bb {
+
+enum class RecomputePolicy { none, full };
+enum class AttentionKind { sdpa };
+enum class StateKind { replicated };
+enum class OptimizerKind { adamw };
+
+// One family's member as chosen: the name (for logs and checkpoints) and its typed value.
+template <class T>
+struct Choice {
+  std::string name;
+  T value{};
+};
+
+template <class T>
+class Family {
+ public:
+  struct Member {
+    std::string name;
+    T value;
+    std::string what;  // one line for docs and errors
+  };
+  Family(std::string key, std::string default_name, std::vector<Member> members)
+      : key_(std::move(key)), default_(std::move(default_name)), members_(std::move(members)) {}
+
+  const std::string& key() const { return key_; }
+  const std::vector<Member>& members() const { return members_; }
+  // The member called `name`; otherwise throws naming the key (`primitives.<key>`), `where`
+  // and every registered name.
+  Choice<T> parse(const std::string& name, const std::string& where) const {
+    for (const Member& m : members_)
+      if (m.name == name) return {m.name, m.value};
+    BB_FAIL("primitives.", key_, " = '", name, "'", where.empty() ? "" : " in " + where,
+            " is not registered; registered members: ", names());
+  }
+  Choice<T> default_choice() const { return parse(default_, "the registry"); }
+  std::string names() const {  // "full_ce, linear_ce"
+    std::string s;
+    for (const Member& m : members_) s += (s.empty() ? "" : ", ") + m.name;
+    return s;
+  }
+
+ private:
+  std::string key_, default_;
+  std::vector<Member> members_;
+};
+
+const Family<LossHeadFactory>& loss_family();
+const Family<RecomputePolicy>& recompute_family();
+const Family<RouterScore>& router_family();
+const Family<ExpertsImpl>& experts_family();
+const Family<PermuteMode>& permute_family();
+const Family<AttentionKind>& attention_family();
+const Family<DispatcherFactory>& moe_dispatch_family();
+const Family<StateKind>& state_family();
+const Family<OptimizerKind>& optimizer_family();
+
+// Every family's choice, and the loss chunk sizes. Defaults: the registry defaults and
+// LossHeadConfig's chunks (the one place they are written down).
+struct PrimitiveSet {
+  Choice<LossHeadFactory> loss = loss_family().default_choice();
+  Choice<RecomputePolicy> recompute = recompute_family().default_choice();
+  Choice<RouterScore> router = router_family().default_choice();
+  Choice<ExpertsImpl> experts = experts_family().default_choice();
+  Choice<PermuteMode> permute = permute_family().default_choice();
+  Choice<AttentionKind> attention = attention_family().default_choice();
+  Choice<DispatcherFactory> moe_dispatch = moe_dispatch_family().default_choice();
+  Choice<StateKind> state = state_family().default_choice();
+  Choice<OptimizerKind> optimizer = optimizer_family().default_choice();
+  LossHeadConfig loss_chunks;
+
+  // Sets family `key` ("loss", "router", ...) to member `name`; throws for an unknown key or
+  // name (listing the registered ones). `where` names the source in the message.
+  void set(const std::string& key, const std::string& name, const std::string& where);
+  // The family keys in the order of the [primitives] table.
+  static const std::vector<std::string>& keys();
+  // The chosen member's name of family `key`.
+  const std::string& name_of(const std::string& key) const;
+  // Checks the chunk sizes (> 0).
+  void validate(const std::string& where) const;
+  // "loss=linear_ce recompute=none ..." for logs and checkpoints.
+  std::string summary() const;
+};
+
+}  // namespace bb

@@ -1,0 +1,139 @@
+// schedule.cpp — the layer loop, recompute and hooks (schedule.h).
+#include "runtime/schedule.h"
+
+#include <algorithm>
+
+#include "core/trace.h"
+
+namespace bb {
+
+Schedule::Schedule(DecoderModel& model, const ScheduleOptions& opts) : model_(model), opts_(opts) {}
+
+void Schedule::add_hooks(LayerHooks* hooks) {
+  BB_CHECK(hooks, "Schedule::add_hooks: null hooks");
+  hooks_.push_back(hooks);
+}
+
+void Schedule::begin(const MicroBatch& mb) {
+  model_.check_batch(mb);
+  routing_.layers.assign(static_cast<size_t>(model_.num_moe_layers()), RoutingStash::Entry{});
+  if (model_.num_moe_layers() > 0)
+    aux_.begin(model_.config().num_experts, model_.options().prims.router.value,
+               model_.options().device);
+}
+
+Tensor Schedule::forward_layer(Layer& layer, const Tensor& x, BatchContext& ctx,
+                               LayerState* state) {
+  if (state) {
+    state->blocks.clear();
+    for (auto& b : layer.blocks) state->blocks.push_back(b->make_saved());
+  }
+  Tensor y = x;
+  for (size_t b = 0; b < layer.blocks.size(); ++b)
+    y = layer.blocks[b]->forward(y, ctx, state ? state->blocks[b].get() : nullptr);
+  return y;
+}
+
+ForwardStats Schedule::forward_backward(const MicroBatch& mb, float loss_scale, double aux_scale) {
+  begin(mb);
+  ForwardStats st;
+  BatchContext ctx;
+  ctx.mb = &mb;
+  ctx.pass = Pass::train;
+  ctx.stats = &st;
+  ctx.aux = model_.num_moe_layers() > 0 ? &aux_ : nullptr;
+  ctx.routing = &routing_;
+  ctx.defer_wgrad = opts_.delay_wgrad;
+  const bool full = opts_.recompute == RecomputePolicy::full;
+  std::vector<Layer>& layers = model_.layers();
+  std::vector<LayerState> state(layers.size());
+
+  Tensor x = model_.embed_forward(mb);
+  for (size_t l = 0; l < layers.size(); ++l) {
+    Layer& L = layers[l];
+    for (LayerHooks* h : hooks_) h->before_forward(L, Pass::train);
+    if (full) {
+      state[l].x = x;  // full recompute: keep only the layer input
+      x = forward_layer(L, x, ctx, nullptr);
+    } else {
+      x = forward_layer(L, x, ctx, &state[l]);
+    }
+    for (auto h = hooks_.rbegin(); h != hooks_.rend(); ++h) (*h)->after_forward(L, Pass::train);
+  }
+  if (ctx.aux) {
+    aux_.finish();
+    st.aux_loss = aux_.value();
+  }
+  Tensor d = model_.head_train(x, mb, loss_scale, st);
+  x = Tensor();
+
+  const ModelOptions& o = model_.options();
+  const double n_moe = static_cast<double>(std::max<int64_t>(1, model_.num_moe_layers()));
+  ctx.aux_grad = aux_scale * o.aux_loss_coef;  // d objective / d (pooled) aux
+  ctx.z_grad = aux_scale * o.z_loss_coef / n_moe;
+  for (size_t i = layers.size(); i-- > 0;) {
+    Layer& L = layers[i];
+    for (LayerHooks* h : hooks_) h->before_backward(L);
+    if (full) {
+      // Re-run this layer's forward to rebuild what its backward needs.
+      BB_RANGE("layer_recompute");
+      ctx.pass = Pass::recompute;
+      for (LayerHooks* h : hooks_) h->before_forward(L, Pass::recompute);
+      Tensor input = state[i].x;
+      state[i] = LayerState{};
+      forward_layer(L, input, ctx, &state[i]);
+      for (auto h = hooks_.rbegin(); h != hooks_.rend(); ++h)
+        (*h)->after_forward(L, Pass::recompute);
+      ctx.pass = Pass::train;
+    }
+    for (size_t b = L.blocks.size(); b-- > 0;) {
+      d = L.blocks[b]->backward_data(d, ctx, *state[i].blocks[b]);
+      if (!opts_.delay_wgrad) L.blocks[b]->backward_weight(ctx, *state[i].blocks[b]);
+    }
+    if (opts_.delay_wgrad)
+      for (size_t b = L.blocks.size(); b-- > 0;) L.blocks[b]->backward_weight(ctx, *state[i].blocks[b]);
+    state[i] = LayerState{};  // free this layer's activations before the next one
+    for (auto h = hooks_.rbegin(); h != hooks_.rend(); ++h) (*h)->after_backward(L);
+  }
+  model_.embed_backward(d, mb);
+  end();
+  return st;
+}
+
+void Schedule::end() {
+  // The stash is saved state of this micro-batch (activations); what outlives the step is a
+  // copy for last_routing().
+  last_routing_.clear();
+  last_replays_.clear();
+  for (const RoutingStash::Entry& e : routing_.layers) {
+    if (e.valid) last_routing_.push_back(e.topk_idx.clone(MemCategory::other));
+    last_replays_.push_back(e.replays);
+  }
+  routing_.layers.clear();
+}
+
+ForwardStats Schedule::forward(const MicroBatch& mb, Tensor* logits) {
+  begin(mb);
+  ForwardStats st;
+  BatchContext ctx;
+  ctx.mb = &mb;
+  ctx.pass = Pass::eval;
+  ctx.stats = &st;
+  ctx.aux = model_.num_moe_layers() > 0 ? &aux_ : nullptr;
+  ctx.routing = &routing_;
+  Tensor x = model_.embed_forward(mb);
+  for (Layer& L : model_.layers()) {
+    for (LayerHooks* h : hooks_) h->before_forward(L, Pass::eval);
+    x = forward_layer(L, x, ctx, nullptr);
+    for (auto h = hooks_.rbegin(); h != hooks_.rend(); ++h) (*h)->after_forward(L, Pass::eval);
+  }
+  if (ctx.aux) {
+    aux_.finish();
+    st.aux_loss = aux_.value();
+  }
+  model_.head_eval(x, mb, st, logits);
+  end();
+  return st;
+}
+
+}  // namespace bb

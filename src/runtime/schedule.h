@@ -1,0 +1,88 @@
+// schedule.h — the layer loop of one micro-batch: forward through every layer, the head, then
+// backward through the layers in reverse, with the recompute policy and per-layer hooks
+// (DESIGN.md sec. 11). The model provides the pieces (embedding, layers of blocks, head); the
+// schedule decides what is kept, what is recomputed and when each block's weight gradients run.
+//
+//   recompute = none   every block keeps its saved state from the forward until its backward
+//   recompute = full   only each layer's input is kept; in backward the layer's forward runs
+//                      again (Pass::recompute: the stashed routing is replayed) to rebuild it
+//   delay_wgrad        each layer's weight-gradient GEMMs run after all of the layer's
+//                      data-gradient work (a schedule that overlaps communication moves them
+//                      further); gradients are identical either way
+//
+// Hooks are where state sharding and overlap attach (gather a unit before its forward, prefetch
+// the next, free after use, reduce-scatter after backward). Order of calls per micro-batch:
+//   before_forward(l, train), after_forward(l, train)          l = 0 .. L-1
+//   before_backward(l) [, before_forward(l, recompute), after_forward(l, recompute)],
+//   after_backward(l)                                           l = L-1 .. 0
+// Hooks run in the order they were added (after_* in reverse).
+#pragma once
+
+#include <vector>
+
+#include "core/batch.h"
+#include "models/decoder.h"
+#include "primitives/moe/aux_loss.h"
+#include "primitives/registry.h"
+
+namespace bb {
+
+class LayerHooks {
+ public:
+  virtual ~LayerHooks() = default;
+  virtual void before_forward(const Layer&, Pass) {}
+  virtual void after_forward(const Layer&, Pass) {}
+  virtual void before_backward(const Layer&) {}
+  virtual void after_backward(const Layer&) {}
+};
+
+struct ScheduleOptions {
+  RecomputePolicy recompute = RecomputePolicy::none;
+  bool delay_wgrad = false;
+};
+
+class Schedule {
+ public:
+  Schedule(DecoderModel& model, const ScheduleOptions& opts);
+
+  // Not owned; must outlive the schedule's use.
+  void add_hooks(LayerHooks* hooks);
+
+  // Forward + backward of one micro-batch. loss_scale = d(objective)/d(loss_sum), usually
+  // 1 / (valid tokens in the whole optimizer step); aux_scale multiplies the aux/z-loss
+  // gradients (1 / micro-batches per step), so the objective is
+  //   sum_mb loss_sum * loss_scale + aux_scale * sum_mb (aux_coef * aux + z_coef * z).
+  // Parameter gradients accumulate (+=) across calls.
+  ForwardStats forward_backward(const MicroBatch& mb, float loss_scale, double aux_scale);
+  // Forward only (nothing kept). If logits is non-null it receives [T, V] f32 logits.
+  ForwardStats forward(const MicroBatch& mb, Tensor* logits);
+
+  // The routing of the last micro-batch, one [T, K] i32 tensor per MoE layer in layer order
+  // (copies, category other).
+  const std::vector<Tensor>& last_routing() const { return last_routing_; }
+  // How often each MoE layer's stashed routing was replayed by a recompute in the last
+  // micro-batch (1 per layer under full recompute, 0 otherwise).
+  const std::vector<int64_t>& last_replays() const { return last_replays_; }
+  // The aux-loss pool (the runtime sets its reduce hook for ranks that share a batch).
+  AuxLossPool& aux_pool() { return aux_; }
+  const ScheduleOptions& options() const { return opts_; }
+
+ private:
+  struct LayerState {
+    Tensor x;  // the layer input (full recompute)
+    std::vector<std::unique_ptr<BlockSaved>> blocks;
+  };
+  Tensor forward_layer(Layer& layer, const Tensor& x, BatchContext& ctx, LayerState* state);
+  void begin(const MicroBatch& mb);
+  void end();
+
+  DecoderModel& model_;
+  ScheduleOptions opts_;
+  std::vector<LayerHooks*> hooks_;
+  AuxLossPool aux_;
+  RoutingStash routing_;
+  std::vector<Tensor> last_routing_;
+  std::vector<int64_t> last_replays_;
+};
+
+}  // namespace bb
