@@ -143,13 +143,13 @@ int main(int argc, char** argv) {
       const int64_t ws_before = alloc.stats().live_of(MemCategory::workspace);
       AttentionSaved saved;
       Tensor o;
-      const double fwd = time_ms([&] { o = attention_forward(q, k, v, cu, scale, &saved); },
+      const double fwd = time_ms([&] { o = attention_forward(q, k, v, AttentionArgs::causal_self(cu, scale), &saved); },
                                  warmup, iters);
       const double both = time_ms(
           [&] {
             AttentionSaved s2;
-            Tensor o2 = attention_forward(q, k, v, cu, scale, &s2);
-            attention_backward(d_o, q, k, v, o2, cu, scale, s2);
+            Tensor o2 = attention_forward(q, k, v, AttentionArgs::causal_self(cu, scale), &s2);
+            attention_backward(d_o, q, k, v, o2, AttentionArgs::causal_self(cu, scale), s2);
           },
           warmup, iters);
       const int64_t ws_peak = alloc.stats().peak_of(MemCategory::workspace) - ws_before;

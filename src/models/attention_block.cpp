@@ -78,7 +78,8 @@ Tensor AttentionBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* s
   Tensor kn = k_norm_ ? qk_norm_forward(S.k_pre, k_norm_->value, cfg_.rms_norm_eps, &S.kn) : S.k_pre;
   S.q_rot = rope_forward(qn, mb.positions, rope);
   S.k_rot = rope_forward(kn, mb.positions, rope);
-  S.o = attention_forward(S.q_rot, S.k_rot, S.v, mb.cu_seqlens, scale, &S.attn);
+  S.o = attention_forward(S.q_rot, S.k_rot, S.v, AttentionArgs::causal_self(mb.cu_seqlens, scale),
+                          &S.attn);
   Tensor o_in = block::flat(S.o);
   if (cfg_.output_gate) {
     S.o_gated = sigmoid_mul(o_in, S.gate, MemCategory::activations);
@@ -108,15 +109,16 @@ Tensor AttentionBlock::backward_data(const Tensor& d_y, BatchContext& ctx, Block
     d_o = block::as_dtype(block::linear_backward(ctx, S, d_y, block::flat(S.o), wo_, nullptr), act)
               .view({T, Hq, D});
   }
-  AttentionGrads ag =
-      attention_backward(d_o, S.q_rot, S.k_rot, S.v, S.o, mb.cu_seqlens, scale, S.attn);
+  AttentionGrads ag = attention_backward(d_o, S.q_rot, S.k_rot, S.v, S.o,
+                                         AttentionArgs::causal_self(mb.cu_seqlens, scale), S.attn);
   Tensor d_qn = rope_backward(ag.dq, mb.positions, rope);
   Tensor d_kn = rope_backward(ag.dk, mb.positions, rope);
   Tensor d_q = q_norm_ ? qk_norm_backward(d_qn, S.q_pre, q_norm_->value, S.qn, q_norm_->grad) : d_qn;
   Tensor d_k = k_norm_ ? qk_norm_backward(d_kn, S.k_pre, k_norm_->value, S.kn, k_norm_->grad) : d_kn;
-  if (cfg_.output_gate)
+  if (cfg_.output_gate)  // back to q_proj's [T, Hq * 2D] (query, gate per head)
     d_q = join_halves(d_q.view({T * Hq, D}), d_gate.view({T * Hq, D}), DType::f32,
-                      MemCategory::activations);
+                      MemCategory::activations)
+              .view({T, Hq * 2 * D});
   Tensor d_h1 = block::linear_backward(ctx, S, block::flat(d_q), S.h1, wq_, bq_);
   add_inplace(d_h1, block::linear_backward(ctx, S, block::flat(d_k), S.h1, wk_, bk_));
   add_inplace(d_h1, block::linear_backward(ctx, S, block::flat(ag.dv), S.h1, wv_, bv_));

@@ -57,8 +57,8 @@ AttnRun run(const Problem& p, const Inputs& in, DType dt = DType::f32) {
   Tensor d_o = Tensor::from_floats(in.d_o, {p.T(), p.Hq, p.D}, dt);
   Tensor cu = p.cu_tensor();
   AttnRun r;
-  r.o = attention_forward(q, k, v, cu, p.scale, &r.saved);
-  r.g = attention_backward(d_o, q, k, v, r.o, cu, p.scale, r.saved);
+  r.o = attention_forward(q, k, v, AttentionArgs::causal_self(cu, p.scale), &r.saved);
+  r.g = attention_backward(d_o, q, k, v, r.o, AttentionArgs::causal_self(cu, p.scale), r.saved);
   return r;
 }
 
@@ -141,8 +141,7 @@ TEST(AttentionSdpa, ForwardAndLseMatchNaiveFullMatrix) {
   AttentionSaved saved;
   Tensor o = attention_forward(Tensor::from_floats(in.q, {p.T(), p.Hq, p.D}),
                                Tensor::from_floats(in.k, {p.T(), p.Hkv, p.D}),
-                               Tensor::from_floats(in.v, {p.T(), p.Hkv, p.D}), p.cu_tensor(),
-                               p.scale, &saved);
+                               Tensor::from_floats(in.v, {p.T(), p.Hkv, p.D}), AttentionArgs::causal_self(p.cu_tensor(), p.scale), &saved);
   std::vector<double> o_ref, lse_ref;
   naive_attention(p, in, o_ref, lse_ref);
   EXPECT_LT(test::rel_error(o.to_floats(), o_ref), 1e-6);
@@ -162,8 +161,7 @@ TEST(AttentionSdpa, ForwardAndLseMatchNaiveFullMatrix) {
   // Without `saved` the output is the same.
   Tensor o2 = attention_forward(Tensor::from_floats(in.q, {p.T(), p.Hq, p.D}),
                                 Tensor::from_floats(in.k, {p.T(), p.Hkv, p.D}),
-                                Tensor::from_floats(in.v, {p.T(), p.Hkv, p.D}), p.cu_tensor(),
-                                p.scale, nullptr);
+                                Tensor::from_floats(in.v, {p.T(), p.Hkv, p.D}), AttentionArgs::causal_self(p.cu_tensor(), p.scale), nullptr);
   EXPECT_EQ(o2.to_floats(), o.to_floats());
 }
 
@@ -331,59 +329,297 @@ TEST(AttentionSdpa, BadInputsRaise) {
   const float sc = p.scale;
 
   Tensor k3 = Tensor::from_floats(test::randn(T * 3 * 8, 1), {T, 3, 8});
-  test::expect_error_contains([&] { attention_forward(q, k3, k3, cu, sc, nullptr); },
+  test::expect_error_contains([&] { attention_forward(q, k3, k3, AttentionArgs::causal_self(cu, sc), nullptr); },
                               "attention_forward: number of query heads Hq = 4 is not a multiple "
                               "of the number of kv heads Hkv = 3");
   Tensor cu_short = Tensor::from_ints({0, 5, 6, 13, 13, 15}, {6});
-  test::expect_error_contains([&] { attention_forward(q, k, v, cu_short, sc, nullptr); },
-      "attention_forward: cu_seqlens[B] = 15 must equal the number of tokens T = 16");
+  test::expect_error_contains([&] { attention_forward(q, k, v, AttentionArgs::causal_self(cu_short, sc), nullptr); },
+      "attention_forward: cu_seqlens_q[B] = 15 must equal the number of query tokens Tq = 16");
   test::expect_error_contains(
-      [&] { attention_forward(q, k, v, Tensor::from_ints({0, 5, 3, 16}, {4}), sc, nullptr); },
-      "cu_seqlens must be non-decreasing, got cu_seqlens[2] = 3 < cu_seqlens[1] = 5");
+      [&] { attention_forward(q, k, v, AttentionArgs::causal_self(Tensor::from_ints({0, 5, 3, 16}, {4}), sc), nullptr); },
+      "cu_seqlens_q must be non-decreasing, got cu_seqlens_q[2] = 3 < cu_seqlens_q[1] = 5");
   test::expect_error_contains(
-      [&] { attention_forward(q, k, v, Tensor::from_ints({2, 5, 16}, {3}), sc, nullptr); },
-      "cu_seqlens[0] must be 0, got 2");
+      [&] { attention_forward(q, k, v, AttentionArgs::causal_self(Tensor::from_ints({2, 5, 16}, {3}), sc), nullptr); },
+      "cu_seqlens_q[0] must be 0, got 2");
   Tensor cu64 = Tensor::empty({2}, DType::i64, Device::cpu(), MemCategory::other);
   cu64.data<int64_t>()[0] = 0;
   cu64.data<int64_t>()[1] = T;
   test::expect_error_contains(
-      [&] { attention_forward(q, k, v, cu64, sc, nullptr); },
-      "attention_forward: argument 'cu_seqlens' has dtype i64, expected i32");
+      [&] { attention_forward(q, k, v, AttentionArgs::causal_self(cu64, sc), nullptr); },
+      "attention_forward: argument 'cu_seqlens_q' has dtype i64, expected i32");
   Tensor k6 = Tensor::from_floats(test::randn(T * 2 * 6, 2), {T, 2, 6});
-  test::expect_error_contains([&] { attention_forward(q, k6, v, cu, sc, nullptr); },
-                              "argument 'k' has shape [16, 2, 6], expected [16, -1, 8]");
-  test::expect_error_contains([&] { attention_forward(q, k, k6, cu, sc, nullptr); },
+  test::expect_error_contains([&] { attention_forward(q, k6, v, AttentionArgs::causal_self(cu, sc), nullptr); },
+                              "argument 'k' has shape [16, 2, 6], expected [-1, -1, 8]");
+  test::expect_error_contains([&] { attention_forward(q, k, k6, AttentionArgs::causal_self(cu, sc), nullptr); },
                               "argument 'v' has shape [16, 2, 6], expected [16, 2, 8]");
   Tensor q0 = Tensor::empty({0, 4, 8}, DType::f32, Device::cpu(), MemCategory::other);
   Tensor k0 = Tensor::empty({0, 2, 8}, DType::f32, Device::cpu(), MemCategory::other);
   test::expect_error_contains(
-      [&] { attention_forward(q0, k0, k0, Tensor::from_ints({0}, {1}), sc, nullptr); },
-      "attention_forward: empty batch (T = 0 tokens)");
+      [&] { attention_forward(q0, k0, k0, AttentionArgs::causal_self(Tensor::from_ints({0}, {1}), sc), nullptr); },
+      "attention_forward: empty batch (Tq = 0 query tokens)");
   test::expect_error_contains(
-      [&] { attention_forward(q, k.to_dtype(DType::bf16), v, cu, sc, nullptr); },
+      [&] { attention_forward(q, k.to_dtype(DType::bf16), v, AttentionArgs::causal_self(cu, sc), nullptr); },
       "argument 'k' has dtype bf16 but q has dtype f32");
   test::expect_error_contains(
       [&] {
         Tensor qh = q.to_dtype(DType::f16);
-        attention_forward(qh, qh, qh, cu, sc, nullptr);
+        attention_forward(qh, qh, qh, AttentionArgs::causal_self(cu, sc), nullptr);
       },
       "argument 'q' has dtype f16, expected f32 or bf16");
-  test::expect_error_contains([&] { attention_forward(q, k, v, cu, NAN, nullptr); },
+  test::expect_error_contains([&] { attention_forward(q, k, v, AttentionArgs::causal_self(cu, NAN), nullptr); },
                               "softmax_scale must be finite");
 
   AttentionSaved saved;
-  Tensor o = attention_forward(q, k, v, cu, sc, &saved);
+  Tensor o = attention_forward(q, k, v, AttentionArgs::causal_self(cu, sc), &saved);
   test::expect_error_contains(
-      [&] { attention_backward(k, q, k, v, o, cu, sc, saved); },
+      [&] { attention_backward(k, q, k, v, o, AttentionArgs::causal_self(cu, sc), saved); },
       "attention_backward: argument 'd_o' has shape [16, 2, 8], expected [16, 4, 8]");
   AttentionSaved bad{Tensor::zeros({2, T}, DType::f32, Device::cpu(), MemCategory::other)};
-  test::expect_error_contains([&] { attention_backward(o, q, k, v, o, cu, sc, bad); },
+  test::expect_error_contains([&] { attention_backward(o, q, k, v, o, AttentionArgs::causal_self(cu, sc), bad); },
                               "argument 'saved.lse' has shape [2, 16], expected [4, 16]");
-  test::expect_error_contains([&] { attention_backward(o, q, k, v, o, cu, sc, AttentionSaved{}); },
+  test::expect_error_contains([&] { attention_backward(o, q, k, v, o, AttentionArgs::causal_self(cu, sc), AttentionSaved{}); },
                               "argument 'saved.lse' is undefined");
   test::expect_error_contains(
-      [&] { attention_backward(o, q, k3, k3, o, cu, sc, saved); },
+      [&] { attention_backward(o, q, k3, k3, o, AttentionArgs::causal_self(cu, sc), saved); },
       "attention_backward: number of query heads Hq = 4 is not a multiple");
+}
+
+// ---- query blocks against key blocks (the context-parallel calls) -----------------------------
+
+struct BlockProblem {
+  std::vector<int32_t> lens_q, lens_kv;
+  int64_t Hq, Hkv, D;
+  AttentionMask mask;
+  float scale = 0.4f;
+
+  static std::vector<int32_t> cu(const std::vector<int32_t>& lens) {
+    std::vector<int32_t> c{0};
+    for (int32_t l : lens) c.push_back(c.back() + l);
+    return c;
+  }
+  int64_t Tq() const { return cu(lens_q).back(); }
+  int64_t Tkv() const { return cu(lens_kv).back(); }
+  int64_t B() const { return static_cast<int64_t>(lens_q.size()); }
+  AttentionArgs args() const {
+    return {Tensor::from_ints(cu(lens_q), {B() + 1}), Tensor::from_ints(cu(lens_kv), {B() + 1}),
+            mask, scale};
+  }
+  ref::RefMask ref_mask() const { return static_cast<ref::RefMask>(static_cast<int>(mask)); }
+};
+
+struct BlockInputs {
+  std::vector<float> q, k, v, d_o;
+};
+
+BlockInputs block_inputs(const BlockProblem& p, uint64_t seed) {
+  const size_t nq = static_cast<size_t>(p.Tq() * p.Hq * p.D), nk = static_cast<size_t>(p.Tkv() * p.Hkv * p.D);
+  return {test::randn(nq, seed, 1.0f, 0), test::randn(nk, seed, 1.0f, 1u << 20),
+          test::randn(nk, seed, 1.0f, 2u << 20), test::randn(nq, seed, 1.0f, 3u << 20)};
+}
+
+struct BlockRun {
+  Tensor o;
+  AttentionSaved saved;
+  AttentionGrads g;
+};
+
+BlockRun run_block(const BlockProblem& p, const BlockInputs& in) {
+  Tensor q = Tensor::from_floats(in.q, {p.Tq(), p.Hq, p.D});
+  Tensor k = Tensor::from_floats(in.k, {p.Tkv(), p.Hkv, p.D});
+  Tensor v = Tensor::from_floats(in.v, {p.Tkv(), p.Hkv, p.D});
+  Tensor d_o = Tensor::from_floats(in.d_o, {p.Tq(), p.Hq, p.D});
+  BlockRun r;
+  r.o = attention_forward(q, k, v, p.args(), &r.saved);
+  r.g = attention_backward(d_o, q, k, v, r.o, p.args(), r.saved);
+  return r;
+}
+
+// Independent oracle: the full Tq x Tkv score matrix in double with the visibility written out
+// from global token indices (same sequence; key position vs query position by the mask).
+void naive_block(const BlockProblem& p, const BlockInputs& in, std::vector<double>& o,
+                 std::vector<double>& lse) {
+  const int64_t Tq = p.Tq(), Tk = p.Tkv(), G = p.Hq / p.Hkv, D = p.D;
+  const auto cq = BlockProblem::cu(p.lens_q), ck = BlockProblem::cu(p.lens_kv);
+  std::vector<int64_t> seq_q(static_cast<size_t>(Tq)), pos_q(static_cast<size_t>(Tq)),
+      seq_k(static_cast<size_t>(Tk)), pos_k(static_cast<size_t>(Tk));
+  for (size_t b = 0; b + 1 < cq.size(); ++b) {
+    for (int32_t t = cq[b]; t < cq[b + 1]; ++t) seq_q[t] = b, pos_q[t] = t - cq[b];
+    for (int32_t t = ck[b]; t < ck[b + 1]; ++t) seq_k[t] = b, pos_k[t] = t - ck[b];
+  }
+  o.assign(static_cast<size_t>(Tq * p.Hq * D), 0.0);
+  lse.assign(static_cast<size_t>(p.Hq * Tq), -INFINITY);
+  for (int64_t h = 0; h < p.Hq; ++h)
+    for (int64_t i = 0; i < Tq; ++i) {
+      const int64_t b = seq_q[i];
+      const int64_t sq = cq[b + 1] - cq[b], skv = ck[b + 1] - ck[b];
+      std::vector<double> s(static_cast<size_t>(Tk), -INFINITY);
+      double sum = 0;
+      for (int64_t j = 0; j < Tk; ++j) {
+        if (seq_k[j] != b) continue;
+        bool visible = true;
+        if (p.mask == AttentionMask::causal) visible = pos_k[j] <= pos_q[i];
+        if (p.mask == AttentionMask::causal_bottom_right) visible = pos_k[j] <= pos_q[i] + (skv - sq);
+        if (!visible) continue;
+        double dot = 0;
+        for (int64_t d = 0; d < D; ++d)
+          dot += double(in.q[(i * p.Hq + h) * D + d]) * in.k[(j * p.Hkv + h / G) * D + d];
+        s[j] = p.scale * dot;
+        sum += std::exp(s[j]);
+      }
+      if (sum == 0) continue;  // sees no key: o = 0, lse = -inf
+      lse[h * Tq + i] = std::log(sum);
+      for (int64_t j = 0; j < Tk; ++j) {
+        if (s[j] == -INFINITY) continue;
+        const double pij = std::exp(s[j]) / sum;
+        for (int64_t d = 0; d < D; ++d) o[(i * p.Hq + h) * D + d] += pij * in.v[(j * p.Hkv + h / G) * D + d];
+      }
+    }
+}
+
+const std::vector<BlockProblem>& block_problems() {
+  static const std::vector<BlockProblem> v = {
+      // No mask: a key block wholly before the query block (an off-diagonal ring step).
+      {{5, 1, 7, 0, 3}, {4, 6, 2, 3, 0}, 4, 2, 8, AttentionMask::none},
+      // Bottom-right: the queries are the last positions of the keys (an all-gathered prefix).
+      {{3, 1, 7, 0, 2}, {9, 1, 7, 2, 5}, 4, 2, 8, AttentionMask::causal_bottom_right},
+      // Top-left causal with fewer and with more queries than keys.
+      {{3, 6}, {7, 2}, 6, 3, 4, AttentionMask::causal},
+      // A sequence with queries and no keys: o = 0, lse = -inf.
+      {{2, 3, 4}, {0, 5, 4}, 2, 1, 8, AttentionMask::none},
+  };
+  return v;
+}
+
+TEST(AttentionBlocks, ForwardMatchesNaiveForEveryMask) {
+  for (const BlockProblem& p : block_problems()) {
+    SCOPED_TRACE(attention_mask_name(p.mask));
+    const BlockInputs in = block_inputs(p, 777);
+    const BlockRun r = run_block(p, in);
+    std::vector<double> o_ref, lse_ref;
+    naive_block(p, in, o_ref, lse_ref);
+    EXPECT_LT(test::rel_error(r.o.to_floats(), o_ref), 1e-6);
+    const std::vector<float> lse = r.saved.lse.to_floats();
+    ASSERT_EQ(lse.size(), lse_ref.size());
+    for (size_t i = 0; i < lse.size(); ++i) {
+      if (std::isinf(lse_ref[i])) {
+        EXPECT_TRUE(std::isinf(lse[i]) && lse[i] < 0) << "row " << i << " sees no key: lse " << lse[i];
+      } else {
+        EXPECT_NEAR(lse[i], lse_ref[i], 1e-5) << "lse " << i;
+      }
+    }
+    EXPECT_EQ(r.o.shape(), (Shape{p.Tq(), p.Hq, p.D}));
+    EXPECT_EQ(r.g.dk.shape(), (Shape{p.Tkv(), p.Hkv, p.D}));
+  }
+}
+
+TEST(AttentionBlocks, BackwardMatchesFiniteDifferences) {
+  for (const BlockProblem& p : block_problems()) {
+    SCOPED_TRACE(attention_mask_name(p.mask));
+    const BlockInputs in = block_inputs(p, 888);
+    const BlockRun r = run_block(p, in);
+    const auto cq = BlockProblem::cu(p.lens_q), ck = BlockProblem::cu(p.lens_kv);
+    const size_t nq = in.q.size(), nk = in.k.size();
+    const std::vector<double> w = test::cast<double>(in.d_o);  // L = sum w * o
+    auto loss = [&](const std::vector<double>& x) {
+      std::vector<double> o(nq);
+      ref::attention_forward<double>(o.data(), nullptr, x.data(), x.data() + nq, x.data() + nq + nk,
+                                     cq.data(), ck.data(), p.B(), p.Tq(), p.Hq, p.Hkv, p.D, p.scale,
+                                     p.ref_mask());
+      return test::weighted_sum(o, w);
+    };
+    std::vector<double> x = test::cast<double>(in.q);
+    x.insert(x.end(), in.k.begin(), in.k.end());
+    x.insert(x.end(), in.v.begin(), in.v.end());
+    const std::vector<double> fd = test::finite_diff(loss, x);
+    EXPECT_LT(test::rel_error(r.g.dq.to_floats(), std::vector<double>(fd.begin(), fd.begin() + nq)), test::kGradTol);
+    EXPECT_LT(test::rel_error(r.g.dk.to_floats(), std::vector<double>(fd.begin() + nq, fd.begin() + nq + nk)), test::kGradTol);
+    EXPECT_LT(test::rel_error(r.g.dv.to_floats(), std::vector<double>(fd.begin() + nq + nk, fd.end())), test::kGradTol);
+  }
+}
+
+// What context parallelism does with the pieces: causal attention of a sequence split into a
+// first and a second half equals (first half: causal on its own keys) and (second half: no mask
+// on the first half's keys, merged by lse with causal on its own keys); and the second half
+// against all keys with the bottom-right mask gives the same rows directly.
+TEST(AttentionBlocks, SplitSequencesMergeByLseIntoFullCausal) {
+  const int64_t Hq = 4, Hkv = 2, D = 8, n1 = 6, n2 = 5, T = n1 + n2;
+  const float scale = 0.35f;
+  const std::vector<float> q = test::randn(T * Hq * D, 1), k = test::randn(T * Hkv * D, 2),
+                           v = test::randn(T * Hkv * D, 3);
+  auto t = [&](const std::vector<float>& x, int64_t t0, int64_t len, int64_t H) {
+    return Tensor::from_floats(std::vector<float>(x.begin() + t0 * H * D, x.begin() + (t0 + len) * H * D),
+                               {len, H, D});
+  };
+  auto cu1 = [](int64_t n) { return Tensor::from_ints({0, static_cast<int32_t>(n)}, {2}); };
+  AttentionSaved full_s;
+  const std::vector<float> full =
+      attention_forward(t(q, 0, T, Hq), t(k, 0, T, Hkv), t(v, 0, T, Hkv),
+                        AttentionArgs::causal_self(cu1(T), scale), &full_s).to_floats();
+  const std::vector<float> full_lse = full_s.lse.to_floats();
+  // Second half: off-diagonal (no mask) + diagonal (causal), merged.
+  AttentionSaved s_off, s_diag;
+  const std::vector<float> o_off =
+      attention_forward(t(q, n1, n2, Hq), t(k, 0, n1, Hkv), t(v, 0, n1, Hkv),
+                        {cu1(n2), cu1(n1), AttentionMask::none, scale}, &s_off).to_floats();
+  const std::vector<float> o_diag =
+      attention_forward(t(q, n1, n2, Hq), t(k, n1, n2, Hkv), t(v, n1, n2, Hkv),
+                        AttentionArgs::causal_self(cu1(n2), scale), &s_diag).to_floats();
+  const std::vector<float> l_off = s_off.lse.to_floats(), l_diag = s_diag.lse.to_floats();
+  std::vector<float> merged(static_cast<size_t>(n2 * Hq * D)), merged_lse(static_cast<size_t>(Hq * n2));
+  for (int64_t h = 0; h < Hq; ++h)
+    for (int64_t i = 0; i < n2; ++i) {
+      const double a = l_off[h * n2 + i], b = l_diag[h * n2 + i];
+      const double L = std::max(a, b) + std::log(std::exp(a - std::max(a, b)) + std::exp(b - std::max(a, b)));
+      merged_lse[h * n2 + i] = static_cast<float>(L);
+      for (int64_t d = 0; d < D; ++d) {
+        const size_t at = static_cast<size_t>((i * Hq + h) * D + d);
+        merged[at] = static_cast<float>(std::exp(a - L) * o_off[at] + std::exp(b - L) * o_diag[at]);
+      }
+    }
+  const std::vector<float> want(full.begin() + n1 * Hq * D, full.end());
+  EXPECT_LT(test::max_abs_diff(merged, want), 1e-5);
+  for (int64_t h = 0; h < Hq; ++h)
+    for (int64_t i = 0; i < n2; ++i) EXPECT_NEAR(merged_lse[h * n2 + i], full_lse[h * T + n1 + i], 1e-5);
+  // The same rows in one call: the second half's queries against every key, bottom-right.
+  const std::vector<float> br =
+      attention_forward(t(q, n1, n2, Hq), t(k, 0, T, Hkv), t(v, 0, T, Hkv),
+                        {cu1(n2), cu1(T), AttentionMask::causal_bottom_right, scale}, nullptr).to_floats();
+  EXPECT_LT(test::max_abs_diff(br, want), 1e-5);
+}
+
+TEST(AttentionBlocks, QueriesThatSeeNoKeyGetZeroOutputAndNoGradient) {
+  const BlockProblem p{{3, 2}, {0, 4}, 2, 1, 8, AttentionMask::none};
+  const BlockInputs in = block_inputs(p, 5);
+  const BlockRun r = run_block(p, in);
+  const std::vector<float> o = r.o.to_floats(), dq = r.g.dq.to_floats(), lse = r.saved.lse.to_floats();
+  for (int64_t i = 0; i < 3 * p.Hq * p.D; ++i) {
+    EXPECT_EQ(o[i], 0.0f);
+    EXPECT_EQ(dq[i], 0.0f);
+  }
+  for (int64_t h = 0; h < p.Hq; ++h)
+    for (int64_t i = 0; i < 3; ++i) EXPECT_EQ(lse[h * p.Tq() + i], -INFINITY);
+  for (float x : o) EXPECT_TRUE(std::isfinite(x));
+  for (float x : r.g.dk.to_floats()) EXPECT_TRUE(std::isfinite(x));
+}
+
+TEST(AttentionBlocks, BadBlockArgumentsRaise) {
+  const BlockProblem p{{3, 2}, {4, 4}, 2, 1, 8, AttentionMask::causal_bottom_right};
+  const BlockInputs in = block_inputs(p, 6);
+  Tensor q = Tensor::from_floats(in.q, {p.Tq(), p.Hq, p.D});
+  Tensor k = Tensor::from_floats(in.k, {p.Tkv(), p.Hkv, p.D});
+  AttentionArgs a = p.args();
+  a.cu_seqlens_kv = Tensor::from_ints({0, 2, 8}, {3});  // sequence 0: 3 queries, 2 keys
+  test::expect_error_contains([&] { attention_forward(q, k, k, a, nullptr); },
+                              "causal_bottom_right mask needs at least as many keys as queries");
+  a.cu_seqlens_kv = Tensor::from_ints({0, 8}, {2});
+  test::expect_error_contains([&] { attention_forward(q, k, k, a, nullptr); },
+                              "cu_seqlens_kv has 1 sequences, cu_seqlens_q 2");
+  a.cu_seqlens_kv = Tensor::from_ints({0, 4, 7}, {3});
+  test::expect_error_contains([&] { attention_forward(q, k, k, a, nullptr); },
+                              "cu_seqlens_kv[B] = 7 must equal the number of key tokens Tkv = 8");
+  test::expect_error_contains(
+      [&] { attention_forward(q, k, k, AttentionArgs::causal_self(p.args().cu_seqlens_q, 1.0f), nullptr); },
+      "without cu_seqlens_kv the keys are the queries' tokens, but k has 8 tokens and q 5");
 }
 
 }  // namespace

@@ -83,8 +83,8 @@ Result<float> run_api(const Problem& p, const Inputs& in) {
   Tensor d_o = Tensor::from_floats(in.d_o, {p.T(), p.Hq, p.D});
   Tensor cu = Tensor::from_ints(p.cu(), {p.B() + 1});
   AttentionSaved saved;
-  Tensor o = attention_forward(q, k, v, cu, p.scale, &saved);
-  AttentionGrads g = attention_backward(d_o, q, k, v, o, cu, p.scale, saved);
+  Tensor o = attention_forward(q, k, v, AttentionArgs::causal_self(cu, p.scale), &saved);
+  AttentionGrads g = attention_backward(d_o, q, k, v, o, AttentionArgs::causal_self(cu, p.scale), saved);
   return {o.to_floats(), saved.lse.to_floats(), g.dq.to_floats(), g.dk.to_floats(),
           g.dv.to_floats()};
 }
@@ -95,7 +95,7 @@ Result<float> run_kernels(const Problem& p, const Inputs& in, int64_t block_rows
   const auto cu = p.cu();
   const int64_t max_len = *std::max_element(p.lens.begin(), p.lens.end());
   std::vector<float> ws(
-      static_cast<size_t>(cpu::attention_fast_workspace_floats(max_len, block_rows)), NAN);
+      static_cast<size_t>(cpu::attention_fast_workspace_floats(max_len, max_len, block_rows)), NAN);
   Result<float> r;
   r.o.assign(p.nq(), NAN);
   r.lse.assign(static_cast<size_t>(p.Hq * p.T()), NAN);
@@ -103,11 +103,12 @@ Result<float> run_kernels(const Problem& p, const Inputs& in, int64_t block_rows
   r.dk.assign(p.nkv(), NAN);
   r.dv.assign(p.nkv(), NAN);
   cpu::attention_forward_fast(r.o.data(), r.lse.data(), in.q.data(), in.k.data(), in.v.data(),
-                              cu.data(), p.B(), p.T(), p.Hq, p.Hkv, p.D, p.scale, ws.data(),
-                              block_rows);
+                              cu.data(), cu.data(), p.B(), p.T(), p.Hq, p.Hkv, p.D, p.scale,
+                              ref::RefMask::causal, ws.data(), block_rows);
   cpu::attention_backward_fast(r.dq.data(), r.dk.data(), r.dv.data(), in.d_o.data(), in.q.data(),
-                               in.k.data(), in.v.data(), r.o.data(), r.lse.data(), cu.data(), p.B(),
-                               p.T(), p.Hq, p.Hkv, p.D, p.scale, ws.data(), block_rows);
+                               in.k.data(), in.v.data(), r.o.data(), r.lse.data(), cu.data(),
+                               cu.data(), p.B(), p.T(), p.T(), p.Hq, p.Hkv, p.D, p.scale,
+                               ref::RefMask::causal, ws.data(), block_rows);
   return r;
 }
 
@@ -178,10 +179,10 @@ TEST(AttentionCpuFast, WorkspaceIsBlockTimesLongestSequence) {
   const int64_t live0 = a.stats().live_of(MemCategory::workspace);
   a.reset_peak();
   AttentionSaved saved;
-  Tensor o = attention_forward(q, k, v, cu, p.scale, &saved);
-  AttentionGrads g = attention_backward(o, q, k, v, o, cu, p.scale, saved);
+  Tensor o = attention_forward(q, k, v, AttentionArgs::causal_self(cu, p.scale), &saved);
+  AttentionGrads g = attention_backward(o, q, k, v, o, AttentionArgs::causal_self(cu, p.scale), saved);
   const MemoryStats st = a.stats();
-  const int64_t expected = cpu::attention_fast_workspace_floats(1000) * 4;
+  const int64_t expected = cpu::attention_fast_workspace_floats(1000, 1000) * 4;
   EXPECT_EQ(expected, (2 * cpu::kAttnBlockRows * 1000 + cpu::kAttnBlockRows) * 4);
   EXPECT_EQ(st.peak_of(MemCategory::workspace) - live0, expected);
   EXPECT_LT(expected, 1000 * 1000 * 4);
@@ -226,10 +227,10 @@ TEST(AttentionCpuFast, SpeedupOverLoopReferenceOnDemoShape) {
   for (int rep = 0; rep < 5; ++rep) {  // best of 5: the first run also warms up BLAS
     AttentionSaved saved;
     t0 = clock::now();
-    Tensor o = attention_forward(q, k, v, cu_t, p.scale, &saved);
+    Tensor o = attention_forward(q, k, v, AttentionArgs::causal_self(cu_t, p.scale), &saved);
     fast_fwd = std::min(fast_fwd, seconds(t0));
     t0 = clock::now();
-    AttentionGrads g = attention_backward(d_o, q, k, v, o, cu_t, p.scale, saved);
+    AttentionGrads g = attention_backward(d_o, q, k, v, o, AttentionArgs::causal_self(cu_t, p.scale), saved);
     fast_bwd = std::min(fast_bwd, seconds(t0));
     fast = {o.to_floats(), saved.lse.to_floats(), g.dq.to_floats(), g.dk.to_floats(),
             g.dv.to_floats()};
@@ -245,6 +246,67 @@ TEST(AttentionCpuFast, SpeedupOverLoopReferenceOnDemoShape) {
   EXPECT_LT(test::rel_error(fast.dq, slow.dq), kFastTol);
   EXPECT_LT(test::rel_error(fast.dk, slow.dk), kFastTol);
   EXPECT_LT(test::rel_error(fast.dv, slow.dv), kFastTol);
+}
+
+// Query blocks against key blocks, every mask, several block sizes: the blocked kernels against
+// the double loop reference (the same raw-pointer interface, poisoned outputs).
+TEST(AttentionFast, BlocksOfQueriesAndKeysMatchReferenceForEveryMask) {
+  struct BlockCase {
+    std::vector<int32_t> lq, lk;
+    ref::RefMask mask;
+  };
+  const std::vector<BlockCase> cases = {
+      {{5, 1, 70, 0, 3}, {4, 66, 2, 3, 0}, ref::RefMask::none},
+      {{3, 1, 65, 0, 2}, {90, 1, 130, 2, 5}, ref::RefMask::causal_bottom_right},
+      {{3, 129}, {77, 2}, ref::RefMask::causal},
+  };
+  const int64_t Hq = 4, Hkv = 2, D = 16;
+  const float scale = 0.3f;
+  for (const BlockCase& c : cases)
+    for (int64_t R : {1, 7, 64}) {
+      SCOPED_TRACE("mask " + std::to_string(static_cast<int>(c.mask)) + " R " + std::to_string(R));
+      std::vector<int32_t> cq{0}, ck{0};
+      for (int32_t l : c.lq) cq.push_back(cq.back() + l);
+      for (int32_t l : c.lk) ck.push_back(ck.back() + l);
+      const int64_t B = static_cast<int64_t>(c.lq.size()), Tq = cq.back(), Tk = ck.back();
+      const auto q = test::randn(Tq * Hq * D, 1), k = test::randn(Tk * Hkv * D, 2),
+                 v = test::randn(Tk * Hkv * D, 3), d_o = test::randn(Tq * Hq * D, 4);
+      std::vector<double> o_r(q.size()), lse_r(static_cast<size_t>(Hq * Tq)), dq_r(q.size()),
+          dk_r(k.size()), dv_r(k.size());
+      const auto qd = test::cast<double>(q), kd = test::cast<double>(k), vd = test::cast<double>(v),
+                 dod = test::cast<double>(d_o);
+      ref::attention_forward<double>(o_r.data(), lse_r.data(), qd.data(), kd.data(), vd.data(), cq.data(),
+                                     ck.data(), B, Tq, Hq, Hkv, D, scale, c.mask);
+      ref::attention_backward<double>(dq_r.data(), dk_r.data(), dv_r.data(), dod.data(), qd.data(), kd.data(),
+                                      vd.data(), o_r.data(), lse_r.data(), cq.data(), ck.data(), B, Tq, Tk,
+                                      Hq, Hkv, D, scale, c.mask);
+      const int64_t mq = *std::max_element(c.lq.begin(), c.lq.end()),
+                    mk = *std::max_element(c.lk.begin(), c.lk.end());
+      std::vector<float> ws(static_cast<size_t>(cpu::attention_fast_workspace_floats(mq, mk, R)), NAN);
+      std::vector<float> o(q.size(), NAN), lse(lse_r.size(), NAN), dq(q.size(), NAN), dk(k.size(), NAN),
+          dv(k.size(), NAN);
+      cpu::attention_forward_fast(o.data(), lse.data(), q.data(), k.data(), v.data(), cq.data(), ck.data(),
+                                  B, Tq, Hq, Hkv, D, scale, c.mask, ws.data(), R);
+      cpu::attention_backward_fast(dq.data(), dk.data(), dv.data(), d_o.data(), q.data(), k.data(),
+                                   v.data(), o.data(), lse.data(), cq.data(), ck.data(), B, Tq, Tk, Hq,
+                                   Hkv, D, scale, c.mask, ws.data(), R);
+      EXPECT_LT(test::rel_error(o, o_r), kFastTol);
+      // Queries with no key (the empty key sequence) have lse = -inf in both; the rest compare.
+      std::vector<float> lse_f;
+      std::vector<double> lse_rf;
+      for (size_t i = 0; i < lse.size(); ++i) {
+        if (std::isinf(lse_r[i])) {
+          EXPECT_TRUE(std::isinf(lse[i]) && lse[i] < 0) << "lse " << i;
+          continue;
+        }
+        lse_f.push_back(lse[i]);
+        lse_rf.push_back(lse_r[i]);
+      }
+      EXPECT_LT(test::rel_error(lse_f, lse_rf), kFastTol);
+      EXPECT_LT(test::rel_error(dq, dq_r), kFastTol);
+      EXPECT_LT(test::rel_error(dk, dk_r), kFastTol);
+      EXPECT_LT(test::rel_error(dv, dv_r), kFastTol);
+    }
 }
 
 }  // namespace

@@ -7,6 +7,8 @@
 
 #include "common/model.h"
 #include "common/testing.h"
+#include "core/rng.h"
+#include "models/attention_block.h"
 #include "models/decoder.h"
 #include "primitives/optim/adamw.h"
 
@@ -385,6 +387,86 @@ TEST(Units, GradNormIsTheSumOfPerUnitSumsOfSquares) {
   EXPECT_GT(by_param, 0);
   EXPECT_NEAR(by_unit, by_param, 1e-12 * by_param) << "the padding must hold no gradient";
   EXPECT_NEAR(std::sqrt(units_sq), by_param, 1e-12 * by_param);
+}
+
+// The attention block alone, with every option a later model needs (q/k/v biases, QK norm, the
+// output gate from q_proj's second half, RoPE on part of each head): input and parameter
+// gradients against central differences, weight gradients now or queued alike.
+TEST(Blocks, AttentionWithOutputGateAndPartialRotaryMatchesFiniteDifferences) {
+  AttentionBlockConfig ac;
+  ac.hidden = 16;
+  ac.num_heads = 4;
+  ac.num_kv_heads = 2;
+  ac.head_dim = 8;
+  ac.qkv_bias = true;
+  ac.qk_norm = true;
+  ac.output_gate = true;
+  ac.rope_theta = 100;
+  ac.rotary_dim = 4;
+  ParamStore store;
+  ParamUnit& unit = store.add_unit("layers.0.dense", UnitKind::dense, 0);
+  AttentionBlock blk(store, unit, "model.layers.0.", ac);
+  store.allocate(Device::cpu(), DType::f32);
+  EXPECT_EQ(store.find("model.layers.0.self_attn.q_proj.weight")->shape, (Shape{4 * 8 * 2, 16}));
+  uint64_t seed = 0;
+  for (Param* p : store.params()) {
+    fill_normal(p->value, 5, seed++ << 32, p->name.find("norm") != std::string::npos ? 1.0f : 0.0f, 0.3f);
+  }
+  const MicroBatch mb = tiny_batch(37, 9);
+  const int64_t T = mb.tokens.numel();
+  const std::vector<float> x0 = test::randn(T * 16, 10), w = test::randn(T * 16, 11);
+  BatchContext ctx;
+  ctx.mb = &mb;
+  auto loss = [&](const std::vector<float>& x) {
+    const std::vector<float> y = blk.forward(Tensor::from_floats(x, {T, 16}), ctx, nullptr).to_floats();
+    double L = 0;
+    for (size_t i = 0; i < y.size(); ++i) L += double(y[i]) * w[i];
+    return L;
+  };
+  auto grads = [&](bool defer) {
+    store.zero_grad();
+    ctx.defer_wgrad = defer;
+    auto saved = blk.make_saved();
+    blk.forward(Tensor::from_floats(x0, {T, 16}), ctx, saved.get());
+    Tensor dx = blk.backward_data(Tensor::from_floats(w, {T, 16}), ctx, *saved);
+    EXPECT_EQ(saved->deferred_wgrad.empty(), !defer);
+    blk.backward_weight(ctx, *saved);
+    EXPECT_TRUE(saved->deferred_wgrad.empty());
+    std::vector<std::vector<float>> g{dx.to_floats()};
+    for (Param* p : store.params()) g.push_back(p->grad.to_floats());
+    ctx.defer_wgrad = false;
+    return g;
+  };
+  const auto g_now = grads(false), g_later = grads(true);
+  EXPECT_EQ(g_now, g_later);
+  // The input: one central difference per element.
+  const double h = 1e-3;
+  std::vector<double> fd_x(x0.size());
+  for (size_t i = 0; i < x0.size(); ++i) {
+    std::vector<float> xp = x0, xm = x0;
+    xp[i] += static_cast<float>(h);
+    xm[i] -= static_cast<float>(h);
+    fd_x[i] = (loss(xp) - loss(xm)) / (2 * h);
+  }
+  EXPECT_LT(test::rel_error(g_now[0], fd_x), 2e-2);
+  // Each parameter along a random direction.
+  size_t pi = 1;
+  for (Param* p : store.params()) {
+    const std::vector<float> v0 = p->value.to_floats(), u = test::randn(v0.size(), 100 + pi);
+    double analytic = 0;
+    for (size_t i = 0; i < v0.size(); ++i) analytic += double(g_now[pi][i]) * u[i];
+    auto at = [&](double sgn) {
+      std::vector<float> v = v0;
+      for (size_t i = 0; i < v.size(); ++i) v[i] += static_cast<float>(sgn * h * u[i]);
+      p->value.copy_from(Tensor::from_floats(v, p->shape));
+      return loss(x0);
+    };
+    const double fd = (at(+1) - at(-1)) / (2 * h);
+    p->value.copy_from(Tensor::from_floats(v0, p->shape));
+    EXPECT_LT(std::fabs(fd - analytic) / std::max(std::fabs(fd), 1e-2), 2e-2)
+        << p->name << ": finite difference " << fd << " vs analytic " << analytic;
+    ++pi;
+  }
 }
 
 TEST(Model, BadBatchIsAClearError) {

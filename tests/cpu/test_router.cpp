@@ -300,6 +300,47 @@ TEST(Router, UpdateExpertBiasMovesTowardBalance) {
   EXPECT_LT(bv[0], bv[3]);  // the favoured expert is pushed down, the starved one up
 }
 
+// A replayed selection (full recompute, RL router replay) gives the same weights and scores as
+// the forward that chose it, takes the given counts, computes no losses, and is checked.
+TEST(Router, ReplayReproducesTheForwardThatChoseTheSelection) {
+  for (RouterScore score : {RouterScore::softmax, RouterScore::sigmoid}) {
+    const RouterConfig cfg = make_cfg(12, 3, score, score == RouterScore::softmax);
+    const int64_t T = 17;
+    Tensor logits = f32(test::randn(T * 12, 41), {T, 12});
+    RouterSaved s1, s2;
+    const RouterOutput a = router_forward(logits, Tensor(), cfg, &s1);
+    const RouterReplay replay{a.topk_idx, a.tokens_per_expert};
+    const RouterOutput b = router_forward(logits, Tensor(), cfg, &s2, &replay);
+    EXPECT_EQ(b.topk_idx.to_ints(), a.topk_idx.to_ints());
+    EXPECT_EQ(b.topk_prob.to_floats(), a.topk_prob.to_floats());
+    EXPECT_EQ(s2.scores.to_floats(), s1.scores.to_floats());
+    EXPECT_EQ(b.tokens_per_expert, a.tokens_per_expert);
+    EXPECT_EQ(b.aux_loss, 0.0);
+    EXPECT_EQ(b.z_loss, 0.0);
+    // Another selection replayed on the same logits: the weights follow the given experts.
+    std::vector<int32_t> other(static_cast<size_t>(T * 3));
+    for (int64_t t = 0; t < T; ++t)
+      for (int k = 0; k < 3; ++k) other[t * 3 + k] = static_cast<int32_t>((t + 4 * k) % 12);
+    const RouterReplay r2{Tensor::from_ints(other, {T, 3}), std::vector<int64_t>(12, 0)};
+    const RouterOutput c = router_forward(logits, Tensor(), cfg, nullptr, &r2);
+    const std::vector<float> sc = s1.scores.to_floats(), pc = c.topk_prob.to_floats();
+    for (int64_t t = 0; t < T; ++t) {
+      double denom = 0;
+      for (int k = 0; k < 3; ++k) denom += sc[t * 12 + other[t * 3 + k]];
+      for (int k = 0; k < 3; ++k)
+        EXPECT_NEAR(pc[t * 3 + k], sc[t * 12 + other[t * 3 + k]] / (cfg.norm_topk_prob ? denom : 1.0), 1e-6);
+    }
+  }
+  const RouterConfig cfg = make_cfg(4, 2, RouterScore::softmax, true);
+  Tensor logits = f32(test::randn(3 * 4, 5), {3, 4});
+  const RouterReplay bad{Tensor::from_ints({0, 1, 2, 4, 1, 0}, {3, 2}), {2, 2, 1, 1}};
+  test::expect_error_contains([&] { router_forward(logits, Tensor(), cfg, nullptr, &bad); },
+                              "replay.topk_idx[1, 1] = 4 is out of range [0, 4)");
+  const RouterReplay short_counts{Tensor::from_ints({0, 1, 2, 3, 1, 0}, {3, 2}), {2, 2}};
+  test::expect_error_contains([&] { router_forward(logits, Tensor(), cfg, nullptr, &short_counts); },
+                              "replay.tokens_per_expert has 2 entries for 4 experts");
+}
+
 TEST(Router, BadInputs) {
   Tensor logits = Tensor::zeros({3, 4}, DType::f32, Device::cpu(), MemCategory::other);
   RouterConfig c = make_cfg(4, 5, RouterScore::softmax, true);

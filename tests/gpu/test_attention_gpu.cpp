@@ -86,8 +86,8 @@ Result run_cpu(const Problem& p) {
   Tensor q = p.host(p.q, p.Hq, DType::f32), k = p.host(p.k, p.Hkv, DType::f32);
   Tensor v = p.host(p.v, p.Hkv, DType::f32), d_o = p.host(p.d_o, p.Hq, DType::f32);
   AttentionSaved saved;
-  Tensor o = attention_forward(q, k, v, p.cu, p.scale, &saved);
-  AttentionGrads g = attention_backward(d_o, q, k, v, o, p.cu, p.scale, saved);
+  Tensor o = attention_forward(q, k, v, AttentionArgs::causal_self(p.cu, p.scale), &saved);
+  AttentionGrads g = attention_backward(d_o, q, k, v, o, AttentionArgs::causal_self(p.cu, p.scale), saved);
   return {o.to_floats(), saved.lse.to_floats(), g.dq.to_floats(), g.dk.to_floats(),
           g.dv.to_floats()};
 }
@@ -96,13 +96,13 @@ Result run_gpu(const Problem& p) {
   Tensor q = p.gpu(p.q, p.Hq), k = p.gpu(p.k, p.Hkv), v = p.gpu(p.v, p.Hkv);
   Tensor d_o = p.gpu(p.d_o, p.Hq);
   AttentionSaved saved;
-  Tensor o = attention_forward(q, k, v, p.cu, p.scale, &saved);
+  Tensor o = attention_forward(q, k, v, AttentionArgs::causal_self(p.cu, p.scale), &saved);
   EXPECT_EQ(o.dtype(), DType::bf16);
   EXPECT_EQ(o.category(), MemCategory::activations);
   EXPECT_EQ(saved.lse.shape(), (Shape{p.Hq, p.T}));
   EXPECT_EQ(saved.lse.dtype(), DType::f32);
   EXPECT_EQ(saved.lse.category(), MemCategory::activations);
-  AttentionGrads g = attention_backward(d_o, q, k, v, o, p.cu, p.scale, saved);
+  AttentionGrads g = attention_backward(d_o, q, k, v, o, AttentionArgs::causal_self(p.cu, p.scale), saved);
   for (const Tensor* t : {&g.dq, &g.dk, &g.dv}) {
     EXPECT_EQ(t->dtype(), DType::bf16);
     EXPECT_EQ(t->category(), MemCategory::activations);
@@ -160,8 +160,7 @@ TEST(AttentionCudnnSingle, LseIsNaturalLogAndFirstTokenCopiesV) {
   BB_REQUIRE_GPU();
   const Problem p(Case{{1, 3}, 4, 2, 128}, 5);
   AttentionSaved saved;
-  Tensor o = attention_forward(p.gpu(p.q, p.Hq), p.gpu(p.k, p.Hkv), p.gpu(p.v, p.Hkv), p.cu,
-                               p.scale, &saved);
+  Tensor o = attention_forward(p.gpu(p.q, p.Hq), p.gpu(p.k, p.Hkv), p.gpu(p.v, p.Hkv), AttentionArgs::causal_self(p.cu, p.scale), &saved);
   const std::vector<float> lse = saved.lse.to_floats(), of = o.to_floats();
   for (int64_t h = 0; h < p.Hq; ++h) {
     const int64_t kh = h / (p.Hq / p.Hkv);
@@ -186,12 +185,11 @@ TEST(AttentionCudnnSingle, GraphCacheReusedWithinBucket) {
   auto fwd = [](const Case& c) {
     const Problem p(c, 3);
     AttentionSaved saved;
-    Tensor o = attention_forward(p.gpu(p.q, p.Hq), p.gpu(p.k, p.Hkv), p.gpu(p.v, p.Hkv), p.cu,
-                                 p.scale, &saved);
+    Tensor o = attention_forward(p.gpu(p.q, p.Hq), p.gpu(p.k, p.Hkv), p.gpu(p.v, p.Hkv), AttentionArgs::causal_self(p.cu, p.scale), &saved);
     Tensor qf = p.host(p.q, p.Hq, DType::f32), kf = p.host(p.k, p.Hkv, DType::f32);
     Tensor vf = p.host(p.v, p.Hkv, DType::f32);
     AttentionSaved ref_saved;
-    Tensor ref = attention_forward(qf, kf, vf, p.cu, p.scale, &ref_saved);
+    Tensor ref = attention_forward(qf, kf, vf, AttentionArgs::causal_self(p.cu, p.scale), &ref_saved);
     EXPECT_LT(test::rel_error(o.to_floats(), ref.to_floats()), test::kTolBf16);
     EXPECT_LT(test::rel_error(saved.lse.to_floats(), ref_saved.lse.to_floats()), test::kTolBf16);
   };
@@ -215,11 +213,11 @@ TEST(AttentionCudnnSingle, ScratchIsWorkspaceAndReleased) {
   a.reset_peak();
   {
     AttentionSaved saved;
-    Tensor o = attention_forward(q, k, v, p.cu, p.scale, &saved);
+    Tensor o = attention_forward(q, k, v, AttentionArgs::causal_self(p.cu, p.scale), &saved);
     const int64_t act = a.stats().live_of(MemCategory::activations) -
                         before.live_of(MemCategory::activations);
     EXPECT_EQ(act, p.T * p.Hq * p.D * 2 + p.Hq * p.T * 4);  // o + lse
-    AttentionGrads g = attention_backward(d_o, q, k, v, o, p.cu, p.scale, saved);
+    AttentionGrads g = attention_backward(d_o, q, k, v, o, AttentionArgs::causal_self(p.cu, p.scale), saved);
     cuda::synchronize();
     EXPECT_GT(a.stats().peak_of(MemCategory::workspace), before.live_of(MemCategory::workspace));
   }
@@ -235,26 +233,119 @@ TEST(AttentionCudnnSingle, UnsupportedInputsRaiseClearErrors) {
   Tensor kf = p.host(p.k, p.Hkv, DType::f32).to(Device::cuda(0));
   Tensor vf = p.host(p.v, p.Hkv, DType::f32).to(Device::cuda(0));
   test::expect_error_contains(
-      [&] { attention_forward(qf, kf, vf, p.cu, p.scale, nullptr); },
+      [&] { attention_forward(qf, kf, vf, AttentionArgs::causal_self(p.cu, p.scale), nullptr); },
       "attention_forward: the CUDA path (cuDNN fused attention) needs bf16 'q', got f32");
   // cu_seqlens must stay on the host (it is copied inside a kernel launch).
   Tensor q = p.gpu(p.q, p.Hq), k = p.gpu(p.k, p.Hkv), v = p.gpu(p.v, p.Hkv);
   Tensor cu_dev = p.cu.to(Device::cuda(0));
-  test::expect_error_contains([&] { attention_forward(q, k, v, cu_dev, p.scale, nullptr); },
-                              "cu_seqlens must be a host (CPU) tensor");
+  test::expect_error_contains([&] { attention_forward(q, k, v, AttentionArgs::causal_self(cu_dev, p.scale), nullptr); },
+                              "cu_seqlens_q must be a host (CPU) tensor");
   // Only the validated head dims run on the GPU (cuDNN accepts D = 8 but its gradients were
   // seen to be wrong there); the error names the head dim and the supported ones.
   for (int64_t d : {8, 12, 64}) {
     const Problem odd(Case{{5, 9}, 4, 2, d}, 1);
     test::expect_error_contains(
         [&] {
-          attention_forward(odd.gpu(odd.q, 4), odd.gpu(odd.k, 2), odd.gpu(odd.v, 2), odd.cu,
-                            odd.scale, nullptr);
+          attention_forward(odd.gpu(odd.q, 4), odd.gpu(odd.k, 2), odd.gpu(odd.v, 2), AttentionArgs::causal_self(odd.cu, odd.scale), nullptr);
         },
         "attention_forward: head_dim " + std::to_string(d) +
             " is not supported by the CUDA path (cuDNN fused attention is validated for head_dim "
             "128 and 256)");
   }
+}
+
+#endif  // BB_WITH_CUDA
+
+// ---- query blocks against key blocks, every mask (the context-parallel calls) ------------------
+
+struct BlockCase {
+  std::vector<int32_t> lens_q, lens_kv;
+  int64_t Hq, Hkv, D;
+  AttentionMask mask;
+};
+
+std::string block_name(const testing::TestParamInfo<BlockCase>& info) {
+  const BlockCase& c = info.param;
+  std::string s = std::string(attention_mask_name(c.mask)) + "_Hq" + std::to_string(c.Hq) + "_Hkv" +
+                  std::to_string(c.Hkv) + "_D" + std::to_string(c.D) + "_q";
+  for (int32_t l : c.lens_q) s += "_" + std::to_string(l);
+  s += "_kv";
+  for (int32_t l : c.lens_kv) s += "_" + std::to_string(l);
+  return s;
+}
+
+class AttentionCudnnBlocks : public testing::TestWithParam<BlockCase> {};
+
+// The GPU path against the CPU path (itself checked against the naive oracle and finite
+// differences in test_attention) for q and kv packed separately, with each mask.
+TEST_P(AttentionCudnnBlocks, MatchesCpuReference) {
+  BB_REQUIRE_GPU();
+  const BlockCase& c = GetParam();
+  const std::vector<int32_t> cq = cu_of(c.lens_q), ck = cu_of(c.lens_kv);
+  const int64_t Tq = cq.back(), Tk = ck.back(), B = static_cast<int64_t>(c.lens_q.size());
+  const AttentionArgs args{Tensor::from_ints(cq, {B + 1}), Tensor::from_ints(ck, {B + 1}), c.mask,
+                           1.0f / std::sqrt(static_cast<float>(c.D))};
+  const std::vector<float> q = bf16_values(Tq * c.Hq * c.D, 21, 0), k = bf16_values(Tk * c.Hkv * c.D, 21, 1ull << 32),
+                           v = bf16_values(Tk * c.Hkv * c.D, 21, 2ull << 32), d_o = bf16_values(Tq * c.Hq * c.D, 21, 3ull << 32);
+  auto make = [&](const std::vector<float>& x, int64_t T, int64_t H, bool gpu) {
+    Tensor t = Tensor::from_floats(x, {T, H, c.D}, gpu ? DType::bf16 : DType::f32);
+    return gpu ? t.to(Device::cuda(0), MemCategory::other) : t;
+  };
+  Result res[2];
+  for (int gpu = 0; gpu < 2; ++gpu) {
+    Tensor tq = make(q, Tq, c.Hq, gpu), tk = make(k, Tk, c.Hkv, gpu), tv = make(v, Tk, c.Hkv, gpu),
+           tdo = make(d_o, Tq, c.Hq, gpu);
+    AttentionSaved saved;
+    Tensor o = attention_forward(tq, tk, tv, args, &saved);
+    AttentionGrads g = attention_backward(tdo, tq, tk, tv, o, args, saved);
+    res[gpu] = {o.to_floats(), saved.lse.to_floats(), g.dq.to_floats(), g.dk.to_floats(), g.dv.to_floats()};
+  }
+  expect_close(res[1], res[0], block_name(testing::TestParamInfo<BlockCase>(c, 0)));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Masks, AttentionCudnnBlocks,
+    testing::Values(
+        // An off-diagonal ring step: the whole key block before the queries, no mask.
+        BlockCase{{64, 130, 17}, {64, 130, 17}, 16, 2, 128, AttentionMask::none},
+        BlockCase{{1, 300, 71}, {250, 5, 300}, 16, 2, 128, AttentionMask::none},
+        // The queries are the last positions of the keys (causal with a kv offset).
+        BlockCase{{64, 30, 100}, {128, 30, 229}, 16, 2, 128, AttentionMask::causal_bottom_right},
+        BlockCase{{17, 1}, {300, 77}, 8, 8, 256, AttentionMask::causal_bottom_right},
+        // The diagonal block of a split sequence: causal, q and kv offsets given separately.
+        BlockCase{{64, 130, 17}, {64, 130, 17}, 16, 2, 128, AttentionMask::causal}),
+    block_name);
+
+#ifdef BB_WITH_CUDA
+
+// The graph cache keys on the mask and on the query and key buckets separately.
+TEST(AttentionCudnnSingle, GraphCacheKeysOnMaskAndBothTokenCounts) {
+  BB_REQUIRE_GPU();
+  const Problem p(Case{{200, 250}, 8, 2, 128}, 3);
+  Tensor q = p.gpu(p.q, p.Hq), k = p.gpu(p.k, p.Hkv), v = p.gpu(p.v, p.Hkv);
+  AttentionArgs args = AttentionArgs::causal_self(p.cu, p.scale);
+  attention_forward(q, k, v, args, nullptr);
+  int64_t built = attention_cudnn_graph_count();
+  attention_forward(q, k, v, args, nullptr);
+  args.cu_seqlens_kv = p.cu;  // the same offsets given explicitly: the same graph
+  attention_forward(q, k, v, args, nullptr);
+  EXPECT_EQ(attention_cudnn_graph_count(), built);
+  args.mask = AttentionMask::none;
+  attention_forward(q, k, v, args, nullptr);
+  EXPECT_EQ(attention_cudnn_graph_count(), built + 1);
+  args.mask = AttentionMask::causal_bottom_right;
+  attention_forward(q, k, v, args, nullptr);
+  EXPECT_EQ(attention_cudnn_graph_count(), built + 2);
+  // Fewer keys (another key bucket, the same query bucket): one more.
+  const Problem shorter(Case{{100, 250}, 8, 2, 128}, 4);
+  args.mask = AttentionMask::none;
+  args.cu_seqlens_kv = shorter.cu;
+  attention_forward(q, shorter.gpu(shorter.k, 2), shorter.gpu(shorter.v, 2), args, nullptr);
+  EXPECT_EQ(attention_cudnn_graph_count(), built + 3);
+  // Queries with no key are refused on the GPU (the CPU gives them o = 0, lse = -inf).
+  args.cu_seqlens_kv = Tensor::from_ints({0, 0, 350}, {3});
+  test::expect_error_contains([&] { attention_forward(q, shorter.gpu(shorter.k, 2), shorter.gpu(shorter.v, 2), args, nullptr); },
+                              "sequence 0 has 200 queries and no key");
 }
 
 #endif  // BB_WITH_CUDA

@@ -70,3 +70,41 @@ TEST(CudaRuntime, PhiloxFillMatchesHost) {
 }
 }  // namespace
 }  // namespace bb
+
+#ifdef BB_WITH_CUDA
+#include "backend/config.h"
+#include "backend/cuda/gemm.h"
+
+namespace bb {
+namespace {
+// [backend]'s defaults are the CUDA backend's own, and applying a config changes what the
+// grouped GEMM and the heuristics use (host-side settings: no GPU needed).
+TEST(BackendConfig, DefaultsEqualTheGemmDefaultsAndApplyChangesThem) {
+  const cuda::GroupedDefaults g{};
+  const BackendConfig b{};
+  EXPECT_EQ(b.grouped_gemm_same_dtype, cuda::grouped_algo_name(g.same_dtype));
+  EXPECT_EQ(b.grouped_gemm_widening, cuda::grouped_algo_name(g.widening));
+  EXPECT_EQ(b.grouped_gemm_streams, g.num_streams);
+  EXPECT_EQ(b.grouped_gemm_multi_stream_min_flops, g.multi_stream_min_flops);
+  EXPECT_EQ(b.grouped_gemm_threaded_enqueue, g.threaded_enqueue);
+  EXPECT_EQ(b.gemm_heuristics, "bucketed");
+  BackendConfig c;
+  c.grouped_gemm_same_dtype = "multi_stream";
+  c.grouped_gemm_streams = 2;
+  c.grouped_gemm_multi_stream_min_flops = 5e8;
+  c.grouped_gemm_threaded_enqueue = false;
+  c.gemm_heuristics = "exact";
+  apply_backend_config(c);
+  const cuda::GroupedDefaults now = cuda::grouped_defaults();
+  EXPECT_EQ(now.same_dtype, cuda::GroupedAlgo::multi_stream);
+  EXPECT_EQ(now.num_streams, 2);
+  EXPECT_EQ(now.multi_stream_min_flops, 5e8);
+  EXPECT_FALSE(now.threaded_enqueue);
+  EXPECT_TRUE(cuda::exact_heuristics());
+  apply_backend_config(BackendConfig{});
+  EXPECT_EQ(cuda::grouped_defaults().num_streams, g.num_streams);
+  EXPECT_FALSE(cuda::exact_heuristics());
+}
+}  // namespace
+}  // namespace bb
+#endif

@@ -215,8 +215,7 @@ TEST(GemmGpuEdge, SizesInABucketShareOneHeuristic) {
               1e-5) << "wgrad K=" << M;
     if (first < 0) first = cuda::gemm_heuristic_calls();
   }
-  const char* exact = std::getenv("BB_GEMM_EXACT_HEURISTICS");
-  if (exact == nullptr || std::string(exact) != "1")
+  if (!cuda::exact_heuristics())
     EXPECT_EQ(cuda::gemm_heuristic_calls(), first) << "sizes of one bucket asked the heuristic again";
 #endif
 }

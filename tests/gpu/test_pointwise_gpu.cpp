@@ -359,6 +359,37 @@ TEST(ElementwiseGpu, AddAxpyScaleRowsSigmoidMatchCpu) {
 
 // ---- AdamW and gradient norms -------------------------------------------------------------
 
+// The attention output gate and the halves of a [R, 2C] tensor: GPU against CPU, both dtypes,
+// a width that does not divide the vector size and skewed (unaligned) views.
+TEST(ElementwiseGpu, SigmoidMulAndHalvesMatchCpu) {
+  BB_REQUIRE_GPU();
+  for (DType dt : {DType::f32, DType::bf16})
+    for (int64_t C : {int64_t{128}, int64_t{229}})
+      for (int64_t skew : {0, 3}) {
+        SCOPED_TRACE(std::string(dtype_name(dt)) + " C " + std::to_string(C) + " skew " + std::to_string(skew));
+        const int64_t R = 71;
+        Tensor x = host(randn(R * C, 1), {R, C}, dt), z = host(randn(R * C, 2, 2.0f), {R, C}, dt);
+        Tensor g = host(randn(R * C, 3), {R, C}, dt);
+        const Tensor y_cpu = sigmoid_mul(x, z, MemCategory::other);
+        const Tensor y_gpu = sigmoid_mul(on_gpu(x, skew), on_gpu(z, skew), MemCategory::other);
+        EXPECT_EQ(y_gpu.dtype(), dt);
+        EXPECT_LT(test::rel_error(y_gpu.to_floats(), y_cpu.to_floats()), tol(dt));
+        auto [dx_c, dz_c] = sigmoid_mul_backward(g, x, z);
+        auto [dx_g, dz_g] = sigmoid_mul_backward(on_gpu(g, skew), on_gpu(x, skew), on_gpu(z, skew));
+        EXPECT_LT(test::rel_error(dx_g.to_floats(), dx_c.to_floats()), test::kTolF32);
+        EXPECT_LT(test::rel_error(dz_g.to_floats(), dz_c.to_floats()), test::kTolF32);
+        // Halves: exact copies.
+        Tensor w = host(randn(R * 2 * C, 4), {R, 2 * C}, dt);
+        auto [a_c, b_c] = split_halves(w, MemCategory::other);
+        auto [a_g, b_g] = split_halves(on_gpu(w, skew), MemCategory::other);
+        EXPECT_EQ(a_g.to_floats(), a_c.to_floats());
+        EXPECT_EQ(b_g.to_floats(), b_c.to_floats());
+        EXPECT_EQ(join_halves(a_g, b_g, dt, MemCategory::other).to_floats(), w.to_floats());
+        EXPECT_EQ(join_halves(on_gpu(a_c, skew), b_g, DType::f32, MemCategory::other).to_floats(),
+                  w.to_floats());
+      }
+}
+
 TEST(AdamWGpu, ThreeStepsMatchCpu) {
   BB_REQUIRE_GPU();
   for (int64_t n : {4097, 1, 229 * 71}) {

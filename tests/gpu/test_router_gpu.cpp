@@ -160,6 +160,38 @@ TEST(RouterGpuRuns, DeterministicAndOneHostReadPerForward) {
 #endif
 }
 
+// A replayed selection on the GPU: the same weights and scores as the forward that chose it and
+// as the CPU replay, and no host synchronisation (the counts are given, no losses are read).
+TEST(RouterGpuRuns, ReplayMatchesAndNeverWaits) {
+  BB_REQUIRE_GPU();
+#ifdef BB_WITH_CUDA
+  for (RouterScore score : {RouterScore::softmax, RouterScore::sigmoid}) {
+    RouterConfig cfg;
+    cfg.num_experts = 128;
+    cfg.top_k = 8;
+    cfg.score = score;
+    const int64_t T = 777;
+    const std::vector<float> lv = test::randn(T * 128, 31);
+    Tensor logits = Tensor::from_floats(lv, {T, 128}).to(kGpu);
+    RouterSaved s1, s2;
+    const RouterOutput a = router_forward(logits, Tensor(), cfg, &s1);
+    const RouterReplay replay{a.topk_idx, a.tokens_per_expert};
+    const int64_t before = cuda::host_sync_count();
+    const RouterOutput b = router_forward(logits, Tensor(), cfg, &s2, &replay);
+    EXPECT_EQ(cuda::host_sync_count(), before) << "a replayed forward waited for the device";
+    EXPECT_EQ(b.topk_prob.to_floats(), a.topk_prob.to_floats());
+    EXPECT_EQ(s2.scores.to_floats(), s1.scores.to_floats());
+    EXPECT_EQ(b.tokens_per_expert, a.tokens_per_expert);
+    // The CPU replay of the same selection on the same logits.
+    RouterSaved sc;
+    const RouterReplay host_replay{a.topk_idx.to(Device::cpu()), a.tokens_per_expert};
+    const RouterOutput c = router_forward(Tensor::from_floats(lv, {T, 128}), Tensor(), cfg, &sc, &host_replay);
+    EXPECT_LT(test::rel_error(b.topk_prob.to_floats(), c.topk_prob.to_floats()), 1e-6);
+    EXPECT_LT(test::rel_error(s2.scores.to_floats(), sc.scores.to_floats()), 1e-6);
+  }
+#endif
+}
+
 TEST(RouterGpuRuns, ExpertBiasUpdateOnDevice) {
   BB_REQUIRE_GPU();
   std::vector<float> b0 = {0.1f, -0.2f, 0.3f, 0.0f};

@@ -4,16 +4,17 @@
 // cuDNN fuses an operation graph only when it matches the SDPA patterns its engines know, so the
 // two graphs below spell out, node by node and with the same tensor types, what cudnn-frontend's
 // composite SDPA nodes emit (for cuDNN 9.6 - 9.20) for: bf16 Q/K/V/O in the packed THD layout
-// with ragged offsets, a padding mask from per-sequence lengths, the top-left causal mask, the
-// attention scale passed by value, and softmax stats in a packed [T, Hq] layout.
+// with ragged offsets (queries and keys packed separately), a padding mask from per-sequence
+// lengths, the causal mask (top-left, or bottom-right: row + (seq_len_kv - seq_len_q) >= col),
+// or none, the attention scale passed by value, and softmax stats in a packed [Tq, Hq] layout.
 //
 // Packing (the same scheme as TransformerEngine's THD path):
 //   - the graph's batch is B rounded up to a power of two (the extra sequences are empty) and
-//     its sequence length is the token bucket of T, so one cached graph serves every batch that
-//     falls in the same buckets;
-//   - ragged offsets (int64, counted in elements) say where sequence b starts: cu[b] * Hq * D for
-//     q / o / dq / d_o, cu[b] * Hkv * D for k / v / dk / dv, cu[b] * Hq for the stats;
-//   - seq_len_q = seq_len_kv = cu[b+1] - cu[b] (0 for the padding sequences).
+//     its query / key lengths are the token buckets of Tq / Tkv, so one cached graph serves every
+//     batch that falls in the same buckets;
+//   - ragged offsets (int64, counted in elements) say where sequence b starts: cq[b] * Hq * D for
+//     q / o / dq / d_o, ck[b] * Hkv * D for k / v / dk / dv, cq[b] * Hq for the stats;
+//   - seq_len_q = cq[b+1] - cq[b], seq_len_kv = ck[b+1] - ck[b] (0 for the padding sequences).
 // cuDNN's stats are max + log(sum exp(s - max)) in natural log: the CPU reference's lse, only
 // laid out [T, Hq]; two small transposes convert to and from AttentionSaved.lse [Hq, T].
 #include "primitives/attention/attention_cudnn.h"
@@ -42,27 +43,30 @@ using cudnn::DescPtr;
 
 // ---- small kernels -------------------------------------------------------------------------
 
-// cu_seqlens reaches the device inside the launch parameters of this kernel: no staging buffer,
-// no host synchronisation. 960 positions keep the parameter block under the classic 4 KB.
-constexpr int kPrepChunk = 960;
+// The offsets reach the device inside the launch parameters of this kernel: no staging buffer,
+// no host synchronisation. 2 x 480 positions keep the parameter block under the classic 4 KB.
+constexpr int kPrepChunk = 480;
 
 struct PrepChunk {
-  int32_t pos[kPrepChunk + 1];  // token position where entry first + j starts (T past the end)
-  int64_t first;                // first entry of this chunk
-  int32_t count;                // entries in this chunk
+  int32_t pos_q[kPrepChunk + 1];   // query token where entry first + j starts (Tq past the end)
+  int32_t pos_kv[kPrepChunk + 1];  // key token where entry first + j starts (Tkv past the end)
+  int64_t first;                   // first entry of this chunk
+  int32_t count;                   // entries in this chunk
 };
 
 __global__ void ragged_prep_kernel(PrepChunk c, int64_t max_b, int64_t mult_q, int64_t mult_kv,
-                                   int64_t mult_stats, int32_t* seq_len, int64_t* off_q,
-                                   int64_t* off_kv, int64_t* off_stats) {
+                                   int64_t mult_stats, int32_t* seq_len_q, int32_t* seq_len_kv,
+                                   int64_t* off_q, int64_t* off_kv, int64_t* off_stats) {
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= c.count) return;
   const int64_t i = c.first + j;
-  const int64_t p = c.pos[j];
-  off_q[i] = p * mult_q;
-  off_kv[i] = p * mult_kv;
-  off_stats[i] = p * mult_stats;
-  if (i < max_b) seq_len[i] = c.pos[j + 1] - c.pos[j];
+  off_q[i] = c.pos_q[j] * mult_q;
+  off_kv[i] = c.pos_kv[j] * mult_kv;
+  off_stats[i] = c.pos_q[j] * mult_stats;
+  if (i < max_b) {
+    seq_len_q[i] = c.pos_q[j + 1] - c.pos_q[j];
+    seq_len_kv[i] = c.pos_kv[j + 1] - c.pos_kv[j];
+  }
 }
 
 // dst[c * rows + r] = src[r * cols + c] for a row-major [rows, cols] f32 src.
@@ -108,13 +112,14 @@ enum Uid : int64_t {
 struct GraphKey {
   bool backward;
   int device;
-  int64_t b, s, hq, hkv, d;
+  int64_t b, s_q, s_kv, hq, hkv, d;
   DType dtype;
-  bool operator<(const GraphKey& o) const {
-    return std::make_tuple(backward, device, b, s, hq, hkv, d, static_cast<int>(dtype)) <
-           std::make_tuple(o.backward, o.device, o.b, o.s, o.hq, o.hkv, o.d,
-                           static_cast<int>(o.dtype));
+  AttentionMask mask;
+  auto tie() const {
+    return std::make_tuple(backward, device, b, s_q, s_kv, hq, hkv, d, static_cast<int>(dtype),
+                           static_cast<int>(mask));
   }
+  bool operator<(const GraphKey& o) const { return tie() < o.tie(); }
 };
 
 cudnnDataType_t cudnn_dtype(DType dt) {
@@ -254,24 +259,31 @@ class GraphBuilder {
   int64_t next_virtual_ = kFirstVirtual;
 };
 
-// The fixed tensors both graphs share: offsets, lengths, scale. Layouts (elements):
-//   q-like [b, hq, s, d] strides {s*hq*d, d, hq*d, 1}   (THD: token-major, heads inside)
-//   kv-like [b, hkv, s, d] strides {s*hkv*d, d, hkv*d, 1}; K^T / V^T swap the last two.
+// The fixed tensors both graphs share: offsets, lengths, scale. Layouts (elements), sq / skv the
+// query / key token buckets:
+//   q-like [b, hq, sq, d] strides {sq*hq*d, d, hq*d, 1}    (THD: token-major, heads inside)
+//   kv-like [b, hkv, skv, d] strides {skv*hkv*d, d, hkv*d, 1}; K^T / V^T swap the last two.
+//   scores [b, hq, sq, skv]; their transpose (P^T, dS^T) [b, hq, skv, sq] over the same memory.
 struct Dims {
-  int64_t b, s, hq, hkv, d;
-  Shape q_dims() const { return {b, hq, s, d}; }
-  Shape q_strides() const { return {s * hq * d, d, hq * d, 1}; }
-  Shape kv_dims() const { return {b, hkv, s, d}; }
-  Shape kv_strides() const { return {s * hkv * d, d, hkv * d, 1}; }
-  Shape kvt_dims() const { return {b, hkv, d, s}; }
-  Shape kvt_strides() const { return {s * hkv * d, d, 1, hkv * d}; }
-  Shape stats_dims() const { return {b, hq, s, 1}; }
-  Shape stats_strides() const { return {hq * s, 1, hq, 1}; }  // packed [T, Hq] with offsets
-  Shape row_dims() const { return {b, hq, s, 1}; }
-  Shape row_strides() const { return {hq * s, s, 1, 1}; }
-  Shape score_dims() const { return {b, hq, s, s}; }
-  Shape score_strides() const { return {hq * s * s, s * s, s, 1}; }
-  Shape score_t_strides() const { return {hq * s * s, s * s, 1, s}; }
+  int64_t b, sq, skv, hq, hkv, d;
+  Shape q_dims() const { return {b, hq, sq, d}; }
+  Shape q_strides() const { return {sq * hq * d, d, hq * d, 1}; }
+  Shape kv_dims() const { return {b, hkv, skv, d}; }
+  Shape kv_strides() const { return {skv * hkv * d, d, hkv * d, 1}; }
+  Shape kvt_dims() const { return {b, hkv, d, skv}; }
+  Shape kvt_strides() const { return {skv * hkv * d, d, 1, hkv * d}; }
+  Shape stats_dims() const { return {b, hq, sq, 1}; }
+  Shape stats_strides() const { return {hq * sq, 1, hq, 1}; }  // packed [Tq, Hq] with offsets
+  Shape row_dims() const { return {b, hq, sq, 1}; }
+  Shape row_strides() const { return {hq * sq, sq, 1, 1}; }
+  Shape score_dims() const { return {b, hq, sq, skv}; }
+  Shape score_strides() const { return {hq * sq * skv, sq * skv, skv, 1}; }
+  Shape score_t_dims() const { return {b, hq, skv, sq}; }
+  Shape score_t_strides() const { return {hq * sq * skv, sq * skv, 1, skv}; }
+  // dK / dV per query head before the GQA reduction: [b, hq, skv, d] on the kv offsets
+  // (cuDNN scales the ragged offset by hq / hkv).
+  Shape kv_full_dims() const { return {b, hq, skv, d}; }
+  Shape kv_full_strides() const { return {skv * hq * d, d, hq * d, 1}; }
 };
 
 void add_offsets_and_lengths(GraphBuilder& g, const Dims& x) {
@@ -301,14 +313,24 @@ int64_t padding_mask(GraphBuilder& g, const Dims& x, int64_t s) {
   return out;
 }
 
-// Top-left causal mask: key column > query row becomes -inf (rows and columns are positions
-// inside the sequence, thanks to the ragged offsets).
-int64_t causal_mask(GraphBuilder& g, const Dims& x, int64_t s) {
+// Causal mask: a key column past the query row becomes -inf (rows and columns are positions
+// inside the sequence, thanks to the ragged offsets). Top-left: keep col <= row. Bottom-right:
+// keep col <= row + (seq_len_kv - seq_len_q), with the lengths per sequence. Mask `none` has no
+// node at all (the padding mask alone).
+int64_t causal_mask(GraphBuilder& g, const Dims& x, int64_t s, AttentionMask mask) {
+  if (mask == AttentionMask::none) return s;
   const Shape sd = x.score_dims(), ss = x.score_strides();
-  const int64_t row = g.vt(sd, ss, CUDNN_DATA_INT32);
+  int64_t row = g.vt(sd, ss, CUDNN_DATA_INT32);
   g.pointwise(CUDNN_POINTWISE_GEN_INDEX, s, row, -1, -1, CUDNN_DATA_FLOAT, 2);
   const int64_t col = g.vt(sd, ss, CUDNN_DATA_INT32);
   g.pointwise(CUDNN_POINTWISE_GEN_INDEX, s, col, -1, -1, CUDNN_DATA_FLOAT, 3);
+  if (mask == AttentionMask::causal_bottom_right) {
+    const int64_t plus_kv = g.vt(sd, ss, CUDNN_DATA_INT32);
+    g.pointwise(CUDNN_POINTWISE_ADD, row, plus_kv, kSeqKV, -1, CUDNN_DATA_INT32);
+    const int64_t shifted = g.vt(sd, ss, CUDNN_DATA_INT32);
+    g.pointwise(CUDNN_POINTWISE_SUB, plus_kv, shifted, kSeqQ, -1, CUDNN_DATA_INT32);
+    row = shifted;
+  }
   const int64_t keep = g.vt(sd, ss, CUDNN_DATA_BOOLEAN);
   g.pointwise(CUDNN_POINTWISE_CMP_GE, row, keep, col, -1, CUDNN_DATA_BOOLEAN);
   const int64_t neg_inf = g.scalar(kNegInfCausal);
@@ -318,7 +340,7 @@ int64_t causal_mask(GraphBuilder& g, const Dims& x, int64_t s) {
 }
 
 // O = softmax(mask(scale * Q K^T)) V and Stats = max + log(sum exp(. - max)) (natural log).
-void build_forward_ops(GraphBuilder& g, const Dims& x, cudnnDataType_t io) {
+void build_forward_ops(GraphBuilder& g, const Dims& x, cudnnDataType_t io, AttentionMask mask) {
   add_offsets_and_lengths(g, x);
   g.tensor(kQ, x.q_dims(), x.q_strides(), io, false, kOffQ);
   g.tensor(kK, x.kvt_dims(), x.kvt_strides(), io, false, kOffK);
@@ -332,7 +354,7 @@ void build_forward_ops(GraphBuilder& g, const Dims& x, cudnnDataType_t io) {
   const int64_t s2 = g.vt(sd, ss, CUDNN_DATA_FLOAT);
   g.pointwise(CUDNN_POINTWISE_MUL, s1, s2, kScale);
   const int64_t s3 = padding_mask(g, x, s2);
-  const int64_t s4 = causal_mask(g, x, s3);
+  const int64_t s4 = causal_mask(g, x, s3, mask);
 
   const Shape rd = x.row_dims(), rs = x.row_strides();
   const int64_t mx = g.vt(rd, rs, CUDNN_DATA_FLOAT);
@@ -354,7 +376,7 @@ void build_forward_ops(GraphBuilder& g, const Dims& x, cudnnDataType_t io) {
 // dQ, dK, dV of the forward above (flash-attention backward: P rebuilt from the stats).
 // GQA (hq != hkv): dK / dV are first formed per query head (dK_full / dV_full, scratch in the
 // packed layout with Hq heads) and then summed over each kv head's group.
-void build_backward_ops(GraphBuilder& g, const Dims& x, cudnnDataType_t io) {
+void build_backward_ops(GraphBuilder& g, const Dims& x, cudnnDataType_t io, AttentionMask mask) {
   add_offsets_and_lengths(g, x);
   g.tensor(kQ, x.q_dims(), x.q_strides(), io, false, kOffQ);
   g.tensor(kK, x.kvt_dims(), x.kvt_strides(), io, false, kOffK);
@@ -369,7 +391,7 @@ void build_backward_ops(GraphBuilder& g, const Dims& x, cudnnDataType_t io) {
   const int64_t group = x.hq / x.hkv;
 
   // softmax_sum_i = sum_d dO_id * O_id (f32 scratch in the packed stats layout).
-  const int64_t dodo = g.vt(x.q_dims(), {x.hq * x.s * x.d, x.s * x.d, x.hq * x.d, 1},
+  const int64_t dodo = g.vt(x.q_dims(), {x.hq * x.sq * x.d, x.sq * x.d, x.hq * x.d, 1},
                             CUDNN_DATA_FLOAT);
   g.pointwise(CUDNN_POINTWISE_MUL, kDO, dodo, kO);
   const int64_t row_sum = g.vt(x.row_dims(), x.row_strides(), CUDNN_DATA_FLOAT);
@@ -387,18 +409,17 @@ void build_backward_ops(GraphBuilder& g, const Dims& x, cudnnDataType_t io) {
   const int64_t s3 = padding_mask(g, x, s2);
   const int64_t s4 = g.vt(sd, ss, CUDNN_DATA_FLOAT);
   g.pointwise(CUDNN_POINTWISE_SUB, s3, s4, kStats);
-  const int64_t s5 = causal_mask(g, x, s4);
+  const int64_t s5 = causal_mask(g, x, s4, mask);
   const int64_t p = g.vt(sd, ss, CUDNN_DATA_FLOAT);
   g.pointwise(CUDNN_POINTWISE_EXP, s5, p);
 
   // dV = P^T dO
-  const int64_t p_t = g.vt(sd, x.score_t_strides(), io);
+  const int64_t p_t = g.vt(x.score_t_dims(), x.score_t_strides(), io);
   g.reshape(p, p_t);
-  const Shape full_strides = {x.s * x.hkv * x.d * group, x.d, x.hkv * x.d * group, 1};
   if (!gqa) {
     g.matmul(p_t, kDO, kDV, kSeqKV, -1, kSeqQ);
   } else {
-    g.tensor(kDVFull, x.q_dims(), full_strides, io, false, kOffV);
+    g.tensor(kDVFull, x.kv_full_dims(), x.kv_full_strides(), io, false, kOffV);
     g.matmul(p_t, kDO, kDVFull, kSeqKV, -1, kSeqQ);
     g.reduction(CUDNN_REDUCE_TENSOR_ADD, kDVFull, kDV);
   }
@@ -414,12 +435,12 @@ void build_backward_ops(GraphBuilder& g, const Dims& x, cudnnDataType_t io) {
   g.pointwise(CUDNN_POINTWISE_MUL, dp3, ds, kScale);
 
   // dK = dS^T Q
-  const int64_t ds_t = g.vt(sd, x.score_t_strides(), io);
+  const int64_t ds_t = g.vt(x.score_t_dims(), x.score_t_strides(), io);
   g.reshape(ds, ds_t);
   if (!gqa) {
     g.matmul(ds_t, kQ, kDK, kSeqKV, -1, kSeqQ);
   } else {
-    g.tensor(kDKFull, x.q_dims(), full_strides, io, false, kOffK);
+    g.tensor(kDKFull, x.kv_full_dims(), x.kv_full_strides(), io, false, kOffK);
     g.matmul(ds_t, kQ, kDKFull, kSeqKV, -1, kSeqQ);
     g.reduction(CUDNN_REDUCE_TENSOR_ADD, kDKFull, kDK);
   }
@@ -502,17 +523,18 @@ std::mutex g_cache_mu;
 std::map<GraphKey, std::shared_ptr<Graph>> g_cache;
 int64_t g_graphs_built = 0;
 
-std::string shape_text(const char* op, const GraphKey& key, int64_t T, int64_t B) {
+std::string shape_text(const char* op, const GraphKey& key, int64_t Tq, int64_t Tkv, int64_t B) {
   std::ostringstream os;
-  os << op << ": cuDNN cannot run this attention configuration (T = " << T << ", B = " << B
-     << ", Hq = " << key.hq << ", Hkv = " << key.hkv << ", D = " << key.d << ", "
-     << dtype_name(key.dtype) << ", causal, packed; graph batch " << key.b << ", tokens "
-     << key.s << ")";
+  os << op << ": cuDNN cannot run this attention configuration (Tq = " << Tq << ", Tkv = " << Tkv
+     << ", B = " << B << ", Hq = " << key.hq << ", Hkv = " << key.hkv << ", D = " << key.d << ", "
+     << dtype_name(key.dtype) << ", mask " << attention_mask_name(key.mask)
+     << ", packed; graph batch " << key.b << ", tokens " << key.s_q << " x " << key.s_kv << ")";
   return os.str();
 }
 
 // The cached graph for `key`, built (and its plan chosen) on first use.
-std::shared_ptr<Graph> graph_for(const GraphKey& key, const char* op, int64_t T, int64_t B) {
+std::shared_ptr<Graph> graph_for(const GraphKey& key, const char* op, int64_t Tq, int64_t Tkv,
+                                 int64_t B) {
   std::lock_guard<std::mutex> lock(g_cache_mu);
   auto it = g_cache.find(key);
   if (it != g_cache.end()) return it->second;
@@ -520,14 +542,14 @@ std::shared_ptr<Graph> graph_for(const GraphKey& key, const char* op, int64_t T,
   try {
     cudnnHandle_t handle = handle_for(key.device);
     GraphBuilder g;
-    const Dims x{key.b, key.s, key.hq, key.hkv, key.d};
-    if (key.backward) build_backward_ops(g, x, cudnn_dtype(key.dtype));
-    else build_forward_ops(g, x, cudnn_dtype(key.dtype));
+    const Dims x{key.b, key.s_q, key.s_kv, key.hq, key.hkv, key.d};
+    if (key.backward) build_backward_ops(g, x, cudnn_dtype(key.dtype), key.mask);
+    else build_forward_ops(g, x, cudnn_dtype(key.dtype), key.mask);
     make_plan(*graph, g, handle);
     graph->io_uids = g.io_uids();
     g.release_into(graph->keep);
   } catch (const Error& e) {
-    BB_FAIL(shape_text(op, key, T, B), ": ", e.what());
+    BB_FAIL(shape_text(op, key, Tq, Tkv, B), ": ", e.what());
   }
   g_cache.emplace(key, graph);
   ++g_graphs_built;
@@ -563,51 +585,64 @@ int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 // Device copies of the per-sequence lengths and ragged offsets (one workspace tensor).
 struct Ragged {
   Tensor buf;
-  int32_t* seq_len;
-  int64_t* off_q;   // cu[b] * Hq * D  (q, o, dq, d_o)
-  int64_t* off_kv;  // cu[b] * Hkv * D (k, v, dk, dv; also dk_full / dv_full, see cuDNN's GQA)
-  int64_t* off_stats;  // cu[b] * Hq
+  int32_t* seq_len_q;
+  int32_t* seq_len_kv;
+  int64_t* off_q;      // cq[b] * Hq * D  (q, o, dq, d_o)
+  int64_t* off_kv;     // ck[b] * Hkv * D (k, v, dk, dv; also dk_full / dv_full, see cuDNN's GQA)
+  int64_t* off_stats;  // cq[b] * Hq
 };
 
-Ragged make_ragged(const Tensor& cu_seqlens, int64_t num_seqs, const GraphKey& key) {
+Ragged make_ragged(const AttentionArgs& args, int64_t num_seqs, const GraphKey& key) {
   const int64_t entries = key.b + 1;
   const int64_t len_bytes = align_up(key.b * 4, 256), off_bytes = align_up(entries * 8, 256);
   Ragged r;
-  r.buf = Tensor::empty({len_bytes + 3 * off_bytes}, DType::u8, Device::cuda(key.device),
+  r.buf = Tensor::empty({2 * len_bytes + 3 * off_bytes}, DType::u8, Device::cuda(key.device),
                         MemCategory::workspace);
   char* base = static_cast<char*>(r.buf.raw());
-  r.seq_len = reinterpret_cast<int32_t*>(base);
-  r.off_q = reinterpret_cast<int64_t*>(base + len_bytes);
-  r.off_kv = reinterpret_cast<int64_t*>(base + len_bytes + off_bytes);
-  r.off_stats = reinterpret_cast<int64_t*>(base + len_bytes + 2 * off_bytes);
-  const int32_t* cu = cu_seqlens.data<int32_t>();
+  r.seq_len_q = reinterpret_cast<int32_t*>(base);
+  r.seq_len_kv = reinterpret_cast<int32_t*>(base + len_bytes);
+  r.off_q = reinterpret_cast<int64_t*>(base + 2 * len_bytes);
+  r.off_kv = reinterpret_cast<int64_t*>(base + 2 * len_bytes + off_bytes);
+  r.off_stats = reinterpret_cast<int64_t*>(base + 2 * len_bytes + 2 * off_bytes);
+  const int32_t* cq = args.cu_seqlens_q.data<int32_t>();
+  const int32_t* ck = args.kv_offsets().data<int32_t>();
   for (int64_t first = 0; first < entries; first += kPrepChunk) {
     PrepChunk c;
     c.first = first;
     c.count = static_cast<int32_t>(std::min<int64_t>(kPrepChunk, entries - first));
-    for (int64_t j = 0; j <= c.count; ++j) c.pos[j] = cu[std::min(first + j, num_seqs)];
+    for (int64_t j = 0; j <= c.count; ++j) {
+      c.pos_q[j] = cq[std::min(first + j, num_seqs)];
+      c.pos_kv[j] = ck[std::min(first + j, num_seqs)];
+    }
     const int threads = 256;
     ragged_prep_kernel<<<static_cast<unsigned>(cuda::ceil_div(c.count, threads)), threads, 0,
                          cuda::stream()>>>(c, key.b, key.hq * key.d, key.hkv * key.d, key.hq,
-                                           r.seq_len, r.off_q, r.off_kv, r.off_stats);
+                                           r.seq_len_q, r.seq_len_kv, r.off_q, r.off_kv,
+                                           r.off_stats);
     BB_CHECK_LAUNCH();
   }
   return r;
 }
 
 struct CallDims {
-  int64_t T, B, hq, hkv, d;
+  int64_t Tq, Tkv, B, hq, hkv, d;
   int device;
 };
 
 using NamedTensors = std::vector<std::pair<const char*, const Tensor*>>;
 
 // What only the CUDA path needs on top of attention.cpp's checks: bf16, 16-byte alignment, a
-// recent enough cuDNN.
+// recent enough cuDNN, no sequence with queries but no keys.
 CallDims check_cuda_inputs(const char* op, const NamedTensors& ts, const Tensor& q,
-                           const Tensor& k, const Tensor& cu_seqlens) {
-  CallDims c{q.size(0), cu_seqlens.size(0) - 1, q.size(1), k.size(1), q.size(2),
+                           const Tensor& k, const AttentionArgs& args) {
+  CallDims c{q.size(0), k.size(0), args.cu_seqlens_q.size(0) - 1, q.size(1), k.size(1), q.size(2),
              q.device().index};
+  const int32_t* cq = args.cu_seqlens_q.data<int32_t>();
+  const int32_t* ck = args.kv_offsets().data<int32_t>();
+  for (int64_t b = 0; b < c.B; ++b)
+    BB_CHECK(cq[b + 1] == cq[b] || ck[b + 1] > ck[b], op, ": sequence ", b, " has ",
+             cq[b + 1] - cq[b], " queries and no key; the CUDA path does not take queries that "
+             "see nothing (the CPU path gives them o = 0, lse = -inf)");
   for (auto& [name, t] : ts) {
     BB_CHECK(t->dtype() == DType::bf16, op, ": the CUDA path (cuDNN fused attention) needs bf16 '",
              name, "', got ", dtype_name(t->dtype()), " (f32 attention is CPU-only)");
@@ -625,9 +660,17 @@ CallDims check_cuda_inputs(const char* op, const NamedTensors& ts, const Tensor&
   return c;
 }
 
-GraphKey key_for(bool backward, const CallDims& c, DType dt) {
-  return {backward, c.device, attention_cudnn_batch_bucket(c.B), attention_cudnn_token_bucket(c.T),
-          c.hq, c.hkv, c.d, dt};
+GraphKey key_for(bool backward, const CallDims& c, DType dt, AttentionMask mask) {
+  return {backward,
+          c.device,
+          attention_cudnn_batch_bucket(c.B),
+          attention_cudnn_token_bucket(c.Tq),
+          attention_cudnn_token_bucket(c.Tkv),
+          c.hq,
+          c.hkv,
+          c.d,
+          dt,
+          mask};
 }
 
 Tensor workspace_bytes(int64_t bytes, int device) {
@@ -657,59 +700,57 @@ int64_t attention_cudnn_graph_count() {
 }
 
 Tensor attention_forward_cudnn(const Tensor& q, const Tensor& k, const Tensor& v,
-                               const Tensor& cu_seqlens, float softmax_scale,
-                               AttentionSaved* saved) {
+                               const AttentionArgs& args, AttentionSaved* saved) {
   const char* op = "attention_forward";
-  const CallDims c = check_cuda_inputs(op, {{"q", &q}, {"k", &k}, {"v", &v}}, q, k, cu_seqlens);
-  const GraphKey key = key_for(false, c, q.dtype());
-  std::shared_ptr<Graph> graph = graph_for(key, op, c.T, c.B);
+  const CallDims c = check_cuda_inputs(op, {{"q", &q}, {"k", &k}, {"v", &v}}, q, k, args);
+  const GraphKey key = key_for(false, c, q.dtype(), args.mask);
+  std::shared_ptr<Graph> graph = graph_for(key, op, c.Tq, c.Tkv, c.B);
 
   const Device dev = q.device();
   Tensor o = Tensor::empty(q.shape(), q.dtype(), dev, MemCategory::activations);
-  // cuDNN writes stats packed [T, Hq]; sized for the token bucket like cudnn-frontend does.
-  Tensor stats = Tensor::empty({key.s, c.hq}, DType::f32, dev, MemCategory::workspace);
-  Ragged r = make_ragged(cu_seqlens, c.B, key);
+  // cuDNN writes stats packed [Tq, Hq]; sized for the token bucket like cudnn-frontend does.
+  Tensor stats = Tensor::empty({key.s_q, c.hq}, DType::f32, dev, MemCategory::workspace);
+  Ragged r = make_ragged(args, c.B, key);
   Tensor ws = workspace_bytes(graph->workspace_bytes, c.device);
 
-  float scale = softmax_scale;
+  float scale = args.softmax_scale;
   float neg_inf = -std::numeric_limits<float>::infinity();
   std::map<int64_t, void*> ptrs = {
       {kQ, q.raw()}, {kK, k.raw()}, {kV, v.raw()}, {kO, o.raw()}, {kStats, stats.raw()},
-      {kScale, &scale}, {kSeqQ, r.seq_len}, {kSeqKV, r.seq_len}, {kOffQ, r.off_q},
+      {kScale, &scale}, {kSeqQ, r.seq_len_q}, {kSeqKV, r.seq_len_kv}, {kOffQ, r.off_q},
       {kOffO, r.off_q}, {kOffK, r.off_kv}, {kOffV, r.off_kv}, {kOffStats, r.off_stats},
       {kNegInfPadding, &neg_inf}, {kNegInfCausal, &neg_inf}};
   execute(*graph, c.device, ptrs, ws.raw());
 
   if (saved) {
-    saved->lse = Tensor::empty({c.hq, c.T}, DType::f32, dev, MemCategory::activations);
-    transpose_f32(saved->lse.data<float>(), stats.data<float>(), c.T, c.hq);
+    saved->lse = Tensor::empty({c.hq, c.Tq}, DType::f32, dev, MemCategory::activations);
+    transpose_f32(saved->lse.data<float>(), stats.data<float>(), c.Tq, c.hq);
   }
   return o;
 }
 
 AttentionGrads attention_backward_cudnn(const Tensor& d_o, const Tensor& q, const Tensor& k,
                                         const Tensor& v, const Tensor& o,
-                                        const Tensor& cu_seqlens, float softmax_scale,
-                                        const AttentionSaved& saved) {
+                                        const AttentionArgs& args, const AttentionSaved& saved) {
   const char* op = "attention_backward";
   const CallDims c = check_cuda_inputs(
-      op, {{"d_o", &d_o}, {"q", &q}, {"k", &k}, {"v", &v}, {"o", &o}}, q, k, cu_seqlens);
-  const GraphKey key = key_for(true, c, q.dtype());
-  std::shared_ptr<Graph> graph = graph_for(key, op, c.T, c.B);
+      op, {{"d_o", &d_o}, {"q", &q}, {"k", &k}, {"v", &v}, {"o", &o}}, q, k, args);
+  const GraphKey key = key_for(true, c, q.dtype(), args.mask);
+  std::shared_ptr<Graph> graph = graph_for(key, op, c.Tq, c.Tkv, c.B);
 
   const Device dev = q.device();
   const bool gqa = c.hq != c.hkv;
-  // Scratch as cudnn-frontend sizes it for a packed graph of key.s tokens (f32 elements).
-  Tensor stats = Tensor::empty({key.s, c.hq}, DType::f32, dev, MemCategory::workspace);
-  Tensor softmax_sum = Tensor::empty({key.s, c.hq}, DType::f32, dev, MemCategory::workspace);
-  Tensor dq_accum = Tensor::empty({key.s, c.hq, c.d}, DType::f32, dev, MemCategory::workspace);
+  // Scratch as cudnn-frontend sizes it for a packed graph of key.s_q x key.s_kv tokens (f32).
+  Tensor stats = Tensor::empty({key.s_q, c.hq}, DType::f32, dev, MemCategory::workspace);
+  Tensor softmax_sum = Tensor::empty({key.s_q, c.hq}, DType::f32, dev, MemCategory::workspace);
+  Tensor dq_accum = Tensor::empty({key.s_q, c.hq, c.d}, DType::f32, dev, MemCategory::workspace);
   Tensor dk_full, dv_full;
   if (gqa) {
-    dk_full = Tensor::empty({key.s, c.hq, c.d}, DType::f32, dev, MemCategory::workspace);
-    dv_full = Tensor::empty({key.s, c.hq, c.d}, DType::f32, dev, MemCategory::workspace);
+    dk_full = Tensor::empty({key.s_kv, c.hq, c.d}, DType::f32, dev, MemCategory::workspace);
+    dv_full = Tensor::empty({key.s_kv, c.hq, c.d}, DType::f32, dev, MemCategory::workspace);
   }
-  transpose_f32(stats.data<float>(), saved.lse.data<float>(), c.hq, c.T);
-  Ragged r = make_ragged(cu_seqlens, c.B, key);
+  transpose_f32(stats.data<float>(), saved.lse.data<float>(), c.hq, c.Tq);
+  Ragged r = make_ragged(args, c.B, key);
   Tensor ws = workspace_bytes(graph->workspace_bytes, c.device);
 
   AttentionGrads g;
@@ -717,12 +758,12 @@ AttentionGrads attention_backward_cudnn(const Tensor& d_o, const Tensor& q, cons
   g.dk = Tensor::empty(k.shape(), k.dtype(), dev, MemCategory::activations);
   g.dv = Tensor::empty(v.shape(), v.dtype(), dev, MemCategory::activations);
 
-  float scale = softmax_scale, one = 1.0f;
+  float scale = args.softmax_scale, one = 1.0f;
   float neg_inf = -std::numeric_limits<float>::infinity();
   std::map<int64_t, void*> ptrs = {
       {kQ, q.raw()}, {kK, k.raw()}, {kV, v.raw()}, {kO, o.raw()}, {kDO, d_o.raw()},
       {kStats, stats.raw()}, {kDQ, g.dq.raw()}, {kDK, g.dk.raw()}, {kDV, g.dv.raw()},
-      {kScale, &scale}, {kOne, &one}, {kSeqQ, r.seq_len}, {kSeqKV, r.seq_len},
+      {kScale, &scale}, {kOne, &one}, {kSeqQ, r.seq_len_q}, {kSeqKV, r.seq_len_kv},
       {kOffQ, r.off_q}, {kOffO, r.off_q}, {kOffK, r.off_kv}, {kOffV, r.off_kv},
       {kOffStats, r.off_stats}, {kNegInfPadding, &neg_inf}, {kNegInfCausal, &neg_inf},
       {kSoftmaxSum, softmax_sum.raw()}, {kDQAccum, dq_accum.raw()}};

@@ -1,14 +1,16 @@
-// attention_cudnn.h — the CUDA path of causal GQA attention (`sdpa`): cuDNN 9's fused flash
-// attention over packed (THD, ragged) sequences, forward and backward.
+// attention_cudnn.h — the CUDA path of GQA attention (`sdpa`): cuDNN 9's fused flash attention
+// over packed (THD, ragged) sequences, queries and keys packed separately, with the masks of
+// attention.h (causal top-left, causal bottom-right, none), forward and backward.
 //
 // attention_forward / attention_backward (attention.h) validate their arguments and call these
 // for CUDA tensors; the formulas, layouts and the meaning of every tensor are in attention.h.
 // Legend: T tokens, B sequences, Hq / Hkv query / kv heads, D head dim.
-//   q              [T, Hq, D]   bf16, cuda          in
-//   k, v           [T, Hkv, D]  bf16, cuda          in
-//   cu_seqlens     [B+1]        i32, host           in   (already validated by attention.cpp)
-//   o              [T, Hq, D]   bf16, activations   out
-//   saved->lse     [Hq, T]      f32, activations    out  natural log: lse_i = log sum_j exp(s_ij),
+//   q              [Tq, Hq, D]   bf16, cuda          in
+//   k, v           [Tkv, Hkv, D] bf16, cuda          in
+//   args           offsets, mask, scale (already validated by attention.cpp); every sequence
+//                  with queries must have keys
+//   o              [Tq, Hq, D]   bf16, activations   out
+//   saved->lse     [Hq, Tq]      f32, activations    out  natural log: lse_i = log sum_j exp(s_ij),
 //                                                        exactly the CPU reference's convention
 //   d_o            [T, Hq, D]   bf16                in
 //   dq / dk / dv   shapes of q / k / v, bf16, activations, WRITTEN (=) (no parameters here);
@@ -17,10 +19,11 @@
 // Scratch (offsets, cuDNN's workspace, f32 dq accumulator, per-query-head dk/dv for GQA) is
 // allocated per call under MemCategory::workspace and released on return.
 //
-// Everything runs on cuda::stream(). cu_seqlens goes host -> device inside a kernel's launch
+// Everything runs on cuda::stream(). The offsets go host -> device inside a kernel's launch
 // parameters (no host synchronisation, no pinned staging). Graphs and execution plans are built
-// once per (direction, device, batch bucket, token bucket, Hq, Hkv, D, dtype) and cached for the
-// life of the process; the plan is the first engine cuDNN's heuristics (mode A) can finalize.
+// once per (direction, device, batch bucket, query and key token buckets, Hq, Hkv, D, dtype,
+// mask) and cached for the life of the process; the plan is the first engine cuDNN's heuristics
+// (mode A) can finalize.
 // A configuration cuDNN cannot run throws bb::Error naming the shape; nothing falls back.
 // f32 (or f16) inputs are rejected: cuDNN's fused attention has no f32 I/O.
 #pragma once
@@ -36,13 +39,11 @@
 namespace bb {
 
 Tensor attention_forward_cudnn(const Tensor& q, const Tensor& k, const Tensor& v,
-                               const Tensor& cu_seqlens, float softmax_scale,
-                               AttentionSaved* saved);
+                               const AttentionArgs& args, AttentionSaved* saved);
 
 AttentionGrads attention_backward_cudnn(const Tensor& d_o, const Tensor& q, const Tensor& k,
                                         const Tensor& v, const Tensor& o,
-                                        const Tensor& cu_seqlens, float softmax_scale,
-                                        const AttentionSaved& saved);
+                                        const AttentionArgs& args, const AttentionSaved& saved);
 
 // The cuDNN library file to load ([backend] cudnn_library; "" = libcudnn.so.9 from the library
 // path). Must be chosen before the first attention call; changing it afterwards is an error.
