@@ -1,4 +1,4 @@
-// config.cpp — the [backend] knobs: checks, JSON form, and applying them to the CUDA backend.
+// config.cpp — the [backend] knobs: checks and their JSON form (runtime/run_config.h applies them).
 #include "backend/config.h"
 
 #include <nlohmann/json.hpp>
@@ -6,10 +6,6 @@
 
 #include "core/error.h"
 
-#ifdef BB_WITH_CUDA
-#include "backend/cuda/gemm.h"
-#include "primitives/attention/attention_cudnn.h"
-#endif
 
 namespace bb {
 
@@ -81,23 +77,6 @@ void from_json(const nlohmann::json& j, BackendConfig& c) {
     BB_FAIL("backend settings: ", e.what());
   }
   c.validate("");
-}
-
-void apply_backend_config(const BackendConfig& c) {
-  c.validate("");
-#ifdef BB_WITH_CUDA
-  cuda::GroupedDefaults d;
-  d.same_dtype = c.grouped_gemm_same_dtype == "multi_stream" ? cuda::GroupedAlgo::multi_stream
-                                                             : cuda::GroupedAlgo::cublas;
-  d.widening = c.grouped_gemm_widening == "wmma" ? cuda::GroupedAlgo::wmma
-                                                 : cuda::GroupedAlgo::multi_stream;
-  d.num_streams = static_cast<int>(c.grouped_gemm_streams);
-  d.multi_stream_min_flops = c.grouped_gemm_multi_stream_min_flops;
-  d.threaded_enqueue = c.grouped_gemm_threaded_enqueue;
-  cuda::set_grouped_defaults(d);
-  cuda::set_exact_heuristics(c.gemm_heuristics == "exact");
-  set_cudnn_library(c.cudnn_library);
-#endif
 }
 
 }  // namespace bb

@@ -1,8 +1,8 @@
 // config.h — the [backend] table of the run config: tuning knobs of the CUDA backend that
 // change how work runs, never what it computes beyond rounding (docs/config.md). Parsed with
 // the run config, printed at startup, saved in a checkpoint's state.json, settable per side in
-// `paired`; applied process-wide when a Trainer is built. Environment variables do not change
-// what runs.
+// `paired`; applied process-wide when a Trainer is built (apply_backend_config in
+// runtime/run_config.h). Environment variables do not change what runs.
 //
 // The defaults are those measured best on an H200 (bench/results/): they equal the built-in
 // defaults of backend/cuda/gemm.h (a test checks that they stay equal).
@@ -41,10 +41,5 @@ struct BackendConfig {
 void to_json(nlohmann::json& j, const BackendConfig& c);
 // Missing keys keep their defaults; values are validated.
 void from_json(const nlohmann::json& j, BackendConfig& c);
-
-// Makes `c` the process-wide setting of the CUDA backend (grouped GEMM defaults, heuristics
-// mode, cuDNN library). Nothing to set in a CPU-only build. The cuDNN library is loaded once:
-// asking for another file after it was loaded is an error.
-void apply_backend_config(const BackendConfig& c);
 
 }  // namespace bb

@@ -9,7 +9,9 @@
 #include "core/error.h"
 
 #ifdef BB_WITH_CUDA
+#include "backend/cuda/gemm.h"
 #include "backend/cuda/runtime.h"
+#include "primitives/attention/attention_cudnn.h"
 #endif
 
 namespace bb {
@@ -265,6 +267,23 @@ Device RunConfig::resolved_device() const {
 DType RunConfig::resolved_param_dtype() const {
   if (model_dtype == "auto") return resolved_device().is_cuda() ? DType::bf16 : DType::f32;
   return dtype_from_name(model_dtype);
+}
+
+void apply_backend_config(const BackendConfig& c) {
+  c.validate("");
+#ifdef BB_WITH_CUDA
+  cuda::GroupedDefaults d;
+  d.same_dtype = c.grouped_gemm_same_dtype == "multi_stream" ? cuda::GroupedAlgo::multi_stream
+                                                             : cuda::GroupedAlgo::cublas;
+  d.widening = c.grouped_gemm_widening == "wmma" ? cuda::GroupedAlgo::wmma
+                                                 : cuda::GroupedAlgo::multi_stream;
+  d.num_streams = static_cast<int>(c.grouped_gemm_streams);
+  d.multi_stream_min_flops = c.grouped_gemm_multi_stream_min_flops;
+  d.threaded_enqueue = c.grouped_gemm_threaded_enqueue;
+  cuda::set_grouped_defaults(d);
+  cuda::set_exact_heuristics(c.gemm_heuristics == "exact");
+  set_cudnn_library(c.cudnn_library);
+#endif
 }
 
 RunConfig parse_run_config(const std::string& text, const std::string& source,

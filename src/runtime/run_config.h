@@ -61,6 +61,11 @@ struct RunConfig {
   std::string primitives_summary() const { return prim.summary(); }
 };
 
+// Makes `c` the process-wide setting of the CUDA backend (grouped GEMM defaults, heuristics
+// mode, cuDNN library). Nothing to set in a CPU-only build. The cuDNN library is loaded once:
+// asking for another file after it was loaded is an error.
+void apply_backend_config(const BackendConfig& c);
+
 // Loads and validates a run config; `overrides` are "table.key=value" strings (value in TOML
 // syntax; a bare word is taken as a string). Relative paths in the file are resolved against
 // the current directory.

@@ -16,7 +16,6 @@
 #include "io/fs.h"
 #include "io/safetensors.h"
 #include "models/hf_io.h"
-#include "backend/config.h"
 #include "primitives/optim/adamw.h"
 
 #ifdef BB_WITH_CUDA
@@ -265,7 +264,7 @@ StepMetrics Trainer::train_step() {
   step_ = m.step;
 #ifdef BB_WITH_CUDA
   if (device_.is_cuda()) {
-    cuda::synchronize();  // the step's time includes all its device work
+    synchronize_device(device_);  // the step's time includes all its device work, every stream
     m.host_syncs = cuda::host_sync_count() - syncs0;
   }
 #endif

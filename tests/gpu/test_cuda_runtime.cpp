@@ -74,6 +74,7 @@ TEST(CudaRuntime, PhiloxFillMatchesHost) {
 #ifdef BB_WITH_CUDA
 #include "backend/config.h"
 #include "backend/cuda/gemm.h"
+#include "runtime/run_config.h"
 
 namespace bb {
 namespace {
