@@ -24,6 +24,7 @@ Side run_side(const PairedOptions& o, const std::vector<std::string>& side, cons
   RunConfig cfg = load_run_config(o.config_path, ov);
   if (out) {
     std::fprintf(out, "[paired] side %s: %s\n", label, cfg.primitives_summary().c_str());
+    std::fprintf(out, "[paired] side %s backend: %s\n", label, cfg.backend.summary().c_str());
     std::fflush(out);
   }
   Trainer tr(cfg, nullptr);

@@ -291,7 +291,13 @@ RunConfig parse_run_config(const std::string& text, const std::string& source,
   toml::value root = parse_toml_text(text, source);
   if (!root.is_table()) root = toml::table{};
   for (const auto& ov : overrides) apply_override(root, ov);
-  return build(root, source);
+  // Errors name where a value came from: the file, or the file as changed on the command line.
+  std::string src = source;
+  if (!overrides.empty()) {
+    src += " with overrides";
+    for (const auto& ov : overrides) src += " '" + ov + "'";
+  }
+  return build(root, src);
 }
 
 RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides) {

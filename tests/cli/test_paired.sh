@@ -48,6 +48,18 @@ done
 for want in "warm-up of side A: 1 untimed step" "warm-up of side B: 1 untimed step"; do
   grep -qF "$want" "$TMP/w.txt" || { echo "FAIL: paired --warmup 1 output lacks '$want'"; fail=1; }
 done
+# [backend] is settable per side: each side prints (and its trainer applies) its own table.
+"$BB" paired "${COMMON[@]}" --b backend.grouped_gemm_streams=3 --b 'backend.gemm_heuristics="exact"' > "$TMP/b.txt" 2>&1
+code=$?
+if [ $code -ne 0 ] || ! grep -q "side A backend: .*grouped_gemm_streams=[^3].*gemm_heuristics=bucketed" "$TMP/b.txt" ||
+   ! grep -q "side B backend: .*grouped_gemm_streams=3 .*gemm_heuristics=exact" "$TMP/b.txt"; then
+  echo "FAIL: per-side [backend]: exit $code"; cat "$TMP/b.txt"; fail=1
+fi
+"$BB" paired "${COMMON[@]}" --b backend.grouped_gemm_streams=99 > "$TMP/e.txt" 2>&1
+code=$?
+if [ $code -ne 2 ] || ! grep -q "grouped_gemm_streams = 99.* is not in \[1, 16\]" "$TMP/e.txt"; then
+  echo "FAIL: bad [backend] value on one side: exit $code"; cat "$TMP/e.txt"; fail=1
+fi
 # Bad usage is an error (exit 2) with a message.
 "$BB" paired "${COMMON[@]}" --a primitives.loss=nope > "$TMP/e.txt" 2>&1
 code=$?
