@@ -101,6 +101,10 @@ PairedResult run_paired(const PairedOptions& o, FILE* out) {
     cfg_a = load_run_config(o.config_path, ova);
     cfg_b = load_run_config(o.config_path, ovb);
   }
+  BB_CHECK(cfg_a.backend.cudnn_library == cfg_b.backend.cudnn_library,
+           "paired: backend.cudnn_library differs between the sides ('", cfg_a.backend.cudnn_library,
+           "' vs '", cfg_b.backend.cudnn_library,
+           "'); cuDNN is loaded once per process, so compare two libraries with two `train` runs");
   int64_t warm = o.warmup_steps;
   if (warm < 0)
     warm = cfg_a.resolved_device().is_cuda() || cfg_b.resolved_device().is_cuda() ? 1 : 0;

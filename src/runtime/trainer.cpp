@@ -137,9 +137,11 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus) : cfg_(cfg), lo
   schedule_ = std::make_unique<Schedule>(*model_, ScheduleOptions{cfg.prim.recompute.value, false});
   std::vector<ParamUnit*> units = model_->units();
   std::vector<Tensor> masters;
-  for (ParamUnit* u : units)
-    masters.push_back(Tensor::empty({u->numel}, DType::f32, device_, MemCategory::optimizer));
   if (cfg.model_init.rfind("hf:", 0) == 0) {
+    // Zeros: the loader writes only the parameters' slices, and the alignment padding between
+    // them must stay zero (AdamW steps whole buckets and copies the masters into the units).
+    for (ParamUnit* u : units)
+      masters.push_back(Tensor::zeros({u->numel}, DType::f32, device_, MemCategory::optimizer));
     // The fp32 masters take the checkpoint's values at full precision (the parameters may be
     // bf16), so they are loaded together.
     const std::string dir = cfg.model_init.substr(3);
@@ -150,8 +152,7 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus) : cfg_(cfg), lo
       std::fflush(log_);
     }
   } else {
-    for (size_t u = 0; u < units.size(); ++u)
-      masters[u] = units[u]->value.to_dtype(DType::f32, MemCategory::optimizer);
+    for (ParamUnit* u : units) masters.push_back(u->value.to_dtype(DType::f32, MemCategory::optimizer));
   }
   for (size_t u = 0; u < units.size(); ++u) {
     OptState s;

@@ -60,6 +60,12 @@ code=$?
 if [ $code -ne 2 ] || ! grep -q "grouped_gemm_streams = 99.* is not in \[1, 16\]" "$TMP/e.txt"; then
   echo "FAIL: bad [backend] value on one side: exit $code"; cat "$TMP/e.txt"; fail=1
 fi
+# cuDNN is loaded once per process: sides that differ in backend.cudnn_library are refused.
+"$BB" paired "${COMMON[@]}" --b 'backend.cudnn_library="/nonexistent/libcudnn.so.9"' > "$TMP/e.txt" 2>&1
+code=$?
+if [ $code -ne 2 ] || ! grep -q "backend.cudnn_library differs between the sides" "$TMP/e.txt"; then
+  echo "FAIL: paired with two cuDNN libraries: exit $code"; cat "$TMP/e.txt"; fail=1
+fi
 # Bad usage is an error (exit 2) with a message.
 "$BB" paired "${COMMON[@]}" --a primitives.loss=nope > "$TMP/e.txt" 2>&1
 code=$?

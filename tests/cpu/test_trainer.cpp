@@ -159,7 +159,8 @@ TEST(RunConfig, BadConfigsAreClearErrors) {
   test::expect_error_contains([&] { load_run_config(run, {"train.stepz=3"}); }, "unknown key 'train.stepz'");
   test::expect_error_contains([&] { load_run_config(run, {"primitives.loss=\"fast_ce\""}); },
                               "primitives.loss = 'fast_ce' in " + run +
-                                  " is not registered; registered members: full_ce, linear_ce");
+                                  " with overrides 'primitives.loss=\"fast_ce\"' is not registered; "
+                                  "registered members: full_ce, linear_ce");
   test::expect_error_contains([&] { load_run_config(run, {"train.steps=\"ten\""}); }, "train.steps (in");
   test::expect_error_contains([&] { load_run_config(run, {"parallel.ep=2"}); }, "only single-rank runs");
   test::expect_error_contains([&] { load_run_config(run, {"train.lr=-1"}); }, "train.lr must be > 0");
@@ -254,6 +255,24 @@ TEST(Trainer, HfInitKeepsFp32MastersAndExportWritesThem) {
   load_hf_weights(back, dir + "/out");
   for (Param* p : src.params())
     EXPECT_EQ(back.find_param(p->name)->value.to_floats(), p->value.to_floats()) << p->name;
+  // The alignment padding of every unit stays zero through optimizer steps from an hf: start
+  // (AdamW steps whole buckets; the loader writes only the parameters' slices).
+  Trainer stepped(load_run_config(run, {"model.init=\"hf:" + dir + "/hf\"", "train.steps=2"}),
+                  nullptr);
+  stepped.run();
+  int64_t padding = 0;
+  for (ParamUnit* u : stepped.model().units()) {
+    std::vector<bool> used(static_cast<size_t>(u->numel), false);
+    for (Param* p : u->params)
+      for (int64_t i = 0; i < p->numel(); ++i) used[static_cast<size_t>(p->offset + i)] = true;
+    const std::vector<float> v = u->value.to_floats();
+    for (size_t i = 0; i < v.size(); ++i)
+      if (!used[i]) {
+        ++padding;
+        EXPECT_EQ(v[i], 0.0f) << u->name << " padding element " << i;
+      }
+  }
+  EXPECT_GT(padding, 0) << "the small model should have padding (else the check proves nothing)";
 }
 
 }  // namespace

@@ -82,6 +82,14 @@ namespace {
 // grouped GEMM and the heuristics use (host-side settings: no GPU needed).
 TEST(BackendConfig, DefaultsEqualTheGemmDefaultsAndApplyChangesThem) {
   const cuda::GroupedDefaults g{};
+  // Before any config is applied (a benchmark without a trainer) the backend runs with them.
+  const cuda::GroupedDefaults start = cuda::grouped_defaults();
+  EXPECT_EQ(start.same_dtype, g.same_dtype);
+  EXPECT_EQ(start.widening, g.widening);
+  EXPECT_EQ(start.num_streams, g.num_streams);
+  EXPECT_EQ(start.multi_stream_min_flops, g.multi_stream_min_flops);
+  EXPECT_EQ(start.threaded_enqueue, g.threaded_enqueue);
+  EXPECT_FALSE(cuda::exact_heuristics());
   const BackendConfig b{};
   EXPECT_EQ(b.grouped_gemm_same_dtype, cuda::grouped_algo_name(g.same_dtype));
   EXPECT_EQ(b.grouped_gemm_widening, cuda::grouped_algo_name(g.widening));

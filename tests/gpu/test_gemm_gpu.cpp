@@ -220,6 +220,39 @@ TEST(GemmGpuEdge, SizesInABucketShareOneHeuristic) {
 #endif
 }
 
+// `exact` heuristics keep their own table: after a bucketed run filled a bucket, every new exact
+// shape still asks the heuristic once (and only once), and a bucket's own key size (576 here)
+// in bucketed mode reuses the algorithm another size found, checked, without a query.
+TEST(GemmGpuEdge, ExactHeuristicsIgnoreBucketedChoices) {
+  BB_REQUIRE_GPU();
+#ifdef BB_WITH_CUDA
+  cuda::gemm_clear_cache();
+  const bool was_exact = cuda::exact_heuristics();
+  const int64_t N = 96, H = 80;
+  auto run = [&](int64_t M) {
+    const auto av = stored(test::randn(M * H, 40 + M), DType::bf16);
+    const auto bv = stored(test::randn(H * N, 41), DType::bf16);
+    const Tensor a = on_gpu(av, {M, H}, DType::bf16), b = on_gpu(bv, {H, N}, DType::bf16);
+    Tensor c = Tensor::empty({M, N}, DType::f32, kGpu, MemCategory::other);
+    gpu_gemm(false, false, M, N, H, 1.0f, a, b, 0.0f, c);
+    EXPECT_LT(test::rel_error(c.to_floats(), ref_gemm(false, false, M, N, H, 1.0, av, bv, 0.0, {})),
+              1e-5) << "M=" << M << (cuda::exact_heuristics() ? " (exact)" : " (bucketed)");
+  };
+  cuda::set_exact_heuristics(false);
+  run(520);
+  const int64_t after_bucketed = cuda::gemm_heuristic_calls();
+  run(576);  // the bucket's key: reuses 520's algorithm after a check
+  EXPECT_EQ(cuda::gemm_heuristic_calls(), after_bucketed);
+  cuda::set_exact_heuristics(true);
+  run(520);
+  run(576);
+  EXPECT_EQ(cuda::gemm_heuristic_calls(), after_bucketed + 2) << "exact mode used a bucketed choice";
+  run(520);
+  EXPECT_EQ(cuda::gemm_heuristic_calls(), after_bucketed + 2) << "exact mode asked twice for a shape";
+  cuda::set_exact_heuristics(was_exact);
+#endif
+}
+
 TEST(GemmGpuEdge, StridedBatched) {
   BB_REQUIRE_GPU();
 #ifdef BB_WITH_CUDA

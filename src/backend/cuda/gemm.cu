@@ -87,6 +87,7 @@ struct Plan {
 struct Algo {
   cublasLtMatmulAlgo_t algo{};
   size_t workspace = 0;
+  int64_t donor_m = 0, donor_k = 0;  // the exact size whose heuristic query found it
 };
 
 // Shared by every thread, per device.
@@ -94,6 +95,7 @@ struct DeviceGemm {
   std::atomic<void*> workspace[kNumStreams] = {};  // created on first use under `mu`
   std::mutex mu;                                     // workspace creation, `algos`
   std::map<PlanKey, Algo> algos;                     // by bucketed key
+  std::map<PlanKey, Algo> exact_algos;               // by exact key (gemm_heuristics = exact)
   // Multi-stream grouped GEMM, under `grouped_mu`: side stream s runs with workspace side_ws[s]
   // and signals side_done[s]; `fork` is recorded on the calling stream for them to wait on.
   std::mutex grouped_mu;
@@ -120,12 +122,13 @@ std::atomic<int64_t> g_heuristic_calls{0};
 
 // Process-wide knobs ([backend] in the run config, applied through set_grouped_defaults and
 // set_exact_heuristics). Atomics: read on every grouped call without a lock.
+// Initial values: GroupedDefaults{} (one place for the defaults).
 struct Knobs {
-  std::atomic<int> same_dtype{static_cast<int>(GroupedAlgo::cublas)};
-  std::atomic<int> widening{static_cast<int>(GroupedAlgo::multi_stream)};
-  std::atomic<int> num_streams{4};
-  std::atomic<double> min_flops{1e9};
-  std::atomic<bool> threaded{true};
+  std::atomic<int> same_dtype{static_cast<int>(GroupedDefaults{}.same_dtype)};
+  std::atomic<int> widening{static_cast<int>(GroupedDefaults{}.widening)};
+  std::atomic<int> num_streams{GroupedDefaults{}.num_streams};
+  std::atomic<double> min_flops{GroupedDefaults{}.multi_stream_min_flops};
+  std::atomic<bool> threaded{GroupedDefaults{}.threaded_enqueue};
   std::atomic<bool> exact{false};
 };
 Knobs& knobs() {
@@ -282,19 +285,23 @@ const Plan& get_plan(ThreadGemm& t, DeviceGemm& d, const PlanKey& k) {
   p.b = make_layout(at, k.ta ? k.M : k.K, k.ta ? k.K : k.M, k.lda, k.batch, k.sa);
   p.c = make_layout(ct, k.N, k.M, k.ldc, k.batch, k.sc);
 
-  // The shared algorithm of this shape's key (its bucket, or the shape itself), if one was
-  // found and it runs this exact size.
-  const PlanKey ak = knobs().exact.load(std::memory_order_relaxed) ? k : bucket_key(k);
-  const bool exact_key = ak.M == k.M && ak.K == k.K;
+  // The shared algorithm of this shape's key: in bucketed mode its bucket's (checked for this
+  // exact size unless this size is the one that found it), in exact mode this shape's own. The
+  // two modes keep separate maps, so an exact run never uses an algorithm a bucketed one found
+  // for another size.
+  const bool exact_mode = knobs().exact.load(std::memory_order_relaxed);
+  const PlanKey ak = exact_mode ? k : bucket_key(k);
+  std::map<PlanKey, Algo>& algos = exact_mode ? d.exact_algos : d.algos;
   std::lock_guard<std::mutex> lock(d.mu);
-  auto ai = d.algos.find(ak);
-  if (ai != d.algos.end()) {
+  auto ai = algos.find(ak);
+  if (ai != algos.end()) {
+    const bool donor = ai->second.donor_m == k.M && ai->second.donor_k == k.K;
     cublasLtMatmulHeuristicResult_t chk{};
-    if (exact_key || (cublasLtMatmulAlgoCheck(t.lt, p.desc, p.a, p.b, p.c, p.c,
-                                              &ai->second.algo, &chk) == CUBLAS_STATUS_SUCCESS &&
-                      chk.workspaceSize <= kWorkspaceBytes)) {
+    if (donor || (cublasLtMatmulAlgoCheck(t.lt, p.desc, p.a, p.b, p.c, p.c, &ai->second.algo,
+                                          &chk) == CUBLAS_STATUS_SUCCESS &&
+                  chk.workspaceSize <= kWorkspaceBytes)) {
       p.algo = ai->second.algo;
-      p.workspace = exact_key ? ai->second.workspace : chk.workspaceSize;
+      p.workspace = donor ? ai->second.workspace : chk.workspaceSize;
       return t.plans.emplace(k, p).first->second;
     }
   }
@@ -321,7 +328,7 @@ const Plan& get_plan(ThreadGemm& t, DeviceGemm& d, const PlanKey& k) {
   p.algo = res.algo;
   p.workspace = res.workspaceSize;
   // The first size seen in a bucket donates its algorithm to the bucket.
-  d.algos.emplace(ak, Algo{res.algo, res.workspaceSize});
+  algos.emplace(ak, Algo{res.algo, res.workspaceSize, k.M, k.K});
   return t.plans.emplace(k, p).first->second;
 }
 
@@ -508,6 +515,7 @@ void gemm_clear_cache() {
     if (!d) continue;
     std::lock_guard<std::mutex> lock(d->mu);
     d->algos.clear();
+    d->exact_algos.clear();
   }
 }
 
@@ -521,7 +529,12 @@ int64_t gemm_cache_size() {
   return n;
 }
 
-void set_exact_heuristics(bool exact) { knobs().exact.store(exact); }
+void set_exact_heuristics(bool exact) {
+  // A thread's plans were built under the old mode: a change makes every thread rebuild them
+  // (the shared algorithms of both modes stay).
+  if (knobs().exact.exchange(exact) != exact)
+    g_generation.fetch_add(1, std::memory_order_acq_rel);
+}
 bool exact_heuristics() { return knobs().exact.load(); }
 
 // ---- grouped GEMM ----------------------------------------------------------------------------
@@ -784,10 +797,10 @@ void grouped_cublas(bool ta, bool tb, const std::vector<GemmProblem>& ps, float 
 // Caller holds st.grouped_mu; `dev` is current.
 void ensure_side_streams(DeviceGemm& st, int n, int dev) {
   if (!st.fork) BB_CHECK_CUDA(cudaEventCreateWithFlags(&st.fork, cudaEventDisableTiming));
+  const size_t had = st.side.size();
   while (static_cast<int>(st.side.size()) < n) {
     // The workspace first (the step most likely to fail, near a full GPU), so that a failure
-    // leaves the three lists the same length. Allocated on the compute stream, so first used
-    // after the fork event that follows it.
+    // leaves the three lists the same length. Allocated on the compute stream (ordered below).
     void* ws = new_workspace(dev);
     cudaStream_t s = nullptr;
     cudaEvent_t e = nullptr;
@@ -798,6 +811,11 @@ void ensure_side_streams(DeviceGemm& st, int n, int dev) {
     st.side.push_back(s);
     st.side_done.push_back(e);
   }
+  // The new workspaces come from the compute stream's order, and the side streams start after
+  // the fork event on the *calling* stream: when that is not the compute stream, it first waits
+  // for the compute stream, so no side stream touches memory the compute stream still uses.
+  if (st.side.size() > had && current_stream() != Stream::compute)
+    Event::record(Device::cuda(dev), Stream::compute).wait(current_stream());
 }
 
 // Enqueueing one cuBLASLt call costs the host ~8 us; with 2E calls per stage and small experts

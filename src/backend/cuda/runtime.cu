@@ -399,6 +399,10 @@ class CudaAllocator final : public Allocator {
       return;
     }
     // Used on several streams: free on the release stream, after the work every user queued.
+    // The streams are looked up before the lock: creating one takes the same mutex.
+    cudaStream_t users[kNumStreams] = {};
+    for (int i = 0; i < kNumStreams; ++i)
+      if (used & (1u << i)) users[i] = cuda::stream_of(dev_, static_cast<Stream>(i));
     cuda::DeviceState& st = cuda::state(dev_);
     std::lock_guard<std::mutex> lock(st.mu);
     cuda::set_device(dev_);
@@ -409,7 +413,7 @@ class CudaAllocator final : public Allocator {
     for (int i = 0; i < kNumStreams; ++i) {
       if (!(used & (1u << i))) continue;
       // Each wait captures the mark as recorded now, so one event per stream is reused.
-      cudaEventRecord(st.release_marks[i], cuda::stream_of(dev_, static_cast<Stream>(i)));
+      cudaEventRecord(st.release_marks[i], users[i]);
       cudaStreamWaitEvent(st.release, st.release_marks[i], 0);
     }
     cudaFreeAsync(p, st.release);

@@ -388,7 +388,6 @@ void build_backward_ops(GraphBuilder& g, const Dims& x, cudnnDataType_t io, Atte
   g.tensor(kDK, x.kv_dims(), x.kv_strides(), io, false, kOffK);
   g.tensor(kDV, x.kv_dims(), x.kv_strides(), io, false, kOffV);
   const bool gqa = x.hq != x.hkv;
-  const int64_t group = x.hq / x.hkv;
 
   // softmax_sum_i = sum_d dO_id * O_id (f32 scratch in the packed stats layout).
   const int64_t dodo = g.vt(x.q_dims(), {x.hq * x.sq * x.d, x.sq * x.d, x.hq * x.d, 1},

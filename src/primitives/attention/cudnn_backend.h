@@ -66,10 +66,15 @@ inline Api load_api(std::string& error) {
     forced = c.file;
     c.loaded = true;
   }
+  // A file asked for by name is the only one tried: falling back to another cuDNN would run
+  // something other than what the startup line and state.json say.
   std::vector<std::string> names;
-  if (!forced.empty()) names.push_back(forced);
-  names.push_back("libcudnn.so.9");
-  names.push_back("libcudnn.so");
+  if (!forced.empty()) {
+    names.push_back(forced);
+  } else {
+    names.push_back("libcudnn.so.9");
+    names.push_back("libcudnn.so");
+  }
   void* lib = nullptr;
   std::string tried;
   for (const std::string& n : names) {
@@ -79,8 +84,11 @@ inline Api load_api(std::string& error) {
     tried += "\n  " + n + ": " + (why ? why : "not found");
   }
   if (!lib) {
-    error = "cuDNN 9 could not be loaded (the CUDA attention path needs it; put libcudnn.so.9 on "
-            "LD_LIBRARY_PATH or set backend.cudnn_library):" + tried;
+    error = forced.empty()
+                ? "cuDNN 9 could not be loaded (the CUDA attention path needs it; put libcudnn.so.9 "
+                  "on LD_LIBRARY_PATH or set backend.cudnn_library):" + tried
+                : "backend.cudnn_library = '" + forced + "' could not be loaded (give an existing "
+                  "libcudnn.so.9 path, or \"\" for the default search):" + tried;
     return api;
   }
   std::string missing;
