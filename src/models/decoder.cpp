@@ -24,13 +24,9 @@ void ModelOptions::validate() const {
            z_loss_coef);
 }
 
-Tensor HfTensor::value() const {
-  return param->unit->value.narrow(param->offset + offset, shape_numel(shape)).view(shape);
-}
+Tensor HfTensor::value() const { return unit_slice(param->unit->value, *param, offset, shape); }
 
-Tensor HfTensor::grad() const {
-  return param->unit->grad.narrow(param->offset + offset, shape_numel(shape)).view(shape);
-}
+Tensor HfTensor::grad() const { return unit_slice(param->unit->grad, *param, offset, shape); }
 
 DecoderModel::~DecoderModel() = default;
 

@@ -135,11 +135,9 @@ HfLoadReport load_hf_weights(DecoderModel& model, const std::string& dir,
     Tensor dst_f32;  // the same slice of the unit's f32 target, when asked for
   };
   auto target = [&](const std::string& name, Param* p, int64_t offset, const Shape& shape) {
-    Target t{name, p->unit->value.narrow(p->offset + offset, shape_numel(shape)).view(shape), {}};
+    Target t{name, unit_slice(p->unit->value, *p, offset, shape), {}};
     if (f32_units)
-      t.dst_f32 = (*f32_units)[static_cast<size_t>(p->unit->index)]
-                      .narrow(p->offset + offset, shape_numel(shape))
-                      .view(shape);
+      t.dst_f32 = unit_slice((*f32_units)[static_cast<size_t>(p->unit->index)], *p, offset, shape);
     return t;
   };
   std::vector<Target> targets;

@@ -15,6 +15,10 @@ const char* unit_kind_name(UnitKind k) {
   return "?";
 }
 
+Tensor unit_slice(const Tensor& flat, const Param& p, int64_t offset, const Shape& shape) {
+  return flat.narrow(p.offset + offset, shape_numel(shape)).view(shape);
+}
+
 ParamUnit& ParamStore::add_unit(const std::string& name, UnitKind kind, int64_t layer) {
   BB_CHECK(!allocated_, "ParamStore: unit '", name, "' added after allocate()");
   for (const ParamUnit& u : units_)
@@ -71,8 +75,8 @@ void ParamStore::allocate(Device dev, DType param_dtype) {
     u.value = Tensor::zeros({u.numel}, param_dtype, dev, MemCategory::params);
     u.grad = Tensor::zeros({u.numel}, DType::f32, dev, MemCategory::grads);
     for (Param* p : ordered) {
-      p->value = u.value.narrow(p->offset, p->numel()).view(p->shape);
-      p->grad = u.grad.narrow(p->offset, p->numel()).view(p->shape);
+      p->value = unit_slice(u.value, *p);
+      p->grad = unit_slice(u.grad, *p);
     }
   }
   allocated_ = true;

@@ -65,6 +65,12 @@ struct ParamUnit {
   Tensor grad;                 // [numel] f32, category grads
 };
 
+// The elements of `flat` that `p` (or the `shape` at `offset` elements into p) occupies in its
+// unit, where `flat` is any [unit.numel] buffer laid out like the unit: its values, its
+// gradients, the optimizer's state of the unit.
+Tensor unit_slice(const Tensor& flat, const Param& p, int64_t offset, const Shape& shape);
+inline Tensor unit_slice(const Tensor& flat, const Param& p) { return unit_slice(flat, p, 0, p.shape); }
+
 class ParamStore {
  public:
   static constexpr int64_t kAlign = 128;

@@ -77,37 +77,48 @@ const Family<OptimizerKind>& optimizer_family() {
   return f;
 }
 
+// Every family of a PrimitiveSet, in the order of the [primitives] table: the one list that
+// keys(), set() and name_of() walk. f(choice, family) for each.
+template <class Set, class F>
+void for_each_family(Set& s, F&& f) {
+  f(s.loss, loss_family());
+  f(s.recompute, recompute_family());
+  f(s.router, router_family());
+  f(s.experts, experts_family());
+  f(s.permute, permute_family());
+  f(s.attention, attention_family());
+  f(s.moe_dispatch, moe_dispatch_family());
+  f(s.state, state_family());
+  f(s.optimizer, optimizer_family());
+}
+
 const std::vector<std::string>& PrimitiveSet::keys() {
-  static const std::vector<std::string> k = {"loss",      "recompute",    "router",
-                                             "experts",   "permute",      "attention",
-                                             "moe_dispatch", "state",     "optimizer"};
+  static const std::vector<std::string> k = [] {
+    std::vector<std::string> out;
+    PrimitiveSet s;
+    for_each_family(s, [&](auto&, const auto& fam) { out.push_back(fam.key()); });
+    return out;
+  }();
   return k;
 }
 
 void PrimitiveSet::set(const std::string& key, const std::string& name, const std::string& where) {
-  if (key == "loss") loss = loss_family().parse(name, where);
-  else if (key == "recompute") recompute = recompute_family().parse(name, where);
-  else if (key == "router") router = router_family().parse(name, where);
-  else if (key == "experts") experts = experts_family().parse(name, where);
-  else if (key == "permute") permute = permute_family().parse(name, where);
-  else if (key == "attention") attention = attention_family().parse(name, where);
-  else if (key == "moe_dispatch") moe_dispatch = moe_dispatch_family().parse(name, where);
-  else if (key == "state") state = state_family().parse(name, where);
-  else if (key == "optimizer") optimizer = optimizer_family().parse(name, where);
-  else BB_FAIL("unknown primitive family '", key, "'");
+  bool found = false;
+  for_each_family(*this, [&](auto& choice, const auto& fam) {
+    if (fam.key() != key) return;
+    choice = fam.parse(name, where);
+    found = true;
+  });
+  BB_CHECK(found, "unknown primitive family '", key, "'");
 }
 
 const std::string& PrimitiveSet::name_of(const std::string& key) const {
-  if (key == "loss") return loss.name;
-  if (key == "recompute") return recompute.name;
-  if (key == "router") return router.name;
-  if (key == "experts") return experts.name;
-  if (key == "permute") return permute.name;
-  if (key == "attention") return attention.name;
-  if (key == "moe_dispatch") return moe_dispatch.name;
-  if (key == "state") return state.name;
-  if (key == "optimizer") return optimizer.name;
-  BB_FAIL("unknown primitive family '", key, "'");
+  const std::string* name = nullptr;
+  for_each_family(*this, [&](const auto& choice, const auto& fam) {
+    if (fam.key() == key) name = &choice.name;
+  });
+  BB_CHECK(name, "unknown primitive family '", key, "'");
+  return *name;
 }
 
 void PrimitiveSet::validate(const std::string& where) const {

@@ -14,12 +14,19 @@ void Schedule::add_hooks(LayerHooks* hooks) {
   hooks_.push_back(hooks);
 }
 
-void Schedule::begin(const MicroBatch& mb) {
+BatchContext Schedule::begin(const MicroBatch& mb, Pass pass, ForwardStats& st) {
   model_.check_batch(mb);
   routing_.layers.assign(static_cast<size_t>(model_.num_moe_layers()), RoutingStash::Entry{});
   if (model_.num_moe_layers() > 0)
     aux_.begin(model_.config().num_experts, model_.options().prims.router.value,
                model_.options().device);
+  BatchContext ctx;
+  ctx.mb = &mb;
+  ctx.pass = pass;
+  ctx.stats = &st;
+  ctx.aux = model_.num_moe_layers() > 0 ? &aux_ : nullptr;
+  ctx.routing = &routing_;
+  return ctx;
 }
 
 Tensor Schedule::forward_layer(Layer& layer, const Tensor& x, BatchContext& ctx,
@@ -35,14 +42,8 @@ Tensor Schedule::forward_layer(Layer& layer, const Tensor& x, BatchContext& ctx,
 }
 
 ForwardStats Schedule::forward_backward(const MicroBatch& mb, float loss_scale, double aux_scale) {
-  begin(mb);
   ForwardStats st;
-  BatchContext ctx;
-  ctx.mb = &mb;
-  ctx.pass = Pass::train;
-  ctx.stats = &st;
-  ctx.aux = model_.num_moe_layers() > 0 ? &aux_ : nullptr;
-  ctx.routing = &routing_;
+  BatchContext ctx = begin(mb, Pass::train, st);
   ctx.defer_wgrad = opts_.delay_wgrad;
   const bool full = opts_.recompute == RecomputePolicy::full;
   std::vector<Layer>& layers = model_.layers();
@@ -113,14 +114,8 @@ void Schedule::end() {
 }
 
 ForwardStats Schedule::forward(const MicroBatch& mb, Tensor* logits) {
-  begin(mb);
   ForwardStats st;
-  BatchContext ctx;
-  ctx.mb = &mb;
-  ctx.pass = Pass::eval;
-  ctx.stats = &st;
-  ctx.aux = model_.num_moe_layers() > 0 ? &aux_ : nullptr;
-  ctx.routing = &routing_;
+  BatchContext ctx = begin(mb, Pass::eval, st);
   Tensor x = model_.embed_forward(mb);
   for (Layer& L : model_.layers()) {
     for (LayerHooks* h : hooks_) h->before_forward(L, Pass::eval);

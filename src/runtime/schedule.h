@@ -73,7 +73,9 @@ class Schedule {
     std::vector<std::unique_ptr<BlockSaved>> blocks;
   };
   Tensor forward_layer(Layer& layer, const Tensor& x, BatchContext& ctx, LayerState* state);
-  void begin(const MicroBatch& mb);
+  // Checks the batch, resets the routing stash and the aux pool, and returns the context of
+  // one pass over `mb` whose statistics go to `st`.
+  BatchContext begin(const MicroBatch& mb, Pass pass, ForwardStats& st);
   void end();
 
   DecoderModel& model_;

@@ -357,10 +357,9 @@ std::string Trainer::save_checkpoint(const std::string& root) {
     std::vector<std::pair<std::string, Tensor>> opt;
     for (Param* p : model_->params()) {
       const OptState& s = opt_[static_cast<size_t>(p->unit->index)];
-      auto slice = [&](const Tensor& flat) { return flat.narrow(p->offset, p->numel()).view(p->shape); };
-      opt.emplace_back(p->name + ".master", slice(s.master));
-      opt.emplace_back(p->name + ".exp_avg", slice(s.exp_avg));
-      opt.emplace_back(p->name + ".exp_avg_sq", slice(s.exp_avg_sq));
+      opt.emplace_back(p->name + ".master", unit_slice(s.master, *p));
+      opt.emplace_back(p->name + ".exp_avg", unit_slice(s.exp_avg, *p));
+      opt.emplace_back(p->name + ".exp_avg_sq", unit_slice(s.exp_avg_sq, *p));
     }
     write_safetensors(path_join(tmp_dir, "optimizer.safetensors"), opt, {{"bumblebee_step", std::to_string(step_)}});
     nlohmann::json st;
@@ -464,8 +463,7 @@ void Trainer::load_checkpoint(const std::string& path) {
     OptState& s = opt_[static_cast<size_t>(ps[i]->unit->index)];
     Tensor* flat[3] = {&s.master, &s.exp_avg, &s.exp_avg_sq};
     for (int k = 0; k < 3; ++k)
-      flat[k]->narrow(ps[i]->offset, ps[i]->numel()).copy_from(
-          staged_opt[i][static_cast<size_t>(k)].view({ps[i]->numel()}));
+      unit_slice(*flat[k], *ps[i]).copy_from(staged_opt[i][static_cast<size_t>(k)]);
   }
   data_->restore(pos);
   step_ = step;
