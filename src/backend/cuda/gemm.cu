@@ -138,11 +138,18 @@ Knobs& knobs() {
 
 // A 32 MiB workspace on `dev`, kept for the life of the process (deliberately never freed: it
 // would be released after the allocator and the CUDA context at exit). It counts as live
-// `workspace` memory. Allocated on the compute stream, before the work that first uses it.
+// `workspace` memory. Allocated on the compute stream; when the caller's current stream is
+// another one, that stream first waits for the compute stream, so no work it issues next (or a
+// stream forked from it) touches memory the compute stream still uses.
 void* new_workspace(int dev) {
-  StreamScope on_compute(Stream::compute);
-  auto* ws = new Tensor(Tensor::empty({static_cast<int64_t>(kWorkspaceBytes)}, DType::u8,
-                                      Device::cuda(dev), MemCategory::workspace));
+  const Stream caller = current_stream();
+  Tensor* ws = nullptr;
+  {
+    StreamScope on_compute(Stream::compute);
+    ws = new Tensor(Tensor::empty({static_cast<int64_t>(kWorkspaceBytes)}, DType::u8,
+                                  Device::cuda(dev), MemCategory::workspace));
+  }
+  if (caller != Stream::compute) Event::record(Device::cuda(dev), Stream::compute).wait(caller);
   return ws->raw();
 }
 
@@ -163,10 +170,7 @@ void* stream_workspace(DeviceGemm& d, int dev) {
   if (void* w = d.workspace[s].load(std::memory_order_acquire)) return w;
   std::lock_guard<std::mutex> lock(d.mu);
   if (void* w = d.workspace[s].load(std::memory_order_acquire)) return w;
-  void* w = new_workspace(dev);
-  // The workspace was allocated on the compute stream; work on another stream must not touch
-  // it before that allocation is ordered.
-  if (s != 0) Event::record(Device::cuda(dev), Stream::compute).wait(static_cast<Stream>(s));
+  void* w = new_workspace(dev);  // ordered for this stream
   d.workspace[s].store(w, std::memory_order_release);
   return w;
 }
@@ -797,10 +801,10 @@ void grouped_cublas(bool ta, bool tb, const std::vector<GemmProblem>& ps, float 
 // Caller holds st.grouped_mu; `dev` is current.
 void ensure_side_streams(DeviceGemm& st, int n, int dev) {
   if (!st.fork) BB_CHECK_CUDA(cudaEventCreateWithFlags(&st.fork, cudaEventDisableTiming));
-  const size_t had = st.side.size();
   while (static_cast<int>(st.side.size()) < n) {
     // The workspace first (the step most likely to fail, near a full GPU), so that a failure
-    // leaves the three lists the same length. Allocated on the compute stream (ordered below).
+    // leaves the three lists the same length. Ordered for the calling stream (new_workspace),
+    // and the side streams start after the fork event recorded on it.
     void* ws = new_workspace(dev);
     cudaStream_t s = nullptr;
     cudaEvent_t e = nullptr;
@@ -811,11 +815,6 @@ void ensure_side_streams(DeviceGemm& st, int n, int dev) {
     st.side.push_back(s);
     st.side_done.push_back(e);
   }
-  // The new workspaces come from the compute stream's order, and the side streams start after
-  // the fork event on the *calling* stream: when that is not the compute stream, it first waits
-  // for the compute stream, so no side stream touches memory the compute stream still uses.
-  if (st.side.size() > had && current_stream() != Stream::compute)
-    Event::record(Device::cuda(dev), Stream::compute).wait(current_stream());
 }
 
 // Enqueueing one cuBLASLt call costs the host ~8 us; with 2E calls per stage and small experts
