@@ -1,0 +1,492 @@
+// nccl_group_cuda.cpp — comm::Group over NCCL (comm.h): GPU tensors of the current device, one
+// GPU per rank, every operation issued in stream order on the stream it is given.
+//
+// Bootstrap goes through MPI: rank 0 of a group makes the NCCL unique id and broadcasts it over
+// the group's own MPI communicator (kept for split() and the host operations); a single process
+// without a launcher makes a one-rank communicator locally. split() splits the MPI communicator
+// and builds a fresh NCCL communicator the same way (no ncclCommSplit: one code path for both).
+//
+// An operation makes stream `s` wait for the caller's current stream, enqueues the NCCL call on
+// `s` and records an event after it; Work::wait() makes the caller's current stream wait for that
+// event (the host never blocks). Uneven all-gather is a group of broadcasts (one per rank, over
+// the rings NCCL already has), all-to-all-v a group of send/recv pairs. NCCL counts are size_t:
+// no 2^31 limit. The host blocks only in barrier() (polled against the job's deadline, with
+// NCCL's asynchronous error state) and in the host operations, which go through MPI.
+#include <nccl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstdio>
+#include <thread>
+
+#include "backend/cuda/check.cuh"  // cuda::stream_of: the cudaStream_t of a named stream
+#include "backend/cuda/runtime.h"
+#include "comm/mpi_group.h"
+
+namespace bb::comm {
+
+namespace {
+
+double now_s() {
+  using namespace std::chrono;
+  return duration<double>(steady_clock::now().time_since_epoch()).count();
+}
+
+ncclDataType_t nccl_type(DType dt) {
+  switch (dt) {
+    case DType::f32: return ncclFloat32;
+    case DType::bf16: return ncclBfloat16;
+    case DType::f16: return ncclFloat16;
+    case DType::i32: return ncclInt32;
+    case DType::i64: return ncclInt64;
+    case DType::u8:
+    case DType::boolean: return ncclUint8;
+  }
+  return ncclUint8;
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return ncclSum;
+    case ReduceOp::max: return ncclMax;
+    case ReduceOp::min: return ncclMin;
+  }
+  return ncclSum;
+}
+
+MPI_Op mpi_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return MPI_SUM;
+    case ReduceOp::max: return MPI_MAX;
+    case ReduceOp::min: return MPI_MIN;
+  }
+  return MPI_SUM;
+}
+
+// Throws bb::Error naming the NCCL call, the group and NCCL's own account of the failure.
+void nccl_check(ncclResult_t r, ncclComm_t comm, const char* what, const std::string& group) {
+  if (r == ncclSuccess) return;
+  set_current_op("", "", 0);
+  const char* last = ncclGetLastError(comm);
+  BB_FAIL("NCCL error in ", what, " on group ", group, ": ", ncclGetErrorString(r),
+          last && *last ? " (" : "", last && *last ? last : "", last && *last ? ")" : "",
+          r == ncclInvalidUsage && std::string(what) == "ncclCommInitRank"
+              ? "; NCCL needs one GPU per rank (ranks sharing a GPU need parallel.comm = 'mpi')"
+              : "");
+}
+
+// Host operations go through MPI, whose counts are int.
+int to_int(int64_t v, const char* op, const std::string& group) {
+  BB_CHECK(v >= 0 && v <= INT_MAX, op, " on group ", group, ": ", v,
+           " values exceed MPI's limit of 2^31 - 1 per call");
+  return static_cast<int>(v);
+}
+
+// Bytes from the start of `t` to its row `row`.
+size_t row_offset(const Tensor& t, int64_t row) {
+  return static_cast<size_t>(row) * static_cast<size_t>(row_elems(t)) * dtype_size(t.dtype());
+}
+char* at_row(const Tensor& t, int64_t row) {
+  return static_cast<char*>(t.raw()) + row_offset(t, row);
+}
+
+class NcclWork final : public Work {
+ public:
+  NcclWork(Event done, std::vector<Tensor> keep) : done_(std::move(done)), keep_(std::move(keep)) {}
+  // Orders the caller's current stream after the operation; the host does not wait. A Work
+  // dropped without wait() completes anyway (the operation is already queued).
+  void wait() override { done_.wait(current_stream()); }
+
+ private:
+  Event done_;                // recorded on the operation's stream right after it
+  std::vector<Tensor> keep_;  // the operation's tensors, alive until the Work goes (comm.h)
+};
+
+class NcclGroup final : public Group {
+ public:
+  NcclGroup(MPI_Comm mpi, ncclComm_t nccl, int dev, const std::string& name, int rank, int size,
+            std::vector<int> wr)
+      : Group(name, rank, size, std::move(wr)), mpi_(mpi), nccl_(nccl), dev_(dev) {}
+  ~NcclGroup() override {
+    // A communicator in an error state cannot be finalised cleanly (destroy would wait for
+    // peers that are gone): abort it instead.
+    if (nccl_) {
+      ncclResult_t async = ncclSuccess;
+      if (ncclCommGetAsyncError(nccl_, &async) != ncclSuccess ||
+          (async != ncclSuccess && async != ncclInProgress))
+        ncclCommAbort(nccl_);
+      else
+        ncclCommDestroy(nccl_);
+    }
+    if (mpi_ != MPI_COMM_NULL) {
+      int fin = 0;
+      MPI_Finalized(&fin);
+      if (!fin) MPI_Comm_free(&mpi_);
+    }
+  }
+  Backend backend() const override { return Backend::nccl; }
+
+  WorkPtr all_reduce(const Tensor& t, ReduceOp op, Stream s) override {
+    check_tensor("all_reduce", "t", t);
+    if (t.numel() == 0) return done_work();
+    cudaStream_t cs = enter("all_reduce", s);
+    nccl_check(ncclAllReduce(t.raw(), t.raw(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()),
+                             nccl_op(op), nccl_, cs),
+               nccl_, "all_reduce", name());
+    return leave(s, {t});
+  }
+
+  WorkPtr reduce_scatter(const Tensor& in, const Tensor& out, ReduceOp op, Stream s) override {
+    check_reduce_scatter(in, out);
+    check_tensor("reduce_scatter", "in", in);
+    check_tensor("reduce_scatter", "out", out);
+    if (out.numel() == 0) return done_work();
+    cudaStream_t cs = enter("reduce_scatter", s);
+    nccl_check(ncclReduceScatter(in.raw(), out.raw(), static_cast<size_t>(out.numel()),
+                                 nccl_type(out.dtype()), nccl_op(op), nccl_, cs),
+               nccl_, "reduce_scatter", name());
+    return leave(s, {in, out});
+  }
+
+  WorkPtr all_gather(const Tensor& in, const Tensor& out, Stream s) override {
+    check_all_gather(in, out);
+    check_tensor("all_gather", "in", in);
+    check_tensor("all_gather", "out", out);
+    if (in.numel() == 0) return done_work();
+    cudaStream_t cs = enter("all_gather", s);
+    // In place (in is out's rank-th block) is NCCL's own in-place case: no special path.
+    nccl_check(ncclAllGather(in.raw(), out.raw(), static_cast<size_t>(in.numel()),
+                             nccl_type(in.dtype()), nccl_, cs),
+               nccl_, "all_gather", name());
+    return leave(s, {in, out});
+  }
+
+  WorkPtr all_gather_v(const Tensor& in, const Tensor& out, const std::vector<int64_t>& counts,
+                       Stream s) override {
+    check_counts("all_gather_v", counts);
+    int64_t total = 0;
+    for (int64_t c : counts) total += c;
+    const int64_t mine = counts[static_cast<size_t>(rank())];
+    BB_CHECK(rows_of(in) == mine && rows_of(out) == total && in.dtype() == out.dtype() &&
+                 row_elems(in) == row_elems(out),
+             "all_gather_v on group ", name(), ": in ", in.str(), " (", mine,
+             " rows expected) and out ", out.str(), " (", total,
+             " rows expected) do not match the counts");
+    check_tensor("all_gather_v", "in", in);
+    check_tensor("all_gather_v", "out", out);
+    const int64_t width = row_elems(out);
+    if (total == 0 || width == 0) return done_work();
+    cudaStream_t cs = enter("all_gather_v", s);
+    // One broadcast per rank with rows, rooted there, into that rank's slice of out; the root
+    // sends from `in` (NCCL copies it into its own slice, or not at all when in is that slice).
+    // Counts are the same on every rank, so every rank skips the same empty ones.
+    const ncclDataType_t type = nccl_type(out.dtype());
+    nccl_check(ncclGroupStart(), nccl_, "all_gather_v (ncclGroupStart)", name());
+    ncclResult_t r = ncclSuccess;
+    int64_t off = 0;
+    for (int p = 0; p < size() && r == ncclSuccess; ++p) {
+      const int64_t c = counts[static_cast<size_t>(p)];
+      if (c > 0) {
+        void* dst = at_row(out, off);
+        const void* src = p == rank() ? in.raw() : dst;  // only the root's send buffer is read
+        r = ncclBroadcast(src, dst, static_cast<size_t>(c * width), type, p, nccl_, cs);
+      }
+      off += c;
+    }
+    const ncclResult_t end = ncclGroupEnd();  // closes the group even after a failed call
+    nccl_check(r != ncclSuccess ? r : end, nccl_, "all_gather_v (ncclBroadcast)", name());
+    return leave(s, {in, out});
+  }
+
+  WorkPtr all_to_all_v(const Tensor& in, const std::vector<int64_t>& sc, const Tensor& out,
+                       const std::vector<int64_t>& rc, Stream s) override {
+    check_counts("all_to_all_v", sc);
+    check_counts("all_to_all_v", rc);
+    int64_t ns = 0, nr = 0;
+    for (int64_t c : sc) ns += c;
+    for (int64_t c : rc) nr += c;
+    BB_CHECK(rows_of(in) == ns && rows_of(out) == nr && in.dtype() == out.dtype() &&
+                 row_elems(in) == row_elems(out),
+             "all_to_all_v on group ", name(), ": in ", in.str(), " must have ", ns,
+             " rows and out ", out.str(), " ", nr, " rows of the same width and dtype");
+    const size_t me = static_cast<size_t>(rank());
+    BB_CHECK(sc[me] == rc[me], "all_to_all_v on group ", name(), ": rank ", rank(), " sends ",
+             sc[me], " rows to itself but expects ", rc[me]);
+    check_tensor("all_to_all_v", "in", in);
+    check_tensor("all_to_all_v", "out", out);
+    const int64_t width = row_elems(in);
+    if ((ns == 0 && nr == 0) || width == 0) return done_work();
+    cudaStream_t cs = enter("all_to_all_v", s);
+    const ncclDataType_t type = nccl_type(in.dtype());
+    int64_t os = 0, orr = 0;
+    for (int p = 0; p < rank(); ++p) {
+      os += sc[static_cast<size_t>(p)];
+      orr += rc[static_cast<size_t>(p)];
+    }
+    // This rank's own rows: a device copy on the same stream, outside NCCL.
+    if (sc[me] > 0) {
+      BB_CHECK_CUDA(cudaMemcpyAsync(at_row(out, orr), at_row(in, os), row_offset(in, sc[me]),
+                                    cudaMemcpyDeviceToDevice, cs));
+    }
+    // Counts match pairwise (what p sends me is what I expect from p), so both sides of every
+    // pair skip the same empty transfers.
+    nccl_check(ncclGroupStart(), nccl_, "all_to_all_v (ncclGroupStart)", name());
+    ncclResult_t r = ncclSuccess;
+    os = 0;
+    orr = 0;
+    for (int p = 0; p < size() && r == ncclSuccess; ++p) {
+      const int64_t c_s = sc[static_cast<size_t>(p)], c_r = rc[static_cast<size_t>(p)];
+      if (p != rank()) {
+        if (c_s > 0)
+          r = ncclSend(at_row(in, os), static_cast<size_t>(c_s * width), type, p, nccl_, cs);
+        if (r == ncclSuccess && c_r > 0)
+          r = ncclRecv(at_row(out, orr), static_cast<size_t>(c_r * width), type, p, nccl_, cs);
+      }
+      os += c_s;
+      orr += c_r;
+    }
+    const ncclResult_t end = ncclGroupEnd();
+    nccl_check(r != ncclSuccess ? r : end, nccl_, "all_to_all_v (ncclSend/ncclRecv)", name());
+    return leave(s, {in, out});
+  }
+
+  WorkPtr send(const Tensor& t, int peer, Stream s) override {
+    check_peer("send", peer);
+    check_tensor("send", "t", t);
+    if (t.numel() == 0) return done_work();
+    cudaStream_t cs = enter("send", s);
+    nccl_check(
+        ncclSend(t.raw(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), peer, nccl_, cs),
+        nccl_, "send", name());
+    return leave(s, {t});
+  }
+
+  WorkPtr recv(const Tensor& t, int peer, Stream s) override {
+    check_peer("recv", peer);
+    check_tensor("recv", "t", t);
+    if (t.numel() == 0) return done_work();
+    cudaStream_t cs = enter("recv", s);
+    nccl_check(
+        ncclRecv(t.raw(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), peer, nccl_, cs),
+        nccl_, "recv", name());
+    return leave(s, {t});
+  }
+
+  WorkPtr broadcast(const Tensor& t, int root, Stream s) override {
+    BB_CHECK(root >= 0 && root < size(), "broadcast on group ", name(), ": root ", root,
+             " is not in [0, ", size(), ")");
+    check_tensor("broadcast", "t", t);
+    if (t.numel() == 0) return done_work();
+    cudaStream_t cs = enter("broadcast", s);
+    nccl_check(ncclBroadcast(t.raw(), t.raw(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()),
+                             root, nccl_, cs),
+               nccl_, "broadcast", name());
+    return leave(s, {t});
+  }
+
+  void barrier() override {
+    check_device("barrier");
+    const Device d = Device::cuda(dev_);
+    Tensor one = Tensor::empty({1}, DType::i32, d, MemCategory::comm);  // the value is irrelevant
+    cudaStream_t cs = enter("barrier", Stream::comm);
+    // "Every queued operation finished" (comm.h): the comm stream also waits for the streams
+    // other than the caller's.
+    for (int i = 0; i < kNumStreams; ++i) {
+      const Stream other = static_cast<Stream>(i);
+      if (other != Stream::comm && other != current_stream())
+        Event::record(d, other).wait(Stream::comm);
+    }
+    nccl_check(ncclAllReduce(one.raw(), one.raw(), 1, ncclInt32, ncclSum, nccl_, cs), nccl_,
+               "barrier", name());
+    one.record_stream(Stream::comm);
+    const uint64_t seq = seq_;
+    const Event done = Event::record(d, Stream::comm);
+    set_current_op(name().c_str(), "barrier", seq);  // the wait below is where a dead peer shows
+    const double t0 = now_s();
+    int sleep_us = 0;
+    while (!done.done()) {
+      ncclResult_t async = ncclSuccess;
+      nccl_check(ncclCommGetAsyncError(nccl_, &async), nccl_, "barrier (ncclCommGetAsyncError)",
+                 name());
+      if (async != ncclSuccess && async != ncclInProgress) {
+        char msg[768];
+        std::snprintf(
+            msg, sizeof msg,
+            "NCCL error during barrier on group '%s' (%d ranks, operation #%llu): %s (%s). "
+            "Aborting the job.",
+            name().c_str(), size(), static_cast<unsigned long long>(seq), ncclGetErrorString(async),
+            ncclGetLastError(nccl_) ? ncclGetLastError(nccl_) : "");
+        abort_comm();  // frees the stuck kernels so that the process can exit
+        abort_job(3, msg);
+      }
+      if (now_s() - t0 > timeout()) {
+        char msg[512];
+        std::snprintf(msg, sizeof msg,
+                      "communication timeout: barrier on group '%s' (%d ranks, operation #%llu) "
+                      "did not finish within %.0f s; a peer rank is dead or hung. Aborting the job.",
+                      name().c_str(), size(), static_cast<unsigned long long>(seq), timeout());
+        abort_comm();
+        abort_job(3, msg);
+      }
+      if (sleep_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+      sleep_us = std::min(1000, sleep_us == 0 ? 2 : sleep_us * 2);
+    }
+    cuda::note_host_sync();  // a deliberate host block, counted like Event::synchronize
+    set_current_op("", "", 0);
+  }
+
+  void all_reduce_host(double* v, int64_t n, ReduceOp op) override {
+    host_reduce(v, n, MPI_DOUBLE, op);
+  }
+  void all_reduce_host(int64_t* v, int64_t n, ReduceOp op) override {
+    host_reduce(v, n, MPI_INT64_T, op);
+  }
+  void broadcast_host(std::string& bytes, int root) override {
+    BB_CHECK(root >= 0 && root < size(), "broadcast_host on group ", name(), ": root ", root,
+             " is not in [0, ", size(), ")");
+    if (mpi_ == MPI_COMM_NULL) return;  // a single process: nothing to exchange
+    int64_t n = static_cast<int64_t>(bytes.size());
+    host_bcast(&n, 1, MPI_INT64_T, root);
+    bytes.resize(static_cast<size_t>(n));
+    host_bcast(bytes.data(), n, MPI_CHAR, root);
+  }
+
+  GroupPtr split(int color, int key, const std::string& n) override;
+
+ private:
+  // Forgets the communicator too: a static owner destroyed by exit() after abort_job must not
+  // touch it again.
+  void abort_comm() {
+    ncclCommAbort(nccl_);
+    nccl_ = nullptr;
+  }
+  void check_device(const char* op) const {
+    const int cur = cuda::current_device();
+    BB_CHECK(cur == dev_, op, " on group ", name(), " (nccl): the current device is cuda:", cur,
+             " but the group's communicator was made on cuda:", dev_);
+  }
+  void check_tensor(const char* op, const char* arg, const Tensor& t) const {
+    check_device(op);
+    BB_CHECK(t.defined(), op, " on group ", name(), " (nccl): ", arg, " is undefined");
+    BB_CHECK(t.device() == Device::cuda(dev_), op, " on group ", name(), " (nccl): ", arg, " ",
+             t.str(), " must be a CUDA tensor on the current device cuda:", dev_,
+             " (CPU tensors need parallel.comm = 'mpi')");
+  }
+  void check_peer(const char* op, int peer) const {
+    BB_CHECK(peer >= 0 && peer < size(), op, " on group ", name(), ": rank ", peer,
+             " is not in [0, ", size(), ")");
+    // A lone send (or recv) to oneself never matches: NCCL pairs them only inside one group call.
+    BB_CHECK(peer != rank(), op, " on group ", name(), ": rank ", peer, " is this rank");
+  }
+
+  // Starts an operation: refuses a communicator NCCL has marked failed, orders stream `s` after
+  // the caller's queued work and returns the CUDA stream to issue on.
+  cudaStream_t enter(const char* op, Stream s) {
+    const uint64_t seq = ++seq_;
+    set_current_op(name().c_str(), op, seq);
+    ncclResult_t async = ncclSuccess;
+    nccl_check(ncclCommGetAsyncError(nccl_, &async), nccl_, "ncclCommGetAsyncError", name());
+    if (async != ncclInProgress)
+      nccl_check(async, nccl_, (std::string(op) + " (the communicator failed earlier)").c_str(),
+                 name());
+    const Stream cur = current_stream();
+    if (cur != s) Event::record(Device::cuda(dev_), cur).wait(s);
+    return cuda::stream_of(dev_, s);
+  }
+  // Ends an operation issued on `s`: the tensors are marked as used there (their memory is not
+  // reused before `s` passes this point) and the Work's event is recorded right after it.
+  WorkPtr leave(Stream s, std::vector<Tensor> used) {
+    for (const Tensor& t : used) t.record_stream(s);
+    auto w = std::make_shared<NcclWork>(Event::record(Device::cuda(dev_), s), std::move(used));
+    set_current_op("", "", 0);
+    return w;
+  }
+
+  void host_reduce(void* v, int64_t n, MPI_Datatype t, ReduceOp op) {
+    if (mpi_ == MPI_COMM_NULL) return;  // a single process: the values are already reduced
+    const uint64_t seq = ++seq_;
+    set_current_op(name().c_str(), "all_reduce_host", seq);
+    MPI_Request r;
+    MPI_Iallreduce(MPI_IN_PLACE, v, to_int(n, "all_reduce_host", name()), t, mpi_op(op), mpi_, &r);
+    mpi_timed_wait(&r, name(), size(), "all_reduce_host", seq);
+  }
+  void host_bcast(void* v, int64_t n, MPI_Datatype t, int root) {
+    const uint64_t seq = ++seq_;
+    set_current_op(name().c_str(), "broadcast_host", seq);
+    MPI_Request r;
+    MPI_Ibcast(v, to_int(n, "broadcast_host", name()), t, root, mpi_, &r);
+    mpi_timed_wait(&r, name(), size(), "broadcast_host", seq);
+  }
+
+  MPI_Comm mpi_;  // the bootstrap communicator; MPI_COMM_NULL for a single process without MPI
+  ncclComm_t nccl_;
+  int dev_;  // the CUDA device the communicator was made on
+  uint64_t seq_ = 0;
+};
+
+// A group over `mpi` (owned from now on; MPI_COMM_NULL: this process alone) on the current
+// device: rank 0 makes the unique id, every rank gets it over MPI and joins.
+GroupPtr make_nccl_group(MPI_Comm mpi, const std::string& name) {
+  int rank = 0, size = 1;
+  std::vector<int> wr{world().rank};
+  ncclComm_t nc = nullptr;
+  bool made = false;  // a failed init leaves `nc` unspecified
+  try {
+    if (mpi != MPI_COMM_NULL) {
+      MPI_Comm_rank(mpi, &rank);
+      MPI_Comm_size(mpi, &size);
+      MPI_Group g, wg;
+      MPI_Comm_group(mpi, &g);
+      MPI_Comm_group(MPI_COMM_WORLD, &wg);
+      std::vector<int> mine(static_cast<size_t>(size));
+      wr.assign(static_cast<size_t>(size), 0);
+      for (int i = 0; i < size; ++i) mine[static_cast<size_t>(i)] = i;
+      MPI_Group_translate_ranks(g, size, mine.data(), wg, wr.data());
+      MPI_Group_free(&g);
+      MPI_Group_free(&wg);
+    }
+    ncclUniqueId id{};
+    if (rank == 0) nccl_check(ncclGetUniqueId(&id), nullptr, "ncclGetUniqueId", name);
+    if (size > 1) {
+      // Non-blocking with the job's deadline: a rank that died before this point shows up as a
+      // timeout naming the group instead of a hang.
+      MPI_Request r;
+      MPI_Ibcast(&id, static_cast<int>(sizeof id), MPI_BYTE, 0, mpi, &r);
+      mpi_timed_wait(&r, name, size, "nccl_init", 0);
+    }
+    const int dev = cuda::current_device();
+    nccl_check(ncclCommInitRank(&nc, size, id, rank), nullptr, "ncclCommInitRank", name);
+    made = true;
+    return std::make_shared<NcclGroup>(mpi, nc, dev, name, rank, size, std::move(wr));
+  } catch (...) {
+    if (made) ncclCommDestroy(nc);
+    if (mpi != MPI_COMM_NULL) MPI_Comm_free(&mpi);
+    throw;
+  }
+}
+
+GroupPtr NcclGroup::split(int color, int key, const std::string& n) {
+  if (mpi_ == MPI_COMM_NULL) return make_nccl_group(MPI_COMM_NULL, n);  // a single process
+  MPI_Comm c = MPI_COMM_NULL;
+  MPI_Comm_split(mpi_, color, key, &c);
+  BB_CHECK(c != MPI_COMM_NULL, "split of group ", name(), " into ", n, ": color ", color,
+           " gives no group");
+  return make_nccl_group(c, n);
+}
+
+}  // namespace
+
+GroupPtr make_nccl_world() {
+  const World& w = world();
+  BB_CHECK(w.mpi || w.size == 1, "parallel.comm = 'nccl' with ", w.size,
+           " ranks needs MPI (a launch by mpirun or srun) to exchange NCCL's unique id");
+  BB_CHECK(cuda::device_count() > 0,
+           "parallel.comm = 'nccl' needs a GPU: ", cuda::unavailable_reason());
+  if (!w.mpi) return make_nccl_group(MPI_COMM_NULL, "world");
+  MPI_Comm c;
+  MPI_Comm_dup(MPI_COMM_WORLD, &c);
+  return make_nccl_group(c, "world");
+}
+
+}  // namespace bb::comm
