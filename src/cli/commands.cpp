@@ -3,7 +3,9 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 
+#include "io/fs.h"
 #include "models/hf_io.h"
+#include "runtime/checkpoint.h"
 #include "runtime/paired.h"
 #include "runtime/run_config.h"
 #include "runtime/trainer.h"
@@ -61,6 +63,9 @@ int run(int argc, char** argv) {
   train->add_option("--set,-s", train_sets, "Override a config key: table.key=value (repeatable)");
   train->add_option("--steps", train_steps, "Shortcut for --set train.steps=N");
   train->add_option("--device", train_device, "Shortcut for --set parallel.device=DEV (cpu)");
+  bool log_all_ranks = false;
+  train->add_flag("--log-all-ranks", log_all_ranks,
+                  "Every rank prints its own log lines (prefixed with its rank); default: rank 0 only");
 
   // paired
   auto* paired = app.add_subcommand("paired", "Paired baseline: run A and B, compare loss, grads, memory, time");
@@ -103,10 +108,11 @@ int run(int argc, char** argv) {
   if (train->parsed()) {
     if (train_steps >= 0) train_sets.push_back("train.steps=" + std::to_string(train_steps));
     if (!train_device.empty()) train_sets.push_back("parallel.device=\"" + train_device + "\"");
+    if (log_all_ranks) train_sets.push_back("log.all_ranks=true");
     RunConfig cfg = load_run_config(train_config, train_sets);
     Trainer trainer(cfg, stdout);
     auto metrics = trainer.run();
-    if (!metrics.empty())
+    if (!metrics.empty() && trainer.mesh().rank() == 0)
       std::printf("[done] %lld steps, final loss %.4f (first %.4f)\n",
                   static_cast<long long>(metrics.back().step), metrics.back().loss, metrics.front().loss);
     return 0;
@@ -118,7 +124,8 @@ int run(int argc, char** argv) {
     const std::string step = resolve_checkpoint(exp_ckpt);
     BB_CHECK(!step.empty(), "export: no checkpoint at '", exp_ckpt,
              "' (expected a step_* directory or a checkpoint root with a 'latest' file)");
-    export_checkpoint(step, exp_out, eo);
+    if (path_exists(path_join(step, "shards"))) export_distributed_checkpoint(step, exp_out, eo);
+    else export_checkpoint(step, exp_out, eo);  // format 1 (single rank, before distributed state)
     std::printf("[export] %s -> %s (%s)\n", step.c_str(), exp_out.c_str(), exp_dtype.c_str());
     return 0;
   }

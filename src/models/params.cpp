@@ -106,8 +106,25 @@ int64_t ParamStore::num_params() const {
   return n;
 }
 
+void ParamStore::rebind(ParamUnit& u, const Tensor& value, const Tensor& grad) {
+  BB_CHECK(allocated_, "ParamStore::rebind before allocate()");
+  for (const Tensor* t : {&value, &grad})
+    BB_CHECK(!t->defined() || (t->dim() == 1 && t->numel() >= u.numel), "ParamStore::rebind: unit ",
+             u.name, " needs flat buffers of at least ", u.numel, " elements, got ", t->str());
+  BB_CHECK(!value.defined() || u.value.dtype() == value.dtype() || !u.value.defined(),
+           "ParamStore::rebind: unit ", u.name, " values must stay ", dtype_name(u.value.dtype()));
+  BB_CHECK(!grad.defined() || grad.dtype() == DType::f32, "ParamStore::rebind: gradients are f32");
+  u.value = value.defined() ? value.narrow(0, u.numel) : Tensor();
+  u.grad = grad.defined() ? grad.narrow(0, u.numel) : Tensor();
+  for (Param* p : u.params) {
+    p->value = u.value.defined() ? unit_slice(u.value, *p) : Tensor();
+    p->grad = u.grad.defined() ? unit_slice(u.grad, *p) : Tensor();
+  }
+}
+
 void ParamStore::zero_grad() {
-  for (ParamUnit& u : units_) u.grad.zero_();
+  for (ParamUnit& u : units_)
+    if (u.grad.defined()) u.grad.zero_();
 }
 
 }  // namespace bb

@@ -92,7 +92,13 @@ class ParamStore {
   Param* find(const std::string& name);
   // Parameter elements, without padding.
   int64_t num_params() const;
-  // Zeroes every unit's gradient (one memset per unit).
+  // Points unit `u`'s values and gradients, and its parameters' views, at other flat buffers
+  // (their first u.numel elements; state sharding keeps padded or gathered buffers). An
+  // undefined tensor leaves the unit without values or gradients until the next rebind: using
+  // a parameter then is an error, not a read of stale memory. The old buffers are released when
+  // nothing else holds them.
+  void rebind(ParamUnit& u, const Tensor& value, const Tensor& grad);
+  // Zeroes every unit's gradient (one memset per unit; units without gradients are skipped).
   void zero_grad();
 
  private:

@@ -66,7 +66,12 @@ const Family<DispatcherFactory>& moe_dispatch_family() {
 const Family<StateKind>& state_family() {
   static const Family<StateKind> f(
       "state", "replicated",
-      {{"replicated", StateKind::replicated, "full parameters, gradients and optimizer state"}});
+      {{"replicated", StateKind::replicated,
+        "full parameters, gradients and optimizer state on every rank; gradients all-reduced"},
+       {"zero1", StateKind::zero1,
+        "optimizer state sharded; gradients reduce-scattered, parameters all-gathered after the step"},
+       {"fsdp", StateKind::fsdp,
+        "parameters, gradients and optimizer state sharded; units gathered around their use"}});
   return f;
 }
 

@@ -25,7 +25,7 @@ namespace bb {
 
 enum class RecomputePolicy { none, full };
 enum class AttentionKind { sdpa };
-enum class StateKind { replicated };
+enum class StateKind { replicated, zero1, fsdp };
 enum class OptimizerKind { adamw };
 
 // One family's member as chosen: the name (for logs and checkpoints) and its typed value.

@@ -1,5 +1,7 @@
 #include "runtime/run_config.h"
 
+#include "comm/comm.h"
+
 #include <fstream>
 #include <map>
 #include <set>
@@ -166,11 +168,17 @@ RunConfig build(const toml::value& root, const std::string& src) {
   par.read("pp", c.pp);
   par.read("ep", c.ep);
   par.read("cp", c.cp);
+  par.read("dp", c.dp);
+  par.read_choice("comm", c.comm, {"auto", "mpi", "nccl"});
+  par.read("timeout_s", c.comm_timeout_s);
   par.finish();
   Device::parse(c.device == "auto" ? "cpu" : c.device);  // validates the spelling
-  for (auto [name, v] : {std::pair<const char*, int64_t>{"tp", c.tp}, {"pp", c.pp}, {"ep", c.ep}, {"cp", c.cp}})
-    BB_CHECK(v == 1, "parallel.", name, " = ", v, " in ", src,
-             ": only single-rank runs are implemented so far (set it to 1)");
+  BB_CHECK(c.tp == 1, "parallel.tp = ", c.tp, " in ", src,
+           ": tensor parallelism is not implemented (the recipe uses ep + cp + fsdp); set tp = 1");
+  BB_CHECK(c.dp >= 0 && c.cp >= 1 && c.ep >= 1 && c.pp >= 1, "parallel.dp must be >= 0 (0 = ranks / (cp x pp)) and ",
+           "parallel.cp, ep, pp >= 1 in ", src);
+  BB_CHECK(std::isfinite(c.comm_timeout_s) && c.comm_timeout_s > 0 && c.comm_timeout_s <= 86400,
+           "parallel.timeout_s = ", c.comm_timeout_s, " in ", src, ": must be in (0, 86400] seconds");
 
   TableReader t(table_of(root, "train", src), "train", src);
   t.read("steps", c.steps);
@@ -226,6 +234,7 @@ RunConfig build(const toml::value& root, const std::string& src) {
   TableReader l(table_of(root, "log", src), "log", src);
   l.read("every", c.log_every);
   l.read("metrics", c.metrics_path);
+  l.read("all_ranks", c.log_all_ranks);
   l.finish();
   BB_CHECK(c.log_every >= 1, "log.every must be >= 1");
 
@@ -246,13 +255,19 @@ RunConfig build(const toml::value& root, const std::string& src) {
 }  // namespace
 
 Device RunConfig::resolved_device() const {
+  // Under a launcher, "cuda" and "auto" mean the GPU of this process's local rank (several
+  // processes share GPUs round-robin when there are more of them than GPUs).
+  const int local = comm::world().local_rank;
   if (device == "auto") {
 #ifdef BB_WITH_CUDA
-    if (cuda::device_count() > 0) return Device::cuda(0);
+    if (cuda::device_count() > 0) return Device::cuda(local % cuda::device_count());
 #endif
     return Device::cpu();
   }
-  const Device d = Device::parse(device);
+  Device d = Device::parse(device);
+#ifdef BB_WITH_CUDA
+  if (d.is_cuda() && device == "cuda" && cuda::device_count() > 0) d.index = local % cuda::device_count();
+#endif
 #ifndef BB_WITH_CUDA
   BB_CHECK(d.is_cpu(), "parallel.device = '", device,
            "' but this build has no CUDA backend (rebuild with -DBUMBLEBEE_CUDA=ON on a machine with the CUDA toolkit)");

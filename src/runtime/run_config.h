@@ -28,6 +28,9 @@ struct RunConfig {
   // [parallel]
   std::string device = "cpu";  // cpu | cuda | cuda:N | auto (cuda:0 when a GPU is visible)
   int64_t tp = 1, pp = 1, ep = 1, cp = 1;
+  int64_t dp = 0;               // 0 = ranks / (cp x pp)
+  std::string comm = "auto";    // auto | mpi | nccl (comm/comm.h)
+  double comm_timeout_s = 50;   // a collective that takes longer aborts the job
   // [train]
   int64_t steps = 100;
   int64_t micro_batch_tokens = 2048;
@@ -50,6 +53,7 @@ struct RunConfig {
   // [log]
   int64_t log_every = 1;
   std::string metrics_path;     // JSON lines, one object per step; empty = none
+  bool log_all_ranks = false;   // every rank prints its own log lines (prefixed with its rank)
   // [backend]
   BackendConfig backend;
 

@@ -9,6 +9,14 @@ namespace bb {
 
 Schedule::Schedule(DecoderModel& model, const ScheduleOptions& opts) : model_(model), opts_(opts) {}
 
+void Schedule::before_end(ModelEnd e, Pass p) {
+  for (LayerHooks* h : hooks_) h->before_end(e, p);
+}
+
+void Schedule::after_end(ModelEnd e, Pass p) {
+  for (auto h = hooks_.rbegin(); h != hooks_.rend(); ++h) (*h)->after_end(e, p);
+}
+
 void Schedule::add_hooks(LayerHooks* hooks) {
   BB_CHECK(hooks, "Schedule::add_hooks: null hooks");
   hooks_.push_back(hooks);
@@ -49,7 +57,9 @@ ForwardStats Schedule::forward_backward(const MicroBatch& mb, float loss_scale, 
   std::vector<Layer>& layers = model_.layers();
   std::vector<LayerState> state(layers.size());
 
+  before_end(ModelEnd::embed, Pass::train);
   Tensor x = model_.embed_forward(mb);
+  after_end(ModelEnd::embed, Pass::train);
   for (size_t l = 0; l < layers.size(); ++l) {
     Layer& L = layers[l];
     for (LayerHooks* h : hooks_) h->before_forward(L, Pass::train);
@@ -65,8 +75,10 @@ ForwardStats Schedule::forward_backward(const MicroBatch& mb, float loss_scale, 
     aux_.finish();
     st.aux_loss = aux_.value();
   }
+  before_end(ModelEnd::head, Pass::train);
   Tensor d = model_.head_train(x, mb, loss_scale, st);
   x = Tensor();
+  after_end(ModelEnd::head, Pass::train);
 
   const ModelOptions& o = model_.options();
   const double n_moe = static_cast<double>(std::max<int64_t>(1, model_.num_moe_layers()));
@@ -96,7 +108,10 @@ ForwardStats Schedule::forward_backward(const MicroBatch& mb, float loss_scale, 
     state[i] = LayerState{};  // free this layer's activations before the next one
     for (auto h = hooks_.rbegin(); h != hooks_.rend(); ++h) (*h)->after_backward(L);
   }
+  before_end(ModelEnd::embed_backward, Pass::train);
   model_.embed_backward(d, mb);
+  d = Tensor();
+  after_end(ModelEnd::embed_backward, Pass::train);
   end();
   return st;
 }
@@ -116,7 +131,9 @@ void Schedule::end() {
 ForwardStats Schedule::forward(const MicroBatch& mb, Tensor* logits) {
   ForwardStats st;
   BatchContext ctx = begin(mb, Pass::eval, st);
+  before_end(ModelEnd::embed, Pass::eval);
   Tensor x = model_.embed_forward(mb);
+  after_end(ModelEnd::embed, Pass::eval);
   for (Layer& L : model_.layers()) {
     for (LayerHooks* h : hooks_) h->before_forward(L, Pass::eval);
     x = forward_layer(L, x, ctx, nullptr);
@@ -126,7 +143,9 @@ ForwardStats Schedule::forward(const MicroBatch& mb, Tensor* logits) {
     aux_.finish();
     st.aux_loss = aux_.value();
   }
+  before_end(ModelEnd::head, Pass::eval);
   model_.head_eval(x, mb, st, logits);
+  after_end(ModelEnd::head, Pass::eval);
   end();
   return st;
 }

@@ -15,6 +15,10 @@
 //   before_forward(l, train), after_forward(l, train)          l = 0 .. L-1
 //   before_backward(l) [, before_forward(l, recompute), after_forward(l, recompute)],
 //   after_backward(l)                                           l = L-1 .. 0
+// and around the model's ends, which use the embedding and head units outside any layer:
+//   before_end(embed, pass) / after_end   the embedding lookup (before layer 0)
+//   before_end(head, pass) / after_end    final norm + loss head (+ its backward when training)
+//   before_end(embed_backward) / after_end  the embedding gradient (after layer 0's backward)
 // Hooks run in the order they were added (after_* in reverse).
 #pragma once
 
@@ -22,19 +26,11 @@
 
 #include "core/batch.h"
 #include "models/decoder.h"
+#include "models/hooks.h"
 #include "primitives/moe/aux_loss.h"
 #include "primitives/registry.h"
 
 namespace bb {
-
-class LayerHooks {
- public:
-  virtual ~LayerHooks() = default;
-  virtual void before_forward(const Layer&, Pass) {}
-  virtual void after_forward(const Layer&, Pass) {}
-  virtual void before_backward(const Layer&) {}
-  virtual void after_backward(const Layer&) {}
-};
 
 struct ScheduleOptions {
   RecomputePolicy recompute = RecomputePolicy::none;
@@ -77,6 +73,8 @@ class Schedule {
   // one pass over `mb` whose statistics go to `st`.
   BatchContext begin(const MicroBatch& mb, Pass pass, ForwardStats& st);
   void end();
+  void before_end(ModelEnd e, Pass p);
+  void after_end(ModelEnd e, Pass p);
 
   DecoderModel& model_;
   ScheduleOptions opts_;

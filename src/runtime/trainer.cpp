@@ -17,6 +17,7 @@
 #include "io/safetensors.h"
 #include "models/hf_io.h"
 #include "primitives/optim/adamw.h"
+#include "runtime/checkpoint.h"
 
 #ifdef BB_WITH_CUDA
 #include "backend/cuda/runtime.h"
@@ -117,20 +118,78 @@ std::string resolve_checkpoint(const std::string& path) {
   return "";
 }
 
+comm::GroupPtr default_world(const RunConfig& cfg) {
+  const comm::World& w = comm::world();
+  if (w.size == 1 && cfg.comm != "nccl") return comm::self_group("world");
+  std::string b = cfg.comm;
+  if (b == "auto") {
+    b = "mpi";
+#ifdef BB_WITH_CUDA
+    // NCCL needs a GPU per process; processes sharing a GPU (tests on one card) use mpi.
+    if (cfg.resolved_device().is_cuda() && w.local_size <= cuda::device_count()) b = "nccl";
+#endif
+  }
+  if (b == "nccl") {
+    BB_CHECK(cfg.resolved_device().is_cuda(), "parallel.comm = 'nccl' needs parallel.device = 'cuda'");
+#ifdef BB_WITH_CUDA
+    BB_CHECK(w.local_size <= cuda::device_count(), "parallel.comm = 'nccl': ", w.local_size,
+             " processes on this host but ", cuda::device_count(), " GPU(s); NCCL needs one GPU per process ",
+             "(use parallel.comm = 'mpi' to share GPUs, e.g. for tests)");
+    cuda::set_device(cfg.resolved_device().index);
+#endif
+    return comm::world_group(comm::Backend::nccl);
+  }
+  BB_CHECK(w.mpi, "parallel.comm = 'mpi' needs a launch by mpirun or srun (", w.size, " rank(s))");
+  return comm::world_group(comm::Backend::mpi);
+}
+
+ParallelLayout resolve_layout(const RunConfig& cfg, int64_t world_size) {
+  ParallelLayout l;
+  l.cp = cfg.cp;
+  l.ep = cfg.ep;
+  l.pp = cfg.pp;
+  l.dp = cfg.dp;
+  if (l.dp == 0) {
+    BB_CHECK(world_size % (l.cp * l.pp) == 0, "parallel.dp = 0 takes dp = ranks / (cp x pp), but ", world_size,
+             " rank(s) are not a multiple of cp x pp = ", l.cp * l.pp);
+    l.dp = world_size / (l.cp * l.pp);
+  }
+  l.validate(world_size, cfg.model.num_experts);
+  // The layouts the groups are built for but whose data paths come later.
+  BB_CHECK(l.cp == 1, "parallel.cp = ", l.cp, ": context-parallel attention is not implemented yet; set cp = 1");
+  BB_CHECK(l.ep == 1, "parallel.ep = ", l.ep, ": the expert-parallel dispatcher is not implemented yet; set ep = 1");
+  return l;
+}
+
 Trainer::Trainer(const RunConfig& cfg, FILE* log) : Trainer(cfg, log, Corpus{}) {}
 
-Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus) : cfg_(cfg), log_(log) {
-  device_ = cfg.resolved_device();
+Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr base) : cfg_(cfg), log_(log) {
   const double t0 = now_s();
+  comm::set_timeout(cfg.comm_timeout_s);
+  if (!base) base = default_world(cfg);
+  // The layout is checked before anything is allocated.
+  const ParallelLayout layout = resolve_layout(cfg, base->size());
+  const int rank = base->rank();
+  if (rank != 0 && !cfg.log_all_ranks) log_ = nullptr;
+  if (cfg.log_all_ranks && base->size() > 1) log_prefix_ = "[rank " + std::to_string(rank) + "] ";
+  device_ = cfg.resolved_device();
+#ifdef BB_WITH_CUDA
+  if (device_.is_cuda()) cuda::set_device(device_.index);
+#endif
   apply_backend_config(cfg.backend);
+  mesh_ = std::make_unique<Mesh>(base, layout);
   if (log_) {
-    std::fprintf(log_, "[startup] model %s: %lld layers, hidden %lld, %lld experts top-%lld, %s parameters\n",
+    const char* p = log_prefix_.c_str();
+    std::fprintf(log_, "%s[startup] model %s: %lld layers, hidden %lld, %lld experts top-%lld, %s parameters\n", p,
                  cfg.model_config.c_str(), static_cast<long long>(cfg.model.num_layers),
                  static_cast<long long>(cfg.model.hidden_size), static_cast<long long>(cfg.model.num_experts),
                  static_cast<long long>(cfg.model.top_k), human_count(static_cast<double>(cfg.model.num_params())).c_str());
-    std::fprintf(log_, "[startup] primitives: %s | device %s, weights %s\n", cfg.primitives_summary().c_str(),
+    std::fprintf(log_, "%s[startup] primitives: %s | device %s, weights %s\n", p, cfg.primitives_summary().c_str(),
                  device_.str().c_str(), dtype_name(cfg.resolved_param_dtype()));
-    std::fprintf(log_, "[startup] backend: %s\n", cfg.backend.summary().c_str());
+    std::fprintf(log_, "%s[startup] parallel: %d rank(s) over %s (launcher %s), layout %s, state %s\n", p,
+                 base->size(), comm::backend_name(base->backend()), comm::world().launcher.c_str(),
+                 layout.str().c_str(), cfg.prim.state.name.c_str());
+    std::fprintf(log_, "%s[startup] backend: %s\n", p, cfg.backend.summary().c_str());
     std::fflush(log_);
   }
   model_ = std::make_unique<DecoderModel>(cfg.model, model_options(cfg), cfg.seed);
@@ -147,22 +206,18 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus) : cfg_(cfg), lo
     const std::string dir = cfg.model_init.substr(3);
     const HfLoadReport rep = load_hf_weights(*model_, dir, &masters);
     if (log_) {
-      std::fprintf(log_, "[startup] loaded %lld tensors from %s\n",
+      std::fprintf(log_, "%s[startup] loaded %lld tensors from %s\n", log_prefix_.c_str(),
                    static_cast<long long>(rep.tensors_read), dir.c_str());
       std::fflush(log_);
     }
-  } else {
-    for (ParamUnit* u : units) masters.push_back(u->value.to_dtype(DType::f32, MemCategory::optimizer));
   }
-  for (size_t u = 0; u < units.size(); ++u) {
-    OptState s;
-    s.master = masters[u];
-    s.exp_avg = Tensor::zeros({units[u]->numel}, DType::f32, device_, MemCategory::optimizer);
-    s.exp_avg_sq = Tensor::zeros({units[u]->numel}, DType::f32, device_, MemCategory::optimizer);
-    opt_.push_back(std::move(s));
-  }
+  // The state family takes the units over (fsdp frees the whole buffers here).
+  state_ = std::make_unique<ModelState>(cfg.prim.state.value, *model_, *mesh_, cfg.prim.recompute.value,
+                                        masters.empty() ? nullptr : &masters);
+  masters.clear();
+  schedule_->add_hooks(state_.get());
   if (log_) {
-    std::fprintf(log_, "[startup] loading data '%s'\n", cfg.data.path.c_str());
+    std::fprintf(log_, "%s[startup] loading data '%s'\n", log_prefix_.c_str(), cfg.data.path.c_str());
     std::fflush(log_);
   }
   data_ = corpus.num_documents() > 0 ? std::make_unique<DataLoader>(cfg.data, std::move(corpus))
@@ -172,17 +227,17 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus) : cfg_(cfg), lo
     std::string resolved = path_exists(path) ? resolve_checkpoint(path) : "";
     if (resolved.empty()) {
       BB_CHECK(cfg.resume == "auto", "checkpoint.resume = '", cfg.resume, "': no checkpoint there");
-      if (log_) std::fprintf(log_, "[startup] resume = auto: no checkpoint in %s yet, starting fresh\n", path.c_str());
+      if (log_) std::fprintf(log_, "%s[startup] resume = auto: no checkpoint in %s yet, starting fresh\n", log_prefix_.c_str(), path.c_str());
     } else {
       load_checkpoint(resolved);
-      if (log_) std::fprintf(log_, "[startup] resumed from %s at step %lld\n", resolved.c_str(), static_cast<long long>(step_));
+      if (log_) std::fprintf(log_, "%s[startup] resumed from %s at step %lld\n", log_prefix_.c_str(), resolved.c_str(), static_cast<long long>(step_));
     }
   }
   if (log_) {
-    std::fprintf(log_, "[startup] ready in %.2fs: %s tokens in %lld documents, %lld tokens per micro-batch x %lld\n",
-                 now_s() - t0, human_count(static_cast<double>(data_->num_tokens())).c_str(),
+    std::fprintf(log_, "%s[startup] ready in %.2fs: %s tokens in %lld documents, %lld tokens per micro-batch x %lld per rank x %lld data ranks\n",
+                 log_prefix_.c_str(), now_s() - t0, human_count(static_cast<double>(data_->num_tokens())).c_str(),
                  static_cast<long long>(data_->num_documents()), static_cast<long long>(cfg.micro_batch_tokens),
-                 static_cast<long long>(cfg.grad_accum));
+                 static_cast<long long>(cfg.grad_accum), static_cast<long long>(layout.dp));
     std::fflush(log_);
   }
 }
@@ -207,39 +262,47 @@ StepMetrics Trainer::train_step() {
 #ifdef BB_WITH_CUDA
   const int64_t syncs0 = cuda::host_sync_count();
 #endif
+  comm::Group& world = *mesh_->world();
+  const int64_t dp = mesh_->layout().dp, dp_rank = mesh_->dp_rank(), accum = cfg_.grad_accum;
 
+  // The step's dp x grad_accum micro-batches come from one global stream; DP rank r takes
+  // [r A, (r + 1) A). Every rank packs all of them (cheap) so the data position is global.
   std::vector<MicroBatch> mbs;  // uploaded without a host sync (pinned staging)
-  for (int64_t i = 0; i < cfg_.grad_accum; ++i) mbs.push_back(to_device(data_->next(), device_));
-  int64_t valid = 0;
-  for (const MicroBatch& mb : mbs) valid += mb.num_valid;
+  for (int64_t i = 0; i < dp * accum; ++i) {
+    MicroBatch mb = data_->next();
+    if (i / accum == dp_rank) mbs.push_back(to_device(std::move(mb), device_));
+  }
+  int64_t local_valid = 0;
+  for (const MicroBatch& mb : mbs) local_valid += mb.num_valid;
+  const int64_t valid = world.sum(local_valid);
   BB_CHECK(valid > 0, "step ", m.step, ": no token in the step has a loss target (all masked)");
 
   {
     BB_RANGE("zero_grad");
-    model_->zero_grad();
+    state_->begin_step();
   }
-  double loss_sum = 0, flops = 0;
+  double sums[5] = {0, 0, 0, 0, 0};  // loss_sum, aux, z, tokens, flops
   const float loss_scale = 1.0f / static_cast<float>(valid);
-  const double aux_scale = 1.0 / static_cast<double>(cfg_.grad_accum);
-  for (const MicroBatch& mb : mbs) {
-    ForwardStats st = schedule_->forward_backward(mb, loss_scale, aux_scale);
-    loss_sum += st.loss_sum;
-    m.aux_loss += st.aux_loss * aux_scale;
-    m.z_loss += st.z_loss * aux_scale;
-    m.tokens += mb.tokens.numel();
-    flops += model_flops(cfg_.model, seq_lens(mb));
+  const double aux_scale = 1.0 / static_cast<double>(dp * accum);
+  for (size_t i = 0; i < mbs.size(); ++i) {
+    state_->begin_micro_batch(i + 1 == mbs.size());
+    ForwardStats st = schedule_->forward_backward(mbs[i], loss_scale, aux_scale);
+    sums[0] += st.loss_sum;
+    sums[1] += st.aux_loss * aux_scale;
+    sums[2] += st.z_loss * aux_scale;
+    sums[3] += static_cast<double>(mbs[i].tokens.numel());
+    sums[4] += model_flops(cfg_.model, seq_lens(mbs[i]));
   }
+  state_->end_backward();
+  world.all_reduce_host(sums, 5, comm::ReduceOp::sum);
   m.valid_tokens = valid;
-  m.loss = loss_sum / static_cast<double>(valid);
+  m.loss = sums[0] / static_cast<double>(valid);
+  m.aux_loss = sums[1];
+  m.z_loss = sums[2];
+  m.tokens = static_cast<int64_t>(sums[3]);
+  const double flops = sums[4] / static_cast<double>(world.size());  // per rank
 
-  // The global grad norm: one sum of squares per unit, added (a later all-reduce is one call).
-  std::vector<ParamUnit*> units = model_->units();
-  std::vector<Tensor> grads;
-  for (ParamUnit* u : units) grads.push_back(u->grad);
-  {
-    BB_RANGE("grad_norm");
-    m.grad_norm = global_grad_norm(grads);
-  }
+  m.grad_norm = state_->grad_norm();
   BB_CHECK(std::isfinite(m.grad_norm), "step ", m.step, ": gradient norm is ", m.grad_norm,
            " (loss ", m.loss, "); lower train.lr or check the data");
   m.lr = lr_at(m.step);
@@ -247,21 +310,7 @@ StepMetrics Trainer::train_step() {
   // Clipping is folded into the update (one pass over the gradients instead of two).
   if (cfg_.grad_clip > 0 && m.grad_norm > cfg_.grad_clip)
     ac.grad_scale = static_cast<float>(cfg_.grad_clip / (m.grad_norm + 1e-6));
-  BB_RANGE("optimizer_step");
-  for (size_t i = 0; i < units.size(); ++i) {
-    // Two flat buckets per unit: the weight-decayed elements, then the others.
-    const ParamUnit& u = *units[i];
-    OptState& s = opt_[i];
-    const int64_t bounds[3] = {0, u.decay_numel, u.numel};
-    for (int b = 0; b < 2; ++b) {
-      const int64_t n = bounds[b + 1] - bounds[b];
-      if (n == 0) continue;
-      Tensor master = s.master.narrow(bounds[b], n), m1 = s.exp_avg.narrow(bounds[b], n),
-             m2 = s.exp_avg_sq.narrow(bounds[b], n), value = u.value.narrow(bounds[b], n);
-      adamw_step(master, u.grad.narrow(bounds[b], n), m1, m2, m.step, m.lr,
-                 b == 0 ? cfg_.weight_decay : 0.0, ac, &value);
-    }
-  }
+  state_->step(m.step, m.lr, cfg_.weight_decay, ac);
   step_ = m.step;
 #ifdef BB_WITH_CUDA
   if (device_.is_cuda()) {
@@ -273,24 +322,36 @@ StepMetrics Trainer::train_step() {
   m.tokens_per_s = static_cast<double>(m.tokens) / m.step_time_s;
   m.model_tflops = flops / m.step_time_s / 1e12;
   m.mem = alloc.stats();
+  // Per-rank maxima of the peaks (one small all-reduce).
+  std::array<int64_t, kNumMemCategories + 2> pk{};
+  for (int c = 0; c < kNumMemCategories; ++c) pk[static_cast<size_t>(c)] = m.mem.peak[static_cast<size_t>(c)];
+  pk[kNumMemCategories] = m.mem.peak_total;
+  pk[kNumMemCategories + 1] = m.mem.reserved_peak;
+  world.all_reduce_host(pk.data(), static_cast<int64_t>(pk.size()), comm::ReduceOp::max);
+  m.mem_max = m.mem;
+  for (int c = 0; c < kNumMemCategories; ++c) m.mem_max.peak[static_cast<size_t>(c)] = pk[static_cast<size_t>(c)];
+  m.mem_max.peak_total = pk[kNumMemCategories];
+  m.mem_max.reserved_peak = pk[kNumMemCategories + 1];
   return m;
 }
 
 void Trainer::log_line(const StepMetrics& m) {
   if (!log_) return;
-  const auto& pk = m.mem.peak;
+  // Rank 0 prints the maxima over ranks; with log.all_ranks each rank its own peaks.
+  const MemoryStats& mem = cfg_.log_all_ranks ? m.mem : m.mem_max;
+  const auto& pk = mem.peak;
   auto mib = [](int64_t b) { return static_cast<double>(b) / (1024.0 * 1024.0); };
   std::fprintf(log_,
-               "step %6lld | loss %.4f | aux %.4f | gnorm %.3f | lr %.2e | %s tok/s | %.4f TFLOP/s | "
-               "peak MiB: act %.1f logits %.1f moe %.1f params %.1f grads %.1f opt %.1f total %.1f\n",
-               static_cast<long long>(m.step), m.loss, m.aux_loss, m.grad_norm, m.lr,
+               "%sstep %6lld | loss %.4f | aux %.4f | gnorm %.3f | lr %.2e | %s tok/s | %.4f TFLOP/s | "
+               "peak MiB: act %.1f logits %.1f moe %.1f params %.1f grads %.1f opt %.1f comm %.1f total %.1f\n",
+               log_prefix_.c_str(), static_cast<long long>(m.step), m.loss, m.aux_loss, m.grad_norm, m.lr,
                human_count(m.tokens_per_s).c_str(), m.model_tflops,
                mib(pk[static_cast<int>(MemCategory::activations)]), mib(pk[static_cast<int>(MemCategory::logits)]),
                mib(pk[static_cast<int>(MemCategory::moe)]), mib(pk[static_cast<int>(MemCategory::params)]),
                mib(pk[static_cast<int>(MemCategory::grads)]), mib(pk[static_cast<int>(MemCategory::optimizer)]),
-               mib(m.mem.peak_total));
+               mib(pk[static_cast<int>(MemCategory::comm)]), mib(mem.peak_total));
   if (device_.is_cuda())
-    std::fprintf(log_, "           reserved peak %.1f MiB | host syncs %lld\n", mib(m.mem.reserved_peak),
+    std::fprintf(log_, "%s           reserved peak %.1f MiB | host syncs %lld\n", log_prefix_.c_str(), mib(mem.reserved_peak),
                  static_cast<long long>(m.host_syncs));
   std::fflush(log_);
 }
@@ -298,7 +359,7 @@ void Trainer::log_line(const StepMetrics& m) {
 std::vector<StepMetrics> Trainer::run() {
   std::vector<StepMetrics> out;
   std::unique_ptr<std::ofstream> metrics;
-  if (!cfg_.metrics_path.empty()) {
+  if (!cfg_.metrics_path.empty() && mesh_->rank() == 0) {
     const auto slash = cfg_.metrics_path.find_last_of('/');
     if (slash != std::string::npos && slash > 0) make_dirs(cfg_.metrics_path.substr(0, slash));
     metrics = std::make_unique<std::ofstream>(cfg_.metrics_path, step_ > 0 ? std::ios::app : std::ios::trunc);
@@ -322,10 +383,11 @@ std::vector<StepMetrics> Trainer::run() {
       j["tokens_per_s"] = m.tokens_per_s;
       j["tflops"] = m.model_tflops;
       nlohmann::json pk;
-      for (int c = 0; c < kNumMemCategories; ++c) pk[category_name(static_cast<MemCategory>(c))] = m.mem.peak[c];
-      pk["total"] = m.mem.peak_total;
-      j["peak_bytes"] = pk;
-      j["reserved_peak_bytes"] = m.mem.reserved_peak;
+      for (int c = 0; c < kNumMemCategories; ++c) pk[category_name(static_cast<MemCategory>(c))] = m.mem_max.peak[c];
+      pk["total"] = m.mem_max.peak_total;
+      j["peak_bytes"] = pk;  // maxima over ranks
+      j["reserved_peak_bytes"] = m.mem_max.reserved_peak;
+      j["ranks"] = mesh_->world()->size();
       j["host_syncs"] = m.host_syncs;
       *metrics << j.dump() << "\n";
       metrics->flush();
@@ -337,56 +399,114 @@ std::vector<StepMetrics> Trainer::run() {
   return out;
 }
 
+namespace {
+
+std::string shard_name(int rank) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "shards/rank_%05d.safetensors", rank);
+  return buf;
+}
+
+// Every rank learns whether any rank failed a phase; the failing rank's message is thrown on it,
+// the others throw naming the phase (nobody waits in a later collective for a rank that left).
+void agree(comm::Group& g, const std::string& err, const char* phase) {
+  const int64_t failed = g.max(err.empty() ? 0 : static_cast<int64_t>(1));
+  if (!failed) return;
+  if (!err.empty()) BB_FAIL(err);
+  BB_FAIL("checkpoint: another rank failed while ", phase, " (see its message)");
+}
+
+}  // namespace
+
 std::string Trainer::save_checkpoint(const std::string& root) {
+  comm::Group& world = *mesh_->world();
+  const int rank = world.rank();
   const double t0 = now_s();
   const std::string name = step_dir_name(step_);
   const std::string final_dir = path_join(root, name);
-  const std::string tmp_dir = path_join(root, "." + name + ".tmp." + std::to_string(::getpid()));
+  // One temporary directory for every rank, named by rank 0.
+  std::string tmp_dir = path_join(root, "." + name + ".tmp." + std::to_string(::getpid()));
+  world.broadcast_host(tmp_dir, 0);
   if (log_) {
-    std::fprintf(log_, "[checkpoint] saving step %lld to %s ...\n", static_cast<long long>(step_), final_dir.c_str());
+    std::fprintf(log_, "%s[checkpoint] saving step %lld to %s ...\n", log_prefix_.c_str(), static_cast<long long>(step_),
+                 final_dir.c_str());
     std::fflush(log_);
   }
-  make_dirs(root);
-  remove_tree(tmp_dir);
-  make_dirs(tmp_dir);
-  try {
-    std::map<std::string, std::string> meta = {{"format", "pt"}, {"bumblebee_step", std::to_string(step_)}};
-    write_safetensors(path_join(tmp_dir, "model.safetensors"), hf_state(*model_), meta);
-    // Optimizer state per parameter (the same slices of the unit's flat buffers), so the file
-    // does not depend on the unit layout.
-    std::vector<std::pair<std::string, Tensor>> opt;
-    for (Param* p : model_->params()) {
-      const OptState& s = opt_[static_cast<size_t>(p->unit->index)];
-      opt.emplace_back(p->name + ".master", unit_slice(s.master, *p));
-      opt.emplace_back(p->name + ".exp_avg", unit_slice(s.exp_avg, *p));
-      opt.emplace_back(p->name + ".exp_avg_sq", unit_slice(s.exp_avg_sq, *p));
+  std::string err;
+  if (rank == 0) {
+    try {
+      make_dirs(root);
+      remove_tree(tmp_dir);
+      make_dirs(path_join(tmp_dir, "shards"));
+    } catch (const std::exception& e) {
+      err = e.what();
     }
-    write_safetensors(path_join(tmp_dir, "optimizer.safetensors"), opt, {{"bumblebee_step", std::to_string(step_)}});
-    nlohmann::json st;
-    st["format_version"] = 1;
-    st["step"] = step_;
-    st["seed"] = cfg_.seed;
-    st["data_position"] = data_->position();
-    st["model_config"] = cfg_.model.to_hf_json();
-    st["primitives"] = cfg_.primitives_summary();
-    st["backend"] = cfg_.backend;
-    atomic_write(path_join(tmp_dir, "state.json"), st.dump(2));
-    atomic_write(path_join(tmp_dir, "config.json"), cfg_.model.to_hf_json().dump(2));
-    remove_tree(final_dir);  // a stale directory of the same step (e.g. a re-run) is replaced
-    BB_CHECK(::rename(tmp_dir.c_str(), final_dir.c_str()) == 0, "checkpoint: cannot rename ", tmp_dir,
-             " to ", final_dir);
+  }
+  agree(world, err, "creating the checkpoint directory");
+  try {
+    // This rank's shard: what the state family owns (replicated: its 1/N of every unit).
+    std::vector<ParamUnit*> units = model_->units();
+    std::map<std::string, std::string> meta = {{"format", "bumblebee-shard"},
+                                               {"rank", std::to_string(rank)},
+                                               {"world", std::to_string(world.size())}};
+    std::vector<std::pair<std::string, Tensor>> tensors;
+    for (size_t i = 0; i < units.size(); ++i) {
+      const auto [lo, len] = state_->checkpoint_range(i);
+      const ModelState::Owned o = state_->owned(i);
+      meta[units[i]->name] = std::to_string(lo) + " " + std::to_string(len);
+      if (len == 0) continue;
+      const int64_t at = lo - o.lo;
+      tensors.emplace_back(units[i]->name + ".master", o.master.narrow(at, len));
+      tensors.emplace_back(units[i]->name + ".exp_avg", o.exp_avg.narrow(at, len));
+      tensors.emplace_back(units[i]->name + ".exp_avg_sq", o.exp_avg_sq.narrow(at, len));
+    }
+    write_safetensors(path_join(tmp_dir, shard_name(rank)), tensors, meta);
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  try {
+    agree(world, err, "writing its shard");
   } catch (...) {
-    remove_tree(tmp_dir);
+    if (rank == 0) remove_tree(tmp_dir);
     throw;
   }
-  atomic_write(path_join(root, "latest"), name + "\n");
-  if (cfg_.ckpt_keep > 0) {
-    std::vector<std::string> dirs = list_step_dirs(root);
-    for (size_t i = 0; i + static_cast<size_t>(cfg_.ckpt_keep) < dirs.size(); ++i)
-      if (dirs[i] != name) remove_tree(path_join(root, dirs[i]));
+  if (rank == 0) {
+    try {
+      nlohmann::json st;
+      st["format_version"] = kCheckpointFormat;
+      st["step"] = step_;
+      st["seed"] = cfg_.seed;
+      st["data_position"] = data_->position();
+      st["model_config"] = cfg_.model.to_hf_json();
+      st["primitives"] = cfg_.primitives_summary();
+      st["backend"] = cfg_.backend;
+      const ParallelLayout& l = mesh_->layout();
+      st["layout"] = {{"dp", l.dp}, {"cp", l.cp}, {"ep", l.ep}, {"pp", l.pp}, {"world", world.size()},
+                      {"state", cfg_.prim.state.name}, {"grad_accum", cfg_.grad_accum}};
+      st["units"] = unit_table(model_->units());
+      nlohmann::json files = nlohmann::json::array();
+      for (int r = 0; r < world.size(); ++r) files.push_back(shard_name(r));
+      st["shards"] = files;
+      atomic_write(path_join(tmp_dir, "state.json"), st.dump(2));
+      atomic_write(path_join(tmp_dir, "config.json"), cfg_.model.to_hf_json().dump(2));
+      remove_tree(final_dir);  // a stale directory of the same step (e.g. a re-run) is replaced
+      BB_CHECK(::rename(tmp_dir.c_str(), final_dir.c_str()) == 0, "checkpoint: cannot rename ", tmp_dir, " to ",
+               final_dir);
+      // `latest` moves only now that every rank's shard is in place.
+      atomic_write(path_join(root, "latest"), name + "\n");
+      if (cfg_.ckpt_keep > 0) {
+        std::vector<std::string> dirs = list_step_dirs(root);
+        for (size_t i = 0; i + static_cast<size_t>(cfg_.ckpt_keep) < dirs.size(); ++i)
+          if (dirs[i] != name) remove_tree(path_join(root, dirs[i]));
+      }
+    } catch (const std::exception& e) {
+      remove_tree(tmp_dir);
+      err = e.what();
+    }
   }
+  agree(world, err, "committing the checkpoint");
   if (log_) {
-    std::fprintf(log_, "[checkpoint] saved %s in %.2fs\n", final_dir.c_str(), now_s() - t0);
+    std::fprintf(log_, "%s[checkpoint] saved %s in %.2fs\n", log_prefix_.c_str(), final_dir.c_str(), now_s() - t0);
     std::fflush(log_);
   }
   return final_dir;
@@ -395,14 +515,7 @@ std::string Trainer::save_checkpoint(const std::string& root) {
 void Trainer::load_checkpoint(const std::string& path) {
   const std::string dir = resolve_checkpoint(path);
   BB_CHECK(!dir.empty(), "no checkpoint at '", path, "' (expected a step_* directory or a checkpoint root with a 'latest' file)");
-  nlohmann::json st;
-  try {
-    st = nlohmann::json::parse(read_file(path_join(dir, "state.json")));
-  } catch (const nlohmann::json::exception& e) {
-    BB_FAIL("checkpoint ", dir, ": state.json is not valid JSON (", e.what(), ")");
-  }
-  BB_CHECK(st.is_object() && st.contains("step") && st.contains("data_position") && st.contains("model_config"),
-           "checkpoint ", dir, ": state.json lacks step, data_position or model_config");
+  const nlohmann::json st = read_checkpoint_state(dir);
   const ModelConfig saved_cfg = parse_hf_config(st["model_config"], dir + "/state.json");
   if (!(saved_cfg == cfg_.model)) {
     const nlohmann::json a = saved_cfg.to_hf_json(), b = cfg_.model.to_hf_json();
@@ -412,59 +525,28 @@ void Trainer::load_checkpoint(const std::string& path) {
         diff += " " + it.key() + " (checkpoint " + it.value().dump() + ", run " + (b.contains(it.key()) ? b[it.key()].dump() : "absent") + ")";
     BB_FAIL("checkpoint ", dir, " was written for a different model:", diff);
   }
+  std::vector<ParamUnit*> units = model_->units();
+  check_unit_table(st["units"], units, dir);
   const int64_t step = st["step"].get<int64_t>();
   const DataPosition pos = st["data_position"].get<DataPosition>();
 
-  // Stage everything; commit only when all tensors were read and checked.
-  SafetensorsReader model_file(path_join(dir, "model.safetensors"));
-  SafetensorsReader opt_file(path_join(dir, "optimizer.safetensors"));
-  std::vector<HfTensor> hf = model_->hf_tensors();
-  std::vector<Tensor> staged_model;
-  std::vector<std::string> missing;
-  for (const HfTensor& t : hf) {
-    if (!model_file.has(t.name)) {
-      missing.push_back(t.name);
-      continue;
-    }
-    Tensor v = model_file.read_as(t.name, DType::f32, MemCategory::other);
-    BB_CHECK(v.shape() == t.shape, "checkpoint ", dir, ": tensor ", t.name, " has shape ",
-             shape_str(v.shape()), ", the model expects ", shape_str(t.shape));
-    staged_model.push_back(v);
+  // Stage what this rank holds under its own layout; commit only when all of it was read.
+  ShardSet shards(dir, st);
+  const char* which[3] = {"master", "exp_avg", "exp_avg_sq"};
+  std::vector<std::array<Tensor, 3>> staged(units.size());
+  for (size_t i = 0; i < units.size(); ++i) {
+    const ModelState::Owned o = state_->owned(i);
+    if (o.len == 0) continue;
+    for (int k = 0; k < 3; ++k) staged[i][static_cast<size_t>(k)] = shards.read(units[i]->name, which[k], o.lo, o.len);
   }
-  // Host staging of the optimizer state, per parameter: [param][master, exp_avg, exp_avg_sq].
-  std::vector<Param*> ps = model_->params();
-  std::vector<std::array<Tensor, 3>> staged_opt(ps.size());
-  for (size_t i = 0; i < ps.size(); ++i) {
-    const char* suffix[3] = {".master", ".exp_avg", ".exp_avg_sq"};
-    for (int k = 0; k < 3; ++k) {
-      const std::string name = ps[i]->name + suffix[k];
-      if (!opt_file.has(name)) {
-        missing.push_back(name);
-        continue;
-      }
-      Tensor v = opt_file.read(name, MemCategory::other);
-      BB_CHECK(v.shape() == ps[i]->shape && v.dtype() == DType::f32, "checkpoint ", dir,
-               ": optimizer tensor ", name, " is ", v.str(), ", expected f32", shape_str(ps[i]->shape));
-      staged_opt[i][static_cast<size_t>(k)] = v;
-    }
+  for (size_t i = 0; i < units.size(); ++i) {
+    ModelState::Owned o = state_->owned(i);
+    if (o.len == 0) continue;
+    o.master.copy_from(staged[i][0]);
+    o.exp_avg.copy_from(staged[i][1]);
+    o.exp_avg_sq.copy_from(staged[i][2]);
   }
-  if (!missing.empty()) {
-    std::string list;
-    for (size_t i = 0; i < missing.size() && i < 8; ++i) list += " " + missing[i];
-    BB_FAIL("checkpoint ", dir, " is missing ", missing.size(), " tensor(s):", list,
-            missing.size() > 8 ? " ..." : "");
-  }
-  // Commit.
-  for (size_t i = 0; i < hf.size(); ++i) {
-    Tensor dst = hf[i].value();
-    dst.copy_from(staged_model[i].to_dtype(dst.dtype()));
-  }
-  for (size_t i = 0; i < ps.size(); ++i) {
-    OptState& s = opt_[static_cast<size_t>(ps[i]->unit->index)];
-    Tensor* flat[3] = {&s.master, &s.exp_avg, &s.exp_avg_sq};
-    for (int k = 0; k < 3; ++k)
-      unit_slice(*flat[k], *ps[i]).copy_from(staged_opt[i][static_cast<size_t>(k)]);
-  }
+  state_->values_from_masters();
   data_->restore(pos);
   step_ = step;
 }

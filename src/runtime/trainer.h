@@ -4,6 +4,13 @@
 // One optimizer step = grad_accum micro-batches. Their valid-token counts are summed first so
 // that every micro-batch's loss gradient is scaled by 1 / (valid tokens in the step): the loss
 // is a per-token average over the whole step, whatever the packing.
+//
+// Across ranks (mpirun / srun): the mesh (comm/mesh.h) comes from [parallel]; each DP rank takes
+// its grad_accum micro-batches of the step from one global stream (global batch = dp x grad_accum
+// micro-batches, the same sequence for every layout), valid tokens and losses are summed over
+// all ranks, and the state family (primitives/state/state.h) reduces gradients and shards
+// parameters and optimizer state. Rank 0 logs (per-rank maxima of peak memory) and writes the
+// metrics file; checkpoints are collective (runtime/checkpoint.h).
 #pragma once
 
 #include <cstdio>
@@ -11,8 +18,10 @@
 #include <string>
 #include <vector>
 
+#include "comm/mesh.h"
 #include "core/memory.h"
 #include "models/decoder.h"
+#include "runtime/state.h"
 #include "runtime/data.h"
 #include "runtime/run_config.h"
 #include "runtime/schedule.h"
@@ -31,16 +40,19 @@ struct StepMetrics {
   double step_time_s = 0;
   double tokens_per_s = 0;
   double model_tflops = 0;  // model FLOPs / step time (DESIGN.md sec. 6), per GPU/process
-  MemoryStats mem;          // peaks over this step
+  MemoryStats mem;          // peaks over this step: this rank's
+  MemoryStats mem_max;      // the same, maximum over ranks per category
   int64_t host_syncs = 0;   // deliberate host-device synchronisations in the step (GPU)
 };
 
 class Trainer {
  public:
-  // Builds model, optimizer state and data loader; resumes if cfg.resume says so.
+  // Builds mesh, model, state and data loader; resumes if cfg.resume says so. The ranks are
+  // those of `base` (default: every rank of the job, over parallel.comm); `log` is used on rank 0
+  // only unless log.all_ranks.
   explicit Trainer(const RunConfig& cfg, FILE* log = stdout);
   // The same with data given in memory (benchmarks, tests) instead of cfg.data's source.
-  Trainer(const RunConfig& cfg, FILE* log, Corpus corpus);
+  Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr base = nullptr);
   ~Trainer();
 
   // One optimizer step.
@@ -54,31 +66,39 @@ class Trainer {
   DecoderModel& model() { return *model_; }
   Schedule& schedule() { return *schedule_; }
   DataLoader& data() { return *data_; }
+  const Mesh& mesh() const { return *mesh_; }
+  ModelState& state() { return *state_; }
   const RunConfig& config() const { return cfg_; }
 
-  // Writes <dir>/step_NNNNNNNN atomically (temp dir + rename) and points <dir>/latest at it.
+  // Writes <dir>/step_NNNNNNNN atomically (temp dir + rename) and points <dir>/latest at it
+  // once every rank wrote its shard. Collective.
   std::string save_checkpoint(const std::string& dir);
   // Loads a checkpoint directory (a step_* dir, or a checkpoint root with `latest`). Everything
-  // is validated and staged before any state changes: on error nothing is modified.
+  // is validated and staged before any state changes: on error nothing is modified. Any
+  // layout reads any other's checkpoint (resharded from the unit table). Collective.
   void load_checkpoint(const std::string& path);
 
  private:
-  // AdamW state of one parameter unit: flat [numel] f32 tensors, stepped as two buckets (the
-  // weight-decayed elements [0, decay_numel) and the rest).
-  struct OptState {
-    Tensor master, exp_avg, exp_avg_sq;
-  };
   void log_line(const StepMetrics& m);
 
   RunConfig cfg_;
   FILE* log_;
+  std::string log_prefix_;
+  std::unique_ptr<Mesh> mesh_;
   std::unique_ptr<DecoderModel> model_;
   std::unique_ptr<Schedule> schedule_;
+  std::unique_ptr<ModelState> state_;
   std::unique_ptr<DataLoader> data_;
-  std::vector<OptState> opt_;
   int64_t step_ = 0;
   Device device_;
 };
+
+// The communicator a run uses by default: the self group in a single process, else every rank
+// of the job over parallel.comm (auto: nccl for one GPU per process, mpi for CPU runs and for
+// processes sharing a GPU).
+comm::GroupPtr default_world(const RunConfig& cfg);
+// The layout of cfg on `world_size` ranks (parallel.dp = 0 resolved), validated.
+ParallelLayout resolve_layout(const RunConfig& cfg, int64_t world_size);
 
 // Resolves a checkpoint path: a step directory is returned as is; a root with a `latest` file
 // resolves to the step it names. Returns "" when `root` has no checkpoint yet.

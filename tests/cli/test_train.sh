@@ -16,7 +16,7 @@ for want in "step      4 | loss" "tok/s" "TFLOP/s" "peak MiB: act" "[checkpoint]
   grep -qF "$want" "$TMP/a.txt" || { echo "FAIL: train output lacks '$want'"; cat "$TMP/a.txt"; fail=1; }
 done
 [ "$(wc -l < "$TMP/metrics.jsonl")" -eq 4 ] || { echo "FAIL: metrics.jsonl should have 4 lines"; fail=1; }
-[ -f "$TMP/ckpt/step_00000004/model.safetensors" ] || { echo "FAIL: no checkpoint"; fail=1; }
+[ -f "$TMP/ckpt/step_00000004/shards/rank_00000.safetensors" ] || { echo "FAIL: no checkpoint"; fail=1; }
 "$BB" train "${ARGS[@]}" --steps 6 --set 'checkpoint.resume="auto"' > "$TMP/b.txt" 2>&1 || { echo "FAIL: resume exited $?"; cat "$TMP/b.txt"; fail=1; }
 grep -q "resumed from .*step_00000004 at step 4" "$TMP/b.txt" || { echo "FAIL: no resume line"; cat "$TMP/b.txt"; fail=1; }
 grep -q "step      5 | loss" "$TMP/b.txt" || { echo "FAIL: resumed run did not continue at step 5"; fail=1; }

@@ -9,6 +9,7 @@
 #include "io/fs.h"
 #include "io/safetensors.h"
 #include "models/hf_io.h"
+#include "runtime/checkpoint.h"
 #include "runtime/run_config.h"
 #include "runtime/trainer.h"
 
@@ -76,7 +77,8 @@ TEST(Trainer, ResumeContinuesTheSameRun) {
   std::vector<double> l_split;
   for (int i = 0; i < 10; ++i) l_split.push_back(first.train_step().loss);
   const std::string ck = first.save_checkpoint(dir + "/ckpt");
-  EXPECT_TRUE(path_exists(ck + "/model.safetensors"));
+  EXPECT_TRUE(path_exists(ck + "/shards/rank_00000.safetensors"));
+  EXPECT_TRUE(path_exists(ck + "/state.json"));
   EXPECT_EQ(read_file(dir + "/ckpt/latest"), "step_00000010\n");
 
   Trainer second(load_run_config(run, {"checkpoint.resume=\"auto\""}), nullptr);
@@ -93,14 +95,14 @@ TEST(Trainer, BadCheckpointIsAClearErrorAndChangesNothing) {
   const std::string good = t.save_checkpoint(dir + "/ckpt");
   for (int i = 0; i < 2; ++i) t.train_step();
   const std::string bad = t.save_checkpoint(dir + "/ckpt");
-  // Truncate the newest checkpoint's weights.
-  const std::string f = bad + "/model.safetensors";
+  // Truncate the newest checkpoint's shard (weights and optimizer state).
+  const std::string f = bad + "/shards/rank_00000.safetensors";
   std::string bytes = read_file(f);
   std::ofstream(f, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size() / 2));
 
   Trainer u(load_run_config(run), nullptr);
   auto before = u.model().params()[0]->value.to_floats();
-  test::expect_error_contains([&] { u.load_checkpoint(bad); }, "model.safetensors");
+  test::expect_error_contains([&] { u.load_checkpoint(bad); }, "rank_00000.safetensors");
   EXPECT_EQ(u.step(), 0);
   EXPECT_EQ(u.model().params()[0]->value.to_floats(), before);  // nothing half-loaded
   // The previous checkpoint is intact and loads.
@@ -162,7 +164,14 @@ TEST(RunConfig, BadConfigsAreClearErrors) {
                                   " with overrides 'primitives.loss=\"fast_ce\"' is not registered; "
                                   "registered members: full_ce, linear_ce");
   test::expect_error_contains([&] { load_run_config(run, {"train.steps=\"ten\""}); }, "train.steps (in");
-  test::expect_error_contains([&] { load_run_config(run, {"parallel.ep=2"}); }, "only single-rank runs");
+  test::expect_error_contains([&] { load_run_config(run, {"parallel.tp=2"}); }, "tensor parallelism is not implemented");
+  test::expect_error_contains([&] { load_run_config(run, {"parallel.comm=\"gloo\""}); }, "parallel.comm");
+  test::expect_error_contains([&] { load_run_config(run, {"parallel.timeout_s=0"}); }, "parallel.timeout_s");
+  // Layouts that cannot run on this one process are refused before anything is allocated.
+  test::expect_error_contains([&] { Trainer(load_run_config(run, {"parallel.dp=2"}), nullptr); },
+                              "dp x cp x pp = 2 but 1 rank(s) were launched");
+  test::expect_error_contains([&] { Trainer(load_run_config(run, {"parallel.ep=3"}), nullptr); },
+                              "does not divide the model's 4 routed experts");
   test::expect_error_contains([&] { load_run_config(run, {"train.lr=-1"}); }, "train.lr must be > 0");
   test::expect_error_contains([&] { load_run_config(run, {"optim.lr=1"}); }, "unknown table '[optim]'");
   test::expect_error_contains([&] { load_run_config(run, {"steps=1"}); }, "expected table.key");
@@ -240,17 +249,18 @@ TEST(Trainer, HfInitKeepsFp32MastersAndExportWritesThem) {
                                   "train.steps=0"}),
             nullptr);
   const std::string step = t.save_checkpoint(dir + "/ckpt");
-  SafetensorsReader opt(path_join(step, "optimizer.safetensors"));
   int64_t rounded = 0;
   for (Param* p : src.params()) {
     const std::vector<float> want = p->value.to_floats();
-    EXPECT_EQ(opt.read(p->name + ".master").to_floats(), want) << p->name << ": master not fp32";
+    const Tensor master = unit_slice(t.state().gather_master(static_cast<size_t>(t.model().find_param(p->name)->unit->index)),
+                                     *t.model().find_param(p->name));
+    EXPECT_EQ(master.to_floats(), want) << p->name << ": master not fp32";
     const std::vector<float> param = t.model().find_param(p->name)->value.to_floats();
     for (size_t i = 0; i < want.size(); ++i) rounded += param[i] != want[i];
   }
   EXPECT_GT(rounded, 0) << "the parameters should be bf16-rounded (else the test proves nothing)";
   // Export in f32 from the checkpoint: the masters, exactly.
-  export_checkpoint(step, dir + "/out", f32);
+  export_distributed_checkpoint(step, dir + "/out", f32);
   DecoderModel back(mc, ModelOptions{}, 0);
   load_hf_weights(back, dir + "/out");
   for (Param* p : src.params())

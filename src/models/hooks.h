@@ -1,0 +1,25 @@
+// hooks.h — the points of a micro-batch where state sharding and overlap attach (the schedule,
+// runtime/schedule.h, calls them; the order of calls is documented there). Declared with the
+// model so that the families that implement them (primitives/state) need not know the schedule.
+#pragma once
+
+#include <cstdint>
+
+#include "models/block.h"
+
+namespace bb {
+
+enum class ModelEnd : uint8_t { embed, head, embed_backward };
+
+class LayerHooks {
+ public:
+  virtual ~LayerHooks() = default;
+  virtual void before_end(ModelEnd, Pass) {}
+  virtual void after_end(ModelEnd, Pass) {}
+  virtual void before_forward(const Layer&, Pass) {}
+  virtual void after_forward(const Layer&, Pass) {}
+  virtual void before_backward(const Layer&) {}
+  virtual void after_backward(const Layer&) {}
+};
+
+}  // namespace bb

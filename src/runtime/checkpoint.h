@@ -1,0 +1,62 @@
+// checkpoint.h — the distributed checkpoint format (DESIGN.md sec. 11; skills/checkpoints-distributed.md).
+//
+// A checkpoint step directory holds
+//   state.json                 format_version 2, step, seed, data position, model config,
+//                              primitives, backend, layout (dp/cp/ep/pp, world size, state
+//                              family), the unit table (name, numel, decay_numel, parameters with
+//                              offsets and shapes) and the list of shard files
+//   config.json                the model's Hugging Face config
+//   shards/rank_RRRRR.safetensors  what rank R holds: per unit `<unit>.master`, `.exp_avg`,
+//                              `.exp_avg_sq` (f32) of elements [lo, lo + len) of the unit's flat
+//                              layout, with "lo len" in the file's metadata under the unit's name
+// Parameter values are not stored: they are the masters in the parameter dtype, which is what
+// the optimizer writes after every step. Any layout can read any other: each rank reads the
+// pieces that overlap what it holds under its own layout.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "io/safetensors.h"
+#include "models/decoder.h"
+#include "models/hf_io.h"
+
+namespace bb {
+
+constexpr int kCheckpointFormat = 2;
+
+// The unit table of state.json.
+nlohmann::json unit_table(const std::vector<ParamUnit*>& units);
+// Throws naming the first difference when the table of a checkpoint does not describe `units`.
+void check_unit_table(const nlohmann::json& table, const std::vector<ParamUnit*>& units,
+                      const std::string& dir);
+
+// The shard files of a step directory, indexed by unit.
+class ShardSet {
+ public:
+  ShardSet(const std::string& dir, const nlohmann::json& state);
+  // Elements [lo, lo + len) of unit `unit`'s `which` (master | exp_avg | exp_avg_sq) as an f32
+  // host tensor. Throws naming the unit and the missing range if the files do not cover it.
+  Tensor read(const std::string& unit, const std::string& which, int64_t lo, int64_t len) const;
+
+ private:
+  struct Piece {
+    std::shared_ptr<SafetensorsReader> file;
+    int64_t lo = 0, len = 0;
+  };
+  std::string dir_;
+  std::map<std::string, std::vector<Piece>> pieces_;
+};
+
+// Parses state.json of a step directory (clear errors for missing or foreign files).
+nlohmann::json read_checkpoint_state(const std::string& dir);
+
+// `bumblebee export` of a format-2 checkpoint: the fp32 masters consolidated into a Hugging Face
+// directory (opts.dtype: the dtype written).
+void export_distributed_checkpoint(const std::string& step_dir, const std::string& out_dir,
+                                   const HfExportOptions& opts);
+
+}  // namespace bb

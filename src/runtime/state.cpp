@@ -1,0 +1,397 @@
+// state.cpp — replicated / zero1 / fsdp state and the AdamW step on owned elements (state.h).
+#include "runtime/state.h"
+
+#include <cmath>
+
+#include "core/trace.h"
+#include "primitives/elementwise/elementwise.h"
+
+namespace bb {
+
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// How a unit is held: a group of one shards nothing, whatever the family.
+enum class Mode { whole, zero1, fsdp };
+
+}  // namespace
+
+struct ModelState::Unit {
+  size_t index = 0;
+  ParamUnit* u = nullptr;
+  comm::Group* g = nullptr;
+  Mode mode = Mode::whole;
+  int64_t N = 1, r = 0, S = 0, lo = 0, len = 0;
+  Tensor master, exp_avg, exp_avg_sq;  // [numel] (whole) or [S] (sharded), f32, optimizer
+  Tensor value_buf, grad_buf;          // zero1: [N S] values (params) and gradients (grads)
+  Tensor value_shard, grad_shard;      // fsdp: [S] values (params) and gradients (grads)
+  Tensor full_value, full_grad;        // fsdp: gathered values, whole gradient in backward (comm)
+  comm::WorkPtr gather_work, reduce_work;
+  Tensor reduce_out;  // [S] f32 (comm): a reduce-scatter's result until drained
+};
+
+StateBytes state_bytes(StateKind kind, const std::vector<ParamUnit*>& units,
+                       const std::vector<int64_t>& group_sizes, int64_t value_bytes) {
+  BB_CHECK(units.size() == group_sizes.size(), "state_bytes: one group size per unit");
+  StateBytes b;
+  for (size_t i = 0; i < units.size(); ++i) {
+    const int64_t n = units[i]->numel, N = group_sizes[i], S = ceil_div(n, N);
+    switch (kind) {
+      case StateKind::replicated:
+        b.params += value_bytes * n;
+        b.grads += 4 * n;
+        b.optimizer += 12 * n;
+        break;
+      case StateKind::zero1:
+        b.params += value_bytes * N * S;
+        b.grads += 4 * N * S;
+        b.optimizer += 12 * S;
+        break;
+      case StateKind::fsdp:
+        b.params += value_bytes * S;
+        b.grads += 4 * S;
+        b.optimizer += 12 * S;
+        break;
+    }
+  }
+  return b;
+}
+
+ModelState::~ModelState() = default;
+
+ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, RecomputePolicy recompute,
+                       const std::vector<Tensor>* masters)
+    : kind_(kind), model_(model), recompute_(recompute), tied_(model.config().tie_word_embeddings) {
+  std::vector<ParamUnit*> units = model.units();
+  BB_CHECK(!masters || masters->size() == units.size(), "ModelState: ", masters ? masters->size() : 0,
+           " master tensors for ", units.size(), " units");
+  by_layer_.resize(model.layers().size());
+  ParamStore& store = model.param_store();
+  for (size_t i = 0; i < units.size(); ++i) {
+    ParamUnit* pu = units[i];
+    auto un = std::make_unique<Unit>();
+    Unit& u = *un;
+    u.index = i;
+    u.u = pu;
+    comm::GroupPtr group = pu->kind == UnitKind::experts ? mesh.edp() : mesh.dense();
+    u.g = group.get();
+    u.N = group->size();
+    u.r = group->rank();
+    u.S = ceil_div(pu->numel, u.N);
+    u.lo = std::min(pu->numel, u.r * u.S);
+    u.len = std::max<int64_t>(0, std::min(u.S, pu->numel - u.lo));
+    u.mode = u.N == 1 || kind == StateKind::replicated ? Mode::whole
+             : kind == StateKind::zero1                ? Mode::zero1
+                                                       : Mode::fsdp;
+    shards_.push_back({pu, group, u.S, u.mode == Mode::whole ? 0 : u.lo, u.mode == Mode::whole ? pu->numel : u.len});
+    const Device dev = pu->value.device();
+    const DType vdt = pu->value.dtype();
+    // The f32 source of the masters: the given masters, else the values.
+    const Tensor src = masters && (*masters)[i].defined() ? (*masters)[i] : Tensor();
+    auto owned_f32 = [&](int64_t lo, int64_t len) {
+      Tensor m = Tensor::zeros({u.mode == Mode::whole ? pu->numel : u.S}, DType::f32, dev, MemCategory::optimizer);
+      if (len > 0) {
+        Tensor from = src.defined() ? src.narrow(lo, len) : pu->value.narrow(lo, len).to_dtype(DType::f32, MemCategory::other);
+        m.narrow(0, len).copy_from(from.device() == dev ? from : from.to(dev));
+      }
+      return m;
+    };
+    switch (u.mode) {
+      case Mode::whole:
+        u.master = owned_f32(0, pu->numel);
+        break;
+      case Mode::zero1: {
+        u.value_buf = Tensor::zeros({u.N * u.S}, vdt, dev, MemCategory::params);
+        u.value_buf.narrow(0, pu->numel).copy_from(pu->value);
+        u.grad_buf = Tensor::zeros({u.N * u.S}, DType::f32, dev, MemCategory::grads);
+        u.master = owned_f32(u.lo, u.len);
+        store.rebind(*pu, u.value_buf, u.grad_buf);
+        break;
+      }
+      case Mode::fsdp: {
+        u.value_shard = Tensor::zeros({u.S}, vdt, dev, MemCategory::params);
+        if (u.len > 0) u.value_shard.narrow(0, u.len).copy_from(pu->value.narrow(u.lo, u.len));
+        u.grad_shard = Tensor::zeros({u.S}, DType::f32, dev, MemCategory::grads);
+        u.master = owned_f32(u.lo, u.len);
+        store.rebind(*pu, Tensor(), Tensor());  // the whole buffers are freed here
+        break;
+      }
+    }
+    u.exp_avg = Tensor::zeros(u.master.shape(), DType::f32, dev, MemCategory::optimizer);
+    u.exp_avg_sq = Tensor::zeros(u.master.shape(), DType::f32, dev, MemCategory::optimizer);
+    if (pu->layer >= 0) by_layer_[static_cast<size_t>(pu->layer)].push_back(&u);
+    else if (pu->kind == UnitKind::embedding) embed_ = &u;
+    else head_ = &u;
+    units_.push_back(std::move(un));
+  }
+  BB_CHECK(embed_ && head_, "ModelState: the model has no embedding or head unit");
+}
+
+bool ModelState::sharded(const Unit& u) const { return u.mode == Mode::fsdp; }
+
+std::vector<ModelState::Unit*> ModelState::layer_units(int64_t layer) {
+  if (layer < 0 || layer >= static_cast<int64_t>(by_layer_.size())) return {};
+  return by_layer_[static_cast<size_t>(layer)];
+}
+
+void ModelState::begin_step() {
+  model_.zero_grad();  // whole and zero1 units (fsdp units have no whole gradient now)
+  for (auto& u : units_)
+    if (u->mode == Mode::fsdp) u->grad_shard.zero_();
+}
+
+void ModelState::begin_micro_batch(bool last) { last_micro_ = last; }
+
+// ---- fsdp: gather, free, reduce-scatter --------------------------------------------------------
+
+void ModelState::gather(Unit& u, bool wait) {
+  if (!sharded(u)) return;
+  if (!u.full_value.defined()) {
+    u.full_value = Tensor::empty({u.N * u.S}, u.value_shard.dtype(), u.value_shard.device(), MemCategory::comm);
+    u.gather_work = u.g->all_gather(u.value_shard, u.full_value);
+  }
+  if (wait) ensure(u);
+}
+
+void ModelState::ensure(Unit& u) {
+  if (!sharded(u)) return;
+  if (!u.full_value.defined()) gather(u, false);
+  if (u.gather_work) {
+    u.gather_work->wait();
+    u.gather_work.reset();
+  }
+  model_.param_store().rebind(*u.u, u.full_value, u.full_grad);
+}
+
+void ModelState::release(Unit& u) {
+  if (!sharded(u) || !u.full_value.defined()) return;
+  if (u.gather_work) {  // prefetched and not used (e.g. the pass ended)
+    u.gather_work->wait();
+    u.gather_work.reset();
+  }
+  u.full_value = Tensor();
+  model_.param_store().rebind(*u.u, Tensor(), u.full_grad);
+}
+
+void ModelState::grads_begin(Unit& u) {
+  if (!sharded(u) || u.full_grad.defined()) return;
+  u.full_grad = Tensor::zeros({u.N * u.S}, DType::f32, u.grad_shard.device(), MemCategory::comm);
+  model_.param_store().rebind(*u.u, u.full_value, u.full_grad);
+}
+
+void ModelState::grads_end(Unit& u) {
+  if (!sharded(u) || !u.full_grad.defined()) return;
+  u.reduce_out = Tensor::empty({u.S}, DType::f32, u.grad_shard.device(), MemCategory::comm);
+  u.reduce_work = u.g->reduce_scatter(u.full_grad, u.reduce_out);
+  u.full_grad = Tensor();  // the Work holds it until the reduction is done
+  model_.param_store().rebind(*u.u, u.full_value, Tensor());
+  pending_.push_back(&u);
+}
+
+void ModelState::reduce_grads(Unit& u) {
+  if (u.N == 1) return;
+  if (u.mode == Mode::whole) {
+    u.reduce_work = u.g->all_reduce(u.u->grad);
+  } else {  // zero1: this rank's shard of the summed gradient
+    u.reduce_out = Tensor::empty({u.S}, DType::f32, u.grad_buf.device(), MemCategory::comm);
+    u.reduce_work = u.g->reduce_scatter(u.grad_buf, u.reduce_out);
+  }
+  pending_.push_back(&u);
+}
+
+void ModelState::drain() {
+  for (Unit* u : pending_) {
+    u->reduce_work->wait();
+    u->reduce_work.reset();
+    if (u->mode == Mode::fsdp) {
+      Tensor g = u->grad_shard;
+      add_inplace(g, u->reduce_out);
+    } else if (u->mode == Mode::zero1) {
+      u->grad_buf.narrow(u->r * u->S, u->S).copy_from(u->reduce_out);
+    }
+    u->reduce_out = Tensor();
+  }
+  pending_.clear();
+}
+
+// ---- hooks ---------------------------------------------------------------------------------------
+
+void ModelState::before_end(ModelEnd e, Pass p) {
+  switch (e) {
+    case ModelEnd::embed:
+      ensure(*embed_);
+      for (Unit* u : layer_units(0)) gather(*u, false);  // prefetch layer 0
+      break;
+    case ModelEnd::head:
+      ensure(*head_);
+      if (tied_) ensure(*embed_);
+      if (p == Pass::train) {
+        grads_begin(*head_);
+        if (tied_) grads_begin(*embed_);
+        // Prefetch the last layer for its backward.
+        for (Unit* u : layer_units(static_cast<int64_t>(by_layer_.size()) - 1)) gather(*u, false);
+      }
+      break;
+    case ModelEnd::embed_backward:
+      grads_begin(*embed_);  // no values needed: the lookup's gradient is a scatter-add
+      break;
+  }
+}
+
+void ModelState::after_end(ModelEnd e, Pass p) {
+  switch (e) {
+    case ModelEnd::embed:
+      release(*embed_);
+      break;
+    case ModelEnd::head:
+      if (p == Pass::train) {
+        grads_end(*head_);
+        if (last_micro_ && head_->mode != Mode::fsdp) reduce_grads(*head_);
+      }
+      release(*head_);
+      if (tied_) release(*embed_);  // its gradient stays bound for the embedding backward
+      break;
+    case ModelEnd::embed_backward:
+      grads_end(*embed_);
+      if (last_micro_ && embed_->mode != Mode::fsdp) reduce_grads(*embed_);
+      release(*embed_);
+      drain();  // fsdp: every unit's gradient of this micro-batch is in its shard now
+      break;
+  }
+}
+
+void ModelState::before_forward(const Layer& l, Pass p) {
+  for (Unit* u : layer_units(l.index)) ensure(*u);
+  if (p == Pass::recompute) return;  // gathered for the backward already
+  const int64_t next = l.index + 1;
+  if (next < static_cast<int64_t>(by_layer_.size())) {
+    for (Unit* u : layer_units(next)) gather(*u, false);
+  } else {
+    gather(*head_, false);
+  }
+}
+
+void ModelState::after_forward(const Layer& l, Pass p) {
+  if (p == Pass::recompute) return;  // the backward follows
+  for (Unit* u : layer_units(l.index)) release(*u);
+}
+
+void ModelState::before_backward(const Layer& l) {
+  for (Unit* u : layer_units(l.index)) {
+    ensure(*u);
+    grads_begin(*u);
+  }
+  for (Unit* u : layer_units(l.index - 1)) gather(*u, false);  // prefetch the layer below
+}
+
+void ModelState::after_backward(const Layer& l) {
+  drain();  // the layer above's reduce-scatters: at most one layer's whole gradients in flight
+  for (Unit* u : layer_units(l.index)) {
+    if (u->mode == Mode::fsdp) {
+      grads_end(*u);
+      release(*u);
+    } else if (last_micro_) {
+      reduce_grads(*u);
+    }
+  }
+}
+
+void ModelState::end_backward() { drain(); }
+
+// ---- the optimizer step ------------------------------------------------------------------------
+
+std::pair<int64_t, int64_t> ModelState::checkpoint_range(size_t i) const {
+  const Unit& u = *units_[i];
+  return {u.lo, u.len};
+}
+
+ModelState::Owned ModelState::owned(size_t i) {
+  Unit& u = *units_[i];
+  Owned o;
+  if (u.mode == Mode::whole) {
+    o.lo = 0;
+    o.len = u.u->numel;
+  } else {
+    o.lo = u.lo;
+    o.len = u.len;
+  }
+  if (o.len > 0) {
+    o.master = u.master.narrow(0, o.len);
+    o.exp_avg = u.exp_avg.narrow(0, o.len);
+    o.exp_avg_sq = u.exp_avg_sq.narrow(0, o.len);
+  }
+  return o;
+}
+
+double ModelState::grad_norm() {
+  BB_RANGE("grad_norm");
+  // Each rank sums the squares of the elements it writes to checkpoints (for whole units: its
+  // 1/N of them), so one all-reduce over the world counts every element once.
+  double local = 0;
+  comm::Group* world = nullptr;
+  for (auto& up : units_) {
+    Unit& u = *up;
+    if (u.len == 0) continue;
+    Tensor g = u.mode == Mode::fsdp ? u.grad_shard.narrow(0, u.len) : u.u->grad.narrow(u.lo, u.len);
+    local += sum_of_squares(g);
+  }
+  for (auto& up : units_)
+    if (!world || up->g->size() > world->size()) world = up->g;
+  // The dense group spans every rank while PP = 1 (expert groups are a part of it).
+  const double total = world ? world->sum(local) : local;
+  return std::sqrt(total);
+}
+
+void ModelState::step(int64_t step, double lr, double weight_decay, const AdamWConfig& cfg) {
+  BB_RANGE("optimizer_step");
+  std::vector<comm::WorkPtr> gathers;
+  for (auto& up : units_) {
+    Unit& u = *up;
+    const ParamUnit& pu = *u.u;
+    // Owned range [a, b) of the unit; master index = element - a.
+    const int64_t a = u.mode == Mode::whole ? 0 : u.lo, b = u.mode == Mode::whole ? pu.numel : u.lo + u.len;
+    Tensor grad = u.mode == Mode::fsdp ? u.grad_shard : pu.grad;
+    Tensor value = u.mode == Mode::fsdp ? u.value_shard : pu.value;
+    const int64_t goff = u.mode == Mode::fsdp ? a : 0;  // grad/value index = element - goff
+    // Two buckets: the weight-decayed elements [0, decay_numel), then the rest.
+    const int64_t cuts[3] = {a, std::clamp(pu.decay_numel, a, b), b};
+    for (int k = 0; k < 2; ++k) {
+      const int64_t n = cuts[k + 1] - cuts[k];
+      if (n <= 0) continue;
+      Tensor master = u.master.narrow(cuts[k] - a, n), m1 = u.exp_avg.narrow(cuts[k] - a, n),
+             m2 = u.exp_avg_sq.narrow(cuts[k] - a, n), v = value.narrow(cuts[k] - goff, n);
+      adamw_step(master, grad.narrow(cuts[k] - goff, n), m1, m2, step, lr, k == 0 ? weight_decay : 0.0, cfg, &v);
+    }
+    if (u.mode == Mode::zero1)
+      gathers.push_back(u.g->all_gather(u.value_buf.narrow(u.r * u.S, u.S), u.value_buf));
+  }
+  for (auto& w : gathers) w->wait();
+}
+
+void ModelState::values_from_masters() {
+  std::vector<comm::WorkPtr> gathers;
+  for (auto& up : units_) {
+    Unit& u = *up;
+    const int64_t len = u.mode == Mode::whole ? u.u->numel : u.len;
+    if (len > 0) {
+      Tensor dst = u.mode == Mode::whole ? u.u->value
+                   : u.mode == Mode::zero1 ? u.value_buf.narrow(u.lo, len)
+                                           : u.value_shard.narrow(0, len);
+      dst.copy_from(u.master.narrow(0, len).to_dtype(dst.dtype(), MemCategory::other));
+    }
+    if (u.mode == Mode::zero1)
+      gathers.push_back(u.g->all_gather(u.value_buf.narrow(u.r * u.S, u.S), u.value_buf));
+  }
+  for (auto& w : gathers) w->wait();
+}
+
+Tensor ModelState::gather_master(size_t i) {
+  Unit& u = *units_[i];
+  if (u.mode == Mode::whole) return u.master.to(Device::cpu(), MemCategory::other);
+  Tensor all = Tensor::empty({u.N * u.S}, DType::f32, u.master.device(), MemCategory::other);
+  u.g->all_gather(u.master, all)->wait();
+  return all.narrow(0, u.u->numel).to(Device::cpu(), MemCategory::other);
+}
+
+}  // namespace bb

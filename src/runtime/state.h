@@ -1,0 +1,126 @@
+// state.h — the `state` family (primitives.state): where parameters, gradients and optimizer state live across the
+// ranks that hold a copy of a unit, and the AdamW step on what a rank owns (DESIGN.md sec. 5).
+//
+//   replicated  every rank holds the whole unit (values, f32 gradients, fp32 master + moments);
+//               gradients are all-reduced unit by unit as each unit's backward finishes (the last
+//               micro-batch of the step), on the communication stream, while backward goes on
+//   zero1       values and gradients whole; gradients reduce-scattered the same way, AdamW on the
+//               rank's shard of master and moments, values all-gathered after the step
+//   fsdp        values, gradients and optimizer state all sharded. A unit is all-gathered before
+//               its forward (the next layer's units prefetched while this one computes) and freed
+//               after it; gathered again for backward (and the recompute under recompute=full);
+//               its gradient reduce-scattered as soon as its backward is done
+//
+// A unit of n elements (alignment padding included) held by a group of N ranks is cut into N
+// shards of S = ceil(n / N) elements; rank r owns elements [r S, min((r + 1) S, n)). Bytes per
+// rank, b = bytes per parameter value (2 for bf16, 4 for f32), summed over units:
+//   replicated  params b n        grads 4 n        optimizer 12 n
+//   zero1       params b N S      grads 4 N S      optimizer 12 S      (buffers padded to N S)
+//   fsdp        params b S        grads 4 S        optimizer 12 S      + gathered units (comm)
+// fsdp keeps at most the units of two layers (the current and the prefetched one) plus the
+// embedding or head unit in use gathered (category comm), and the full gradient of the units in
+// backward until their reduce-scatter is drained one layer later. A group of one rank shards
+// nothing: every family is then the single-rank path with no copies.
+//
+// Dense, embedding and head units are held by the mesh's `dense` group (all ranks while PP = 1),
+// expert units by the `edp` group. The gradient norm is the square root of one all-reduced sum
+// over what each rank owns; clipping is folded into the update.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "comm/mesh.h"
+#include "models/decoder.h"
+#include "primitives/optim/adamw.h"
+#include "models/hooks.h"
+
+namespace bb {
+
+// The part of a unit one rank owns.
+struct UnitShard {
+  ParamUnit* unit = nullptr;
+  comm::GroupPtr group;  // the ranks holding a copy of the unit
+  int64_t shard = 0;     // S = ceil(numel / group size)
+  int64_t lo = 0, len = 0;  // owned elements [lo, lo + len) of the unit (len may be < S or 0)
+};
+
+// Closed-form bytes per rank of one category under a state family (the formulas above).
+struct StateBytes {
+  int64_t params = 0, grads = 0, optimizer = 0;
+};
+StateBytes state_bytes(StateKind kind, const std::vector<ParamUnit*>& units,
+                       const std::vector<int64_t>& group_sizes, int64_t value_bytes);
+
+class ModelState final : public LayerHooks {
+ public:
+  // Takes over the model's units (whole on construction) as `kind` says. `masters`, if given,
+  // are whole f32 values per unit (e.g. read from a checkpoint at full precision); otherwise the
+  // masters start as the units' values.
+  ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, RecomputePolicy recompute,
+             const std::vector<Tensor>* masters = nullptr);
+  ~ModelState() override;
+
+  StateKind kind() const { return kind_; }
+  const std::vector<UnitShard>& shards() const { return shards_; }
+
+  // One optimizer step: begin_step(), then per micro-batch begin_micro_batch(last) + the
+  // schedule's forward_backward, then end_backward(), grad_norm(), step().
+  void begin_step();
+  void begin_micro_batch(bool last);
+  void end_backward();
+  // The global gradient norm (before clipping), the same on every rank.
+  double grad_norm();
+  void step(int64_t step, double lr, double weight_decay, const AdamWConfig& cfg);
+
+  // Optimizer state of unit i this rank owns: elements [lo, lo + len) of the unit.
+  struct Owned {
+    int64_t lo = 0, len = 0;
+    Tensor master, exp_avg, exp_avg_sq;  // [len] views, f32
+  };
+  Owned owned(size_t unit);
+  // The elements a checkpoint takes from this rank: the owned ones, except under replicated
+  // (everything owned everywhere), where rank r of N writes the r-th of N shards.
+  std::pair<int64_t, int64_t> checkpoint_range(size_t unit) const;
+  // After masters were overwritten (a checkpoint load): parameter values = masters in the
+  // parameter dtype, on every rank that holds them.
+  void values_from_masters();
+
+  // Whole unit values (f32 on the host) for exports and tests: gathered where sharded.
+  // Collective over the unit's group.
+  Tensor gather_master(size_t unit);
+
+  // LayerHooks (fsdp gathers and frees; replicated and zero1 reduce after the last backward).
+  void before_end(ModelEnd e, Pass p) override;
+  void after_end(ModelEnd e, Pass p) override;
+  void before_forward(const Layer& l, Pass p) override;
+  void after_forward(const Layer& l, Pass p) override;
+  void before_backward(const Layer& l) override;
+  void after_backward(const Layer& l) override;
+
+ private:
+  struct Unit;
+  void reduce_grads(Unit& u);        // replicated / zero1: start the unit's gradient reduction
+  void gather(Unit& u, bool wait);   // fsdp
+  void ensure(Unit& u);
+  void release(Unit& u);
+  void grads_begin(Unit& u);
+  void grads_end(Unit& u);
+  void drain();
+  std::vector<Unit*> layer_units(int64_t layer);
+  bool sharded(const Unit& u) const;
+
+  StateKind kind_;
+  DecoderModel& model_;
+  RecomputePolicy recompute_;
+  bool tied_ = false;
+  bool last_micro_ = true;
+  std::vector<UnitShard> shards_;
+  std::vector<std::unique_ptr<Unit>> units_;
+  std::vector<std::vector<Unit*>> by_layer_;
+  Unit* embed_ = nullptr;
+  Unit* head_ = nullptr;
+  std::vector<Unit*> pending_;  // reductions started and not yet drained
+};
+
+}  // namespace bb
