@@ -18,7 +18,6 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bumblebee: error: %s\n", e.what());
     rc = 2;
   }
-  if (rc != 0 && bb::comm::world().size > 1) bb::comm::abort_job(rc, "exiting with status " + std::to_string(rc));
   bb::comm::finalize();
   return rc;
 }

@@ -11,9 +11,23 @@ struct Side {
   std::vector<StepMetrics> steps;
   std::vector<float> logits;
   std::vector<std::pair<std::string, std::vector<float>>> grads;  // after step 1
+  int ranks = 1;
+  std::vector<int64_t> rank_peaks;  // peak total per rank over the side's steps
 };
 
-Side run_side(const PairedOptions& o, const std::vector<std::string>& side, const char* label, FILE* out) {
+// The ranks a side runs on: its layout's product (dp = 0: every rank) of the job's first ranks;
+// the others wait. Returns the side's group on its ranks, null on the others. Collective.
+comm::GroupPtr side_group(const RunConfig& cfg, const comm::GroupPtr& world) {
+  const int64_t n = cfg.dp == 0 ? world->size() : cfg.dp * cfg.cp * cfg.pp;
+  BB_CHECK(n >= 1 && n <= world->size(), "paired: a side's layout needs ", n, " ranks, the job has ",
+           world->size(), " (launch with mpirun -np ", n, " or more)");
+  const bool in = world->rank() < n;
+  comm::GroupPtr g = world->split(in ? 0 : 1, world->rank(), "world");
+  return in ? g : nullptr;
+}
+
+Side run_side(const PairedOptions& o, const std::vector<std::string>& side, const char* label, FILE* out,
+              const comm::GroupPtr& world) {
   std::vector<std::string> ov = o.common;
   ov.insert(ov.end(), side.begin(), side.end());
   ov.push_back("train.steps=" + std::to_string(o.steps));
@@ -22,13 +36,21 @@ Side run_side(const PairedOptions& o, const std::vector<std::string>& side, cons
   ov.push_back("checkpoint.resume=\"\"");
   ov.push_back("log.metrics=\"\"");
   RunConfig cfg = load_run_config(o.config_path, ov);
+  comm::GroupPtr group = side_group(cfg, world);
+  Side s;
+  if (!group) {  // not a rank of this side
+    world->barrier();
+    return s;
+  }
+  Trainer tr(cfg, nullptr, Corpus{}, group);
+  s.ranks = group->size();
   if (out) {
     std::fprintf(out, "[paired] side %s: %s\n", label, cfg.primitives_summary().c_str());
+    std::fprintf(out, "[paired] side %s: %d rank(s), layout %s, state %s\n", label, group->size(),
+                 tr.mesh().layout().str().c_str(), cfg.prim.state.name.c_str());
     std::fprintf(out, "[paired] side %s backend: %s\n", label, cfg.backend.summary().c_str());
     std::fflush(out);
   }
-  Trainer tr(cfg, nullptr);
-  Side s;
   {
     DataLoader first(cfg.data);  // the same first micro-batch the trainer will see
     MicroBatch mb = to_device(first.next(), cfg.resolved_device());
@@ -38,14 +60,24 @@ Side run_side(const PairedOptions& o, const std::vector<std::string>& side, cons
   }
   for (int64_t i = 0; i < o.steps; ++i) {
     s.steps.push_back(tr.train_step());
-    if (i == 0)  // the gradients of step 1 stay until the next step zeroes them
-      for (Param* p : tr.model().params()) s.grads.emplace_back(p->name, p->grad.to_floats());
+    if (i == 0) {  // the gradients of step 1 stay until the next step zeroes them
+      std::vector<ParamUnit*> units = tr.model().units();
+      std::vector<Tensor> whole;  // gathered where the state family shards them (collective)
+      for (size_t u = 0; u < units.size(); ++u) whole.push_back(tr.state().gather_grad(u));
+      for (Param* p : tr.model().params())
+        s.grads.emplace_back(p->name, unit_slice(whole[static_cast<size_t>(p->unit->index)], *p).to_floats());
+    }
     if (out) {
       std::fprintf(out, "[paired] side %s step %lld/%lld loss %.6f\n", label,
                    static_cast<long long>(i + 1), static_cast<long long>(o.steps), s.steps.back().loss);
       std::fflush(out);
     }
   }
+  s.rank_peaks.assign(static_cast<size_t>(group->size()), 0);
+  for (const StepMetrics& m : s.steps)
+    s.rank_peaks[static_cast<size_t>(group->rank())] = std::max(s.rank_peaks[static_cast<size_t>(group->rank())], m.mem.peak_total);
+  group->all_reduce_host(s.rank_peaks.data(), static_cast<int64_t>(s.rank_peaks.size()), comm::ReduceOp::sum);
+  world->barrier();
   return s;
 }
 
@@ -70,15 +102,19 @@ namespace {
 
 // Runs `steps` untimed steps of one side in a trainer that is then dropped.
 void warm_up(const PairedOptions& o, const std::vector<std::string>& side, int64_t steps,
-             const char* label, FILE* out) {
+             const char* label, FILE* out, const comm::GroupPtr& world) {
   std::vector<std::string> ov = o.common;
   ov.insert(ov.end(), side.begin(), side.end());
   ov.push_back("train.steps=" + std::to_string(steps));
   ov.push_back("checkpoint.dir=\"\"");
   ov.push_back("checkpoint.resume=\"\"");
   ov.push_back("log.metrics=\"\"");
-  Trainer tr(load_run_config(o.config_path, ov), nullptr);
-  for (int64_t i = 0; i < steps; ++i) tr.train_step();
+  const RunConfig cfg = load_run_config(o.config_path, ov);
+  if (comm::GroupPtr group = side_group(cfg, world)) {
+    Trainer tr(cfg, nullptr, Corpus{}, group);
+    for (int64_t i = 0; i < steps; ++i) tr.train_step();
+  }
+  world->barrier();
   if (out) {
     std::fprintf(out, "[paired] warm-up of side %s: %lld untimed step(s)\n", label,
                  static_cast<long long>(steps));
@@ -105,16 +141,27 @@ PairedResult run_paired(const PairedOptions& o, FILE* out) {
            "paired: backend.cudnn_library differs between the sides ('", cfg_a.backend.cudnn_library,
            "' vs '", cfg_b.backend.cudnn_library,
            "'); cuDNN is loaded once per process, so compare two libraries with two `train` runs");
+  // One communicator for the job; each side runs on its first ranks. Only rank 0 reports.
+  comm::GroupPtr world = default_world(cfg_a);
+  if (world->rank() != 0) out = nullptr;
   int64_t warm = o.warmup_steps;
   if (warm < 0)
     warm = cfg_a.resolved_device().is_cuda() || cfg_b.resolved_device().is_cuda() ? 1 : 0;
   if (warm > 0) {
-    warm_up(o, o.a, warm, "A", out);
-    warm_up(o, o.b, warm, "B", out);
+    warm_up(o, o.a, warm, "A", out, world);
+    warm_up(o, o.b, warm, "B", out, world);
   }
-  Side a = run_side(o, o.a, "A", out);
-  Side b = run_side(o, o.b, "B", out);
+  Side a = run_side(o, o.a, "A", out, world);
+  Side b = run_side(o, o.b, "B", out, world);
   PairedResult r;
+  if (world->rank() != 0) {
+    // The verdict is rank 0's; every rank returns it.
+    std::string verdict;
+    world->broadcast_host(verdict, 0);
+    r.pass = verdict.rfind("PASS", 0) == 0;
+    r.verdict = verdict;
+    return r;
+  }
   r.a = a.steps;
   r.b = b.steps;
   BB_CHECK(a.logits.size() == b.logits.size(), "paired: the two sides produce logits of different sizes (",
@@ -168,9 +215,11 @@ PairedResult run_paired(const PairedOptions& o, FILE* out) {
                    r.grad_rel[i].second > o.tol_grad ? "  <- above tolerance" : "");
     std::fprintf(out, "\n");
     std::fprintf(out, "%-12s | %14s %14s\n", "peak memory", "A", "B");
+    // Maxima over the steps and over each side's ranks.
+    std::fprintf(out, "(ranks: A %d, B %d; the maximum over ranks)\n", a.ranks, b.ranks);
     auto peak_max = [](const std::vector<StepMetrics>& v, int c) {
       int64_t m = 0;
-      for (const auto& s : v) m = std::max(m, c < 0 ? s.mem.peak_total : s.mem.peak[c]);
+      for (const auto& s : v) m = std::max(m, c < 0 ? s.mem_max.peak_total : s.mem_max.peak[c]);
       return m;
     };
     for (int c = -1; c < kNumMemCategories; ++c) {
@@ -178,6 +227,11 @@ PairedResult run_paired(const PairedOptions& o, FILE* out) {
       if (c >= 0 && pa == 0 && pb == 0) continue;
       std::fprintf(out, "%-12s | %14s %14s\n", c < 0 ? "total" : category_name(static_cast<MemCategory>(c)),
                    format_bytes(pa).c_str(), format_bytes(pb).c_str());
+    }
+    for (const auto& [label, side] : {std::pair<const char*, const Side*>{"A", &a}, {"B", &b}}) {
+      std::fprintf(out, "peak total per rank, %s:", label);
+      for (int64_t v : side->rank_peaks) std::fprintf(out, " %s", format_bytes(v).c_str());
+      std::fprintf(out, "\n");
     }
     std::fprintf(out, "\nstep time (median): A %.4fs, B %.4fs, ratio B/A %.3f\n", ta, tb, r.step_time_ratio);
   }
@@ -189,6 +243,8 @@ PairedResult run_paired(const PairedOptions& o, FILE* out) {
                 o.tol_grad_norm, r.max_logits_diff, o.tol_logits, r.max_grad_rel, o.tol_grad);
   r.verdict = buf;
   if (out) std::fprintf(out, "%s\n", r.verdict.c_str());
+  std::string verdict = r.verdict;
+  world->broadcast_host(verdict, 0);
   return r;
 }
 

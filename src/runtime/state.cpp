@@ -394,4 +394,13 @@ Tensor ModelState::gather_master(size_t i) {
   return all.narrow(0, u.u->numel).to(Device::cpu(), MemCategory::other);
 }
 
+Tensor ModelState::gather_grad(size_t i) {
+  Unit& u = *units_[i];
+  if (u.mode == Mode::whole) return u.u->grad.to(Device::cpu(), MemCategory::other);
+  Tensor shard = u.mode == Mode::fsdp ? u.grad_shard : u.grad_buf.narrow(u.r * u.S, u.S);
+  Tensor all = Tensor::empty({u.N * u.S}, DType::f32, shard.device(), MemCategory::other);
+  u.g->all_gather(shard, all)->wait();
+  return all.narrow(0, u.u->numel).to(Device::cpu(), MemCategory::other);
+}
+
 }  // namespace bb

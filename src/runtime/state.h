@@ -89,6 +89,9 @@ class ModelState final : public LayerHooks {
   // Whole unit values (f32 on the host) for exports and tests: gathered where sharded.
   // Collective over the unit's group.
   Tensor gather_master(size_t unit);
+  // The unit's reduced gradient of the last step (f32 on the host), whole: gathered where
+  // sharded. Collective over the unit's group.
+  Tensor gather_grad(size_t unit);
 
   // LayerHooks (fsdp gathers and frees; replicated and zero1 reduce after the last backward).
   void before_end(ModelEnd e, Pass p) override;

@@ -16,7 +16,10 @@ using test::world;
 // A value that names (rank, element) so misplaced data cannot pass.
 float val(int rank, int64_t i) { return static_cast<float>(rank * 1000 + i) * 0.5f; }
 
-Tensor host_f32(const std::vector<float>& v) { return Tensor::from_floats(v, {static_cast<int64_t>(v.size())}); }
+// Tensors on the test's device (the CPU, or a GPU with --device=cuda).
+Tensor on_dev(const Tensor& t) { return test::device().is_cpu() ? t : t.to(test::device(), MemCategory::other); }
+Tensor host_f32(const std::vector<float>& v) { return on_dev(Tensor::from_floats(v, {static_cast<int64_t>(v.size())})); }
+Tensor zeros(const Shape& s, DType dt = DType::f32) { return Tensor::zeros(s, dt, test::device(), MemCategory::other); }
 
 TEST(Comm, AllReduceSumMaxMin) {
   comm::Group& g = *world();
@@ -43,7 +46,7 @@ TEST(Comm, AllReduceOfBf16SumsInF32) {
   comm::Group& g = *world();
   // Small integers are exact in bf16; the sum over ranks too.
   std::vector<float> v = {1.f * (g.rank() + 1), -2.f, 0.5f};
-  Tensor t = Tensor::from_floats(v, {3}, DType::bf16);
+  Tensor t = on_dev(Tensor::from_floats(v, {3}, DType::bf16));
   g.all_reduce(t)->wait();
   const float R = static_cast<float>(g.size());
   EXPECT_EQ(t.to_floats(), (std::vector<float>{R * (R + 1) / 2, -2.f * R, 0.5f * R}));
@@ -56,7 +59,7 @@ TEST(Comm, ReduceScatterAndAllGather) {
   const int64_t n = 5;
   std::vector<float> in(static_cast<size_t>(R * n));
   for (int64_t i = 0; i < R * n; ++i) in[static_cast<size_t>(i)] = val(r, i);
-  Tensor out = Tensor::zeros({n}, DType::f32, Device::cpu(), MemCategory::other);
+  Tensor out = zeros({n});
   g.reduce_scatter(host_f32(in), out)->wait();
   std::vector<float> got = out.to_floats();
   for (int64_t i = 0; i < n; ++i) {
@@ -65,11 +68,11 @@ TEST(Comm, ReduceScatterAndAllGather) {
     EXPECT_EQ(got[static_cast<size_t>(i)], want);
   }
   // Gather into a fresh buffer, then in place (this rank's block is the input).
-  Tensor all = Tensor::zeros({R * n}, DType::f32, Device::cpu(), MemCategory::other);
+  Tensor all = zeros({R * n});
   std::vector<float> mine(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) mine[static_cast<size_t>(i)] = val(r, i);
   g.all_gather(host_f32(mine), all)->wait();
-  Tensor inplace = Tensor::zeros({R * n}, DType::f32, Device::cpu(), MemCategory::other);
+  Tensor inplace = zeros({R * n});
   inplace.narrow(r * n, n).copy_from(host_f32(mine));
   g.all_gather(inplace.narrow(r * n, n), inplace)->wait();
   for (Tensor* t : {&all, &inplace}) {
@@ -78,7 +81,7 @@ TEST(Comm, ReduceScatterAndAllGather) {
       for (int64_t i = 0; i < n; ++i) ASSERT_EQ(a[static_cast<size_t>(q * n + i)], val(q, i));
   }
   // Sizes that do not fit are errors naming the op.
-  test::expect_error_contains([&] { g.reduce_scatter(host_f32(in), Tensor::zeros({n + 1}, DType::f32, Device::cpu(), MemCategory::other)); },
+  test::expect_error_contains([&] { g.reduce_scatter(host_f32(in), zeros({n + 1})); },
                               "reduce_scatter");
 }
 
@@ -91,9 +94,8 @@ TEST(Comm, AllGatherUnevenCounts) {
   std::vector<int32_t> mine;
   for (int64_t i = 0; i < counts[static_cast<size_t>(r)] * W; ++i) mine.push_back(r * 100 + static_cast<int32_t>(i));
   const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
-  Tensor in = mine.empty() ? Tensor::zeros({0, W}, DType::i32, Device::cpu(), MemCategory::other)
-                           : Tensor::from_ints(mine, {counts[static_cast<size_t>(r)], W});
-  Tensor out = Tensor::zeros({total, W}, DType::i32, Device::cpu(), MemCategory::other);
+  Tensor in = mine.empty() ? zeros({0, W}, DType::i32) : on_dev(Tensor::from_ints(mine, {counts[static_cast<size_t>(r)], W}));
+  Tensor out = zeros({total, W}, DType::i32);
   g.all_gather_v(in, out, counts)->wait();
   std::vector<int32_t> got = total > 0 ? out.to_ints() : std::vector<int32_t>{};
   size_t k = 0;
@@ -114,8 +116,8 @@ TEST(Comm, AllToAllWithPerPeerCounts) {
     for (int64_t j = 0; j < count(r, p) * W; ++j) in.push_back(static_cast<float>(r * 10000 + p * 100 + j));
   }
   const int64_t ns = std::accumulate(sc.begin(), sc.end(), int64_t{0}), nr = std::accumulate(rc.begin(), rc.end(), int64_t{0});
-  Tensor tin = ns > 0 ? Tensor::from_floats(in, {ns, W}) : Tensor::zeros({0, W}, DType::f32, Device::cpu(), MemCategory::other);
-  Tensor tout = Tensor::zeros({nr, W}, DType::f32, Device::cpu(), MemCategory::other);
+  Tensor tin = ns > 0 ? on_dev(Tensor::from_floats(in, {ns, W})) : zeros({0, W});
+  Tensor tout = zeros({nr, W});
   g.all_to_all_v(tin, sc, tout, rc)->wait();
   std::vector<float> got = nr > 0 ? tout.to_floats() : std::vector<float>{};
   size_t k = 0;
@@ -128,7 +130,7 @@ TEST(Comm, SendRecvRingBroadcastBarrierAndHostValues) {
   const int R = g.size(), r = g.rank();
   if (R > 1) {
     Tensor out = host_f32({val(r, 0), val(r, 1)});
-    Tensor in = Tensor::zeros({2}, DType::f32, Device::cpu(), MemCategory::other);
+    Tensor in = zeros({2});
     // Both started before either is waited for: neither blocks the other.
     comm::WorkPtr s = g.send(out, (r + 1) % R), q = g.recv(in, (r + R - 1) % R);
     q->wait();

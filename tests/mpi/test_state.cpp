@@ -53,7 +53,15 @@ TestRun make_run(const char* tag, const ModelConfig& m = small_model()) {
   return r;
 }
 
-RunConfig config(const TestRun& r, std::vector<std::string> ov) { return parse_run_config(r.toml, "test run", ov); }
+// With --device=cuda the runs are on the GPU in f32 (so the multi-rank runs still equal the
+// single-rank one to fp32 rounding) over the test's backend.
+RunConfig config(const TestRun& r, std::vector<std::string> ov) {
+  if (test::device().is_cuda()) {
+    ov.insert(ov.begin(), {"parallel.device=\"cuda\"", "model.dtype=\"f32\"",
+                           std::string("parallel.comm=\"") + comm::backend_name(world()->backend()) + "\""});
+  }
+  return parse_run_config(r.toml, "test run", ov);
+}
 
 double rel(double a, double b) { return std::abs(a - b) / std::max(1e-30, std::abs(b)); }
 
@@ -110,13 +118,14 @@ TEST(State, DataParallelEqualsTheSingleRankRun) {
 TEST(State, MemoryEqualsTheClosedForms) {
   const int64_t R = world()->size();
   TestRun run = make_run("mem");
-  Allocator& alloc = allocator_for(Device::cpu());
+  Allocator& alloc = allocator_for(test::device());
   for (const char* kind : kKinds) {
     SCOPED_TRACE(kind);
     const MemoryStats before = alloc.stats();
     ASSERT_EQ(before.live_of(MemCategory::params), 0) << "another model is alive";
     Trainer t(config(run, {std::string("primitives.state=\"") + kind + "\""}), nullptr, Corpus{}, world());
-    // The closed forms, written out: n per unit, S = ceil(n / R), 4-byte values on the CPU.
+    // The closed forms, written out: n per unit, S = ceil(n / R), 4-byte (f32) values.
+    ASSERT_EQ(t.config().resolved_param_dtype(), DType::f32);
     int64_t params = 0, grads = 0, opt = 0;
     std::vector<int64_t> sizes;
     for (ParamUnit* u : t.model().units()) {
