@@ -22,7 +22,12 @@ docs/config.md documents every key. Any key can be overridden on the command lin
 Each step prints one log line (loss, aux loss, grad norm, lr, tokens/s, model TFLOP/s, peak
 memory per category); log.metrics writes the same as JSON lines. With checkpoint.dir set,
 checkpoints are written atomically to <dir>/step_NNNNNNNN; checkpoint.resume = "auto" continues
-from the newest one.)";
+from the newest one.
+
+Several processes: mpirun -np N bumblebee train ... (or srun). [parallel] sets the layout
+(dp, cp, ep, pp; dp = 0: all ranks data-parallel), comm (auto | mpi | nccl) and timeout_s;
+primitives.state picks replicated, zero1 or fsdp. Rank 0 prints the log; --log-all-ranks makes
+every rank print its own lines.)";
 
 constexpr const char* kPairedHelp = R"(Run the same model, data and seed twice (side A and side B) and compare them.
 

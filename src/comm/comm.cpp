@@ -142,6 +142,18 @@ void init(int* argc, char*** argv) {
   g_world.mpi = true;
   MPI_Comm_rank(MPI_COMM_WORLD, &g_world.rank);
   MPI_Comm_size(MPI_COMM_WORLD, &g_world.size);
+  // A launcher that started N tasks whose MPI cannot see them (srun without PMI support) would
+  // train N independent copies: refuse instead.
+  const int expected = launcher == "srun" ? env_int("SLURM_STEP_NUM_TASKS", env_int("SLURM_NTASKS", g_world.size))
+                                          : env_int("OMPI_COMM_WORLD_SIZE", env_int("PMI_SIZE", g_world.size));
+  if (expected != g_world.size) {
+    std::fprintf(stderr,
+                 "bumblebee: the launcher (%s) started %d processes but MPI sees a world of %d; "
+                 "under SLURM use srun --mpi=pmix (or pmi2), or launch with mpirun\n",
+                 launcher.c_str(), expected, g_world.size);
+    MPI_Finalize();
+    std::exit(2);
+  }
   MPI_Comm local;
   MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, g_world.rank, MPI_INFO_NULL, &local);
   MPI_Comm_rank(local, &g_world.local_rank);

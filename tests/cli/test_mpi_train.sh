@@ -35,5 +35,11 @@ grep -q "resumed from .*step_00000004 at step 4" "$TMP/c.txt" && grep -q "^step 
 grep -q "^PASS" "$TMP/e.txt" && grep -q "peak total per rank, B:" "$TMP/e.txt" || { echo "FAIL: paired output"; cat "$TMP/e.txt"; fail=1; }
 "${MPI[@]}" "$BB" train "${ARGS[@]}" --steps 1 --set parallel.dp=3 > "$TMP/f.txt" 2>&1
 [ $? -ne 0 ] && grep -q "dp x cp x pp = 3 but 2 rank(s) were launched" "$TMP/f.txt" || { echo "FAIL: bad layout not refused"; cat "$TMP/f.txt"; fail=1; }
-[ $fail -eq 0 ] && echo "ok: mpirun train, logs, metrics, distributed checkpoint, resume on 1 rank, export, paired, bad layout"
+# srun: the SLURM environment is read (here one task, MPI's singleton start); a launcher whose
+# tasks MPI cannot see is refused instead of training independent copies.
+SLURM_STEP_ID=0 SLURM_PROCID=0 SLURM_LOCALID=0 SLURM_STEP_NUM_TASKS=1 "$BB" train "${ARGS[@]}" --steps 1 --set 'checkpoint.dir=""' > "$TMP/g.txt" 2>&1 \
+  && grep -q "launcher srun" "$TMP/g.txt" || { echo "FAIL: srun environment"; cat "$TMP/g.txt"; fail=1; }
+SLURM_STEP_ID=0 SLURM_PROCID=0 SLURM_LOCALID=0 SLURM_STEP_NUM_TASKS=2 "$BB" train "${ARGS[@]}" --steps 1 --set 'checkpoint.dir=""' > "$TMP/h.txt" 2>&1
+[ $? -ne 0 ] && grep -q "started 2 processes but MPI sees a world of 1" "$TMP/h.txt" || { echo "FAIL: srun without PMI not refused"; cat "$TMP/h.txt"; fail=1; }
+[ $fail -eq 0 ] && echo "ok: mpirun train, logs, metrics, distributed checkpoint, resume on 1 rank, export, paired, bad layout, srun"
 exit $fail

@@ -20,19 +20,28 @@ namespace {
 
 using test::world;
 
+bool on_gpu() { return test::device().is_cuda(); }
+
 ModelConfig small_model() {
   ModelConfig c = load_hf_config("configs/models/demo-tiny/config.json");
   c.hidden_size = 32;
   c.num_layers = 2;
   c.num_heads = 2;
   c.num_kv_heads = 1;
-  c.head_dim = 16;
+  c.head_dim = on_gpu() ? 128 : 16;  // cuDNN attention needs a supported head dim
   c.intermediate_size = 48;
   c.moe_intermediate_size = 24;
   c.num_experts = 4;
   c.top_k = 2;
   return c;
 }
+
+// CPU: fp32, so a multi-rank run differs from the single-rank one only by the order of fp32
+// sums. GPU: bf16 weights (a 1-ulp bf16 difference of a weight is 4e-3 relative) and kernels
+// with atomic accumulation, so the bf16 tolerances of DESIGN.md sec. 10.
+double tol_loss() { return on_gpu() ? 2e-3 : 1e-6; }
+double tol_param() { return on_gpu() ? 1e-2 : 1e-5; }
+double tol_gnorm() { return on_gpu() ? 2e-2 : 1e-6; }
 
 // A run config over a shared directory (rank 0 writes the model config).
 struct TestRun {
@@ -53,11 +62,10 @@ TestRun make_run(const char* tag, const ModelConfig& m = small_model()) {
   return r;
 }
 
-// With --device=cuda the runs are on the GPU in f32 (so the multi-rank runs still equal the
-// single-rank one to fp32 rounding) over the test's backend.
+// With --device=cuda the runs are on the GPU (bf16 weights) over the test's backend.
 RunConfig config(const TestRun& r, std::vector<std::string> ov) {
-  if (test::device().is_cuda()) {
-    ov.insert(ov.begin(), {"parallel.device=\"cuda\"", "model.dtype=\"f32\"",
+  if (on_gpu()) {
+    ov.insert(ov.begin(), {"parallel.device=\"cuda\"",
                            std::string("parallel.comm=\"") + comm::backend_name(world()->backend()) + "\""});
   }
   return parse_run_config(r.toml, "test run", ov);
@@ -94,21 +102,21 @@ TEST(State, DataParallelEqualsTheSingleRankRun) {
       ASSERT_EQ(t.mesh().layout().dp, R);
       for (int s = 0; s < 10; ++s) {
         const StepMetrics m = t.train_step();
-        EXPECT_LE(rel(m.loss, want[static_cast<size_t>(s)].loss), 1e-6) << "step " << s + 1;
-        EXPECT_LE(rel(m.grad_norm, want[static_cast<size_t>(s)].grad_norm), 1e-6) << "step " << s + 1;
+        EXPECT_LE(rel(m.loss, want[static_cast<size_t>(s)].loss), tol_loss()) << "step " << s + 1;
+        EXPECT_LE(rel(m.grad_norm, want[static_cast<size_t>(s)].grad_norm), tol_gnorm()) << "step " << s + 1;
         EXPECT_EQ(m.valid_tokens, want[static_cast<size_t>(s)].valid_tokens);
         EXPECT_EQ(m.tokens, want[static_cast<size_t>(s)].tokens);
       }
       std::vector<ParamUnit*> units = t.model().units();
       for (size_t i = 0; i < units.size(); ++i) {
         Tensor a = t.state().gather_master(i), b = ref.state().gather_master(i);
-        EXPECT_LE(rel_norm(a, b), 1e-5) << units[i]->name;
+        EXPECT_LE(rel_norm(a, b), tol_param()) << units[i]->name;
       }
       // The parameter values every rank computes with are the masters (f32 on the CPU): check
       // the whole ones where the family keeps them whole.
       if (std::string(kind) != "fsdp")
         for (Param* p : t.model().params())
-          EXPECT_LE(rel_norm(p->value, ref.model().find_param(p->name)->value), 1e-5) << p->name;
+          EXPECT_LE(rel_norm(p->value, ref.model().find_param(p->name)->value), tol_param()) << p->name;
     }
   }
 }
@@ -124,19 +132,19 @@ TEST(State, MemoryEqualsTheClosedForms) {
     const MemoryStats before = alloc.stats();
     ASSERT_EQ(before.live_of(MemCategory::params), 0) << "another model is alive";
     Trainer t(config(run, {std::string("primitives.state=\"") + kind + "\""}), nullptr, Corpus{}, world());
-    // The closed forms, written out: n per unit, S = ceil(n / R), 4-byte (f32) values.
-    ASSERT_EQ(t.config().resolved_param_dtype(), DType::f32);
+    // The closed forms, written out: n per unit, S = ceil(n / R), b-byte values.
+    const int64_t b = static_cast<int64_t>(dtype_size(t.config().resolved_param_dtype()));
     int64_t params = 0, grads = 0, opt = 0;
     std::vector<int64_t> sizes;
     for (ParamUnit* u : t.model().units()) {
       const int64_t n = u->numel, S = (n + R - 1) / R;
       const std::string k = kind;
-      params += 4 * (k == "replicated" ? n : k == "zero1" ? R * S : S);
+      params += b * (k == "replicated" ? n : k == "zero1" ? R * S : S);
       grads += 4 * (k == "replicated" ? n : k == "zero1" ? R * S : S);
       opt += 12 * (k == "replicated" ? n : S);
       sizes.push_back(R);
     }
-    const StateBytes sb = state_bytes(t.config().prim.state.value, t.model().units(), sizes, 4);
+    const StateBytes sb = state_bytes(t.config().prim.state.value, t.model().units(), sizes, b);
     EXPECT_EQ(sb.params, params);
     EXPECT_EQ(sb.grads, grads);
     EXPECT_EQ(sb.optimizer, opt);
@@ -154,7 +162,7 @@ TEST(State, MemoryEqualsTheClosedForms) {
         // (values, and the whole f32 gradients of units in backward).
         int64_t layer_max = 0, end_max = 0;
         for (ParamUnit* u : t.model().units()) {
-          const int64_t full = 8 * R * ((u->numel + R - 1) / R);  // value (4) + gradient (4)
+          const int64_t full = (b + 4) * R * ((u->numel + R - 1) / R);  // value + f32 gradient
           if (u->layer >= 0) layer_max = std::max(layer_max, full);
           else end_max = std::max(end_max, full);
         }
@@ -181,13 +189,20 @@ TEST(State, SameLayoutResumeIsBitExact) {
     ov2.push_back("checkpoint.resume=\"auto\"");
     Trainer b(config(run, ov2), nullptr, Corpus{}, world());
     ASSERT_EQ(b.step(), 4);
+    // Bit for bit on the CPU; on a GPU within the bf16 tolerance (atomic accumulations).
     for (int s = 0; s < 4; ++s) {
       const StepMetrics m = b.train_step();
-      EXPECT_EQ(m.loss, cont[static_cast<size_t>(s)].loss) << "step " << m.step;
-      EXPECT_EQ(m.grad_norm, cont[static_cast<size_t>(s)].grad_norm) << "step " << m.step;
+      if (on_gpu()) {
+        EXPECT_LE(rel(m.loss, cont[static_cast<size_t>(s)].loss), tol_loss()) << "step " << m.step;
+      } else {
+        EXPECT_EQ(m.loss, cont[static_cast<size_t>(s)].loss) << "step " << m.step;
+        EXPECT_EQ(m.grad_norm, cont[static_cast<size_t>(s)].grad_norm) << "step " << m.step;
+      }
     }
-    for (size_t i = 0; i < a.model().units().size(); ++i)
-      EXPECT_EQ(b.state().gather_master(i).to_floats(), a.state().gather_master(i).to_floats());
+    for (size_t i = 0; i < a.model().units().size(); ++i) {
+      if (on_gpu()) EXPECT_LE(rel_norm(b.state().gather_master(i), a.state().gather_master(i)), tol_param());
+      else EXPECT_EQ(b.state().gather_master(i).to_floats(), a.state().gather_master(i).to_floats());
+    }
   }
 }
 
@@ -213,8 +228,8 @@ TEST(State, ResumeOnFewerRanksReshards) {
     ASSERT_EQ(b.step(), 3);
     for (int s = 0; s < 3; ++s) {
       const StepMetrics m = b.train_step();
-      EXPECT_LE(rel(m.loss, cont[static_cast<size_t>(s)].loss), 1e-6) << "step " << m.step;
-      EXPECT_LE(rel(m.grad_norm, cont[static_cast<size_t>(s)].grad_norm), 1e-6) << "step " << m.step;
+      EXPECT_LE(rel(m.loss, cont[static_cast<size_t>(s)].loss), tol_loss()) << "step " << m.step;
+      EXPECT_LE(rel(m.grad_norm, cont[static_cast<size_t>(s)].grad_norm), tol_gnorm()) << "step " << m.step;
     }
   }
 }
