@@ -16,9 +16,11 @@
 //   nccl  GPU tensors on distinct GPUs; all-to-all-v as grouped send/recv, uneven all-gather as
 //         grouped broadcasts
 //
-// Timeouts: every wait has a deadline (set_timeout, default 50 s). A collective that does not
-// finish in time prints which operation on which group and rank did not finish and aborts the
+// Timeouts (set_timeout, default 50 s): every wait of the mpi backend, and on nccl the barrier,
+// the host operations and the trainer's end-of-step wait for the GPU, have a deadline. A wait
+// that expires prints which operation on which group and rank did not finish and aborts the
 // whole job, so a dead or hung rank makes every other rank exit non-zero instead of hanging.
+// (A Work's wait() on nccl is a stream wait: it cannot expire; the end-of-step wait catches it.)
 //
 // Sizes: reduce_scatter's input is [size * n, ...] and its output [n, ...]; all_gather the
 // reverse; the *_v operations count rows of the leading dimension per peer.
@@ -106,7 +108,8 @@ class Group {
   virtual WorkPtr send(const Tensor& t, int peer, Stream s = Stream::comm) = 0;
   virtual WorkPtr recv(const Tensor& t, int peer, Stream s = Stream::comm) = 0;
   virtual WorkPtr broadcast(const Tensor& t, int root, Stream s = Stream::comm) = 0;
-  // Blocks the host until every rank arrived (and, on a GPU, every queued operation finished).
+  // Blocks the host until every rank arrived (nccl: and every operation queued on the group's
+  // stream finished; mpi: Works not yet waited for are not part of it).
   virtual void barrier() = 0;
 
   // Control values on the host (token counts, losses, norms, memory peaks); blocking.

@@ -3,8 +3,9 @@
 //
 // Every operation is a non-blocking MPI call; Work::wait() polls it against the job's deadline,
 // then copies staged results back. A Work destroyed without wait() waits in its destructor, so
-// the result always lands. Sizes above 2^31 - 1 rows (or elements for reductions) per call are
-// refused with an error naming the limit (use nccl for such messages on GPUs).
+// the result always lands. Sizes above 2^31 - 1 per call (rows for the row-counted operations,
+// elements for reductions and all_gather) are refused with an error naming the limit (use nccl
+// for such messages on GPUs).
 #include "comm/mpi_group.h"
 
 #include <chrono>

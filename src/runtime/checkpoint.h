@@ -3,8 +3,9 @@
 // A checkpoint step directory holds
 //   state.json                 format_version 2, step, seed, data position, model config,
 //                              primitives, backend, layout (dp/cp/ep/pp, world size, state
-//                              family), the unit table (name, numel, decay_numel, parameters with
-//                              offsets and shapes) and the list of shard files
+//                              family, grad_accum), the unit table (name, numel, decay_numel,
+//                              first_expert, parameters with offsets and shapes) and the list of
+//                              shard files
 //   config.json                the model's Hugging Face config
 //   shards/rank_RRRRR.safetensors  what rank R holds: per unit `<unit>.master`, `.exp_avg`,
 //                              `.exp_avg_sq` (f32) of elements [lo, lo + len) of the unit's flat

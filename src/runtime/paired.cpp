@@ -38,8 +38,11 @@ Side run_side(const PairedOptions& o, const std::vector<std::string>& side, cons
   RunConfig cfg = load_run_config(o.config_path, ov);
   comm::GroupPtr group = side_group(cfg, world);
   Side s;
-  if (!group) {  // not a rank of this side
+  if (!group) {  // not a rank of this side: wait for it however long it runs
+    const double t = comm::timeout();
+    comm::set_timeout(86400);
     world->barrier();
+    comm::set_timeout(t);
     return s;
   }
   Trainer tr(cfg, nullptr, Corpus{}, group);
@@ -113,8 +116,13 @@ void warm_up(const PairedOptions& o, const std::vector<std::string>& side, int64
   if (comm::GroupPtr group = side_group(cfg, world)) {
     Trainer tr(cfg, nullptr, Corpus{}, group);
     for (int64_t i = 0; i < steps; ++i) tr.train_step();
+    world->barrier();
+  } else {  // not a rank of this side: wait for it however long it runs
+    const double t = comm::timeout();
+    comm::set_timeout(86400);
+    world->barrier();
+    comm::set_timeout(t);
   }
-  world->barrier();
   if (out) {
     std::fprintf(out, "[paired] warm-up of side %s: %lld untimed step(s)\n", label,
                  static_cast<long long>(steps));
@@ -142,6 +150,7 @@ PairedResult run_paired(const PairedOptions& o, FILE* out) {
            "' vs '", cfg_b.backend.cudnn_library,
            "'); cuDNN is loaded once per process, so compare two libraries with two `train` runs");
   // One communicator for the job; each side runs on its first ranks. Only rank 0 reports.
+  comm::set_timeout(cfg_a.comm_timeout_s);
   comm::GroupPtr world = default_world(cfg_a);
   if (world->rank() != 0) out = nullptr;
   int64_t warm = o.warmup_steps;

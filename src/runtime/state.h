@@ -18,8 +18,10 @@
 //   zero1       params b N S      grads 4 N S      optimizer 12 S      (buffers padded to N S)
 //   fsdp        params b S        grads 4 S        optimizer 12 S      + gathered units (comm)
 // fsdp keeps at most the units of two layers (the current and the prefetched one) plus the
-// embedding or head unit in use gathered (category comm), and the full gradient of the units in
-// backward until their reduce-scatter is drained one layer later. A group of one rank shards
+// embedding or head unit in use gathered (category comm; both at the head when the embeddings
+// are tied, whose whole gradient then stays allocated from the head to the embedding backward),
+// and the whole gradient of the units in backward until their reduce-scatter is drained one
+// layer later. A group of one rank shards
 // nothing: every family is then the single-rank path with no copies.
 //
 // Dense, embedding and head units are held by the mesh's `dense` group (all ranks while PP = 1),

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sys/stat.h>
+#include <thread>
 #include <unistd.h>
 
 #include "io/fs.h"
@@ -84,6 +85,26 @@ std::vector<std::string> list_step_dirs(const std::string& root) {
   std::sort(out.begin(), out.end());
   return out;
 }
+
+#ifdef BB_WITH_CUDA
+// Waits for every stream of `dev` by polling events, and aborts the job naming `where` when that
+// takes longer than the communication timeout.
+void wait_device_or_abort(Device dev, const std::string& where) {
+  std::vector<Event> marks;
+  for (int s = 0; s < kNumStreams; ++s) marks.push_back(Event::record(dev, static_cast<Stream>(s)));
+  const double t0 = now_s();
+  for (const Event& e : marks) {
+    while (!e.done()) {
+      if (now_s() - t0 > comm::timeout())
+        comm::abort_job(3, "communication timeout: the GPU work queued before " + where + " did not finish within " +
+                               std::to_string(static_cast<int>(comm::timeout())) +
+                               " s; a peer rank is dead or hung (its collectives never complete). Aborting the job.");
+      std::this_thread::yield();
+    }
+  }
+  cuda::note_host_sync();
+}
+#endif
 
 }  // namespace
 
@@ -314,7 +335,11 @@ StepMetrics Trainer::train_step() {
   step_ = m.step;
 #ifdef BB_WITH_CUDA
   if (device_.is_cuda()) {
-    synchronize_device(device_);  // the step's time includes all its device work, every stream
+    // The step's time includes all its device work, every stream. With peers, the wait has the
+    // job's deadline: a hung peer leaves NCCL kernels waiting forever, and this is where the
+    // host would otherwise block on them.
+    if (world.size() > 1) wait_device_or_abort(device_, "the end of step " + std::to_string(m.step));
+    else synchronize_device(device_);
     m.host_syncs = cuda::host_sync_count() - syncs0;
   }
 #endif
@@ -549,6 +574,17 @@ void Trainer::load_checkpoint(const std::string& path) {
   state_->values_from_masters();
   data_->restore(pos);
   step_ = step;
+  // A different global batch resumes correctly (the data position counts micro-batches of one
+  // global stream) but does not continue the same run: say so.
+  const nlohmann::json& l = st["layout"];
+  if (log_ && l.contains("dp") && l.contains("grad_accum")) {
+    const int64_t saved = l["dp"].get<int64_t>() * l["grad_accum"].get<int64_t>();
+    const int64_t now = mesh_->layout().dp * cfg_.grad_accum;
+    if (saved != now)
+      std::fprintf(log_, "%s[startup] note: the checkpoint was written with %lld micro-batches per step (dp x "
+                   "grad_accum), this run takes %lld; losses will not continue the saved run's\n",
+                   log_prefix_.c_str(), static_cast<long long>(saved), static_cast<long long>(now));
+  }
 }
 
 }  // namespace bb
