@@ -212,7 +212,7 @@ TEST(State, ResumeOnFewerRanksReshards) {
   const int R = world()->size();
   if (R != 4) GTEST_SKIP() << "needs 4 ranks (runs in the np4 variant)";
   TestRun run = make_run("reshard");
-  for (const char* kind : {"zero1", "fsdp"}) {
+  for (const char* kind : kKinds) {
     SCOPED_TRACE(kind);
     const std::string ckdir = run.dir + "/ck4_" + kind;
     const std::string state = std::string("primitives.state=\"") + kind + "\"";
