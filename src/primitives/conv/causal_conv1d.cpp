@@ -1,0 +1,56 @@
+// causal_conv1d.cpp — boundary checks, then the CPU reference (causal_conv1d_ref.h).
+#include "primitives/conv/causal_conv1d.h"
+
+#include "core/trace.h"
+#include "primitives/conv/causal_conv1d_ref.h"
+
+namespace bb {
+
+namespace {
+
+void check(const char* op, const Tensor& x, const Tensor& w, const Tensor& cu) {
+  for (auto [t, name] : {std::pair<const Tensor*, const char*>{&x, "x"}, {&w, "w"}}) {
+    check_defined(*t, op, name);
+    check_dtype(*t, DType::f32, op, name);
+    BB_CHECK(t->device().is_cpu(), op, ": argument '", name, "' is on ", t->device().str(),
+             "; causal_conv1d has only its CPU reference so far");
+  }
+  BB_CHECK(x.dim() == 2 && w.dim() == 2, op, ": x must be [T, C] and w [C, W], got ", shape_str(x.shape()), " and ",
+           shape_str(w.shape()));
+  BB_CHECK(w.size(0) == x.size(1), op, ": w has ", w.size(0), " channels, x ", x.size(1));
+  BB_CHECK(w.size(1) >= 1 && w.size(1) <= 4, op, ": kernel width ", w.size(1), " is not in [1, 4]");
+  check_dtype(cu, DType::i32, op, "cu_seqlens");
+  BB_CHECK(cu.device().is_cpu() && cu.dim() == 1 && cu.numel() >= 2, op, ": cu_seqlens must be [n + 1] on the host");
+  const std::vector<int32_t> c = cu.to_ints();
+  BB_CHECK(c.front() == 0 && c.back() == x.size(0), op, ": cu_seqlens must start at 0 and end at T = ", x.size(0));
+  for (size_t i = 1; i < c.size(); ++i) BB_CHECK(c[i] >= c[i - 1], op, ": cu_seqlens must not decrease");
+}
+
+}  // namespace
+
+Tensor causal_conv1d_forward(const Tensor& x, const Tensor& w, const Tensor& cu, bool silu, MemCategory out_cat) {
+  BB_RANGE("causal_conv1d_forward");
+  check("causal_conv1d_forward", x, w, cu);
+  Tensor y = Tensor::empty(x.shape(), DType::f32, Device::cpu(), out_cat);
+  ref::causal_conv1d_forward<float>(y.data<float>(), x.data<float>(), w.data<float>(), cu.data<int32_t>(),
+                                    cu.numel() - 1, x.size(1), w.size(1), silu);
+  return y;
+}
+
+Tensor causal_conv1d_backward(const Tensor& d_y, const Tensor& x, const Tensor& w, const Tensor& cu, bool silu,
+                              Tensor& d_w) {
+  BB_RANGE("causal_conv1d_backward");
+  const char* op = "causal_conv1d_backward";
+  check(op, x, w, cu);
+  check_dtype(d_y, DType::f32, op, "d_y");
+  check_shape(d_y, x.shape(), op, "d_y");
+  check_dtype(d_w, DType::f32, op, "d_w");
+  check_shape(d_w, w.shape(), op, "d_w");
+  BB_CHECK(d_y.device().is_cpu() && d_w.device().is_cpu(), op, ": d_y and d_w must be on the CPU");
+  Tensor d_x = Tensor::empty(x.shape(), DType::f32, Device::cpu(), MemCategory::activations);
+  ref::causal_conv1d_backward<float>(d_x.data<float>(), d_w.data<float>(), d_y.data<float>(), x.data<float>(),
+                                     w.data<float>(), cu.data<int32_t>(), cu.numel() - 1, x.size(1), w.size(1), silu);
+  return d_x;
+}
+
+}  // namespace bb

@@ -1,0 +1,24 @@
+// causal_conv1d.h — depthwise causal 1-d convolution over packed sequences, optionally followed
+// by SiLU (the q/k/v mixing of Gated DeltaNet layers; equations in causal_conv1d_ref.h).
+//
+// Tensors (legend: T tokens, C channels, W kernel width 1..4):
+//   x           [T, C]   f32          input (the concatenated q, k, v projections in the model)
+//   w           [C, W]   f32          one filter per channel; w[:, W-1] weighs the current token
+//                                     (HF's conv1d.weight [C, 1, W] viewed as [C, W])
+//   cu_seqlens  [n + 1]  i32, host    no filter reaches across a sequence start
+//   y           [T, C]   f32          output, category `out_cat`
+// Backward: d_x written (f32, activations), d_w accumulated (+=, f32 [C, W]). Nothing is saved:
+// the pre-activation is recomputed from x.
+// Devices: the CPU reference so far; a CUDA tensor is a clear error.
+#pragma once
+
+#include "core/tensor.h"
+
+namespace bb {
+
+Tensor causal_conv1d_forward(const Tensor& x, const Tensor& w, const Tensor& cu_seqlens, bool silu,
+                             MemCategory out_cat = MemCategory::activations);
+Tensor causal_conv1d_backward(const Tensor& d_y, const Tensor& x, const Tensor& w, const Tensor& cu_seqlens,
+                              bool silu, Tensor& d_w);
+
+}  // namespace bb
