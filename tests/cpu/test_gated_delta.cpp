@@ -161,6 +161,40 @@ TEST(GatedDelta, FloatPathMatchesTheDoubleReference) {
   EXPECT_LT(test::rel_error(gr.d_beta.to_floats(), db), test::kGradTol);
 }
 
+// The chunked (WY/UT) form equals the recurrence, for chunks of 1, 4 and 64 and the sequence
+// lengths the GPU kernels must handle around a chunk (1, 63, 64, 65) plus a two-chunk one.
+TEST(GatedDelta, ChunkedFormEqualsTheRecurrence) {
+  Case c;
+  c.Hk = 2;
+  c.Hv = 4;
+  c.K = 6;
+  c.V = 5;
+  c.cu = {0, 1, 64, 128, 193, 323};
+  const Inputs in = make_inputs(c, 41);
+  const std::vector<double> rec = forward(c, in);
+  for (int64_t chunk : {1, 4, 64}) {
+    std::vector<double> o(rec.size());
+    ref::gated_delta_forward_chunked<double>(o.data(), in.q.data(), in.k.data(), in.v.data(), in.g.data(),
+                                             in.beta.data(), c.cu.data(), 5, shape(c), chunk);
+    EXPECT_LT(test::rel_error(o, rec), 1e-11) << "chunk " << chunk;
+  }
+  // In f32 too (the GPU keeps the state and accumulations in f32).
+  std::vector<float> qf = test::cast<float>(in.q), kf = test::cast<float>(in.k), vf = test::cast<float>(in.v),
+                     gf = test::cast<float>(in.g), bf = test::cast<float>(in.beta), of(rec.size());
+  ref::gated_delta_forward_chunked<float>(of.data(), qf.data(), kf.data(), vf.data(), gf.data(), bf.data(), c.cu.data(),
+                                          5, shape(c), 64);
+  EXPECT_LT(test::rel_error(of, rec), 1e-5);
+  // Strong decay (g = -3 per token: Gamma reaches e^-192 in a chunk, below the f32 range) stays
+  // finite and equal.
+  Inputs strong = in;
+  for (double& x : strong.g) x = -3.0;
+  const std::vector<double> rec2 = forward(c, strong);
+  std::vector<float> g3 = test::cast<float>(strong.g), o3(rec.size());
+  ref::gated_delta_forward_chunked<float>(o3.data(), qf.data(), kf.data(), vf.data(), g3.data(), bf.data(), c.cu.data(),
+                                          5, shape(c), 64);
+  EXPECT_LT(test::rel_error(o3, rec2), 1e-5);
+}
+
 // The state never crosses a boundary: a packed batch equals each sequence run alone.
 TEST(GatedDelta, PackedSequencesAreIndependent) {
   Case c;

@@ -21,6 +21,7 @@
 // Layout (packed, T tokens): q, k [T, Hk, K]; v, o [T, Hv, V]; g, beta [T, Hv]; cu [n + 1].
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -189,6 +190,86 @@ void gated_delta_backward(T* dq, T* dk, T* dv, T* dg, T* dbeta, const T* d_o, co
                                   dq + (t * s.Hk + hk) * K);
         gdn_detail::prep_backward(k + (t * s.Hk + hk) * K, dkn.data(), K, s.l2norm, rk[static_cast<size_t>(u)], 1.0,
                                   dk + (t * s.Hk + hk) * K);
+      }
+    }
+}
+
+// The chunked (WY / UT) form of the same forward, what the GPU kernels compute. Per value head and
+// chunk of C tokens with state S0 at its start, Gamma_t = exp(sum_{i <= t} g_i) within the chunk:
+//   L[t, i] = beta_t (Gamma_t / Gamma_i) k_t . k_i        (i < t; strictly lower triangular)
+//   T = (I + L)^-1                                        (forward substitution)
+//   U = T diag(beta) V,   W = T diag(beta Gamma) K,   delta = U - W S0       (delta [C, V])
+//   O = diag(Gamma) Q S0 + (M o Q K^T) delta,         M[t, i] = Gamma_t / Gamma_i (i <= t)
+//   S_C = Gamma_C S0 + K^T diag(Gamma_C / Gamma) delta
+// delta_t is the recurrent form's d at token t, so the two forms agree to rounding.
+template <class T>
+void gated_delta_forward_chunked(T* o, const T* q, const T* k, const T* v, const T* g, const T* beta,
+                                 const int32_t* cu, int64_t nseq, const GdnShape& s, int64_t chunk) {
+  const int64_t G = s.Hv / s.Hk, K = s.K, V = s.V;
+  std::vector<T> S(static_cast<size_t>(K * V));
+  for (int64_t n = 0; n < nseq; ++n)
+    for (int64_t h = 0; h < s.Hv; ++h) {
+      const int64_t hk = h / G;
+      std::fill(S.begin(), S.end(), T(0));
+      for (int64_t c0 = cu[n]; c0 < cu[n + 1]; c0 += chunk) {
+        const int64_t C = std::min<int64_t>(chunk, cu[n + 1] - c0);
+        std::vector<T> Q(static_cast<size_t>(C * K)), Kc(static_cast<size_t>(C * K)), gam(static_cast<size_t>(C)),
+            lgam(static_cast<size_t>(C)), b(static_cast<size_t>(C)), D(static_cast<size_t>(C * V));
+        // Ratios as exp of differences of the cumulative log decay: no underflow to 0/0 when
+        // Gamma itself is below the float range.
+        auto ratio = [&](int64_t t, int64_t i) { return std::exp(lgam[static_cast<size_t>(t)] - lgam[static_cast<size_t>(i)]); };
+        T acc_g = 0;
+        for (int64_t t = 0; t < C; ++t) {
+          const int64_t tok = c0 + t;
+          T r;
+          gdn_detail::prep(q + (tok * s.Hk + hk) * K, K, s.l2norm, s.eps, s.scale, &Q[static_cast<size_t>(t * K)], &r);
+          gdn_detail::prep(k + (tok * s.Hk + hk) * K, K, s.l2norm, s.eps, 1.0, &Kc[static_cast<size_t>(t * K)], &r);
+          acc_g += g[tok * s.Hv + h];
+          lgam[static_cast<size_t>(t)] = acc_g;
+          gam[static_cast<size_t>(t)] = std::exp(acc_g);
+          b[static_cast<size_t>(t)] = beta[tok * s.Hv + h];
+        }
+        auto dotk = [&](const T* a, const T* c) {
+          T x = 0;
+          for (int64_t i = 0; i < K; ++i) x += a[i] * c[i];
+          return x;
+        };
+        // rhs_t = beta_t (v_t - Gamma_t S0^T k_t); then forward substitution with L.
+        for (int64_t t = 0; t < C; ++t) {
+          const T* kt = &Kc[static_cast<size_t>(t * K)];
+          const T* vt = v + ((c0 + t) * s.Hv + h) * V;
+          for (int64_t j = 0; j < V; ++j) {
+            T sk = 0;
+            for (int64_t i = 0; i < K; ++i) sk += S[static_cast<size_t>(i * V + j)] * kt[i];
+            T x = b[static_cast<size_t>(t)] * (vt[j] - gam[static_cast<size_t>(t)] * sk);
+            for (int64_t i = 0; i < t; ++i)
+              x -= b[static_cast<size_t>(t)] * ratio(t, i) *
+                   dotk(kt, &Kc[static_cast<size_t>(i * K)]) * D[static_cast<size_t>(i * V + j)];
+            D[static_cast<size_t>(t * V + j)] = x;
+          }
+        }
+        for (int64_t t = 0; t < C; ++t) {
+          const T* qt = &Q[static_cast<size_t>(t * K)];
+          T* ot = o + ((c0 + t) * s.Hv + h) * V;
+          for (int64_t j = 0; j < V; ++j) {
+            T sq = 0;
+            for (int64_t i = 0; i < K; ++i) sq += S[static_cast<size_t>(i * V + j)] * qt[i];
+            T x = gam[static_cast<size_t>(t)] * sq;
+            for (int64_t i = 0; i <= t; ++i)
+              x += ratio(t, i) * dotk(qt, &Kc[static_cast<size_t>(i * K)]) *
+                   D[static_cast<size_t>(i * V + j)];
+            ot[j] = x;
+          }
+        }
+        const T last = gam[static_cast<size_t>(C - 1)];
+        // S_C = Gamma_C S0 + sum_t (Gamma_C / Gamma_t) k_t delta_t^T
+        for (int64_t i = 0; i < K; ++i)
+          for (int64_t j = 0; j < V; ++j) {
+            T x = last * S[static_cast<size_t>(i * V + j)];
+            for (int64_t t = 0; t < C; ++t)
+              x += ratio(C - 1, t) * Kc[static_cast<size_t>(t * K + i)] * D[static_cast<size_t>(t * V + j)];
+            S[static_cast<size_t>(i * V + j)] = x;
+          }
       }
     }
 }
