@@ -68,9 +68,9 @@ Staged stage(const Tensor& t, bool reduce, bool copy_in, bool copy_back) {
   }
   const DType hdt = reduce && narrow_float ? DType::f32 : t.dtype();
   if (copy_in) {
+    // A host copy of a GPU tensor, or (reductions of 16-bit floats) an f32 copy of either.
     Tensor h = t.device().is_cpu() ? t : t.to(Device::cpu(), MemCategory::comm);
-    s.host = h.dtype() == hdt ? (h.device() == t.device() && h.raw() == t.raw() ? h.clone(MemCategory::comm) : h)
-                              : h.to_dtype(hdt, MemCategory::comm);
+    s.host = h.dtype() == hdt ? h : h.to_dtype(hdt, MemCategory::comm);
   } else {
     s.host = Tensor::empty(t.shape(), hdt, Device::cpu(), MemCategory::comm);
   }
