@@ -257,7 +257,7 @@ RunConfig build(const toml::value& root, const std::string& src) {
 Device RunConfig::resolved_device() const {
   // Under a launcher, "cuda" and "auto" mean the GPU of this process's local rank (several
   // processes share GPUs round-robin when there are more of them than GPUs).
-  const int local = comm::world().local_rank;
+  [[maybe_unused]] const int local = comm::world().local_rank;
   if (device == "auto") {
 #ifdef BB_WITH_CUDA
     if (cuda::device_count() > 0) return Device::cuda(local % cuda::device_count());
