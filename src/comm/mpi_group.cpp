@@ -34,22 +34,6 @@ MPI_Datatype base_type(DType dt) {
   return MPI_BYTE;
 }
 
-MPI_Op mpi_op(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::sum: return MPI_SUM;
-    case ReduceOp::max: return MPI_MAX;
-    case ReduceOp::min: return MPI_MIN;
-  }
-  return MPI_SUM;
-}
-
-int to_int(int64_t v, const char* op, const std::string& group) {
-  BB_CHECK(v >= 0 && v <= INT_MAX, op, " on group ", group, ": ", v,
-           " exceeds the mpi backend's limit of 2^31 - 1 per call (rows, or elements for reductions); "
-           "use parallel.comm = 'nccl' on GPUs or smaller units");
-  return static_cast<int>(v);
-}
-
 // A tensor as MPI sees it: the user's tensor, or a host copy (GPU tensors; f32 for reductions of
 // 16-bit floats) whose contents go back on completion when `back` is set.
 struct Staged {
@@ -127,8 +111,8 @@ class MpiGroup final : public Group {
   WorkPtr all_reduce(const Tensor& t, ReduceOp op, Stream) override {
     auto w = start("all_reduce");
     Staged s = stage(t, true, true, true);
-    const int n = to_int(t.numel(), "all_reduce", name());
-    MPI_Iallreduce(MPI_IN_PLACE, s.ptr(), n, base_type(s.host.dtype()), mpi_op(op), comm_, &w->req_);
+    const int n = mpi_count(t.numel(), "all_reduce", name());
+    MPI_Iallreduce(MPI_IN_PLACE, s.ptr(), n, base_type(s.host.dtype()), mpi_reduce_op(op), comm_, &w->req_);
     w->staged_.push_back(std::move(s));
     return finish(w);
   }
@@ -137,8 +121,8 @@ class MpiGroup final : public Group {
     check_reduce_scatter(in, out);
     auto w = start("reduce_scatter");
     Staged si = stage(in, true, true, false), so = stage(out, true, false, true);
-    const int n = to_int(out.numel(), "reduce_scatter", name());
-    MPI_Ireduce_scatter_block(si.ptr(), so.ptr(), n, base_type(so.host.dtype()), mpi_op(op), comm_, &w->req_);
+    const int n = mpi_count(out.numel(), "reduce_scatter", name());
+    MPI_Ireduce_scatter_block(si.ptr(), so.ptr(), n, base_type(so.host.dtype()), mpi_reduce_op(op), comm_, &w->req_);
     w->staged_.push_back(std::move(si));
     w->staged_.push_back(std::move(so));
     return finish(w);
@@ -147,7 +131,7 @@ class MpiGroup final : public Group {
   WorkPtr all_gather(const Tensor& in, const Tensor& out, Stream) override {
     check_all_gather(in, out);
     auto w = start("all_gather");
-    const int n = to_int(in.numel(), "all_gather", name());
+    const int n = mpi_count(in.numel(), "all_gather", name());
     const bool in_place = out.device() == in.device() &&
                           static_cast<const char*>(in.raw()) ==
                               static_cast<const char*>(out.raw()) + static_cast<size_t>(rank()) * in.nbytes();
@@ -176,8 +160,8 @@ class MpiGroup final : public Group {
     MPI_Datatype row = row_type(in, *w);
     int64_t off = 0;
     for (int64_t c : counts) {
-      w->counts_a_.push_back(to_int(c, "all_gather_v", name()));
-      w->displs_a_.push_back(to_int(off, "all_gather_v", name()));
+      w->counts_a_.push_back(mpi_count(c, "all_gather_v", name()));
+      w->displs_a_.push_back(mpi_count(off, "all_gather_v", name()));
       off += c;
     }
     Staged si = stage(in, false, true, false), so = stage(out, false, false, true);
@@ -203,10 +187,10 @@ class MpiGroup final : public Group {
     MPI_Datatype row = row_type(in, *w);
     int64_t os = 0, orr = 0;
     for (int p = 0; p < size(); ++p) {
-      w->counts_a_.push_back(to_int(sc[static_cast<size_t>(p)], "all_to_all_v", name()));
-      w->displs_a_.push_back(to_int(os, "all_to_all_v", name()));
-      w->counts_b_.push_back(to_int(rc[static_cast<size_t>(p)], "all_to_all_v", name()));
-      w->displs_b_.push_back(to_int(orr, "all_to_all_v", name()));
+      w->counts_a_.push_back(mpi_count(sc[static_cast<size_t>(p)], "all_to_all_v", name()));
+      w->displs_a_.push_back(mpi_count(os, "all_to_all_v", name()));
+      w->counts_b_.push_back(mpi_count(rc[static_cast<size_t>(p)], "all_to_all_v", name()));
+      w->displs_b_.push_back(mpi_count(orr, "all_to_all_v", name()));
       os += sc[static_cast<size_t>(p)];
       orr += rc[static_cast<size_t>(p)];
     }
@@ -223,7 +207,7 @@ class MpiGroup final : public Group {
     auto w = start("send");
     MPI_Datatype row = row_type(t, *w);
     Staged s = stage(t, false, true, false);
-    MPI_Isend(s.ptr(), to_int(rows_of(t), "send", name()), row, peer, 0, comm_, &w->req_);
+    MPI_Isend(s.ptr(), mpi_count(rows_of(t), "send", name()), row, peer, 0, comm_, &w->req_);
     w->staged_.push_back(std::move(s));
     return finish(w);
   }
@@ -233,7 +217,7 @@ class MpiGroup final : public Group {
     auto w = start("recv");
     MPI_Datatype row = row_type(t, *w);
     Staged s = stage(t, false, false, true);
-    MPI_Irecv(s.ptr(), to_int(rows_of(t), "recv", name()), row, peer, 0, comm_, &w->req_);
+    MPI_Irecv(s.ptr(), mpi_count(rows_of(t), "recv", name()), row, peer, 0, comm_, &w->req_);
     w->staged_.push_back(std::move(s));
     return finish(w);
   }
@@ -243,7 +227,7 @@ class MpiGroup final : public Group {
     auto w = start("broadcast");
     MPI_Datatype row = row_type(t, *w);
     Staged s = stage(t, false, rank() == root, rank() != root);
-    MPI_Ibcast(s.ptr(), to_int(rows_of(t), "broadcast", name()), row, root, comm_, &w->req_);
+    MPI_Ibcast(s.ptr(), mpi_count(rows_of(t), "broadcast", name()), row, root, comm_, &w->req_);
     w->staged_.push_back(std::move(s));
     return finish(w);
   }
@@ -257,17 +241,14 @@ class MpiGroup final : public Group {
   }
 
   void all_reduce_host(double* v, int64_t n, ReduceOp op) override {
-    host_reduce(v, n, MPI_DOUBLE, op);
+    mpi_host_all_reduce(comm_, name(), size(), seq_, v, n, MPI_DOUBLE, op);
   }
   void all_reduce_host(int64_t* v, int64_t n, ReduceOp op) override {
-    host_reduce(v, n, MPI_INT64_T, op);
+    mpi_host_all_reduce(comm_, name(), size(), seq_, v, n, MPI_INT64_T, op);
   }
   void broadcast_host(std::string& bytes, int root) override {
     check_peer("broadcast_host", root);
-    int64_t n = static_cast<int64_t>(bytes.size());
-    host_bcast(&n, 1, MPI_INT64_T, root);
-    bytes.resize(static_cast<size_t>(n));
-    host_bcast(bytes.data(), n, MPI_CHAR, root);
+    mpi_host_broadcast(comm_, name(), size(), seq_, bytes, root);
   }
 
   GroupPtr split(int color, int key, const std::string& n) override {
@@ -288,7 +269,7 @@ class MpiGroup final : public Group {
   }
   MPI_Datatype row_type(const Tensor& t, MpiWork& w) {
     MPI_Datatype row;
-    MPI_Type_contiguous(to_int(std::max<int64_t>(1, row_elems(t)), "row", name()), base_type(t.dtype()), &row);
+    MPI_Type_contiguous(mpi_count(std::max<int64_t>(1, row_elems(t)), "row", name()), base_type(t.dtype()), &row);
     MPI_Type_commit(&row);
     w.types_.push_back(row);
     return row;
@@ -297,21 +278,6 @@ class MpiGroup final : public Group {
     BB_CHECK(peer >= 0 && peer < size(), op, " on group ", name(), ": rank ", peer, " is not in [0, ",
              size(), ")");
   }
-  void host_reduce(void* v, int64_t n, MPI_Datatype t, ReduceOp op) {
-    const uint64_t seq = ++seq_;
-    set_current_op(name().c_str(), "all_reduce_host", seq);
-    MPI_Request r;
-    MPI_Iallreduce(MPI_IN_PLACE, v, to_int(n, "all_reduce_host", name()), t, mpi_op(op), comm_, &r);
-    mpi_timed_wait(&r, name(), size(), "all_reduce_host", seq);
-  }
-  void host_bcast(void* v, int64_t n, MPI_Datatype t, int root) {
-    const uint64_t seq = ++seq_;
-    set_current_op(name().c_str(), "broadcast_host", seq);
-    MPI_Request r;
-    MPI_Ibcast(v, to_int(n, "broadcast_host", name()), t, root, comm_, &r);
-    mpi_timed_wait(&r, name(), size(), "broadcast_host", seq);
-  }
-
   MPI_Comm comm_;
   uint64_t seq_ = 0;
 };
@@ -344,9 +310,24 @@ void mpi_timed_wait(MPI_Request* req, const std::string& group, int group_size, 
   set_current_op("", "", 0);
 }
 
-GroupPtr make_mpi_group(MPI_Comm comm, const std::string& name) {
-  int rank = 0, size = 1;
-  MPI_Comm_rank(comm, &rank);
+MPI_Op mpi_reduce_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return MPI_SUM;
+    case ReduceOp::max: return MPI_MAX;
+    case ReduceOp::min: return MPI_MIN;
+  }
+  return MPI_SUM;
+}
+
+int mpi_count(int64_t v, const char* op, const std::string& group) {
+  BB_CHECK(v >= 0 && v <= INT_MAX, op, " on group ", group, ": ", v,
+           " exceeds the mpi backend's limit of 2^31 - 1 per call (rows, or elements for reductions); "
+           "use parallel.comm = 'nccl' on GPUs or smaller units");
+  return static_cast<int>(v);
+}
+
+std::vector<int> mpi_world_ranks(MPI_Comm comm) {
+  int size = 1;
   MPI_Comm_size(comm, &size);
   MPI_Group g, wg;
   MPI_Comm_group(comm, &g);
@@ -356,7 +337,38 @@ GroupPtr make_mpi_group(MPI_Comm comm, const std::string& name) {
   MPI_Group_translate_ranks(g, size, mine.data(), wg, wr.data());
   MPI_Group_free(&g);
   MPI_Group_free(&wg);
-  return std::make_shared<MpiGroup>(comm, name, rank, size, std::move(wr));
+  return wr;
+}
+
+void mpi_host_all_reduce(MPI_Comm comm, const std::string& group, int size, uint64_t& seq, void* v, int64_t n,
+                         MPI_Datatype type, ReduceOp op) {
+  const uint64_t s = ++seq;
+  set_current_op(group.c_str(), "all_reduce_host", s);
+  MPI_Request r;
+  MPI_Iallreduce(MPI_IN_PLACE, v, mpi_count(n, "all_reduce_host", group), type, mpi_reduce_op(op), comm, &r);
+  mpi_timed_wait(&r, group, size, "all_reduce_host", s);
+}
+
+void mpi_host_broadcast(MPI_Comm comm, const std::string& group, int size, uint64_t& seq, std::string& bytes,
+                        int root) {
+  auto bcast = [&](void* v, int64_t n, MPI_Datatype type) {
+    const uint64_t s = ++seq;
+    set_current_op(group.c_str(), "broadcast_host", s);
+    MPI_Request r;
+    MPI_Ibcast(v, mpi_count(n, "broadcast_host", group), type, root, comm, &r);
+    mpi_timed_wait(&r, group, size, "broadcast_host", s);
+  };
+  int64_t n = static_cast<int64_t>(bytes.size());
+  bcast(&n, 1, MPI_INT64_T);
+  bytes.resize(static_cast<size_t>(n));
+  bcast(bytes.data(), n, MPI_CHAR);
+}
+
+GroupPtr make_mpi_group(MPI_Comm comm, const std::string& name) {
+  int rank = 0, size = 1;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &size);
+  return std::make_shared<MpiGroup>(comm, name, rank, size, mpi_world_ranks(comm));
 }
 
 MPI_Comm dup_mpi_comm(const Group& g) {

@@ -55,15 +55,6 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   return ncclSum;
 }
 
-MPI_Op mpi_op(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::sum: return MPI_SUM;
-    case ReduceOp::max: return MPI_MAX;
-    case ReduceOp::min: return MPI_MIN;
-  }
-  return MPI_SUM;
-}
-
 // Throws bb::Error naming the NCCL call, the group and NCCL's own account of the failure.
 void nccl_check(ncclResult_t r, ncclComm_t comm, const char* what, const std::string& group) {
   if (r == ncclSuccess) return;
@@ -74,13 +65,6 @@ void nccl_check(ncclResult_t r, ncclComm_t comm, const char* what, const std::st
           r == ncclInvalidUsage && std::string(what) == "ncclCommInitRank"
               ? "; NCCL needs one GPU per rank (ranks sharing a GPU need parallel.comm = 'mpi')"
               : "");
-}
-
-// Host operations go through MPI, whose counts are int.
-int to_int(int64_t v, const char* op, const std::string& group) {
-  BB_CHECK(v >= 0 && v <= INT_MAX, op, " on group ", group, ": ", v,
-           " values exceed MPI's limit of 2^31 - 1 per call");
-  return static_cast<int>(v);
 }
 
 // Bytes from the start of `t` to its row `row`.
@@ -336,20 +320,17 @@ class NcclGroup final : public Group {
     set_current_op("", "", 0);
   }
 
+  // Host values go over the bootstrap MPI communicator (a single process: nothing to exchange).
   void all_reduce_host(double* v, int64_t n, ReduceOp op) override {
-    host_reduce(v, n, MPI_DOUBLE, op);
+    if (mpi_ != MPI_COMM_NULL) mpi_host_all_reduce(mpi_, name(), size(), seq_, v, n, MPI_DOUBLE, op);
   }
   void all_reduce_host(int64_t* v, int64_t n, ReduceOp op) override {
-    host_reduce(v, n, MPI_INT64_T, op);
+    if (mpi_ != MPI_COMM_NULL) mpi_host_all_reduce(mpi_, name(), size(), seq_, v, n, MPI_INT64_T, op);
   }
   void broadcast_host(std::string& bytes, int root) override {
     BB_CHECK(root >= 0 && root < size(), "broadcast_host on group ", name(), ": root ", root,
              " is not in [0, ", size(), ")");
-    if (mpi_ == MPI_COMM_NULL) return;  // a single process: nothing to exchange
-    int64_t n = static_cast<int64_t>(bytes.size());
-    host_bcast(&n, 1, MPI_INT64_T, root);
-    bytes.resize(static_cast<size_t>(n));
-    host_bcast(bytes.data(), n, MPI_CHAR, root);
+    if (mpi_ != MPI_COMM_NULL) mpi_host_broadcast(mpi_, name(), size(), seq_, bytes, root);
   }
 
   GroupPtr split(int color, int key, const std::string& n) override;
@@ -403,22 +384,6 @@ class NcclGroup final : public Group {
     return w;
   }
 
-  void host_reduce(void* v, int64_t n, MPI_Datatype t, ReduceOp op) {
-    if (mpi_ == MPI_COMM_NULL) return;  // a single process: the values are already reduced
-    const uint64_t seq = ++seq_;
-    set_current_op(name().c_str(), "all_reduce_host", seq);
-    MPI_Request r;
-    MPI_Iallreduce(MPI_IN_PLACE, v, to_int(n, "all_reduce_host", name()), t, mpi_op(op), mpi_, &r);
-    mpi_timed_wait(&r, name(), size(), "all_reduce_host", seq);
-  }
-  void host_bcast(void* v, int64_t n, MPI_Datatype t, int root) {
-    const uint64_t seq = ++seq_;
-    set_current_op(name().c_str(), "broadcast_host", seq);
-    MPI_Request r;
-    MPI_Ibcast(v, to_int(n, "broadcast_host", name()), t, root, mpi_, &r);
-    mpi_timed_wait(&r, name(), size(), "broadcast_host", seq);
-  }
-
   MPI_Comm mpi_;  // the bootstrap communicator; MPI_COMM_NULL for a single process without MPI
   ncclComm_t nccl_;
   int dev_;  // the CUDA device the communicator was made on
@@ -436,15 +401,7 @@ GroupPtr make_nccl_group(MPI_Comm mpi, const std::string& name) {
     if (mpi != MPI_COMM_NULL) {
       MPI_Comm_rank(mpi, &rank);
       MPI_Comm_size(mpi, &size);
-      MPI_Group g, wg;
-      MPI_Comm_group(mpi, &g);
-      MPI_Comm_group(MPI_COMM_WORLD, &wg);
-      std::vector<int> mine(static_cast<size_t>(size));
-      wr.assign(static_cast<size_t>(size), 0);
-      for (int i = 0; i < size; ++i) mine[static_cast<size_t>(i)] = i;
-      MPI_Group_translate_ranks(g, size, mine.data(), wg, wr.data());
-      MPI_Group_free(&g);
-      MPI_Group_free(&wg);
+      wr = mpi_world_ranks(mpi);
     }
     ncclUniqueId id{};
     if (rank == 0) nccl_check(ncclGetUniqueId(&id), nullptr, "ncclGetUniqueId", name);

@@ -60,9 +60,8 @@ StateBytes state_bytes(StateKind kind, const std::vector<ParamUnit*>& units,
 
 ModelState::~ModelState() = default;
 
-ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, RecomputePolicy recompute,
-                       const std::vector<Tensor>* masters)
-    : kind_(kind), model_(model), recompute_(recompute), tied_(model.config().tie_word_embeddings) {
+ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, const std::vector<Tensor>* masters)
+    : kind_(kind), model_(model), tied_(model.config().tie_word_embeddings) {
   std::vector<ParamUnit*> units = model.units();
   BB_CHECK(!masters || masters->size() == units.size(), "ModelState: ", masters ? masters->size() : 0,
            " master tensors for ", units.size(), " units");
@@ -84,7 +83,6 @@ ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, Re
     u.mode = u.N == 1 || kind == StateKind::replicated ? Mode::whole
              : kind == StateKind::zero1                ? Mode::zero1
                                                        : Mode::fsdp;
-    shards_.push_back({pu, group, u.S, u.mode == Mode::whole ? 0 : u.lo, u.mode == Mode::whole ? pu->numel : u.len});
     const Device dev = pu->value.device();
     const DType vdt = pu->value.dtype();
     // The f32 source of the masters: the given masters, else the values.

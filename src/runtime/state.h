@@ -39,14 +39,6 @@
 
 namespace bb {
 
-// The part of a unit one rank owns.
-struct UnitShard {
-  ParamUnit* unit = nullptr;
-  comm::GroupPtr group;  // the ranks holding a copy of the unit
-  int64_t shard = 0;     // S = ceil(numel / group size)
-  int64_t lo = 0, len = 0;  // owned elements [lo, lo + len) of the unit (len may be < S or 0)
-};
-
 // Closed-form bytes per rank of one category under a state family (the formulas above).
 struct StateBytes {
   int64_t params = 0, grads = 0, optimizer = 0;
@@ -59,12 +51,10 @@ class ModelState final : public LayerHooks {
   // Takes over the model's units (whole on construction) as `kind` says. `masters`, if given,
   // are whole f32 values per unit (e.g. read from a checkpoint at full precision); otherwise the
   // masters start as the units' values.
-  ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, RecomputePolicy recompute,
-             const std::vector<Tensor>* masters = nullptr);
+  ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, const std::vector<Tensor>* masters = nullptr);
   ~ModelState() override;
 
   StateKind kind() const { return kind_; }
-  const std::vector<UnitShard>& shards() const { return shards_; }
 
   // One optimizer step: begin_step(), then per micro-batch begin_micro_batch(last) + the
   // schedule's forward_backward, then end_backward(), grad_norm(), step().
@@ -117,10 +107,8 @@ class ModelState final : public LayerHooks {
 
   StateKind kind_;
   DecoderModel& model_;
-  RecomputePolicy recompute_;
   bool tied_ = false;
   bool last_micro_ = true;
-  std::vector<UnitShard> shards_;
   std::vector<std::unique_ptr<Unit>> units_;
   std::vector<std::vector<Unit*>> by_layer_;
   Unit* embed_ = nullptr;

@@ -233,8 +233,7 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
     }
   }
   // The state family takes the units over (fsdp frees the whole buffers here).
-  state_ = std::make_unique<ModelState>(cfg.prim.state.value, *model_, *mesh_, cfg.prim.recompute.value,
-                                        masters.empty() ? nullptr : &masters);
+  state_ = std::make_unique<ModelState>(cfg.prim.state.value, *model_, *mesh_, masters.empty() ? nullptr : &masters);
   masters.clear();
   schedule_->add_hooks(state_.get());
   if (log_) {
