@@ -2,6 +2,7 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <filesystem>
 
 #include "io/fs.h"
 #include "models/hf_io.h"
@@ -43,12 +44,49 @@ constexpr const char* kExportHelp =
     R"(Export a training checkpoint as a Hugging Face model directory.
 
   bumblebee export --checkpoint runs/demo/checkpoints --out hf/demo [--dtype bf16|f32]
-                   [--max-shard-size 5GB]
-CKPT is a step_NNNNNNNN directory or a checkpoint root (its `latest` step is used). OUT gets
+                   [--max-shard-size 5GB] [--force] [--allow-nonfinite]
+CKPT is a step_NNNNNNNN directory or a checkpoint root (its `latest` step is used). OUT must be
+new or empty (--force: replace the model files of a non-empty one) and never inside a
+checkpoint directory; weights holding Inf/NaN are refused unless --allow-nonfinite. OUT gets
 config.json, generation_config.json and model.safetensors, or model-0000i-of-0000n.safetensors
 + model.safetensors.index.json when the weights exceed --max-shard-size. Tensor names are the
 classic per-expert Qwen3MoeForCausalLM / Qwen2MoeForCausalLM names, so
 AutoModelForCausalLM.from_pretrained(OUT) loads it; model.init = "hf:OUT" loads it back here.)";
+
+// --out must not be a checkpoint root or inside one (whatever --force says: exports there would
+// mix with training state), and must be empty or absent unless --force.
+void check_export_target(const std::string& out, bool force) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path p = fs::absolute(fs::path(out), ec).lexically_normal();
+  BB_CHECK(!ec, "export: bad --out path '", out, "'");
+  if (!p.has_filename()) p = p.parent_path();  // trailing slash
+  // A step directory has state.json beside shards/ (or model.safetensors, format 1); a root has
+  // a `latest` naming one of its steps, or the lock file beside step_* directories.
+  auto is_checkpoint_dir = [&](const fs::path& q) {
+    if (fs::exists(q / "state.json", ec) && (fs::exists(q / "shards", ec) || fs::exists(q / "model.safetensors", ec)))
+      return true;
+    if (fs::is_regular_file(q / "latest", ec) && fs::file_size(q / "latest", ec) < 256) {
+      std::string name = read_file((q / "latest").string());
+      while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+      if (name.rfind("step_", 0) == 0 && fs::is_directory(q / name, ec)) return true;
+    }
+    if (fs::exists(q / ".lock", ec))
+      for (const auto& e : fs::directory_iterator(q, ec))
+        if (e.path().filename().string().rfind("step_", 0) == 0) return true;
+    return false;
+  };
+  for (fs::path q = p; !q.empty(); q = q.parent_path()) {
+    BB_CHECK(!is_checkpoint_dir(q), "export: --out '", out, "' is ", q == p ? "" : "inside ",
+             "the checkpoint directory ", q.string(), "; export to a directory outside it");
+    if (q == q.parent_path()) break;
+  }
+  if (!fs::exists(p, ec)) return;
+  BB_CHECK(fs::is_directory(p, ec), "export: --out '", out, "' exists and is not a directory");
+  if (!force)
+    BB_CHECK(fs::is_empty(p, ec), "export: --out '", out, "' is not empty; pass --force to replace the model files ",
+             "in it, or pick a new directory");
+}
 
 }  // namespace
 
@@ -62,11 +100,11 @@ int run(int argc, char** argv) {
   train->footer(kTrainHelp);
   std::string train_config;
   std::vector<std::string> train_sets;
-  int64_t train_steps = -1;
+  int64_t train_steps = 0;
   std::string train_device;
   train->add_option("--config,-c", train_config, "Run config (TOML), e.g. configs/demo.toml")->required();
   train->add_option("--set,-s", train_sets, "Override a config key: table.key=value (repeatable)");
-  train->add_option("--steps", train_steps, "Shortcut for --set train.steps=N");
+  train->add_option("--steps", train_steps, "Shortcut for --set train.steps=N")->check(CLI::NonNegativeNumber);
   train->add_option("--device", train_device, "Shortcut for --set parallel.device=DEV (cpu)");
   bool log_all_ranks = false;
   train->add_flag("--log-all-ranks", log_all_ranks,
@@ -103,15 +141,20 @@ int run(int argc, char** argv) {
       ->check(CLI::IsMember({"bf16", "f32"}));
   exp->add_option("--max-shard-size", exp_shard,
                   "Largest shard file, e.g. 5GB (default), 500MB, 2GiB");
+  bool exp_force = false, exp_allow_nonfinite = false;
+  exp->add_flag("--force", exp_force, "Write into a non-empty --out directory (its model files are replaced)");
+  exp->add_flag("--allow-nonfinite", exp_allow_nonfinite,
+                "Write weights that hold Inf/NaN (default: refused, naming the tensor)");
 
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // --help and --version exit 0; every usage error exits 2, as every other error does.
+    return app.exit(e) == 0 ? 0 : 2;
   }
 
   if (train->parsed()) {
-    if (train_steps >= 0) train_sets.push_back("train.steps=" + std::to_string(train_steps));
+    if (train->count("--steps")) train_sets.push_back("train.steps=" + std::to_string(train_steps));
     if (!train_device.empty()) train_sets.push_back("parallel.device=\"" + train_device + "\"");
     if (log_all_ranks) train_sets.push_back("log.all_ranks=true");
     RunConfig cfg = load_run_config(train_config, train_sets);
@@ -126,9 +169,12 @@ int run(int argc, char** argv) {
     HfExportOptions eo;
     eo.dtype = dtype_from_name(exp_dtype);
     eo.max_shard_bytes = parse_byte_size(exp_shard);
+    eo.allow_nonfinite = exp_allow_nonfinite;
+    BB_CHECK(path_exists(exp_ckpt), "export: no checkpoint at '", exp_ckpt, "'");
     const std::string step = resolve_checkpoint(exp_ckpt);
     BB_CHECK(!step.empty(), "export: no checkpoint at '", exp_ckpt,
              "' (expected a step_* directory or a checkpoint root with a 'latest' file)");
+    check_export_target(exp_out, exp_force);
     if (path_exists(path_join(step, "shards"))) export_distributed_checkpoint(step, exp_out, eo);
     else export_checkpoint(step, exp_out, eo);  // format 1 (single rank, before distributed state)
     std::printf("[export] %s -> %s (%s)\n", step.c_str(), exp_out.c_str(), exp_dtype.c_str());

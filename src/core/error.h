@@ -5,6 +5,7 @@
 // they guard user-facing input (shapes, dtypes, configs, files), never hot inner loops.
 #pragma once
 
+#include <cstring>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -18,6 +19,18 @@ class Error : public std::runtime_error {
 };
 
 namespace detail {
+// The repository-relative form of a __FILE__ path ("src/runtime/trainer.cpp"): messages name the
+// source line without the build machine's directories. Cuts at the last top-level directory of
+// the repository in the path; other paths are returned as given.
+inline const char* source_path(const char* file) {
+  const char* best = nullptr;
+  for (const char* marker : {"/src/", "/tests/", "/bench/", "/fuzz/"}) {
+    for (const char* p = file; (p = std::strstr(p, marker)) != nullptr; ++p)
+      if (!best || p > best) best = p;
+  }
+  return best ? best + 1 : file;
+}
+
 inline void append(std::ostringstream&) {}
 template <class T, class... Rest>
 void append(std::ostringstream& os, const T& v, const Rest&... rest) {
@@ -32,7 +45,7 @@ template <class... Args>
   std::ostringstream full;
   full << msg;
   if (msg.empty()) full << "check failed: " << cond;
-  full << " [" << file << ":" << line << "]";
+  full << " [" << source_path(file) << ":" << line << "]";
   throw Error(full.str());
 }
 }  // namespace detail

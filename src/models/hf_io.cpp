@@ -222,6 +222,12 @@ void export_hf(DecoderModel& model, const std::string& dir, const HfExportOption
   std::vector<std::pair<std::string, Tensor>> tensors;
   for (auto& [name, t] : hf_state(model)) {
     Tensor h = t.device().is_cpu() ? t : t.to(Device::cpu(), MemCategory::other);
+    if (!opts.allow_nonfinite) {
+      const std::vector<float> v = h.to_floats();
+      for (size_t k = 0; k < v.size(); ++k)
+        BB_CHECK(std::isfinite(v[k]), "export: ", name, " holds a non-finite value (", v[k], " at element ", k,
+                 "); nothing was written. Export an earlier checkpoint, or pass --allow-nonfinite to write it anyway");
+    }
     if (h.dtype() != opts.dtype) h = h.to_dtype(opts.dtype, MemCategory::other);
     tensors.emplace_back(name, h);
   }

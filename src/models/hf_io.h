@@ -57,6 +57,7 @@ HfLoadReport load_hf_weights(DecoderModel& model, const std::string& dir,
 struct HfExportOptions {
   DType dtype = DType::bf16;                 // f32 or bf16 (f16 also accepted)
   uint64_t max_shard_bytes = 5'000'000'000;  // per shard file (HF's default "5GB")
+  bool allow_nonfinite = false;  // false: a weight holding Inf/NaN is an error naming it
 };
 
 // Writes `dir` (created if missing) so that transformers' from_pretrained loads it:

@@ -3,9 +3,12 @@
 #include "runtime/checkpoint.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 
 #include "io/fs.h"
+#include "io/json_limits.h"
+#include "runtime/data.h"
 
 namespace bb {
 
@@ -39,19 +42,42 @@ void check_unit_table(const nlohmann::json& table, const std::vector<ParamUnit*>
 nlohmann::json read_checkpoint_state(const std::string& dir) {
   const std::string path = path_join(dir, "state.json");
   BB_CHECK(path_exists(path), "checkpoint ", dir, " has no state.json");
-  nlohmann::json st;
-  try {
-    st = nlohmann::json::parse(read_file(path));
-  } catch (const nlohmann::json::exception& e) {
-    BB_FAIL("checkpoint ", dir, ": state.json is not valid JSON (", e.what(), ")");
-  }
+  return parse_checkpoint_state(read_file(path), dir);
+}
+
+nlohmann::json parse_checkpoint_state(std::string_view text, const std::string& dir) {
+  const nlohmann::json st = parse_json_bounded(text, "checkpoint " + dir + ": state.json");
   BB_CHECK(st.is_object(), "checkpoint ", dir, ": state.json is not a JSON object");
-  const int version = st.value("format_version", 0);
+  const auto ver = st.find("format_version");
+  const int64_t version = ver != st.end() && ver->is_number_integer() ? ver->get<int64_t>() : 0;
   BB_CHECK(version == kCheckpointFormat, "checkpoint ", dir, " has format_version ", version, "; this build reads ",
            kCheckpointFormat, " (version 1 checkpoints, from before distributed state, can be exported to a "
            "Hugging Face directory with `bumblebee export` and loaded with model.init = \"hf:DIR\")");
   for (const char* key : {"step", "data_position", "model_config", "units", "shards", "layout"})
     BB_CHECK(st.contains(key), "checkpoint ", dir, ": state.json lacks '", key, "'");
+  auto bad = [&](const char* key, const char* want) {
+    BB_FAIL("checkpoint ", dir, ": state.json field '", key, "' must be ", want, " (got ", st[key].dump().substr(0, 80),
+            ")");
+  };
+  if (!st["step"].is_number_integer() || st["step"].get<int64_t>() < 0) bad("step", "an integer >= 0");
+  if (!st["model_config"].is_object()) bad("model_config", "an object");
+  if (!st["units"].is_array()) bad("units", "an array");
+  if (!st["layout"].is_object()) bad("layout", "an object");
+  if (!st["shards"].is_array() || st["shards"].empty()) bad("shards", "a non-empty array of file names");
+  for (const auto& f : st["shards"])
+    if (!f.is_string()) bad("shards", "a non-empty array of file names");
+  if (st.contains("run_id") && !st["run_id"].is_string()) bad("run_id", "a string");
+  if (st.contains("seed") && !st["seed"].is_number_unsigned()) bad("seed", "an integer >= 0");
+  for (const char* key : {"dp", "grad_accum"}) {
+    const auto it = st["layout"].find(key);
+    BB_CHECK(it == st["layout"].end() || (it->is_number_integer() && it->get<int64_t>() >= 1), "checkpoint ", dir,
+             ": state.json field 'layout.", key, "' must be an integer >= 1");
+  }
+  try {
+    (void)st["data_position"].get<DataPosition>();
+  } catch (const std::exception& e) {
+    BB_FAIL("checkpoint ", dir, ": state.json field 'data_position': ", e.what());
+  }
   return st;
 }
 
@@ -91,6 +117,12 @@ Tensor ShardSet::read(const std::string& unit, const std::string& which, int64_t
   }
   BB_CHECK(covered == len, "checkpoint ", dir_, ": the shard files cover ", covered, " of elements [", lo, ", ",
            lo + len, ") of unit ", unit, " (", which, "); a shard file is missing or truncated");
+  if (check_finite_) {
+    const float* v = out.data<float>();
+    for (int64_t k = 0; k < len; ++k)
+      BB_CHECK(std::isfinite(v[k]), "checkpoint ", dir_, ": ", unit, ".", which, " holds a non-finite value (", v[k],
+               " at element ", lo + k, "); it cannot be resumed. Resume from an earlier checkpoint");
+  }
   return out;
 }
 
@@ -102,6 +134,7 @@ void export_distributed_checkpoint(const std::string& step_dir, const std::strin
   std::vector<ParamUnit*> units = model.units();
   check_unit_table(st["units"], units, step_dir);
   ShardSet shards(step_dir, st);
+  shards.set_check_finite(false);  // export_hf checks the weights it writes (or not: --allow-nonfinite)
   for (ParamUnit* u : units) {
     // The whole unit (padding included, which is zero) at full precision.
     u->value.copy_from(shards.read(u->name, "master", 0, u->numel));

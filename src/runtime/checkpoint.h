@@ -41,7 +41,10 @@ class ShardSet {
   ShardSet(const std::string& dir, const nlohmann::json& state);
   // Elements [lo, lo + len) of unit `unit`'s `which` (master | exp_avg | exp_avg_sq) as an f32
   // host tensor. Throws naming the unit and the missing range if the files do not cover it.
+  // Values that are not finite are an error naming the tensor and element, unless
+  // set_check_finite(false) (export --allow-nonfinite).
   Tensor read(const std::string& unit, const std::string& which, int64_t lo, int64_t len) const;
+  void set_check_finite(bool on) { check_finite_ = on; }
 
  private:
   struct Piece {
@@ -49,11 +52,17 @@ class ShardSet {
     int64_t lo = 0, len = 0;
   };
   std::string dir_;
+  bool check_finite_ = true;
   std::map<std::string, std::vector<Piece>> pieces_;
 };
 
 // Parses state.json of a step directory (clear errors for missing or foreign files).
 nlohmann::json read_checkpoint_state(const std::string& dir);
+// The same from the text of a state.json (`dir` names it in errors): bounded nesting, the
+// format version, and every field the loader reads present with the right type and range
+// (step >= 0, data_position, model_config object, units / shards arrays, layout object,
+// run_id string when present). A crafted file gives an error naming the field, never a crash.
+nlohmann::json parse_checkpoint_state(std::string_view text, const std::string& dir);
 
 // `bumblebee export` of a format-2 checkpoint: the fp32 masters consolidated into a Hugging Face
 // directory (opts.dtype: the dtype written).

@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "core/rng.h"
+#include "io/json_limits.h"
 #include "runtime/demo_corpus.h"
 #include "runtime/tokenizer.h"
 
@@ -37,37 +38,6 @@ void check_file(const std::string& path) {
 
 void check_nonempty(const Corpus& c, const std::string& what) {
   BB_CHECK(c.num_tokens() > 0, "dataset ", what, " contains no tokens");
-}
-
-bool is_blank(const std::string& line) {
-  return std::all_of(line.begin(), line.end(),
-                     [](char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\n'; });
-}
-
-// Reads an integer JSON array element-wise into `out`; `lo`..`hi` is the allowed inclusive range.
-void read_int_array(const json& arr, const std::string& where, const char* key, int64_t lo,
-                    int64_t hi, std::vector<int64_t>& out) {
-  BB_CHECK(arr.is_array(), where, ": key '", key, "': expected an array of integers, got ",
-           arr.type_name());
-  out.clear();
-  out.reserve(arr.size());
-  for (size_t i = 0; i < arr.size(); ++i) {
-    const json& v = arr[i];
-    int64_t x = 0;
-    if (v.is_boolean() && std::string_view(key) == "loss_mask") {
-      x = v.get<bool>() ? 1 : 0;
-    } else if (v.is_number_unsigned()) {
-      const uint64_t u = v.get<uint64_t>();
-      x = u > static_cast<uint64_t>(INT64_MAX) ? INT64_MAX : static_cast<int64_t>(u);
-    } else if (v.is_number_integer()) {
-      x = v.get<int64_t>();
-    } else {
-      BB_FAIL(where, ": key '", key, "': element ", i, " is ", v.dump(), ", not an integer");
-    }
-    BB_CHECK(x >= lo && x <= hi, where, ": key '", key, "': element ", i, " is ", x, ", outside [",
-             lo, ", ", hi, "]");
-    out.push_back(x);
-  }
 }
 
 }  // namespace
@@ -162,65 +132,219 @@ Corpus read_flat_tokens(const std::string& path, int64_t vocab_size, int32_t eos
 
 // ---- JSON lines --------------------------------------------------------------------------------
 
-Corpus read_jsonl(const std::string& path, int64_t vocab_size) {
-  check_file(path);
-  const bool loud = static_cast<int64_t>(std::filesystem::file_size(path)) > 4 * kProgressTokens;
-  if (loud) std::cerr << "bumblebee: loading JSON lines from " << path << " ..." << std::endl;
-  std::ifstream in(path);
-  BB_CHECK(in.good(), "cannot open JSON-lines file '", path, "'");
+namespace {
 
+// One JSONL record, parsed by SAX events straight into token and mask vectors: no JSON tree is
+// built, so a record costs its tokens (4 bytes each) and the lexer's current token, not the
+// ~16-byte-per-element tree nlohmann would allocate. Errors name WHERE and the key.
+class RecordParser final : public json::json_sax_t {
+ public:
+  RecordParser(std::string where, int64_t vocab_size, std::vector<int32_t>& tokens, std::vector<uint8_t>& mask)
+      : where_(std::move(where)), vocab_(vocab_size), tokens_(tokens), mask_(mask) {}
+
+  bool has_tokens = false, has_text = false, has_mask = false;
+  std::string text;
+
+  bool null() override { return scalar("null", "null"); }
+  bool boolean(bool v) override {
+    if (depth_ == 2 && in_ == In::mask) return element(v ? 1 : 0, v ? "true" : "false");
+    return scalar(v ? "true" : "false", "boolean");
+  }
+  bool number_integer(number_integer_t v) override { return integer(v, std::to_string(v)); }
+  bool number_unsigned(number_unsigned_t v) override {
+    return integer(v > static_cast<uint64_t>(INT64_MAX) ? INT64_MAX : static_cast<int64_t>(v), std::to_string(v));
+  }
+  bool number_float(number_float_t, const string_t& raw) override { return scalar(raw, "number"); }
+  bool string(string_t& v) override {
+    if (depth_ == 1 && in_ == In::text) {
+      text = std::move(v);
+      in_ = In::none;
+      return true;
+    }
+    return scalar(json(v).dump(), "string");
+  }
+  bool binary(binary_t&) override { return scalar("binary", "binary"); }
+  bool start_object(std::size_t) override { return open("object"); }
+  bool end_object() override { return close(); }
+  bool start_array(std::size_t) override { return open("array"); }
+  bool end_array() override { return close(); }
+  bool key(string_t& k) override {
+    if (depth_ != 1) return true;  // inside an ignored value
+    if (k == "tokens") in_ = In::tokens, mark(has_tokens, k);
+    else if (k == "loss_mask") in_ = In::mask, mark(has_mask, k);
+    else if (k == "text") in_ = In::text, mark(has_text, k);
+    else if (k == "advantages" || k == "old_logprobs" || k == "ref_logprobs" || k == "routing") in_ = In::ignored;
+    else
+      BB_FAIL(where_, ": unknown key '", k, "' (expected \"tokens\" with optional \"loss_mask\", or \"text\"; RL keys ",
+              "advantages, old_logprobs, ref_logprobs, routing are accepted)");
+    index_ = 0;
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override {
+    BB_FAIL(where_, ": invalid JSON (", e.what(), ")");
+  }
+
+ private:
+  enum class In { none, tokens, mask, text, ignored };
+
+  void mark(bool& seen, const std::string& k) {
+    BB_CHECK(!seen, where_, ": key '", k, "' appears twice in the record");
+    seen = true;
+  }
+  const char* key_name() const { return in_ == In::tokens ? "tokens" : in_ == In::mask ? "loss_mask" : "text"; }
+  // A value that is not an element of tokens / loss_mask.
+  bool scalar(const std::string& shown, const char* type) {
+    if (depth_ == 0) BB_FAIL(where_, ": expected a JSON object per line, got ", type);
+    if (depth_ == 2 && (in_ == In::tokens || in_ == In::mask))
+      BB_FAIL(where_, ": key '", key_name(), "': element ", index_, " is ", shown, ", not an integer");
+    if (depth_ == 1) {
+      if (in_ == In::tokens || in_ == In::mask)
+        BB_FAIL(where_, ": key '", key_name(), "': expected an array of integers, got ", type);
+      if (in_ == In::text) BB_FAIL(where_, ": key 'text': expected a string, got ", type);
+      in_ = In::none;
+    }
+    return true;
+  }
+  bool integer(int64_t v, const std::string& shown) {
+    if (depth_ == 2 && (in_ == In::tokens || in_ == In::mask)) return element(v, shown);
+    return scalar(shown, "number");
+  }
+  bool element(int64_t x, const std::string&) {
+    const int64_t hi = in_ == In::tokens ? vocab_ - 1 : 1;
+    BB_CHECK(x >= 0 && x <= hi, where_, ": key '", key_name(), "': element ", index_, " is ", x, ", outside [0, ", hi,
+             "]");
+    if (in_ == In::tokens) tokens_.push_back(static_cast<int32_t>(x));
+    else mask_.push_back(static_cast<uint8_t>(x));
+    ++index_;
+    return true;
+  }
+  bool open(const char* type) {
+    if (depth_ == 0 && std::string_view(type) != "object")
+      BB_FAIL(where_, ": expected a JSON object per line, got ", type);
+    if (depth_ == 1 && in_ == In::text) BB_FAIL(where_, ": key 'text': expected a string, got ", type);
+    if (depth_ == 1 && (in_ == In::tokens || in_ == In::mask) && std::string_view(type) != "array")
+      BB_FAIL(where_, ": key '", key_name(), "': expected an array of integers, got ", type);
+    if (depth_ == 2 && (in_ == In::tokens || in_ == In::mask))
+      BB_FAIL(where_, ": key '", key_name(), "': element ", index_, " is an ", type, ", not an integer");
+    BB_CHECK(depth_ < kMaxJsonDepth, where_, ": JSON nested deeper than ", kMaxJsonDepth, " levels");
+    ++depth_;
+    return true;
+  }
+  bool close() {
+    --depth_;
+    if (depth_ == 1) in_ = In::none;
+    return true;
+  }
+
+  std::string where_;
+  int64_t vocab_;
+  std::vector<int32_t>& tokens_;
+  std::vector<uint8_t>& mask_;
+  int depth_ = 0;
+  In in_ = In::none;
+  int64_t index_ = 0;
+};
+
+bool is_blank(std::string_view line) {
+  return std::all_of(line.begin(), line.end(),
+                     [](char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\n'; });
+}
+
+// Parses one non-blank line into `c`.
+void add_jsonl_record(std::string_view line, const std::string& where, int64_t vocab_size, Corpus& c,
+                      std::vector<int32_t>& doc_tokens, std::vector<uint8_t>& doc_mask) {
+  doc_tokens.clear();
+  doc_mask.clear();
+  RecordParser rec(where, vocab_size, doc_tokens, doc_mask);
+  json::sax_parse(line.begin(), line.end(), &rec);
+  BB_CHECK(rec.has_tokens || rec.has_text, where, ": record has neither key 'tokens' nor key 'text'");
+  BB_CHECK(!(rec.has_tokens && rec.has_text), where, ": record has both key 'tokens' and key 'text'; give one");
+  if (rec.has_text) {
+    BB_CHECK(!rec.has_mask, where, ": key 'loss_mask' needs key 'tokens' ",
+             "(a mask cannot be aligned with the bytes of 'text')");
+    BB_CHECK(vocab_size > kEosId, where, ": key 'text' is byte-tokenized with EOS id ", kEosId,
+             ", which needs vocab_size > ", kEosId, " (got ", vocab_size, ")");
+    doc_tokens = byte_tokenize(rec.text);
+    doc_tokens.push_back(kEosId);
+  } else {
+    BB_CHECK(!doc_tokens.empty(), where, ": key 'tokens': empty array (a document needs a token)");
+    BB_CHECK(!rec.has_mask || doc_mask.size() == doc_tokens.size(), where, ": key 'loss_mask': length ",
+             doc_mask.size(), " does not match key 'tokens' length ", doc_tokens.size());
+  }
+  c.add(doc_tokens, doc_mask);
+}
+
+void check_max_line(int64_t max_line_bytes) {
+  BB_CHECK(max_line_bytes > 0, "data.max_line_bytes must be positive, got ", max_line_bytes);
+}
+
+[[noreturn]] void line_too_long(const std::string& where, int64_t max_line_bytes) {
+  BB_FAIL(where, ": line is longer than data.max_line_bytes = ", max_line_bytes,
+          " bytes; raise data.max_line_bytes if such records are intended (parsing holds about 3x the line in memory)");
+}
+
+}  // namespace
+
+Corpus parse_jsonl(std::string_view text, int64_t vocab_size, const std::string& what, int64_t max_line_bytes) {
+  check_max_line(max_line_bytes);
   Corpus c;
-  std::string line;
-  std::vector<int64_t> ints;
   std::vector<int32_t> doc_tokens;
   std::vector<uint8_t> doc_mask;
-  for (int64_t lineno = 1; std::getline(in, line); ++lineno) {
-    if (is_blank(line)) continue;
+  size_t at = 0;
+  for (int64_t lineno = 1; at < text.size(); ++lineno) {
+    size_t end = text.find('\n', at);
+    if (end == std::string_view::npos) end = text.size();
+    const std::string_view line = text.substr(at, end - at);
+    at = end + 1;
+    const std::string where = what + ":" + std::to_string(lineno);
+    if (static_cast<int64_t>(line.size()) > max_line_bytes) line_too_long(where, max_line_bytes);
+    if (!is_blank(line)) add_jsonl_record(line, where, vocab_size, c, doc_tokens, doc_mask);
+  }
+  check_nonempty(c, "'" + what + "'");
+  return c;
+}
+
+Corpus read_jsonl(const std::string& path, int64_t vocab_size, int64_t max_line_bytes) {
+  check_file(path);
+  check_max_line(max_line_bytes);
+  const bool loud = static_cast<int64_t>(std::filesystem::file_size(path)) > 4 * kProgressTokens;
+  if (loud) std::cerr << "bumblebee: loading JSON lines from " << path << " ..." << std::endl;
+  std::ifstream in(path, std::ios::binary);
+  BB_CHECK(in.good(), "cannot open JSON-lines file '", path, "'");
+
+  // Lines are assembled from fixed-size blocks, so a line past the limit is refused before it is
+  // held in memory whole.
+  Corpus c;
+  std::vector<int32_t> doc_tokens;
+  std::vector<uint8_t> doc_mask;
+  std::string line;
+  std::vector<char> block(size_t{1} << 20);
+  int64_t lineno = 1;
+  auto finish_line = [&] {
     const std::string where = path + ":" + std::to_string(lineno);
-    json rec;
-    try {
-      rec = json::parse(line);
-    } catch (const json::parse_error& e) {
-      BB_FAIL(where, ": invalid JSON (", e.what(), ")");
-    }
-    BB_CHECK(rec.is_object(), where, ": expected a JSON object per line, got ", rec.type_name());
-    for (const auto& item : rec.items()) {
-      const std::string& key = item.key();
-      const bool known = key == "tokens" || key == "text" || key == "loss_mask" ||
-                         key == "advantages" || key == "old_logprobs" || key == "ref_logprobs" ||
-                         key == "routing";
-      BB_CHECK(known, where, ": unknown key '", key, "' (expected \"tokens\" with optional ",
-               "\"loss_mask\", or \"text\"; RL keys advantages, old_logprobs, ref_logprobs, ",
-               "routing are accepted)");
-    }
-    const bool has_tokens = rec.contains("tokens"), has_text = rec.contains("text");
-    BB_CHECK(has_tokens || has_text, where, ": record has neither key 'tokens' nor key 'text'");
-    BB_CHECK(!(has_tokens && has_text), where,
-             ": record has both key 'tokens' and key 'text'; give one");
-    doc_tokens.clear();
-    doc_mask.clear();
-    if (has_text) {
-      BB_CHECK(!rec.contains("loss_mask"), where, ": key 'loss_mask' needs key 'tokens' ",
-               "(a mask cannot be aligned with the bytes of 'text')");
-      const json& text = rec["text"];
-      BB_CHECK(text.is_string(), where, ": key 'text': expected a string, got ", text.type_name());
-      BB_CHECK(vocab_size > kEosId, where, ": key 'text' is byte-tokenized with EOS id ", kEosId,
-               ", which needs vocab_size > ", kEosId, " (got ", vocab_size, ")");
-      doc_tokens = byte_tokenize(text.get_ref<const std::string&>());
-      doc_tokens.push_back(kEosId);
-    } else {
-      read_int_array(rec["tokens"], where, "tokens", 0, vocab_size - 1, ints);
-      BB_CHECK(!ints.empty(), where, ": key 'tokens': empty array (a document needs a token)");
-      doc_tokens.assign(ints.begin(), ints.end());
-      if (rec.contains("loss_mask")) {
-        read_int_array(rec["loss_mask"], where, "loss_mask", 0, 1, ints);
-        BB_CHECK(ints.size() == doc_tokens.size(), where, ": key 'loss_mask': length ", ints.size(),
-                 " does not match key 'tokens' length ", doc_tokens.size());
-        doc_mask.assign(ints.begin(), ints.end());
+    if (!is_blank(line)) add_jsonl_record(line, where, vocab_size, c, doc_tokens, doc_mask);
+    line.clear();
+    ++lineno;
+  };
+  while (in) {
+    in.read(block.data(), static_cast<std::streamsize>(block.size()));
+    const auto got = static_cast<size_t>(in.gcount());
+    size_t at = 0;
+    while (at < got) {
+      const char* nl = static_cast<const char*>(std::memchr(block.data() + at, '\n', got - at));
+      const size_t end = nl ? static_cast<size_t>(nl - block.data()) : got;
+      if (static_cast<int64_t>(line.size() + (end - at)) > max_line_bytes)
+        line_too_long(path + ":" + std::to_string(lineno), max_line_bytes);
+      line.append(block.data() + at, end - at);
+      at = end;
+      if (nl) {
+        finish_line();
+        ++at;
       }
     }
-    c.add(doc_tokens, doc_mask);
   }
+  BB_CHECK(in.eof(), "JSON-lines file '", path, "': read error after line ", lineno - 1);
+  if (!line.empty()) finish_line();
   check_nonempty(c, "'" + path + "'");
   if (loud || c.num_tokens() > kProgressTokens)
     std::cerr << "bumblebee: loaded " << c.num_documents() << " documents, " << c.num_tokens()
@@ -246,7 +370,7 @@ std::string resolve_format(const DataConfig& cfg) {
 Corpus load_corpus(const DataConfig& cfg) {
   const std::string fmt = resolve_format(cfg);
   if (fmt == "flat") return read_flat_tokens(cfg.path, cfg.vocab_size, cfg.eos_id);
-  if (fmt == "jsonl") return read_jsonl(cfg.path, cfg.vocab_size);
+  if (fmt == "jsonl") return read_jsonl(cfg.path, cfg.vocab_size, cfg.max_line_bytes);
   BB_CHECK(cfg.vocab_size > kEosId, "the demo corpus is byte-level with EOS id ", kEosId,
            ": it needs vocab_size > ", kEosId, " (", kByteVocabSize, " recommended), got ",
            cfg.vocab_size);

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/batch.h"
@@ -44,6 +45,9 @@ struct DataConfig {
   uint64_t seed = 1234;
   bool shuffle = true;
   int64_t demo_documents = 2000;
+  // JSONL: the longest line accepted (a longer one is an error naming the line); parsing holds
+  // at most a small multiple of the line in memory (see read_jsonl).
+  int64_t max_line_bytes = int64_t{1} << 30;
 };
 
 // All documents back to back; the form the loader keeps in memory (one allocation, not one per
@@ -76,7 +80,14 @@ Corpus read_flat_tokens(const std::string& path, int64_t vocab_size, int32_t eos
 // optional "loss_mask" (0/1 array, same length), or "text" (string: byte-tokenized, kEosId
 // appended). Blank lines are skipped. "advantages", "old_logprobs", "ref_logprobs" and "routing"
 // are accepted and ignored. Anything else is an error naming path:line and the key.
-Corpus read_jsonl(const std::string& path, int64_t vocab_size);
+// Records are parsed with a SAX handler straight into the corpus (no JSON tree): memory for a
+// line is the line itself plus its tokens (4 bytes each, at most 2 per 2 bytes of text), so a
+// huge line costs a small multiple of its size. A line longer than max_line_bytes is an error.
+Corpus read_jsonl(const std::string& path, int64_t vocab_size,
+                  int64_t max_line_bytes = int64_t{1} << 30);
+// The same over text in memory (tests, fuzzing); `what` names it in errors as WHAT:LINE.
+Corpus parse_jsonl(std::string_view text, int64_t vocab_size, const std::string& what,
+                   int64_t max_line_bytes = int64_t{1} << 30);
 
 // The format `cfg` selects: "flat", "jsonl" or "demo" (resolving "auto" by extension).
 std::string resolve_format(const DataConfig& cfg);

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "io/fs.h"
+
 namespace bb {
 
 namespace {
@@ -153,6 +155,24 @@ PairedResult run_paired(const PairedOptions& o, FILE* out) {
   comm::set_timeout(cfg_a.comm_timeout_s);
   comm::GroupPtr world = default_world(cfg_a);
   if (world->rank() != 0) out = nullptr;
+  // What the trainer of either side would refuse is refused now, before side A spends its time:
+  // the layout on the side's ranks, the device, the data source, and that both are one model.
+  for (const auto& [cfg, label] : {std::pair<const RunConfig&, const char*>{cfg_a, "A"}, {cfg_b, "B"}}) {
+    try {
+      const int64_t n = cfg.dp == 0 ? world->size() : cfg.dp * cfg.cp * cfg.pp;
+      BB_CHECK(n >= 1 && n <= world->size(), "its layout needs ", n, " ranks, the job has ", world->size(),
+               " (launch with mpirun -np ", n, " or more)");
+      resolve_layout(cfg, n);
+      (void)cfg.resolved_device();
+      (void)cfg.resolved_param_dtype();
+      const std::string fmt = resolve_format(cfg.data);
+      BB_CHECK(fmt == "demo" || path_exists(cfg.data.path), "data file '", cfg.data.path, "' not found");
+    } catch (const std::exception& e) {
+      BB_FAIL("paired: side ", label, " cannot run: ", e.what());
+    }
+  }
+  BB_CHECK(cfg_a.model == cfg_b.model, "paired: the sides train different models (model.config '",
+           cfg_a.model_config, "' vs '", cfg_b.model_config, "'); A and B must be the same model");
   int64_t warm = o.warmup_steps;
   if (warm < 0)
     warm = cfg_a.resolved_device().is_cuda() || cfg_b.resolved_device().is_cuda() ? 1 : 0;

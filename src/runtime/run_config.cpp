@@ -2,6 +2,8 @@
 
 #include "comm/comm.h"
 
+#include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <map>
 #include <set>
@@ -53,11 +55,18 @@ class TableReader {
     BB_CHECK(x >= 0, where(key), " must be >= 0, got ", x);
     out = static_cast<uint64_t>(x);
   }
+  // Every float key of a run config is a finite quantity: inf and nan are refused here.
   void read(const std::string& key, double& out) {
     if (auto* v = get(key)) {
       BB_CHECK(v->is_floating() || v->is_integer(), where(key), " must be a number");
       out = v->is_floating() ? v->as_floating() : static_cast<double>(v->as_integer());
+      BB_CHECK(std::isfinite(out), where(key), " must be a finite number, got ", out);
     }
+  }
+  // An integer that must lie in [lo, hi]; outside is an error, never a clamp.
+  void read(const std::string& key, int64_t& out, int64_t lo, int64_t hi) {
+    read(key, out);
+    BB_CHECK(out >= lo && out <= hi, where(key), " = ", out, " is outside [", lo, ", ", hi, "]");
   }
   void read(const std::string& key, bool& out) {
     if (auto* v = get(key)) {
@@ -86,7 +95,43 @@ class TableReader {
   std::set<std::string> used_;
 };
 
+// toml11 parses arrays and inline tables recursively: a crafted file nested deep enough would
+// overflow the stack. No run config nests more than a few levels, so deeper input is refused
+// before parsing. Strings and comments are skipped (their brackets do not nest).
+constexpr int kMaxTomlDepth = 32;
+
+void check_toml_nesting(const std::string& text, const std::string& source) {
+  int depth = 0, max_depth = 0;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (c == '#') {
+      while (i < text.size() && text[i] != '\n') ++i;
+    } else if (c == '"' || c == '\'') {
+      const bool multi = text.compare(i, 3, std::string(3, c)) == 0;
+      const size_t close_len = multi ? 3 : 1;
+      i += close_len;
+      while (i < text.size()) {
+        if (c == '"' && text[i] == '\\') {
+          i += 2;
+          continue;
+        }
+        if (text.compare(i, close_len, std::string(close_len, c)) == 0) break;
+        if (!multi && text[i] == '\n') break;  // an unterminated string: the parser reports it
+        ++i;
+      }
+      i += close_len - 1;
+    } else if (c == '[' || c == '{') {
+      max_depth = std::max(max_depth, ++depth);
+      BB_CHECK(max_depth <= kMaxTomlDepth, "cannot parse ", source, " as TOML: arrays or inline tables nested deeper than ",
+               kMaxTomlDepth, " levels");
+    } else if ((c == ']' || c == '}') && depth > 0) {
+      --depth;
+    }
+  }
+}
+
 toml::value parse_toml_text(const std::string& text, const std::string& source) {
+  check_toml_nesting(text, source);
   std::istringstream in(text);
   try {
     return toml::parse(in, source);
@@ -107,6 +152,7 @@ void apply_override(toml::value& root, const std::string& ov) {
            "bad override key '", key, "': expected table.key, e.g. train.steps");
   const std::string table = key.substr(0, dot), name = key.substr(dot + 1);
   toml::value value;
+  check_toml_nesting(text, "--set " + key);
   try {
     std::istringstream in("v = " + text);
     value = toml::find(toml::parse(in, "--set"), "v");
@@ -156,19 +202,21 @@ RunConfig build(const toml::value& root, const std::string& src) {
     p.read(family, name);
     pc.set(family, name, src);
   }
-  p.read("loss_chunk_tokens", pc.loss_chunks.chunk_tokens);
-  p.read("loss_chunk_vocab", pc.loss_chunks.chunk_vocab);
-  p.read("loss_fused_chunk_tokens", pc.loss_chunks.fused_chunk_tokens);
+  constexpr int64_t kMaxChunk = (int64_t{1} << 31) - 1;
+  p.read("loss_chunk_tokens", pc.loss_chunks.chunk_tokens, 1, kMaxChunk);
+  p.read("loss_chunk_vocab", pc.loss_chunks.chunk_vocab, 1, kMaxChunk);
+  p.read("loss_fused_chunk_tokens", pc.loss_chunks.fused_chunk_tokens, 1, kMaxChunk);
   p.finish();
   pc.validate(src);
 
   TableReader par(table_of(root, "parallel", src), "parallel", src);
   par.read("device", c.device);
-  par.read("tp", c.tp);
-  par.read("pp", c.pp);
-  par.read("ep", c.ep);
-  par.read("cp", c.cp);
-  par.read("dp", c.dp);
+  constexpr int64_t kMaxRanks = 1 << 20;
+  par.read("tp", c.tp, 1, kMaxRanks);
+  par.read("pp", c.pp, 1, kMaxRanks);
+  par.read("ep", c.ep, 1, kMaxRanks);
+  par.read("cp", c.cp, 1, kMaxRanks);
+  par.read("dp", c.dp, 0, kMaxRanks);
   par.read_choice("comm", c.comm, {"auto", "mpi", "nccl"});
   par.read("timeout_s", c.comm_timeout_s);
   par.finish();
@@ -181,12 +229,15 @@ RunConfig build(const toml::value& root, const std::string& src) {
            "parallel.timeout_s = ", c.comm_timeout_s, " in ", src, ": must be in (0, 86400] seconds");
 
   TableReader t(table_of(root, "train", src), "train", src);
-  t.read("steps", c.steps);
-  t.read("micro_batch_tokens", c.micro_batch_tokens);
-  t.read("grad_accum", c.grad_accum);
+  // Bounds: step counts fit every counter and file name; a micro-batch's offsets are int32
+  // (cu_seqlens), so it holds fewer than 2^31 tokens.
+  constexpr int64_t kMaxSteps = 1'000'000'000'000;
+  t.read("steps", c.steps, 0, kMaxSteps);
+  t.read("micro_batch_tokens", c.micro_batch_tokens, 1, (int64_t{1} << 31) - 1);
+  t.read("grad_accum", c.grad_accum, 1, 1'000'000);
   t.read("lr", c.lr);
   t.read("min_lr", c.min_lr);
-  t.read("warmup_steps", c.warmup_steps);
+  t.read("warmup_steps", c.warmup_steps, 0, kMaxSteps);
   t.read("weight_decay", c.weight_decay);
   t.read("beta1", c.beta1);
   t.read("beta2", c.beta2);
@@ -195,7 +246,11 @@ RunConfig build(const toml::value& root, const std::string& src) {
   t.read("aux_loss_coef", c.aux_loss_coef);
   t.read("z_loss_coef", c.z_loss_coef);
   t.read("seed", c.seed);
+  t.read_choice("on_nonfinite", c.on_nonfinite, {"abort", "skip_step"});
+  t.read("loss_spike_factor", c.loss_spike_factor);
   t.finish();
+  BB_CHECK(c.loss_spike_factor == 0 || c.loss_spike_factor > 1, "train.loss_spike_factor must be 0 (off) or > 1, got ",
+           c.loss_spike_factor);
   BB_CHECK(c.steps >= 0, "train.steps must be >= 0, got ", c.steps);
   BB_CHECK(c.micro_batch_tokens > 0, "train.micro_batch_tokens must be positive, got ", c.micro_batch_tokens);
   BB_CHECK(c.grad_accum >= 1, "train.grad_accum must be >= 1, got ", c.grad_accum);
@@ -211,9 +266,10 @@ RunConfig build(const toml::value& root, const std::string& src) {
   d.read("path", c.data.path);
   d.read_choice("format", c.data.format, {"auto", "flat", "jsonl", "demo"});
   d.read("shuffle", c.data.shuffle);
-  d.read("demo_documents", c.data.demo_documents);
+  d.read("demo_documents", c.data.demo_documents, 1, 100'000'000);
+  d.read("max_line_bytes", c.data.max_line_bytes, 1, int64_t{1} << 40);
   int64_t eos = c.model.eos_token_id >= 0 ? c.model.eos_token_id : c.data.eos_id;
-  d.read("eos_id", eos);
+  d.read("eos_id", eos, 0, (int64_t{1} << 31) - 1);
   d.finish();
   c.data.eos_id = static_cast<int32_t>(eos);
   c.data.vocab_size = c.model.vocab_size;
@@ -223,16 +279,16 @@ RunConfig build(const toml::value& root, const std::string& src) {
 
   TableReader ck(table_of(root, "checkpoint", src), "checkpoint", src);
   ck.read("dir", c.ckpt_dir);
-  ck.read("every", c.ckpt_every);
+  ck.read("every", c.ckpt_every, 0, kMaxSteps);
   ck.read("save_final", c.ckpt_save_final);
-  ck.read("keep", c.ckpt_keep);
+  ck.read("keep", c.ckpt_keep, 0, 1'000'000);
   ck.read("resume", c.resume);
   ck.finish();
   BB_CHECK(c.ckpt_every >= 0 && c.ckpt_keep >= 0, "checkpoint.every and checkpoint.keep must be >= 0");
   BB_CHECK(!(c.resume == "auto" && c.ckpt_dir.empty()), "checkpoint.resume = 'auto' needs checkpoint.dir");
 
   TableReader l(table_of(root, "log", src), "log", src);
-  l.read("every", c.log_every);
+  l.read("every", c.log_every, 1, kMaxSteps);
   l.read("metrics", c.metrics_path);
   l.read("all_ranks", c.log_all_ranks);
   l.finish();

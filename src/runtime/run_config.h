@@ -42,6 +42,10 @@ struct RunConfig {
   double aux_loss_coef = -1;    // < 0: the model config's router_aux_loss_coef
   double z_loss_coef = 0;
   uint64_t seed = 1234;
+  // What a non-finite loss, gradient norm or update does: "abort" (exit naming the step and the
+  // quantity; nothing is saved) or "skip_step" (the step's update is undone and counted).
+  std::string on_nonfinite = "abort";
+  double loss_spike_factor = 10;  // warn when a step's loss exceeds this x the running mean; 0 = off
   // [data]
   DataConfig data;
   // [checkpoint]

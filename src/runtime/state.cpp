@@ -29,6 +29,7 @@ struct ModelState::Unit {
   Tensor full_value, full_grad;        // fsdp: gathered values, whole gradient in backward (comm)
   comm::WorkPtr gather_work, reduce_work;
   Tensor reduce_out;  // [S] f32 (comm): a reduce-scatter's result until drained
+  Tensor backup;      // [3 x master size] f32 (optimizer): master and moments before the step
 };
 
 StateBytes state_bytes(StateKind kind, const std::vector<ParamUnit*>& units,
@@ -341,7 +342,39 @@ double ModelState::grad_norm() {
   return std::sqrt(total);
 }
 
-void ModelState::step(int64_t step, double lr, double weight_decay, const AdamWConfig& cfg) {
+void ModelState::save_backup() {
+  BB_RANGE("state_backup");
+  for (auto& up : units_) {
+    Unit& u = *up;
+    const int64_t n = u.master.numel();
+    if (n == 0) continue;
+    if (!u.backup.defined())
+      u.backup = Tensor::empty({3 * n}, DType::f32, u.master.device(), MemCategory::optimizer);
+    u.backup.narrow(0, n).copy_from(u.master);
+    u.backup.narrow(n, n).copy_from(u.exp_avg);
+    u.backup.narrow(2 * n, n).copy_from(u.exp_avg_sq);
+  }
+}
+
+void ModelState::restore_backup() {
+  BB_RANGE("state_restore");
+  for (auto& up : units_) {
+    Unit& u = *up;
+    const int64_t n = u.master.numel();
+    if (n == 0) continue;
+    BB_CHECK(u.backup.defined(), "ModelState::restore_backup: no backup was taken");
+    u.master.copy_from(u.backup.narrow(0, n));
+    u.exp_avg.copy_from(u.backup.narrow(n, n));
+    u.exp_avg_sq.copy_from(u.backup.narrow(2 * n, n));
+  }
+  values_from_masters();
+}
+
+size_t ModelState::num_units() const { return units_.size(); }
+
+const std::string& ModelState::unit_name(size_t i) const { return units_[i]->u->name; }
+
+void ModelState::step(int64_t step, double lr, double weight_decay, const AdamWConfig& cfg, Tensor* nonfinite) {
   BB_RANGE("optimizer_step");
   std::vector<comm::WorkPtr> gathers;
   for (auto& up : units_) {
@@ -359,7 +392,9 @@ void ModelState::step(int64_t step, double lr, double weight_decay, const AdamWC
       if (n <= 0) continue;
       Tensor master = u.master.narrow(cuts[k] - a, n), m1 = u.exp_avg.narrow(cuts[k] - a, n),
              m2 = u.exp_avg_sq.narrow(cuts[k] - a, n), v = value.narrow(cuts[k] - goff, n);
-      adamw_step(master, grad.narrow(cuts[k] - goff, n), m1, m2, step, lr, k == 0 ? weight_decay : 0.0, cfg, &v);
+      Tensor flag = nonfinite ? nonfinite->narrow(static_cast<int64_t>(u.index), 1) : Tensor();
+      adamw_step(master, grad.narrow(cuts[k] - goff, n), m1, m2, step, lr, k == 0 ? weight_decay : 0.0, cfg, &v,
+                 nonfinite ? &flag : nullptr);
     }
     if (u.mode == Mode::zero1)
       gathers.push_back(u.g->all_gather(u.value_buf.narrow(u.r * u.S, u.S), u.value_buf));

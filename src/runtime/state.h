@@ -63,7 +63,18 @@ class ModelState final : public LayerHooks {
   void end_backward();
   // The global gradient norm (before clipping), the same on every rank.
   double grad_norm();
-  void step(int64_t step, double lr, double weight_decay, const AdamWConfig& cfg);
+  // `nonfinite`, if given: i32 [num_units()] on the state's device; element i is set to 1 when
+  // unit i's updated master or moments (the part this rank owns) hold an Inf or NaN, in the same
+  // pass as the update (adamw_step).
+  void step(int64_t step, double lr, double weight_decay, const AdamWConfig& cfg, Tensor* nonfinite = nullptr);
+  size_t num_units() const;
+  const std::string& unit_name(size_t unit) const;
+  // A copy of the masters and moments this rank owns, so that a step can be undone
+  // (train.on_nonfinite = "skip_step"): 12 bytes per owned element (category optimizer, kept for
+  // the run) and one device copy of them per step. restore_backup() puts them back and refreshes
+  // the parameter values (values_from_masters; zero1 re-gathers).
+  void save_backup();
+  void restore_backup();
 
   // Optimizer state of unit i this rank owns: elements [lo, lo + len) of the unit.
   struct Owned {

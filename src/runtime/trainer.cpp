@@ -19,6 +19,7 @@
 #include "models/hf_io.h"
 #include "primitives/optim/adamw.h"
 #include "runtime/checkpoint.h"
+#include "runtime/ckpt_root.h"
 
 #ifdef BB_WITH_CUDA
 #include "backend/cuda/runtime.h"
@@ -73,19 +74,6 @@ void remove_tree(const std::string& path) {
   }
 }
 
-std::vector<std::string> list_step_dirs(const std::string& root) {
-  std::vector<std::string> out;
-  if (DIR* d = opendir(root.c_str())) {
-    while (dirent* e = readdir(d)) {
-      const std::string n = e->d_name;
-      if (n.rfind("step_", 0) == 0 && n.find('.') == std::string::npos) out.push_back(n);
-    }
-    closedir(d);
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
 #ifdef BB_WITH_CUDA
 // Waits for every stream of `dev` by polling events, and aborts the job naming `where` when that
 // takes longer than the communication timeout.
@@ -105,6 +93,21 @@ void wait_device_or_abort(Device dev, const std::string& where) {
   cuda::note_host_sync();
 }
 #endif
+
+std::string shard_name(int rank) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "shards/rank_%05d.safetensors", rank);
+  return buf;
+}
+
+// Every rank learns whether any rank failed a phase; the failing rank's message is thrown on it,
+// the others throw naming the phase (nobody waits in a later collective for a rank that left).
+void agree(comm::Group& g, const std::string& err, const char* phase) {
+  const int64_t failed = g.max(err.empty() ? 0 : static_cast<int64_t>(1));
+  if (!failed) return;
+  if (!err.empty()) throw Error(err);  // the message has its source line already
+  BB_FAIL("checkpoint: another rank failed while ", phase, " (see its message)");
+}
 
 }  // namespace
 
@@ -199,6 +202,19 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
 #endif
   apply_backend_config(cfg.backend);
   mesh_ = std::make_unique<Mesh>(base, layout);
+  // The checkpoint root is checked and locked before anything slow happens, so an unusable or
+  // busy root fails now instead of at the first save.
+  if (!cfg.ckpt_dir.empty()) {
+    std::string err;
+    if (rank == 0) {
+      try {
+        root_ = std::make_unique<CheckpointRoot>(cfg.ckpt_dir, log_, log_prefix_);
+      } catch (const std::exception& e) {
+        err = e.what();
+      }
+    }
+    agree(*base, err, "checking checkpoint.dir");
+  }
   if (log_) {
     const char* p = log_prefix_.c_str();
     std::fprintf(log_, "%s[startup] model %s: %lld layers, hidden %lld, %lld experts top-%lld, %s parameters\n", p,
@@ -243,16 +259,27 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
   data_ = corpus.num_documents() > 0 ? std::make_unique<DataLoader>(cfg.data, std::move(corpus))
                                      : std::make_unique<DataLoader>(cfg.data);
   if (!cfg.resume.empty()) {
-    std::string path = cfg.resume == "auto" ? cfg.ckpt_dir : cfg.resume;
-    std::string resolved = path_exists(path) ? resolve_checkpoint(path) : "";
-    if (resolved.empty()) {
-      BB_CHECK(cfg.resume == "auto", "checkpoint.resume = '", cfg.resume, "': no checkpoint there");
-      if (log_) std::fprintf(log_, "%s[startup] resume = auto: no checkpoint in %s yet, starting fresh\n", log_prefix_.c_str(), path.c_str());
+    std::string resolved;
+    if (cfg.resume == "auto") {
+      resolved = resolve_auto_resume(cfg.ckpt_dir);
+      if (resolved.empty() && log_)
+        std::fprintf(log_, "%s[startup] resume = auto: no checkpoint in %s yet, starting fresh\n", log_prefix_.c_str(),
+                     cfg.ckpt_dir.c_str());
     } else {
+      resolved = path_exists(cfg.resume) ? resolve_checkpoint(cfg.resume) : "";
+      BB_CHECK(!resolved.empty(), "checkpoint.resume = '", cfg.resume, "': no checkpoint there");
+    }
+    if (!resolved.empty()) {
       load_checkpoint(resolved);
-      if (log_) std::fprintf(log_, "%s[startup] resumed from %s at step %lld\n", log_prefix_.c_str(), resolved.c_str(), static_cast<long long>(step_));
+      if (log_) std::fprintf(log_, "%s[startup] resumed from %s at step %lld (run %s)\n", log_prefix_.c_str(), resolved.c_str(), static_cast<long long>(step_), run_id_.c_str());
     }
   }
+  if (run_id_.empty()) run_id_ = new_run_id();
+  world_broadcast_run_id();
+  if (!cfg.ckpt_dir.empty()) check_foreign_checkpoints();
+  if (cfg.on_nonfinite == "skip_step" && log_)
+    std::fprintf(log_, "%s[startup] train.on_nonfinite = skip_step: a copy of the optimizer state is kept to undo "
+                 "a step (+12 bytes per owned parameter)\n", log_prefix_.c_str());
   if (log_) {
     std::fprintf(log_, "%s[startup] ready in %.2fs: %s tokens in %lld documents, %lld tokens per micro-batch x %lld per rank x %lld data ranks\n",
                  log_prefix_.c_str(), now_s() - t0, human_count(static_cast<double>(data_->num_tokens())).c_str(),
@@ -262,7 +289,68 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
   }
 }
 
-Trainer::~Trainer() = default;
+Trainer::~Trainer() {
+#ifdef BB_WITH_CUDA
+  cuda::pinned_free(pinned_flags_);
+#endif
+}
+
+void Trainer::world_broadcast_run_id() {
+  // Rank 0's id is the run's (a resumed run keeps the checkpoint's; every rank read the same).
+  mesh_->world()->broadcast_host(run_id_, 0);
+}
+
+std::string Trainer::resolve_auto_resume(const std::string& root) {
+  // `latest` names the newest committed step. Without it (deleted, or a root written before it
+  // existed), the newest complete checkpoint is taken; step directories that are all incomplete
+  // are an error listing them rather than a silent fresh start that would overwrite them.
+  if (!path_exists(root)) return "";
+  if (path_exists(path_join(root, "latest"))) return resolve_checkpoint(root);
+  const std::vector<CheckpointEntry> found = list_checkpoints(root);
+  for (auto it = found.rbegin(); it != found.rend(); ++it)
+    if (it->complete) {
+      if (log_)
+        std::fprintf(log_, "%s[startup] resume = auto: %s has no 'latest' file; taking the newest complete checkpoint %s\n",
+                     log_prefix_.c_str(), root.c_str(), it->name.c_str());
+      return path_join(root, it->name);
+    }
+  if (found.empty()) return "";
+  std::string list;
+  for (const CheckpointEntry& c : found) list += "\n  " + c.name + ": " + c.problem;
+  BB_FAIL("checkpoint.resume = 'auto': ", root, " has no 'latest' file and no complete checkpoint:", list,
+          "\nRepair or remove these directories, or set checkpoint.resume to a checkpoint path");
+}
+
+void Trainer::check_foreign_checkpoints() {
+  // Another run's checkpoints in the root are kept (pruning touches only this run's); one this
+  // run would overwrite (same step name) is refused now, before training.
+  if (mesh_->rank() != 0) {
+    agree(*mesh_->world(), "", "checking checkpoint.dir");
+    return;
+  }
+  std::string err;
+  std::vector<std::string> foreign, clash;
+  for (const CheckpointEntry& c : list_checkpoints(cfg_.ckpt_dir)) {
+    if (c.complete && c.run_id == run_id_) continue;
+    if (c.complete) foreign.push_back(c.name);
+    // The step the directory's name says (names are step_ + digits; a huge number never clashes).
+    const int64_t s = c.name.size() <= 5 + 15 ? std::strtoll(c.name.c_str() + 5, nullptr, 10) : -1;
+    const bool periodic = cfg_.ckpt_every > 0 && s > step_ && s <= cfg_.steps && s % cfg_.ckpt_every == 0;
+    const bool final = cfg_.ckpt_save_final && s == cfg_.steps && s > step_;
+    if (periodic || final) clash.push_back(c.name);
+  }
+  if (!clash.empty()) {
+    std::string list;
+    for (const std::string& n : clash) list += " " + n;
+    err = "checkpoint.dir = '" + cfg_.ckpt_dir + "' holds checkpoints of another run that this run would overwrite:" +
+          list + ". Resume that run (checkpoint.resume = \"auto\"), remove them, or use another checkpoint.dir";
+  } else if (!foreign.empty() && log_) {
+    std::fprintf(log_, "%s[startup] %s also holds %zu checkpoint(s) of other runs (%s ... %s); they are kept\n",
+                 log_prefix_.c_str(), cfg_.ckpt_dir.c_str(), foreign.size(), foreign.front().c_str(),
+                 foreign.back().c_str());
+  }
+  agree(*mesh_->world(), err, "checking checkpoint.dir");
+}
 
 double Trainer::lr_at(int64_t step) const {
   const double peak = cfg_.lr, lo = cfg_.min_lr;
@@ -295,7 +383,20 @@ StepMetrics Trainer::train_step() {
   int64_t local_valid = 0;
   for (const MicroBatch& mb : mbs) local_valid += mb.num_valid;
   const int64_t valid = world.sum(local_valid);
-  BB_CHECK(valid > 0, "step ", m.step, ": no token in the step has a loss target (all masked)");
+  if (valid == 0) {
+    // Nothing to learn from (every target masked): the step is counted and skipped, the data
+    // moves on, so a resume does not meet the same batch again at the same step.
+    m.skipped = "no_targets";
+    ++skipped_no_targets_;
+    step_ = m.step;
+    m.lr = lr_at(m.step);
+    m.loss = m.grad_norm = std::nan("");
+    for (const MicroBatch& mb : mbs) m.tokens += mb.tokens.numel();
+    m.tokens = world.sum(m.tokens);
+    m.step_time_s = now_s() - t0;
+    m.mem = m.mem_max = alloc.stats();
+    return m;
+  }
 
   {
     BB_RANGE("zero_grad");
@@ -323,14 +424,45 @@ StepMetrics Trainer::train_step() {
   const double flops = sums[4] / static_cast<double>(world.size());  // per rank
 
   m.grad_norm = state_->grad_norm();
-  BB_CHECK(std::isfinite(m.grad_norm), "step ", m.step, ": gradient norm is ", m.grad_norm,
-           " (loss ", m.loss, "); lower train.lr or check the data");
   m.lr = lr_at(m.step);
-  AdamWConfig ac{cfg_.beta1, cfg_.beta2, cfg_.adam_eps};
-  // Clipping is folded into the update (one pass over the gradients instead of two).
-  if (cfg_.grad_clip > 0 && m.grad_norm > cfg_.grad_clip)
-    ac.grad_scale = static_cast<float>(cfg_.grad_clip / (m.grad_norm + 1e-6));
-  state_->step(m.step, m.lr, cfg_.weight_decay, ac);
+  // The non-finite guard, part 1: loss and gradient norm are host values already (the same on
+  // every rank). A non-finite one means no update is applied.
+  const char* bad_quantity = !std::isfinite(m.loss)        ? "the loss"
+                             : !std::isfinite(m.grad_norm) ? "the gradient norm"
+                             : !std::isfinite(m.aux_loss)  ? "the aux loss"
+                             : !std::isfinite(m.z_loss)    ? "the z loss"
+                                                           : nullptr;
+  if (bad_quantity) {
+    BB_CHECK(cfg_.on_nonfinite == "skip_step", "step ", m.step, ": ", bad_quantity, " is not finite (loss ", m.loss,
+             ", grad norm ", m.grad_norm, "); no update was applied and nothing was saved. Lower train.lr, check the "
+             "data, or set train.on_nonfinite = \"skip_step\" to skip such steps");
+    m.skipped = "nonfinite";
+  }
+  const bool guard_update = !bad_quantity;
+  if (guard_update) {
+    AdamWConfig ac{cfg_.beta1, cfg_.beta2, cfg_.adam_eps};
+    // Clipping is folded into the update (one pass over the gradients instead of two).
+    if (cfg_.grad_clip > 0 && m.grad_norm > cfg_.grad_clip)
+      ac.grad_scale = static_cast<float>(cfg_.grad_clip / (m.grad_norm + 1e-6));
+    if (cfg_.on_nonfinite == "skip_step") state_->save_backup();
+    // Part 2: one flag per unit, set by the update kernels themselves when a new master or
+    // moment is Inf/NaN; read back with the step's end-of-step sync (GPU) and or-ed over ranks
+    // in the all-reduce of the memory peaks below.
+    const int64_t nu = static_cast<int64_t>(state_->num_units());
+    Tensor flags = Tensor::zeros({nu}, DType::i32, device_, MemCategory::workspace);
+    state_->step(m.step, m.lr, cfg_.weight_decay, ac, &flags);
+#ifdef BB_WITH_CUDA
+    if (device_.is_cuda()) {
+      if (!pinned_flags_ || pinned_flags_n_ < nu) {
+        cuda::pinned_free(pinned_flags_);
+        pinned_flags_ = static_cast<int32_t*>(cuda::pinned_alloc(static_cast<size_t>(nu) * sizeof(int32_t)));
+        pinned_flags_n_ = nu;
+      }
+      cuda::copy_to_pinned_async(pinned_flags_, flags.raw(), static_cast<size_t>(nu) * sizeof(int32_t));
+    }
+#endif
+    nonfinite_flags_ = flags;
+  }
   step_ = m.step;
 #ifdef BB_WITH_CUDA
   if (device_.is_cuda()) {
@@ -346,12 +478,35 @@ StepMetrics Trainer::train_step() {
   m.tokens_per_s = static_cast<double>(m.tokens) / m.step_time_s;
   m.model_tflops = flops / m.step_time_s / 1e12;
   m.mem = alloc.stats();
-  // Per-rank maxima of the peaks (one small all-reduce).
-  std::array<int64_t, kNumMemCategories + 2> pk{};
+  // The first unit (1-based) whose update went non-finite on this rank, 0 if none.
+  int64_t bad_unit = 0;
+  if (guard_update) {
+    const int32_t* f = nullptr;
+#ifdef BB_WITH_CUDA
+    if (device_.is_cuda()) f = pinned_flags_;  // the copy finished with the sync above
+#endif
+    if (!f) f = nonfinite_flags_.data<int32_t>();
+    for (int64_t i = 0; i < nonfinite_flags_.numel() && !bad_unit; ++i)
+      if (f[i]) bad_unit = i + 1;
+  }
+  nonfinite_flags_ = Tensor();
+  // Per-rank maxima of the peaks and of the non-finite flag (one small all-reduce).
+  std::array<int64_t, kNumMemCategories + 3> pk{};
   for (int c = 0; c < kNumMemCategories; ++c) pk[static_cast<size_t>(c)] = m.mem.peak[static_cast<size_t>(c)];
   pk[kNumMemCategories] = m.mem.peak_total;
   pk[kNumMemCategories + 1] = m.mem.reserved_peak;
+  pk[kNumMemCategories + 2] = bad_unit;
   world.all_reduce_host(pk.data(), static_cast<int64_t>(pk.size()), comm::ReduceOp::max);
+  if (const int64_t bu = pk[kNumMemCategories + 2]; bu > 0) {
+    const std::string unit = state_->unit_name(static_cast<size_t>(bu - 1));
+    BB_CHECK(cfg_.on_nonfinite == "skip_step", "step ", m.step, ": the update made the weights or optimizer moments of ",
+             "unit '", unit, "' non-finite (Inf/NaN) at lr ", m.lr, " (loss ", m.loss, ", grad norm ", m.grad_norm,
+             "); the run stops before saving it, so checkpoint.dir still holds the last good step. Lower train.lr, or set "
+             "train.on_nonfinite = \"skip_step\" to undo such steps");
+    state_->restore_backup();
+    m.skipped = "nonfinite";
+  }
+  if (m.skipped == "nonfinite") ++skipped_nonfinite_;
   m.mem_max = m.mem;
   for (int c = 0; c < kNumMemCategories; ++c) m.mem_max.peak[static_cast<size_t>(c)] = pk[static_cast<size_t>(c)];
   m.mem_max.peak_total = pk[kNumMemCategories];
@@ -361,6 +516,16 @@ StepMetrics Trainer::train_step() {
 
 void Trainer::log_line(const StepMetrics& m) {
   if (!log_) return;
+  if (!m.skipped.empty()) {
+    std::fprintf(log_, "%sstep %6lld | skipped (%s) | loss %.4g | gnorm %.4g | lr %.2e | skipped so far: %lld non-finite, "
+                 "%lld without loss targets\n", log_prefix_.c_str(), static_cast<long long>(m.step),
+                 m.skipped == "nonfinite" ? "non-finite loss, gradient or update: no update applied"
+                                          : "no token of the step has a loss target",
+                 m.loss, m.grad_norm, m.lr, static_cast<long long>(skipped_nonfinite_),
+                 static_cast<long long>(skipped_no_targets_));
+    std::fflush(log_);
+    return;
+  }
   // Rank 0 prints the maxima over ranks; with log.all_ranks each rank its own peaks.
   const MemoryStats& mem = cfg_.log_all_ranks ? m.mem : m.mem_max;
   const auto& pk = mem.peak;
@@ -380,22 +545,67 @@ void Trainer::log_line(const StepMetrics& m) {
   std::fflush(log_);
 }
 
+void Trainer::check_loss_spike(StepMetrics& m) {
+  // Compared against an exponential mean of the earlier steps' losses (weight 0.1), from the
+  // fourth step on; a warning only.
+  if (cfg_.loss_spike_factor > 0 && loss_mean_n_ >= 3 && m.loss > cfg_.loss_spike_factor * loss_mean_) {
+    m.loss_spike = true;
+    if (log_) {
+      std::fprintf(log_, "%s[warn] step %lld: loss %.4g is %.1fx the running mean %.4g (train.loss_spike_factor = %g)\n",
+                   log_prefix_.c_str(), static_cast<long long>(m.step), m.loss, m.loss / loss_mean_, loss_mean_,
+                   cfg_.loss_spike_factor);
+      std::fflush(log_);
+    }
+  }
+  loss_mean_ = loss_mean_n_ == 0 ? m.loss : 0.9 * loss_mean_ + 0.1 * m.loss;
+  ++loss_mean_n_;
+}
+
 std::vector<StepMetrics> Trainer::run() {
   std::vector<StepMetrics> out;
   std::unique_ptr<std::ofstream> metrics;
-  if (!cfg_.metrics_path.empty() && mesh_->rank() == 0) {
-    const auto slash = cfg_.metrics_path.find_last_of('/');
-    if (slash != std::string::npos && slash > 0) make_dirs(cfg_.metrics_path.substr(0, slash));
-    metrics = std::make_unique<std::ofstream>(cfg_.metrics_path, step_ > 0 ? std::ios::app : std::ios::trunc);
-    BB_CHECK(metrics->good(), "cannot open log.metrics file '", cfg_.metrics_path, "' for writing");
+  const std::string& mpath = cfg_.metrics_path;
+  if (!mpath.empty() && mesh_->rank() == 0) {
+    const auto slash = mpath.find_last_of('/');
+    if (slash != std::string::npos && slash > 0) make_dirs(mpath.substr(0, slash));
+    if (step_ > 0 && path_exists(mpath)) {
+      // A resumed run continues the file from its checkpoint: the lines of later steps (written
+      // before a crash, and about to be written again) are dropped, as is a torn last line.
+      std::string kept;
+      int64_t dropped = 0;
+      const std::string old = read_file(mpath);
+      size_t at = 0;
+      while (at < old.size()) {
+        size_t end = old.find('\n', at);
+        if (end == std::string::npos) end = old.size();
+        const std::string line = old.substr(at, end - at);
+        at = end + 1;
+        if (line.empty()) continue;
+        const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+        if (!j.is_discarded() && j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
+            j["step"].get<int64_t>() <= step_)
+          kept += line + "\n";
+        else
+          ++dropped;
+      }
+      atomic_write(mpath, kept);
+      if (dropped && log_)
+        std::fprintf(log_, "%s[startup] log.metrics: dropped %lld line(s) after step %lld from %s (the run resumes there)\n",
+                     log_prefix_.c_str(), static_cast<long long>(dropped), static_cast<long long>(step_), mpath.c_str());
+    }
+    metrics = std::make_unique<std::ofstream>(mpath, step_ > 0 ? std::ios::app : std::ios::trunc);
+    BB_CHECK(metrics->good(), "cannot open log.metrics file '", mpath, "' for writing");
   }
   while (step_ < cfg_.steps) {
     StepMetrics m = train_step();
     out.push_back(m);
-    if (m.step % cfg_.log_every == 0 || m.step == cfg_.steps || m.step == 1) log_line(m);
+    if (m.skipped.empty()) check_loss_spike(m);
+    if (m.step % cfg_.log_every == 0 || m.step == cfg_.steps || m.step == 1 || !m.skipped.empty()) log_line(m);
     if (metrics) {
       nlohmann::json j;
       j["step"] = m.step;
+      if (!m.skipped.empty()) j["skipped"] = m.skipped;
+      if (m.loss_spike) j["loss_spike"] = true;
       j["loss"] = m.loss;
       j["aux_loss"] = m.aux_loss;
       j["z_loss"] = m.z_loss;
@@ -415,6 +625,8 @@ std::vector<StepMetrics> Trainer::run() {
       j["host_syncs"] = m.host_syncs;
       *metrics << j.dump() << "\n";
       metrics->flush();
+      BB_CHECK(metrics->good(), "cannot write log.metrics file '", mpath, "' at step ", m.step,
+               " (disk full or file system error); the run stops rather than lose its metrics");
     }
     const bool periodic = cfg_.ckpt_every > 0 && m.step % cfg_.ckpt_every == 0;
     const bool final = m.step == cfg_.steps && cfg_.ckpt_save_final;
@@ -423,24 +635,6 @@ std::vector<StepMetrics> Trainer::run() {
   return out;
 }
 
-namespace {
-
-std::string shard_name(int rank) {
-  char buf[48];
-  std::snprintf(buf, sizeof buf, "shards/rank_%05d.safetensors", rank);
-  return buf;
-}
-
-// Every rank learns whether any rank failed a phase; the failing rank's message is thrown on it,
-// the others throw naming the phase (nobody waits in a later collective for a rank that left).
-void agree(comm::Group& g, const std::string& err, const char* phase) {
-  const int64_t failed = g.max(err.empty() ? 0 : static_cast<int64_t>(1));
-  if (!failed) return;
-  if (!err.empty()) BB_FAIL(err);
-  BB_FAIL("checkpoint: another rank failed while ", phase, " (see its message)");
-}
-
-}  // namespace
 
 std::string Trainer::save_checkpoint(const std::string& root) {
   comm::Group& world = *mesh_->world();
@@ -457,12 +651,51 @@ std::string Trainer::save_checkpoint(const std::string& root) {
     std::fflush(log_);
   }
   std::string err;
+  {
+    // Never write Inf/NaN: the step guard stops such values earlier; this is the last line.
+    std::vector<ParamUnit*> units = model_->units();
+    std::vector<Tensor> ts;
+    std::vector<std::string> names;
+    for (size_t i = 0; i < units.size(); ++i) {
+      const ModelState::Owned o = state_->owned(i);
+      if (o.len == 0) continue;
+      for (const auto& [t, w] : {std::pair{o.master, "master"}, {o.exp_avg, "exp_avg"}, {o.exp_avg_sq, "exp_avg_sq"}}) {
+        ts.push_back(t);
+        names.push_back(units[i]->name + "." + w);
+      }
+    }
+    if (!ts.empty()) {
+      Tensor flags = Tensor::zeros({static_cast<int64_t>(ts.size())}, DType::i32, ts.front().device(), MemCategory::workspace);
+      mark_nonfinite(ts, flags);
+      const std::vector<int32_t> f = flags.to_ints();
+      for (size_t i = 0; i < f.size() && err.empty(); ++i)
+        if (f[i]) err = "checkpoint: refusing to save step " + std::to_string(step_) + ": " + names[i] +
+                        " holds Inf/NaN values (the last good checkpoint stays the newest)";
+    }
+  }
+  agree(world, err, "checking the state for non-finite values");
   if (rank == 0) {
     try {
       make_dirs(root);
       remove_tree(tmp_dir);
       make_dirs(path_join(tmp_dir, "shards"));
+      // A directory of the same name: this run's (e.g. a resume from an earlier step) is
+      // replaced with a log line; another run's is never touched.
+      if (path_exists(final_dir)) {
+        std::string owner;
+        try {
+          owner = read_checkpoint_state(final_dir).value("run_id", std::string());
+        } catch (const std::exception&) {
+        }
+        BB_CHECK(owner == run_id_, "checkpoint: ", final_dir, " exists and belongs to ",
+                 owner.empty() ? std::string("no known run (unreadable or from an older build)") : "run " + owner,
+                 "; this run (", run_id_, ") does not overwrite it. Move it away or use another checkpoint.dir");
+        if (log_)
+          std::fprintf(log_, "%s[checkpoint] replacing %s, written earlier by this run\n", log_prefix_.c_str(),
+                       final_dir.c_str());
+      }
     } catch (const std::exception& e) {
+      remove_tree(tmp_dir);
       err = e.what();
     }
   }
@@ -499,6 +732,7 @@ std::string Trainer::save_checkpoint(const std::string& root) {
       nlohmann::json st;
       st["format_version"] = kCheckpointFormat;
       st["step"] = step_;
+      st["run_id"] = run_id_;
       st["seed"] = cfg_.seed;
       st["data_position"] = data_->position();
       st["model_config"] = cfg_.model.to_hf_json();
@@ -513,15 +747,19 @@ std::string Trainer::save_checkpoint(const std::string& root) {
       st["shards"] = files;
       atomic_write(path_join(tmp_dir, "state.json"), st.dump(2));
       atomic_write(path_join(tmp_dir, "config.json"), cfg_.model.to_hf_json().dump(2));
-      remove_tree(final_dir);  // a stale directory of the same step (e.g. a re-run) is replaced
+      remove_tree(final_dir);  // this run's own directory of the same step (checked above)
       BB_CHECK(::rename(tmp_dir.c_str(), final_dir.c_str()) == 0, "checkpoint: cannot rename ", tmp_dir, " to ",
                final_dir);
       // `latest` moves only now that every rank's shard is in place.
       atomic_write(path_join(root, "latest"), name + "\n");
       if (cfg_.ckpt_keep > 0) {
-        std::vector<std::string> dirs = list_step_dirs(root);
-        for (size_t i = 0; i + static_cast<size_t>(cfg_.ckpt_keep) < dirs.size(); ++i)
-          if (dirs[i] != name) remove_tree(path_join(root, dirs[i]));
+        // Only this run's complete checkpoints are pruned, oldest first; the one just written
+        // (the newest, and finite: checked above) always stays.
+        std::vector<std::string> mine;
+        for (const CheckpointEntry& c : list_checkpoints(root))
+          if (c.complete && c.run_id == run_id_) mine.push_back(c.name);
+        for (size_t i = 0; i + static_cast<size_t>(cfg_.ckpt_keep) < mine.size(); ++i)
+          if (mine[i] != name) remove_tree(path_join(root, mine[i]));
       }
     } catch (const std::exception& e) {
       remove_tree(tmp_dir);
@@ -553,6 +791,7 @@ void Trainer::load_checkpoint(const std::string& path) {
   check_unit_table(st["units"], units, dir);
   const int64_t step = st["step"].get<int64_t>();
   const DataPosition pos = st["data_position"].get<DataPosition>();
+  const std::string run_id = st.value("run_id", std::string());
 
   // Stage what this rank holds under its own layout; commit only when all of it was read.
   ShardSet shards(dir, st);
@@ -573,6 +812,7 @@ void Trainer::load_checkpoint(const std::string& path) {
   state_->values_from_masters();
   data_->restore(pos);
   step_ = step;
+  if (!run_id.empty()) run_id_ = run_id;  // the resumed run continues the saved one
   // A different global batch resumes correctly (the data position counts micro-batches of one
   // global stream) but does not continue the same run: say so.
   const nlohmann::json& l = st["layout"];

@@ -21,6 +21,7 @@
 #include "comm/mesh.h"
 #include "core/memory.h"
 #include "models/decoder.h"
+#include "runtime/ckpt_root.h"
 #include "runtime/state.h"
 #include "runtime/data.h"
 #include "runtime/run_config.h"
@@ -43,6 +44,11 @@ struct StepMetrics {
   MemoryStats mem;          // peaks over this step: this rank's
   MemoryStats mem_max;      // the same, maximum over ranks per category
   int64_t host_syncs = 0;   // deliberate host-device synchronisations in the step (GPU)
+  // "" for a step that updated the weights; "nonfinite" (loss, gradient norm or update not
+  // finite, train.on_nonfinite = "skip_step": nothing applied) or "no_targets" (every target of
+  // the step masked). A skipped step still counts: the step index and the data move on.
+  std::string skipped;
+  bool loss_spike = false;  // loss above train.loss_spike_factor x the running mean (a warning)
 };
 
 class Trainer {
@@ -69,6 +75,10 @@ class Trainer {
   const Mesh& mesh() const { return *mesh_; }
   ModelState& state() { return *state_; }
   const RunConfig& config() const { return cfg_; }
+  // The run's id: new for a fresh run, the checkpoint's for a resumed one (state.json run_id).
+  const std::string& run_id() const { return run_id_; }
+  int64_t skipped_nonfinite() const { return skipped_nonfinite_; }
+  int64_t skipped_no_targets() const { return skipped_no_targets_; }
 
   // Writes <dir>/step_NNNNNNNN atomically (temp dir + rename) and points <dir>/latest at it
   // once every rank wrote its shard. Collective.
@@ -80,6 +90,10 @@ class Trainer {
 
  private:
   void log_line(const StepMetrics& m);
+  void check_loss_spike(StepMetrics& m);
+  std::string resolve_auto_resume(const std::string& root);
+  void check_foreign_checkpoints();
+  void world_broadcast_run_id();
 
   RunConfig cfg_;
   FILE* log_;
@@ -91,6 +105,14 @@ class Trainer {
   std::unique_ptr<DataLoader> data_;
   int64_t step_ = 0;
   Device device_;
+  std::unique_ptr<CheckpointRoot> root_;  // rank 0, when checkpoint.dir is set: checked and locked
+  std::string run_id_;
+  int64_t skipped_nonfinite_ = 0, skipped_no_targets_ = 0;
+  double loss_mean_ = 0;
+  int64_t loss_mean_n_ = 0;
+  Tensor nonfinite_flags_;           // per unit, set by the update of the current step
+  int32_t* pinned_flags_ = nullptr;  // GPU: their host copy, read after the end-of-step sync
+  int64_t pinned_flags_n_ = 0;
 };
 
 // The communicator a run uses by default: the self group in a single process, else every rank

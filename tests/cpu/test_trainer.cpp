@@ -59,8 +59,9 @@ std::vector<double> losses(const std::vector<StepMetrics>& v) {
 TEST(Trainer, DeterministicAndLossFalls) {
   const std::string dir = make_tmpdir();
   const std::string run = write_run(dir, small_model());
-  Trainer a(load_run_config(run), nullptr), b(load_run_config(run), nullptr);
-  auto la = losses(a.run()), lb = losses(b.run());
+  // One after the other: a checkpoint root is held by one run at a time.
+  auto la = losses(Trainer(load_run_config(run), nullptr).run());
+  auto lb = losses(Trainer(load_run_config(run), nullptr).run());
   EXPECT_EQ(la, lb);  // bit-identical given the seed
   ASSERT_EQ(la.size(), 20u);
   EXPECT_NEAR(la.front(), std::log(264.0), 0.3);  // starts near ln(vocab)
@@ -70,16 +71,17 @@ TEST(Trainer, DeterministicAndLossFalls) {
 TEST(Trainer, ResumeContinuesTheSameRun) {
   const std::string dir = make_tmpdir();
   const std::string run = write_run(dir, small_model());
-  Trainer straight(load_run_config(run), nullptr);
-  auto l_straight = losses(straight.run());
+  auto l_straight = losses(Trainer(load_run_config(run), nullptr).run());
 
-  Trainer first(load_run_config(run, {"train.steps=20"}), nullptr);
   std::vector<double> l_split;
-  for (int i = 0; i < 10; ++i) l_split.push_back(first.train_step().loss);
-  const std::string ck = first.save_checkpoint(dir + "/ckpt");
-  EXPECT_TRUE(path_exists(ck + "/shards/rank_00000.safetensors"));
-  EXPECT_TRUE(path_exists(ck + "/state.json"));
-  EXPECT_EQ(read_file(dir + "/ckpt/latest"), "step_00000010\n");
+  {
+    Trainer first(load_run_config(run, {"train.steps=20"}), nullptr);
+    for (int i = 0; i < 10; ++i) l_split.push_back(first.train_step().loss);
+    const std::string ck = first.save_checkpoint(dir + "/ckpt");
+    EXPECT_TRUE(path_exists(ck + "/shards/rank_00000.safetensors"));
+    EXPECT_TRUE(path_exists(ck + "/state.json"));
+    EXPECT_EQ(read_file(dir + "/ckpt/latest"), "step_00000010\n");
+  }
 
   Trainer second(load_run_config(run, {"checkpoint.resume=\"auto\""}), nullptr);
   EXPECT_EQ(second.step(), 10);
@@ -90,11 +92,14 @@ TEST(Trainer, ResumeContinuesTheSameRun) {
 TEST(Trainer, BadCheckpointIsAClearErrorAndChangesNothing) {
   const std::string dir = make_tmpdir();
   const std::string run = write_run(dir, small_model());
-  Trainer t(load_run_config(run), nullptr);
-  for (int i = 0; i < 3; ++i) t.train_step();
-  const std::string good = t.save_checkpoint(dir + "/ckpt");
-  for (int i = 0; i < 2; ++i) t.train_step();
-  const std::string bad = t.save_checkpoint(dir + "/ckpt");
+  std::string good, bad;
+  {
+    Trainer t(load_run_config(run), nullptr);
+    for (int i = 0; i < 3; ++i) t.train_step();
+    good = t.save_checkpoint(dir + "/ckpt");
+    for (int i = 0; i < 2; ++i) t.train_step();
+    bad = t.save_checkpoint(dir + "/ckpt");
+  }
   // Truncate the newest checkpoint's shard (weights and optimizer state).
   const std::string f = bad + "/shards/rank_00000.safetensors";
   std::string bytes = read_file(f);
@@ -232,7 +237,7 @@ TEST(RunConfig, LossChunksAreSetSeparatelyAndDefaultToTheLossHeadDefaults) {
   EXPECT_EQ(c.prim.loss_chunks.fused_chunk_tokens, 64);
   EXPECT_EQ(c.prim.loss_chunks.chunk_vocab, defaults.chunk_vocab);
   test::expect_error_contains([&] { load_run_config(run, {"primitives.loss_fused_chunk_tokens=0"}); },
-                              "primitives.loss_fused_chunk_tokens must be > 0");
+                              "primitives.loss_fused_chunk_tokens (in");
 }
 
 // An fp32 Hugging Face checkpoint loaded into bf16 parameters: the fp32 master weights take the
@@ -245,9 +250,9 @@ TEST(Trainer, HfInitKeepsFp32MastersAndExportWritesThem) {
   f32.dtype = DType::f32;
   export_hf(src, dir + "/hf", f32);
   const std::string run = write_run(dir, mc);
-  Trainer t(load_run_config(run, {"model.dtype=bf16", "model.init=\"hf:" + dir + "/hf\"",
-                                  "train.steps=0"}),
-            nullptr);
+  auto t_owner = std::make_unique<Trainer>(
+      load_run_config(run, {"model.dtype=bf16", "model.init=\"hf:" + dir + "/hf\"", "train.steps=0"}), nullptr);
+  Trainer& t = *t_owner;
   const std::string step = t.save_checkpoint(dir + "/ckpt");
   int64_t rounded = 0;
   for (Param* p : src.params()) {
@@ -267,6 +272,7 @@ TEST(Trainer, HfInitKeepsFp32MastersAndExportWritesThem) {
     EXPECT_EQ(back.find_param(p->name)->value.to_floats(), p->value.to_floats()) << p->name;
   // The alignment padding of every unit stays zero through optimizer steps from an hf: start
   // (AdamW steps whole buckets; the loader writes only the parameters' slices).
+  t_owner.reset();  // the checkpoint root is held by one run at a time
   Trainer stepped(load_run_config(run, {"model.init=\"hf:" + dir + "/hf\"", "train.steps=2"}),
                   nullptr);
   stepped.run();

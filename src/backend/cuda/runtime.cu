@@ -286,6 +286,20 @@ void memcpy(void* dst, Device ddev, const void* src, Device sdev, size_t bytes) 
   note_host_sync();
 }
 
+void* pinned_alloc(size_t bytes) {
+  void* p = nullptr;
+  BB_CHECK(cudaMallocHost(&p, bytes) == cudaSuccess, "cannot allocate ", bytes, " bytes of pinned host memory");
+  return p;
+}
+
+void pinned_free(void* p) {
+  if (p) cudaFreeHost(p);
+}
+
+void copy_to_pinned_async(void* pinned_dst, const void* src, size_t bytes) {
+  if (bytes) BB_CHECK_CUDA(cudaMemcpyAsync(pinned_dst, src, bytes, cudaMemcpyDeviceToHost, stream()));
+}
+
 void memset_zero(void* p, size_t bytes) {
   if (bytes) BB_CHECK_CUDA(cudaMemsetAsync(p, 0, bytes, stream()));
 }

@@ -41,6 +41,12 @@ void current_stream_changed();
 //   device -> device: asynchronous.
 void memcpy(void* dst, Device ddev, const void* src, Device sdev, size_t bytes);
 void memset_zero(void* p, size_t bytes);
+// Pinned host memory for small results the host reads after a sync it does anyway (the step's
+// non-finite flags): copy_to_pinned_async enqueues a device -> host copy on the current stream
+// and returns at once (no host sync); dst is valid after the next synchronize of that stream.
+void* pinned_alloc(size_t bytes);
+void pinned_free(void* p);
+void copy_to_pinned_async(void* pinned_dst, const void* src, size_t bytes);
 // Element conversion between float dtypes on the device (f32/bf16/f16).
 void convert(void* dst, DType dt, const void* src, DType st, int64_t n);
 // Waits for all work on the current stream.

@@ -51,7 +51,7 @@ std::vector<double> device_sums_of_squares(const std::vector<const Tensor*>& ts)
 
 void adamw_step(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
                 int64_t step, double lr, double weight_decay, const AdamWConfig& cfg,
-                Tensor* model) {
+                Tensor* model, Tensor* nonfinite) {
   BB_RANGE("adamw_step");
   const char* op = "adamw_step";
   check_dtype(master, DType::f32, op, "master");
@@ -73,6 +73,11 @@ void adamw_step(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp
     BB_CHECK(model->numel() == n, op, ": model has ", model->numel(), " elements, master ", n);
     check_same_device(master, *model, op);
   }
+  if (nonfinite) {
+    check_dtype(*nonfinite, DType::i32, op, "nonfinite");
+    BB_CHECK(nonfinite->numel() == 1, op, ": nonfinite must be one i32 flag, got ", nonfinite->numel(), " elements");
+    check_same_device(master, *nonfinite, op);
+  }
   const double bc1 = 1.0 - std::pow(cfg.beta1, static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(cfg.beta2, static_cast<double>(step));
   const float step_size = static_cast<float>(lr / bc1);
@@ -89,7 +94,8 @@ void adamw_step(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp
     const cuda::AdamWScalars s{step_size, inv_sqrt_bc2, decay, b1, b2, eps, gs};
     cuda::adamw_step(master.data<float>(), grad.data<float>(), exp_avg.data<float>(),
                      exp_avg_sq.data<float>(), model ? model->raw() : nullptr,
-                     model ? model->dtype() : DType::f32, n, s);
+                     model ? model->dtype() : DType::f32, n, s,
+                     nonfinite ? nonfinite->data<int32_t>() : nullptr);
 #endif
     return;
   }
@@ -104,7 +110,40 @@ void adamw_step(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp
     v[i] = b2 * v[i] + (1.0f - b2) * gi * gi;
     p[i] -= step_size * m[i] / (std::sqrt(v[i]) * inv_sqrt_bc2 + eps);
   }
+  if (nonfinite) {
+    bool bad = false;
+    for (int64_t i = 0; i < n && !bad; ++i) bad = !std::isfinite(p[i]) || !std::isfinite(m[i]) || !std::isfinite(v[i]);
+    if (bad) nonfinite->data<int32_t>()[0] = 1;
+  }
   if (model) cpu::store_f32(*model, master);
+}
+
+void mark_nonfinite(const std::vector<Tensor>& ts, Tensor& flags) {
+  const char* op = "mark_nonfinite";
+  check_dtype(flags, DType::i32, op, "flags");
+  BB_CHECK(flags.numel() == static_cast<int64_t>(ts.size()), op, ": ", ts.size(), " tensors but ", flags.numel(),
+           " flags");
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const Tensor& t = ts[i];
+    if (t.numel() == 0) continue;
+    check_float(t, op, "ts[i]");
+    check_same_device(flags, t, op);
+    if (t.device().is_cuda()) {
+      require_cuda_build(op, t);
+      check_cuda_float(t, op, "ts[i]");
+#ifdef BB_WITH_CUDA
+      cuda::mark_nonfinite(flags.data<int32_t>() + i, t.raw(), t.dtype(), t.numel());
+#endif
+      continue;
+    }
+    const std::vector<float> v = t.dtype() == DType::f32 ? std::vector<float>() : t.to_floats();
+    const float* p = t.dtype() == DType::f32 ? t.data<float>() : v.data();
+    for (int64_t j = 0; j < t.numel(); ++j)
+      if (!std::isfinite(p[j])) {
+        flags.data<int32_t>()[i] = 1;
+        break;
+      }
+  }
 }
 
 double sum_of_squares(const Tensor& g) {

@@ -26,9 +26,16 @@ struct AdamWConfig {
 };
 
 // step is 1-based. lr and weight_decay are per call (schedules and no-decay groups).
+// `nonfinite`, if given, is an i32 [1] tensor on the master's device that the same pass sets to
+// 1 when any updated master or moment element is Inf or NaN (it is never cleared here: one flag
+// can collect several calls). The trainer's non-finite guard reads it with the step's one sync.
 void adamw_step(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
                 int64_t step, double lr, double weight_decay, const AdamWConfig& cfg,
-                Tensor* model /* may be null */);
+                Tensor* model /* may be null */, Tensor* nonfinite = nullptr);
+
+// flags[i] (i32, on the tensors' device) is set to 1 when tensor i (f32 or bf16) holds an Inf
+// or NaN; flags are never cleared here. One launch per tensor on a GPU, no host sync.
+void mark_nonfinite(const std::vector<Tensor>& ts, Tensor& flags);
 
 // sum of squares of a float tensor, accumulated in double.
 double sum_of_squares(const Tensor& g);

@@ -22,7 +22,7 @@ constexpr int kThreads = 256;
 
 template <int M, class TM>
 __device__ __forceinline__ void adamw_elems(float* p, const float* g, float* m, float* v, TM* model,
-                                            int64_t i, const AdamWScalars& s) {
+                                            int64_t i, const AdamWScalars& s, bool& bad) {
   float pv[M], gv[M], mv[M], vv[M];
   load<float, M>(p + i, pv);
   load<float, M>(g + i, gv);
@@ -35,6 +35,7 @@ __device__ __forceinline__ void adamw_elems(float* p, const float* g, float* m, 
     mv[k] = s.beta1 * mv[k] + (1.0f - s.beta1) * gv[k];
     vv[k] = s.beta2 * vv[k] + (1.0f - s.beta2) * gv[k] * gv[k];
     pv[k] -= s.step_size * mv[k] / (sqrtf(vv[k]) * s.inv_sqrt_bc2 + s.eps);
+    bad |= !isfinite(pv[k]) || !isfinite(mv[k]) || !isfinite(vv[k]);
   }
   store<float, M>(p + i, pv);
   store<float, M>(m + i, mv);
@@ -45,12 +46,33 @@ __device__ __forceinline__ void adamw_elems(float* p, const float* g, float* m, 
 template <class TM, int V>
 __global__ void __launch_bounds__(kThreads)
     adamw_kernel(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
-                 float* __restrict__ v, TM* __restrict__ model, int64_t n, AdamWScalars s) {
+                 float* __restrict__ v, TM* __restrict__ model, int64_t n, AdamWScalars s,
+                 int32_t* __restrict__ nonfinite) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t gid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t nv = n / V;
-  for (int64_t i = gid; i < nv; i += stride) adamw_elems<V>(p, g, m, v, model, i * V, s);
-  for (int64_t i = nv * V + gid; i < n; i += stride) adamw_elems<1>(p, g, m, v, model, i, s);
+  bool bad = false;
+  for (int64_t i = gid; i < nv; i += stride) adamw_elems<V>(p, g, m, v, model, i * V, s, bad);
+  for (int64_t i = nv * V + gid; i < n; i += stride) adamw_elems<1>(p, g, m, v, model, i, s, bad);
+  // Every writer stores the same value, so the race is benign; no atomics, no extra pass.
+  if (bad && nonfinite) *nonfinite = 1;
+}
+
+template <class T, int V>
+__global__ void __launch_bounds__(kThreads)
+    nonfinite_kernel(int32_t* __restrict__ flag, const T* __restrict__ x, int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t gid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t nv = n / V;
+  bool bad = false;
+  for (int64_t i = gid; i < nv; i += stride) {
+    float xv[V];
+    load<T, V>(x + i * V, xv);
+#pragma unroll
+    for (int k = 0; k < V; ++k) bad |= !isfinite(xv[k]);
+  }
+  for (int64_t i = nv * V + gid; i < n; i += stride) bad |= !isfinite(to_f32(x[i]));
+  if (bad) *flag = 1;
 }
 
 __device__ __forceinline__ double block_sum(double x) {
@@ -113,14 +135,14 @@ __global__ void __launch_bounds__(kThreads)
 
 template <class TM>
 void launch_adamw(float* p, const float* g, float* m, float* v, TM* model, int64_t n,
-                  const AdamWScalars& s) {
+                  const AdamWScalars& s, int32_t* nonfinite) {
   const bool vec = aligned(p, 16) && aligned(g, 16) && aligned(m, 16) && aligned(v, 16) &&
                    (model == nullptr || aligned(model, 4 * sizeof(TM)));
   if (vec)
     adamw_kernel<TM, 4><<<grid_stride_blocks(ceil_div(n, 4), kThreads), kThreads, 0, stream()>>>(p, g, m, v, model, n,
-                                                                            s);
+                                                                            s, nonfinite);
   else
-    adamw_kernel<TM, 1><<<grid_stride_blocks(n, kThreads), kThreads, 0, stream()>>>(p, g, m, v, model, n, s);
+    adamw_kernel<TM, 1><<<grid_stride_blocks(n, kThreads), kThreads, 0, stream()>>>(p, g, m, v, model, n, s, nonfinite);
   BB_CHECK_LAUNCH();
 }
 
@@ -141,12 +163,27 @@ void launch_sum_squares(double* partial, const void* x, int64_t n) {
 }  // namespace
 
 void adamw_step(float* master, const float* grad, float* exp_avg, float* exp_avg_sq, void* model,
-                DType model_dtype, int64_t n, const AdamWScalars& s) {
+                DType model_dtype, int64_t n, const AdamWScalars& s, int32_t* nonfinite) {
   if (n == 0) return;
   if (model && model_dtype == DType::bf16)
-    launch_adamw<bf16_t>(master, grad, exp_avg, exp_avg_sq, static_cast<bf16_t*>(model), n, s);
+    launch_adamw<bf16_t>(master, grad, exp_avg, exp_avg_sq, static_cast<bf16_t*>(model), n, s, nonfinite);
   else
-    launch_adamw<float>(master, grad, exp_avg, exp_avg_sq, static_cast<float*>(model), n, s);
+    launch_adamw<float>(master, grad, exp_avg, exp_avg_sq, static_cast<float*>(model), n, s, nonfinite);
+}
+
+void mark_nonfinite(int32_t* flag, const void* x, DType dtype, int64_t n) {
+  if (n == 0) return;
+  const auto blocks = static_cast<unsigned>(grid_stride_blocks(ceil_div(n, 8), kThreads));
+  if (dtype == DType::bf16) {
+    const auto* xt = static_cast<const bf16_t*>(x);
+    if (aligned(x, 16)) nonfinite_kernel<bf16_t, 8><<<blocks, kThreads, 0, stream()>>>(flag, xt, n);
+    else nonfinite_kernel<bf16_t, 1><<<blocks, kThreads, 0, stream()>>>(flag, xt, n);
+  } else {
+    const auto* xt = static_cast<const float*>(x);
+    if (aligned(x, 16)) nonfinite_kernel<float, 4><<<blocks, kThreads, 0, stream()>>>(flag, xt, n);
+    else nonfinite_kernel<float, 1><<<blocks, kThreads, 0, stream()>>>(flag, xt, n);
+  }
+  BB_CHECK_LAUNCH();
 }
 
 void sum_squares_partial(double* partial, const void* x, DType dtype, int64_t n) {

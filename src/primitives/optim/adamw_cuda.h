@@ -22,8 +22,12 @@ struct AdamWScalars {
 // master, grad, exp_avg, exp_avg_sq [n] f32; model [n] (model_dtype f32 or bf16) or null.
 // One pass: g = grad_scale * grad; p *= decay; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
 // p -= step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps); model = p (rounded to model_dtype).
+// nonfinite (device i32, may be null) is set to 1 when any new p, m or v is Inf/NaN.
 void adamw_step(float* master, const float* grad, float* exp_avg, float* exp_avg_sq, void* model,
-                DType model_dtype, int64_t n, const AdamWScalars& s);
+                DType model_dtype, int64_t n, const AdamWScalars& s, int32_t* nonfinite = nullptr);
+
+// *flag (device i32) = 1 when x [n] (f32 or bf16) holds an Inf or NaN; untouched otherwise.
+void mark_nonfinite(int32_t* flag, const void* x, DType dtype, int64_t n);
 
 // Slots per tensor in the partial-sum buffer below.
 constexpr int kSumSquaresSlots = 1024;
