@@ -134,9 +134,10 @@ Corpus read_flat_tokens(const std::string& path, int64_t vocab_size, int32_t eos
 
 namespace {
 
-// One JSONL record, parsed by SAX events straight into token and mask vectors: no JSON tree is
-// built, so a record costs its tokens (4 bytes each) and the lexer's current token, not the
-// ~16-byte-per-element tree nlohmann would allocate. Errors name WHERE and the key.
+// One JSONL record, parsed by SAX events straight into the corpus's token array (and a 1-byte
+// mask vector): no JSON tree and no per-record copy, so a record costs its tokens (4 bytes each,
+// at most one per 2 bytes of text) and the lexer's current token, not the ~16-byte-per-element
+// tree nlohmann would allocate. Errors name WHERE and the key.
 class RecordParser final : public json::json_sax_t {
  public:
   RecordParser(std::string where, int64_t vocab_size, std::vector<int32_t>& tokens, std::vector<uint8_t>& mask)
@@ -250,13 +251,15 @@ bool is_blank(std::string_view line) {
                      [](char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\n'; });
 }
 
-// Parses one non-blank line into `c`.
+// Parses one non-blank line into `c` (on error the load fails as a whole).
 void add_jsonl_record(std::string_view line, const std::string& where, int64_t vocab_size, Corpus& c,
                       std::vector<int32_t>& doc_tokens, std::vector<uint8_t>& doc_mask) {
-  doc_tokens.clear();
   doc_mask.clear();
-  RecordParser rec(where, vocab_size, doc_tokens, doc_mask);
+  const size_t start = c.tokens.size();
+  RecordParser rec(where, vocab_size, c.tokens, doc_mask);
   json::sax_parse(line.begin(), line.end(), &rec);
+  // The tokens are in place already; what remains is the bookkeeping of Corpus::add.
+  const size_t n = c.tokens.size() - start;
   BB_CHECK(rec.has_tokens || rec.has_text, where, ": record has neither key 'tokens' nor key 'text'");
   BB_CHECK(!(rec.has_tokens && rec.has_text), where, ": record has both key 'tokens' and key 'text'; give one");
   if (rec.has_text) {
@@ -266,12 +269,18 @@ void add_jsonl_record(std::string_view line, const std::string& where, int64_t v
              ", which needs vocab_size > ", kEosId, " (got ", vocab_size, ")");
     doc_tokens = byte_tokenize(rec.text);
     doc_tokens.push_back(kEosId);
-  } else {
-    BB_CHECK(!doc_tokens.empty(), where, ": key 'tokens': empty array (a document needs a token)");
-    BB_CHECK(!rec.has_mask || doc_mask.size() == doc_tokens.size(), where, ": key 'loss_mask': length ",
-             doc_mask.size(), " does not match key 'tokens' length ", doc_tokens.size());
+    c.add(doc_tokens, doc_mask);
+    return;
   }
-  c.add(doc_tokens, doc_mask);
+  BB_CHECK(n > 0, where, ": key 'tokens': empty array (a document needs a token)");
+  BB_CHECK(!rec.has_mask || doc_mask.size() == n, where, ": key 'loss_mask': length ", doc_mask.size(),
+           " does not match key 'tokens' length ", n);
+  if (!doc_mask.empty() || !c.loss_mask.empty()) {
+    if (c.loss_mask.empty()) c.loss_mask.assign(start, 1);  // the first masked document
+    if (doc_mask.empty()) c.loss_mask.insert(c.loss_mask.end(), n, 1);
+    else c.loss_mask.insert(c.loss_mask.end(), doc_mask.begin(), doc_mask.end());
+  }
+  c.offsets.push_back(static_cast<int64_t>(c.tokens.size()));
 }
 
 void check_max_line(int64_t max_line_bytes) {

@@ -598,8 +598,8 @@ std::vector<StepMetrics> Trainer::run() {
   }
   while (step_ < cfg_.steps) {
     StepMetrics m = train_step();
-    out.push_back(m);
     if (m.skipped.empty()) check_loss_spike(m);
+    out.push_back(m);
     if (m.step % cfg_.log_every == 0 || m.step == cfg_.steps || m.step == 1 || !m.skipped.empty()) log_line(m);
     if (metrics) {
       nlohmann::json j;

@@ -93,5 +93,29 @@ TEST(AdamW, BadInput) {
   test::expect_error_contains([&] { adamw_step(p, p, p, p, 0, 0.1, 0, {}, nullptr); }, "step is 1-based");
 }
 
+// The non-finite flag of the AdamW pass: set when an update overflows f32, left alone otherwise
+// (and never cleared); mark_nonfinite flags exactly the tensors holding Inf or NaN.
+TEST(AdamW, NonFiniteFlagIsSetByTheUpdateOnly) {
+  const int64_t n = 33;
+  for (double lr : {1e-2, 1e39}) {
+    Tensor master = Tensor::from_floats(test::randn(n, 3), {n}, DType::f32, MemCategory::optimizer);
+    Tensor m = Tensor::zeros({n}, DType::f32, Device::cpu(), MemCategory::optimizer);
+    Tensor v = Tensor::zeros({n}, DType::f32, Device::cpu(), MemCategory::optimizer);
+    Tensor flag = Tensor::zeros({1}, DType::i32, Device::cpu(), MemCategory::workspace);
+    adamw_step(master, Tensor::from_floats(test::randn(n, 4), {n}), m, v, 1, lr, 0.0, AdamWConfig{}, nullptr, &flag);
+    EXPECT_EQ(flag.to_ints()[0], lr > 1e38 ? 1 : 0) << "lr " << lr;
+    bool any = false;
+    for (float x : master.to_floats()) any |= !std::isfinite(x);
+    EXPECT_EQ(any, lr > 1e38);
+  }
+  std::vector<Tensor> ts = {Tensor::from_floats({1, 2, 3}, {3}), Tensor::from_floats({1, NAN}, {2}, DType::bf16),
+                            Tensor::from_floats({INFINITY}, {1}), Tensor::from_floats({0, 0}, {2}, DType::bf16)};
+  Tensor flags = Tensor::zeros({4}, DType::i32, Device::cpu(), MemCategory::workspace);
+  mark_nonfinite(ts, flags);
+  EXPECT_EQ(flags.to_ints(), (std::vector<int32_t>{0, 1, 1, 0}));
+  Tensor wrong = Tensor::zeros({3}, DType::i32, Device::cpu(), MemCategory::workspace);
+  test::expect_error_contains([&] { mark_nonfinite(ts, wrong); }, "4 tensors but 3 flags");
+}
+
 }  // namespace
 }  // namespace bb

@@ -451,5 +451,46 @@ TEST(AdamWGpu, GradNormSumOfSquaresAndScale) {
   EXPECT_EQ(sg.to_floats(), s.to_floats());
 }
 
+// The non-finite flags: set by the AdamW pass itself when an update overflows (and only then), and
+// by mark_nonfinite for Inf/NaN anywhere in f32 or bf16 tensors, aligned or not; the same answers
+// as the CPU path.
+TEST(AdamWGpu, NonFiniteFlagsMatchCpu) {
+  BB_REQUIRE_GPU();
+  for (int64_t n : {1, 4097, 229 * 71}) {
+    for (int64_t skew : {0, 1}) {
+      for (double lr : {1e-2, 1e39}) {
+        SCOPED_TRACE(testing::Message() << "n=" << n << " skew " << skew << " lr " << lr);
+        Tensor p = host(randn(n, 141), {n}, DType::f32, MemCategory::optimizer);
+        Tensor m = Tensor::zeros({n}, DType::f32, Device::cpu(), MemCategory::optimizer);
+        Tensor v = Tensor::zeros({n}, DType::f32, Device::cpu(), MemCategory::optimizer);
+        Tensor g = host(randn(n, 142), {n}, DType::f32, MemCategory::grads);
+        Tensor pg = on_gpu(p, skew), mg = on_gpu(m, skew), vg = on_gpu(v, skew);
+        Tensor fc = Tensor::zeros({1}, DType::i32, Device::cpu(), MemCategory::workspace);
+        Tensor fg = Tensor::zeros({1}, DType::i32, kGpu, MemCategory::workspace);
+        AdamWConfig cfg{0.9, 0.95, 1e-8};
+        adamw_step(p, g, m, v, 1, lr, 0.0, cfg, nullptr, &fc);
+        adamw_step(pg, on_gpu(g, skew), mg, vg, 1, lr, 0.0, cfg, nullptr, &fg);
+        EXPECT_EQ(fc.to_ints()[0], lr > 1e38 ? 1 : 0);
+        EXPECT_EQ(fg.to_ints(), fc.to_ints());
+      }
+    }
+  }
+  for (DType dt : {DType::f32, DType::bf16}) {
+    for (int64_t skew : {0, 3}) {
+      std::vector<Tensor> cpu, gpu;
+      for (int64_t n : {1, 8, 4097, 300001}) cpu.push_back(host(randn(n, 150 + n), {n}, dt));
+      cpu[1].narrow(7, 1).fill_(NAN);
+      cpu[3].narrow(299999, 1).fill_(-INFINITY);
+      for (const Tensor& t : cpu) gpu.push_back(on_gpu(t, skew));
+      Tensor fc = Tensor::zeros({4}, DType::i32, Device::cpu(), MemCategory::workspace);
+      Tensor fg = Tensor::zeros({4}, DType::i32, kGpu, MemCategory::workspace);
+      mark_nonfinite(cpu, fc);
+      mark_nonfinite(gpu, fg);
+      EXPECT_EQ(fc.to_ints(), (std::vector<int32_t>{0, 1, 0, 1}));
+      EXPECT_EQ(fg.to_ints(), fc.to_ints()) << dtype_name(dt) << " skew " << skew;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace bb
