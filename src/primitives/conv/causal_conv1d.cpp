@@ -1,7 +1,10 @@
 // causal_conv1d.cpp — boundary checks, then the CPU reference (causal_conv1d_ref.h).
 #include "primitives/conv/causal_conv1d.h"
 
+#include <algorithm>
+
 #include "core/trace.h"
+#include "primitives/conv/causal_conv1d_cuda.h"
 #include "primitives/conv/causal_conv1d_ref.h"
 
 namespace bb {
@@ -12,9 +15,11 @@ void check(const char* op, const Tensor& x, const Tensor& w, const Tensor& cu) {
   for (auto [t, name] : {std::pair<const Tensor*, const char*>{&x, "x"}, {&w, "w"}}) {
     check_defined(*t, op, name);
     check_dtype(*t, DType::f32, op, name);
-    BB_CHECK(t->device().is_cpu(), op, ": argument '", name, "' is on ", t->device().str(),
-             "; causal_conv1d has only its CPU reference so far");
   }
+  check_same_device(x, w, op);
+#ifndef BB_WITH_CUDA
+  BB_CHECK(x.device().is_cpu(), op, ": x is on ", x.device().str(), " but this build has no CUDA backend");
+#endif
   BB_CHECK(x.dim() == 2 && w.dim() == 2, op, ": x must be [T, C] and w [C, W], got ", shape_str(x.shape()), " and ",
            shape_str(w.shape()));
   BB_CHECK(w.size(0) == x.size(1), op, ": w has ", w.size(0), " channels, x ", x.size(1));
@@ -31,7 +36,15 @@ void check(const char* op, const Tensor& x, const Tensor& w, const Tensor& cu) {
 Tensor causal_conv1d_forward(const Tensor& x, const Tensor& w, const Tensor& cu, bool silu, MemCategory out_cat) {
   BB_RANGE("causal_conv1d_forward");
   check("causal_conv1d_forward", x, w, cu);
-  Tensor y = Tensor::empty(x.shape(), DType::f32, Device::cpu(), out_cat);
+  Tensor y = Tensor::empty(x.shape(), DType::f32, x.device(), out_cat);
+#ifdef BB_WITH_CUDA
+  if (x.device().is_cuda()) {
+    const Tensor cud = cu.to(x.device(), MemCategory::workspace);  // staged upload, no host wait
+    cuda::causal_conv1d_forward(y.data<float>(), x.data<float>(), w.data<float>(), cud.data<int32_t>(), cu.numel() - 1,
+                                x.size(0), x.size(1), w.size(1), silu);
+    return y;
+  }
+#endif
   ref::causal_conv1d_forward<float>(y.data<float>(), x.data<float>(), w.data<float>(), cu.data<int32_t>(),
                                     cu.numel() - 1, x.size(1), w.size(1), silu);
   return y;
@@ -46,8 +59,20 @@ Tensor causal_conv1d_backward(const Tensor& d_y, const Tensor& x, const Tensor& 
   check_shape(d_y, x.shape(), op, "d_y");
   check_dtype(d_w, DType::f32, op, "d_w");
   check_shape(d_w, w.shape(), op, "d_w");
-  BB_CHECK(d_y.device().is_cpu() && d_w.device().is_cpu(), op, ": d_y and d_w must be on the CPU");
-  Tensor d_x = Tensor::empty(x.shape(), DType::f32, Device::cpu(), MemCategory::activations);
+  check_same_device(x, d_y, op);
+  check_same_device(x, d_w, op);
+  Tensor d_x = Tensor::empty(x.shape(), DType::f32, x.device(), MemCategory::activations);
+#ifdef BB_WITH_CUDA
+  if (x.device().is_cuda()) {
+    const Tensor cud = cu.to(x.device(), MemCategory::workspace);
+    Tensor ws = Tensor::empty({std::max<int64_t>(1, cuda::causal_conv1d_backward_workspace(x.size(0), x.size(1), w.size(1)))},
+                              DType::f32, x.device(), MemCategory::workspace);
+    cuda::causal_conv1d_backward(d_x.data<float>(), d_w.data<float>(), ws.data<float>(), d_y.data<float>(),
+                                 x.data<float>(), w.data<float>(), cud.data<int32_t>(), cu.numel() - 1, x.size(0),
+                                 x.size(1), w.size(1), silu);
+    return d_x;
+  }
+#endif
   ref::causal_conv1d_backward<float>(d_x.data<float>(), d_w.data<float>(), d_y.data<float>(), x.data<float>(),
                                      w.data<float>(), cu.data<int32_t>(), cu.numel() - 1, x.size(1), w.size(1), silu);
   return d_x;

@@ -9,7 +9,9 @@
 //   y           [T, C]   f32          output, category `out_cat`
 // Backward: d_x written (f32, activations), d_w accumulated (+=, f32 [C, W]). Nothing is saved:
 // the pre-activation is recomputed from x.
-// Devices: the CPU reference so far; a CUDA tensor is a clear error.
+// Devices: CPU (the reference) and CUDA (causal_conv1d_cuda.cu: one thread per element, the
+// sequence start found by binary search in cu_seqlens, dw reduced deterministically per
+// 256-token chunk). x, w, d_y, d_w on one device; cu_seqlens always on the host.
 #pragma once
 
 #include "core/tensor.h"
