@@ -11,8 +11,15 @@
 #   e2e_small    bench_train_step at 8K/16K/32K only
 #   paired       bench/paired_gpu.sh (every swap at 8K tokens of the 4-layer slice)
 #   hf           bench/hf_train_step.py at 8K/16K/32K/64K (PyTorch + transformers reference)
+#   sanitize     (not in the default list) every binary of `tests` under compute-sanitizer, once
+#                with --tool memcheck and once with --tool racecheck (--error-exitcode 99); logs
+#                sanitize_memcheck.log / sanitize_racecheck.log, one summary line per binary and
+#                tool with rc and the error count of its "ERROR SUMMARY: N errors" (memcheck) or
+#                "RACECHECK SUMMARY: ... (N errors, M warnings)" line
 # Environment: E2E_SEQ (override the e2e list), E2E_STEPS (default 3), PART_TIMEOUT (seconds per
-# binary, default 300). Prints a summary of pass/fail per part at the end.
+# binary, default 300), SANITIZE_TIMEOUT (seconds per binary and tool under compute-sanitizer,
+# default 900; it slows kernels 10-100x). compute-sanitizer is found on PATH, in $CUDA_HOME/bin or
+# /usr/local/cuda/bin. Prints a summary of pass/fail per part at the end.
 set -u
 BUILD=${1:?usage: gpu_suite.sh BUILD_DIR OUT_DIR [PART ...]}
 OUT=${2:?usage: gpu_suite.sh BUILD_DIR OUT_DIR [PART ...]}
@@ -57,7 +64,41 @@ for part in "${PARTS[@]}"; do
     hf)
       PYTHONUNBUFFERED=1 run_logged hf.log python3 bench/hf_train_step.py --seq "${HF_SEQ:-8192,16384,32768,65536}" \
         --steps "${E2E_STEPS:-3}" --warmup 1 ;;
-    *) echo "unknown part '$part' (tests kernels e2e e2e_small paired hf)"; exit 2 ;;
+    sanitize)
+      cs=$(command -v compute-sanitizer || true)
+      for d in "${CUDA_HOME:-}" /usr/local/cuda; do
+        [ -z "$cs" ] && [ -n "$d" ] && [ -x "$d/bin/compute-sanitizer" ] && cs="$d/bin/compute-sanitizer"
+      done
+      if [ -z "$cs" ]; then
+        note "sanitize: compute-sanitizer not found (PATH, \$CUDA_HOME/bin, /usr/local/cuda/bin)"
+        continue
+      fi
+      for t in "$BUILD"/tests/test_*_gpu "$BUILD"/tests/test_cuda_runtime; do
+        [ -x "$t" ] || continue
+        for tool in memcheck racecheck; do
+          section="$OUT/.sanitize_section.log"
+          t0=$SECONDS
+          timeout "${SANITIZE_TIMEOUT:-900}" "$cs" --tool "$tool" --error-exitcode 99 "$t" --gtest_brief=1 \
+            > "$section" 2>&1
+          rc=$?
+          # memcheck ends with "========= ERROR SUMMARY: 3 errors", racecheck with "=========
+          # RACECHECK SUMMARY: 5 hazards displayed (3 errors, 2 warnings)"; neither line is there
+          # when the timeout killed the binary.
+          errors=$(sed -n -e 's/.*ERROR SUMMARY: \([0-9][0-9]*\) error.*/\1/p' \
+                          -e 's/.*RACECHECK SUMMARY: .*(\([0-9][0-9]*\) error.*/\1/p' "$section" | tail -n 1)
+          # Reports inside cuDNN's or cuBLAS's own kernels (cudnn_*, nvjet_*, cutlass*, sm90_xmma*)
+          # are counted apart: racecheck flags Hopper library kernels that synchronize through
+          # mbarriers and async copies it does not model (docs/reliability.md).
+          # (memcheck names the kernel on the "=========     at KERNEL+0x..." line of a report,
+          # racecheck on its "Race reported ... at KERNEL+0x..." line.)
+          in_lib=$(grep -v "^=========  *and " "$section" |
+                   grep -c -E "^=========.* at (cudnn_|nvjet_|cutlass|sm90_xmma|cublas)" || true)
+          { echo "### $(basename "$t") ($tool) rc=$rc"; cat "$section"; } >> "$OUT/sanitize_$tool.log"
+          rm -f "$section"
+          note "sanitize $tool $(basename "$t") rc=$rc errors=${errors:-unknown} (reports in cuDNN/cuBLAS kernels: $in_lib) $((SECONDS - t0))s (log sanitize_$tool.log)"
+        done
+      done ;;
+    *) echo "unknown part '$part' (tests kernels e2e e2e_small paired hf sanitize)"; exit 2 ;;
   esac
 done
 echo

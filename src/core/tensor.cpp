@@ -18,9 +18,25 @@ std::string shape_str(const std::vector<int64_t>& shape) {
 }
 
 int64_t shape_numel(const Shape& s) {
+  // A zero anywhere makes the product 0 however large the other dims are; checking for it
+  // first keeps a [0, 2^40, 2^40] shape (legal: an empty tensor) from tripping the check.
+  for (int64_t d : s)
+    if (d == 0) return 0;
   int64_t n = 1;
-  for (int64_t d : s) n *= d;
+  for (int64_t d : s)
+    if (__builtin_mul_overflow(n, d, &n))
+      BB_FAIL("shape ", shape_str(s), " has more elements than a 64-bit count holds");
   return n;
+}
+
+size_t shape_nbytes(const Shape& s, DType dt) {
+  const int64_t n = shape_numel(s);
+  BB_CHECK(n >= 0, "shape ", shape_str(s), " has a negative dimension");
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(n, static_cast<int64_t>(dtype_size(dt)), &bytes))
+    BB_FAIL("shape ", shape_str(s), " of dtype ", dtype_name(dt),
+            " needs more bytes than a 64-bit size holds");
+  return static_cast<size_t>(bytes);
 }
 
 Storage::Storage(size_t bytes, Device dev, MemCategory cat)
@@ -53,8 +69,7 @@ Tensor Tensor::empty(const Shape& shape, DType dt, Device dev, MemCategory cat) 
   Tensor t;
   t.shape_ = shape;
   t.dtype_ = dt;
-  t.storage_ = std::make_shared<Storage>(static_cast<size_t>(shape_numel(shape)) * dtype_size(dt),
-                                         dev, cat);
+  t.storage_ = std::make_shared<Storage>(shape_nbytes(shape, dt), dev, cat);
   return t;
 }
 
@@ -126,15 +141,17 @@ Tensor Tensor::narrow(int64_t start, int64_t len) const {
 Tensor Tensor::view(const Shape& shape) const {
   Shape s = shape;
   int infer = -1;
-  int64_t known = 1;
+  Shape known_dims;
   for (size_t i = 0; i < s.size(); ++i) {
     if (s[i] == -1) {
       BB_CHECK(infer < 0, "view: more than one -1 in ", shape_str(shape));
       infer = static_cast<int>(i);
     } else {
-      known *= s[i];
+      BB_CHECK(s[i] >= 0, "view: negative dimension in ", shape_str(shape));
+      known_dims.push_back(s[i]);
     }
   }
+  const int64_t known = shape_numel(known_dims);  // checked
   if (infer >= 0) {
     BB_CHECK(known > 0 && numel() % known == 0, "view: cannot infer ", shape_str(shape),
              " from ", str());

@@ -125,7 +125,11 @@ class Tensor {
   DType dtype_ = DType::f32;
 };
 
+// Element count of a shape (1 for []). Throws bb::Error naming the shape when the product
+// overflows int64 (a zero dim makes any shape valid: the count is 0).
 int64_t shape_numel(const Shape& s);
+// numel * dtype size, with the same check on the byte count.
+size_t shape_nbytes(const Shape& s, DType dt);
 
 // Boundary checks used by every primitive; the message names the op and the argument.
 void check_shape(const Tensor& t, const Shape& expected, const char* op, const char* arg);

@@ -18,6 +18,7 @@
 
 #include "core/error.h"
 #include "io/fs.h"
+#include "io/json_limits.h"
 
 namespace bb {
 
@@ -142,11 +143,18 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
            ": short read of the header (file changed while opening?)");
 
   // Duplicate keys are legal JSON for nlohmann (the last one wins) but would silently drop a
-  // tensor, so every object's keys are tracked while parsing.
+  // tensor, so every object's keys are tracked while parsing. A valid header nests 3 levels
+  // (header, entry, shape); deeper than kMaxJsonDepth is refused while parsing, before the
+  // tree (and the key sets) of a hostile header grow.
   std::vector<std::unordered_set<std::string>> open_objects;
   std::string duplicate;
-  ojson::parser_callback_t cb = [&](int, ojson::parse_event_t ev, ojson& parsed) {
+  bool too_deep = false;
+  ojson::parser_callback_t cb = [&](int depth, ojson::parse_event_t ev, ojson& parsed) {
     using E = ojson::parse_event_t;
+    if ((ev == E::object_start || ev == E::array_start) && depth > kMaxJsonDepth) {
+      too_deep = true;
+      throw std::runtime_error("nesting too deep");
+    }
     if (ev == E::object_start) {
       open_objects.emplace_back();
     } else if (ev == E::object_end) {
@@ -162,6 +170,9 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
     header = ojson::parse(text, cb);
   } catch (const nlohmann::json::exception& e) {
     BB_FAIL(where, ": header is not valid JSON: ", e.what());
+  } catch (const std::runtime_error&) {
+    if (too_deep) BB_FAIL(where, ": header JSON is nested deeper than ", kMaxJsonDepth, " levels");
+    throw;
   }
   BB_CHECK(header.is_object(), where, ": header is not a JSON object (got ", header.type_name(),
            ")");
@@ -441,12 +452,7 @@ SafetensorsDir::SafetensorsDir(const std::string& dir) : dir_(dir) {
 
   sharded_ = true;
   const std::string iw = "safetensors index " + index_path;
-  nlohmann::json index;
-  try {
-    index = nlohmann::json::parse(read_file(index_path));
-  } catch (const nlohmann::json::exception& e) {
-    BB_FAIL(iw, ": not valid JSON: ", e.what());
-  }
+  const nlohmann::json index = parse_json_bounded(read_file(index_path), iw);
   BB_CHECK(index.is_object() && index.contains("weight_map") && index["weight_map"].is_object(),
            iw, ": expected an object with a \"weight_map\" object");
   // weight_map is a std::map here, so shards and names come out sorted by file name.

@@ -4,11 +4,15 @@
 #include "models/config.h"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
-#include <fstream>
+#include <limits>
 #include <set>
 
+#include "core/checked.h"
 #include "core/error.h"
+#include "io/fs.h"
+#include "io/json_limits.h"
 
 namespace bb {
 
@@ -84,10 +88,18 @@ struct Reader {
              " (shape keys have no default: a wrong guess would build a different model)");
   }
 
+  // An integer JSON value as int64; `key` names it in errors. nlohmann keeps non-negative
+  // integers as uint64, so values in [2^63, 2^64) must be refused here, not wrapped negative.
+  int64_t int_value(const json& v, const std::string& key, const char* want) const {
+    if (!v.is_number_integer()) wrong_type(key, want);
+    BB_CHECK(!v.is_number_unsigned() ||
+                 v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()),
+             "key '", key, "' in ", src, " is ", v.dump(), ": out of range for a 64-bit integer");
+    return v.get<int64_t>();
+  }
   int64_t get_int(const std::string& key) const {
     require(key);
-    if (!j.at(key).is_number_integer()) wrong_type(key, "an integer");
-    return j.at(key).get<int64_t>();
+    return int_value(j.at(key), key, "an integer");
   }
   int64_t get_int(const std::string& key, int64_t def) const {
     return has(key) ? get_int(key) : def;
@@ -169,6 +181,32 @@ void ModelConfig::validate() const {
   BB_CHECK(model_type == "qwen3_moe" || model_type == "qwen2_moe", p, "model_type '", model_type,
            "' is not supported (expected qwen3_moe or qwen2_moe)");
   BB_CHECK(vocab_size > 0, p, "vocab_size must be > 0, got ", vocab_size);
+  // Upper bounds first: everything below (num_moe_layers, the counts) loops or multiplies over
+  // these values.
+  auto at_most = [&](int64_t v, int64_t limit, const char* key) {
+    BB_CHECK(v <= limit, p, key, " = ", v, " exceeds bumblebee's limit of ", limit,
+             " (skills/model-config.md: bounds)");
+  };
+  at_most(vocab_size, kMaxVocabSize, "vocab_size");
+  at_most(hidden_size, kMaxModelDim, "hidden_size");
+  at_most(num_layers, kMaxLayers, "num_hidden_layers");
+  at_most(num_heads, kMaxHeads, "num_attention_heads");
+  at_most(num_kv_heads, kMaxHeads, "num_key_value_heads");
+  at_most(head_dim, kMaxModelDim, "head_dim");
+  at_most(intermediate_size, kMaxModelDim, "intermediate_size");
+  at_most(moe_intermediate_size, kMaxModelDim, "moe_intermediate_size");
+  at_most(shared_expert_intermediate_size, kMaxModelDim, "shared_expert_intermediate_size");
+  at_most(num_experts, kMaxExperts, "num_experts");
+  at_most(top_k, kMaxExperts, "num_experts_per_tok");
+  at_most(decoder_sparse_step, kMaxLayers, "decoder_sparse_step");
+  BB_CHECK(intermediate_size >= 0, p, "intermediate_size must be >= 0, got ", intermediate_size);
+  BB_CHECK(moe_intermediate_size >= 0, p, "moe_intermediate_size must be >= 0, got ",
+           moe_intermediate_size);
+  BB_CHECK(top_k >= 0, p, "num_experts_per_tok must be >= 0, got ", top_k);
+  for (const auto& [v, key] : {std::pair{rope_theta, "rope_theta"}, {rms_norm_eps, "rms_norm_eps"},
+                               {router_aux_loss_coef, "router_aux_loss_coef"},
+                               {init_std, "initializer_range"}})
+    BB_CHECK(std::isfinite(v), p, key, " must be a finite number, got ", v);
   BB_CHECK(hidden_size > 0, p, "hidden_size must be > 0, got ", hidden_size);
   BB_CHECK(num_layers > 0, p, "num_hidden_layers must be > 0, got ", num_layers);
   BB_CHECK(num_heads > 0, p, "num_attention_heads must be > 0, got ", num_heads);
@@ -179,9 +217,12 @@ void ModelConfig::validate() const {
   BB_CHECK(head_dim % 2 == 0, p, "head_dim must be even for RoPE, got ", head_dim);
   BB_CHECK(decoder_sparse_step >= 1, p, "decoder_sparse_step must be >= 1, got ",
            decoder_sparse_step);
-  for (int64_t l : mlp_only_layers)
+  std::set<int64_t> dense_layers;
+  for (int64_t l : mlp_only_layers) {
     BB_CHECK(l >= 0 && l < num_layers, p, "mlp_only_layers entry ", l,
              " is not a layer index in [0, ", num_layers, ")");
+    BB_CHECK(dense_layers.insert(l).second, p, "mlp_only_layers lists layer ", l, " twice");
+  }
   BB_CHECK(num_experts >= 0, p, "num_experts must be >= 0, got ", num_experts);
   const int64_t n_moe = num_moe_layers();
   if (n_moe > 0) {
@@ -206,6 +247,8 @@ void ModelConfig::validate() const {
            vocab_size);
   BB_CHECK(eos_token_id < vocab_size, p, "eos_token_id ", eos_token_id, " >= vocab_size ",
            vocab_size);
+  BB_CHECK(bos_token_id >= -1 && eos_token_id >= -1, p, "token ids are >= 0 or -1 (none), got bos ",
+           bos_token_id, ", eos ", eos_token_id);
   // The two families differ exactly here; anything else would not round-trip through HF.
   if (model_type == "qwen3_moe") {
     BB_CHECK(qk_norm && !qkv_bias, p, "qwen3_moe has per-head q/k RMSNorm and no q/k/v bias");
@@ -215,47 +258,80 @@ void ModelConfig::validate() const {
   }
 }
 
+namespace {
+// Overflow-checked sums of products for the parameter counts; `what` names the count.
+struct CountSum {
+  const char* what;
+  int64_t total = 0;
+  void add(std::initializer_list<int64_t> factors) {
+    const int64_t term = checked_product(factors, "model config: ", what);
+    total = checked_add(total, term, "model config: ", what);
+  }
+};
+}  // namespace
+
 int64_t ModelConfig::num_params() const {
   const int64_t H = hidden_size, D = head_dim;
-  const int64_t attn = H * num_heads * D + 2 * H * num_kv_heads * D + num_heads * D * H +
-                       (qkv_bias ? (num_heads + 2 * num_kv_heads) * D : 0) + (qk_norm ? 2 * D : 0);
-  int64_t total = 0;
+  CountSum attn{"num_params"};
+  attn.add({H, num_heads, D});         // q
+  attn.add({2, H, num_kv_heads, D});   // k, v
+  attn.add({num_heads, D, H});         // o
+  if (qkv_bias) attn.add({num_heads + 2 * num_kv_heads, D});
+  if (qk_norm) attn.add({2, D});
+  CountSum total{"num_params"};
   for (int64_t l = 0; l < num_layers; ++l) {
-    total += attn + 2 * H;  // + input and post-attention RMSNorm
+    total.add({attn.total});
+    total.add({2, H});  // input and post-attention RMSNorm
     if (is_moe_layer(l)) {
-      total += num_experts * 3 * H * moe_intermediate_size + num_experts * H;
-      if (shared_expert_intermediate_size > 0) total += 3 * H * shared_expert_intermediate_size + H;
+      total.add({num_experts, 3, H, moe_intermediate_size});
+      total.add({num_experts, H});
+      if (shared_expert_intermediate_size > 0) {
+        total.add({3, H, shared_expert_intermediate_size});
+        total.add({H});
+      }
     } else {
-      total += 3 * H * intermediate_size;
+      total.add({3, H, intermediate_size});
     }
   }
-  total += H;  // final norm
-  total += vocab_size * H * (tie_word_embeddings ? 1 : 2);
-  return total;
+  total.add({H});  // final norm
+  total.add({vocab_size, H, tie_word_embeddings ? 1 : 2});
+  return total.total;
 }
 
 int64_t ModelConfig::num_expert_params() const {
-  return num_moe_layers() * num_experts * 3 * hidden_size * moe_intermediate_size;
+  CountSum total{"num_expert_params"};
+  total.add({num_moe_layers(), num_experts, 3, hidden_size, moe_intermediate_size});
+  return total.total;
 }
 
 int64_t ModelConfig::active_matmul_params_per_token() const {
   const int64_t H = hidden_size, D = head_dim;
-  const int64_t attn = 2 * H * num_heads * D + 2 * H * num_kv_heads * D;
-  int64_t total = 0;
+  CountSum attn{"active_matmul_params_per_token"};
+  attn.add({2, H, num_heads, D});
+  attn.add({2, H, num_kv_heads, D});
+  CountSum total{"active_matmul_params_per_token"};
   for (int64_t l = 0; l < num_layers; ++l) {
-    total += attn;
+    total.add({attn.total});
     if (is_moe_layer(l)) {
-      total += top_k * 3 * H * moe_intermediate_size + num_experts * H;
-      if (shared_expert_intermediate_size > 0) total += 3 * H * shared_expert_intermediate_size + H;
+      total.add({top_k, 3, H, moe_intermediate_size});
+      total.add({num_experts, H});
+      if (shared_expert_intermediate_size > 0) {
+        total.add({3, H, shared_expert_intermediate_size});
+        total.add({H});
+      }
     } else {
-      total += 3 * H * intermediate_size;
+      total.add({3, H, intermediate_size});
     }
   }
-  return total + vocab_size * H;  // LM head multiplies even when tied
+  total.add({vocab_size, H});  // LM head multiplies even when tied
+  return total.total;
 }
 
 int64_t ModelConfig::num_active_params() const {
-  return active_matmul_params_per_token() + vocab_size * hidden_size;
+  CountSum total{"num_active_params"};
+  total.add({active_matmul_params_per_token()});
+  total.add({vocab_size, hidden_size});
+  return total.total;
 }
 
 json ModelConfig::to_hf_json() const {
@@ -346,10 +422,8 @@ ModelConfig parse_hf_config(const json& j, const std::string& src) {
   if (r.has("mlp_only_layers")) {
     const json& m = j.at("mlp_only_layers");
     if (!m.is_array()) r.wrong_type("mlp_only_layers", "a list of integers");
-    for (const json& e : m) {
-      if (!e.is_number_integer()) r.wrong_type("mlp_only_layers", "a list of integers");
-      c.mlp_only_layers.push_back(e.get<int64_t>());
-    }
+    for (const json& e : m)
+      c.mlp_only_layers.push_back(r.int_value(e, "mlp_only_layers", "a list of integers"));
   }
   c.norm_topk_prob = r.get_bool("norm_topk_prob", false);  // HF default for both families
   c.rms_norm_eps = r.get_double("rms_norm_eps", 1e-6);
@@ -369,19 +443,27 @@ ModelConfig parse_hf_config(const json& j, const std::string& src) {
     c.rope_theta = theta;
   }
 
-  // Token ids: stored for data handling, never used in the math.
+  // Token ids: stored for data handling, never used in the math. -1 is "none" inside; in the
+  // file "none" is null or absent, so a negative id there is an error, not a second spelling.
   c.bos_token_id = r.get_int("bos_token_id", -1);
   if (r.has("eos_token_id")) {
     const json& e = j.at("eos_token_id");
     if (e.is_array()) {  // HF allows several; the first is the one we append
-      for (const json& v : e)
-        if (!v.is_number_integer())
-          r.wrong_type("eos_token_id", "an integer or a list of integers");
+      for (const json& v : e) {
+        const int64_t id = r.int_value(v, "eos_token_id", "an integer or a list of integers");
+        BB_CHECK(id >= 0, "key 'eos_token_id' in ", src, " contains ", id,
+                 ": token ids are >= 0 (use null for none)");
+      }
       c.eos_token_id = e.empty() ? -1 : e.front().get<int64_t>();
     } else {
       c.eos_token_id = r.get_int("eos_token_id");
     }
   }
+  BB_CHECK(!r.has("bos_token_id") || c.bos_token_id >= 0, "key 'bos_token_id' in ", src, " is ",
+           c.bos_token_id, ": token ids are >= 0 (use null for none)");
+  BB_CHECK(!r.has("eos_token_id") || j.at("eos_token_id").is_array() || c.eos_token_id >= 0,
+           "key 'eos_token_id' in ", src, " is ", c.eos_token_id,
+           ": token ids are >= 0 (use null for none)");
 
   // Values that would change the math in ways not implemented.
   const std::string act = r.get_string("hidden_act", "silu");
@@ -426,14 +508,8 @@ ModelConfig load_hf_config(const std::string& path_or_dir) {
   if (fs::is_directory(path)) path /= "config.json";
   BB_CHECK(fs::is_regular_file(path), "model config not found: ", path.string(),
            " (expected a config.json or a directory containing one)");
-  std::ifstream in(path);
-  BB_CHECK(in.good(), "cannot open model config ", path.string());
-  json j;
-  try {
-    j = json::parse(in);
-  } catch (const json::exception& e) {
-    BB_FAIL("cannot parse model config ", path.string(), ": ", e.what());
-  }
+  const json j =
+      parse_json_bounded(read_file(path.string()), "cannot parse model config " + path.string());
   return parse_hf_config(j, path.string());
 }
 

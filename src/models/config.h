@@ -18,6 +18,18 @@
 
 namespace bb {
 
+// Upper bounds validate() enforces on every ModelConfig (so also on every parsed config.json).
+// They are far above any published model (Qwen3-235B-A22B: H 4096, 94 layers, 128 experts,
+// vocab 151,936) and exist so that a crafted or corrupt config fails with a message naming the
+// key instead of overflowing a count or asking for an absurd allocation. The derived counts
+// (num_params, ...) are overflow-checked on top of this, since the bounds alone still allow
+// products past int64.
+inline constexpr int64_t kMaxModelDim = int64_t{1} << 20;  // hidden, ffn sizes, head_dim
+inline constexpr int64_t kMaxVocabSize = int64_t{1} << 24;
+inline constexpr int64_t kMaxLayers = 1024;                 // also bounds decoder_sparse_step
+inline constexpr int64_t kMaxExperts = 4096;                // also bounds num_experts_per_tok
+inline constexpr int64_t kMaxHeads = 4096;                  // attention and key/value heads
+
 // The token mixer of a decoder layer (Hugging Face `layer_types`).
 enum class LayerType : uint8_t { full_attention, linear_attention };
 const char* layer_type_name(LayerType t);
@@ -52,8 +64,9 @@ struct ModelConfig {
   int64_t num_moe_layers() const;
   LayerType layer_type(int64_t layer) const;
 
-  // Throws bb::Error naming the field when the config is inconsistent: sizes <= 0, heads not a
-  // multiple of kv heads, top_k not in [1, num_experts], mlp_only_layers out of range, family
+  // Throws bb::Error naming the field when the config is inconsistent: sizes <= 0 or above the
+  // kMax* bounds, heads not a multiple of kv heads, top_k not in [1, num_experts],
+  // mlp_only_layers out of range or repeated, non-finite floats, token ids below -1, family
   // flags that do not match model_type (qwen3_moe: qk_norm, no qkv bias, no shared expert;
   // qwen2_moe: no qk_norm).
   void validate() const;
@@ -62,7 +75,8 @@ struct ModelConfig {
   // torch_dtype "bfloat16", every shape and behaviour key). parse_hf_config(to_hf_json()) == *this.
   nlohmann::json to_hf_json() const;
 
-  // Parameter counts in elements.
+  // Parameter counts in elements; each throws bb::Error when the count overflows int64 (only
+  // possible near the kMax* bounds).
   //   attention per layer  = H*(heads*D) + 2*H*(kv*D) + (heads*D)*H       (q, k, v, o)
   //                          + [qkv_bias] (heads + 2*kv)*D + [qk_norm] 2*D
   //   dense MLP            = 3*H*intermediate_size                           (gate, up, down)

@@ -70,8 +70,9 @@ nlohmann::json parse_checkpoint_state(std::string_view text, const std::string& 
   if (st.contains("seed") && !st["seed"].is_number_unsigned()) bad("seed", "an integer >= 0");
   for (const char* key : {"dp", "grad_accum"}) {
     const auto it = st["layout"].find(key);
-    BB_CHECK(it == st["layout"].end() || (it->is_number_integer() && it->get<int64_t>() >= 1), "checkpoint ", dir,
-             ": state.json field 'layout.", key, "' must be an integer >= 1");
+    BB_CHECK(it == st["layout"].end() ||
+                 (it->is_number_integer() && it->get<int64_t>() >= 1 && it->get<int64_t>() <= (int64_t{1} << 20)),
+             "checkpoint ", dir, ": state.json field 'layout.", key, "' must be an integer in [1, 2^20]");
   }
   try {
     (void)st["data_position"].get<DataPosition>();

@@ -105,24 +105,42 @@ std::string noun_phrase(DocRng& r) {
   return det + " " + (adj.empty() ? "" : adj + " ") + std::string(noun);
 }
 
+// The draws are named locals, taken in a fixed order (the last word first, the order the corpus
+// was pinned with): inside one `+` chain C++ leaves the order of the calls unspecified, and
+// compilers differ, which would make the corpus depend on the compiler.
 std::string story_sentence(DocRng& r, std::string_view hero) {
   switch (r.below(6)) {
-    case 0:
-      return capitalized(noun_phrase(r)) + " " + std::string(r.pick(kTransitive)) + " " +
-             noun_phrase(r) + ".";
-    case 1:
-      return std::string(hero) + " " + std::string(r.pick(kIntransitive)) + " " +
-             std::string(r.pick(kPlaces)) + ".";
-    case 2:
-      return std::string(r.pick(kTimes)) + ", " + std::string(hero) + " " +
-             std::string(r.pick(kTransitive)) + " " + noun_phrase(r) + ".";
-    case 3:
-      return capitalized(noun_phrase(r)) + " was " + std::string(r.pick(kAdjectives)) + ".";
+    case 0: {
+      const std::string object = noun_phrase(r);
+      const std::string_view verb = r.pick(kTransitive);
+      const std::string subject = capitalized(noun_phrase(r));
+      return subject + " " + std::string(verb) + " " + object + ".";
+    }
+    case 1: {
+      const std::string_view place = r.pick(kPlaces);
+      const std::string_view verb = r.pick(kIntransitive);
+      return std::string(hero) + " " + std::string(verb) + " " + std::string(place) + ".";
+    }
+    case 2: {
+      const std::string object = noun_phrase(r);
+      const std::string_view verb = r.pick(kTransitive);
+      const std::string_view when = r.pick(kTimes);
+      return std::string(when) + ", " + std::string(hero) + " " + std::string(verb) + " " + object + ".";
+    }
+    case 3: {
+      const std::string_view adj = r.pick(kAdjectives);
+      const std::string subject = capitalized(noun_phrase(r));
+      return subject + " was " + std::string(adj) + ".";
+    }
     case 4:
       return std::string(hero) + " said, \"I like " + noun_phrase(r) + ".\"";
-    default:
-      return std::string(hero) + " and " + std::string(r.pick(kNames)) + " " +
-             std::string(r.pick(kIntransitive)) + " " + std::string(r.pick(kPlaces)) + ".";
+    default: {
+      const std::string_view place = r.pick(kPlaces);
+      const std::string_view verb = r.pick(kIntransitive);
+      const std::string_view friend_name = r.pick(kNames);
+      return std::string(hero) + " and " + std::string(friend_name) + " " + std::string(verb) + " " +
+             std::string(place) + ".";
+    }
   }
 }
 

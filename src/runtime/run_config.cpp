@@ -130,7 +130,37 @@ void check_toml_nesting(const std::string& text, const std::string& source) {
   }
 }
 
+// TOML is UTF-8; toml11 (3.7) reads out of bounds on the error path of a string holding invalid
+// UTF-8, so such text is refused before it reaches the parser. Returns the offset of the first
+// bad byte, or npos.
+size_t invalid_utf8_at(const std::string& s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    if (len == 0 || i + len > s.size()) return i;
+    uint32_t cp = len == 1 ? c : len == 2 ? (c & 0x1F) : len == 3 ? (c & 0x0F) : (c & 0x07);
+    for (size_t k = 1; k < len; ++k) {
+      const auto d = static_cast<unsigned char>(s[i + k]);
+      if ((d >> 6) != 0x2) return i;
+      cp = (cp << 6) | (d & 0x3F);
+    }
+    // Overlong forms, surrogates and code points past U+10FFFF are not UTF-8 either.
+    const uint32_t min_cp[5] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < min_cp[len] || (cp >= 0xD800 && cp <= 0xDFFF) || cp > 0x10FFFF) return i;
+    i += len;
+  }
+  return std::string::npos;
+}
+
+void check_utf8(const std::string& text, const std::string& source) {
+  const size_t at = invalid_utf8_at(text);
+  BB_CHECK(at == std::string::npos, "cannot parse ", source, " as TOML: invalid UTF-8 at byte ", at,
+           " (TOML files are UTF-8 text)");
+}
+
 toml::value parse_toml_text(const std::string& text, const std::string& source) {
+  check_utf8(text, source);
   check_toml_nesting(text, source);
   std::istringstream in(text);
   try {
@@ -152,6 +182,7 @@ void apply_override(toml::value& root, const std::string& ov) {
            "bad override key '", key, "': expected table.key, e.g. train.steps");
   const std::string table = key.substr(0, dot), name = key.substr(dot + 1);
   toml::value value;
+  check_utf8(text, "--set " + key);
   check_toml_nesting(text, "--set " + key);
   try {
     std::istringstream in("v = " + text);

@@ -332,6 +332,16 @@ TEST(HostileConfig, DeeplyNestedTomlIsRefusedBeforeParsing) {
   test::expect_error_contains([&] { parse_run_config(ok, "ok.toml"); }, "model.config is required");
 }
 
+// toml11 reads out of bounds on invalid UTF-8 inside a string (found by fuzz/fuzz_run_config):
+// such text is refused before parsing, in files and in --set values.
+TEST(HostileConfig, InvalidUtf8IsRefusedBeforeParsing) {
+  const std::string dir = make_tmpdir();
+  const std::string run = write_run(dir, small_model());
+  test::expect_error_contains([&] { parse_run_config("'\xb3/'", "bad.toml"); }, "invalid UTF-8 at byte 1");
+  test::expect_error_contains([&] { load_run_config(run, {"log.metrics=\"\xc0\xaf\""}); }, "invalid UTF-8");
+  EXPECT_EQ(load_run_config(run, {"log.metrics=\"m\xc3\xa9trics.jsonl\""}).metrics_path, "m\xc3\xa9trics.jsonl");
+}
+
 TEST(HostileConfig, NonFiniteAndOutOfRangeValuesAreRefused) {
   const std::string dir = make_tmpdir();
   const std::string run = write_run(dir, small_model());
@@ -399,7 +409,20 @@ TEST(HostileData, JsonlLinesAreBoundedInLengthAndMemory) {
   close(fds[1]);
   std::printf("JSONL load of a %.1f MB line: peak RSS +%.1f MB (%.2fx the line)\n", line_mb, msg[0], msg[0] / line_mb);
   EXPECT_EQ(msg[1], static_cast<double>(n + 1));
-  EXPECT_LT(msg[0], 6.0 * line_mb) << "peak growth " << msg[0] << " MB for a " << line_mb << " MB line";
+  // AddressSanitizer's allocator adds its own overhead per allocation: the bound is for the
+  // plain build.
+#if defined(__SANITIZE_ADDRESS__)
+  constexpr double kBound = 10.0;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+  constexpr double kBound = 10.0;
+#else
+  constexpr double kBound = 6.0;
+#endif
+#else
+  constexpr double kBound = 6.0;
+#endif
+  EXPECT_LT(msg[0], kBound * line_mb) << "peak growth " << msg[0] << " MB for a " << line_mb << " MB line";
 }
 
 }  // namespace

@@ -32,7 +32,10 @@ inline float exp_f32_in_range(float x) {
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * z + r + 1.0f;
-  return y * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  // 2^n from the bits of n + 1.5 * 2^23 (n is integral here): no float -> int conversion, so a
+  // NaN argument propagates without undefined behaviour.
+  const int32_t ni = std::bit_cast<int32_t>(n + 12582912.0f) - 0x4B400000;
+  return y * std::bit_cast<float>((ni + 127) << 23);
 }
 
 constexpr int kLanes = 8;  // independent partial sums: lets the loop vectorize and adds accuracy
