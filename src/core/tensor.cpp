@@ -187,7 +187,7 @@ Tensor Tensor::to_dtype(DType dt, MemCategory cat) const {
     std::vector<float> v = to_floats();
     Tensor t = empty(shape_, dt, Device::cpu(), cat);
     if (dt == DType::f32) {
-      std::memcpy(t.raw(), v.data(), v.size() * 4);
+      if (!v.empty()) std::memcpy(t.raw(), v.data(), v.size() * 4);  // an empty tensor may have no buffer
     } else {
       uint16_t* p = static_cast<uint16_t*>(t.raw());
       for (size_t i = 0; i < v.size(); ++i)
