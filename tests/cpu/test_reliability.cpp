@@ -24,11 +24,6 @@ namespace {
 
 std::string ck(const std::string& dir) { return dir + "/ckpt"; }
 
-std::string trim(std::string s) {
-  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
-  return s;
-}
-
 // Everything a FILE* log received, as text.
 struct CapturedLog {
   FILE* f = std::tmpfile();
