@@ -37,6 +37,45 @@ TEST(RMSNorm, ForwardMatchesDoubleAndBackwardMatchesFD) {
   EXPECT_LT(test::rel_error(dw.to_floats(), gw), test::kGradTol);
 }
 
+// Zero-centred (Qwen3.5): y = (1 + w) x / rms(x). Equal to the classic norm with weight 1 + w,
+// forward and backward; d_w is the same sum (d(1 + w)/dw = 1); and a w of zeros is the plain
+// normalisation. The classic path is checked against finite differences above, so this pins
+// the zero-centred one to the same truth; flipping the offset's sign fails every check.
+TEST(RMSNorm, ZeroCenteredEqualsClassicWithOnePlusW) {
+  const int64_t T = 5, H = 9;
+  const double eps = 1e-6;
+  auto xv = randn(T * H, 11), wv = randn(H, 12, 0.3f), dyv = randn(T * H, 13);
+  std::vector<float> w1(wv.size());
+  for (size_t i = 0; i < wv.size(); ++i) w1[i] = 1.0f + wv[i];
+  Tensor x = Tensor::from_floats(xv, {T, H}), w = Tensor::from_floats(wv, {H});
+  Tensor wone = Tensor::from_floats(w1, {H}), dy = Tensor::from_floats(dyv, {T, H});
+  RMSNormSaved sz, sc;
+  Tensor yz = rmsnorm_forward(x, w, eps, &sz, MemCategory::activations, true);
+  Tensor yc = rmsnorm_forward(x, wone, eps, &sc);
+  EXPECT_EQ(yz.to_floats(), yc.to_floats());
+  EXPECT_EQ(w.to_floats(), wv) << "the caller's weight must not change";
+  Tensor dwz = Tensor::zeros({H}, DType::f32, Device::cpu(), MemCategory::grads);
+  Tensor dwc = Tensor::zeros({H}, DType::f32, Device::cpu(), MemCategory::grads);
+  Tensor dxz = rmsnorm_backward(dy, x, w, sz, dwz, true);
+  Tensor dxc = rmsnorm_backward(dy, x, wone, sc, dwc);
+  EXPECT_EQ(dxz.to_floats(), dxc.to_floats());
+  EXPECT_EQ(dwz.to_floats(), dwc.to_floats());
+
+  Tensor zeros = Tensor::zeros({H}, DType::f32, Device::cpu(), MemCategory::params);
+  Tensor yn = rmsnorm_forward(x, zeros, eps, nullptr, MemCategory::activations, true);
+  std::vector<double> yd(T * H), rd(T), ones(H, 1.0);
+  auto X = test::cast<double>(xv);
+  ref::rmsnorm_forward<double>(yd.data(), rd.data(), X.data(), ones.data(), T, H, eps);
+  EXPECT_LT(test::rel_error(yn.to_floats(), yd), 1e-6);
+
+  // Per head (q/k norm) the flag reaches the same path.
+  const int64_t n = 3, D = 3;
+  Tensor xh = Tensor::from_floats(xv, {T, n, D});
+  Tensor wh = Tensor::from_floats({0.1f, -0.2f, 0.3f}, {D}), wh1 = Tensor::from_floats({1.1f, 0.8f, 1.3f}, {D});
+  EXPECT_EQ(qk_norm_forward(xh, wh, eps, nullptr, MemCategory::activations, true).to_floats(),
+            qk_norm_forward(xh, wh1, eps, nullptr).to_floats());
+}
+
 TEST(RMSNorm, Bf16StorageWithinTolerance) {
   const int64_t T = 9, H = 64;
   auto xv = randn(T * H, 5), wv = test::randu(H, 6, 0.5f, 1.5f);

@@ -1,4 +1,5 @@
-// Memory-bound primitives on CUDA against their CPU path: embedding, RMSNorm / QK norm, RoPE,
+// Memory-bound primitives on CUDA against their CPU path: embedding, RMSNorm / QK norm (plain
+// and zero-centred), gated RMSNorm, RoPE,
 // SwiGLU, elementwise ops, AdamW and gradient norms. Each test draws fresh random inputs, runs
 // the Tensor API on CPU tensors and on copies on cuda:0, and compares with the per-dtype
 // tolerance (relative L2 error). Shapes include ones that divide no tile or vector size
@@ -15,6 +16,7 @@
 #include "primitives/activation/swiglu.h"
 #include "primitives/elementwise/elementwise.h"
 #include "primitives/embedding/embedding.h"
+#include "primitives/norm/gated_rmsnorm.h"
 #include "primitives/norm/rmsnorm.h"
 #include "primitives/optim/adamw.h"
 #include "primitives/rope/rope.h"
@@ -222,6 +224,72 @@ TEST(RMSNormGpu, QKNormPerHeadAndErrors) {
   Tensor x16 = Tensor::from_floats(randn(4 * D, 65), {4, D}, DType::f16).to(kGpu);
   test::expect_error_contains([&] { rmsnorm_forward(x16, wg, 1e-6, nullptr); },
                               "the CUDA path takes f32 or bf16");
+}
+
+// Zero-centred norm on the GPU (the offset is applied where the kernels stage the weight):
+// against the CPU path, forward and backward, bf16 and f32 weights, and per head.
+TEST(RMSNormGpu, ZeroCenteredMatchesCpu) {
+  BB_REQUIRE_GPU();
+  for (DType wt : {DType::f32, DType::bf16}) {
+    for (NormShape s : {NormShape{33, 2048}, NormShape{17, 7}, NormShape{4097, 256}}) {
+      SCOPED_TRACE(testing::Message() << "w " << dtype_name(wt) << " " << s.rows << "x" << s.H);
+      Tensor x = host(randn(s.rows * s.H, 71), {s.rows, s.H}, DType::bf16);
+      Tensor w = host(randn(s.H, 72, 0.2f), {s.H}, wt);
+      Tensor dy = host(randn(s.rows * s.H, 73), {s.rows, s.H});
+      RMSNormSaved sc, sg;
+      Tensor yc = rmsnorm_forward(x, w, 1e-6, &sc, MemCategory::activations, true);
+      Tensor xg = on_gpu(x), wg = on_gpu(w);
+      Tensor yg = rmsnorm_forward(xg, wg, 1e-6, &sg, MemCategory::activations, true);
+      EXPECT_LT(test::rel_error(yg.to_floats(), yc.to_floats()), test::kTolBf16);
+      Tensor plain = rmsnorm_forward(xg, wg, 1e-6, nullptr);
+      EXPECT_GT(test::rel_error(plain.to_floats(), yc.to_floats()), 0.5) << "the flag must matter";
+      Tensor dwc = Tensor::zeros({s.H}, DType::f32, Device::cpu(), MemCategory::grads);
+      Tensor dwg = dwc.to(kGpu);
+      Tensor dxc = rmsnorm_backward(dy, x, w, sc, dwc, true);
+      Tensor dxg = rmsnorm_backward(on_gpu(dy), xg, wg, sg, dwg, true);
+      EXPECT_LT(test::rel_error(dxg.to_floats(), dxc.to_floats()), test::kTolBf16);
+      EXPECT_LT(test::rel_error(dwg.to_floats(), dwc.to_floats()), test::kTolBf16);
+    }
+  }
+  const int64_t T = 9, n = 4, D = 256;
+  Tensor x = host(randn(T * n * D, 74), {T, n, D}, DType::bf16);
+  Tensor w = host(randn(D, 75, 0.2f), {D});
+  Tensor yc = qk_norm_forward(x, w, 1e-6, nullptr, MemCategory::activations, true);
+  Tensor yg = qk_norm_forward(on_gpu(x), on_gpu(w), 1e-6, nullptr, MemCategory::activations, true);
+  EXPECT_LT(test::rel_error(yg.to_floats(), yc.to_floats()), test::kTolBf16);
+}
+
+// Gated RMSNorm (the GDN output norm): f32 and bf16 storage, head dims 128 (Qwen3.5), 7 (odd,
+// less than a warp) and 300 (wider than the lanes keep in registers); d_w deterministic.
+TEST(GatedRMSNormGpu, ForwardAndBackwardMatchCpu) {
+  BB_REQUIRE_GPU();
+  for (DType dt : {DType::f32, DType::bf16}) {
+    for (NormShape s : {NormShape{4096 + 3, 128}, NormShape{37, 7}, NormShape{65, 300}}) {
+      SCOPED_TRACE(testing::Message() << dtype_name(dt) << " " << s.rows << "x" << s.H);
+      Tensor x = host(randn(s.rows * s.H, 81, 2.0f), {s.rows, s.H}, dt);
+      Tensor z = host(randn(s.rows * s.H, 82, 2.0f), {s.rows, s.H}, dt);
+      Tensor w = host(test::randu(s.H, 83, 0.5f, 1.5f), {s.H}, dt);
+      Tensor dy = host(randn(s.rows * s.H, 84), {s.rows, s.H}, dt);
+      Tensor xg = on_gpu(x), zg = on_gpu(z), wg = on_gpu(w), dyg = on_gpu(dy);
+      Tensor yc = gated_rmsnorm_forward(x, z, w, 1e-6);
+      Tensor yg = gated_rmsnorm_forward(xg, zg, wg, 1e-6);
+      EXPECT_EQ(yg.dtype(), dt);
+      EXPECT_LT(test::rel_error(yg.to_floats(), yc.to_floats()), tol(dt));
+      Tensor dwc = host(randn(s.H, 85), {s.H});
+      Tensor dwg = on_gpu(dwc), dwg2 = on_gpu(dwc);
+      auto [dxc, dzc] = gated_rmsnorm_backward(dy, x, z, w, 1e-6, dwc);
+      auto [dxg, dzg] = gated_rmsnorm_backward(dyg, xg, zg, wg, 1e-6, dwg);
+      gated_rmsnorm_backward(dyg, xg, zg, wg, 1e-6, dwg2);
+      EXPECT_EQ(dxg.dtype(), DType::f32);
+      EXPECT_LT(test::rel_error(dxg.to_floats(), dxc.to_floats()), tol(dt));
+      EXPECT_LT(test::rel_error(dzg.to_floats(), dzc.to_floats()), tol(dt));
+      EXPECT_LT(test::rel_error(dwg.to_floats(), dwc.to_floats()), tol(dt));
+      EXPECT_EQ(dwg.to_floats(), dwg2.to_floats()) << "d_w must not depend on scheduling";
+    }
+  }
+  Tensor x = host(randn(8 * 16, 86), {8, 16});
+  test::expect_error_contains([&] { gated_rmsnorm_forward(on_gpu(x), x, host(randn(16, 87), {16}), 1e-6); },
+                              "tensors on different devices");
 }
 
 // ---- RoPE ---------------------------------------------------------------------------------

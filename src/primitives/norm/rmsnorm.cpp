@@ -17,6 +17,18 @@ void check_cuda_dtype(const Tensor& t, const char* op, const char* arg) {
            "' has dtype ", dtype_name(t.dtype()), ", the CUDA path takes f32 or bf16");
 }
 
+// The CPU path's weight as f32, plus 1 for the zero-centred norm (a fresh copy then, never the
+// caller's buffer).
+Tensor cpu_weight(const Tensor& w, bool zero_centered) {
+  Tensor wf = cpu::as_f32(w);
+  if (!zero_centered) return wf;
+  Tensor out = cpu::empty_f32(w.shape(), MemCategory::workspace);
+  const float* src = wf.data<float>();
+  float* dst = out.data<float>();
+  for (int64_t i = 0; i < w.numel(); ++i) dst[i] = 1.0f + src[i];
+  return out;
+}
+
 [[maybe_unused]] void require_cuda_build(const char* op, const Tensor& t) {
 #ifndef BB_WITH_CUDA
   BB_FAIL(op, ": not implemented on ", t.device().str(), " in this build (no CUDA backend)");
@@ -25,7 +37,7 @@ void check_cuda_dtype(const Tensor& t, const char* op, const char* arg) {
 }  // namespace
 
 Tensor rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, RMSNormSaved* saved,
-                       MemCategory out_cat) {
+                       MemCategory out_cat, bool zero_centered) {
   BB_RANGE("rmsnorm_forward");
   check_float(x, "rmsnorm_forward", "x");
   check_float(w, "rmsnorm_forward", "w");
@@ -43,12 +55,12 @@ Tensor rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, RMSNormSave
     Tensor rstd = Tensor::empty({rows}, DType::f32, x.device(), MemCategory::activations);
 #ifdef BB_WITH_CUDA
     cuda::rmsnorm_forward(y.raw(), rstd.data<float>(), x.raw(), x.dtype(), w.raw(), w.dtype(),
-                          rows, H, static_cast<float>(eps));
+                          zero_centered ? 1.0f : 0.0f, rows, H, static_cast<float>(eps));
 #endif
     if (saved) saved->rstd = rstd;
     return y;
   }
-  Tensor xf = cpu::as_f32(x), wf = cpu::as_f32(w);
+  Tensor xf = cpu::as_f32(x), wf = cpu_weight(w, zero_centered);
   Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device(), out_cat);
   Tensor yf = x.dtype() == DType::f32 ? y : cpu::empty_f32(x.shape(), MemCategory::workspace);
   Tensor rstd = Tensor::empty({rows}, DType::f32, x.device(), MemCategory::activations);
@@ -60,7 +72,7 @@ Tensor rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, RMSNormSave
 }
 
 Tensor rmsnorm_backward(const Tensor& d_y, const Tensor& x, const Tensor& w,
-                        const RMSNormSaved& saved, Tensor& d_w) {
+                        const RMSNormSaved& saved, Tensor& d_w, bool zero_centered) {
   BB_RANGE("rmsnorm_backward");
   check_float(d_y, "rmsnorm_backward", "d_y");
   BB_CHECK(x.dim() == 2, "rmsnorm_backward: x must be [T, H], got ", shape_str(x.shape()));
@@ -86,11 +98,11 @@ Tensor rmsnorm_backward(const Tensor& d_y, const Tensor& x, const Tensor& w,
                               MemCategory::workspace);
     cuda::rmsnorm_backward(dx.data<float>(), d_w.data<float>(), ws.data<float>(), d_y.raw(),
                            d_y.dtype(), x.raw(), x.dtype(), w.raw(), w.dtype(),
-                           saved.rstd.data<float>(), rows, H);
+                           zero_centered ? 1.0f : 0.0f, saved.rstd.data<float>(), rows, H);
 #endif
     return dx;
   }
-  Tensor xf = cpu::as_f32(x), wf = cpu::as_f32(w), dyf = cpu::as_f32(d_y);
+  Tensor xf = cpu::as_f32(x), wf = cpu_weight(w, zero_centered), dyf = cpu::as_f32(d_y);
   Tensor dx = Tensor::empty(x.shape(), DType::f32, x.device(), MemCategory::activations);
   ref::rmsnorm_backward<float>(dx.data<float>(), d_w.data<float>(), dyf.data<float>(),
                                xf.data<float>(), wf.data<float>(), saved.rstd.data<float>(), rows, H);
@@ -98,18 +110,19 @@ Tensor rmsnorm_backward(const Tensor& d_y, const Tensor& x, const Tensor& w,
 }
 
 Tensor qk_norm_forward(const Tensor& x, const Tensor& w, double eps, RMSNormSaved* saved,
-                       MemCategory out_cat) {
+                       MemCategory out_cat, bool zero_centered) {
   BB_CHECK(x.dim() == 3, "qk_norm_forward: x must be [T, heads, D], got ", shape_str(x.shape()));
   const Shape s = x.shape();
-  return rmsnorm_forward(x.view({s[0] * s[1], s[2]}), w, eps, saved, out_cat).view(s);
+  return rmsnorm_forward(x.view({s[0] * s[1], s[2]}), w, eps, saved, out_cat, zero_centered).view(s);
 }
 
 Tensor qk_norm_backward(const Tensor& d_y, const Tensor& x, const Tensor& w,
-                        const RMSNormSaved& saved, Tensor& d_w) {
+                        const RMSNormSaved& saved, Tensor& d_w, bool zero_centered) {
   BB_CHECK(x.dim() == 3, "qk_norm_backward: x must be [T, heads, D], got ", shape_str(x.shape()));
   const Shape s = x.shape();
   check_shape(d_y, s, "qk_norm_backward", "d_y");
-  return rmsnorm_backward(d_y.view({s[0] * s[1], s[2]}), x.view({s[0] * s[1], s[2]}), w, saved, d_w)
+  return rmsnorm_backward(d_y.view({s[0] * s[1], s[2]}), x.view({s[0] * s[1], s[2]}), w, saved, d_w,
+                          zero_centered)
       .view(s);
 }
 

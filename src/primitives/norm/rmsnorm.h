@@ -1,4 +1,6 @@
-// rmsnorm.h — RMSNorm and per-head QK RMSNorm (Qwen3 style: y = w * x / rms(x), w starts at 1).
+// rmsnorm.h — RMSNorm and per-head QK RMSNorm (Qwen3 style: y = w * x / rms(x), w starts at 1),
+// and the zero-centred variant (Qwen3-Next / Qwen3.5: y = (1 + w) * x / rms(x), w starts at 0)
+// selected by `zero_centered`; d_w has the same formula in both (d(1 + w)/dw = 1).
 //
 // Tensors (legend: T tokens, H normalised width, n heads, D head dim):
 //   x      [T, H]  f32 or bf16                     input
@@ -18,15 +20,15 @@ struct RMSNormSaved {
 };
 
 Tensor rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, RMSNormSaved* saved,
-                       MemCategory out_cat = MemCategory::activations);
+                       MemCategory out_cat = MemCategory::activations, bool zero_centered = false);
 // Returns d_x [rows, H] f32; accumulates into d_w ([H] f32).
 Tensor rmsnorm_backward(const Tensor& d_y, const Tensor& x, const Tensor& w,
-                        const RMSNormSaved& saved, Tensor& d_w);
+                        const RMSNormSaved& saved, Tensor& d_w, bool zero_centered = false);
 
 // Per-head norm: x [T, n, D], w [D]. Same contract as above on the [T*n, D] view.
 Tensor qk_norm_forward(const Tensor& x, const Tensor& w, double eps, RMSNormSaved* saved,
-                       MemCategory out_cat = MemCategory::activations);
+                       MemCategory out_cat = MemCategory::activations, bool zero_centered = false);
 Tensor qk_norm_backward(const Tensor& d_y, const Tensor& x, const Tensor& w,
-                        const RMSNormSaved& saved, Tensor& d_w);
+                        const RMSNormSaved& saved, Tensor& d_w, bool zero_centered = false);
 
 }  // namespace bb

@@ -45,9 +45,12 @@ __device__ __forceinline__ float group_sum(float v, int rt) {
   return v;
 }
 
-__device__ __forceinline__ void stage_weight(float* w_s, const void* w, bool w_bf16, int H) {
+// The weight as the kernels use it: w_offset + w (w_offset 1 for the zero-centred norm).
+__device__ __forceinline__ void stage_weight(float* w_s, const void* w, bool w_bf16, float w_offset,
+                                             int H) {
   for (int h = threadIdx.x; h < H; h += blockDim.x)
-    w_s[h] = w_bf16 ? to_f32(static_cast<const bf16_t*>(w)[h]) : static_cast<const float*>(w)[h];
+    w_s[h] = w_offset +
+             (w_bf16 ? to_f32(static_cast<const bf16_t*>(w)[h]) : static_cast<const float*>(w)[h]);
 }
 
 // The loops over rows run the same number of times in every lane of a warp (shuffles need the
@@ -63,11 +66,11 @@ __device__ __forceinline__ void stage_weight(float* w_s, const void* w, bool w_b
 template <class TX, int N, bool kRegs>
 __global__ void __launch_bounds__(kThreads)
     rmsnorm_fwd_kernel(TX* __restrict__ y, float* __restrict__ rstd, const TX* __restrict__ x,
-                       const void* __restrict__ w, bool w_bf16, int64_t rows, int H, int rt,
-                       float eps) {
+                       const void* __restrict__ w, bool w_bf16, float w_offset, int64_t rows, int H,
+                       int rt, float eps) {
   extern __shared__ float4 smem4[];
   float* w_s = reinterpret_cast<float*>(smem4);  // [H]
-  stage_weight(w_s, w, w_bf16, H);
+  stage_weight(w_s, w, w_bf16, w_offset, H);
   __syncthreads();
   const int groups = blockDim.x / rt;
   const int g = threadIdx.x / rt, lane = threadIdx.x % rt;
@@ -169,13 +172,13 @@ template <class TX, class TD, int N, bool kRegs>
 __global__ void __launch_bounds__(kThreads)
     rmsnorm_bwd_kernel(float* __restrict__ dx, float* __restrict__ partial,
                        const TD* __restrict__ dy, const TX* __restrict__ x,
-                       const void* __restrict__ w, bool w_bf16, const float* __restrict__ rstd,
-                       int64_t rows, int H, int rt) {
+                       const void* __restrict__ w, bool w_bf16, float w_offset,
+                       const float* __restrict__ rstd, int64_t rows, int H, int rt) {
   extern __shared__ float4 smem4[];
   const int groups = blockDim.x / rt;
   float* w_s = reinterpret_cast<float*>(smem4);  // [H]
   float* dw_s = w_s + H;  // kRegs: [H] combine buffer; else [groups, H]
-  stage_weight(w_s, w, w_bf16, H);
+  stage_weight(w_s, w, w_bf16, w_offset, H);
   if (!kRegs)
     for (int i = threadIdx.x; i < groups * H; i += blockDim.x) dw_s[i] = 0.f;
   __syncthreads();
@@ -312,38 +315,39 @@ int64_t wave_blocks(Kernel kernel, size_t smem, int64_t rows, int groups) {
 }
 
 template <class TX, int N, bool kRegs>
-void launch_fwd(void* y, float* rstd, const void* x, const void* w, bool w_bf16, int64_t rows,
-                int64_t H, int rt, float eps) {
+void launch_fwd(void* y, float* rstd, const void* x, const void* w, bool w_bf16, float w_offset,
+                int64_t rows, int64_t H, int rt, float eps) {
   auto kernel = rmsnorm_fwd_kernel<TX, N, kRegs>;
   const size_t smem = static_cast<size_t>(H) * sizeof(float);
   allow_smem(kernel, smem, "rmsnorm_forward", H);
   const int64_t blocks = wave_blocks(kernel, smem, rows, kThreads / rt);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream()>>>(
-      static_cast<TX*>(y), rstd, static_cast<const TX*>(x), w, w_bf16, rows,
+      static_cast<TX*>(y), rstd, static_cast<const TX*>(x), w, w_bf16, w_offset, rows,
       static_cast<int>(H), rt, eps);
   BB_CHECK_LAUNCH();
 }
 
 template <class TX, int N>
-void dispatch_fwd(void* y, float* rstd, const void* x, const void* w, bool w_bf16, int64_t rows,
-                  int64_t H, float eps) {
+void dispatch_fwd(void* y, float* rstd, const void* x, const void* w, bool w_bf16, float w_offset,
+                  int64_t rows, int64_t H, float eps) {
   const int rt = row_threads_fwd(H / N);
   if (H / N <= static_cast<int64_t>(rt) * kRegVecs)
-    launch_fwd<TX, N, true>(y, rstd, x, w, w_bf16, rows, H, rt, eps);
+    launch_fwd<TX, N, true>(y, rstd, x, w, w_bf16, w_offset, rows, H, rt, eps);
   else
-    launch_fwd<TX, N, false>(y, rstd, x, w, w_bf16, rows, H, rt, eps);
+    launch_fwd<TX, N, false>(y, rstd, x, w, w_bf16, w_offset, rows, H, rt, eps);
 }
 
 template <class TX, class TD, int N, bool kRegs>
 void launch_bwd(float* dx, float* dw, float* workspace, const void* dy, const void* x,
-                const void* w, bool w_bf16, const float* rstd, int64_t rows, int64_t H, int rt) {
+                const void* w, bool w_bf16, float w_offset, const float* rstd, int64_t rows, int64_t H,
+                int rt) {
   auto kernel = rmsnorm_bwd_kernel<TX, TD, N, kRegs>;
   const int groups = kThreads / rt;
   const size_t smem = static_cast<size_t>(H) * (kRegs ? 2 : 1 + groups) * sizeof(float);
   allow_smem(kernel, smem, "rmsnorm_backward", H);
   const int64_t blocks = wave_blocks(kernel, smem, rows, groups);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream()>>>(
-      dx, workspace, static_cast<const TD*>(dy), static_cast<const TX*>(x), w, w_bf16, rstd, rows,
+      dx, workspace, static_cast<const TD*>(dy), static_cast<const TX*>(x), w, w_bf16, w_offset, rstd, rows,
       static_cast<int>(H), rt);
   BB_CHECK_LAUNCH();
   dw_reduce_kernel<<<static_cast<unsigned>(ceil_div(H, 32)), dim3(32, 16), 0, stream()>>>(
@@ -353,41 +357,41 @@ void launch_bwd(float* dx, float* dw, float* workspace, const void* dy, const vo
 
 template <class TX, class TD, int N>
 void dispatch_bwd_n(float* dx, float* dw, float* ws, const void* dy, const void* x, const void* w,
-                    bool w_bf16, const float* rstd, int64_t rows, int64_t H) {
+                    bool w_bf16, float w_offset, const float* rstd, int64_t rows, int64_t H) {
   const int rt = row_threads_bwd(H / N);
   if (H / N <= static_cast<int64_t>(rt) * kRegVecs)
-    launch_bwd<TX, TD, N, true>(dx, dw, ws, dy, x, w, w_bf16, rstd, rows, H, rt);
+    launch_bwd<TX, TD, N, true>(dx, dw, ws, dy, x, w, w_bf16, w_offset, rstd, rows, H, rt);
   else
-    launch_bwd<TX, TD, N, false>(dx, dw, ws, dy, x, w, w_bf16, rstd, rows, H, rt);
+    launch_bwd<TX, TD, N, false>(dx, dw, ws, dy, x, w, w_bf16, w_offset, rstd, rows, H, rt);
 }
 
 template <class TX, class TD>
 void dispatch_bwd(float* dx, float* dw, float* ws, const void* dy, const void* x, const void* w,
-                  bool w_bf16, const float* rstd, int64_t rows, int64_t H) {
+                  bool w_bf16, float w_offset, const float* rstd, int64_t rows, int64_t H) {
   constexpr int N = 16 / sizeof(TX);
   const bool vec = H % N == 0 && aligned(x, 16) && aligned(dy, 16) && aligned(dx, 16);
   if (vec)
-    dispatch_bwd_n<TX, TD, N>(dx, dw, ws, dy, x, w, w_bf16, rstd, rows, H);
+    dispatch_bwd_n<TX, TD, N>(dx, dw, ws, dy, x, w, w_bf16, w_offset, rstd, rows, H);
   else
-    dispatch_bwd_n<TX, TD, 1>(dx, dw, ws, dy, x, w, w_bf16, rstd, rows, H);
+    dispatch_bwd_n<TX, TD, 1>(dx, dw, ws, dy, x, w, w_bf16, w_offset, rstd, rows, H);
 }
 
 }  // namespace
 
 void rmsnorm_forward(void* y, float* rstd, const void* x, DType x_dtype, const void* w,
-                     DType w_dtype, int64_t rows, int64_t H, float eps) {
+                     DType w_dtype, float w_offset, int64_t rows, int64_t H, float eps) {
   if (rows == 0) return;
   const bool w_bf16 = w_dtype == DType::bf16;
   if (x_dtype == DType::bf16) {
     if (H % 8 == 0 && aligned(x, 16) && aligned(y, 16))
-      dispatch_fwd<bf16_t, 8>(y, rstd, x, w, w_bf16, rows, H, eps);
+      dispatch_fwd<bf16_t, 8>(y, rstd, x, w, w_bf16, w_offset, rows, H, eps);
     else
-      dispatch_fwd<bf16_t, 1>(y, rstd, x, w, w_bf16, rows, H, eps);
+      dispatch_fwd<bf16_t, 1>(y, rstd, x, w, w_bf16, w_offset, rows, H, eps);
   } else {
     if (H % 4 == 0 && aligned(x, 16) && aligned(y, 16))
-      dispatch_fwd<float, 4>(y, rstd, x, w, w_bf16, rows, H, eps);
+      dispatch_fwd<float, 4>(y, rstd, x, w, w_bf16, w_offset, rows, H, eps);
     else
-      dispatch_fwd<float, 1>(y, rstd, x, w, w_bf16, rows, H, eps);
+      dispatch_fwd<float, 1>(y, rstd, x, w, w_bf16, w_offset, rows, H, eps);
   }
 }
 
@@ -397,18 +401,18 @@ int64_t rmsnorm_backward_workspace(int64_t rows, int64_t H) {
 
 void rmsnorm_backward(float* dx, float* dw, float* workspace, const void* dy, DType dy_dtype,
                       const void* x, DType x_dtype, const void* w, DType w_dtype,
-                      const float* rstd, int64_t rows, int64_t H) {
+                      float w_offset, const float* rstd, int64_t rows, int64_t H) {
   if (rows == 0) return;
   const bool w_bf16 = w_dtype == DType::bf16;
   const bool xb = x_dtype == DType::bf16, db = dy_dtype == DType::bf16;
   if (xb && db)
-    dispatch_bwd<bf16_t, bf16_t>(dx, dw, workspace, dy, x, w, w_bf16, rstd, rows, H);
+    dispatch_bwd<bf16_t, bf16_t>(dx, dw, workspace, dy, x, w, w_bf16, w_offset, rstd, rows, H);
   else if (xb)
-    dispatch_bwd<bf16_t, float>(dx, dw, workspace, dy, x, w, w_bf16, rstd, rows, H);
+    dispatch_bwd<bf16_t, float>(dx, dw, workspace, dy, x, w, w_bf16, w_offset, rstd, rows, H);
   else if (db)
-    dispatch_bwd<float, bf16_t>(dx, dw, workspace, dy, x, w, w_bf16, rstd, rows, H);
+    dispatch_bwd<float, bf16_t>(dx, dw, workspace, dy, x, w, w_bf16, w_offset, rstd, rows, H);
   else
-    dispatch_bwd<float, float>(dx, dw, workspace, dy, x, w, w_bf16, rstd, rows, H);
+    dispatch_bwd<float, float>(dx, dw, workspace, dy, x, w, w_bf16, w_offset, rstd, rows, H);
 }
 
 }  // namespace bb::cuda

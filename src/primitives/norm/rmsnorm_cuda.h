@@ -15,20 +15,22 @@
 namespace bb::cuda {
 
 // x [rows, H] (x_dtype) and w [H] (w_dtype) in; y [rows, H] (x_dtype) and rstd [rows] f32 out:
-//   rstd_t = 1 / sqrt(mean_h x_th^2 + eps),  y_th = w_h * (x_th * rstd_t).
+//   rstd_t = 1 / sqrt(mean_h x_th^2 + eps),  y_th = (w_offset + w_h) * (x_th * rstd_t).
+// w_offset is 0 for the classic norm, 1 for the zero-centred one (Qwen3-Next / Qwen3.5).
 void rmsnorm_forward(void* y, float* rstd, const void* x, DType x_dtype, const void* w,
-                     DType w_dtype, int64_t rows, int64_t H, float eps);
+                     DType w_dtype, float w_offset, int64_t rows, int64_t H, float eps);
 
 // Number of f32 elements of the workspace rmsnorm_backward needs (per-block d_w partials).
 int64_t rmsnorm_backward_workspace(int64_t rows, int64_t H);
 
 // d_y [rows, H] (dy_dtype), x [rows, H] (x_dtype), w [H] (w_dtype), rstd [rows] f32 in;
 // d_x [rows, H] f32 written; d_w [H] f32 accumulated; workspace f32 of the size above.
-//   d_x = rstd * (d_y w - xhat * mean_h(d_y w xhat)),  d_w += sum_t d_y * xhat.
+//   d_x = rstd * (d_y w' - xhat * mean_h(d_y w' xhat)),  d_w += sum_t d_y * xhat,
+// w' = w_offset + w.
 // d_w is summed in a fixed order (per-block partials, then one reduce): deterministic.
 void rmsnorm_backward(float* dx, float* dw, float* workspace, const void* dy, DType dy_dtype,
                       const void* x, DType x_dtype, const void* w, DType w_dtype,
-                      const float* rstd, int64_t rows, int64_t H);
+                      float w_offset, const float* rstd, int64_t rows, int64_t H);
 
 }  // namespace bb::cuda
 #endif
