@@ -1,12 +1,22 @@
 #!/usr/bin/env python3
 """Reference: a straightforward PyTorch + Hugging Face training step of the same model slice.
 
-Builds Qwen3MoeForCausalLM from a config.json (random init, bf16, on one GPU), enables
-activation checkpointing and SDPA attention, and times forward + backward + AdamW steps on one
-sequence of S tokens. Prints a table like bench_train_step (tokens/s, model TFLOP/s, peak GiB).
+Builds the model of a config.json (Qwen3MoeForCausalLM, or Qwen3_5MoeForCausalLM for a
+qwen3_5_moe_text / qwen3_5_moe config; random init, bf16, on one GPU) with SDPA attention and
+grouped-GEMM experts where transformers has them, and times forward + backward + AdamW steps on
+one sequence of S tokens. Prints a table like bench_train_step (tokens/s, model TFLOP/s, peak
+GiB).
 
-    python3 bench/hf_train_step.py --config configs/models/qwen3-30b-a3b-4layer/config.json \
-        --seq 8192,16384,32768,65536 --steps 5 --warmup 2
+Qwen3.5's Gated DeltaNet layers run transformers' PyTorch fallback (torch_chunk_gated_delta_rule
+and the conv1d fallback) unless flash-linear-attention / causal-conv1d are installed; the script
+prints which one ran.
+
+    python3 bench/hf_train_step.py --config configs/models/qwen3-30b-a3b-4layer/config.json \\
+        --seq 8192,16384,32768,65536 --steps 5 --warmup 2 [--compile] [--no-checkpointing]
+
+  --compile           torch.compile each decoder layer (the usual way to compile an HF model
+                      for training; the embedding, head and loss stay eager)
+  --no-checkpointing  keep every activation (no gradient checkpointing): faster, more memory
 """
 import argparse
 import json
@@ -16,33 +26,71 @@ import time
 import torch
 
 
+def text_config(cfg):
+    """The text part of a config.json: itself, or its nested text_config (qwen3_5_moe)."""
+    return cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg
+
+
+def layer_types(cfg):
+    L = cfg["num_hidden_layers"]
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    if cfg.get("model_type", "").startswith("qwen3_5_moe"):
+        k = cfg.get("full_attention_interval", 4)
+        return ["linear_attention" if (i + 1) % k else "full_attention" for i in range(L)]
+    return ["full_attention"] * L
+
+
 def model_flops(cfg, s):
-    h, v, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    """Model FLOPs of one training step (3 x forward) on one sequence of s tokens, as bumblebee
+    counts them (skills/model-config.md): 2 x active matmul parameters per token, plus for
+    full-attention layers 2 x 2 x (s^2 / 2) x heads x head_dim (causal QK^T and PV), plus for
+    Gated DeltaNet layers 6 x Dk x Dv per token per value head (the recurrence's three K x V
+    products: prediction, update, read)."""
+    cfg = text_config(cfg)
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg.get("head_dim", h // nh)
-    attn = h * nh * d + 2 * h * nkv * d + nh * d * h
+    d = cfg.get("head_dim") or h // nh
+    q35 = cfg.get("model_type", "").startswith("qwen3_5_moe")
+    gate = 2 if q35 else 1  # Qwen3.5's q_proj also emits the per-head output gate
+    attn = h * nh * d * gate + 2 * h * nkv * d + nh * d * h
     moe = cfg["num_experts_per_tok"] * 3 * h * cfg["moe_intermediate_size"] + cfg["num_experts"] * h
-    active = L * (attn + moe) + v * h
-    fwd = 2 * active * s + L * 2 * 2 * (s * s / 2) * nh * d
+    fs = cfg.get("shared_expert_intermediate_size", 0) or 0
+    if fs:
+        moe += 3 * h * fs + h
+    fwd = 2 * v * h * s
+    for t in layer_types(cfg):
+        if t == "linear_attention":
+            hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+            dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+            proj = h * (2 * hk * dk + hv * dv) + h * hv * dv + 2 * h * hv + hv * dv * h
+            fwd += 2 * (proj + moe) * s + 6 * dk * dv * hv * s
+        else:
+            fwd += 2 * (attn + moe) * s + 2 * 2 * (s * s / 2) * nh * d
     return 3 * fwd
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/models/qwen3-30b-a3b-4layer/config.json")
     ap.add_argument("--seq", default="8192,16384,32768,65536")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    ap.add_argument("--no-checkpointing", action="store_true",
+                    help="no gradient checkpointing (every activation kept)")
     args = ap.parse_args()
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg_json = json.load(open(args.config))
     config = AutoConfig.from_pretrained(args.config)
+    if hasattr(config, "text_config") and config.text_config is not None:
+        config = config.text_config  # the language model of a ConditionalGeneration config
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    # The reference as the issue describes it: grouped-GEMM experts (transformers 5's
-    # experts_implementation) and cuDNN attention through SDPA, where this transformers has them.
+    # Grouped-GEMM experts (transformers 5's experts_implementation) and cuDNN attention
+    # through SDPA, where this transformers has them.
     experts_impl = "default"
     with torch.device("cuda"):
         try:
@@ -52,12 +100,23 @@ def main():
         except (TypeError, ValueError) as e:
             print(f"experts_implementation=grouped_mm not available ({e}); default experts")
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.gradient_checkpointing_enable()
+    if not args.no_checkpointing:
+        model.gradient_checkpointing_enable()
+    if args.compile:
+        for i, layer in enumerate(model.model.layers):
+            model.model.layers[i] = torch.compile(layer)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    gdn = ""
+    if "linear_attention" in layer_types(text_config(cfg_json)):
+        try:
+            import fla  # noqa: F401
+            gdn = ", GDN: flash-linear-attention"
+        except ImportError:
+            gdn = ", GDN: transformers' PyTorch fallback (torch_chunk_gated_delta_rule)"
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params, experts {experts_impl}",
-          flush=True)
+          f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params, experts {experts_impl}"
+          f"{gdn}", flush=True)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     attn_ctx = sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                             SDPBackend.EFFICIENT_ATTENTION])
@@ -82,12 +141,15 @@ def main():
             t = statistics.median(times)
             rows.append((s, t * 1e3, s / t, model_flops(cfg_json, s) / t / 1e12,
                          torch.cuda.max_memory_allocated() / 2**30, ""))
-        except torch.OutOfMemoryError as e:
+        except torch.OutOfMemoryError:
             rows.append((s, 0, 0, 0, 0, "out of memory"))
+            out = None
             torch.cuda.empty_cache()
         print(rows[-1], flush=True)
-    print(f"\nPyTorch + HF reference step: {args.config}, bf16, activation checkpointing, "
-          f"sdpa (cuDNN/flash), experts {experts_impl}")
+    mode = ("no checkpointing" if args.no_checkpointing else "activation checkpointing") + \
+        (", torch.compile per decoder layer" if args.compile else ", eager")
+    print(f"\nPyTorch + HF reference step: {args.config}, bf16, {mode}, "
+          f"sdpa (cuDNN/flash), experts {experts_impl}{gdn}")
     print(f"{'tokens':>8} | {'step ms':>9} | {'tokens/s':>10} | {'model TF/s':>10} | {'peak GiB':>9}")
     for s, ms, tps, tf, peak, err in rows:
         if err:

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """hf_reference.py — golden dumps from the Hugging Face reference implementation.
 
-Builds tiny Qwen3MoeForCausalLM / Qwen2MoeForCausalLM models in fp32 from fixed configs and a
+Builds tiny Qwen3MoeForCausalLM / Qwen2MoeForCausalLM / Qwen3_5MoeForCausalLM (the Qwen3.5
+hybrid: Gated DeltaNet and gated full-attention layers) models in fp32 from fixed configs and a
 fixed seed, saves each with save_pretrained (config.json + safetensors) into <out>/<name>/, runs
 ONE batch (a few sequences of different lengths) forward and backward, and writes
 <out>/<name>/golden.safetensors, which tests/cpu/test_parity.cpp compares bumblebee against.
@@ -32,8 +33,10 @@ What is computed (all fp32, CPU by default, eager attention, eager experts):
   The aux loss from the logits HF itself records is stored too (aux_loss_recorded) and the
   script warns when the two differ.
 
-golden.safetensors holds (names are the classic per-expert HF names that transformers writes
-with save_pretrained and bumblebee's hf_tensors() uses):
+golden.safetensors holds (expert names as the saved checkpoint spells them: the classic
+per-expert names for Qwen3-MoE / Qwen2-MoE, whose save_pretrained writes those, and the fused
+mlp.experts.gate_up_proj / down_proj for Qwen3.5, whose checkpoints are fused; bumblebee's
+hf_tensors() uses the same names per family):
 
   input_ids      i32 [T]     the sequences concatenated
   seq_lens       i32 [B]     their lengths
@@ -44,7 +47,9 @@ with save_pretrained and bumblebee's hf_tensors() uses):
   grad_ce.<name> f32         d ce_loss / d parameter (no aux term), for every parameter
 
 The weights are re-drawn after construction (normal, std 0.15 for matrices, 1 + 0.1 normal for
-norms, 0.1 normal for biases) so every path carries signal in a two-layer model, and the seed is
+norms, 0.1 normal for biases; Qwen3.5's zero-centred norms, which scale by 1 + w, get 0.1 normal,
+its GDN decay parameters A_log = log U(0.05, 0.5) and dt_bias 0.1 normal, so the state keeps a
+memory of tens of tokens) so every path carries signal in a two-layer model, and the seed is
 bumped until every top-k choice has a clear margin (so fp32 rounding differences between
 implementations cannot flip an expert choice) and every expert receives tokens in every layer.
 
@@ -68,6 +73,9 @@ import torch
 import torch.nn.functional as F
 
 SEQ_LENS = [9, 5, 12]
+# Qwen3.5: one sequence longer than the 64-token chunk of the GDN kernels, a 3-token one and a
+# middle one, so chunk boundaries and short sequences are both in the golden.
+SEQ_LENS_QWEN3_5 = [70, 3, 33]
 MATRIX_STD = 0.15
 
 # Keys bumblebee's config parser understands (src/models/config.cpp); anything else in the
@@ -84,6 +92,11 @@ BUMBLEBEE_KNOWN_KEYS = {
     "max_position_embeddings", "bos_token_id", "eos_token_id", "hidden_act",
     "use_sliding_window", "attention_bias", "attention_dropout", "layer_types",
     "shared_expert_intermediate_size", "qkv_bias",
+    # qwen3_5_moe_text
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+    "linear_value_head_dim", "linear_conv_kernel_dim", "full_attention_interval",
+    "partial_rotary_factor", "attn_output_gate", "mtp_num_hidden_layers",
+    "mtp_use_dedicated_embeddings", "pad_token_id",
 }
 
 
@@ -106,13 +119,45 @@ def tiny_configs():
     # wider routing margin, so bf16 rounding on the GPU cannot flip a top-k choice, and weights
     # that are bf16 numbers, so the GPU model's bf16 weights equal the reference's.
     d128 = dict(head_dim=128, min_routing_margin=1e-2, bf16_values=True)
+    # Qwen3.5: 4 layers (3 Gated DeltaNet + 1 gated full attention), 8 experts top-2 plus a
+    # shared expert in every layer, untied; GDN 2 key / 4 value heads of dim 16; attention 4 / 2
+    # heads of dim 16 with partial RoPE on the first quarter of each head.
+    qwen3_5 = dict(
+        vocab_size=64, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, hidden_act="silu", max_position_embeddings=256,
+        initializer_range=0.02, rms_norm_eps=1e-6, use_cache=False, attention_dropout=0.0,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, router_aux_loss_coef=0.1, bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=False, attention_bias=False,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, partial_rotary_factor=0.25,
+        seq_lens=SEQ_LENS_QWEN3_5, router_std=0.5, margin_in_logits=True)
+    # GPU variant: head dims the CUDA paths take and the real model has (attention 256, GDN
+    # 128), hidden 128, bf16-exact weights; 4 experts and 28 tokens with spread router logits,
+    # so that a logit margin of 0.08 (several times the bf16 error of logits of size ~8) can be
+    # found for every token-layer choice.
+    qwen3_5_gpu = dict(qwen3_5, hidden_size=128, head_dim=256, linear_key_head_dim=128,
+                       linear_value_head_dim=128, num_experts=4, seq_lens=[17, 2, 9],
+                       router_std=0.7, min_routing_margin=0.08, bf16_values=True)
     return {"qwen3_moe_tiny": ("qwen3_moe", qwen3), "qwen2_moe_tiny": ("qwen2_moe", qwen2),
             "qwen3_moe_tiny_d128": ("qwen3_moe", dict(qwen3, **d128)),
-            "qwen2_moe_tiny_d128": ("qwen2_moe", dict(qwen2, **d128))}
+            "qwen2_moe_tiny_d128": ("qwen2_moe", dict(qwen2, **d128)),
+            "qwen3_5_moe_tiny": ("qwen3_5_moe", qwen3_5),
+            "qwen3_5_moe_tiny_gpu": ("qwen3_5_moe", qwen3_5_gpu)}
 
 
 def build_config(family, kw):
     import transformers
+    if family == "qwen3_5_moe":
+        kw = dict(kw)
+        prf = kw.pop("partial_rotary_factor")
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": prf}
+        cfg = transformers.Qwen3_5MoeTextConfig(**kw, rope_parameters=rope)
+        got = cfg.rope_parameters.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
+        assert got == prf, f"partial_rotary_factor {got}, wanted {prf}"
+        assert list(cfg.layer_types) == kw["layer_types"], cfg.layer_types
+        return cfg
     cls = transformers.Qwen3MoeConfig if family == "qwen3_moe" else transformers.Qwen2MoeConfig
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     try:
@@ -128,8 +173,11 @@ def build_config(family, kw):
 
 def build_model(family, cfg):
     import transformers
-    cls = (transformers.Qwen3MoeForCausalLM if family == "qwen3_moe"
-           else transformers.Qwen2MoeForCausalLM)
+    cls = {"qwen3_moe": transformers.Qwen3MoeForCausalLM,
+           "qwen2_moe": transformers.Qwen2MoeForCausalLM,
+           "qwen3_5_moe": getattr(transformers, "Qwen3_5MoeForCausalLM", None)}[family]
+    if cls is None:
+        raise SystemExit(f"transformers {transformers.__version__} has no Qwen3_5MoeForCausalLM")
     model = cls(cfg).float()
     # Reference paths: explicit softmax attention and the per-expert loop.
     if hasattr(model, "set_attn_implementation"):
@@ -142,21 +190,36 @@ def build_model(family, cfg):
     if cfg.tie_word_embeddings:
         assert model.lm_head.weight is model.model.embed_tokens.weight, "embeddings not tied"
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    q_rows = model.model.layers[0].self_attn.q_proj.weight.shape[0]
-    if q_rows != cfg.num_attention_heads * head_dim:
+    attn = next(l.self_attn for l in model.model.layers if hasattr(l, "self_attn"))
+    q_rows = attn.q_proj.weight.shape[0]
+    gate = 2 if family == "qwen3_5_moe" else 1  # Qwen3.5's q_proj also emits the output gate
+    if q_rows != cfg.num_attention_heads * head_dim * gate:
         raise SystemExit(f"{type(model).__name__} ignores head_dim {head_dim} (q_proj has {q_rows} "
                          f"rows) in transformers {transformers.__version__}")
     return model
 
 
 @torch.no_grad()
-def reinit(model, seed, bf16_values=False):
+def reinit(model, seed, bf16_values=False, zero_centred_norms=False, router_std=None):
     """bf16_values: every weight is a bf16 number (stored in fp32), so a bf16 model holds the
-    reference's weights exactly and the comparison measures only the bf16 arithmetic."""
+    reference's weights exactly and the comparison measures only the bf16 arithmetic.
+    zero_centred_norms: the model's RMSNorms scale by 1 + w (Qwen3.5), except the GDN output
+    norm (linear_attn.norm), which scales by w.
+    router_std: std of the router weights (mlp.gate.weight) instead of MATRIX_STD, so that the
+    router logits are spread enough for every top-k choice to have a clear margin."""
     g = torch.Generator().manual_seed(seed)
     for name, p in sorted(model.named_parameters()):
         r = torch.randn(p.shape, generator=g, dtype=torch.float32)
-        if "norm" in name:
+        if name.endswith("A_log"):
+            u = torch.rand(p.shape, generator=g, dtype=torch.float32)
+            v = torch.log(0.05 + 0.45 * u)
+        elif name.endswith("dt_bias"):
+            v = 0.1 * r
+        elif router_std is not None and name.endswith("mlp.gate.weight"):
+            v = router_std * r
+        elif "norm" in name and zero_centred_norms and not name.endswith("linear_attn.norm.weight"):
+            v = 0.1 * r
+        elif "norm" in name:
             v = 1.0 + 0.1 * r
         elif name.endswith(".bias"):
             v = 0.1 * r
@@ -165,9 +228,10 @@ def reinit(model, seed, bf16_values=False):
         p.copy_(v.bfloat16().float() if bf16_values else v)
 
 
-def make_batch(vocab, seed):
+def make_batch(vocab, seed, seq_lens=None):
     g = torch.Generator().manual_seed(seed + 7777)
-    return [torch.randint(0, vocab, (n,), generator=g, dtype=torch.int64) for n in SEQ_LENS]
+    return [torch.randint(0, vocab, (n,), generator=g, dtype=torch.int64)
+            for n in (seq_lens or SEQ_LENS)]
 
 
 def gate_modules(model):
@@ -220,17 +284,33 @@ def losses(model, seqs, logits, raw):
     return ce, aux, ce + cfg.router_aux_loss_coef * aux, n_pred
 
 
-def routing_stats(raw, k, num_experts):
-    """(min margin between the k-th and (k+1)-th probability, every expert used in every layer)"""
+def routing_stats(raw, k, num_experts, in_logits=False):
+    """(min margin between the k-th and (k+1)-th choice, every expert used in every layer).
+    The margin is in probability, or with in_logits in router logits (what rounding perturbs:
+    with spread logits the k-th and (k+1)-th probabilities can both be tiny and close while
+    their logits are far apart)."""
     margin, all_used = float("inf"), True
     for lg in raw:
-        p = torch.softmax(lg.detach().double(), -1)
-        top = torch.topk(p, min(k + 1, p.shape[-1]), -1).values
+        x = lg.detach().double()
+        vals = x if in_logits else torch.softmax(x, -1)
+        top = torch.topk(vals, min(k + 1, vals.shape[-1]), -1).values
         if top.shape[-1] > k:
             margin = min(margin, (top[:, k - 1] - top[:, k]).min().item())
-        used = torch.bincount(torch.topk(p, k, -1).indices.reshape(-1), minlength=num_experts)
+        used = torch.bincount(torch.topk(vals, k, -1).indices.reshape(-1), minlength=num_experts)
         all_used &= bool((used > 0).all())
     return margin, all_used
+
+
+def saved_names(named, fused):
+    """Parameters (or grads) by name, under the checkpoint's names: classic_names() for a
+    per-expert checkpoint, the names as they are for a fused one (Qwen3.5)."""
+    if not fused:
+        return classic_names(named)
+    return {n: t.detach().float().cpu().contiguous() for n, t in named}
+
+
+def is_fused_checkpoint(dirname):
+    return any(k.endswith("mlp.experts.gate_up_proj") for k in read_saved(dirname))
 
 
 def classic_names(named):
@@ -270,10 +350,10 @@ def read_saved(dirname):
     return tensors
 
 
-def check_saved_matches(model, dirname):
-    """The saved checkpoint must hold exactly the classic names the grads are written under."""
-    ours = classic_names(model.named_parameters())
-    saved = classic_names(read_saved(dirname).items())
+def check_saved_matches(model, dirname, fused=False):
+    """The saved checkpoint must hold exactly the names the grads are written under."""
+    ours = saved_names(model.named_parameters(), fused)
+    saved = saved_names(read_saved(dirname).items(), fused)
     if model.config.tie_word_embeddings:
         saved.pop("lm_head.weight", None)
     assert set(ours) == set(saved), (
@@ -298,16 +378,21 @@ def make_golden(name, family, kw, out_root, seed, device):
     kw = dict(kw)
     min_margin = kw.pop("min_routing_margin", 1e-3)
     bf16_values = kw.pop("bf16_values", False)
+    seq_lens = kw.pop("seq_lens", SEQ_LENS)
+    router_std = kw.pop("router_std", None)
+    margin_in_logits = kw.pop("margin_in_logits", False)
+    zero_centred = family == "qwen3_5_moe"
     cfg = build_config(family, kw)
     for attempt in range(400):
         s = seed + attempt
         torch.manual_seed(s)
         model = build_model(family, cfg)
-        reinit(model, s, bf16_values)
-        seqs = make_batch(cfg.vocab_size, s)
+        reinit(model, s, bf16_values, zero_centred, router_std)
+        seqs = make_batch(cfg.vocab_size, s, seq_lens)
         with torch.no_grad():
             _, raw, _, _, _ = run_batch(model, seqs)
-        margin, all_used = routing_stats(raw, cfg.num_experts_per_tok, cfg.num_experts)
+        margin, all_used = routing_stats(raw, cfg.num_experts_per_tok, cfg.num_experts,
+                                         margin_in_logits)
         if margin > min_margin and all_used:
             break
         print(f"  seed {s}: routing margin {margin:.2e}, all experts used {all_used}; next seed")
@@ -322,7 +407,8 @@ def make_golden(name, family, kw, out_root, seed, device):
         os.remove(f)
     model.save_pretrained(dirname, safe_serialization=True)
     check_config_json(dirname)
-    classic_params = check_saved_matches(model, dirname)
+    fused = is_fused_checkpoint(dirname)
+    classic_params = check_saved_matches(model, dirname, fused)
 
     logits, raw, recorded, outs, moe_layers = run_batch(model, seqs)
     ce, aux, loss, n_pred = losses(model, seqs, logits, raw)
@@ -348,8 +434,8 @@ def make_golden(name, family, kw, out_root, seed, device):
     g_total = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
     g_ce = torch.autograd.grad(ce, params, allow_unused=True)
     zero = lambda g, p: torch.zeros_like(p) if g is None else g
-    grads = classic_names((n, zero(g, p)) for n, g, p in zip(names, g_total, params))
-    grads_ce = classic_names((n, zero(g, p)) for n, g, p in zip(names, g_ce, params))
+    grads = saved_names(((n, zero(g, p)) for n, g, p in zip(names, g_total, params)), fused)
+    grads_ce = saved_names(((n, zero(g, p)) for n, g, p in zip(names, g_ce, params)), fused)
     assert set(grads) == set(classic_params)
 
     k = cfg.num_experts_per_tok
@@ -369,7 +455,7 @@ def make_golden(name, family, kw, out_root, seed, device):
         out[f"grad.{n}"] = g.cpu()
     for n, g in grads_ce.items():
         out[f"grad_ce.{n}"] = g.cpu()
-    margin, _ = routing_stats(raw, k, cfg.num_experts)
+    margin, _ = routing_stats(raw, k, cfg.num_experts, margin_in_logits)
     meta = {
         "format": "pt",
         "model": name,
@@ -384,13 +470,15 @@ def make_golden(name, family, kw, out_root, seed, device):
         "aux_loss_recorded": repr(aux_rec.item()),
         "loss": repr(loss.item()),
         "min_routing_margin": repr(margin),
+        "routing_margin_in": "router logits" if margin_in_logits else "probability",
+        "expert_layout": "fused" if fused else "per_expert",
         "definition": "loss = CE summed over sequences / num_predicted + router_aux_loss_coef * "
                       "HF load_balancing_loss_func over all MoE layers and all tokens",
     }
     from safetensors.torch import save_file
     save_file(out, os.path.join(dirname, "golden.safetensors"), metadata=meta)
     size = sum(os.path.getsize(f) for f in glob.glob(os.path.join(dirname, "*")))
-    print(f"{name}: seed {s}, T={sum(SEQ_LENS)} tokens in {len(SEQ_LENS)} sequences, "
+    print(f"{name}: seed {s}, T={sum(seq_lens)} tokens in {len(seq_lens)} sequences, "
           f"ce {ce.item():.6f} aux {aux.item():.6f} loss {loss.item():.6f}, "
           f"routing margin {margin:.2e}, {len(grads)} grads, dir {size / 1024:.0f} KiB")
     return model, seqs
@@ -440,7 +528,7 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="tests/golden", help="root directory of the golden dirs")
     ap.add_argument("--models", default="qwen3_moe_tiny,qwen2_moe_tiny",
-                    help="comma-separated subset of: qwen3_moe_tiny, qwen2_moe_tiny")
+                    help="comma-separated subset of: " + ", ".join(sorted(tiny_configs())))
     ap.add_argument("--seed", type=int, default=0, help="first seed tried (bumped if needed)")
     ap.add_argument("--device", default="cpu", help="torch device (cpu keeps fp32 exact)")
     ap.add_argument("--train-steps", type=int, default=0,
