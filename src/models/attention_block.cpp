@@ -34,19 +34,21 @@ AttentionBlock::AttentionBlock(ParamStore& store, ParamUnit& unit, const std::st
   BB_CHECK(cfg.rotary_dim >= 0 && cfg.rotary_dim <= D && cfg.rotary_dim % 2 == 0,
            "AttentionBlock: rotary_dim ", cfg.rotary_dim, " must be even and in [0, ", D, "]");
   const std::string a = prefix + "self_attn.";
-  ln_ = &store.add(unit, prefix + "input_layernorm.weight", {H}, false);
+  const ParamInit norm_init = cfg.zero_centered_norm ? ParamInit::zeros : ParamInit::ones;
+  ln_ = &store.add(unit, prefix + "input_layernorm.weight", {H}, false, HfSplit::none, norm_init);
   wq_ = &store.add(unit, a + "q_proj.weight", {Hq * D * (cfg.output_gate ? 2 : 1), H}, true);
   wk_ = &store.add(unit, a + "k_proj.weight", {Hkv * D, H}, true);
   wv_ = &store.add(unit, a + "v_proj.weight", {Hkv * D, H}, true);
   wo_ = &store.add(unit, a + "o_proj.weight", {H, Hq * D}, true);
   if (cfg.qkv_bias) {
-    bq_ = &store.add(unit, a + "q_proj.bias", {Hq * D * (cfg.output_gate ? 2 : 1)}, false);
-    bk_ = &store.add(unit, a + "k_proj.bias", {Hkv * D}, false);
-    bv_ = &store.add(unit, a + "v_proj.bias", {Hkv * D}, false);
+    bq_ = &store.add(unit, a + "q_proj.bias", {Hq * D * (cfg.output_gate ? 2 : 1)}, false,
+                     HfSplit::none, ParamInit::zeros);
+    bk_ = &store.add(unit, a + "k_proj.bias", {Hkv * D}, false, HfSplit::none, ParamInit::zeros);
+    bv_ = &store.add(unit, a + "v_proj.bias", {Hkv * D}, false, HfSplit::none, ParamInit::zeros);
   }
   if (cfg.qk_norm) {
-    q_norm_ = &store.add(unit, a + "q_norm.weight", {D}, false);
-    k_norm_ = &store.add(unit, a + "k_norm.weight", {D}, false);
+    q_norm_ = &store.add(unit, a + "q_norm.weight", {D}, false, HfSplit::none, norm_init);
+    k_norm_ = &store.add(unit, a + "k_norm.weight", {D}, false, HfSplit::none, norm_init);
   }
 }
 
@@ -63,7 +65,8 @@ Tensor AttentionBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* s
   Saved local;
   Saved& S = saved ? static_cast<Saved&>(*saved) : local;
   S.x = x;
-  S.h1 = rmsnorm_forward(x, ln_->value, cfg_.rms_norm_eps, &S.rms);
+  const bool zc = cfg_.zero_centered_norm;
+  S.h1 = rmsnorm_forward(x, ln_->value, cfg_.rms_norm_eps, &S.rms, MemCategory::activations, zc);
   Tensor q = linear_forward(S.h1, wq_->value, bq_ ? bq_->value : Tensor());
   if (cfg_.output_gate) {
     auto [qh, gh] = split_halves(q.view({T * Hq, 2 * D}), MemCategory::activations);
@@ -74,8 +77,12 @@ Tensor AttentionBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* s
   }
   S.k_pre = linear_forward(S.h1, wk_->value, bk_ ? bk_->value : Tensor()).view({T, Hkv, D});
   S.v = linear_forward(S.h1, wv_->value, bv_ ? bv_->value : Tensor()).view({T, Hkv, D});
-  Tensor qn = q_norm_ ? qk_norm_forward(S.q_pre, q_norm_->value, cfg_.rms_norm_eps, &S.qn) : S.q_pre;
-  Tensor kn = k_norm_ ? qk_norm_forward(S.k_pre, k_norm_->value, cfg_.rms_norm_eps, &S.kn) : S.k_pre;
+  Tensor qn = q_norm_ ? qk_norm_forward(S.q_pre, q_norm_->value, cfg_.rms_norm_eps, &S.qn,
+                                       MemCategory::activations, zc)
+                      : S.q_pre;
+  Tensor kn = k_norm_ ? qk_norm_forward(S.k_pre, k_norm_->value, cfg_.rms_norm_eps, &S.kn,
+                                       MemCategory::activations, zc)
+                      : S.k_pre;
   S.q_rot = rope_forward(qn, mb.positions, rope);
   S.k_rot = rope_forward(kn, mb.positions, rope);
   S.o = attention_forward(S.q_rot, S.k_rot, S.v, AttentionArgs::causal_self(mb.cu_seqlens, scale),
@@ -113,8 +120,9 @@ Tensor AttentionBlock::backward_data(const Tensor& d_y, BatchContext& ctx, Block
                                          AttentionArgs::causal_self(mb.cu_seqlens, scale), S.attn);
   Tensor d_qn = rope_backward(ag.dq, mb.positions, rope);
   Tensor d_kn = rope_backward(ag.dk, mb.positions, rope);
-  Tensor d_q = q_norm_ ? qk_norm_backward(d_qn, S.q_pre, q_norm_->value, S.qn, q_norm_->grad) : d_qn;
-  Tensor d_k = k_norm_ ? qk_norm_backward(d_kn, S.k_pre, k_norm_->value, S.kn, k_norm_->grad) : d_kn;
+  const bool zc = cfg_.zero_centered_norm;
+  Tensor d_q = q_norm_ ? qk_norm_backward(d_qn, S.q_pre, q_norm_->value, S.qn, q_norm_->grad, zc) : d_qn;
+  Tensor d_k = k_norm_ ? qk_norm_backward(d_kn, S.k_pre, k_norm_->value, S.kn, k_norm_->grad, zc) : d_kn;
   if (cfg_.output_gate)  // back to q_proj's [T, Hq * 2D] (query, gate per head)
     d_q = join_halves(d_q.view({T * Hq, D}), d_gate.view({T * Hq, D}), DType::f32,
                       MemCategory::activations)
@@ -122,7 +130,7 @@ Tensor AttentionBlock::backward_data(const Tensor& d_y, BatchContext& ctx, Block
   Tensor d_h1 = block::linear_backward(ctx, S, block::flat(d_q), S.h1, wq_, bq_);
   add_inplace(d_h1, block::linear_backward(ctx, S, block::flat(d_k), S.h1, wk_, bk_));
   add_inplace(d_h1, block::linear_backward(ctx, S, block::flat(ag.dv), S.h1, wv_, bv_));
-  Tensor d_x = rmsnorm_backward(d_h1, S.x, ln_->value, S.rms, ln_->grad);
+  Tensor d_x = rmsnorm_backward(d_h1, S.x, ln_->value, S.rms, ln_->grad, zc);
   add_inplace(d_x, d_y);
   return d_x;
 }

@@ -7,7 +7,10 @@
 // Parameters (Hugging Face names under `prefix`, e.g. "model.layers.3."):
 //   input_layernorm.weight [H]; self_attn.{q,k,v,o}_proj.weight; q/k/v biases (qkv_bias);
 //   self_attn.{q,k}_norm.weight [D] (qk_norm). With output_gate, q_proj is [Hq * 2D, H] and each
-//   head's 2D outputs are [query (D), gate (D)] (the Qwen3-Next / Qwen3.5 layout).
+//   head's 2D outputs are [query (D), gate (D)] (the Qwen3-Next / Qwen3.5 layout: transformers
+//   views q_proj's output as [T, Hq, 2D] and chunks the last dim; the gate is then flattened
+//   [T, Hq * D] like the attention output it multiplies). With zero_centered_norm (Qwen3.5) the
+//   input norm and the q/k norms scale by (1 + w), w initialised to 0.
 // Legend: T tokens, H hidden, Hq / Hkv query / kv heads, D head dim.
 #pragma once
 
@@ -25,6 +28,7 @@ struct AttentionBlockConfig {
   double rope_theta = 10000;
   int64_t rotary_dim = 0;  // 0 = the whole head dim
   double rms_norm_eps = 1e-6;
+  bool zero_centered_norm = false;
 };
 
 class AttentionBlock final : public Block {

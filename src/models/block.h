@@ -1,7 +1,7 @@
 // block.h — the building blocks of a decoder layer (DESIGN.md sec. 11).
 //
-// A layer is a list of residual blocks, y = x + f(norm(x)): a token mixer (attention; later the
-// gated delta net) then an MLP (dense or MoE). A block has an explicit forward and a backward
+// A layer is a list of residual blocks, y = x + f(norm(x)): a token mixer (attention, or the
+// gated delta net of Qwen3.5's linear_attention layers) then an MLP (dense or MoE). A block has an explicit forward and a backward
 // split into a data part and a weight part:
 //   forward(x, ctx, saved)      -> y; keeps in `saved` what its backward needs (saved may be
 //                                  null: inference, or the first pass under full recompute)
@@ -84,7 +84,7 @@ struct BlockSaved {
 class Block {
  public:
   virtual ~Block() = default;
-  virtual const char* kind() const = 0;  // "attention", "mlp", "moe"
+  virtual const char* kind() const = 0;  // "attention", "gated_delta_net", "mlp", "moe"
   virtual std::unique_ptr<BlockSaved> make_saved() const = 0;
   virtual Tensor forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) = 0;
   virtual Tensor backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved& saved) = 0;

@@ -1,5 +1,5 @@
-// config.h — model shape from a Hugging Face config.json (Qwen3-MoE / Qwen2-MoE family), and
-// the parameter and FLOP counts derived from it.
+// config.h — model shape from a Hugging Face config.json (Qwen3-MoE, Qwen2-MoE and the Qwen3.5
+// hybrid MoE text model), and the parameter and FLOP counts derived from it.
 //
 // Parsing is strict on purpose: a key we do not understand could change the math (a different
 // activation, RoPE scaling, sliding windows, biases), and silently training a different model
@@ -34,8 +34,13 @@ inline constexpr int64_t kMaxHeads = 4096;                  // attention and key
 enum class LayerType : uint8_t { full_attention, linear_attention };
 const char* layer_type_name(LayerType t);
 
+// model_type of the Qwen3.5 hybrid MoE text model (transformers Qwen3_5MoeTextConfig). Its
+// released checkpoints wrap it in Qwen3_5MoeForConditionalGeneration (model_type qwen3_5_moe,
+// the text part under `text_config`); both parse to a ModelConfig of this model_type.
+inline constexpr const char* kQwen35MoeText = "qwen3_5_moe_text";
+
 struct ModelConfig {
-  std::string model_type;  // "qwen3_moe" or "qwen2_moe"
+  std::string model_type;  // "qwen3_moe", "qwen2_moe" or "qwen3_5_moe_text"
   int64_t vocab_size = 0, hidden_size = 0, num_layers = 0, num_heads = 0, num_kv_heads = 0;
   int64_t head_dim = 0;                // defaults to hidden_size / num_heads when absent
   int64_t intermediate_size = 0;       // dense MLP ffn dim (layers that are not MoE)
@@ -52,33 +57,61 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   int64_t max_position_embeddings = 0;
   int64_t bos_token_id = -1, eos_token_id = -1;  // -1 = none
-  bool qk_norm = true;    // qwen3_moe: per-head q/k RMSNorm (weights of size head_dim)
+  bool qk_norm = true;    // qwen3_moe, qwen3.5: per-head q/k RMSNorm (weights of size head_dim)
   bool qkv_bias = false;  // qwen2_moe: q/k/v projections have biases (o_proj has none)
-  // Token mixer per layer; empty = every layer full_attention (the only kind these families
-  // have: a `layer_types` key naming anything else is rejected).
+  // Token mixer per layer; empty = every layer full_attention (qwen3_moe / qwen2_moe have no
+  // other kind). Qwen3.5: 3 x linear_attention then 1 x full_attention, repeated.
   std::vector<LayerType> layer_types;
+
+  // Qwen3.5 only (the other families keep the defaults; validate() checks it):
+  // every RMSNorm (input, post-attention, final, q/k) is zero-centred: x / rms(x) * (1 + w),
+  // w initialised to 0.
+  bool zero_centered_norm = false;
+  // Gated full attention: q_proj emits per head [query (D), gate (D)] and the attention output
+  // is multiplied by sigmoid(gate) before o_proj.
+  bool attn_output_gate = false;
+  // RoPE rotates the first rotary_dim() = int(head_dim * partial_rotary_factor) dims of a head.
+  double partial_rotary_factor = 1.0;
+  // Gated DeltaNet (linear_attention) layers: Hk key heads of dim Dk, Hv value heads of dim Dv
+  // (each key head serves Hv / Hk consecutive value heads), causal conv1d of this kernel width.
+  int64_t linear_num_key_heads = 0, linear_num_value_heads = 0;
+  int64_t linear_key_head_dim = 0, linear_value_head_dim = 0;
+  int64_t linear_conv_kernel_dim = 0;
 
   // HF rule (modeling_qwen3_moe.py): layer `layer` (0-based) is an MoE layer iff it is not in
   // mlp_only_layers, num_experts > 0 and (layer + 1) % decoder_sparse_step == 0.
   bool is_moe_layer(int64_t layer) const;
   int64_t num_moe_layers() const;
   LayerType layer_type(int64_t layer) const;
+  int64_t num_linear_attention_layers() const;
+  int64_t rotary_dim() const;  // int(head_dim * partial_rotary_factor)
+  bool is_qwen35() const { return model_type == kQwen35MoeText; }
+  // Whether the family's native Hugging Face layout keeps the routed experts fused
+  // (`mlp.experts.gate_up_proj` [E, 2F, H], `mlp.experts.down_proj` [E, H, F]): Qwen3.5 yes;
+  // Qwen3-MoE / Qwen2-MoE checkpoints hold per-expert `mlp.experts.e.*_proj.weight`.
+  bool hf_fused_experts() const { return is_qwen35(); }
 
   // Throws bb::Error naming the field when the config is inconsistent: sizes <= 0 or above the
   // kMax* bounds, heads not a multiple of kv heads, top_k not in [1, num_experts],
   // mlp_only_layers out of range or repeated, non-finite floats, token ids below -1, family
   // flags that do not match model_type (qwen3_moe: qk_norm, no qkv bias, no shared expert;
-  // qwen2_moe: no qk_norm).
+  // qwen2_moe: no qk_norm; qwen3.5: qk_norm, zero-centred norms, output gate, every layer MoE
+  // with a shared expert, renormalised top-k, Gated DeltaNet shapes; the Qwen3.5 fields at
+  // their defaults elsewhere).
   void validate() const;
 
   // A config.json that transformers loads as the same model (architectures, model_type,
   // torch_dtype "bfloat16", every shape and behaviour key). parse_hf_config(to_hf_json()) == *this.
+  // Qwen3.5 writes the text-only form (Qwen3_5MoeForCausalLM, model_type qwen3_5_moe_text).
   nlohmann::json to_hf_json() const;
 
   // Parameter counts in elements; each throws bb::Error when the count overflows int64 (only
   // possible near the kMax* bounds).
-  //   attention per layer  = H*(heads*D) + 2*H*(kv*D) + (heads*D)*H       (q, k, v, o)
+  //   attention per layer  = H*(heads*D)*(gate ? 2 : 1) + 2*H*(kv*D) + (heads*D)*H  (q, k, v, o)
   //                          + [qkv_bias] (heads + 2*kv)*D + [qk_norm] 2*D
+  //   Gated DeltaNet layer = H*C + H*Hv*Dv + 2*H*Hv + Hv*Dv*H    (in_proj_qkv, _z, _b, _a, out)
+  //                          + C*W (conv1d) + 2*Hv (A_log, dt_bias) + Dv (gated norm),
+  //                          C = 2*Hk*Dk + Hv*Dv, W = linear_conv_kernel_dim
   //   dense MLP            = 3*H*intermediate_size                           (gate, up, down)
   //   MoE layer            = E*3*H*moe_ffn + E*H (router)
   //                          + [shared] 3*H*shared_ffn + H (sigmoid gate)
@@ -86,9 +119,11 @@ struct ModelConfig {
   int64_t num_params() const;
   // Routed expert weights only (E*3*H*moe_ffn per MoE layer): the part expert parallelism shards.
   int64_t num_expert_params() const;
-  // Matmul parameters one token multiplies through in a forward: attention q,k,v,o; dense MLP
-  // or top_k routed experts + shared expert + its gate + router; LM head. Embedding lookup,
-  // biases and norms excluded. This is the "active parameters" term of model FLOPs.
+  // Matmul parameters one token multiplies through in a forward: attention q (with the gate
+  // half),k,v,o or the Gated DeltaNet projections (in_proj_qkv, _z, _b, _a, out_proj); dense
+  // MLP or top_k routed experts + shared expert + its gate + router; LM head. Embedding lookup,
+  // biases, norms, the depthwise conv1d and the A_log / dt_bias vectors excluded. This is the
+  // "active parameters" term of model FLOPs.
   int64_t active_matmul_params_per_token() const;
   // What model cards call "activated parameters": active_matmul_params_per_token plus the
   // embedding table (V*H, counted even when tied, as the published numbers do). Reporting
@@ -105,7 +140,11 @@ ModelConfig load_hf_config(const std::string& path_or_dir);
 
 // Model FLOPs of one training step over packed sequences of lengths seq_lens (DESIGN.md sec. 6):
 //   forward = 2 * active_matmul_params_per_token * sum_i s_i
-//           + num_layers * 2 * 2 * sum_i (s_i^2 / 2) * num_heads * head_dim   (causal QK^T, PV)
+//           + full_attention_layers * 2 * 2 * sum_i (s_i^2 / 2) * num_heads * head_dim
+//                                                          (causal QK^T, PV; full attention only)
+//           + linear_attention_layers * 6 * Dk * Dv * Hv * sum_i s_i
+//                 (the gated delta rule in its recurrent form: three K x V products per token
+//                  and value head, prediction S^T k, update k d^T and read S^T q, 2 FLOPs each)
 //   step    = 3 * forward  (backward = 2x forward; recompute not counted).
 double model_flops(const ModelConfig& c, const std::vector<int64_t>& seq_lens);
 

@@ -7,6 +7,7 @@
 #include "core/rng.h"
 #include "core/trace.h"
 #include "models/attention_block.h"
+#include "models/gdn_block.h"
 #include "models/mlp_block.h"
 #include "models/moe_block.h"
 #include "primitives/embedding/embedding.h"
@@ -46,8 +47,20 @@ DecoderModel::DecoderModel(const ModelConfig& cfg, const ModelOptions& opts, uin
   ac.head_dim = cfg.head_dim;
   ac.qkv_bias = cfg.qkv_bias;
   ac.qk_norm = cfg.qk_norm;
+  ac.output_gate = cfg.attn_output_gate;
   ac.rope_theta = cfg.rope_theta;
+  ac.rotary_dim = cfg.rotary_dim() == cfg.head_dim ? 0 : cfg.rotary_dim();
   ac.rms_norm_eps = cfg.rms_norm_eps;
+  ac.zero_centered_norm = cfg.zero_centered_norm;
+  GdnBlockConfig gc;
+  gc.hidden = H;
+  gc.num_key_heads = cfg.linear_num_key_heads;
+  gc.num_value_heads = cfg.linear_num_value_heads;
+  gc.key_head_dim = cfg.linear_key_head_dim;
+  gc.value_head_dim = cfg.linear_value_head_dim;
+  gc.conv_kernel = cfg.linear_conv_kernel_dim;
+  gc.rms_norm_eps = cfg.rms_norm_eps;
+  gc.zero_centered_norm = cfg.zero_centered_norm;
   int64_t moe_index = 0;
   layers_.resize(static_cast<size_t>(cfg.num_layers));
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
@@ -62,8 +75,12 @@ DecoderModel::DecoderModel(const ModelConfig& cfg, const ModelOptions& opts, uin
       case LayerType::full_attention:
         L.blocks.push_back(std::make_unique<AttentionBlock>(store_, dense, prefix, ac));
         break;
-      case LayerType::linear_attention:
-        BB_FAIL("layer ", l, ": linear_attention layers are not implemented by this model family");
+      case LayerType::linear_attention: {
+        // A_log and dt_bias stay fp32 whatever the parameter dtype: their own unit.
+        ParamUnit& f32 = store_.add_unit(unit + "dense_f32", UnitKind::dense, l, /*f32_values=*/true);
+        L.blocks.push_back(std::make_unique<GdnBlock>(store_, dense, f32, prefix, gc));
+        break;
+      }
     }
     if (L.moe) {
       ParamUnit& experts = store_.add_unit(unit + "experts", UnitKind::experts, l);
@@ -80,6 +97,7 @@ DecoderModel::DecoderModel(const ModelConfig& cfg, const ModelOptions& opts, uin
       mc.permute = opts_.prims.permute.value;
       mc.moe_index = moe_index++;
       mc.num_moe_layers = num_moe_layers_;
+      mc.zero_centered_norm = cfg.zero_centered_norm;
       L.blocks.push_back(std::make_unique<MoeBlock>(store_, dense, experts, prefix, mc,
                                                     opts_.prims.moe_dispatch.value(cfg.num_experts)));
     } else {
@@ -88,7 +106,8 @@ DecoderModel::DecoderModel(const ModelConfig& cfg, const ModelOptions& opts, uin
     }
   }
   ParamUnit& head = store_.add_unit("head", UnitKind::head);
-  final_norm_ = &store_.add(head, "model.norm.weight", {H}, false);
+  final_norm_ = &store_.add(head, "model.norm.weight", {H}, false, HfSplit::none,
+                            cfg.zero_centered_norm ? ParamInit::zeros : ParamInit::ones);
   lm_head_ = cfg.tie_word_embeddings ? embed_ : &store_.add(head, "lm_head.weight", {V, H}, true);
   store_.allocate(opts_.device, opts_.param_dtype);
 
@@ -96,10 +115,25 @@ DecoderModel::DecoderModel(const ModelConfig& cfg, const ModelOptions& opts, uin
   // the order the parameters were declared.
   uint64_t index = 0;
   for (Param* p : store_.params()) {
-    const bool is_norm = p->name.find("norm") != std::string::npos;
-    const bool is_bias = p->name.size() > 5 && p->name.compare(p->name.size() - 5, 5, ".bias") == 0;
-    if (is_norm) p->value.fill_(1.0);
-    else if (!is_bias) fill_normal(p->value, seed, index << 40, 0.0f, static_cast<float>(cfg.init_std));
+    switch (p->init) {
+      case ParamInit::normal:
+        fill_normal(p->value, seed, index << 40, 0.0f, static_cast<float>(cfg.init_std));
+        break;
+      case ParamInit::zeros:
+        p->value.fill_(0.0);
+        break;
+      case ParamInit::ones:
+        p->value.fill_(1.0);
+        break;
+      case ParamInit::gdn_a_log: {  // A = U(0.01, 16), stored as log(A)
+        Tensor u = Tensor::empty(p->shape, DType::f32, Device::cpu(), MemCategory::other);
+        fill_uniform(u, seed, index << 40, 0.01f, 16.0f);
+        std::vector<float> v = u.to_floats();
+        for (float& x : v) x = std::log(x);
+        p->value.copy_from(Tensor::from_floats(v, p->shape, p->value.dtype()).to(p->value.device()));
+        break;
+      }
+    }
     ++index;
   }
   loss_ = opts_.prims.loss.value(opts_.prims.loss_chunks);
@@ -124,7 +158,8 @@ void DecoderModel::embed_backward(const Tensor& d_x, const MicroBatch& mb) {
 Tensor DecoderModel::head_train(const Tensor& x, const MicroBatch& mb, float loss_scale,
                                 ForwardStats& st) {
   RMSNormSaved fn;
-  Tensor h = rmsnorm_forward(x, final_norm_->value, cfg_.rms_norm_eps, &fn);
+  Tensor h = rmsnorm_forward(x, final_norm_->value, cfg_.rms_norm_eps, &fn, MemCategory::activations,
+                             cfg_.zero_centered_norm);
   Tensor d_h;
   {
     BB_RANGE("loss_head");
@@ -133,12 +168,13 @@ Tensor DecoderModel::head_train(const Tensor& x, const MicroBatch& mb, float los
     st.num_valid = r.num_valid;
   }
   h = Tensor();
-  return rmsnorm_backward(d_h, x, final_norm_->value, fn, final_norm_->grad);
+  return rmsnorm_backward(d_h, x, final_norm_->value, fn, final_norm_->grad, cfg_.zero_centered_norm);
 }
 
 void DecoderModel::head_eval(const Tensor& x, const MicroBatch& mb, ForwardStats& st,
                              Tensor* logits) {
-  Tensor h = rmsnorm_forward(x, final_norm_->value, cfg_.rms_norm_eps, nullptr);
+  Tensor h = rmsnorm_forward(x, final_norm_->value, cfg_.rms_norm_eps, nullptr,
+                             MemCategory::activations, cfg_.zero_centered_norm);
   if (logits) *logits = lm_head_logits(h, lm_head_->value);
   BB_RANGE("loss_head");
   const LossResult r = loss_->evaluate(h, lm_head_->value, mb.targets);
@@ -146,8 +182,13 @@ void DecoderModel::head_eval(const Tensor& x, const MicroBatch& mb, ForwardStats
   st.num_valid = r.num_valid;
 }
 
-std::vector<HfTensor> DecoderModel::hf_tensors() {
+std::vector<HfTensor> DecoderModel::hf_tensors(HfExperts experts) {
+  const bool fused = experts == HfExperts::fused ||
+                     (experts == HfExperts::native && cfg_.hf_fused_experts());
   std::vector<HfTensor> out;
+  auto whole = [](const std::string& name, Param* p, int64_t offset, const Shape& shape) {
+    return HfTensor{name, p, offset, shape, 0, shape.at(0)};
+  };
   auto strip = [](const std::string& name, const std::string& suffix) {
     BB_CHECK(name.size() >= suffix.size() &&
                  name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0,
@@ -155,15 +196,20 @@ std::vector<HfTensor> DecoderModel::hf_tensors() {
     return name.substr(0, name.size() - suffix.size());
   };
   for (Param* p : store_.params()) {
+    const bool expert_param = p->hf == HfSplit::experts_gate_up || p->hf == HfSplit::experts_down;
+    if (expert_param && fused) {  // [E_l, ...]: rows first_expert.. of the HF [E, ...] tensor
+      out.push_back({p->name, p, 0, p->shape, p->unit->first_expert, cfg_.num_experts});
+      continue;
+    }
     switch (p->hf) {
       case HfSplit::none:
-        out.push_back({p->name, p, 0, p->shape});
+        out.push_back(whole(p->name, p, 0, p->shape));
         break;
       case HfSplit::gate_up: {  // [2I, H] -> gate_proj [I, H], up_proj [I, H]
         const std::string base = strip(p->name, "gate_up_proj");
         const int64_t I = p->shape[0] / 2, H = p->shape[1];
-        out.push_back({base + "gate_proj.weight", p, 0, {I, H}});
-        out.push_back({base + "up_proj.weight", p, I * H, {I, H}});
+        out.push_back(whole(base + "gate_proj.weight", p, 0, {I, H}));
+        out.push_back(whole(base + "up_proj.weight", p, I * H, {I, H}));
         break;
       }
       case HfSplit::experts_gate_up: {  // [E_l, 2F, H] -> per expert gate_proj, up_proj [F, H]
@@ -171,8 +217,8 @@ std::vector<HfTensor> DecoderModel::hf_tensors() {
         const int64_t F = p->shape[1] / 2, H = p->shape[2];
         for (int64_t e = 0; e < p->shape[0]; ++e) {
           const std::string pre = base + std::to_string(p->unit->first_expert + e) + ".";
-          out.push_back({pre + "gate_proj.weight", p, e * 2 * F * H, {F, H}});
-          out.push_back({pre + "up_proj.weight", p, e * 2 * F * H + F * H, {F, H}});
+          out.push_back(whole(pre + "gate_proj.weight", p, e * 2 * F * H, {F, H}));
+          out.push_back(whole(pre + "up_proj.weight", p, e * 2 * F * H + F * H, {F, H}));
         }
         break;
       }
@@ -180,8 +226,8 @@ std::vector<HfTensor> DecoderModel::hf_tensors() {
         const std::string base = strip(p->name, "down_proj");
         const int64_t Hd = p->shape[1], F = p->shape[2];
         for (int64_t e = 0; e < p->shape[0]; ++e)
-          out.push_back({base + std::to_string(p->unit->first_expert + e) + ".down_proj.weight", p,
-                         e * Hd * F, {Hd, F}});
+          out.push_back(whole(base + std::to_string(p->unit->first_expert + e) + ".down_proj.weight",
+                              p, e * Hd * F, {Hd, F}));
         break;
       }
     }

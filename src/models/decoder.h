@@ -1,11 +1,14 @@
 // decoder.h — a decoder-only MoE language model as a list of layers built from the config's
 // `layer_types`, each layer a list of residual blocks (models/block.h):
 //
-//   ids -> embedding -> N x [token mixer block (attention) -> MLP block (dense | MoE)]
-//       -> final RMSNorm -> loss head (loss family), tied or untied LM head.
+//   ids -> embedding -> N x [token mixer block (attention | gated delta net) -> MLP block
+//       (dense | MoE)] -> final RMSNorm -> loss head (loss family), tied or untied LM head.
 //
 // Families: Qwen3-MoE and Qwen2-MoE (every layer full attention; Qwen2-MoE adds q/k/v biases
-// and a shared expert, Qwen3-MoE per-head QK norm). A new layer type plugs in as a new block.
+// and a shared expert, Qwen3-MoE per-head QK norm), and the Qwen3.5 hybrid (Gated DeltaNet
+// blocks in the linear_attention layers, gated full attention with partial RoPE in the others,
+// every layer MoE with a sigmoid-gated shared expert, every RMSNorm zero-centred). A new layer
+// type plugs in as a new block.
 //
 // The model owns its parameters (flat units, models/params.h) and its blocks, and offers the
 // pieces a schedule composes: the embedding, the layers, the head. It does not own the layer
@@ -45,14 +48,28 @@ struct HfTensor {
   Param* param = nullptr;
   int64_t offset = 0;
   Shape shape;
+  // A fused expert tensor of a unit that holds only some experts (expert parallelism) is the
+  // rows [hf_first_row, hf_first_row + shape[0]) of the Hugging Face tensor, which has
+  // hf_num_rows rows. Every other tensor is whole: hf_first_row 0, hf_num_rows shape[0].
+  int64_t hf_first_row = 0, hf_num_rows = 0;
+  bool whole() const { return hf_first_row == 0 && hf_num_rows == shape.at(0); }
   Tensor value() const;  // view into the unit's values
   Tensor grad() const;   // view into the unit's gradients
 };
 
+// How the routed experts appear among the Hugging Face tensors.
+enum class HfExperts : uint8_t {
+  native,      // the family's checkpoint layout (ModelConfig::hf_fused_experts)
+  per_expert,  // mlp.experts.E.{gate,up,down}_proj.weight
+  fused,       // mlp.experts.gate_up_proj [E, 2F, H], mlp.experts.down_proj [E, H, F]
+};
+
 class DecoderModel {
  public:
-  // Builds the parameters and initialises them from `seed` (normal(0, init_std) for matrices,
-  // ones for norms, zeros for biases), counter-based so the values do not depend on order.
+  // Builds the parameters and initialises them from `seed` as transformers does (each Param's
+  // ParamInit: normal(0, init_std) for matrices and conv filters, ones for norms, zeros for
+  // biases and zero-centred norms, log(U(0.01, 16)) for A_log, ones for dt_bias), counter-based
+  // so the values do not depend on order.
   DecoderModel(const ModelConfig& cfg, const ModelOptions& opts, uint64_t seed);
   DecoderModel(const DecoderModel&) = delete;
   DecoderModel& operator=(const DecoderModel&) = delete;
@@ -83,11 +100,12 @@ class DecoderModel {
   // Evaluation: the loss, and the [T, V] f32 logits if `logits` is non-null.
   void head_eval(const Tensor& x, const MicroBatch& mb, ForwardStats& st, Tensor* logits);
 
-  // The Hugging Face tensors: per-expert gate_proj/up_proj/down_proj slices of the fused expert
-  // weights (named with the unit's global expert ids), gate/up halves of the fused dense and
-  // shared-expert projections, every other parameter whole. Reading and writing through them
-  // round-trips the model.
-  std::vector<HfTensor> hf_tensors();
+  // The Hugging Face tensors: the routed experts as `experts` says (native: per-expert
+  // gate_proj/up_proj/down_proj slices named with the unit's global expert ids for Qwen3-MoE /
+  // Qwen2-MoE, the fused gate_up_proj / down_proj for Qwen3.5), gate/up halves of the fused
+  // dense and shared-expert projections, every other parameter whole. Reading and writing
+  // through them round-trips the model.
+  std::vector<HfTensor> hf_tensors(HfExperts experts = HfExperts::native);
 
  private:
   ModelConfig cfg_;

@@ -95,6 +95,49 @@ const char* hf_dtype_name(DType dt) {
 
 }  // namespace
 
+std::string HfLoadReport::summary() const {
+  // Group the ignored names so that a vision tower of hundreds of tensors is one clause.
+  std::map<std::string, int64_t> groups;
+  for (const std::string& n : ignored) {
+    if (n.rfind("model.visual.", 0) == 0) ++groups["model.visual.* (vision tower)"];
+    else if (n.rfind("mtp.", 0) == 0) ++groups["mtp.* (multi-token prediction head)"];
+    else if (ends_with(n, "rotary_emb.inv_freq")) ++groups["rotary inv_freq buffers (recomputed)"];
+    else if (ends_with(n, "lm_head.weight")) ++groups["lm_head.weight (tied, equal to the embedding)"];
+    else ++groups["other"];
+  }
+  std::string out = "read " + std::to_string(tensors_read) + " tensors";
+  if (fused_expert_tensors > 0)
+    out += " (" + std::to_string(fused_expert_tensors) + " fused expert tensors)";
+  if (!language_model_prefix.empty()) out += " under " + language_model_prefix + "*";
+  out += "; ignored " + std::to_string(ignored.size());
+  const char* sep = ": ";
+  for (const auto& [what, n] : groups) {
+    out += sep + std::to_string(n) + " " + what;
+    sep = ", ";
+  }
+  return out;
+}
+
+namespace {
+
+// The checkpoint names of a model name: Qwen3_5MoeForConditionalGeneration files keep the text
+// model under model.language_model.* (lm_head.weight stays at the top).
+struct FileNames {
+  std::string lm_prefix;  // "" or "model.language_model."
+  std::string of(const std::string& model_name) const {
+    if (lm_prefix.empty() || model_name.rfind("model.", 0) != 0) return model_name;
+    return lm_prefix + model_name.substr(6);
+  }
+};
+
+// Tensors of a Qwen3.5 checkpoint that are not part of the text model: transformers'
+// Qwen3_5MoeForCausalLM ignores them on load too (_keys_to_ignore_on_load_unexpected).
+bool is_qwen35_non_text(const std::string& name) {
+  return name.rfind("model.visual.", 0) == 0 || name.rfind("mtp.", 0) == 0;
+}
+
+}  // namespace
+
 HfLoadReport load_hf_weights(DecoderModel& model, const std::string& dir,
                              std::vector<Tensor>* f32_units) {
   const std::string what = "load_hf_weights(" + dir + ")";
@@ -110,13 +153,31 @@ HfLoadReport load_hf_weights(DecoderModel& model, const std::string& dir,
   const ModelConfig& cfg = model.config();
   SafetensorsDir files(dir);
 
-  // Which expert tensors the files hold fused: a per layer and projection choice.
-  std::set<std::string> fused;
-  for (int64_t l = 0; l < cfg.num_layers; ++l) {
-    if (!cfg.is_moe_layer(l)) continue;
-    const std::string base = "model.layers." + std::to_string(l) + ".mlp.experts.";
-    for (const char* proj : {"gate_up_proj", "down_proj"})
-      if (files.has(base + proj)) fused.insert(base + proj);
+  // Qwen3.5 checkpoints come as the text model (Qwen3_5MoeForCausalLM: model.*) or wrapped
+  // with a vision tower (Qwen3_5MoeForConditionalGeneration: model.language_model.*).
+  FileNames fn;
+  if (cfg.is_qwen35())
+    for (const std::string& n : files.names())
+      if (n.rfind("model.language_model.", 0) == 0) {
+        fn.lm_prefix = "model.language_model.";
+        break;
+      }
+
+  // Which expert tensors the files hold fused: a per layer and projection choice, keyed by the
+  // model's fused parameter name. Native-fused families (Qwen3.5) read the per-expert names
+  // only when the files hold them and not the fused tensor.
+  std::set<std::string> fused, fused_files;
+  for (Param* p : model.params()) {
+    if (p->hf != HfSplit::experts_gate_up && p->hf != HfSplit::experts_down) continue;
+    const std::string file_name = fn.of(p->name);
+    const std::string base = p->name.substr(0, p->name.rfind('.') + 1);  // "...mlp.experts."
+    const std::string probe = fn.of(base + std::to_string(p->unit->first_expert) +
+                                    (p->hf == HfSplit::experts_down ? ".down_proj.weight"
+                                                                    : ".gate_proj.weight"));
+    if (files.has(file_name) || (cfg.hf_fused_experts() && !files.has(probe))) {
+      fused.insert(p->name);
+      fused_files.insert(file_name);
+    }
   }
 
   // Targets: checkpoint name -> where it goes in the model (a parameter slice).
@@ -130,26 +191,26 @@ HfLoadReport load_hf_weights(DecoderModel& model, const std::string& dir,
                ", expected f32[", units[u]->numel, "]");
   }
   struct Target {
-    std::string name;
+    std::string model_name, name;  // the HF name in the model, and in the files
     Tensor dst;
     Tensor dst_f32;  // the same slice of the unit's f32 target, when asked for
+    Shape file_shape;      // what the file must hold
+    int64_t first_row = 0;  // rows [first_row, first_row + dst rows) of it go into dst
   };
-  auto target = [&](const std::string& name, Param* p, int64_t offset, const Shape& shape) {
-    Target t{name, unit_slice(p->unit->value, *p, offset, shape), {}};
+  auto target = [&](const HfTensor& t) {
+    Target g{t.name, fn.of(t.name), unit_slice(t.param->unit->value, *t.param, t.offset, t.shape),
+             {}, t.shape, t.hf_first_row};
+    g.file_shape[0] = t.hf_num_rows;
     if (f32_units)
-      t.dst_f32 = unit_slice((*f32_units)[static_cast<size_t>(p->unit->index)], *p, offset, shape);
-    return t;
+      g.dst_f32 = unit_slice((*f32_units)[static_cast<size_t>(t.param->unit->index)], *t.param,
+                             t.offset, t.shape);
+    return g;
   };
   std::vector<Target> targets;
-  for (const HfTensor& t : model.hf_tensors()) {
-    if (fused.count(fused_group_of(t.name))) continue;  // covered by the fused tensor
-    targets.push_back(target(t.name, t.param, t.offset, t.shape));
-  }
-  for (const std::string& name : fused) {
-    Param* p = model.find_param(name);
-    BB_CHECK(p, what, ": internal: the model has no fused parameter ", name);
-    targets.push_back(target(name, p, 0, p->shape));
-  }
+  for (const HfTensor& t : model.hf_tensors(HfExperts::per_expert))
+    if (!fused.count(t.param->name)) targets.push_back(target(t));
+  for (const HfTensor& t : model.hf_tensors(HfExperts::fused))
+    if (fused.count(t.name)) targets.push_back(target(t));
 
   Problems pr;
   std::set<std::string> claimed;
@@ -162,22 +223,23 @@ HfLoadReport load_hf_weights(DecoderModel& model, const std::string& dir,
     const SafetensorsEntry& e = files.entry(t.name);
     if (!is_floating(e.dtype))
       pr.dtype.push_back(t.name + " (" + safetensors_dtype_name(e.dtype) + ")");
-    else if (e.shape != t.dst.shape())
+    else if (e.shape != t.file_shape)
       pr.shape.push_back(t.name + ": checkpoint " + shape_str(e.shape) + ", model expects " +
-                         shape_str(t.dst.shape()));
+                         shape_str(t.file_shape));
   }
   HfLoadReport report;
+  report.language_model_prefix = fn.lm_prefix;
   bool tied_head_in_file = false;
   for (const std::string& name : files.names()) {
     if (claimed.count(name)) continue;
-    if (is_ignored_buffer(name)) {
+    if (is_ignored_buffer(name) || (cfg.is_qwen35() && is_qwen35_non_text(name))) {
       report.ignored.push_back(name);
     } else if (cfg.tie_word_embeddings && name == "lm_head.weight") {
       tied_head_in_file = true;  // checked against the embedding below
       report.ignored.push_back(name);
     } else {
       std::string note;
-      if (const std::string g = fused_group_of(name); !g.empty() && fused.count(g))
+      if (const std::string g = fused_group_of(name); !g.empty() && fused_files.count(g))
         note = " (the checkpoint also holds the fused " + g + ")";
       pr.unexpected.push_back(name + note);
     }
@@ -187,20 +249,22 @@ HfLoadReport load_hf_weights(DecoderModel& model, const std::string& dir,
             " problem(s); nothing was loaded):", pr.str());
 
   // Stage every tensor on the host (in the parameter dtype, or f32 for f32 targets); the model
-  // is untouched until all reads succeeded.
+  // is untouched until all reads succeeded. A unit holding some experts keeps only its rows.
   std::vector<Tensor> staged;
   staged.reserve(targets.size());
-  for (const Target& t : targets)
-    staged.push_back(
-        files.read_as(t.name, f32_units ? DType::f32 : t.dst.dtype(), MemCategory::other));
+  for (const Target& t : targets) {
+    Tensor v = files.read_as(t.name, f32_units ? DType::f32 : t.dst.dtype(), MemCategory::other);
+    if (v.size(0) != t.dst.size(0)) v = v.narrow(t.first_row, t.dst.size(0)).clone(MemCategory::other);
+    staged.push_back(v);
+  }
   if (tied_head_in_file) {
     const Tensor head = files.read_as("lm_head.weight", DType::f32, MemCategory::other);
     const std::string embed = "model.embed_tokens.weight";
     for (size_t i = 0; i < targets.size(); ++i) {
-      if (targets[i].name != embed) continue;
+      if (targets[i].model_name != embed) continue;
       const Tensor e = staged[i].dtype() == DType::f32 ? staged[i] : staged[i].to_dtype(DType::f32);
       BB_CHECK(head.shape() == e.shape() && head.to_floats() == e.to_floats(), what,
-               ": tie_word_embeddings is true but lm_head.weight differs from ", embed,
+               ": tie_word_embeddings is true but lm_head.weight differs from ", targets[i].name,
                " (nothing was loaded)");
     }
   }
@@ -210,7 +274,7 @@ HfLoadReport load_hf_weights(DecoderModel& model, const std::string& dir,
                                  ? staged[i]
                                  : staged[i].to_dtype(targets[i].dst.dtype()));
     ++report.tensors_read;
-    if (fused.count(targets[i].name)) ++report.fused_expert_tensors;
+    if (fused.count(targets[i].model_name)) ++report.fused_expert_tensors;
   }
   return report;
 }
@@ -219,6 +283,11 @@ void export_hf(DecoderModel& model, const std::string& dir, const HfExportOption
   const char* torch_dtype = hf_dtype_name(opts.dtype);
   BB_CHECK(opts.max_shard_bytes > 0, "export: max shard size must be > 0");
   make_dirs(dir);
+  for (const HfTensor& t : model.hf_tensors())
+    BB_CHECK(t.whole(), "export: ", t.name, " holds experts ", t.hf_first_row, "..",
+             t.hf_first_row + t.shape[0] - 1, " of ", t.hf_num_rows,
+             ": export a model that holds every expert (bumblebee export consolidates a "
+             "training checkpoint into one)");
   std::vector<std::pair<std::string, Tensor>> tensors;
   for (auto& [name, t] : hf_state(model)) {
     Tensor h = t.device().is_cpu() ? t : t.to(Device::cpu(), MemCategory::other);

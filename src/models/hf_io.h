@@ -4,18 +4,29 @@
 //
 // Names are the Hugging Face ones (DecoderModel::hf_tensors()). Inside bumblebee the experts of
 // a layer are fused ([E, 2F, H] gate+up, [E, H, F] down) and so are the dense / shared-expert
-// gate+up projections ([2I, H]); hf_tensors() exposes per-expert `gate_proj` / `up_proj` /
-// `down_proj` slices of them (addressed by unit offsets), so reading and writing through those
-// names round-trips exactly.
+// gate+up projections ([2I, H]); for Qwen3-MoE / Qwen2-MoE hf_tensors() exposes per-expert
+// `gate_proj` / `up_proj` / `down_proj` slices of them (addressed by unit offsets), for Qwen3.5
+// the fused tensors themselves (that family's native checkpoint layout), so reading and writing
+// through those names round-trips exactly.
 //
 // Loading accepts both expert layouts a checkpoint can have:
-//   per-expert (the classic layout; what save_pretrained writes by default)
+//   per-expert (the classic layout; what save_pretrained writes by default for Qwen3-MoE)
 //     model.layers.L.mlp.experts.E.{gate_proj,up_proj,down_proj}.weight   [F, H] [F, H] [H, F]
-//   fused (transformers 5 in memory, and checkpoints saved with save_original_format=False)
+//   fused (transformers 5 in memory, save_original_format=False, and Qwen3.5 checkpoints)
 //     model.layers.L.mlp.experts.gate_up_proj   [E, 2F, H]  (rows 0..F-1 gate, F..2F-1 up)
 //     model.layers.L.mlp.experts.down_proj      [E, H, F]
-// chosen per layer and projection by which names the files hold. Every tensor is converted from
-// its stored float dtype (f32/bf16/f16) to the parameter dtype.
+// chosen per layer and projection by which names the files hold (a unit holding some experts
+// keeps its rows of a fused tensor). Every tensor is converted from its stored float dtype
+// (f32/bf16/f16) to the parameter dtype.
+//
+// Qwen3.5 checkpoints come in two layouts, recognised by their names:
+//   text model (Qwen3_5MoeForCausalLM, config model_type qwen3_5_moe_text): model.*, lm_head.weight
+//   released (Qwen3_5MoeForConditionalGeneration, config qwen3_5_moe + text_config): the text
+//     model under model.language_model.*, lm_head.weight, a vision tower model.visual.* and a
+//     multi-token-prediction head mtp.*
+// The vision and MTP tensors (in either layout) are not part of the text model: they are
+// listed in HfLoadReport::ignored, and summary() counts them in one line. Export always writes
+// the text-model layout.
 //
 // Loading is all-or-nothing: the config is compared first, then every expected tensor is found,
 // shape-checked and read into a staging copy; all problems (missing, unexpected, misshaped,
@@ -37,6 +48,10 @@ struct HfLoadReport {
   int64_t tensors_read = 0;          // tensors read from the files
   int64_t fused_expert_tensors = 0;  // of those, fused [E, ...] expert tensors
   std::vector<std::string> ignored;  // present in the files, deliberately not loaded
+  std::string language_model_prefix;  // "model.language_model." for a wrapped Qwen3.5 checkpoint
+  // One log line: what was read, and the ignored tensors grouped ("...; ignored 351: 15 mtp.*
+  // (multi-token prediction head), 333 model.visual.* (vision tower), 3 rotary ...").
+  std::string summary() const;
 };
 
 // Loads the weights of the Hugging Face checkpoint in `dir` into `model`:
@@ -45,7 +60,8 @@ struct HfLoadReport {
 //   dir/model.safetensors or dir/model.safetensors.index.json + shards (SafetensorsDir).
 // Ignored without complaint: rotary `inv_freq` buffers (`...rotary_emb.inv_freq`), which are
 // recomputed; with tied embeddings an `lm_head.weight` equal to the embedding (a different one
-// is an error). Any other tensor the model does not have is "unexpected".
+// is an error); for Qwen3.5 the `model.visual.*` and `mtp.*` tensors. Any other tensor the model
+// does not have is "unexpected".
 // Throws bb::Error (model untouched) on any mismatch. Gradients are not touched.
 // f32_units: when given, one [numel] f32 tensor per parameter unit (model.units() order, e.g.
 // the optimizer's fp32 master weights) that receives the checkpoint's values converted to f32
@@ -65,7 +81,8 @@ struct HfExportOptions {
 //   generation_config.json   {"bos_token_id", "eos_token_id"} (those the config has)
 //   model.safetensors, or model-0000i-of-0000n.safetensors + model.safetensors.index.json when
 //   the tensors exceed max_shard_bytes (write_sharded_safetensors; metadata {"format": "pt"}).
-// Tensors are the per-expert classic names of hf_tensors(), converted to opts.dtype.
+// Tensors are the names of hf_tensors() (per-expert for Qwen3-MoE / Qwen2-MoE, fused experts
+// for Qwen3.5), converted to opts.dtype. The model must hold every expert.
 void export_hf(DecoderModel& model, const std::string& dir, const HfExportOptions& opts = {});
 
 // `bumblebee export`: builds the model a training checkpoint step directory describes

@@ -18,7 +18,8 @@ struct MlpBlock::Saved final : BlockSaved {
 MlpBlock::MlpBlock(ParamStore& store, ParamUnit& unit, const std::string& prefix, int64_t hidden,
                    int64_t ffn, double rms_norm_eps)
     : eps_(rms_norm_eps) {
-  ln_ = &store.add(unit, prefix + "post_attention_layernorm.weight", {hidden}, false);
+  ln_ = &store.add(unit, prefix + "post_attention_layernorm.weight", {hidden}, false,
+                   HfSplit::none, ParamInit::ones);
   gate_up_ = &store.add(unit, prefix + "mlp.gate_up_proj", {2 * ffn, hidden}, true, HfSplit::gate_up);
   down_ = &store.add(unit, prefix + "mlp.down_proj.weight", {hidden, ffn}, true);
 }

@@ -38,7 +38,8 @@ MoeBlock::MoeBlock(ParamStore& store, ParamUnit& dense_unit, ParamUnit& expert_u
   expert_unit.num_experts = dispatcher_->num_local_experts(E);
   expert_unit.first_expert = dispatcher_->first_local_expert(E);
   const int64_t El = expert_unit.num_experts;
-  ln_ = &store.add(dense_unit, prefix + "post_attention_layernorm.weight", {H}, false);
+  ln_ = &store.add(dense_unit, prefix + "post_attention_layernorm.weight", {H}, false,
+                   HfSplit::none, cfg.zero_centered_norm ? ParamInit::zeros : ParamInit::ones);
   router_ = &store.add(dense_unit, prefix + "mlp.gate.weight", {E, H}, true);
   experts_gate_up_ = &store.add(expert_unit, prefix + "mlp.experts.gate_up_proj", {El, 2 * F, H},
                                 true, HfSplit::experts_gate_up);
@@ -73,7 +74,8 @@ Tensor MoeBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) 
   const RouterConfig rc = router_config();
   const bool mem_eff = cfg_.permute == PermuteMode::memory_efficient;
   S.x = x;
-  S.h = rmsnorm_forward(x, ln_->value, cfg_.rms_norm_eps, &S.rms);
+  S.h = rmsnorm_forward(x, ln_->value, cfg_.rms_norm_eps, &S.rms, MemCategory::activations,
+                        cfg_.zero_centered_norm);
 
   // Route (once per micro-batch: a recompute replays the stashed selection).
   S.logits = Tensor::empty({T, E}, DType::f32, x.device(), MemCategory::activations);
@@ -170,7 +172,7 @@ Tensor MoeBlock::backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved&
     Tensor d_sgu = swiglu_backward(d_sact, S.s_gate_up);
     add_inplace(d_h, block::linear_backward(ctx, S, d_sgu, S.h, shared_gate_up_, nullptr));
   }
-  Tensor d_x = rmsnorm_backward(d_h, S.x, ln_->value, S.rms, ln_->grad);
+  Tensor d_x = rmsnorm_backward(d_h, S.x, ln_->value, S.rms, ln_->grad, cfg_.zero_centered_norm);
   add_inplace(d_x, d_y);
   return d_x;
 }

@@ -37,6 +37,7 @@ struct MoeBlockConfig {
   PermuteMode permute = PermuteMode::standard;
   int64_t moe_index = 0;       // this layer's slot in the routing stash
   int64_t num_moe_layers = 1;  // the z-loss is the mean over MoE layers
+  bool zero_centered_norm = false;  // post_attention_layernorm scales by (1 + w) (Qwen3.5)
 };
 
 class MoeBlock final : public Block {

@@ -19,7 +19,8 @@ Tensor unit_slice(const Tensor& flat, const Param& p, int64_t offset, const Shap
   return flat.narrow(p.offset + offset, shape_numel(shape)).view(shape);
 }
 
-ParamUnit& ParamStore::add_unit(const std::string& name, UnitKind kind, int64_t layer) {
+ParamUnit& ParamStore::add_unit(const std::string& name, UnitKind kind, int64_t layer,
+                                bool f32_values) {
   BB_CHECK(!allocated_, "ParamStore: unit '", name, "' added after allocate()");
   for (const ParamUnit& u : units_)
     BB_CHECK(u.name != name, "ParamStore: unit '", name, "' added twice");
@@ -29,11 +30,12 @@ ParamUnit& ParamStore::add_unit(const std::string& name, UnitKind kind, int64_t 
   u.name = name;
   u.kind = kind;
   u.layer = layer;
+  u.f32_values = f32_values;
   return u;
 }
 
 Param& ParamStore::add(ParamUnit& unit, const std::string& name, const Shape& shape, bool decay,
-                       HfSplit hf) {
+                       HfSplit hf, ParamInit init) {
   BB_CHECK(!allocated_, "ParamStore: parameter '", name, "' added after allocate()");
   for (int64_t d : shape)
     BB_CHECK(d > 0, "ParamStore: parameter '", name, "' has shape ", shape_str(shape));
@@ -44,6 +46,7 @@ Param& ParamStore::add(ParamUnit& unit, const std::string& name, const Shape& sh
   p.shape = shape;
   p.decay = decay;
   p.hf = hf;
+  p.init = init;
   p.unit = &unit;
   unit.params.push_back(&p);
   return p;
@@ -72,7 +75,7 @@ void ParamStore::allocate(Device dev, DType param_dtype) {
     u.numel = align(off);
     if (!seen_plain) u.decay_numel = u.numel;
     u.params = ordered;
-    u.value = Tensor::zeros({u.numel}, param_dtype, dev, MemCategory::params);
+    u.value = Tensor::zeros({u.numel}, u.f32_values ? DType::f32 : param_dtype, dev, MemCategory::params);
     u.grad = Tensor::zeros({u.numel}, DType::f32, dev, MemCategory::grads);
     for (Param* p : ordered) {
       p->value = unit_slice(u.value, *p);

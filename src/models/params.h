@@ -9,6 +9,8 @@
 //   layers.L.dense    attention, norms, router, shared expert, dense MLP of layer L
 //   layers.L.experts  the routed experts of MoE layer L (E_l local experts from first_expert)
 //   head              the final norm and the untied LM head
+//   layers.L.dense_f32  parameters of layer L whose values stay f32 whatever the model's parameter
+//                    dtype (the Gated DeltaNet A_log and dt_bias, kept fp32 as in the reference)
 // Layout inside a unit: the weight-decayed parameters first, then the others, each starting at a
 // multiple of kAlign elements (256 bytes in bf16: the alignment cuBLASLt's fastest kernels want);
 // the padding between them stays zero (zero gradient, zero value, decay keeps it zero).
@@ -36,6 +38,14 @@ enum class HfSplit : uint8_t {
   experts_down,     // [E_l, H, F]: per expert `<prefix>{e}.down_proj.weight`
 };
 
+// How DecoderModel initialises a parameter (each from its own counter-based stream).
+enum class ParamInit : uint8_t {
+  normal,     // N(0, init_std): matrices, embeddings, the router, conv filters
+  zeros,      // biases, zero-centred RMSNorm weights (the scale is 1 + w)
+  ones,       // RMSNorm weights (the scale is w), the Gated DeltaNet dt_bias
+  gdn_a_log,  // log(U(0.01, 16)): the Gated DeltaNet A_log (transformers' _init_weights)
+};
+
 struct ParamUnit;
 
 struct Param {
@@ -43,6 +53,7 @@ struct Param {
   Shape shape;
   bool decay = true;  // weight decay applies (matrices yes; norms and biases no)
   HfSplit hf = HfSplit::none;
+  ParamInit init = ParamInit::normal;
   ParamUnit* unit = nullptr;
   int64_t offset = 0;  // first element in the unit's flat buffers
   Tensor value;        // view of unit->value: the model's parameter dtype, category params
@@ -58,6 +69,8 @@ struct ParamUnit {
   // Expert units: the global expert id of local expert 0 (Hugging Face names use it) and the
   // number of experts held. Set where experts are placed (the dispatcher); 0 and E on one rank.
   int64_t first_expert = 0, num_experts = 0;
+  // The values are f32 even when the model's parameter dtype is bf16 (allocate()).
+  bool f32_values = false;
   std::vector<Param*> params;  // in layout order (weight-decayed first)
   int64_t numel = 0;           // elements including the alignment padding (what sharding splits)
   int64_t decay_numel = 0;     // elements [0, decay_numel) are weight-decayed, the rest are not
@@ -79,10 +92,12 @@ class ParamStore {
   ParamStore(const ParamStore&) = delete;
   ParamStore& operator=(const ParamStore&) = delete;
 
-  ParamUnit& add_unit(const std::string& name, UnitKind kind, int64_t layer = -1);
+  ParamUnit& add_unit(const std::string& name, UnitKind kind, int64_t layer = -1,
+                      bool f32_values = false);
   Param& add(ParamUnit& unit, const std::string& name, const Shape& shape, bool decay,
-             HfSplit hf = HfSplit::none);
+             HfSplit hf = HfSplit::none, ParamInit init = ParamInit::normal);
   // Lays out, allocates (zeros) and makes the views. Once; parameters cannot be added after.
+  // Values are in param_dtype, except in units marked f32_values (always f32).
   void allocate(Device dev, DType param_dtype);
   bool allocated() const { return allocated_; }
 

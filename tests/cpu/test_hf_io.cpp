@@ -1,6 +1,7 @@
 // Hugging Face checkpoint I/O: loading the per-expert and the fused expert layouts, single-file
 // and sharded, dtype conversion; all-or-nothing loading with one error that lists every
-// problem; export (files, index, config) and the bit-exact f32 round trip.
+// problem; export (files, index, config) and the bit-exact f32 round trip; Qwen3.5 in its text
+// and its released (ConditionalGeneration: language_model prefix, vision tower, MTP) layouts.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -375,6 +376,214 @@ TEST(HfIo, ParseByteSize) {
   EXPECT_EQ(parse_byte_size("64K"), 64000u);
   for (const char* bad : {"", "GB", "0", "5XB", "-1GB", "1.2.3MB"})
     test::expect_error_contains([&] { parse_byte_size(bad); }, "bad size");
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Qwen3.5: layer 0 Gated DeltaNet, layer 1 gated full attention; every layer MoE + shared expert.
+
+ModelConfig tiny_qwen35() {
+  ModelConfig c;
+  c.model_type = "qwen3_5_moe_text";
+  c.vocab_size = 19;
+  c.hidden_size = 8;
+  c.num_layers = 2;
+  c.num_heads = 2;
+  c.num_kv_heads = 1;
+  c.head_dim = 8;
+  c.partial_rotary_factor = 0.25;
+  c.moe_intermediate_size = 6;
+  c.shared_expert_intermediate_size = 5;
+  c.num_experts = 4;
+  c.top_k = 2;
+  c.norm_topk_prob = true;
+  c.qk_norm = true;
+  c.zero_centered_norm = true;
+  c.attn_output_gate = true;
+  c.linear_num_key_heads = 1;
+  c.linear_num_value_heads = 2;
+  c.linear_key_head_dim = 4;
+  c.linear_value_head_dim = 3;
+  c.linear_conv_kernel_dim = 4;
+  c.layer_types = {LayerType::linear_attention, LayerType::full_attention};
+  c.bos_token_id = 1;
+  c.eos_token_id = 2;
+  c.max_position_embeddings = 64;
+  return c;
+}
+
+// What Qwen3_5MoeForConditionalGeneration checkpoints look like: the text model under
+// model.language_model.*, lm_head at the top, a vision tower and an MTP head beside it, and the
+// nested config.
+void write_conditional_generation(const std::string& dir, DecoderModel& m, const Named& extra) {
+  nlohmann::json text = m.config().to_hf_json();
+  text.erase("architectures");
+  nlohmann::json outer = {{"architectures", {"Qwen3_5MoeForConditionalGeneration"}},
+                          {"model_type", "qwen3_5_moe"},
+                          {"text_config", text},
+                          {"vision_config", {{"depth", 1}, {"hidden_size", 4}, {"model_type", "qwen3_5_moe"}}},
+                          {"image_token_id", 17},
+                          {"video_token_id", 18},
+                          {"tie_word_embeddings", false},
+                          {"transformers_version", "4.57.0.dev0"}};
+  atomic_write(path_join(dir, "config.json"), outer.dump(2));
+  Named t;
+  for (auto& [n, v] : hf_state(m))
+    t.emplace_back(n.rfind("model.", 0) == 0 ? "model.language_model." + n.substr(6) : n, v);
+  for (auto& e : extra) t.push_back(e);
+  write_sharded_safetensors(dir, t, 2000, {{"format", "pt"}});
+}
+
+Named vision_and_mtp() {
+  auto z = [](Shape s) { return Tensor::zeros(s, DType::bf16, Device::cpu(), MemCategory::other); };
+  return {{"model.visual.patch_embed.proj.weight", z({4, 3, 2, 2, 2})},
+          {"model.visual.blocks.0.attn.qkv.weight", z({12, 4})},
+          {"mtp.fc.weight", z({8, 16})},
+          {"mtp.layers.0.input_layernorm.weight", z({8})}};
+}
+
+TEST(HfQwen35, ExportWritesTheTextModelWithFusedExpertsAndRoundTripsBitExactly) {
+  const ModelConfig c = tiny_qwen35();
+  DecoderModel a(c, ModelOptions{}, 31), b(c, ModelOptions{}, 32), d(c, ModelOptions{}, 33);
+  HfExportOptions o;
+  o.dtype = DType::f32;
+  o.max_shard_bytes = 3000;
+  const std::string d1 = fresh_dir("q35_rt1"), d2 = fresh_dir("q35_rt2");
+  export_hf(a, d1, o);
+  const auto cfg = nlohmann::json::parse(read_file(path_join(d1, "config.json")));
+  EXPECT_EQ(cfg["architectures"][0], "Qwen3_5MoeForCausalLM");
+  EXPECT_EQ(cfg["model_type"], "qwen3_5_moe_text");
+  EXPECT_EQ(cfg["torch_dtype"], "float32");
+  EXPECT_TRUE(load_hf_config(d1) == c);
+  SafetensorsDir files(d1);
+  for (const char* n : {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj",
+                        "model.layers.0.linear_attn.A_log", "model.layers.0.linear_attn.conv1d.weight",
+                        "model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.shared_expert.gate_proj.weight",
+                        "lm_head.weight"})
+    EXPECT_TRUE(files.has(n)) << n;
+  EXPECT_EQ(files.entry("model.layers.0.mlp.experts.gate_up_proj").shape, (Shape{4, 12, 8}));
+  EXPECT_EQ(files.entry("model.layers.0.linear_attn.conv1d.weight").shape, (Shape{2 * 4 + 2 * 3, 1, 4}));
+  EXPECT_EQ(files.entry("model.layers.1.self_attn.q_proj.weight").shape, (Shape{2 * 8 * 2, 8}));
+  for (const std::string& n : files.names())
+    EXPECT_FALSE(is_per_expert_name(n)) << n << ": Qwen3.5 exports its experts fused";
+  const HfLoadReport r = load_hf_weights(b, d1);
+  EXPECT_EQ(r.fused_expert_tensors, 4);
+  EXPECT_TRUE(r.ignored.empty());
+  expect_same_values(a, b);
+  export_hf(b, d2, o);
+  load_hf_weights(d, d2);
+  expect_same_values(a, d);
+  for (const auto& e : fs::directory_iterator(d1))
+    EXPECT_EQ(read_file(e.path().string()), read_file(path_join(d2, e.path().filename().string())))
+        << e.path().filename();
+}
+
+TEST(HfQwen35, LoadsTheReleasedLayoutAndIgnoresVisionAndMtpInOneLine) {
+  const ModelConfig c = tiny_qwen35();
+  DecoderModel src(c, ModelOptions{}, 41), dst(c, ModelOptions{}, 42);
+  const std::string dir = fresh_dir("q35_cond_gen");
+  write_conditional_generation(dir, src, vision_and_mtp());
+  EXPECT_TRUE(load_hf_config(dir) == c) << "the nested config parses to the text model's config";
+  const HfLoadReport r = load_hf_weights(dst, dir);
+  expect_same_values(src, dst);
+  EXPECT_EQ(r.language_model_prefix, "model.language_model.");
+  EXPECT_EQ(r.tensors_read, static_cast<int64_t>(hf_state(src).size()));
+  std::vector<std::string> ignored = r.ignored;
+  std::sort(ignored.begin(), ignored.end());
+  EXPECT_EQ(ignored, (std::vector<std::string>{"model.visual.blocks.0.attn.qkv.weight",
+                                               "model.visual.patch_embed.proj.weight",
+                                               "mtp.fc.weight", "mtp.layers.0.input_layernorm.weight"}));
+  const std::string line = r.summary();
+  EXPECT_EQ(line.find('\n'), std::string::npos) << line;
+  EXPECT_NE(line.find("under model.language_model.*"), std::string::npos) << line;
+  EXPECT_NE(line.find("ignored 4: 2 model.visual.* (vision tower), 2 mtp.* (multi-token prediction head)"),
+            std::string::npos)
+      << line;
+
+  // Problems are named as the files name them.
+  DecoderModel other(c, ModelOptions{}, 43);
+  const auto before = values_of(other);
+  Named t;
+  for (auto& [n, v] : hf_state(src))
+    if (n != "model.layers.0.linear_attn.A_log")
+      t.emplace_back(n.rfind("model.", 0) == 0 ? "model.language_model." + n.substr(6) : n, v);
+  t.emplace_back("model.language_model.layers.0.linear_attn.extra", Tensor::zeros({2}, DType::f32, Device::cpu(), MemCategory::other));
+  const std::string bad = fresh_dir("q35_cond_gen_bad");
+  std::filesystem::copy_file(path_join(dir, "config.json"), path_join(bad, "config.json"));
+  write_safetensors(path_join(bad, "model.safetensors"), t);
+  try {
+    load_hf_weights(other, bad);
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    for (const char* needle : {"missing from the checkpoint (1)", "model.language_model.layers.0.linear_attn.A_log",
+                               "unexpected (in the checkpoint, not in the model) (1)",
+                               "model.language_model.layers.0.linear_attn.extra"})
+      EXPECT_NE(msg.find(needle), std::string::npos) << "missing '" << needle << "' in:\n" << msg;
+  }
+  EXPECT_EQ(values_of(other), before);
+}
+
+TEST(HfQwen35, PerExpertCheckpointsLoadToo) {
+  const ModelConfig c = tiny_qwen35();
+  DecoderModel src(c, ModelOptions{}, 51), dst(c, ModelOptions{}, 52);
+  Named t;
+  for (const HfTensor& h : src.hf_tensors(HfExperts::per_expert)) t.emplace_back(h.name, h.value());
+  ASSERT_TRUE(std::any_of(t.begin(), t.end(), [](auto& e) { return e.first == "model.layers.1.mlp.experts.3.down_proj.weight"; }));
+  const std::string dir = fresh_dir("q35_per_expert");
+  write_config(dir, c);
+  write_safetensors(path_join(dir, "model.safetensors"), t);
+  const HfLoadReport r = load_hf_weights(dst, dir);
+  EXPECT_EQ(r.fused_expert_tensors, 0);
+  expect_same_values(src, dst);
+  // Neither layout: the missing names are the native (fused) ones.
+  Named none;
+  for (auto& e : t)
+    if (!is_per_expert_name(e.first)) none.push_back(e);
+  write_safetensors(path_join(dir, "model.safetensors"), none);
+  test::expect_error_contains([&] { load_hf_weights(dst, dir); }, "model.layers.0.mlp.experts.gate_up_proj");
+}
+
+TEST(HfQwen35, Bf16ModelKeepsTheF32VectorsExactly) {
+  const ModelConfig c = tiny_qwen35();
+  DecoderModel src(c, ModelOptions{}, 61);
+  ModelOptions bf;
+  bf.param_dtype = DType::bf16;
+  DecoderModel dst(c, bf, 62);
+  const std::string dir = fresh_dir("q35_bf16");
+  HfExportOptions o;
+  o.dtype = DType::f32;
+  export_hf(src, dir, o);
+  std::vector<Tensor> masters;
+  for (ParamUnit* u : dst.units()) masters.push_back(Tensor::zeros({u->numel}, DType::f32, Device::cpu(), MemCategory::other));
+  load_hf_weights(dst, dir, &masters);
+  for (Param* p : src.params()) {
+    Param* q = dst.find_param(p->name);
+    const std::vector<float> want = p->value.to_floats();
+    const bool f32 = p->name.find("A_log") != std::string::npos || p->name.find("dt_bias") != std::string::npos;
+    EXPECT_EQ(q->value.dtype(), f32 ? DType::f32 : DType::bf16) << p->name;
+    std::vector<float> rounded = want;
+    if (!f32)
+      for (float& x : rounded) x = round_bf16(x);
+    EXPECT_EQ(q->value.to_floats(), rounded) << p->name;
+    EXPECT_EQ(unit_slice(masters[static_cast<size_t>(q->unit->index)], *q).to_floats(), want) << p->name;
+  }
+}
+
+TEST(HfQwen35, ExportRefusesAModelHoldingSomeExperts) {
+  DecoderModel m(tiny_qwen35(), ModelOptions{}, 71);
+  for (ParamUnit* u : m.units())
+    if (u->kind == UnitKind::experts) u->first_expert = 2;  // as expert parallelism places them
+  const HfTensor t = [&] {
+    for (const HfTensor& h : m.hf_tensors())
+      if (h.name == "model.layers.1.mlp.experts.gate_up_proj") return h;
+    return HfTensor{};
+  }();
+  EXPECT_EQ(t.hf_first_row, 2);
+  EXPECT_EQ(t.hf_num_rows, 4);
+  EXPECT_FALSE(t.whole());
+  test::expect_error_contains([&] { export_hf(m, fresh_dir("q35_partial")); },
+                              "export: model.layers.0.mlp.experts.gate_up_proj holds experts 2..5 of 4");
 }
 
 }  // namespace

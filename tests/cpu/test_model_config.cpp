@@ -1,5 +1,6 @@
-// Model config: HF config.json parsing (qwen3_moe / qwen2_moe), the shipped configs, parameter
-// and FLOP counts against hand formulas and published model-card numbers, and every rejection.
+// Model config: HF config.json parsing (qwen3_moe / qwen2_moe / Qwen3.5 text and nested), the
+// shipped configs, parameter and FLOP counts against hand formulas and published model-card
+// numbers, and every rejection.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -391,6 +392,285 @@ TEST(ModelConfig, LoadErrors) {
   test::expect_error_contains([&] { load_hf_config(dir.string()); },
                               "unknown key 'foo' in " + (dir / "config.json").string());
   fs::remove_all(dir);
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Qwen3.5 (qwen3_5_moe_text, and qwen3_5_moe with a nested text_config)
+
+json qwen35_35b() { return read_json(models_dir() / "qwen3.5-35b-a3b" / "config.json"); }
+
+// The text part of the shipped (released, nested) config as a standalone text config.
+json qwen35_text() {
+  json t = qwen35_35b().at("text_config");
+  t["architectures"] = {"Qwen3_5MoeForCausalLM"};
+  return t;
+}
+
+TEST(Qwen35Config, ParsesTheReleasedNestedConfig) {
+  ModelConfig c = load_hf_config((models_dir() / "qwen3.5-35b-a3b").string());
+  EXPECT_EQ(c.model_type, "qwen3_5_moe_text");
+  EXPECT_EQ(c.vocab_size, 248320);
+  EXPECT_EQ(c.hidden_size, 2048);
+  EXPECT_EQ(c.num_layers, 40);
+  EXPECT_EQ(c.num_heads, 16);
+  EXPECT_EQ(c.num_kv_heads, 2);
+  EXPECT_EQ(c.head_dim, 256);
+  EXPECT_EQ(c.intermediate_size, 0);  // no dense MLP
+  EXPECT_EQ(c.moe_intermediate_size, 512);
+  EXPECT_EQ(c.shared_expert_intermediate_size, 512);
+  EXPECT_EQ(c.num_experts, 256);
+  EXPECT_EQ(c.top_k, 8);
+  EXPECT_TRUE(c.norm_topk_prob);
+  EXPECT_EQ(c.rope_theta, 1e7);
+  EXPECT_EQ(c.partial_rotary_factor, 0.25);
+  EXPECT_EQ(c.rotary_dim(), 64);
+  EXPECT_TRUE(c.qk_norm && c.zero_centered_norm && c.attn_output_gate);
+  EXPECT_FALSE(c.qkv_bias);
+  EXPECT_FALSE(c.tie_word_embeddings);
+  EXPECT_EQ(c.linear_num_key_heads, 16);
+  EXPECT_EQ(c.linear_num_value_heads, 32);
+  EXPECT_EQ(c.linear_key_head_dim, 128);
+  EXPECT_EQ(c.linear_value_head_dim, 128);
+  EXPECT_EQ(c.linear_conv_kernel_dim, 4);
+  EXPECT_EQ(c.max_position_embeddings, 262144);
+  EXPECT_EQ(c.eos_token_id, 248044);
+  EXPECT_EQ(c.bos_token_id, -1);
+  EXPECT_EQ(c.num_moe_layers(), 40);
+  EXPECT_EQ(c.num_linear_attention_layers(), 30);
+  for (int64_t l = 0; l < 40; ++l)
+    EXPECT_EQ(c.layer_type(l), l % 4 == 3 ? LayerType::full_attention : LayerType::linear_attention)
+        << "layer " << l;
+  // The text model alone parses to the same config.
+  EXPECT_EQ(parse_hf_config(qwen35_text(), "text.json"), c);
+}
+
+TEST(Qwen35Config, FourLayerSliceIsThreeGdnAndOneFullAttentionLayer) {
+  ModelConfig full = load_hf_config((models_dir() / "qwen3.5-35b-a3b").string());
+  ModelConfig slice = load_hf_config((models_dir() / "qwen3.5-35b-a3b-4layer").string());
+  ModelConfig expect = full;
+  expect.num_layers = 4;
+  expect.layer_types.resize(4);
+  EXPECT_EQ(slice, expect) << "the slice must differ from the full model only in depth";
+  EXPECT_EQ(slice.layer_types, (std::vector<LayerType>{LayerType::linear_attention, LayerType::linear_attention,
+                                                       LayerType::linear_attention, LayerType::full_attention}));
+  // 10 repeats of the 4-layer pattern: the counts differ by exactly 9 slices' layers.
+  const int64_t ends = 2LL * 248320 * 2048 + 2048;
+  EXPECT_EQ(full.num_params() - ends, 10 * (slice.num_params() - ends));
+}
+
+TEST(Qwen35Config, ParamCountsMatchHandFormulaAndModelCard) {
+  ModelConfig c = parse_hf_config(qwen35_35b(), "qwen3.5");
+  const int64_t H = 2048, Hq = 16, Hkv = 2, D = 256, E = 256, K = 8, F = 512, S = 512, V = 248320;
+  const int64_t Hk = 16, Hv = 32, Dk = 128, Dv = 128, W = 4, C = 2 * Hk * Dk + Hv * Dv;
+  const int64_t attn_mm = H * Hq * D * 2 /*q + gate*/ + 2 * H * Hkv * D + Hq * D * H;
+  const int64_t gdn_mm = H * C + H * Hv * Dv + 2 * H * Hv + Hv * Dv * H;
+  const int64_t moe = E * 3 * H * F + E * H + 3 * H * S + H;
+  const int64_t attn_layer = attn_mm + 2 * D /*q, k norm*/ + moe + 2 * H;
+  const int64_t gdn_layer = gdn_mm + C * W + 2 * Hv + Dv + moe + 2 * H;
+  EXPECT_EQ(c.num_params(), 10 * attn_layer + 30 * gdn_layer + H + 2 * V * H);
+  EXPECT_EQ(c.num_params(), 34660610688LL);
+  EXPECT_EQ(c.num_expert_params(), 40 * E * 3 * H * F);
+  const int64_t moe_active = K * 3 * H * F + E * H + 3 * H * S + H;
+  const int64_t active = 10 * attn_mm + 30 * gdn_mm + 40 * moe_active + V * H;
+  EXPECT_EQ(c.active_matmul_params_per_token(), active);
+  EXPECT_EQ(c.active_matmul_params_per_token(), 2945269760LL);
+  EXPECT_EQ(c.num_active_params(), active + V * H);
+  // Model card: 35B in total, 3B activated (the MTP head and the vision tower not counted here).
+  std::printf("Qwen3.5-35B-A3B: %.3fB params, %.3fB active matmul, %.3fB with the embedding\n",
+              c.num_params() / 1e9, c.active_matmul_params_per_token() / 1e9, c.num_active_params() / 1e9);
+  EXPECT_NEAR(static_cast<double>(c.num_params()) / 35e9, 1.0, 0.02);
+  EXPECT_NEAR(static_cast<double>(c.active_matmul_params_per_token()) / 3e9, 1.0, 0.02);
+}
+
+TEST(Qwen35Config, ModelFlopsCountAttentionOnlyInFullLayersAndTheRecurrence) {
+  ModelConfig c = parse_hf_config(qwen35_35b(), "qwen3.5");
+  const double active = static_cast<double>(c.active_matmul_params_per_token());
+  // 100 + 28 packed tokens: 10 full-attention layers with the causal term, 30 GDN layers with
+  // 6 * Dk * Dv FLOPs per token and value head.
+  const double pairs = 100.0 * 100 / 2 + 28.0 * 28 / 2;
+  const double forward = 2 * active * 128 + 10 * 2 * 2 * pairs * 16 * 256 + 30 * 6.0 * 128 * 128 * 32 * 128;
+  EXPECT_DOUBLE_EQ(model_flops(c, {100, 28}), 3 * forward);
+  // At 32K the recurrence is linear in the sequence, attention quadratic (only 10 layers).
+  const double s = 32768;
+  const double want = 3 * (2 * active * s + 10 * 4 * (s * s / 2) * 16 * 256 + 30 * 6.0 * 128 * 128 * 32 * s);
+  EXPECT_NEAR(model_flops(c, {32768}) / want, 1.0, 1e-12);
+}
+
+TEST(Qwen35Config, RoundTripThroughTextOnlyHfJson) {
+  ModelConfig c = parse_hf_config(qwen35_35b(), "q35");
+  json j = c.to_hf_json();
+  EXPECT_EQ(j.at("architectures")[0], "Qwen3_5MoeForCausalLM");
+  EXPECT_EQ(j.at("model_type"), "qwen3_5_moe_text");
+  EXPECT_FALSE(j.contains("text_config"));
+  EXPECT_EQ(j.at("rope_parameters").at("partial_rotary_factor"), 0.25);
+  EXPECT_EQ(j.at("layer_types").size(), 40u);
+  EXPECT_EQ(parse_hf_config(j, "round trip"), c) << j.dump(2);
+  // Non-default values in every optional field.
+  ModelConfig odd = c;
+  odd.num_layers = 5;
+  odd.layer_types = {LayerType::full_attention, LayerType::linear_attention, LayerType::full_attention,
+                     LayerType::linear_attention, LayerType::linear_attention};
+  odd.partial_rotary_factor = 0.5;
+  odd.rope_theta = 12345;
+  odd.tie_word_embeddings = true;
+  odd.bos_token_id = 7;
+  odd.eos_token_id = -1;
+  odd.linear_conv_kernel_dim = 3;
+  odd.linear_num_key_heads = 8;
+  odd.init_std = 0.006;
+  odd.rms_norm_eps = 1e-5;
+  odd.max_position_embeddings = 4096;
+  EXPECT_EQ(parse_hf_config(odd.to_hf_json(), "odd"), odd) << odd.to_hf_json().dump(2);
+  // Through a file.
+  fs::path dir = fs::temp_directory_path() / "bb_test_model_config_q35";
+  fs::create_directories(dir);
+  std::ofstream(dir / "config.json") << odd.to_hf_json().dump(2);
+  EXPECT_EQ(load_hf_config(dir.string()), odd);
+  fs::remove_all(dir);
+}
+
+TEST(Qwen35Config, LayerTypesDerivedFromTheIntervalAndDefaults) {
+  json t = qwen35_text();
+  t.erase("layer_types");  // derived: (i + 1) % 4 != 0 -> linear_attention
+  EXPECT_EQ(parse_hf_config(t, "t"), parse_hf_config(qwen35_text(), "t"));
+  t["full_attention_interval"] = 2;
+  t["num_hidden_layers"] = 4;
+  EXPECT_EQ(parse_hf_config(t, "t").layer_types,
+            (std::vector<LayerType>{LayerType::linear_attention, LayerType::full_attention,
+                                    LayerType::linear_attention, LayerType::full_attention}));
+  t.erase("full_attention_interval");  // default 4
+  EXPECT_EQ(parse_hf_config(t, "t").num_linear_attention_layers(), 3);
+  // Behaviour defaults of Qwen3_5MoeTextConfig: head_dim 256, partial rotary 0.25, theta 1e4.
+  json m = qwen35_text();
+  for (const char* k : {"head_dim", "rope_parameters", "full_attention_interval", "attn_output_gate",
+                        "mlp_only_layers", "eos_token_id", "max_position_embeddings"})
+    m.erase(k);
+  ModelConfig d = parse_hf_config(m, "min");
+  EXPECT_EQ(d.head_dim, 256);
+  EXPECT_EQ(d.partial_rotary_factor, 0.25);
+  EXPECT_EQ(d.rope_theta, 10000.0);
+  EXPECT_EQ(d.eos_token_id, -1);
+  EXPECT_EQ(d.max_position_embeddings, 32768);
+  // A top-level partial_rotary_factor / rope_theta (older spelling) is read too.
+  json o = qwen35_text();
+  o.erase("rope_parameters");
+  o["partial_rotary_factor"] = 0.5;
+  o["rope_theta"] = 1e6;
+  ModelConfig e = parse_hf_config(o, "old");
+  EXPECT_EQ(e.partial_rotary_factor, 0.5);
+  EXPECT_EQ(e.rope_theta, 1e6);
+  // The outer tie_word_embeddings is the one transformers ties by.
+  json n = qwen35_35b();
+  n["tie_word_embeddings"] = true;
+  EXPECT_TRUE(parse_hf_config(n, "n").tie_word_embeddings);
+}
+
+TEST(Qwen35Config, RejectsBadConfigsWithMessagesNamingTheKey) {
+  const std::vector<BadCase> text_cases = {
+      {"unknown key", [](json& j) { j["foo"] = 1; },
+       "unknown key 'foo' in text_config of cfg.json: bumblebee does not know"},
+      {"missing linear key", [](json& j) { j.erase("linear_num_value_heads"); },
+       "missing required key 'linear_num_value_heads' in text_config of cfg.json"},
+      {"missing shared expert", [](json& j) { j.erase("shared_expert_intermediate_size"); },
+       "missing required key 'shared_expert_intermediate_size' in text_config of cfg.json"},
+      {"mrope type",
+       [](json& j) { j["rope_parameters"]["rope_type"] = "mrope"; },
+       "key 'rope_parameters' in text_config of cfg.json has rope_type \"mrope\": only the default RoPE"},
+      {"rope scaling entry",
+       [](json& j) { j["rope_parameters"]["factor"] = 4; },
+       "key 'rope_parameters' in text_config of cfg.json has entry 'factor'"},
+      {"mrope_section type",
+       [](json& j) { j["rope_parameters"]["mrope_section"] = {11, "11"}; },
+       "key 'rope_parameters.mrope_section' in text_config of cfg.json must be a list of non-negative integers"},
+      {"partial factor disagrees", [](json& j) { j["partial_rotary_factor"] = 0.5; },
+       "key 'rope_parameters.partial_rotary_factor' (0.25) in text_config of cfg.json disagrees"},
+      {"rotary dim odd", [](json& j) { j["rope_parameters"]["partial_rotary_factor"] = 0.006; },
+       "partial_rotary_factor 0.006 x head_dim 256 gives a rotary dim of 1: it must be even"},
+      {"output gate off", [](json& j) { j["attn_output_gate"] = false; },
+       "key 'attn_output_gate' in text_config of cfg.json is false"},
+      {"norm_topk_prob off", [](json& j) { j["norm_topk_prob"] = false; },
+       "key 'norm_topk_prob' in text_config of cfg.json is false"},
+      {"dense layer", [](json& j) { j["mlp_only_layers"] = {0}; },
+       "key 'mlp_only_layers' in text_config of cfg.json is [0]: every Qwen3.5 layer is MoE"},
+      {"sparse step", [](json& j) { j["decoder_sparse_step"] = 2; },
+       "key 'decoder_sparse_step' in text_config of cfg.json is 2"},
+      {"layer type", [](json& j) { j["layer_types"][3] = "sliding_attention"; },
+       "key 'layer_types' in text_config of cfg.json contains \"sliding_attention\""},
+      {"layer types vs interval", [](json& j) { j["full_attention_interval"] = 2; },
+       "keys 'layer_types' and 'full_attention_interval' (2) in text_config of cfg.json describe different"},
+      {"interval", [](json& j) { j.erase("layer_types"); j["full_attention_interval"] = 0; },
+       "key 'full_attention_interval' in text_config of cfg.json must be >= 1"},
+      {"value heads", [](json& j) { j["linear_num_value_heads"] = 24; j["linear_num_key_heads"] = 16; },
+       "linear_num_value_heads (24) must be a multiple of linear_num_key_heads (16)"},
+      {"conv kernel", [](json& j) { j["linear_conv_kernel_dim"] = 5; },
+       "linear_conv_kernel_dim = 5: the causal_conv1d primitive implements kernel widths 1..4"},
+      {"linear zero", [](json& j) { j["linear_key_head_dim"] = 0; },
+       "linear_key_head_dim must be > 0 (30 linear_attention layers), got 0"},
+      {"hidden_act", [](json& j) { j["hidden_act"] = "gelu"; },
+       "key 'hidden_act' in text_config of cfg.json is 'gelu'"},
+      {"attention bias", [](json& j) { j["attention_bias"] = true; },
+       "key 'attention_bias' in text_config of cfg.json is true"},
+      {"qwen3 key", [](json& j) { j["qkv_bias"] = false; }, "unknown key 'qkv_bias' in text_config of cfg.json"},
+      {"text model_type", [](json& j) { j["model_type"] = "qwen3_next"; },
+       "key 'model_type' in text_config of cfg.json is \"qwen3_next\""},
+  };
+  for (const BadCase& bc : text_cases) {
+    SCOPED_TRACE(bc.what);
+    json j = qwen35_35b();
+    bc.mutate(j.at("text_config"));
+    test::expect_error_contains([&] { parse_hf_config(j, "cfg.json"); }, bc.needle);
+  }
+  // The same checks on a text-only config name the file alone.
+  json t = qwen35_text();
+  t["foo"] = 1;
+  test::expect_error_contains([&] { parse_hf_config(t, "text.json"); }, "unknown key 'foo' in text.json:");
+  // The outer config.
+  const std::vector<BadCase> outer_cases = {
+      {"unknown outer key", [](json& j) { j["quantization_config"] = json::object(); },
+       "unknown key 'quantization_config' in cfg.json"},
+      {"missing text_config", [](json& j) { j.erase("text_config"); },
+       "missing required key 'text_config' in cfg.json"},
+      {"text_config type", [](json& j) { j["text_config"] = 3; },
+       "key 'text_config' in cfg.json must be an object"},
+      {"tie disagrees",
+       [](json& j) {
+         j["tie_word_embeddings"] = true;
+         j["text_config"]["tie_word_embeddings"] = false;
+       },
+       "key 'tie_word_embeddings' in cfg.json (true) disagrees with the one in text_config of cfg.json"},
+  };
+  for (const BadCase& bc : outer_cases) {
+    SCOPED_TRACE(bc.what);
+    json j = qwen35_35b();
+    bc.mutate(j);
+    test::expect_error_contains([&] { parse_hf_config(j, "cfg.json"); }, bc.needle);
+  }
+}
+
+TEST(Qwen35Config, ValidateChecksTheFamily) {
+  ModelConfig c = parse_hf_config(qwen35_35b(), "q");
+  ModelConfig d = c;
+  d.zero_centered_norm = false;
+  test::expect_error_contains([&] { d.validate(); }, "qwen3_5_moe_text RMSNorms are zero-centred");
+  d = c;
+  d.shared_expert_intermediate_size = 0;
+  test::expect_error_contains([&] { d.validate(); }, "qwen3_5_moe_text has a shared expert");
+  d = c;
+  d.intermediate_size = 6144;
+  test::expect_error_contains([&] { d.validate(); }, "has no dense MLP: intermediate_size must be 0");
+  d = c;
+  d.layer_types.pop_back();
+  test::expect_error_contains([&] { d.validate(); }, "layer_types has 39 entries");
+  // The Qwen3.5 features are refused in the other families.
+  ModelConfig q3 = parse_hf_config(qwen3_30b(), "q3");
+  q3.partial_rotary_factor = 0.5;
+  test::expect_error_contains([&] { q3.validate(); }, "qwen3_moe has none of the Qwen3.5 features");
+  q3.partial_rotary_factor = 1.0;
+  q3.layer_types.assign(48, LayerType::full_attention);
+  EXPECT_NO_THROW(q3.validate());
+  q3.layer_types[5] = LayerType::linear_attention;
+  test::expect_error_contains([&] { q3.validate(); }, "qwen3_moe has only full_attention layers");
 }
 
 }  // namespace

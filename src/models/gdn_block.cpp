@@ -1,0 +1,178 @@
+// gdn_block.cpp — the Gated DeltaNet residual block (gdn_block.h). Backward convention: d_x
+// WRITTEN; the projection gradients through block::linear_backward (now or queued, block.h); the
+// norm, conv1d, A_log and dt_bias gradients added in backward_data.
+//
+// The fused in_proj_qkv and conv1d are used as three row blocks (q, k, v): the projections are
+// three GEMMs on row views of the one weight, and the depthwise conv runs per block on row
+// views of its filters. That is the same math as one [C, H] GEMM and one conv over C channels
+// followed by a column split, without the split (a column block of [T, C] is not contiguous).
+#include "models/gdn_block.h"
+
+#include <cmath>
+
+#include "core/trace.h"
+#include "primitives/conv/causal_conv1d.h"
+#include "primitives/elementwise/elementwise.h"
+#include "primitives/gdn/gated_delta_rule.h"
+#include "primitives/gdn/gdn_gates.h"
+#include "primitives/linear/linear.h"
+#include "primitives/norm/gated_rmsnorm.h"
+
+namespace bb {
+
+struct GdnBlock::Saved final : BlockSaved {
+  Tensor x;  // [T, H] block input
+  Tensor h;  // [T, H] input-norm output (the projections' input)
+  RMSNormSaved rms;
+  Tensor pre[3];   // [T, rows] f32 conv inputs of q, k, v (the projections)
+  Tensor act[3];   // [T, rows] f32 silu(conv(pre)): the gated delta rule's q, k, v
+  Tensor z;        // [T, Hv Dv] output-gate projection
+  Tensor a;        // [T, Hv] decay projection (g is recomputed from it in the gates' backward)
+  Tensor g, beta;  // [T, Hv] f32 gates
+  Tensor o;        // [T, Hv, Dv] f32 gated delta rule output
+  Tensor y;        // [T, Hv Dv] gated-norm output in the weight dtype: out_proj's input
+};
+
+namespace {
+
+// The backward of y = x w_rows^T for a row block [row0, row0 + rows) of parameter w: d_x =
+// d_y w_rows (f32); w.grad[rows] += d_y^T x, now or queued (the views are taken when it runs,
+// so a rebound gradient buffer is honoured).
+Tensor row_linear_backward(BatchContext& ctx, BlockSaved& saved, const Tensor& d_y, const Tensor& x,
+                           Param* w, int64_t row0, int64_t rows) {
+  const Tensor g = block::as_dtype(d_y, w->value.dtype());
+  block::weight_grad(ctx, saved, [g, x, w, row0, rows] {
+    Tensor d_w = w->grad.narrow(row0, rows);
+    linear_backward_weight(g, x, d_w, nullptr);
+  });
+  return linear_backward_data(g, w->value.narrow(row0, rows));
+}
+
+}  // namespace
+
+GdnBlock::GdnBlock(ParamStore& store, ParamUnit& unit, ParamUnit& f32_unit,
+                   const std::string& prefix, const GdnBlockConfig& cfg)
+    : cfg_(cfg) {
+  const int64_t H = cfg.hidden, Hk = cfg.num_key_heads, Hv = cfg.num_value_heads;
+  const int64_t Dk = cfg.key_head_dim, Dv = cfg.value_head_dim, W = cfg.conv_kernel;
+  BB_CHECK(H > 0 && Hk > 0 && Hv > 0 && Dk > 0 && Dv > 0 && Hv % Hk == 0,
+           "GdnBlock: bad shape (hidden ", H, ", key heads ", Hk, ", value heads ", Hv,
+           ", key dim ", Dk, ", value dim ", Dv, "): value heads must be a multiple of key heads");
+  BB_CHECK(W >= 1 && W <= 4, "GdnBlock: conv kernel width ", W, " is not in [1, 4]");
+  BB_CHECK(f32_unit.f32_values, "GdnBlock: A_log and dt_bias need a unit whose values stay f32");
+  const int64_t C = 2 * Hk * Dk + Hv * Dv;
+  const std::string a = prefix + "linear_attn.";
+  ln_ = &store.add(unit, prefix + "input_layernorm.weight", {H}, false, HfSplit::none,
+                   cfg.zero_centered_norm ? ParamInit::zeros : ParamInit::ones);
+  w_qkv_ = &store.add(unit, a + "in_proj_qkv.weight", {C, H}, true);
+  w_z_ = &store.add(unit, a + "in_proj_z.weight", {Hv * Dv, H}, true);
+  w_b_ = &store.add(unit, a + "in_proj_b.weight", {Hv, H}, true);
+  w_a_ = &store.add(unit, a + "in_proj_a.weight", {Hv, H}, true);
+  conv_ = &store.add(unit, a + "conv1d.weight", {C, 1, W}, true);
+  norm_ = &store.add(unit, a + "norm.weight", {Dv}, false, HfSplit::none, ParamInit::ones);
+  w_out_ = &store.add(unit, a + "out_proj.weight", {H, Hv * Dv}, true);
+  dt_bias_ = &store.add(f32_unit, a + "dt_bias", {Hv}, false, HfSplit::none, ParamInit::ones);
+  a_log_ = &store.add(f32_unit, a + "A_log", {Hv}, false, HfSplit::none, ParamInit::gdn_a_log);
+}
+
+std::unique_ptr<BlockSaved> GdnBlock::make_saved() const {
+  return std::make_unique<Saved>();
+}
+
+std::pair<int64_t, int64_t> GdnBlock::qkv_rows(int i) const {
+  const int64_t key = cfg_.num_key_heads * cfg_.key_head_dim;
+  const int64_t value = cfg_.num_value_heads * cfg_.value_head_dim;
+  return i == 0   ? std::pair{int64_t{0}, key}
+         : i == 1 ? std::pair{key, key}
+                  : std::pair{2 * key, value};
+}
+
+Tensor GdnBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) {
+  BB_RANGE("gdn_block_forward");
+  const int64_t T = x.size(0), Hk = cfg_.num_key_heads, Hv = cfg_.num_value_heads;
+  const int64_t Dk = cfg_.key_head_dim, Dv = cfg_.value_head_dim;
+  const Tensor& cu = ctx.mb->cu_seqlens;
+  Saved local;
+  Saved& S = saved ? static_cast<Saved&>(*saved) : local;
+  S.x = x;
+  S.h = rmsnorm_forward(x, ln_->value, cfg_.rms_norm_eps, &S.rms, MemCategory::activations,
+                        cfg_.zero_centered_norm);
+  // q, k, v: projection -> depthwise causal conv -> SiLU, per row block of the fused weights.
+  const Tensor filters = conv_->value.view({conv_->shape[0], cfg_.conv_kernel});
+  for (int i = 0; i < 3; ++i) {
+    const auto [row0, rows] = qkv_rows(i);
+    S.pre[i] = block::as_dtype(linear_forward(S.h, w_qkv_->value.narrow(row0, rows), Tensor()),
+                               DType::f32);
+    S.act[i] = causal_conv1d_forward(
+        S.pre[i], block::as_dtype(filters.narrow(row0, rows), DType::f32), cu, /*silu=*/true);
+  }
+  S.z = linear_forward(S.h, w_z_->value, Tensor());
+  S.a = linear_forward(S.h, w_a_->value, Tensor());
+  {
+    const Tensor b = linear_forward(S.h, w_b_->value, Tensor());
+    GdnGates gates = gdn_gates_forward(S.a, b, a_log_->value, dt_bias_->value);
+    S.g = gates.g;
+    S.beta = gates.beta;
+  }
+  GatedDeltaOptions opts;
+  opts.scale = 1.0 / std::sqrt(static_cast<double>(Dk));
+  opts.l2norm = true;
+  opts.eps = 1e-6;
+  S.o = gated_delta_rule_forward(S.act[0].view({T, Hk, Dk}), S.act[1].view({T, Hk, Dk}),
+                                 S.act[2].view({T, Hv, Dv}), S.g, S.beta, cu, opts);
+  const Tensor y = gated_rmsnorm_forward(S.o.view({T * Hv, Dv}), S.z.view({T * Hv, Dv}),
+                                         norm_->value, cfg_.rms_norm_eps);
+  S.y = block::as_dtype(y.view({T, Hv * Dv}), w_out_->value.dtype());
+  Tensor out = linear_forward(S.y, w_out_->value, Tensor());
+  return block::as_dtype(add(x, out, MemCategory::activations), x.dtype());
+}
+
+Tensor GdnBlock::backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved& saved) {
+  BB_RANGE("gdn_block_backward");
+  Saved& S = static_cast<Saved&>(saved);
+  const int64_t T = d_y.size(0), Hk = cfg_.num_key_heads, Hv = cfg_.num_value_heads;
+  const int64_t Dk = cfg_.key_head_dim, Dv = cfg_.value_head_dim;
+  const Tensor& cu = ctx.mb->cu_seqlens;
+
+  const Tensor d_norm_out = block::linear_backward(ctx, S, d_y, S.y, w_out_, nullptr);
+  auto [d_o, d_z] =
+      gated_rmsnorm_backward(d_norm_out.view({T * Hv, Dv}), S.o.view({T * Hv, Dv}),
+                             S.z.view({T * Hv, Dv}), norm_->value, cfg_.rms_norm_eps, norm_->grad);
+  GatedDeltaOptions opts;
+  opts.scale = 1.0 / std::sqrt(static_cast<double>(Dk));
+  opts.l2norm = true;
+  opts.eps = 1e-6;
+  GatedDeltaGrads gg = gated_delta_rule_backward(d_o.view({T, Hv, Dv}), S.act[0].view({T, Hk, Dk}),
+                                                 S.act[1].view({T, Hk, Dk}),
+                                                 S.act[2].view({T, Hv, Dv}), S.g, S.beta, cu, opts);
+  d_o = Tensor();
+  auto [d_a, d_b] = gdn_gates_backward(gg.d_g, gg.d_beta, S.a, S.g, S.beta, a_log_->value,
+                                       dt_bias_->value, a_log_->grad, dt_bias_->grad);
+
+  // Through the convs (their filter gradients added here) and the projections.
+  const Tensor filters = conv_->value.view({conv_->shape[0], cfg_.conv_kernel});
+  Tensor filter_grads = conv_->grad.view({conv_->shape[0], cfg_.conv_kernel});
+  const Tensor* d_act[3] = {&gg.d_q, &gg.d_k, &gg.d_v};
+  Tensor d_h;
+  for (int i = 0; i < 3; ++i) {
+    const auto [row0, rows] = qkv_rows(i);
+    Tensor d_w = filter_grads.narrow(row0, rows);
+    const Tensor d_pre = causal_conv1d_backward(
+        d_act[i]->view({T, rows}), S.pre[i],
+        block::as_dtype(filters.narrow(row0, rows), DType::f32), cu, /*silu=*/true, d_w);
+    Tensor d = row_linear_backward(ctx, S, d_pre, S.h, w_qkv_, row0, rows);
+    if (i == 0)
+      d_h = d;
+    else
+      add_inplace(d_h, d);
+  }
+  gg = GatedDeltaGrads{};
+  add_inplace(d_h, block::linear_backward(ctx, S, d_z.view({T, Hv * Dv}), S.h, w_z_, nullptr));
+  add_inplace(d_h, block::linear_backward(ctx, S, d_b, S.h, w_b_, nullptr));
+  add_inplace(d_h, block::linear_backward(ctx, S, d_a, S.h, w_a_, nullptr));
+  Tensor d_x = rmsnorm_backward(d_h, S.x, ln_->value, S.rms, ln_->grad, cfg_.zero_centered_norm);
+  add_inplace(d_x, d_y);
+  return d_x;
+}
+
+}  // namespace bb
