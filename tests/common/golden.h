@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <regex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -156,6 +157,45 @@ inline std::string golden_run_toml(const std::string& dir, const GoldenCurve& c,
                 static_cast<long long>(tokens), c.lr, c.lr, c.weight_decay, c.beta1, c.beta2,
                 c.eps, c.grad_clip);
   return buf;
+}
+
+// The golden's value for `key` (prefix + HF name). A fused expert name the golden lacks is
+// assembled from its per-expert tensors: transformers 5.17 writes Qwen3.5 checkpoints (and so
+// the golden's gradient names) per expert, while bumblebee exposes Qwen3.5's experts fused, as
+// the released checkpoints store them. gate_up_proj [E, 2F, H] = per expert [gate; up],
+// down_proj [E, H, F]. Empty when neither form is there.
+inline std::vector<float> golden_grad(const SafetensorsReader& g, const std::string& key, const Shape& shape) {
+  if (g.has(key)) return g.read(key).to_floats();
+  const auto fused = [&](const std::string& suffix) {
+    return key.size() > suffix.size() && key.compare(key.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  const bool gate_up = fused(".mlp.experts.gate_up_proj"), down = fused(".mlp.experts.down_proj");
+  if ((!gate_up && !down) || shape.size() != 3) return {};
+  const std::string base = key.substr(0, key.size() - (gate_up ? std::string("gate_up_proj") : std::string("down_proj")).size());
+  std::vector<float> out;
+  for (int64_t e = 0; e < shape[0]; ++e) {
+    const std::string pe = base + std::to_string(e) + ".";
+    for (const char* part : gate_up ? std::vector<const char*>{"gate_proj", "up_proj"} : std::vector<const char*>{"down_proj"}) {
+      const std::string k = pe + part + ".weight";
+      if (!g.has(k)) return {};
+      const std::vector<float> v = g.read(k).to_floats();
+      out.insert(out.end(), v.begin(), v.end());
+    }
+  }
+  return static_cast<int64_t>(out.size()) == shape[0] * shape[1] * shape[2] ? out : std::vector<float>{};
+}
+
+// The per-expert golden names a fused model tensor stands for (so they count as seen).
+inline void mark_per_expert(const std::string& key, const Shape& shape, std::set<std::string>& seen) {
+  for (const char* fused : {"gate_up_proj", "down_proj"}) {
+    const std::string suffix = std::string(".mlp.experts.") + fused;
+    if (key.size() <= suffix.size() || key.compare(key.size() - suffix.size(), suffix.size(), suffix) != 0) continue;
+    const std::string base = key.substr(0, key.size() - std::string(fused).size());
+    for (int64_t e = 0; e < shape[0]; ++e)
+      for (const char* part : std::string(fused) == "gate_up_proj" ? std::vector<const char*>{"gate_proj", "up_proj"}
+                                                                    : std::vector<const char*>{"down_proj"})
+        seen.insert(base + std::to_string(e) + "." + part + ".weight");
+  }
 }
 
 }  // namespace bb::test

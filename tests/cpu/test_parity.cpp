@@ -17,11 +17,14 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <regex>
 #include <set>
 
 #include "common/golden.h"
+#include "common/run.h"
 #include "common/testing.h"
 #include "io/fs.h"
 #include "io/safetensors.h"
@@ -47,45 +50,6 @@ double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
   return test::golden_rel_err(a, b);
 }
 
-// The golden's value for `key` (prefix + HF name). A fused expert name the golden lacks is
-// assembled from its per-expert tensors: transformers 5.17 writes Qwen3.5 checkpoints (and so
-// the golden's gradient names) per expert, while bumblebee exposes Qwen3.5's experts fused, as
-// the released checkpoints store them. gate_up_proj [E, 2F, H] = per expert [gate; up],
-// down_proj [E, H, F]. Empty when neither form is there.
-std::vector<float> golden_grad(const SafetensorsReader& g, const std::string& key, const Shape& shape) {
-  if (g.has(key)) return g.read(key).to_floats();
-  const auto fused = [&](const std::string& suffix) {
-    return key.size() > suffix.size() && key.compare(key.size() - suffix.size(), suffix.size(), suffix) == 0;
-  };
-  const bool gate_up = fused(".mlp.experts.gate_up_proj"), down = fused(".mlp.experts.down_proj");
-  if ((!gate_up && !down) || shape.size() != 3) return {};
-  const std::string base = key.substr(0, key.size() - (gate_up ? std::string("gate_up_proj") : std::string("down_proj")).size());
-  std::vector<float> out;
-  for (int64_t e = 0; e < shape[0]; ++e) {
-    const std::string pe = base + std::to_string(e) + ".";
-    for (const char* part : gate_up ? std::vector<const char*>{"gate_proj", "up_proj"} : std::vector<const char*>{"down_proj"}) {
-      const std::string k = pe + part + ".weight";
-      if (!g.has(k)) return {};
-      const std::vector<float> v = g.read(k).to_floats();
-      out.insert(out.end(), v.begin(), v.end());
-    }
-  }
-  return static_cast<int64_t>(out.size()) == shape[0] * shape[1] * shape[2] ? out : std::vector<float>{};
-}
-
-// The per-expert golden names a fused model tensor stands for (so they count as seen).
-void mark_per_expert(const std::string& key, const Shape& shape, std::set<std::string>& seen) {
-  for (const char* fused : {"gate_up_proj", "down_proj"}) {
-    const std::string suffix = std::string(".mlp.experts.") + fused;
-    if (key.size() <= suffix.size() || key.compare(key.size() - suffix.size(), suffix.size(), suffix) != 0) continue;
-    const std::string base = key.substr(0, key.size() - std::string(fused).size());
-    for (int64_t e = 0; e < shape[0]; ++e)
-      for (const char* part : std::string(fused) == "gate_up_proj" ? std::vector<const char*>{"gate_proj", "up_proj"}
-                                                                    : std::vector<const char*>{"down_proj"})
-        seen.insert(base + std::to_string(e) + "." + part + ".weight");
-  }
-}
-
 // Compares every HF-named gradient with `prefix` + name in the golden; prints the worst
 // relative error per tensor family.
 void compare_grads(DecoderModel& m, const SafetensorsReader& g, const std::string& prefix,
@@ -95,8 +59,8 @@ void compare_grads(DecoderModel& m, const SafetensorsReader& g, const std::strin
   for (const HfNamedParam& p : hf_named_params(m)) {
     const std::string key = prefix + p.name;
     seen.insert(key);
-    mark_per_expert(key, p.grad.shape(), seen);
-    const std::vector<float> ref = golden_grad(g, key, p.grad.shape());
+    test::mark_per_expert(key, p.grad.shape(), seen);
+    const std::vector<float> ref = test::golden_grad(g, key, p.grad.shape());
     if (ref.empty()) {
       ADD_FAILURE() << what << ": golden has no " << key;
       continue;
@@ -229,8 +193,68 @@ TEST(HfParity, Qwen3MoeTinyLossCurve) {
 TEST(HfParity, Qwen2MoeTinyLossCurve) {
   check_curve(path_join(golden_root(), "qwen2_moe_tiny"), "full_ce");
 }
+// A copy of the checkpoint in `dir` (config.json, model.safetensors) in `out` with every other
+// f32 weight moved by one ulp (its lowest mantissa bit flipped): a start that differs from the
+// original only at the rounding level.
+void write_ulp_perturbed_copy(const std::string& dir, const std::string& out) {
+  std::filesystem::copy_file(path_join(dir, "config.json"), path_join(out, "config.json"));
+  std::ifstream in(path_join(dir, "model.safetensors"), std::ios::binary);
+  std::vector<char> b((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_GT(b.size(), 8u);
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(b[static_cast<size_t>(i)]);
+  const nlohmann::json h = nlohmann::json::parse(std::string(b.begin() + 8, b.begin() + 8 + static_cast<std::ptrdiff_t>(n)));
+  int64_t flipped = 0;
+  for (const auto& [name, e] : h.items()) {
+    if (name == "__metadata__" || e.at("dtype") != "F32") continue;
+    const uint64_t s = e.at("data_offsets").at(0), t = e.at("data_offsets").at(1);
+    for (uint64_t off = 8 + n + s; off < 8 + n + t; off += 8, ++flipped) b[off] ^= 1;  // little endian
+  }
+  ASSERT_GT(flipped, 0);
+  std::ofstream(path_join(out, "model.safetensors"), std::ios::binary).write(b.data(), static_cast<std::streamsize>(b.size()));
+}
+
+// For a model whose training trajectory is chaotic on the golden batch: the Qwen3.5 tiny model
+// memorises its 106 tokens, and a start moved by one ulp drifts from the original by ~10x per
+// step (measured: 1e-6 after step 1, 7e-4 at step 3, 3e-2 by step 9, at lr 1e-3 and 5e-4 alike;
+// transformers' curve stays inside that band of bumblebee's own runs). So the reference is held
+// to bumblebee's own rounding-level sensitivity, measured in the test: both runs of the trainer
+// (original start, one-ulp start) and, per step, the running maximum `spread` of their relative
+// difference; every metric must satisfy |ours - ref| <= max(1e-4, 5 x spread). While the
+// spread is small (the first steps) that is the 1e-4 of the other curves; a wrong optimizer or
+// gradient shows at steps 1-2, where the single-step parity above is tighter still.
+void check_curve_against_own_spread(const std::string& dir, const std::string& loss) {
+  SafetensorsReader g(path_join(dir, "golden.safetensors"));
+  const test::GoldenCurve ref = test::read_golden_curve(dir);
+  ASSERT_FALSE(ref.loss.empty());
+  const int64_t T = g.read("input_ids").numel();
+  const std::string pert = make_tmpdir();
+  write_ulp_perturbed_copy(dir, pert);
+  Trainer a(parse_run_config(test::golden_run_toml(dir, ref, T, "cpu", loss), "golden run"), nullptr,
+            test::golden_corpus(g));
+  Trainer b(parse_run_config(test::golden_run_toml(pert, ref, T, "cpu", loss), "golden run, one-ulp start"),
+            nullptr, test::golden_corpus(g));
+  double spread = 0, worst_ratio = 0;
+  std::printf("  step  rel(ours, ref)  rel(ours, ours one ulp)  bound\n");
+  for (size_t i = 0; i < ref.loss.size(); ++i) {
+    const StepMetrics ma = a.train_step(), mb = b.train_step();
+    spread = std::max({spread, rel_scalar(ma.loss, mb.loss), rel_scalar(ma.aux_loss, mb.aux_loss),
+                       rel_scalar(ma.grad_norm, mb.grad_norm)});
+    const double e = std::max({rel_scalar(ma.loss, ref.loss[i]), rel_scalar(ma.aux_loss, ref.aux_loss[i]),
+                               rel_scalar(ma.grad_norm, ref.grad_norm[i])});
+    const double bound = std::max(1e-4, 5 * spread);
+    std::printf("  %4zu  %14.2e  %23.2e  %.2e\n", i + 1, e, spread, bound);
+    EXPECT_LT(e, bound) << "step " << i + 1 << ": loss " << ma.loss << " (ref " << ref.loss[i] << "), grad norm "
+                        << ma.grad_norm << " (ref " << ref.grad_norm[i] << "), own one-ulp spread " << spread;
+    worst_ratio = std::max(worst_ratio, e / bound);
+  }
+  std::filesystem::remove_all(pert);
+  std::printf("  %s, %s: %zu steps, loss %.4f -> %.4f, worst |ours - ref| / bound %.2f\n", dir.c_str(),
+              loss.c_str(), ref.loss.size(), ref.loss.front(), ref.loss.back(), worst_ratio);
+}
+
 TEST(HfParity, Qwen3_5MoeTinyLossCurve) {
-  check_curve(path_join(golden_root(), "qwen3_5_moe_tiny"), "linear_ce");
+  check_curve_against_own_spread(path_join(golden_root(), "qwen3_5_moe_tiny"), "linear_ce");
 }
 
 // Any further golden directory (a new reference model) is checked the same way.
@@ -244,7 +268,11 @@ TEST(HfParity, OtherGoldenDirs) {
     if (!path_exists(path_join(e.path().string(), "golden.safetensors"))) continue;
     SCOPED_TRACE(name);
     check_golden(e.path().string());
-    if (path_exists(path_join(e.path().string(), "loss_curve.json")))
+    if (!path_exists(path_join(e.path().string(), "loss_curve.json"))) continue;
+    if (load_hf_config(e.path().string()).model_type == "qwen3_5_moe_text")
+      // The Qwen3.5 tiny models' curves are chaotic (check_curve_against_own_spread).
+      check_curve_against_own_spread(e.path().string(), "linear_ce");
+    else
       // 2e-3: the qwen3 d128 curve turns sensitive near the end (at steps 15-17 a single token
       // swings the grad norm); the BLAS summation order alone (1 vs 2 OpenBLAS threads) moves
       // it by 7e-4 to 9e-4 relative there.
