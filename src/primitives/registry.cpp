@@ -78,7 +78,9 @@ const Family<StateKind>& state_family() {
 const Family<OptimizerKind>& optimizer_family() {
   static const Family<OptimizerKind> f(
       "optimizer", "adamw",
-      {{"adamw", OptimizerKind::adamw, "AdamW with fp32 master weights and moments"}});
+      {{"adamw", OptimizerKind::adamw, "AdamW with fp32 master weights and moments (12 bytes per element)"},
+       {"adamw_bf16_moments", OptimizerKind::adamw_bf16_moments,
+        "AdamW with fp32 master weights, bf16 moments stochastically rounded (8 bytes per element)"}});
   return f;
 }
 

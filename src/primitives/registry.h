@@ -26,7 +26,7 @@ namespace bb {
 enum class RecomputePolicy { none, full };
 enum class AttentionKind { sdpa };
 enum class StateKind { replicated, zero1, fsdp };
-enum class OptimizerKind { adamw };
+enum class OptimizerKind { adamw, adamw_bf16_moments };
 
 // One family's member as chosen: the name (for logs and checkpoints) and its typed value.
 template <class T>

@@ -9,8 +9,30 @@
 #include "io/fs.h"
 #include "io/json_limits.h"
 #include "runtime/data.h"
+#include "runtime/state.h"
 
 namespace bb {
+
+std::string checkpoint_optimizer(const nlohmann::json& state) {
+  const auto it = state.find("optimizer");
+  return it != state.end() && it->is_string() ? it->get<std::string>() : std::string("adamw");
+}
+
+void check_checkpoint_optimizer(const nlohmann::json& state, const std::string& run_optimizer,
+                                const std::string& dir) {
+  const std::string saved = checkpoint_optimizer(state);
+  if (saved == run_optimizer) return;
+  auto moments = [&](const std::string& name) -> std::string {
+    for (const auto& m : optimizer_family().members())
+      if (m.name == name) return std::string(dtype_name(moment_dtype(m.value))) + " moments";
+    return "an optimizer this build does not know";
+  };
+  BB_FAIL("checkpoint ", dir, " was written with primitives.optimizer = '", saved, "' (", moments(saved),
+          ") but this run uses '", run_optimizer, "' (", moments(run_optimizer),
+          "); a resume does not convert optimizer state. Resume with primitives.optimizer = \"", saved,
+          "\", or start a new run from the checkpoint's weights (`bumblebee export --checkpoint ", dir,
+          " --out DIR --dtype f32`, then model.init = \"hf:DIR\"; the moments restart at zero)");
+}
 
 nlohmann::json unit_table(const std::vector<ParamUnit*>& units) {
   nlohmann::json t = nlohmann::json::array();
@@ -68,6 +90,7 @@ nlohmann::json parse_checkpoint_state(std::string_view text, const std::string& 
     if (!f.is_string()) bad("shards", "a non-empty array of file names");
   if (st.contains("run_id") && !st["run_id"].is_string()) bad("run_id", "a string");
   if (st.contains("seed") && !st["seed"].is_number_unsigned()) bad("seed", "an integer >= 0");
+  if (st.contains("optimizer") && !st["optimizer"].is_string()) bad("optimizer", "a string");
   for (const char* key : {"dp", "grad_accum"}) {
     const auto it = st["layout"].find(key);
     BB_CHECK(it == st["layout"].end() ||
@@ -98,8 +121,9 @@ ShardSet::ShardSet(const std::string& dir, const nlohmann::json& state) : dir_(d
   }
 }
 
-Tensor ShardSet::read(const std::string& unit, const std::string& which, int64_t lo, int64_t len) const {
-  Tensor out = Tensor::zeros({len}, DType::f32, Device::cpu(), MemCategory::other);
+Tensor ShardSet::read(const std::string& unit, const std::string& which, int64_t lo, int64_t len,
+                      DType dtype) const {
+  Tensor out = Tensor::zeros({len}, dtype, Device::cpu(), MemCategory::other);
   if (len == 0) return out;
   int64_t covered = 0;
   auto it = pieces_.find(unit);
@@ -110,8 +134,8 @@ Tensor ShardSet::read(const std::string& unit, const std::string& which, int64_t
       const std::string name = unit + "." + which;
       BB_CHECK(p.file->has(name), "checkpoint ", dir_, ": ", p.file->path(), " lacks ", name);
       Tensor t = p.file->read(name, MemCategory::other);
-      BB_CHECK(t.dtype() == DType::f32 && t.numel() == p.len, "checkpoint ", dir_, ": ", p.file->path(), ": ", name,
-               " is ", t.str(), ", expected f32[", p.len, "]");
+      BB_CHECK(t.dtype() == dtype && t.numel() == p.len, "checkpoint ", dir_, ": ", p.file->path(), ": ", name,
+               " is ", t.str(), ", expected ", dtype_name(dtype), "[", p.len, "]");
       out.narrow(a - lo, b - a).copy_from(t.narrow(a - p.lo, b - a));
       covered += b - a;
     }
@@ -119,7 +143,8 @@ Tensor ShardSet::read(const std::string& unit, const std::string& which, int64_t
   BB_CHECK(covered == len, "checkpoint ", dir_, ": the shard files cover ", covered, " of elements [", lo, ", ",
            lo + len, ") of unit ", unit, " (", which, "); a shard file is missing or truncated");
   if (check_finite_) {
-    const float* v = out.data<float>();
+    const std::vector<float> widened = dtype == DType::f32 ? std::vector<float>() : out.to_floats();
+    const float* v = dtype == DType::f32 ? out.data<float>() : widened.data();
     for (int64_t k = 0; k < len; ++k)
       BB_CHECK(std::isfinite(v[k]), "checkpoint ", dir_, ": ", unit, ".", which, " holds a non-finite value (", v[k],
                " at element ", lo + k, "); it cannot be resumed. Resume from an earlier checkpoint");

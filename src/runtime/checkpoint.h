@@ -2,14 +2,17 @@
 //
 // A checkpoint step directory holds
 //   state.json                 format_version 2, step, seed, data position, model config,
-//                              primitives, backend, layout (dp/cp/ep/pp, world size, state
-//                              family, grad_accum), the unit table (name, numel, decay_numel,
-//                              first_expert, parameters with offsets and shapes) and the list of
-//                              shard files
+//                              primitives, optimizer (primitives.optimizer; absent in
+//                              checkpoints from before it existed: adamw), backend, layout
+//                              (dp/cp/ep/pp, world size, state family, grad_accum), the unit table
+//                              (name, numel, decay_numel, first_expert, parameters with offsets
+//                              and shapes) and the list of shard files
 //   config.json                the model's Hugging Face config
-//   shards/rank_RRRRR.safetensors  what rank R holds: per unit `<unit>.master`, `.exp_avg`,
-//                              `.exp_avg_sq` (f32) of elements [lo, lo + len) of the unit's flat
-//                              layout, with "lo len" in the file's metadata under the unit's name
+//   shards/rank_RRRRR.safetensors  what rank R holds: per unit `<unit>.master` (f32),
+//                              `.exp_avg`, `.exp_avg_sq` (the optimizer's moment dtype: f32 for
+//                              adamw, bf16 for adamw_bf16_moments) of elements [lo, lo + len) of
+//                              the unit's flat layout, with "lo len" in the file's metadata under
+//                              the unit's name
 // Parameter values are not stored: they are the masters in the parameter dtype, which is what
 // the optimizer writes after every step. Any layout can read any other: each rank reads the
 // pieces that overlap what it holds under its own layout.
@@ -29,6 +32,13 @@ namespace bb {
 
 constexpr int kCheckpointFormat = 2;
 
+// The optimizer a checkpoint was written with (state.json "optimizer"; "adamw" when absent).
+std::string checkpoint_optimizer(const nlohmann::json& state);
+// Throws, naming both and what to do, when the checkpoint's optimizer is not `run_optimizer`:
+// the moments are stored in that optimizer's dtype and are not converted on load.
+void check_checkpoint_optimizer(const nlohmann::json& state, const std::string& run_optimizer,
+                                const std::string& dir);
+
 // The unit table of state.json.
 nlohmann::json unit_table(const std::vector<ParamUnit*>& units);
 // Throws naming the first difference when the table of a checkpoint does not describe `units`.
@@ -39,11 +49,13 @@ void check_unit_table(const nlohmann::json& table, const std::vector<ParamUnit*>
 class ShardSet {
  public:
   ShardSet(const std::string& dir, const nlohmann::json& state);
-  // Elements [lo, lo + len) of unit `unit`'s `which` (master | exp_avg | exp_avg_sq) as an f32
-  // host tensor. Throws naming the unit and the missing range if the files do not cover it.
+  // Elements [lo, lo + len) of unit `unit`'s `which` (master | exp_avg | exp_avg_sq) as a host
+  // tensor of `dtype`, which every piece must have (a piece of another dtype is an error naming
+  // it). Throws naming the unit and the missing range if the files do not cover it.
   // Values that are not finite are an error naming the tensor and element, unless
   // set_check_finite(false) (export --allow-nonfinite).
-  Tensor read(const std::string& unit, const std::string& which, int64_t lo, int64_t len) const;
+  Tensor read(const std::string& unit, const std::string& which, int64_t lo, int64_t len,
+              DType dtype = DType::f32) const;
   void set_check_finite(bool on) { check_finite_ = on; }
 
  private:

@@ -5,6 +5,7 @@
 
 #include "core/trace.h"
 #include "primitives/elementwise/elementwise.h"
+#include "primitives/optim/moment_rounding.h"
 
 namespace bb {
 
@@ -23,18 +24,35 @@ struct ModelState::Unit {
   comm::Group* g = nullptr;
   Mode mode = Mode::whole;
   int64_t N = 1, r = 0, S = 0, lo = 0, len = 0;
-  Tensor master, exp_avg, exp_avg_sq;  // [numel] (whole) or [S] (sharded), f32, optimizer
+  Tensor master, exp_avg, exp_avg_sq;  // [numel] (whole) or [S] (sharded), optimizer: master f32,
+                                       // moments in the optimizer's moment dtype
   Tensor value_buf, grad_buf;          // zero1: [N S] values (params) and gradients (grads)
   Tensor value_shard, grad_shard;      // fsdp: [S] values (params) and gradients (grads)
   Tensor full_value, full_grad;        // fsdp: gathered values, whole gradient in backward (comm)
   comm::WorkPtr gather_work, reduce_work;
   Tensor reduce_out;  // [S] f32 (comm): a reduce-scatter's result until drained
-  Tensor backup;      // [3 x master size] f32 (optimizer): master and moments before the step
+  // skip_step (optimizer): master [master size] f32 and both moments [2 x master size] in
+  // their dtype, as they were before the step.
+  Tensor backup_master, backup_moments;
+  uint64_t stream = 0;  // bf16 moments: the rounding stream of the unit (a hash of its name)
 };
 
+DType moment_dtype(OptimizerKind opt) {
+  switch (opt) {
+    case OptimizerKind::adamw: return DType::f32;
+    case OptimizerKind::adamw_bf16_moments: return DType::bf16;
+  }
+  BB_FAIL("moment_dtype: unknown optimizer kind ", static_cast<int>(opt));
+}
+
+int64_t optimizer_bytes_per_element(OptimizerKind opt) {
+  return 4 + 2 * static_cast<int64_t>(dtype_size(moment_dtype(opt)));
+}
+
 StateBytes state_bytes(StateKind kind, const std::vector<ParamUnit*>& units,
-                       const std::vector<int64_t>& group_sizes, int64_t value_bytes) {
+                       const std::vector<int64_t>& group_sizes, int64_t value_bytes, OptimizerKind opt) {
   BB_CHECK(units.size() == group_sizes.size(), "state_bytes: one group size per unit");
+  const int64_t o = optimizer_bytes_per_element(opt);
   StateBytes b;
   for (size_t i = 0; i < units.size(); ++i) {
     const int64_t n = units[i]->numel, N = group_sizes[i], S = ceil_div(n, N);
@@ -42,17 +60,17 @@ StateBytes state_bytes(StateKind kind, const std::vector<ParamUnit*>& units,
       case StateKind::replicated:
         b.params += value_bytes * n;
         b.grads += 4 * n;
-        b.optimizer += 12 * n;
+        b.optimizer += o * n;
         break;
       case StateKind::zero1:
         b.params += value_bytes * N * S;
         b.grads += 4 * N * S;
-        b.optimizer += 12 * S;
+        b.optimizer += o * S;
         break;
       case StateKind::fsdp:
         b.params += value_bytes * S;
         b.grads += 4 * S;
-        b.optimizer += 12 * S;
+        b.optimizer += o * S;
         break;
     }
   }
@@ -61,8 +79,10 @@ StateBytes state_bytes(StateKind kind, const std::vector<ParamUnit*>& units,
 
 ModelState::~ModelState() = default;
 
-ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, const std::vector<Tensor>* masters)
-    : kind_(kind), model_(model), tied_(model.config().tie_word_embeddings) {
+ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, const std::vector<Tensor>* masters,
+                       OptimizerKind opt, uint64_t seed)
+    : kind_(kind), opt_(opt), seed_(seed), model_(model), tied_(model.config().tie_word_embeddings) {
+  const DType mdt = bb::moment_dtype(opt);
   std::vector<ParamUnit*> units = model.units();
   BB_CHECK(!masters || masters->size() == units.size(), "ModelState: ", masters ? masters->size() : 0,
            " master tensors for ", units.size(), " units");
@@ -117,8 +137,9 @@ ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, co
         break;
       }
     }
-    u.exp_avg = Tensor::zeros(u.master.shape(), DType::f32, dev, MemCategory::optimizer);
-    u.exp_avg_sq = Tensor::zeros(u.master.shape(), DType::f32, dev, MemCategory::optimizer);
+    u.exp_avg = Tensor::zeros(u.master.shape(), mdt, dev, MemCategory::optimizer);
+    u.exp_avg_sq = Tensor::zeros(u.master.shape(), mdt, dev, MemCategory::optimizer);
+    u.stream = moment_stream_id(pu->name.data(), pu->name.size());
     if (pu->layer >= 0) by_layer_[static_cast<size_t>(pu->layer)].push_back(&u);
     else if (pu->kind == UnitKind::embedding) embed_ = &u;
     else head_ = &u;
@@ -348,11 +369,13 @@ void ModelState::save_backup() {
     Unit& u = *up;
     const int64_t n = u.master.numel();
     if (n == 0) continue;
-    if (!u.backup.defined())
-      u.backup = Tensor::empty({3 * n}, DType::f32, u.master.device(), MemCategory::optimizer);
-    u.backup.narrow(0, n).copy_from(u.master);
-    u.backup.narrow(n, n).copy_from(u.exp_avg);
-    u.backup.narrow(2 * n, n).copy_from(u.exp_avg_sq);
+    if (!u.backup_master.defined()) {
+      u.backup_master = Tensor::empty({n}, DType::f32, u.master.device(), MemCategory::optimizer);
+      u.backup_moments = Tensor::empty({2 * n}, u.exp_avg.dtype(), u.master.device(), MemCategory::optimizer);
+    }
+    u.backup_master.copy_from(u.master);
+    u.backup_moments.narrow(0, n).copy_from(u.exp_avg);
+    u.backup_moments.narrow(n, n).copy_from(u.exp_avg_sq);
   }
 }
 
@@ -362,10 +385,10 @@ void ModelState::restore_backup() {
     Unit& u = *up;
     const int64_t n = u.master.numel();
     if (n == 0) continue;
-    BB_CHECK(u.backup.defined(), "ModelState::restore_backup: no backup was taken");
-    u.master.copy_from(u.backup.narrow(0, n));
-    u.exp_avg.copy_from(u.backup.narrow(n, n));
-    u.exp_avg_sq.copy_from(u.backup.narrow(2 * n, n));
+    BB_CHECK(u.backup_master.defined(), "ModelState::restore_backup: no backup was taken");
+    u.master.copy_from(u.backup_master);
+    u.exp_avg.copy_from(u.backup_moments.narrow(0, n));
+    u.exp_avg_sq.copy_from(u.backup_moments.narrow(n, n));
   }
   values_from_masters();
 }
@@ -385,16 +408,22 @@ void ModelState::step(int64_t step, double lr, double weight_decay, const AdamWC
     Tensor grad = u.mode == Mode::fsdp ? u.grad_shard : pu.grad;
     Tensor value = u.mode == Mode::fsdp ? u.value_shard : pu.value;
     const int64_t goff = u.mode == Mode::fsdp ? a : 0;  // grad/value index = element - goff
-    // Two buckets: the weight-decayed elements [0, decay_numel), then the rest.
+    // Two buckets: the weight-decayed elements [0, decay_numel), then the rest. bf16 moments
+    // round with the unit's stream at the bucket's unit element index: the same bits for an
+    // element whatever shard or bucket holds it.
     const int64_t cuts[3] = {a, std::clamp(pu.decay_numel, a, b), b};
+    AdamWConfig bucket_cfg = cfg;
+    bucket_cfg.seed = seed_;
+    bucket_cfg.stream = u.stream;
     for (int k = 0; k < 2; ++k) {
       const int64_t n = cuts[k + 1] - cuts[k];
       if (n <= 0) continue;
       Tensor master = u.master.narrow(cuts[k] - a, n), m1 = u.exp_avg.narrow(cuts[k] - a, n),
              m2 = u.exp_avg_sq.narrow(cuts[k] - a, n), v = value.narrow(cuts[k] - goff, n);
       Tensor flag = nonfinite ? nonfinite->narrow(static_cast<int64_t>(u.index), 1) : Tensor();
-      adamw_step(master, grad.narrow(cuts[k] - goff, n), m1, m2, step, lr, k == 0 ? weight_decay : 0.0, cfg, &v,
-                 nonfinite ? &flag : nullptr);
+      bucket_cfg.first_element = cuts[k];
+      adamw_step(master, grad.narrow(cuts[k] - goff, n), m1, m2, step, lr, k == 0 ? weight_decay : 0.0, bucket_cfg,
+                 &v, nonfinite ? &flag : nullptr);
     }
     if (u.mode == Mode::zero1)
       gathers.push_back(u.g->all_gather(u.value_buf.narrow(u.r * u.S, u.S), u.value_buf));

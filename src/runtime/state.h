@@ -13,10 +13,13 @@
 //
 // A unit of n elements (alignment padding included) held by a group of N ranks is cut into N
 // shards of S = ceil(n / N) elements; rank r owns elements [r S, min((r + 1) S, n)). Bytes per
-// rank, b = bytes per parameter value (2 for bf16, 4 for f32), summed over units:
-//   replicated  params b n        grads 4 n        optimizer 12 n
-//   zero1       params b N S      grads 4 N S      optimizer 12 S      (buffers padded to N S)
-//   fsdp        params b S        grads 4 S        optimizer 12 S      + gathered units (comm)
+// rank, b = bytes per parameter value (2 for bf16, 4 for f32), o = optimizer bytes per owned
+// element (primitives.optimizer: adamw 12 = 4 master + 2 x 4 moments, adamw_bf16_moments
+// 8 = 4 master + 2 x 2 moments), summed over units:
+//   replicated  params b n        grads 4 n        optimizer o n
+//   zero1       params b N S      grads 4 N S      optimizer o S       (buffers padded to N S)
+//   fsdp        params b S        grads 4 S        optimizer o S       + gathered units (comm)
+// train.on_nonfinite = "skip_step" adds a backup of the same o bytes per owned element.
 // fsdp keeps at most the units of two layers (the current and the prefetched one) plus the
 // embedding or head unit in use gathered (category comm; both at the head when the embeddings
 // are tied, whose whole gradient then stays allocated from the head to the embedding backward),
@@ -39,22 +42,32 @@
 
 namespace bb {
 
+// The storage of the optimizer family: the moments' dtype (adamw f32, adamw_bf16_moments bf16)
+// and the optimizer bytes per owned element, 4 (fp32 master) + 2 x the moment size: 12 or 8.
+DType moment_dtype(OptimizerKind opt);
+int64_t optimizer_bytes_per_element(OptimizerKind opt);
+
 // Closed-form bytes per rank of one category under a state family (the formulas above).
 struct StateBytes {
   int64_t params = 0, grads = 0, optimizer = 0;
 };
 StateBytes state_bytes(StateKind kind, const std::vector<ParamUnit*>& units,
-                       const std::vector<int64_t>& group_sizes, int64_t value_bytes);
+                       const std::vector<int64_t>& group_sizes, int64_t value_bytes,
+                       OptimizerKind opt = OptimizerKind::adamw);
 
 class ModelState final : public LayerHooks {
  public:
   // Takes over the model's units (whole on construction) as `kind` says. `masters`, if given,
   // are whole f32 values per unit (e.g. read from a checkpoint at full precision); otherwise the
-  // masters start as the units' values.
-  ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, const std::vector<Tensor>* masters = nullptr);
+  // masters start as the units' values. `opt` sets the moments' dtype; `seed` (the run's) keys
+  // the stochastic rounding of bf16 moments (with the unit's name, the step and the element).
+  ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, const std::vector<Tensor>* masters = nullptr,
+             OptimizerKind opt = OptimizerKind::adamw, uint64_t seed = 0);
   ~ModelState() override;
 
   StateKind kind() const { return kind_; }
+  OptimizerKind optimizer() const { return opt_; }
+  DType moment_dtype() const { return bb::moment_dtype(opt_); }
 
   // One optimizer step: begin_step(), then per micro-batch begin_micro_batch(last) + the
   // schedule's forward_backward, then end_backward(), grad_norm(), step().
@@ -70,8 +83,9 @@ class ModelState final : public LayerHooks {
   size_t num_units() const;
   const std::string& unit_name(size_t unit) const;
   // A copy of the masters and moments this rank owns, so that a step can be undone
-  // (train.on_nonfinite = "skip_step"): 12 bytes per owned element (category optimizer, kept for
-  // the run) and one device copy of them per step. restore_backup() puts them back and refreshes
+  // (train.on_nonfinite = "skip_step"): optimizer_bytes_per_element (12 or 8) bytes per owned
+  // element (category optimizer, kept for the run; the moments in their own dtype) and one
+  // device copy of them per step. restore_backup() puts them back and refreshes
   // the parameter values (values_from_masters; zero1 re-gathers).
   void save_backup();
   void restore_backup();
@@ -79,7 +93,7 @@ class ModelState final : public LayerHooks {
   // Optimizer state of unit i this rank owns: elements [lo, lo + len) of the unit.
   struct Owned {
     int64_t lo = 0, len = 0;
-    Tensor master, exp_avg, exp_avg_sq;  // [len] views, f32
+    Tensor master, exp_avg, exp_avg_sq;  // [len] views: master f32, moments in moment_dtype()
   };
   Owned owned(size_t unit);
   // The elements a checkpoint takes from this rank: the owned ones, except under replicated
@@ -117,6 +131,8 @@ class ModelState final : public LayerHooks {
   bool sharded(const Unit& u) const;
 
   StateKind kind_;
+  OptimizerKind opt_;
+  uint64_t seed_;
   DecoderModel& model_;
   bool tied_ = false;
   bool last_micro_ = true;

@@ -243,13 +243,13 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
     const std::string dir = cfg.model_init.substr(3);
     const HfLoadReport rep = load_hf_weights(*model_, dir, &masters);
     if (log_) {
-      std::fprintf(log_, "%s[startup] loaded %lld tensors from %s\n", log_prefix_.c_str(),
-                   static_cast<long long>(rep.tensors_read), dir.c_str());
+      std::fprintf(log_, "%s[startup] loaded %s: %s\n", log_prefix_.c_str(), dir.c_str(), rep.summary().c_str());
       std::fflush(log_);
     }
   }
   // The state family takes the units over (fsdp frees the whole buffers here).
-  state_ = std::make_unique<ModelState>(cfg.prim.state.value, *model_, *mesh_, masters.empty() ? nullptr : &masters);
+  state_ = std::make_unique<ModelState>(cfg.prim.state.value, *model_, *mesh_, masters.empty() ? nullptr : &masters,
+                                        cfg.prim.optimizer.value, cfg.seed);
   masters.clear();
   schedule_->add_hooks(state_.get());
   if (log_) {
@@ -279,7 +279,8 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
   if (!cfg.ckpt_dir.empty()) check_foreign_checkpoints();
   if (cfg.on_nonfinite == "skip_step" && log_)
     std::fprintf(log_, "%s[startup] train.on_nonfinite = skip_step: a copy of the optimizer state is kept to undo "
-                 "a step (+12 bytes per owned parameter)\n", log_prefix_.c_str());
+                 "a step (+%lld bytes per owned parameter)\n", log_prefix_.c_str(),
+                 static_cast<long long>(optimizer_bytes_per_element(cfg.prim.optimizer.value)));
   if (log_) {
     std::fprintf(log_, "%s[startup] ready in %.2fs: %s tokens in %lld documents, %lld tokens per micro-batch x %lld per rank x %lld data ranks\n",
                  log_prefix_.c_str(), now_s() - t0, human_count(static_cast<double>(data_->num_tokens())).c_str(),
@@ -737,6 +738,7 @@ std::string Trainer::save_checkpoint(const std::string& root) {
       st["data_position"] = data_->position();
       st["model_config"] = cfg_.model.to_hf_json();
       st["primitives"] = cfg_.primitives_summary();
+      st["optimizer"] = cfg_.prim.optimizer.name;  // the moments' dtype in the shards
       st["backend"] = cfg_.backend;
       const ParallelLayout& l = mesh_->layout();
       st["layout"] = {{"dp", l.dp}, {"cp", l.cp}, {"ep", l.ep}, {"pp", l.pp}, {"world", world.size()},
@@ -789,6 +791,7 @@ void Trainer::load_checkpoint(const std::string& path) {
   }
   std::vector<ParamUnit*> units = model_->units();
   check_unit_table(st["units"], units, dir);
+  check_checkpoint_optimizer(st, cfg_.prim.optimizer.name, dir);
   const int64_t step = st["step"].get<int64_t>();
   const DataPosition pos = st["data_position"].get<DataPosition>();
   const std::string run_id = st.value("run_id", std::string());
@@ -800,7 +803,9 @@ void Trainer::load_checkpoint(const std::string& path) {
   for (size_t i = 0; i < units.size(); ++i) {
     const ModelState::Owned o = state_->owned(i);
     if (o.len == 0) continue;
-    for (int k = 0; k < 3; ++k) staged[i][static_cast<size_t>(k)] = shards.read(units[i]->name, which[k], o.lo, o.len);
+    for (int k = 0; k < 3; ++k)
+      staged[i][static_cast<size_t>(k)] =
+          shards.read(units[i]->name, which[k], o.lo, o.len, k == 0 ? DType::f32 : state_->moment_dtype());
   }
   for (size_t i = 0; i < units.size(); ++i) {
     ModelState::Owned o = state_->owned(i);

@@ -1,8 +1,13 @@
-// AdamW against a double-precision transcription of torch.optim.AdamW; grad norm and clipping.
+// AdamW against a double-precision transcription of torch.optim.AdamW; grad norm and clipping;
+// the bf16-moment variant (adamw_bf16_moments): its stochastic rounding, its step against a
+// double reference that rounds the same way, layout independence, and why not round-to-nearest.
 #include <gtest/gtest.h>
+
+#include <cstring>
 
 #include "common/testing.h"
 #include "primitives/optim/adamw.h"
+#include "primitives/optim/moment_rounding.h"
 
 namespace bb {
 namespace {
@@ -115,6 +120,260 @@ TEST(AdamW, NonFiniteFlagIsSetByTheUpdateOnly) {
   EXPECT_EQ(flags.to_ints(), (std::vector<int32_t>{0, 1, 1, 0}));
   Tensor wrong = Tensor::zeros({3}, DType::i32, Device::cpu(), MemCategory::workspace);
   test::expect_error_contains([&] { mark_nonfinite(ts, wrong); }, "4 tensors but 3 flags");
+}
+
+// ---- bf16 moments ---------------------------------------------------------------------------
+
+float bits_to_float(uint16_t h) { return bf16_to_f32(h); }
+
+// The stochastic rounding of a double y with 16 random bits r, written from the definition:
+// y lies between the bf16 values lo <= |y| < lo + ulp; it rounds to lo + ulp when
+// frac * 2^16 + r >= 2^16, frac = (|y| - lo) / ulp, so with r uniform the result's mean is y.
+double sr_reference(double y, uint32_t r) {
+  if (y == 0) return 0;
+  int e = 0;
+  const double mant = std::frexp(std::fabs(y), &e);  // |y| = mant 2^e, mant in [0.5, 1)
+  const double scaled = mant * 256.0;                // 8 significant bits: [128, 256)
+  const double lo = std::floor(scaled), frac = scaled - lo;
+  const bool up = frac * 65536.0 + static_cast<double>(r & 0xffffu) >= 65536.0;
+  return std::copysign(std::ldexp(lo + (up ? 1.0 : 0.0), e - 8), y);
+}
+
+// Every r in [0, 2^16): exactly (dropped bits) of them round up, so the mean over all r is x
+// exactly; values that are bf16 already never move; the result is always one of the two bf16
+// neighbours; sign-symmetric; Inf and NaN kept.
+TEST(Bf16Moments, StochasticRoundingIsExactlyUnbiasedOverItsRandomBits) {
+  std::vector<float> xs = test::randn(40, 71, 3.0f);
+  xs.push_back(1.0f + 0x1234p-23f);
+  xs.push_back(-0.0078125f * (1.0f + 0x7fffp-23f));
+  xs.push_back(1e-30f);
+  xs.push_back(6.5e4f);
+  for (float x : xs) {
+    SCOPED_TRACE(x);
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    const uint32_t dropped = u & 0xffffu;
+    const float lo = bits_to_float(static_cast<uint16_t>(u >> 16));
+    const float hi = bits_to_float(static_cast<uint16_t>((u >> 16) + 1));
+    double sum = 0;
+    uint32_t ups = 0;
+    for (uint32_t r = 0; r < 65536; ++r) {
+      const float y = bits_to_float(f32_to_bf16_stochastic(x, r));
+      ASSERT_TRUE(y == lo || y == hi) << "r " << r << " gave " << y;
+      ups += y == hi;
+      sum += y;  // exact in double: 65536 values of 8 significant bits
+      ASSERT_EQ(bits_to_float(f32_to_bf16_stochastic(-x, r)), -y);
+      ASSERT_EQ(static_cast<double>(y), sr_reference(x, r)) << "r " << r;
+    }
+    EXPECT_EQ(ups, dropped);
+    EXPECT_EQ(sum / 65536.0, static_cast<double>(x));  // E[round(x)] = x, exactly
+    const float b = round_bf16(x);  // a bf16 value: never moved, whatever r
+    for (uint32_t r : {0u, 1u, 0x8000u, 0xffffu}) EXPECT_EQ(bits_to_float(f32_to_bf16_stochastic(b, r)), b);
+  }
+  for (uint32_t r : {0u, 0xffffu}) {
+    EXPECT_EQ(bits_to_float(f32_to_bf16_stochastic(INFINITY, r)), INFINITY);
+    EXPECT_EQ(bits_to_float(f32_to_bf16_stochastic(-INFINITY, r)), -INFINITY);
+    EXPECT_TRUE(std::isnan(bits_to_float(f32_to_bf16_stochastic(NAN, r))));
+    // A NaN whose payload sits in the dropped bits only is still a NaN.
+    uint32_t nan_bits = 0x7f800001u;
+    float low_nan;
+    std::memcpy(&low_nan, &nan_bits, 4);
+    EXPECT_TRUE(std::isnan(bits_to_float(f32_to_bf16_stochastic(low_nan, r))));
+    EXPECT_TRUE(bf16_bits_nonfinite(f32_to_bf16_stochastic(low_nan, r)));
+  }
+  // The random words the optimizer uses: over many elements of one stream the mean of the
+  // roundings of one value approaches it (4 sigma of sqrt(p (1 - p) / K) ulps).
+  const float x = 1.0f + 0x5555p-23f;  // p = 0x5555 / 2^16 = 1/3 of an ulp up
+  const int K = 1 << 16;
+  double mean = 0;
+  for (int e = 0; e < K; ++e)
+    mean += bits_to_float(f32_to_bf16_stochastic(x, moment_rounding_word(moment_rounding_key(7, 3, 1), e) >> 16));
+  mean /= K;
+  const double ulp = 0x1p-7, p = 0x5555 / 65536.0;
+  EXPECT_NEAR(mean, x, 4 * ulp * std::sqrt(p * (1 - p) / K));
+}
+
+struct Bf16State {
+  Tensor master, m, v;
+};
+
+Bf16State bf16_state(int64_t n, uint64_t seed) {
+  Bf16State s;
+  s.master = Tensor::from_floats(test::randn(n, seed), {n}, DType::f32, MemCategory::optimizer);
+  s.m = Tensor::from_floats(test::randn(n, seed + 1, 0.1f), {n}, DType::bf16, MemCategory::optimizer);
+  s.v = Tensor::from_floats(test::randu(n, seed + 2, 0.0f, 0.02f), {n}, DType::bf16, MemCategory::optimizer);
+  return s;
+}
+
+std::vector<uint16_t> bf16_bits(const Tensor& t) {
+  std::vector<uint16_t> out(static_cast<size_t>(t.numel()));
+  std::memcpy(out.data(), t.data<uint16_t>(), out.size() * 2);
+  return out;
+}
+
+// Six steps (weight decay, a clipped step with grad_scale, a bf16 model copy, a bucket that
+// starts at element 5 of its stream) against a double-precision transcription that stores the
+// moments with the same stochastic rounding (same words, threshold computed from the double
+// value). The f32 path's pre-rounding value differs from the double one by a few f32 ulps, i.e.
+// ~2^-16 of the rounding step, so an element lands on the other bf16 neighbour with probability
+// ~1e-4 per store; the check allows 0.2% of the stored moments one bf16 ulp off. A kernel that
+// rounded to nearest (about half of the moments off) or dropped a moment update fails it.
+TEST(Bf16Moments, MatchesDoubleReferenceWithTheSameRounding) {
+  const int64_t n = 4099;
+  Bf16State s = bf16_state(n, 21);
+  Tensor model = Tensor::zeros({n}, DType::bf16, Device::cpu(), MemCategory::params);
+  std::vector<double> P = test::cast<double>(s.master.to_floats()), M = test::cast<double>(s.m.to_floats()),
+                      V = test::cast<double>(s.v.to_floats());
+  AdamWConfig cfg{0.9, 0.95, 1e-8};
+  cfg.seed = 1234;
+  cfg.stream = 99;
+  cfg.first_element = 5;
+  const double wd = 0.1;
+  for (int step = 1; step <= 6; ++step) {
+    const double lr = 1e-2 / step;
+    cfg.grad_scale = step == 3 ? 0.37 : 1.0;
+    auto g = test::randn(n, 300 + step);
+    adamw_step(s.master, Tensor::from_floats(g, {n}), s.m, s.v, step, lr, wd, cfg, &model);
+    const double bc1 = 1 - std::pow(0.9, step), bc2 = 1 - std::pow(0.95, step);
+    const uint64_t key = moment_rounding_key(cfg.seed, cfg.stream, step);
+    for (int64_t i = 0; i < n; ++i) {
+      const double gi = static_cast<double>(static_cast<float>(cfg.grad_scale)) * g[i];
+      P[i] *= 1 - lr * wd;
+      const double mi = 0.9 * M[i] + 0.1 * gi, vi = 0.95 * V[i] + 0.05 * gi * gi;
+      P[i] -= lr / bc1 * mi / (std::sqrt(vi) / std::sqrt(bc2) + 1e-8);
+      const uint32_t w = moment_rounding_word(key, static_cast<uint64_t>(cfg.first_element + i));
+      M[i] = sr_reference(mi, w);
+      V[i] = sr_reference(vi, w >> 16);
+    }
+  }
+  EXPECT_LT(test::rel_error(s.master.to_floats(), P), 1e-6);
+  int64_t off = 0;
+  for (const auto& [t, R] : {std::pair<const Tensor*, const std::vector<double>*>{&s.m, &M}, {&s.v, &V}}) {
+    const std::vector<float> got = t->to_floats();
+    for (int64_t i = 0; i < n; ++i) {
+      if (static_cast<double>(got[i]) == (*R)[i]) continue;
+      ++off;
+      EXPECT_LE(std::fabs(got[i] - (*R)[i]), 0x1p-7 * std::fabs((*R)[i])) << "element " << i << " more than 1 ulp off";
+    }
+  }
+  EXPECT_LE(off, 2 * n / 500) << off << " of " << 2 * n << " moments differ from the reference's rounding";
+  std::printf("[bf16 moments] %lld of %lld stored moments one bf16 ulp from the double reference's rounding\n",
+              static_cast<long long>(off), static_cast<long long>(2 * n));
+  auto mv = model.to_floats(), pv = s.master.to_floats();
+  for (int64_t i = 0; i < n; ++i) EXPECT_EQ(mv[i], round_bf16(pv[i]));  // written in the same pass
+}
+
+// Layout independence: one call over [0, n) equals two calls over [0, k) and [k, n) (first_element
+// 0 and k, k not a multiple of the 4-element Philox block) bit for bit; another seed, stream or
+// step changes the roundings.
+TEST(Bf16Moments, SameBitsWhateverTheSplitAndKeyedOnSeedStreamStep) {
+  const int64_t n = 1001, k = 7 * 53;
+  const auto g = test::randn(n, 41);
+  AdamWConfig cfg;
+  cfg.seed = 5;
+  cfg.stream = 6;
+  Bf16State whole = bf16_state(n, 42), split = bf16_state(n, 42);
+  adamw_step(whole.master, Tensor::from_floats(g, {n}), whole.m, whole.v, 3, 1e-2, 0.1, cfg, nullptr);
+  const Tensor gt = Tensor::from_floats(g, {n});
+  for (auto [lo, len] : {std::pair<int64_t, int64_t>{0, k}, {k, n - k}}) {
+    Tensor p = split.master.narrow(lo, len), m = split.m.narrow(lo, len), v = split.v.narrow(lo, len);
+    AdamWConfig c = cfg;
+    c.first_element = lo;
+    adamw_step(p, gt.narrow(lo, len), m, v, 3, 1e-2, 0.1, c, nullptr);
+  }
+  EXPECT_EQ(split.master.to_floats(), whole.master.to_floats());
+  EXPECT_EQ(bf16_bits(split.m), bf16_bits(whole.m));
+  EXPECT_EQ(bf16_bits(split.v), bf16_bits(whole.v));
+  // Another key: the fp32 values are the same, about a third of the roundings differ.
+  for (int which = 0; which < 3; ++which) {
+    Bf16State o = bf16_state(n, 42);
+    AdamWConfig c = cfg;
+    int64_t step = 3;
+    if (which == 0) c.seed = 50;
+    if (which == 1) c.stream = 60;
+    if (which == 2) step = 4;
+    adamw_step(o.master, gt, o.m, o.v, step, 1e-2, 0.1, c, nullptr);
+    const auto a = bf16_bits(o.m), b = bf16_bits(whole.m);
+    int64_t differ = 0;
+    for (int64_t i = 0; i < n; ++i) differ += a[i] != b[i];
+    if (which < 2) EXPECT_GT(differ, n / 10) << "changing the " << (which ? "stream" : "seed") << " changed nothing";
+    else EXPECT_GT(differ, 0);  // another step: other bias correction and other bits
+  }
+}
+
+// Why stochastic rounding: with beta2 = 0.999 and no gradient, v should decay as 0.999^t. Round-
+// to-nearest cannot store the first step (0.999 rounds back to 1: the bf16 spacing below 1 is
+// 2^-8 > 0.001), so v never decreases; the stochastic rounding's mean follows 0.999^t. After
+// t = 693 steps the true value is 0.4998; the mean over 4096 elements (rounding noise of at most
+// 2^-8 / sqrt(1 - beta2^2) = 8.7% per element, 0.14% in the mean) is within 1%.
+TEST(Bf16Moments, SecondMomentDecaysWhereRoundToNearestStalls) {
+  const int64_t n = 4096, T = 693;
+  Tensor p = Tensor::zeros({n}, DType::f32, Device::cpu(), MemCategory::optimizer);
+  Tensor m = Tensor::zeros({n}, DType::bf16, Device::cpu(), MemCategory::optimizer);
+  Tensor v = Tensor::zeros({n}, DType::bf16, Device::cpu(), MemCategory::optimizer);
+  v.fill_(1.0);
+  const Tensor g = Tensor::zeros({n}, DType::f32, Device::cpu(), MemCategory::grads);
+  AdamWConfig cfg{0.9, 0.999, 1e-8};
+  cfg.seed = 3;
+  float nearest = 1.0f;
+  for (int64_t t = 1; t <= T; ++t) {
+    adamw_step(p, g, m, v, t, 1e-3, 0.0, cfg, nullptr);
+    nearest = round_bf16(0.999f * nearest);
+  }
+  EXPECT_EQ(nearest, 1.0f) << "round-to-nearest was expected to stall";
+  double mean = 0;
+  for (float x : v.to_floats()) mean += x;
+  mean /= n;
+  EXPECT_NEAR(mean, std::pow(0.999, T), 0.01 * std::pow(0.999, T));
+  for (float x : p.to_floats()) EXPECT_EQ(x, 0.0f);  // m stayed 0: no update
+}
+
+TEST(Bf16Moments, GradScaleNonFiniteFlagAndBadInput) {
+  const int64_t n = 33;
+  const auto g0 = test::randn(n, 7);
+  const float sc = 0.37f;
+  std::vector<float> scaled(g0);
+  for (float& x : scaled) x *= sc;
+  Bf16State a = bf16_state(n, 8), b = bf16_state(n, 8);
+  AdamWConfig scaled_cfg;
+  scaled_cfg.grad_scale = sc;
+  scaled_cfg.seed = 1;
+  AdamWConfig plain;
+  plain.seed = 1;
+  const Tensor g = Tensor::from_floats(g0, {n});
+  adamw_step(a.master, g, a.m, a.v, 3, 1e-2, 0.1, scaled_cfg, nullptr);
+  adamw_step(b.master, Tensor::from_floats(scaled, {n}), b.m, b.v, 3, 1e-2, 0.1, plain, nullptr);
+  EXPECT_EQ(a.master.to_floats(), b.master.to_floats());
+  EXPECT_EQ(bf16_bits(a.m), bf16_bits(b.m));
+  EXPECT_EQ(bf16_bits(a.v), bf16_bits(b.v));
+  EXPECT_EQ(g.to_floats(), g0);
+  // The flag: set by an update that overflows (and only then).
+  for (double lr : {1e-2, 1e39}) {
+    Bf16State s = bf16_state(n, 9);
+    Tensor flag = Tensor::zeros({1}, DType::i32, Device::cpu(), MemCategory::workspace);
+    adamw_step(s.master, g, s.m, s.v, 1, lr, 0.0, plain, nullptr, &flag);
+    EXPECT_EQ(flag.to_ints()[0], lr > 1e38 ? 1 : 0) << "lr " << lr;
+  }
+  {  // a moment that overflows: (1 - b2) g^2 is Inf in fp32, so v is stored as Inf and flagged
+    Bf16State s = bf16_state(n, 10);
+    Tensor flag = Tensor::zeros({1}, DType::i32, Device::cpu(), MemCategory::workspace);
+    std::vector<float> big(n, 1.0f);
+    big[17] = 3e20f;
+    adamw_step(s.master, Tensor::from_floats(big, {n}), s.m, s.v, 1, 1e-3, 0.0, plain, nullptr, &flag);
+    EXPECT_EQ(flag.to_ints()[0], 1);
+    EXPECT_TRUE(std::isinf(s.v.to_floats()[17]));
+  }
+  Bf16State s = bf16_state(n, 11);
+  Tensor v32 = Tensor::zeros({n}, DType::f32, Device::cpu(), MemCategory::optimizer);
+  test::expect_error_contains([&] { adamw_step(s.master, g, s.m, v32, 1, 0.1, 0, plain, nullptr); },
+                              "exp_avg is bf16 but exp_avg_sq is f32; both moments have one dtype");
+  Tensor mi = Tensor::zeros({n}, DType::i32, Device::cpu(), MemCategory::optimizer);
+  test::expect_error_contains([&] { adamw_step(s.master, g, mi, mi, 1, 0.1, 0, plain, nullptr); },
+                              "expected f32 (adamw) or bf16 (adamw_bf16_moments)");
+  AdamWConfig neg = plain;
+  neg.first_element = -1;
+  test::expect_error_contains([&] { adamw_step(s.master, g, s.m, s.v, 1, 0.1, 0, neg, nullptr); },
+                              "first_element must be >= 0");
 }
 
 }  // namespace

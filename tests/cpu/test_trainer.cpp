@@ -207,6 +207,149 @@ TEST(RunConfig, LossChunksAreSetSeparatelyAndDefaultToTheLossHeadDefaults) {
                               "primitives.loss_fused_chunk_tokens (in");
 }
 
+// ---- primitives.optimizer = "adamw_bf16_moments" ----------------------------------------------
+
+const std::string kBf16Moments = "primitives.optimizer=\"adamw_bf16_moments\"";
+
+// 10 steps, save, resume, 10 steps == 20 straight, bit for bit, with bf16 moments; the shards
+// hold the moments as bf16 and state.json names the optimizer; the run is not the adamw one.
+TEST(Optimizer, Bf16MomentsResumeContinuesTheSameRunBitForBit) {
+  const std::string dir = make_tmpdir();
+  const std::string run = write_run(dir, small_model());
+  auto l_straight = losses(Trainer(load_run_config(run, {kBf16Moments}), nullptr).run());
+  auto l_adamw = losses(Trainer(load_run_config(run, {"checkpoint.dir=\"\""}), nullptr).run());
+  ASSERT_EQ(l_straight.size(), 20u);
+  EXPECT_NE(l_straight, l_adamw) << "the optimizer setting had no effect";
+  EXPECT_LT(l_straight.back(), l_straight.front() - 1.0);  // it learns
+
+  std::vector<double> l_split;
+  {
+    Trainer first(load_run_config(run, {kBf16Moments}), nullptr);
+    ASSERT_EQ(first.state().moment_dtype(), DType::bf16);
+    for (int i = 0; i < 10; ++i) l_split.push_back(first.train_step().loss);
+    const std::string ck = first.save_checkpoint(dir + "/ckpt");
+    const auto st = nlohmann::json::parse(read_file(path_join(ck, "state.json")));
+    EXPECT_EQ(st["optimizer"], "adamw_bf16_moments");
+    SafetensorsReader shard(ck + "/shards/rank_00000.safetensors");
+    int64_t moments = 0;
+    for (const SafetensorsEntry& e : shard.entries()) {
+      const bool moment = e.name.find(".exp_avg") != std::string::npos;  // .exp_avg, .exp_avg_sq
+      EXPECT_EQ(e.dtype, moment ? DType::bf16 : DType::f32) << e.name;
+      moments += moment;
+    }
+    EXPECT_EQ(moments, 2 * static_cast<int64_t>(first.model().units().size()));
+  }
+  Trainer second(load_run_config(run, {kBf16Moments, "checkpoint.resume=\"auto\""}), nullptr);
+  EXPECT_EQ(second.step(), 10);
+  for (const auto& m : second.run()) l_split.push_back(m.loss);
+  EXPECT_EQ(l_split, l_straight);
+}
+
+// A checkpoint is resumed only by a run of the same optimizer: anything else is an error that
+// names both (and the way out), before any state changes. A checkpoint without the field (written
+// before it existed) is adamw's; a shard whose moments are not in the dtype state.json promises is
+// an error naming the tensor.
+TEST(Optimizer, CheckpointOfAnotherOptimizerIsAClearErrorAndChangesNothing) {
+  const std::string dir = make_tmpdir();
+  const std::string run = write_run(dir, small_model(), "");
+  std::string f32_ck, bf16_ck;
+  {
+    Trainer a(load_run_config(run, {"checkpoint.dir=\"\""}), nullptr);
+    for (int i = 0; i < 2; ++i) a.train_step();
+    f32_ck = a.save_checkpoint(dir + "/ck_f32");
+  }
+  {
+    Trainer b(load_run_config(run, {kBf16Moments, "checkpoint.dir=\"\""}), nullptr);
+    for (int i = 0; i < 2; ++i) b.train_step();
+    bf16_ck = b.save_checkpoint(dir + "/ck_bf16");
+  }
+  Trainer u(load_run_config(run, {kBf16Moments, "checkpoint.dir=\"\""}), nullptr);
+  const auto before = u.model().params()[0]->value.to_floats();
+  test::expect_error_contains([&] { u.load_checkpoint(f32_ck); },
+                              "was written with primitives.optimizer = 'adamw' (f32 moments) but this run uses "
+                              "'adamw_bf16_moments' (bf16 moments)");
+  test::expect_error_contains([&] { u.load_checkpoint(f32_ck); }, "Resume with primitives.optimizer = \"adamw\"");
+  EXPECT_EQ(u.step(), 0);
+  EXPECT_EQ(u.model().params()[0]->value.to_floats(), before);
+  Trainer w(load_run_config(run, {"checkpoint.dir=\"\""}), nullptr);
+  test::expect_error_contains([&] { w.load_checkpoint(bf16_ck); },
+                              "was written with primitives.optimizer = 'adamw_bf16_moments' (bf16 moments) but this "
+                              "run uses 'adamw' (f32 moments)");
+  EXPECT_EQ(w.step(), 0);
+  // Without the field: adamw. Loads into adamw, refused by bf16 moments.
+  const std::string sj = path_join(f32_ck, "state.json");
+  auto st = nlohmann::json::parse(read_file(sj));
+  st.erase("optimizer");
+  std::ofstream(sj) << st.dump(2);
+  test::expect_error_contains([&] { u.load_checkpoint(f32_ck); }, "primitives.optimizer = 'adamw' (f32 moments)");
+  w.load_checkpoint(f32_ck);
+  EXPECT_EQ(w.step(), 2);
+  // state.json claims bf16 moments, the shard holds f32 ones.
+  st["optimizer"] = "adamw_bf16_moments";
+  std::ofstream(sj) << st.dump(2);
+  test::expect_error_contains([&] { u.load_checkpoint(f32_ck); }, ".exp_avg is f32[");
+  test::expect_error_contains([&] { u.load_checkpoint(f32_ck); }, "expected bf16[");
+  EXPECT_EQ(u.step(), 0);
+  EXPECT_EQ(u.model().params()[0]->value.to_floats(), before);
+  st["optimizer"] = 3;
+  std::ofstream(sj) << st.dump(2);
+  test::expect_error_contains([&] { u.load_checkpoint(f32_ck); }, "field 'optimizer' must be a string");
+}
+
+TEST(Optimizer, RunConfigNamesTheValidOptimizers) {
+  const std::string dir = make_tmpdir();
+  const std::string run = write_run(dir, small_model());
+  EXPECT_EQ(load_run_config(run).prim.optimizer.value, OptimizerKind::adamw);
+  EXPECT_EQ(load_run_config(run, {kBf16Moments}).prim.optimizer.value, OptimizerKind::adamw_bf16_moments);
+  test::expect_error_contains([&] { load_run_config(run, {"primitives.optimizer=\"adam_bf16\""}); },
+                              "primitives.optimizer = 'adam_bf16' in " + run +
+                                  " with overrides 'primitives.optimizer=\"adam_bf16\"' is not registered; "
+                                  "registered members: adamw, adamw_bf16_moments");
+}
+
+// Optimizer bytes are 12 (adamw) or 8 (bf16 moments) per element, and skip_step's backup doubles
+// them; the backup restores masters and both moments bit for bit, and the values from the masters.
+TEST(Optimizer, OptimizerBytesAndSkipStepBackupCoverTheMoments) {
+  const std::string dir = make_tmpdir();
+  const std::string run = write_run(dir, small_model());
+  Allocator& alloc = allocator_for(Device::cpu());
+  for (const char* opt : {"adamw", "adamw_bf16_moments"}) {
+    SCOPED_TRACE(opt);
+    const int64_t o = std::string(opt) == "adamw" ? 12 : 8;
+    Trainer t(load_run_config(run, {std::string("primitives.optimizer=\"") + opt + "\"", "checkpoint.dir=\"\"",
+                                    "train.on_nonfinite=\"skip_step\""}),
+              nullptr);
+    int64_t n = 0;
+    for (ParamUnit* u : t.model().units()) n += u->numel;
+    EXPECT_EQ(optimizer_bytes_per_element(t.config().prim.optimizer.value), o);
+    EXPECT_EQ(alloc.stats().live_of(MemCategory::optimizer), o * n);
+    for (int i = 0; i < 2; ++i) t.train_step();
+    EXPECT_EQ(alloc.stats().live_of(MemCategory::optimizer), 2 * o * n);  // + the backup
+    auto snapshot = [&] {
+      std::vector<std::vector<float>> v;
+      for (size_t i = 0; i < t.model().units().size(); ++i) {
+        const ModelState::Owned ow = t.state().owned(i);
+        v.push_back(ow.master.to_floats());
+        v.push_back(ow.exp_avg.to_floats());
+        v.push_back(ow.exp_avg_sq.to_floats());
+      }
+      return v;
+    };
+    const auto before = snapshot();
+    t.state().save_backup();
+    Tensor flags = Tensor::zeros({static_cast<int64_t>(t.state().num_units())}, DType::i32, Device::cpu(),
+                                 MemCategory::workspace);
+    t.state().step(3, 1e39, 0.1, AdamWConfig{}, &flags);
+    EXPECT_EQ(flags.to_ints()[0], 1);
+    EXPECT_NE(snapshot(), before);
+    t.state().restore_backup();
+    EXPECT_EQ(snapshot(), before);
+    for (Param* p : t.model().params())
+      EXPECT_EQ(p->value.to_floats(),
+                unit_slice(t.state().gather_master(static_cast<size_t>(p->unit->index)), *p).to_floats());
+  }
+}
+
 // An fp32 Hugging Face checkpoint loaded into bf16 parameters: the fp32 master weights take the
 // checkpoint's values, not the bf16-rounded parameters; `export --dtype f32` writes the masters.
 TEST(Trainer, HfInitKeepsFp32MastersAndExportWritesThem) {

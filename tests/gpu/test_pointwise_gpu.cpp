@@ -1,9 +1,9 @@
 // Memory-bound primitives on CUDA against their CPU path: embedding, RMSNorm / QK norm (plain
-// and zero-centred), gated RMSNorm, RoPE,
-// SwiGLU, elementwise ops, AdamW and gradient norms. Each test draws fresh random inputs, runs
-// the Tensor API on CPU tensors and on copies on cuda:0, and compares with the per-dtype
-// tolerance (relative L2 error). Shapes include ones that divide no tile or vector size
-// (71x229, 1x1, 4097 rows) and views at odd offsets (the unvectorised paths).
+// and zero-centred), gated RMSNorm, Gated DeltaNet gates, RoPE, SwiGLU, elementwise ops, AdamW (f32 and bf16
+// moments) and gradient norms. Each test draws fresh random inputs, runs the Tensor API on CPU
+// tensors and on copies on cuda:0, and compares with the per-dtype tolerance (relative L2
+// error). Shapes include ones that divide no tile or vector size (71x229, 1x1, 4097 rows) and
+// views at odd offsets (the unvectorised paths).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -16,6 +16,7 @@
 #include "primitives/activation/swiglu.h"
 #include "primitives/elementwise/elementwise.h"
 #include "primitives/embedding/embedding.h"
+#include "primitives/gdn/gdn_gates.h"
 #include "primitives/norm/gated_rmsnorm.h"
 #include "primitives/norm/rmsnorm.h"
 #include "primitives/optim/adamw.h"
@@ -292,6 +293,40 @@ TEST(GatedRMSNormGpu, ForwardAndBackwardMatchCpu) {
                               "tensors on different devices");
 }
 
+// Gated DeltaNet gates: f32 and bf16 projections, 32 heads (Qwen3.5) over 1000 tokens (the
+// backward's per-block token ranges do not divide it), 3 heads over 5 tokens, values past the
+// softplus threshold; the per-head sums deterministic.
+TEST(GdnGatesGpu, ForwardAndBackwardMatchCpu) {
+  BB_REQUIRE_GPU();
+  for (DType dt : {DType::f32, DType::bf16}) {
+    for (auto [T, Hv] : {std::pair<int64_t, int64_t>{1000, 32}, {5, 3}}) {
+      SCOPED_TRACE(testing::Message() << dtype_name(dt) << " T " << T << " Hv " << Hv);
+      std::vector<float> av = randn(T * Hv, 91, 3.0f);
+      av[0] = 25.0f;  // softplus threshold branch
+      Tensor a = host(av, {T, Hv}, dt), b = host(randn(T * Hv, 92, 3.0f), {T, Hv}, dt);
+      Tensor a_log = host(randn(Hv, 93, 0.5f), {Hv}), dtb = host(randn(Hv, 94, 0.5f), {Hv});
+      GdnGates c = gdn_gates_forward(a, b, a_log, dtb);
+      GdnGates gpu = gdn_gates_forward(on_gpu(a), on_gpu(b), on_gpu(a_log), on_gpu(dtb));
+      EXPECT_LT(test::rel_error(gpu.g.to_floats(), c.g.to_floats()), test::kTolF32);
+      EXPECT_LT(test::rel_error(gpu.beta.to_floats(), c.beta.to_floats()), test::kTolF32);
+      Tensor dg = host(randn(T * Hv, 95), {T, Hv}), dbeta = host(randn(T * Hv, 96), {T, Hv});
+      Tensor dal_c = host(randn(Hv, 97), {Hv}), ddt_c = host(randn(Hv, 98), {Hv});
+      Tensor dal_g = on_gpu(dal_c), ddt_g = on_gpu(ddt_c), dal_g2 = on_gpu(dal_c), ddt_g2 = on_gpu(ddt_c);
+      auto [da_c, db_c] = gdn_gates_backward(dg, dbeta, a, c.g, c.beta, a_log, dtb, dal_c, ddt_c);
+      auto [da_g, db_g] = gdn_gates_backward(on_gpu(dg), on_gpu(dbeta), on_gpu(a), gpu.g, gpu.beta, on_gpu(a_log),
+                                             on_gpu(dtb), dal_g, ddt_g);
+      gdn_gates_backward(on_gpu(dg), on_gpu(dbeta), on_gpu(a), gpu.g, gpu.beta, on_gpu(a_log), on_gpu(dtb), dal_g2,
+                         ddt_g2);
+      EXPECT_LT(test::rel_error(da_g.to_floats(), da_c.to_floats()), test::kTolF32);
+      EXPECT_LT(test::rel_error(db_g.to_floats(), db_c.to_floats()), test::kTolF32);
+      EXPECT_LT(test::rel_error(dal_g.to_floats(), dal_c.to_floats()), test::kTolF32);
+      EXPECT_LT(test::rel_error(ddt_g.to_floats(), ddt_c.to_floats()), test::kTolF32);
+      EXPECT_EQ(dal_g.to_floats(), dal_g2.to_floats());
+      EXPECT_EQ(ddt_g.to_floats(), ddt_g2.to_floats());
+    }
+  }
+}
+
 // ---- RoPE ---------------------------------------------------------------------------------
 
 TEST(RopeGpu, FullAndPartialRotaryLongPositions) {
@@ -488,6 +523,67 @@ TEST(AdamWGpu, ThreeStepsMatchCpu) {
         if (model_kind) {
           EXPECT_EQ(model_g.dtype(), mdt);
           EXPECT_LT(test::rel_error(model_g.to_floats(), model.to_floats()), tol(mdt));
+        }
+      }
+    }
+  }
+}
+
+// bf16 moments (adamw_bf16_moments): three steps, one clipped, from the same state on the GPU
+// and on the CPU. Both draw the same random words (moment_rounding.h), so the stored moments are
+// equal bit for bit except where the kernel's fp32 value (FMA-contracted) and the CPU's straddle
+// a rounding threshold, ~2^-16 of the stores: at most 0.1% (+1) may differ, and only by one bf16
+// ulp (within the bf16 tolerance). A kernel drawing other bits would differ in ~1/3 of them.
+// first_element 3 takes the kernel's per-element words inside the vector path; skew 1 the
+// unaligned scalar path; the nonfinite flag must agree, including an overflowing lr.
+TEST(AdamWGpu, Bf16MomentsThreeStepsMatchCpu) {
+  BB_REQUIRE_GPU();
+  for (int64_t n : {4097, 1, 229 * 71}) {
+    for (int model_kind : {0, 1, 2}) {  // none, f32, bf16 model weights
+      for (int64_t skew : {0, 1}) {
+        for (int64_t first : {0, 3}) {
+          SCOPED_TRACE(testing::Message() << "n=" << n << " model " << model_kind << " skew " << skew
+                                          << " first_element " << first);
+          Tensor p = host(randn(n, 161), {n}, DType::f32, MemCategory::optimizer);
+          Tensor m = host(randn(n, 162, 0.1f), {n}, DType::bf16, MemCategory::optimizer);
+          Tensor v = host(test::randu(n, 163, 0.0f, 0.01f), {n}, DType::bf16, MemCategory::optimizer);
+          Tensor pg = on_gpu(p, skew), mg = on_gpu(m, skew), vg = on_gpu(v, skew);
+          const DType mdt = model_kind == 2 ? DType::bf16 : DType::f32;
+          Tensor model = Tensor::zeros({n}, mdt, Device::cpu(), MemCategory::params);
+          Tensor model_g = on_gpu(model, skew);
+          Tensor* mc = model_kind ? &model : nullptr;
+          Tensor* mgp = model_kind ? &model_g : nullptr;
+          AdamWConfig cfg{0.9, 0.95, 1e-8};
+          cfg.seed = 77;
+          cfg.stream = 5;
+          cfg.first_element = first;
+          Tensor fc = Tensor::zeros({1}, DType::i32, Device::cpu(), MemCategory::workspace);
+          Tensor fg = Tensor::zeros({1}, DType::i32, kGpu, MemCategory::workspace);
+          for (int64_t step = 1; step <= 3; ++step) {
+            cfg.grad_scale = step == 2 ? 0.37 : 1.0;
+            Tensor g = host(randn(n, 170 + static_cast<uint64_t>(step)), {n}, DType::f32, MemCategory::grads);
+            adamw_step(p, g, m, v, step, 1e-2, 0.1, cfg, mc, &fc);
+            adamw_step(pg, on_gpu(g, skew), mg, vg, step, 1e-2, 0.1, cfg, mgp, &fg);
+          }
+          EXPECT_EQ(mg.dtype(), DType::bf16);
+          EXPECT_LT(test::rel_error(pg.to_floats(), p.to_floats()), test::kTolF32);
+          for (const auto& [gpu, cpu] : {std::pair<const Tensor*, const Tensor*>{&mg, &m}, {&vg, &v}}) {
+            const std::vector<float> a = gpu->to_floats(), b = cpu->to_floats();
+            EXPECT_LT(test::rel_error(a, b), test::kTolBf16);
+            int64_t differ = 0;
+            for (int64_t i = 0; i < n; ++i) differ += a[i] != b[i];
+            EXPECT_LE(differ, 1 + n / 1000) << differ << " of " << n << " stored moments differ";
+          }
+          EXPECT_EQ(fc.to_ints()[0], 0);
+          EXPECT_EQ(fg.to_ints(), fc.to_ints());
+          if (model_kind) {
+            EXPECT_LT(test::rel_error(model_g.to_floats(), model.to_floats()), tol(mdt));
+          }
+          // An update that overflows sets both flags.
+          adamw_step(p, host(randn(n, 180), {n}), m, v, 4, 1e39, 0.0, cfg, nullptr, &fc);
+          adamw_step(pg, on_gpu(host(randn(n, 180), {n}), skew), mg, vg, 4, 1e39, 0.0, cfg, nullptr, &fg);
+          EXPECT_EQ(fc.to_ints()[0], 1);
+          EXPECT_EQ(fg.to_ints(), fc.to_ints());
         }
       }
     }

@@ -8,6 +8,7 @@
 
 #include "backend/cpu/util.h"
 #include "primitives/optim/adamw_cuda.h"
+#include "primitives/optim/moment_rounding.h"
 #ifdef BB_WITH_CUDA
 #include "backend/cuda/runtime.h"
 #endif
@@ -56,8 +57,13 @@ void adamw_step(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp
   const char* op = "adamw_step";
   check_dtype(master, DType::f32, op, "master");
   check_dtype(grad, DType::f32, op, "grad");
-  check_dtype(exp_avg, DType::f32, op, "exp_avg");
-  check_dtype(exp_avg_sq, DType::f32, op, "exp_avg_sq");
+  BB_CHECK(exp_avg.dtype() == DType::f32 || exp_avg.dtype() == DType::bf16, op,
+           ": argument 'exp_avg' has dtype ", dtype_name(exp_avg.dtype()),
+           ", expected f32 (adamw) or bf16 (adamw_bf16_moments)");
+  BB_CHECK(exp_avg_sq.dtype() == exp_avg.dtype(), op, ": exp_avg is ", dtype_name(exp_avg.dtype()),
+           " but exp_avg_sq is ", dtype_name(exp_avg_sq.dtype()), "; both moments have one dtype");
+  const bool bf16_moments = exp_avg.dtype() == DType::bf16;
+  BB_CHECK(cfg.first_element >= 0, op, ": first_element must be >= 0, got ", cfg.first_element);
   const int64_t n = master.numel();
   BB_CHECK(grad.numel() == n && exp_avg.numel() == n && exp_avg_sq.numel() == n, op,
            ": sizes differ: master ", n, ", grad ", grad.numel(), ", exp_avg ", exp_avg.numel(),
@@ -92,11 +98,50 @@ void adamw_step(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp
     if (model) check_cuda_float(*model, op, "model");
 #ifdef BB_WITH_CUDA
     const cuda::AdamWScalars s{step_size, inv_sqrt_bc2, decay, b1, b2, eps, gs};
-    cuda::adamw_step(master.data<float>(), grad.data<float>(), exp_avg.data<float>(),
-                     exp_avg_sq.data<float>(), model ? model->raw() : nullptr,
-                     model ? model->dtype() : DType::f32, n, s,
-                     nonfinite ? nonfinite->data<int32_t>() : nullptr);
+    if (bf16_moments)
+      cuda::adamw_step_bf16_moments(master.data<float>(), grad.data<float>(), exp_avg.data<uint16_t>(),
+                                    exp_avg_sq.data<uint16_t>(), model ? model->raw() : nullptr,
+                                    model ? model->dtype() : DType::f32, n, s,
+                                    moment_rounding_key(cfg.seed, cfg.stream, step), cfg.first_element,
+                                    nonfinite ? nonfinite->data<int32_t>() : nullptr);
+    else
+      cuda::adamw_step(master.data<float>(), grad.data<float>(), exp_avg.data<float>(),
+                       exp_avg_sq.data<float>(), model ? model->raw() : nullptr,
+                       model ? model->dtype() : DType::f32, n, s,
+                       nonfinite ? nonfinite->data<int32_t>() : nullptr);
 #endif
+    return;
+  }
+  if (bf16_moments) {
+    // The same loop in fp32 on moments loaded from bf16; the new m and v move the weights, then
+    // are stored stochastically rounded. One Philox block serves four consecutive elements.
+    float* p = master.data<float>();
+    const float* g = grad.data<float>();
+    uint16_t* m16 = exp_avg.data<uint16_t>();
+    uint16_t* v16 = exp_avg_sq.data<uint16_t>();
+    const uint64_t key = moment_rounding_key(cfg.seed, cfg.stream, step);
+    const auto e0 = static_cast<uint64_t>(cfg.first_element);
+    Philox4 block{};
+    uint64_t block_at = ~uint64_t{0};
+    bool bad = false;
+    for (int64_t i = 0; i < n; ++i) {
+      const float gi = gs * g[i];
+      p[i] *= decay;
+      const float mi = b1 * bf16_to_f32(m16[i]) + (1.0f - b1) * gi;
+      const float vi = b2 * bf16_to_f32(v16[i]) + (1.0f - b2) * gi * gi;
+      p[i] -= step_size * mi / (std::sqrt(vi) * inv_sqrt_bc2 + eps);
+      const uint64_t e = e0 + static_cast<uint64_t>(i);
+      if (e >> 2 != block_at) {
+        block_at = e >> 2;
+        block = philox4x32_10(key, block_at);
+      }
+      const uint32_t w = block.v[e & 3];
+      m16[i] = f32_to_bf16_stochastic(mi, w);
+      v16[i] = f32_to_bf16_stochastic(vi, w >> 16);
+      bad |= !std::isfinite(p[i]) || bf16_bits_nonfinite(m16[i]) || bf16_bits_nonfinite(v16[i]);
+    }
+    if (nonfinite && bad) nonfinite->data<int32_t>()[0] = 1;
+    if (model) cpu::store_f32(*model, master);
     return;
   }
   float* p = master.data<float>();

@@ -1,15 +1,19 @@
 // adamw.h — AdamW with fp32 master weights and decoupled weight decay; gradient norms.
 //
 // One flat parameter tensor at a time (the runtime keeps one per parameter or per bucket):
-//   master      [n] f32 (optimizer)   fp32 copy of the weights, updated in place
-//   grad        [n] f32 (grads)       gradient (already clipped / scaled by the caller)
-//   exp_avg     [n] f32 (optimizer)   first moment, updated in place
-//   exp_avg_sq  [n] f32 (optimizer)   second moment, updated in place
+//   master      [n] f32 (optimizer)      fp32 copy of the weights, updated in place
+//   grad        [n] f32 (grads)          gradient (clipping folded in through grad_scale)
+//   exp_avg     [n] f32|bf16 (optimizer) first moment, updated in place
+//   exp_avg_sq  [n] f32|bf16 (optimizer) second moment, updated in place (same dtype as exp_avg)
 //   model       [n] f32/bf16 (params), optional: receives the new weights in the same pass
-// Update (matches torch.optim.AdamW):
+// Update (matches torch.optim.AdamW), in fp32:
 //   p <- p * (1 - lr * wd)
 //   m <- b1 m + (1 - b1) g ;  v <- b2 v + (1 - b2) g^2
 //   p <- p - (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+// f32 moments (optimizer `adamw`): m and v are stored as computed. bf16 moments
+// (`adamw_bf16_moments`): m and v are loaded from bf16, updated in fp32, the weight update uses
+// those fp32 values, and they are stored stochastically rounded to bf16 (moment_rounding.h:
+// unbiased, random bits keyed on (seed, stream, step, first_element + i)).
 #pragma once
 
 #include <vector>
@@ -23,11 +27,17 @@ struct AdamWConfig {
   // The gradient is used as grad_scale * grad (gradient clipping folded into the update, so the
   // gradients are not rewritten in a separate pass); grad itself is not modified.
   double grad_scale = 1.0;
+  // bf16 moments only: element i of the call is element (first_element + i) of the rounding
+  // stream `stream` (the state family passes a hash of the unit's name and the unit index of
+  // the bucket's first element, so the bits do not depend on the layout); with `seed` and the
+  // step they give its random bits (moment_rounding.h). Ignored for f32 moments.
+  uint64_t seed = 0, stream = 0;
+  int64_t first_element = 0;
 };
 
 // step is 1-based. lr and weight_decay are per call (schedules and no-decay groups).
 // `nonfinite`, if given, is an i32 [1] tensor on the master's device that the same pass sets to
-// 1 when any updated master or moment element is Inf or NaN (it is never cleared here: one flag
+// 1 when any updated master or (stored) moment element is Inf or NaN (it is never cleared here: one flag
 // can collect several calls). The trainer's non-finite guard reads it with the step's one sync.
 void adamw_step(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
                 int64_t step, double lr, double weight_decay, const AdamWConfig& cfg,

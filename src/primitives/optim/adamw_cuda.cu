@@ -1,5 +1,6 @@
 // adamw_cuda.cu — the fused AdamW update (one read and one write of every state, the model
-// weights written in the same pass) and deterministic sums of squares for gradient norms.
+// weights written in the same pass; f32 moments, or bf16 moments stochastically rounded with the
+// CPU path's random bits) and deterministic sums of squares for gradient norms.
 //
 // Sums of squares: stage 1 gives each block a fixed share of the tensor (the grid depends on n
 // only) and writes one double per block into a fixed slot; stage 2 adds a tensor's slots in a
@@ -14,6 +15,7 @@
 #include "backend/cuda/check.cuh"
 #include "backend/cuda/vec.cuh"
 #include "primitives/optim/adamw_cuda.h"
+#include "primitives/optim/moment_rounding.h"
 
 namespace bb::cuda {
 namespace {
@@ -56,6 +58,61 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t i = nv * V + gid; i < n; i += stride) adamw_elems<1>(p, g, m, v, model, i, s, bad);
   // Every writer stores the same value, so the race is benign; no atomics, no extra pass.
   if (bad && nonfinite) *nonfinite = 1;
+}
+
+// bf16 moments: the same math on moments loaded from bf16; the fp32 results move the weights,
+// then are stored stochastically rounded with element (first + i)'s random word (low half m,
+// high half v). When the M elements start a Philox block (first + i divisible by 4), one block
+// gives all four words; otherwise each element computes its own block (same words).
+template <int M, class TM>
+__device__ __forceinline__ void adamw_bf16m_elems(float* p, const float* g, bf16_t* m, bf16_t* v, TM* model,
+                                                  int64_t i, const AdamWScalars& s, uint64_t key,
+                                                  int64_t first, bool& bad) {
+  float pv[M], gv[M], mv[M], vv[M];
+  load<float, M>(p + i, pv);
+  load<float, M>(g + i, gv);
+  load<bf16_t, M>(m + i, mv);
+  load<bf16_t, M>(v + i, vv);
+  const auto e0 = static_cast<uint64_t>(first + i);
+  uint32_t w[M];
+  if (M == 4 && (e0 & 3) == 0) {
+    const Philox4 r = philox4x32_10(key, e0 >> 2);
+#pragma unroll
+    for (int k = 0; k < M; ++k) w[k] = r.v[k];
+  } else {
+#pragma unroll
+    for (int k = 0; k < M; ++k) w[k] = moment_rounding_word(key, e0 + k);
+  }
+  Pack<bf16_t, M> mo, vo;
+#pragma unroll
+  for (int k = 0; k < M; ++k) {
+    gv[k] *= s.grad_scale;
+    pv[k] *= s.decay;
+    mv[k] = s.beta1 * mv[k] + (1.0f - s.beta1) * gv[k];
+    vv[k] = s.beta2 * vv[k] + (1.0f - s.beta2) * gv[k] * gv[k];
+    pv[k] -= s.step_size * mv[k] / (sqrtf(vv[k]) * s.inv_sqrt_bc2 + s.eps);
+    mo.v[k] = f32_to_bf16_stochastic(mv[k], w[k]);
+    vo.v[k] = f32_to_bf16_stochastic(vv[k], w[k] >> 16);
+    bad |= !isfinite(pv[k]) || bf16_bits_nonfinite(mo.v[k]) || bf16_bits_nonfinite(vo.v[k]);
+  }
+  store<float, M>(p + i, pv);
+  *reinterpret_cast<Pack<bf16_t, M>*>(m + i) = mo;
+  *reinterpret_cast<Pack<bf16_t, M>*>(v + i) = vo;
+  if (model) store<TM, M>(model + i, pv);
+}
+
+template <class TM, int V>
+__global__ void __launch_bounds__(kThreads)
+    adamw_bf16m_kernel(float* __restrict__ p, const float* __restrict__ g, bf16_t* __restrict__ m,
+                       bf16_t* __restrict__ v, TM* __restrict__ model, int64_t n, AdamWScalars s, uint64_t key,
+                       int64_t first, int32_t* __restrict__ nonfinite) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t gid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t nv = n / V;
+  bool bad = false;
+  for (int64_t i = gid; i < nv; i += stride) adamw_bf16m_elems<V>(p, g, m, v, model, i * V, s, key, first, bad);
+  for (int64_t i = nv * V + gid; i < n; i += stride) adamw_bf16m_elems<1>(p, g, m, v, model, i, s, key, first, bad);
+  if (bad && nonfinite) *nonfinite = 1;  // benign race: every writer stores 1
 }
 
 template <class T, int V>
@@ -146,6 +203,21 @@ void launch_adamw(float* p, const float* g, float* m, float* v, TM* model, int64
   BB_CHECK_LAUNCH();
 }
 
+template <class TM>
+void launch_adamw_bf16m(float* p, const float* g, bf16_t* m, bf16_t* v, TM* model, int64_t n,
+                        const AdamWScalars& s, uint64_t key, int64_t first, int32_t* nonfinite) {
+  // Four elements per access: 16 bytes of p and g, 8 of each bf16 moment.
+  const bool vec = aligned(p, 16) && aligned(g, 16) && aligned(m, 4 * sizeof(bf16_t)) &&
+                   aligned(v, 4 * sizeof(bf16_t)) && (model == nullptr || aligned(model, 4 * sizeof(TM)));
+  if (vec)
+    adamw_bf16m_kernel<TM, 4><<<grid_stride_blocks(ceil_div(n, 4), kThreads), kThreads, 0, stream()>>>(
+        p, g, m, v, model, n, s, key, first, nonfinite);
+  else
+    adamw_bf16m_kernel<TM, 1><<<grid_stride_blocks(n, kThreads), kThreads, 0, stream()>>>(p, g, m, v, model, n, s,
+                                                                                         key, first, nonfinite);
+  BB_CHECK_LAUNCH();
+}
+
 template <class T>
 void launch_sum_squares(double* partial, const void* x, int64_t n) {
   constexpr int V = 16 / sizeof(T);
@@ -169,6 +241,18 @@ void adamw_step(float* master, const float* grad, float* exp_avg, float* exp_avg
     launch_adamw<bf16_t>(master, grad, exp_avg, exp_avg_sq, static_cast<bf16_t*>(model), n, s, nonfinite);
   else
     launch_adamw<float>(master, grad, exp_avg, exp_avg_sq, static_cast<float*>(model), n, s, nonfinite);
+}
+
+void adamw_step_bf16_moments(float* master, const float* grad, uint16_t* exp_avg, uint16_t* exp_avg_sq,
+                             void* model, DType model_dtype, int64_t n, const AdamWScalars& s, uint64_t key,
+                             int64_t first_element, int32_t* nonfinite) {
+  if (n == 0) return;
+  if (model && model_dtype == DType::bf16)
+    launch_adamw_bf16m<bf16_t>(master, grad, exp_avg, exp_avg_sq, static_cast<bf16_t*>(model), n, s, key,
+                               first_element, nonfinite);
+  else
+    launch_adamw_bf16m<float>(master, grad, exp_avg, exp_avg_sq, static_cast<float*>(model), n, s, key,
+                              first_element, nonfinite);
 }
 
 void mark_nonfinite(int32_t* flag, const void* x, DType dtype, int64_t n) {

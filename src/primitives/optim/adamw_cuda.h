@@ -1,6 +1,6 @@
 // adamw_cuda.h — host-side declarations of the optimizer CUDA kernels: the fused AdamW update
-// and deterministic sums of squares for gradient norms. Plain C++ header: raw device pointers,
-// element counts and dtypes; launches go on cuda::stream().
+// (f32 or bf16 moments) and deterministic sums of squares for gradient norms. Plain C++ header:
+// raw device pointers, element counts and dtypes; launches go on cuda::stream().
 #pragma once
 
 #include <cstdint>
@@ -25,6 +25,15 @@ struct AdamWScalars {
 // nonfinite (device i32, may be null) is set to 1 when any new p, m or v is Inf/NaN.
 void adamw_step(float* master, const float* grad, float* exp_avg, float* exp_avg_sq, void* model,
                 DType model_dtype, int64_t n, const AdamWScalars& s, int32_t* nonfinite = nullptr);
+
+// The same update with bf16 moments (adamw_bf16_moments): exp_avg, exp_avg_sq [n] bf16 bits,
+// loaded to fp32, updated as above (the weight update uses the fp32 values), stored
+// stochastically rounded with the random bits of elements first_element + i of `key`'s stream
+// (moment_rounding.h; bit for bit what the CPU path draws). nonfinite: set when a new p or a
+// stored m or v is Inf/NaN.
+void adamw_step_bf16_moments(float* master, const float* grad, uint16_t* exp_avg, uint16_t* exp_avg_sq,
+                             void* model, DType model_dtype, int64_t n, const AdamWScalars& s, uint64_t key,
+                             int64_t first_element, int32_t* nonfinite = nullptr);
 
 // *flag (device i32) = 1 when x [n] (f32 or bf16) holds an Inf or NaN; untouched otherwise.
 void mark_nonfinite(int32_t* flag, const void* x, DType dtype, int64_t n);
