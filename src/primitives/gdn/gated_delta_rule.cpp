@@ -1,23 +1,46 @@
-// gated_delta_rule.cpp — boundary checks, then the CPU reference (gated_delta_rule_ref.h).
+// gated_delta_rule.cpp — boundary checks, then the CPU reference (gated_delta_rule_ref.h) or the
+// chunked CUDA kernels (gated_delta_rule_cuda.cu) by the device of the inputs.
 #include "primitives/gdn/gated_delta_rule.h"
 
 #include <cmath>
 
 #include "core/trace.h"
+#include "primitives/gdn/gated_delta_rule_cuda.h"
 #include "primitives/gdn/gated_delta_rule_ref.h"
 
 namespace bb {
 
 namespace {
 
-ref::GdnShape check(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
-                    const Tensor& beta, const Tensor& cu, const GatedDeltaOptions& o) {
-  for (auto [t, name] : {std::pair<const Tensor*, const char*>{&q, "q"}, {&k, "k"}, {&v, "v"}, {&g, "g"}, {&beta, "beta"}}) {
+ref::GdnShape check(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
+                    const Tensor& g, const Tensor& beta, const Tensor& cu,
+                    const GatedDeltaOptions& o) {
+  for (auto [t, name] : {std::pair<const Tensor*, const char*>{&q, "q"},
+                         {&k, "k"},
+                         {&v, "v"},
+                         {&g, "g"},
+                         {&beta, "beta"}})
     check_defined(*t, op, name);
-    check_dtype(*t, DType::f32, op, name);
-    BB_CHECK(t->device().is_cpu(), op, ": argument '", name, "' is on ", t->device().str(),
-             "; the gated delta rule has only its CPU reference so far (the CUDA chunked kernels come next)");
+  const Device dev = q.device();
+  for (auto [t, name] :
+       {std::pair<const Tensor*, const char*>{&k, "k"}, {&v, "v"}, {&g, "g"}, {&beta, "beta"}})
+    BB_CHECK(t->device() == dev, op, ": argument '", name, "' is on ", t->device().str(),
+             " but q is on ", dev.str());
+  if (dev.is_cpu()) {
+    for (auto [t, name] : {std::pair<const Tensor*, const char*>{&q, "q"}, {&k, "k"}, {&v, "v"}})
+      check_dtype(*t, DType::f32, op, name);
+  } else {
+#ifdef BB_WITH_CUDA
+    BB_CHECK(q.dtype() == DType::f32 || q.dtype() == DType::bf16, op,
+             ": on CUDA q, k, v must be f32 or bf16, got q ", q.str());
+    check_dtype(k, q.dtype(), op, "k");
+    check_dtype(v, q.dtype(), op, "v");
+#else
+    BB_CHECK(false, op, ": q is on ", dev.str(), " but this build has no CUDA backend");
+#endif
   }
+  check_dtype(g, DType::f32, op, "g");
+  check_dtype(beta, DType::f32, op, "beta");
   check_dtype(cu, DType::i32, op, "cu_seqlens");
   BB_CHECK(cu.device().is_cpu(), op, ": cu_seqlens must be on the host");
   BB_CHECK(q.dim() == 3 && v.dim() == 3, op, ": q, k must be [T, Hk, K] and v [T, Hv, V], got q ",
@@ -34,12 +57,18 @@ ref::GdnShape check(const char* op, const Tensor& q, const Tensor& k, const Tens
   check_shape(beta, {s.T, s.Hv}, op, "beta");
   BB_CHECK(s.Hk > 0 && s.K > 0 && s.V > 0 && s.Hv % s.Hk == 0, op, ": value heads (", s.Hv,
            ") must be a positive multiple of key heads (", s.Hk, ")");
+  if (dev.is_cuda())
+    BB_CHECK(s.K <= 128 && s.V <= 128 && s.K % 8 == 0 && s.V % 8 == 0, op,
+             ": the CUDA kernels take head dims K, V <= 128 and multiples of 8, got K = ", s.K,
+             ", V = ", s.V);
   BB_CHECK(cu.dim() == 1 && cu.numel() >= 2, op, ": cu_seqlens must be [n + 1] with n >= 1");
   const std::vector<int32_t> c = cu.to_ints();
-  BB_CHECK(c.front() == 0 && c.back() == s.T, op, ": cu_seqlens must start at 0 and end at T = ", s.T,
-           ", got ", c.front(), " .. ", c.back());
+  BB_CHECK(c.front() == 0 && c.back() == s.T, op,
+           ": cu_seqlens must start at 0 and end at T = ", s.T, ", got ", c.front(), " .. ",
+           c.back());
   for (size_t i = 1; i < c.size(); ++i)
-    BB_CHECK(c[i] >= c[i - 1], op, ": cu_seqlens must not decrease (", c[i - 1], " then ", c[i], ")");
+    BB_CHECK(c[i] >= c[i - 1], op, ": cu_seqlens must not decrease (", c[i - 1], " then ", c[i],
+             ")");
   BB_CHECK(o.eps > 0 && std::isfinite(o.eps) && o.scale >= 0 && std::isfinite(o.scale), op,
            ": eps must be > 0 and scale >= 0 (0 = 1/sqrt(K))");
   s.scale = o.scale > 0 ? o.scale : 1.0 / std::sqrt(static_cast<double>(s.K));
@@ -48,35 +77,97 @@ ref::GdnShape check(const char* op, const Tensor& q, const Tensor& k, const Tens
   return s;
 }
 
+#ifdef BB_WITH_CUDA
+// The CUDA kernels' dims and their chunk table, uploaded on the current stream (staged, no host
+// wait).
+struct CudaPlan {
+  cuda::GdnDims dims;
+  Tensor table;
+};
+CudaPlan cuda_plan(const ref::GdnShape& s, const Tensor& cu, Device dev) {
+  CudaPlan p;
+  p.dims.T = s.T;
+  p.dims.Hk = static_cast<int>(s.Hk);
+  p.dims.Hv = static_cast<int>(s.Hv);
+  p.dims.K = static_cast<int>(s.K);
+  p.dims.V = static_cast<int>(s.V);
+  p.dims.scale = static_cast<float>(s.scale);
+  p.dims.eps = static_cast<float>(s.eps);
+  p.dims.l2norm = s.l2norm;
+  const std::vector<int32_t> table =
+      cuda::gdn_chunk_table(cu.data<int32_t>(), cu.numel() - 1, p.dims);
+  p.table = Tensor::from_ints(table.empty() ? std::vector<int32_t>{0} : table,
+                              {static_cast<int64_t>(std::max<size_t>(1, table.size()))})
+                .to(dev, MemCategory::workspace);
+  return p;
+}
+Tensor workspace(size_t bytes, Device dev) {
+  return Tensor::empty({static_cast<int64_t>(std::max<size_t>(bytes, 1))}, DType::u8, dev,
+                       MemCategory::workspace);
+}
+#endif
+
 }  // namespace
 
 Tensor gated_delta_rule_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
-                                const Tensor& beta, const Tensor& cu_seqlens, const GatedDeltaOptions& opts,
-                                MemCategory out_cat) {
+                                const Tensor& beta, const Tensor& cu_seqlens,
+                                const GatedDeltaOptions& opts, MemCategory out_cat) {
   BB_RANGE("gated_delta_rule_forward");
   const ref::GdnShape s = check("gated_delta_rule_forward", q, k, v, g, beta, cu_seqlens, opts);
-  Tensor o = Tensor::empty(v.shape(), DType::f32, Device::cpu(), out_cat);
-  ref::gated_delta_forward<float>(o.data<float>(), q.data<float>(), k.data<float>(), v.data<float>(),
-                                  g.data<float>(), beta.data<float>(), cu_seqlens.data<int32_t>(),
-                                  cu_seqlens.numel() - 1, s);
+  Tensor o = Tensor::empty(v.shape(), v.dtype(), v.device(), out_cat);
+#ifdef BB_WITH_CUDA
+  if (q.device().is_cuda()) {
+    if (s.T == 0) return o;
+    const CudaPlan p = cuda_plan(s, cu_seqlens, q.device());
+    const Tensor ws = workspace(cuda::gdn_forward_workspace_bytes(p.dims, q.dtype()), q.device());
+    cuda::gdn_forward(o.raw(), q.raw(), k.raw(), v.raw(), g.data<float>(), beta.data<float>(),
+                      p.table.data<int32_t>(), p.dims, q.dtype(), ws.raw());
+    return o;
+  }
+#endif
+  ref::gated_delta_forward<float>(o.data<float>(), q.data<float>(), k.data<float>(),
+                                  v.data<float>(), g.data<float>(), beta.data<float>(),
+                                  cu_seqlens.data<int32_t>(), cu_seqlens.numel() - 1, s);
   return o;
 }
 
-GatedDeltaGrads gated_delta_rule_backward(const Tensor& d_o, const Tensor& q, const Tensor& k, const Tensor& v,
-                                          const Tensor& g, const Tensor& beta, const Tensor& cu_seqlens,
-                                          const GatedDeltaOptions& opts) {
+GatedDeltaGrads gated_delta_rule_backward(const Tensor& d_o, const Tensor& q, const Tensor& k,
+                                          const Tensor& v, const Tensor& g, const Tensor& beta,
+                                          const Tensor& cu_seqlens, const GatedDeltaOptions& opts) {
   BB_RANGE("gated_delta_rule_backward");
   const char* op = "gated_delta_rule_backward";
   const ref::GdnShape s = check(op, q, k, v, g, beta, cu_seqlens, opts);
-  check_dtype(d_o, DType::f32, op, "d_o");
+  check_defined(d_o, op, "d_o");
   check_shape(d_o, v.shape(), op, "d_o");
-  BB_CHECK(d_o.device().is_cpu(), op, ": d_o must be on the CPU like the inputs");
-  auto mk = [](const Tensor& like) { return Tensor::empty(like.shape(), DType::f32, Device::cpu(), MemCategory::activations); };
+  BB_CHECK(d_o.device() == q.device(), op, ": d_o is on ", d_o.device().str(),
+           " but the inputs are on ", q.device().str());
+  if (q.device().is_cpu())
+    check_dtype(d_o, DType::f32, op, "d_o");
+  else
+    BB_CHECK(d_o.dtype() == DType::f32 || d_o.dtype() == v.dtype(), op,
+             ": d_o must be f32 or v's dtype (", dtype_name(v.dtype()), "), got ", d_o.str());
+  const Device dev = q.device();
+  auto mk = [&](const Tensor& like) {
+    return Tensor::empty(like.shape(), DType::f32, dev, MemCategory::activations);
+  };
   GatedDeltaGrads r{mk(q), mk(k), mk(v), mk(g), mk(beta)};
-  ref::gated_delta_backward<float>(r.d_q.data<float>(), r.d_k.data<float>(), r.d_v.data<float>(), r.d_g.data<float>(),
-                                   r.d_beta.data<float>(), d_o.data<float>(), q.data<float>(), k.data<float>(),
-                                   v.data<float>(), g.data<float>(), beta.data<float>(), cu_seqlens.data<int32_t>(),
-                                   cu_seqlens.numel() - 1, s);
+#ifdef BB_WITH_CUDA
+  if (dev.is_cuda()) {
+    if (s.T == 0) return r;
+    const CudaPlan p = cuda_plan(s, cu_seqlens, dev);
+    const Tensor ws =
+        workspace(cuda::gdn_backward_workspace_bytes(p.dims, q.dtype(), d_o.dtype()), dev);
+    cuda::gdn_backward(r.d_q.data<float>(), r.d_k.data<float>(), r.d_v.data<float>(),
+                       r.d_g.data<float>(), r.d_beta.data<float>(), d_o.raw(), d_o.dtype(), q.raw(),
+                       k.raw(), v.raw(), g.data<float>(), beta.data<float>(),
+                       p.table.data<int32_t>(), p.dims, q.dtype(), ws.raw());
+    return r;
+  }
+#endif
+  ref::gated_delta_backward<float>(
+      r.d_q.data<float>(), r.d_k.data<float>(), r.d_v.data<float>(), r.d_g.data<float>(),
+      r.d_beta.data<float>(), d_o.data<float>(), q.data<float>(), k.data<float>(), v.data<float>(),
+      g.data<float>(), beta.data<float>(), cu_seqlens.data<int32_t>(), cu_seqlens.numel() - 1, s);
   return r;
 }
 

@@ -3,17 +3,26 @@
 // with the delta rule at rate beta, read by q (gated_delta_rule_ref.h has the equations).
 //
 // Tensors (legend: T tokens, Hk key heads, Hv value heads = G x Hk, K key dim, V value dim):
-//   q, k        [T, Hk, K]  f32          queries and keys (L2-normalised inside when opts.l2norm)
-//   v           [T, Hv, V]  f32          values; value head h reads key head h / G (GVA)
+//   q, k        [T, Hk, K]  f32 (CPU); f32 or bf16 (CUDA)   queries and keys (L2-normalised inside
+//                                                           when opts.l2norm)
+//   v           [T, Hv, V]  q's dtype    values; value head h reads key head h / G (GVA)
 //   g           [T, Hv]     f32          log decay (<= 0 in the model: -exp(A_log) softplus(a + dt_bias))
 //   beta        [T, Hv]     f32          write strength (sigmoid(b) in the model)
 //   cu_seqlens  [n + 1]     i32, host    sequence i = tokens [cu[i], cu[i+1]); the state starts at
-//                                        zero in every sequence and never crosses a boundary
-//   o           [T, Hv, V]  f32          output, category `out_cat`
-// Backward: every input's gradient written (=), f32, category activations. Nothing is saved
-// besides the inputs: the states are rebuilt in backward.
-// Devices: the CPU reference (recurrent form). The CUDA chunked kernels are not written yet;
-// a CUDA tensor is a clear error.
+//                                        zero in every sequence and never crosses a boundary; empty
+//                                        sequences are allowed
+//   o           [T, Hv, V]  v's dtype    output, category `out_cat`
+// Backward: d_o [T, Hv, V] in f32 or v's dtype; every input's gradient written (=), f32, category
+// activations. Nothing is saved besides the inputs: the states are rebuilt in backward.
+// Devices (all tensors but cu_seqlens on one device):
+//   CPU   the reference (recurrent form), f32 only.
+//   CUDA  chunked kernels (gated_delta_rule_cuda.cu: chunk 64, fp32 state, bf16 tensor-core
+//         products, split-bf16 for f32 inputs), on the current stream; K, V <= 128 and multiples
+//         of 8. Workspace (category workspace, freed on return), bytes per token (full chunks),
+//         bf16 inputs: forward 512 Hk + 644 Hv, backward 512 Hk + 3336 Hv (+ 256 Hv when d_o is
+//         f32 or V < 128); f32 inputs: forward 1024 Hk + 1284 Hv, backward 1024 Hk + 5640 Hv
+//         (+ 512 Hv). Qwen3.5 (Hk 16, Hv 32, bf16): 28.1 KiB forward, 112 KiB backward per token
+//         (skills/gated-delta-rule.md has the breakdown). Other dtypes are a clear error.
 #pragma once
 
 #include "core/tensor.h"

@@ -1,0 +1,1623 @@
+// gated_delta_rule_cuda.cu — the chunked (WY / UT) gated delta rule on the GPU, forward and
+// backward, over packed variable-length sequences (equations: gated_delta_rule_ref.h and
+// skills/gated-delta-rule.md; the chunked backward is derived there).
+//
+// Legend: T tokens, C = 64 tokens per chunk (the last chunk of a sequence may be shorter),
+// D = 128 (K and V padded to it with zeros), per value head h and chunk with state S0 [K, V]:
+//   gamma_t = sum_{i <= t} g_i (within the chunk), Gamma = exp(gamma), c_t = exp(gamma_last -
+//   gamma_t) L = strictly lower (beta_t exp(gamma_t - gamma_i) k_t . k_i),  T = (I + L)^-1 W = (T
+//   diag(beta Gamma)) K,  U = (T diag(beta)) V,  Delta = U - W S0 P = (i <= t) exp(gamma_t -
+//   gamma_i) q_t . k_i O = diag(Gamma) Q S0 + P Delta,  S_next = Gamma_last S0 + K^T diag(c) Delta
+//
+// Kernels (128 threads = 4 warps, the two sequential state passes 256; chunk-local products on
+// tensor cores):
+//   forward:  qk_norm -> chunk_prep -> state_fwd<fused output>
+//   backward: qk_norm -> chunk_prep (+T) -> state_fwd<recompute: boundary states h, Delta>
+//             -> [d_o to operand planes] -> state_bwd (reverse: dh, dDelta) -> dqkw (dq, dk parts,
+//             dW, dgamma parts) -> wy_bwd (dv, dbeta, dg, dk parts) -> finalize_qk (GVA sum + norm)
+//
+// Precision. Every matrix product is mma.sync m16n8k16 bf16 with fp32 accumulation; the state
+// and all accumulations stay fp32. With bf16 inputs each operand is rounded to bf16 once
+// (relative 2^-9). With f32 inputs each f32 operand x is split as hi = bf16(x), lo = bf16(x - hi)
+// and a b = ah bh + ah bl + al bh (three products): about 2^-16 relative per product, which keeps
+// the f32 path within 1e-4 of the fp64 reference. Intermediates that travel between kernels
+// (normalised q/k, W, U, P, T, h, Delta, dh, dDelta, dW) are stored in the same "operand planes":
+// one bf16 plane, or the hi and lo planes (lo at +plane_stride) for f32. The triangular solve is
+// fp32 arithmetic (no tensor cores).
+//
+// Shared-memory operand tiles are [rows][cols] bf16 with 16-byte chunks XOR-swizzled by row, so
+// ldmatrix (8 rows x 16 bytes) and the accumulator stores hit 32 distinct banks.
+//
+// Parallelism: the chunk-parallel kernels run one block per (chunk, value head); the state passes
+// one block per (non-empty sequence, value head, VT value columns), sequential over the chunks of
+// the sequence, with the next chunk's tiles prefetched by cp.async (two stages for bf16; one for
+// f32, whose hi/lo tiles need twice the shared memory). Nothing is atomic: results are bitwise
+// reproducible. Measured on an H200 (bench_gdn, skills/gated-delta-rule.md): the state passes and
+// chunk_prep / dqkw are latency bound, not yet near the tensor-core or memory ceilings.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <type_traits>
+#include <vector>
+
+#include "backend/cuda/check.cuh"
+#include "core/error.h"
+#include "primitives/gdn/gated_delta_rule_cuda.h"
+
+namespace bb::cuda {
+namespace {
+
+constexpr int kC = 64;         // tokens per chunk
+constexpr int kD = 128;        // padded K and V
+constexpr int kThreads = 128;  // every kernel but the state passes
+constexpr int kWarps = kThreads / 32;
+constexpr int kStateThreads =
+    256;  // state passes: 8 warps hide the latency of one chunk's short products
+
+// ---- device intrinsics (all PTX in one place) -------------------------------------------------
+__device__ __forceinline__ uint16_t f2bf(float x) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+}
+__device__ __forceinline__ float bf2f(uint16_t h) {
+  return __uint_as_float(static_cast<uint32_t>(h) << 16);
+}
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const uint16_t* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm4t(uint32_t (&r)[4], const uint16_t* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// 16 bytes global -> shared, zero-filled when !valid (nothing is read then).
+__device__ __forceinline__ void cp_async16(void* s, const void* g, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(s)), "l"(g),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(void* s, const void* g, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(s)), "l"(g),
+               "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+__device__ __forceinline__ float shfl_xor(float v, int m) {
+  return __shfl_xor_sync(0xffffffffu, v, m);
+}
+__device__ __forceinline__ float shfl_up(float v, int d) {
+  return __shfl_up_sync(0xffffffffu, v, d);
+}
+__device__ __forceinline__ float shfl_down(float v, int d) {
+  return __shfl_down_sync(0xffffffffu, v, d);
+}
+__device__ __forceinline__ void block_sync() {
+  __syncthreads();
+}
+__device__ __forceinline__ unsigned char* smem_base() {
+  extern __shared__ __align__(128) unsigned char gdn_smem[];
+  return gdn_smem;
+}
+
+template <class... P, class... A>
+void launch(void (*kernel)(P...), dim3 grid, int threads, size_t smem, A... args) {
+  if (grid.x == 0 || grid.y == 0) return;
+  if (smem > 48 * 1024)
+    BB_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem)));
+  kernel<<<grid, threads, smem, stream()>>>(static_cast<P>(args)...);
+  BB_CHECK_LAUNCH();
+}
+int num_sms() {
+  return sm_count();
+}
+
+struct alignas(8) F2 {
+  float x, y;
+};
+struct alignas(16) F4 {
+  float a, b, c, d;
+};
+struct alignas(8) U2 {
+  uint32_t x, y;
+};
+
+__device__ __forceinline__ uint32_t pack2(uint16_t lo, uint16_t hi) {
+  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+}
+
+template <class T>
+constexpr int planes_of() {
+  return std::is_same_v<T, float> ? 2 : 1;
+}
+
+// Raw inputs: f32 or bf16 (uint16_t bits).
+__device__ __forceinline__ void ld4(const float* p, float (&v)[4]) {
+  const F4 t = *reinterpret_cast<const F4*>(p);
+  v[0] = t.a, v[1] = t.b, v[2] = t.c, v[3] = t.d;
+}
+__device__ __forceinline__ void ld4(const uint16_t* p, float (&v)[4]) {
+  const U2 t = *reinterpret_cast<const U2*>(p);
+  v[0] = bf2f(static_cast<uint16_t>(t.x & 0xffffu)), v[1] = bf2f(static_cast<uint16_t>(t.x >> 16));
+  v[2] = bf2f(static_cast<uint16_t>(t.y & 0xffffu)), v[3] = bf2f(static_cast<uint16_t>(t.y >> 16));
+}
+__device__ __forceinline__ void st2(float* p, float a, float b) {
+  *reinterpret_cast<F2*>(p) = F2{a, b};
+}
+__device__ __forceinline__ void st2(uint16_t* p, float a, float b) {
+  *reinterpret_cast<uint32_t*>(p) = pack2(f2bf(a), f2bf(b));
+}
+
+// Two values into operand planes at element offset `off` (even): hi, and lo at +ps for NPL = 2.
+template <int NPL>
+__device__ __forceinline__ void gstore2(uint16_t* base, int64_t ps, int64_t off, float v0,
+                                        float v1) {
+  const uint16_t h0 = f2bf(v0), h1 = f2bf(v1);
+  *reinterpret_cast<uint32_t*>(base + off) = pack2(h0, h1);
+  if constexpr (NPL == 2)
+    *reinterpret_cast<uint32_t*>(base + ps + off) = pack2(f2bf(v0 - bf2f(h0)), f2bf(v1 - bf2f(h1)));
+}
+
+// ---- shared-memory operand tiles ---------------------------------------------------------------
+// R x COLS bf16 per plane, NPL planes back to back. 16-byte chunk j of row r sits at chunk
+// j ^ sw(r): any 8 consecutive rows of one logical chunk land in 8 different 16-byte bank groups.
+template <int R, int COLS, int NPL>
+struct Tile {
+  static_assert(COLS == 32 || COLS == 64 || COLS == 128, "tile width");
+  static constexpr int kPlane = R * COLS;
+  static constexpr int kBytes = NPL * kPlane * 2;
+  uint16_t* p;
+  __device__ __forceinline__ static int off(int r, int c) {
+    const int sw = COLS == 32 ? ((r >> 1) & 3) : (r & 7);
+    return r * COLS + ((((c >> 3) ^ sw)) << 3) + (c & 7);
+  }
+  __device__ __forceinline__ uint16_t* at(int pl, int r, int c) const {
+    return p + pl * kPlane + off(r, c);
+  }
+  __device__ __forceinline__ float get(int r, int c) const {
+    float v = bf2f(*at(0, r, c));
+    if constexpr (NPL == 2) v += bf2f(*at(1, r, c));
+    return v;
+  }
+  // c even
+  __device__ __forceinline__ void put2(int r, int c, float v0, float v1) const {
+    const uint16_t h0 = f2bf(v0), h1 = f2bf(v1);
+    *reinterpret_cast<uint32_t*>(at(0, r, c)) = pack2(h0, h1);
+    if constexpr (NPL == 2)
+      *reinterpret_cast<uint32_t*>(at(1, r, c)) = pack2(f2bf(v0 - bf2f(h0)), f2bf(v1 - bf2f(h1)));
+  }
+};
+
+// Rows [0, R) x cols [col0, col0 + COLS) of operand planes into a tile by cp.async; row r of
+// global starts at element row0 + r * row_stride; rows >= valid are zero-filled.
+template <int NTH = kThreads, int R, int COLS, int NPL>
+__device__ __forceinline__ void load_rows(const Tile<R, COLS, NPL>& t, const uint16_t* g,
+                                          int64_t ps, int64_t row0, int64_t row_stride, int col0,
+                                          int valid) {
+  constexpr int kChunks = COLS / 8;
+#pragma unroll
+  for (int pl = 0; pl < NPL; ++pl) {
+    const uint16_t* gp = g + pl * ps;
+#pragma unroll 4
+    for (int i = threadIdx.x; i < R * kChunks; i += NTH) {
+      const int r = i / kChunks, ch = i % kChunks;
+      const bool ok = r < valid;
+      const uint16_t* src = ok ? gp + row0 + r * row_stride + col0 + ch * 8 : g;
+      cp_async16(t.at(pl, r, ch * 8), src, ok);
+    }
+  }
+}
+
+// Raw input rows (f32 or bf16, `width` <= COLS values each, row r at src + r * row_stride) into a
+// tile, zero beyond `width` and for rows >= valid. bf16 goes straight in by cp.async; f32 is
+// split into hi / lo on the way (through registers).
+template <int R, int COLS, int NPL>
+__device__ __forceinline__ void load_raw_rows(const Tile<R, COLS, NPL>& t, const uint16_t* src,
+                                              int64_t row_stride, int width, int valid) {
+  constexpr int kChunks = COLS / 8;
+  for (int i = threadIdx.x; i < R * kChunks; i += kThreads) {
+    const int r = i / kChunks, ch = i % kChunks;
+    const bool ok = r < valid && ch * 8 < width;
+    cp_async16(t.at(0, r, ch * 8), ok ? src + r * row_stride + ch * 8 : src, ok);
+  }
+}
+template <int R, int COLS, int NPL>
+__device__ __forceinline__ void load_raw_rows(const Tile<R, COLS, NPL>& t, const float* src,
+                                              int64_t row_stride, int width, int valid) {
+  for (int i = threadIdx.x; i < R * (COLS / 4); i += kThreads) {
+    const int r = i / (COLS / 4), c = (i % (COLS / 4)) * 4;
+    float x[4] = {0.f, 0.f, 0.f, 0.f};
+    if (r < valid && c < width) ld4(src + r * row_stride + c, x);
+    t.put2(r, c, x[0], x[1]);
+    t.put2(r, c + 2, x[2], x[3]);
+  }
+}
+
+// acc[MT][NT] += A[m0 + 16 MT rows][0, KLEN) * B[0, KLEN)[n0 + 8 NT cols], one warp.
+// A: kAT = false -> tile holds A as [m][k]; true -> as [k][m].
+// B: kBT = false -> tile holds B as [n][k]; true -> as [k][n].
+// Fragment layouts of mma.m16n8k16 (g = lane / 4, q = lane % 4): A regs {(g, 2q..), (g+8, 2q..),
+// (g, 2q+8..), (g+8, 2q+8..)}; B regs {(k 2q.., n g), (k 2q+8.., n g)}; C {(g, 2q..), (g+8, 2q..)}.
+template <int MT, int NT, bool kAT, bool kBT, int KLEN, class TA, class TB>
+__device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const TA& A, int m0, const TB& B,
+                                         int n0) {
+  static_assert(NT % 2 == 0, "n tiles come in pairs");
+  constexpr int NPL = (TA::kBytes / TA::kPlane) / 2;
+  static_assert(NPL == (TB::kBytes / TB::kPlane) / 2, "operands of one product share a precision");
+  const int lane = threadIdx.x & 31, j = lane >> 3, rr = lane & 7;
+#pragma unroll
+  for (int k = 0; k < KLEN; k += 16) {
+    uint32_t a[NPL][MT][4];
+#pragma unroll
+    for (int pl = 0; pl < NPL; ++pl)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if constexpr (!kAT)
+          ldsm4(a[pl][mt], A.at(pl, m0 + mt * 16 + (lane & 15), k + (lane >> 4) * 8));
+        else
+          ldsm4t(a[pl][mt], A.at(pl, k + rr + (j >> 1) * 8, m0 + mt * 16 + (j & 1) * 8));
+      }
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      uint32_t b[NPL][4];
+#pragma unroll
+      for (int pl = 0; pl < NPL; ++pl) {
+        if constexpr (!kBT)
+          ldsm4(b[pl], B.at(pl, n0 + np * 16 + rr + (j >> 1) * 8, k + (j & 1) * 8));
+        else
+          ldsm4t(b[pl], B.at(pl, k + rr + (j & 1) * 8, n0 + np * 16 + (j >> 1) * 8));
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int sub = 0; sub < 2; ++sub) {
+          float(&c)[4] = acc[mt][np * 2 + sub];
+          mma_bf16(c, a[0][mt], b[0][2 * sub], b[0][2 * sub + 1]);
+          if constexpr (NPL == 2) {
+            mma_bf16(c, a[0][mt], b[1][2 * sub], b[1][2 * sub + 1]);
+            mma_bf16(c, a[1][mt], b[0][2 * sub], b[0][2 * sub + 1]);
+          }
+        }
+    }
+  }
+}
+
+template <int MT, int NT>
+__device__ __forceinline__ void zero(float (&acc)[MT][NT][4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+}
+
+// Row / column of accumulator element (mt, nt, 2 * half (+1)) of a warp tile at (m0, n0).
+__device__ __forceinline__ int frag_row(int m0, int mt, int half) {
+  return m0 + mt * 16 + ((threadIdx.x & 31) >> 2) + half * 8;
+}
+__device__ __forceinline__ int frag_col(int n0, int nt) {
+  return n0 + nt * 8 + ((threadIdx.x & 3) << 1);
+}
+
+// Sum over the 4 lanes that share an accumulator row.
+__device__ __forceinline__ float row_reduce4(float v) {
+  v += shfl_xor(v, 1);
+  v += shfl_xor(v, 2);
+  return v;
+}
+
+constexpr size_t align128(size_t b) {
+  return (b + 127) / 128 * 128;
+}
+
+struct Dims {
+  int64_t T;
+  int Hk, Hv, G, K, V;
+  float scale, eps;
+  int l2norm;
+  int NC, NS;
+  const int32_t* tab;  // chunk table (gdn_chunk_table layout)
+  __device__ __forceinline__ int chunk_start(int n) const { return tab[n]; }
+  __device__ __forceinline__ int chunk_len(int n) const { return tab[NC + n]; }
+  __device__ __forceinline__ int seq_first(int s) const { return tab[2 * NC + s]; }
+  __device__ __forceinline__ int seq_count(int s) const { return tab[2 * NC + NS + s]; }
+};
+
+// ---- 1. q, k -> normalised (q also scaled) operand planes [T, Hk, D] ---------------------------
+template <class Tin>
+__global__ void __launch_bounds__(kThreads)
+    qk_norm_kernel(Dims d, uint16_t* qh, uint16_t* kh, const Tin* q, const Tin* k) {
+  constexpr int NPL = planes_of<Tin>();
+  const int lane = threadIdx.x & 31;
+  const int64_t rows = d.T * d.Hk, ps = rows * kD;
+  for (int64_t w = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5; w < 2 * rows;
+       w += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const bool is_q = w < rows;
+    const int64_t r = is_q ? w : w - rows;
+    const int c = lane * 4;
+    float x[4] = {0.f, 0.f, 0.f, 0.f};
+    if (c < d.K) ld4((is_q ? q : k) + r * d.K + c, x);
+    float ss = x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3];
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1) ss += shfl_xor(ss, m);
+    const float f = (d.l2norm ? rsqrtf(ss + d.eps) : 1.f) * (is_q ? d.scale : 1.f);
+    uint16_t hi[4], lo[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float y = x[e] * f;
+      hi[e] = f2bf(y);
+      lo[e] = f2bf(y - bf2f(hi[e]));
+    }
+    uint16_t* out = (is_q ? qh : kh) + r * kD + c;
+    *reinterpret_cast<U2*>(out) = U2{pack2(hi[0], hi[1]), pack2(hi[2], hi[3])};
+    if constexpr (NPL == 2)
+      *reinterpret_cast<U2*>(out + ps) = U2{pack2(lo[0], lo[1]), pack2(lo[2], lo[3])};
+  }
+}
+
+// ---- 2. per chunk and value head: gamma, T = (I + L)^-1, W, U, P -------------------------------
+template <int NPL>
+struct PrepLayout {
+  static constexpr size_t kK = 0;                                           // K^
+  static constexpr size_t kQ = kK + align128(Tile<kC, kD, NPL>::kBytes);    // Q^
+  static constexpr size_t kV = kQ + align128(Tile<kC, kD, NPL>::kBytes);    // V
+  static constexpr size_t kTw = kV + align128(Tile<kC, kD, NPL>::kBytes);   // T diag(beta Gamma)
+  static constexpr size_t kTu = kTw + align128(Tile<kC, kC, NPL>::kBytes);  // T diag(beta)
+  static constexpr size_t kL = kTu + align128(Tile<kC, kC, NPL>::kBytes);   // L f32 [64][65]
+  static constexpr size_t kTf = kL + align128(kC * 65 * 4);                 // T f32 [64][65]
+  static constexpr size_t kX = kTf + align128(kC * 65 * 4);     // block scratch [3][16][17]
+  static constexpr size_t kG = kX + align128(3 * 16 * 17 * 4);  // gamma, beta, scan
+  static constexpr size_t kBytes = kG + align128(3 * kC * 4);
+};
+
+template <class Tin, bool kStoreT>
+__global__ void __launch_bounds__(kThreads)
+    chunk_prep_kernel(Dims d, const uint16_t* qh, const uint16_t* kh, const Tin* v, const float* g,
+                      const float* beta, float* gcum, uint16_t* w, uint16_t* u, uint16_t* pm,
+                      uint16_t* tm) {
+  constexpr int NPL = planes_of<Tin>();
+  using L = PrepLayout<NPL>;
+  unsigned char* sm = smem_base();
+  const Tile<kC, kD, NPL> Kt{reinterpret_cast<uint16_t*>(sm + L::kK)};
+  const Tile<kC, kD, NPL> Qt{reinterpret_cast<uint16_t*>(sm + L::kQ)};
+  const Tile<kC, kD, NPL> Vt{reinterpret_cast<uint16_t*>(sm + L::kV)};
+  const Tile<kC, kC, NPL> Twt{reinterpret_cast<uint16_t*>(sm + L::kTw)};
+  const Tile<kC, kC, NPL> Tut{reinterpret_cast<uint16_t*>(sm + L::kTu)};
+  float* Lf = reinterpret_cast<float*>(sm + L::kL);
+  float* Tf = reinterpret_cast<float*>(sm + L::kTf);
+  float* Xs = reinterpret_cast<float*>(sm + L::kX);
+  float* gam = reinterpret_cast<float*>(sm + L::kG);
+  float* bet = gam + kC;
+  float* scan = bet + kC;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int n = blockIdx.x, h = blockIdx.y, hk = h / d.G;
+  const int c0 = d.chunk_start(n), C = d.chunk_len(n);
+  const int64_t psk = d.T * d.Hk * kD, psv = d.T * d.Hv * kD, psc = d.T * d.Hv * kC;
+
+  load_rows(Kt, kh, psk, (static_cast<int64_t>(c0) * d.Hk + hk) * kD,
+            static_cast<int64_t>(d.Hk) * kD, 0, C);
+  load_rows(Qt, qh, psk, (static_cast<int64_t>(c0) * d.Hk + hk) * kD,
+            static_cast<int64_t>(d.Hk) * kD, 0, C);
+  load_raw_rows(Vt, v + (static_cast<int64_t>(c0) * d.Hv + h) * d.V,
+                static_cast<int64_t>(d.Hv) * d.V, d.V, C);
+  cp_async_commit();
+
+  if (tid < kC) {  // warps 0 and 1: inclusive scan of g within each warp
+    float x = tid < C ? g[(static_cast<int64_t>(c0) + tid) * d.Hv + h] : 0.f;
+    bet[tid] = tid < C ? beta[(static_cast<int64_t>(c0) + tid) * d.Hv + h] : 0.f;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float y = shfl_up(x, o);
+      if (lane >= o) x += y;
+    }
+    scan[tid] = x;
+  }
+  block_sync();
+  if (tid < kC) gam[tid] = tid >= 32 ? scan[tid] + scan[31] : scan[tid];
+  cp_async_wait_all();
+  block_sync();
+
+  {  // L = strictly lower (beta_t exp(gamma_t - gamma_i) k_t . k_i)
+    float acc[1][8][4];
+    zero(acc);
+    warp_mma<1, 8, false, false, kD>(acc, Kt, warp * 16, Kt, 0);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = frag_row(warp * 16, 0, e >> 1), i = frag_col(0, nt) + (e & 1);
+        Lf[t * 65 + i] = (i < t && t < C) ? bet[t] * expf(gam[t] - gam[i]) * acc[0][nt][e] : 0.f;
+      }
+  }
+  {  // P = (i <= t) exp(gamma_t - gamma_i) q_t . k_i  -> global
+    float acc[1][8][4];
+    zero(acc);
+    warp_mma<1, 8, false, false, kD>(acc, Qt, warp * 16, Kt, 0);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int t = frag_row(warp * 16, 0, hf), i = frag_col(0, nt);
+        if (t >= C) continue;
+        const float p0 = i <= t ? expf(gam[t] - gam[i]) * acc[0][nt][2 * hf] : 0.f;
+        const float p1 = i + 1 <= t ? expf(gam[t] - gam[i + 1]) * acc[0][nt][2 * hf + 1] : 0.f;
+        gstore2<NPL>(pm, psc, ((static_cast<int64_t>(c0) + t) * d.Hv + h) * kC + i, p0, p1);
+      }
+  }
+  block_sync();
+
+  {  // diagonal 16 x 16 blocks of T: warp w inverts block w, lane l (< 16) owns column l
+    const int base = warp * 16, jl = lane & 15;
+    float x[16];
+#pragma unroll
+    for (int t = 0; t < 16; ++t) {
+      float a = t == jl ? 1.f : 0.f;
+#pragma unroll
+      for (int i = 0; i < t; ++i) a -= Lf[(base + t) * 65 + base + i] * x[i];
+      x[t] = a;
+    }
+    if (lane < 16) {
+#pragma unroll
+      for (int t = 0; t < 16; ++t) Tf[(base + t) * 65 + base + jl] = x[t];
+    }
+    for (int i = lane; i < 16 * kC; i += 32) {  // blocks right of the diagonal are zero
+      const int r = i / kC, c = i % kC;
+      if (c >= base + 16) Tf[(base + r) * 65 + c] = 0.f;
+    }
+  }
+  block_sync();
+  // Off-diagonal blocks, one block diagonal at a time: T_ij = -T_ii sum_{k=j}^{i-1} L_ik T_kj.
+  for (int dd = 1; dd < 4; ++dd) {
+    const int nb = 4 - dd;
+    for (int e = tid; e < nb * 256; e += kThreads) {
+      const int b = e >> 8, a = (e >> 4) & 15, c = e & 15, bi = dd + b, bj = b;
+      float s = 0.f;
+      for (int kb = bj; kb < bi; ++kb)
+#pragma unroll
+        for (int m = 0; m < 16; ++m)
+          s += Lf[(bi * 16 + a) * 65 + kb * 16 + m] * Tf[(kb * 16 + m) * 65 + bj * 16 + c];
+      Xs[(b * 16 + a) * 17 + c] = s;
+    }
+    block_sync();
+    for (int e = tid; e < nb * 256; e += kThreads) {
+      const int b = e >> 8, a = (e >> 4) & 15, c = e & 15, bi = dd + b, bj = b;
+      float s = 0.f;
+#pragma unroll
+      for (int m = 0; m < 16; ++m)
+        s += Tf[(bi * 16 + a) * 65 + bi * 16 + m] * Xs[(b * 16 + m) * 17 + c];
+      Tf[(bi * 16 + a) * 65 + bj * 16 + c] = -s;
+    }
+    block_sync();
+  }
+  if (tid < kC) scan[tid] = tid < C ? bet[tid] * expf(gam[tid]) : 0.f;  // beta Gamma (scan is free)
+  block_sync();
+  for (int i = tid; i < kC * kC / 2;
+       i += kThreads) {  // T diag(beta Gamma), T diag(beta) as operands
+    const int r = i / (kC / 2), c = (i % (kC / 2)) * 2;
+    const float a0 = Tf[r * 65 + c], a1 = Tf[r * 65 + c + 1];
+    Twt.put2(r, c, a0 * scan[c], a1 * scan[c + 1]);
+    Tut.put2(r, c, a0 * bet[c], a1 * bet[c + 1]);
+    if (kStoreT && r < C)
+      gstore2<NPL>(tm, psc, ((static_cast<int64_t>(c0) + r) * d.Hv + h) * kC + c, a0, a1);
+  }
+  if (tid < C) gcum[(static_cast<int64_t>(c0) + tid) * d.Hv + h] = gam[tid];
+  block_sync();
+
+#pragma unroll 1
+  for (int which = 0; which < 2; ++which) {  // W = (T diag(beta Gamma)) K^, U = (T diag(beta)) V
+    float acc[1][16][4];
+    zero(acc);
+    if (which == 0)
+      warp_mma<1, 16, false, true, kC>(acc, Twt, warp * 16, Kt, 0);
+    else
+      warp_mma<1, 16, false, true, kC>(acc, Tut, warp * 16, Vt, 0);
+    uint16_t* out = which == 0 ? w : u;
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int t = frag_row(warp * 16, 0, hf), c = frag_col(0, nt);
+        if (t < C)
+          gstore2<NPL>(out, psv, ((static_cast<int64_t>(c0) + t) * d.Hv + h) * kD + c,
+                       acc[0][nt][2 * hf], acc[0][nt][2 * hf + 1]);
+      }
+  }
+}
+
+// ---- 3. sequential state pass over the chunks of one sequence, one value head, VT columns -------
+// kFwd: O = diag(Gamma) Q S0 + P Delta written (nothing else). !kFwd (backward's recompute):
+// the chunk-start states h [chunk][Hv][D][D] and Delta [T][Hv][D] written.
+template <int NPL, int VT, bool kFwd>
+struct StateFwdLayout {
+  static constexpr int kStages = NPL == 1 ? 2 : 1;
+  static constexpr size_t kW = 0;
+  static constexpr size_t kK = kW + align128(Tile<kC, kD, NPL>::kBytes);
+  static constexpr size_t kU = kK + align128(Tile<kC, kD, NPL>::kBytes);
+  static constexpr size_t kQ = kU + align128(Tile<kC, VT, NPL>::kBytes);
+  static constexpr size_t kP = kQ + (kFwd ? align128(Tile<kC, kD, NPL>::kBytes) : 0);
+  static constexpr size_t kG = kP + (kFwd ? align128(Tile<kC, kC, NPL>::kBytes) : 0);
+  static constexpr size_t kStage = kG + align128(kC * 4);
+  static constexpr size_t kS = kStages * kStage;
+  static constexpr size_t kDl = kS + align128(Tile<kD, VT, NPL>::kBytes);
+  static constexpr size_t kCd = kDl + (kFwd ? align128(Tile<kC, VT, NPL>::kBytes) : 0);
+  static constexpr size_t kBytes = kCd + align128(Tile<kC, VT, NPL>::kBytes);
+};
+
+// Warp w of the 8: rows [16 w, 16 w + 16) of the state (all VT columns); for the chunk-row
+// products (Delta, O) rows [16 (w % 4), +16) x columns [(w / 4) VT / 2, +VT / 2).
+template <class Tin, int VT, bool kFwd>
+__global__ void __launch_bounds__(kStateThreads, 1)
+    state_fwd_kernel(Dims d, const uint16_t* kh, const uint16_t* qh, const uint16_t* w,
+                     const uint16_t* u, const uint16_t* pm, const float* gcum, Tin* o, uint16_t* hs,
+                     uint16_t* dl) {
+  constexpr int NPL = planes_of<Tin>(), NT = VT / 8, NT2 = VT / 16, NTH = kStateThreads;
+  using L = StateFwdLayout<NPL, VT, kFwd>;
+  unsigned char* sm = smem_base();
+  const Tile<kD, VT, NPL> St{reinterpret_cast<uint16_t*>(sm + L::kS)};
+  const Tile<kC, VT, NPL> Dt{reinterpret_cast<uint16_t*>(sm + L::kDl)};
+  const Tile<kC, VT, NPL> Ct{reinterpret_cast<uint16_t*>(sm + L::kCd)};
+  const int tid = threadIdx.x, warp = tid >> 5;
+  const int rm = (warp & 3) * 16, cn = (warp >> 2) * (VT / 2);  // chunk-row tile of this warp
+  constexpr int nvt = kD / VT;
+  const int h = blockIdx.x / nvt, v0 = (blockIdx.x % nvt) * VT, hk = h / d.G;
+  const int first = d.seq_first(blockIdx.y), count = d.seq_count(blockIdx.y);
+  const int64_t psk = d.T * d.Hk * kD, psv = d.T * d.Hv * kD, psc = d.T * d.Hv * kC;
+  const int64_t psh = static_cast<int64_t>(d.NC) * d.Hv * kD * kD;
+
+  auto W_s = [&](int s) {
+    return Tile<kC, kD, NPL>{reinterpret_cast<uint16_t*>(sm + s * L::kStage + L::kW)};
+  };
+  auto K_s = [&](int s) {
+    return Tile<kC, kD, NPL>{reinterpret_cast<uint16_t*>(sm + s * L::kStage + L::kK)};
+  };
+  auto U_s = [&](int s) {
+    return Tile<kC, VT, NPL>{reinterpret_cast<uint16_t*>(sm + s * L::kStage + L::kU)};
+  };
+  auto Q_s = [&](int s) {
+    return Tile<kC, kD, NPL>{reinterpret_cast<uint16_t*>(sm + s * L::kStage + L::kQ)};
+  };
+  auto P_s = [&](int s) {
+    return Tile<kC, kC, NPL>{reinterpret_cast<uint16_t*>(sm + s * L::kStage + L::kP)};
+  };
+  auto G_s = [&](int s) { return reinterpret_cast<float*>(sm + s * L::kStage + L::kG); };
+
+  auto issue = [&](int idx, int s) {
+    const int n = first + idx, c0 = d.chunk_start(n), C = d.chunk_len(n);
+    const int64_t rv = static_cast<int64_t>(c0) * d.Hv + h,
+                  rk = static_cast<int64_t>(c0) * d.Hk + hk;
+    load_rows<NTH>(W_s(s), w, psv, rv * kD, static_cast<int64_t>(d.Hv) * kD, 0, C);
+    load_rows<NTH>(K_s(s), kh, psk, rk * kD, static_cast<int64_t>(d.Hk) * kD, 0, C);
+    load_rows<NTH>(U_s(s), u, psv, rv * kD, static_cast<int64_t>(d.Hv) * kD, v0, C);
+    if constexpr (kFwd) {
+      load_rows<NTH>(Q_s(s), qh, psk, rk * kD, static_cast<int64_t>(d.Hk) * kD, 0, C);
+      load_rows<NTH>(P_s(s), pm, psc, rv * kC, static_cast<int64_t>(d.Hv) * kC, 0, C);
+    }
+    if (tid < kC)
+      cp_async4(G_s(s) + tid, tid < C ? gcum + (static_cast<int64_t>(c0) + tid) * d.Hv + h : gcum,
+                tid < C);
+    cp_async_commit();
+  };
+
+  float S[1][NT][4];  // rows 16 warp + [0, 16), cols v0 + [0, VT)
+  zero(S);
+  if (count > 0) issue(0, 0);
+  for (int idx = 0; idx < count; ++idx) {
+    const int s = L::kStages == 2 ? (idx & 1) : 0;
+    const int n = first + idx, c0 = d.chunk_start(n), C = d.chunk_len(n);
+    if (L::kStages == 1 && idx > 0) {
+      block_sync();
+      issue(idx, 0);
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int r = frag_row(warp * 16, 0, hf), c = frag_col(0, nt);
+        St.put2(r, c, S[0][nt][2 * hf], S[0][nt][2 * hf + 1]);
+        if constexpr (!kFwd)
+          gstore2<NPL>(hs, psh, ((static_cast<int64_t>(n) * d.Hv + h) * kD + r) * kD + v0 + c,
+                       S[0][nt][2 * hf], S[0][nt][2 * hf + 1]);
+      }
+    cp_async_wait_all();
+    block_sync();
+    if (L::kStages == 2 && idx + 1 < count) issue(idx + 1, s ^ 1);
+
+    const float* gam = G_s(s);
+    const float gl = gam[C - 1];
+    float ct[2], gt[2];  // c_t and Gamma_t of this thread's two chunk rows (0 past the chunk)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int t = frag_row(rm, 0, hf);
+      ct[hf] = t < C ? expf(gl - gam[t]) : 0.f;
+      gt[hf] = t < C ? expf(gam[t]) : 0.f;
+    }
+    float D[1][NT2][4];
+    zero(D);
+    warp_mma<1, NT2, false, true, kD>(D, W_s(s), rm, St, cn);
+#pragma unroll
+    for (int nt = 0; nt < NT2; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int t = frag_row(rm, 0, hf), c = frag_col(cn, nt);
+        const bool ok = t < C;
+        const float d0 = ok ? U_s(s).get(t, c) - D[0][nt][2 * hf] : 0.f;
+        const float d1 = ok ? U_s(s).get(t, c + 1) - D[0][nt][2 * hf + 1] : 0.f;
+        if constexpr (kFwd) Dt.put2(t, c, d0, d1);
+        Ct.put2(t, c, ct[hf] * d0, ct[hf] * d1);
+        if constexpr (!kFwd)
+          if (ok)
+            gstore2<NPL>(dl, psv, ((static_cast<int64_t>(c0) + t) * d.Hv + h) * kD + v0 + c, d0,
+                         d1);
+      }
+    float O[1][NT2][4];
+    if constexpr (kFwd) {
+      zero(O);
+      warp_mma<1, NT2, false, true, kD>(O, Q_s(s), rm, St, cn);
+#pragma unroll
+      for (int nt = 0; nt < NT2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) O[0][nt][e] *= gt[e >> 1];
+    }
+    block_sync();
+    if constexpr (kFwd) {
+      warp_mma<1, NT2, false, true, kC>(O, P_s(s), rm, Dt, cn);
+#pragma unroll
+      for (int nt = 0; nt < NT2; ++nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int t = frag_row(rm, 0, hf), c = v0 + frag_col(cn, nt);
+          if (t < C && c < d.V)
+            st2(o + ((static_cast<int64_t>(c0) + t) * d.Hv + h) * d.V + c, O[0][nt][2 * hf],
+                O[0][nt][2 * hf + 1]);
+        }
+    }
+    const float dec = expf(gl);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) S[0][nt][e] *= dec;
+    warp_mma<1, NT, true, true, kC>(S, K_s(s), warp * 16, Ct, 0);
+  }
+}
+
+// ---- 4. d_o -> operand planes [T, Hv, D] --------------------------------------------------------
+template <class Tdo, int NPL>
+__global__ void __launch_bounds__(kThreads)
+    convert_do_kernel(Dims d, uint16_t* dop, const Tdo* d_o) {
+  const int64_t rows = d.T * d.Hv, ps = rows * kD, n = rows * (kD / 4);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t r = i / (kD / 4);
+    const int c = static_cast<int>(i % (kD / 4)) * 4;
+    float x[4] = {0.f, 0.f, 0.f, 0.f};
+    if (c < d.V) ld4(d_o + r * d.V + c, x);
+    uint16_t hi[4], lo[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      hi[e] = f2bf(x[e]);
+      lo[e] = f2bf(x[e] - bf2f(hi[e]));
+    }
+    *reinterpret_cast<U2*>(dop + r * kD + c) = U2{pack2(hi[0], hi[1]), pack2(hi[2], hi[3])};
+    if constexpr (NPL == 2)
+      *reinterpret_cast<U2*>(dop + ps + r * kD + c) = U2{pack2(lo[0], lo[1]), pack2(lo[2], lo[3])};
+  }
+}
+
+// ---- 5. reverse state pass: dS (gradient of the chunk-end state), chunks last to first ----------
+//   dh[n] = dS;  dDelta = diag(c) K dS + P^T dO;  dS <- Gamma_last dS + Q^T diag(Gamma) dO - W^T
+//   dDelta
+template <int NPL, int VT>
+struct StateBwdLayout {
+  static constexpr int kStages = NPL == 1 ? 2 : 1;
+  static constexpr size_t kK = 0;
+  static constexpr size_t kQ = kK + align128(Tile<kC, kD, NPL>::kBytes);
+  static constexpr size_t kW = kQ + align128(Tile<kC, kD, NPL>::kBytes);
+  static constexpr size_t kP = kW + align128(Tile<kC, kD, NPL>::kBytes);
+  static constexpr size_t kO = kP + align128(Tile<kC, kC, NPL>::kBytes);
+  static constexpr size_t kG = kO + align128(Tile<kC, VT, NPL>::kBytes);
+  static constexpr size_t kStage = kG + align128(kC * 4);
+  static constexpr size_t kS = kStages * kStage;
+  static constexpr size_t kDd = kS + align128(Tile<kD, VT, NPL>::kBytes);
+  static constexpr size_t kGo = kDd + align128(Tile<kC, VT, NPL>::kBytes);
+  static constexpr size_t kBytes = kGo + align128(Tile<kC, VT, NPL>::kBytes);
+};
+
+template <int NPL, int VT>
+__global__ void __launch_bounds__(kStateThreads, 1)
+    state_bwd_kernel(Dims d, const uint16_t* kh, const uint16_t* qh, const uint16_t* w,
+                     const uint16_t* pm, const uint16_t* dop, int64_t psdo, const float* gcum,
+                     uint16_t* dhs, uint16_t* ddl) {
+  constexpr int NT = VT / 8, NT2 = VT / 16, NTH = kStateThreads;
+  using L = StateBwdLayout<NPL, VT>;
+  unsigned char* sm = smem_base();
+  const Tile<kD, VT, NPL> dSt{reinterpret_cast<uint16_t*>(sm + L::kS)};
+  const Tile<kC, VT, NPL> dDt{reinterpret_cast<uint16_t*>(sm + L::kDd)};  // holds -dDelta
+  const Tile<kC, VT, NPL> GOt{reinterpret_cast<uint16_t*>(sm + L::kGo)};  // diag(Gamma) dO
+  const int tid = threadIdx.x, warp = tid >> 5;
+  const int rm = (warp & 3) * 16, cn = (warp >> 2) * (VT / 2);
+  constexpr int nvt = kD / VT;
+  const int h = blockIdx.x / nvt, v0 = (blockIdx.x % nvt) * VT, hk = h / d.G;
+  const int first = d.seq_first(blockIdx.y), count = d.seq_count(blockIdx.y);
+  const int64_t psk = d.T * d.Hk * kD, psv = d.T * d.Hv * kD, psc = d.T * d.Hv * kC;
+  const int64_t psh = static_cast<int64_t>(d.NC) * d.Hv * kD * kD;
+
+  auto K_s = [&](int s) {
+    return Tile<kC, kD, NPL>{reinterpret_cast<uint16_t*>(sm + s * L::kStage + L::kK)};
+  };
+  auto Q_s = [&](int s) {
+    return Tile<kC, kD, NPL>{reinterpret_cast<uint16_t*>(sm + s * L::kStage + L::kQ)};
+  };
+  auto W_s = [&](int s) {
+    return Tile<kC, kD, NPL>{reinterpret_cast<uint16_t*>(sm + s * L::kStage + L::kW)};
+  };
+  auto P_s = [&](int s) {
+    return Tile<kC, kC, NPL>{reinterpret_cast<uint16_t*>(sm + s * L::kStage + L::kP)};
+  };
+  auto O_s = [&](int s) {
+    return Tile<kC, VT, NPL>{reinterpret_cast<uint16_t*>(sm + s * L::kStage + L::kO)};
+  };
+  auto G_s = [&](int s) { return reinterpret_cast<float*>(sm + s * L::kStage + L::kG); };
+
+  auto issue = [&](int idx, int s) {
+    const int n = first + idx, c0 = d.chunk_start(n), C = d.chunk_len(n);
+    const int64_t rv = static_cast<int64_t>(c0) * d.Hv + h,
+                  rk = static_cast<int64_t>(c0) * d.Hk + hk;
+    load_rows<NTH>(K_s(s), kh, psk, rk * kD, static_cast<int64_t>(d.Hk) * kD, 0, C);
+    load_rows<NTH>(Q_s(s), qh, psk, rk * kD, static_cast<int64_t>(d.Hk) * kD, 0, C);
+    load_rows<NTH>(W_s(s), w, psv, rv * kD, static_cast<int64_t>(d.Hv) * kD, 0, C);
+    load_rows<NTH>(P_s(s), pm, psc, rv * kC, static_cast<int64_t>(d.Hv) * kC, 0, C);
+    load_rows<NTH>(O_s(s), dop, psdo, rv * kD, static_cast<int64_t>(d.Hv) * kD, v0, C);
+    if (tid < kC)
+      cp_async4(G_s(s) + tid, tid < C ? gcum + (static_cast<int64_t>(c0) + tid) * d.Hv + h : gcum,
+                tid < C);
+    cp_async_commit();
+  };
+
+  float dS[1][NT][4];  // rows 16 warp + [0, 16)
+  zero(dS);
+  if (count > 0) issue(count - 1, 0);
+  for (int it = 0; it < count; ++it) {
+    const int idx = count - 1 - it;
+    const int s = L::kStages == 2 ? (it & 1) : 0;
+    const int n = first + idx, c0 = d.chunk_start(n), C = d.chunk_len(n);
+    if (L::kStages == 1 && it > 0) {
+      block_sync();
+      issue(idx, 0);
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int r = frag_row(warp * 16, 0, hf), c = frag_col(0, nt);
+        dSt.put2(r, c, dS[0][nt][2 * hf], dS[0][nt][2 * hf + 1]);
+        gstore2<NPL>(dhs, psh, ((static_cast<int64_t>(n) * d.Hv + h) * kD + r) * kD + v0 + c,
+                     dS[0][nt][2 * hf], dS[0][nt][2 * hf + 1]);
+      }
+    cp_async_wait_all();
+    block_sync();
+    if (L::kStages == 2 && idx > 0) issue(idx - 1, s ^ 1);
+
+    const float* gam = G_s(s);
+    const float gl = gam[C - 1];
+    for (int i = tid; i < kC * VT / 2; i += NTH) {
+      const int r = i / (VT / 2), c = (i % (VT / 2)) * 2;
+      const float gr = r < C ? expf(gam[r]) : 0.f;
+      GOt.put2(r, c, gr * O_s(s).get(r, c), gr * O_s(s).get(r, c + 1));
+    }
+    float ct[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int t = frag_row(rm, 0, hf);
+      ct[hf] = t < C ? expf(gl - gam[t]) : 0.f;
+    }
+    float dD[1][NT2][4];
+    zero(dD);
+    warp_mma<1, NT2, false, true, kD>(dD, K_s(s), rm, dSt, cn);
+#pragma unroll
+    for (int nt = 0; nt < NT2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dD[0][nt][e] *= ct[e >> 1];
+    warp_mma<1, NT2, true, true, kC>(dD, P_s(s), rm, O_s(s), cn);
+#pragma unroll
+    for (int nt = 0; nt < NT2; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int t = frag_row(rm, 0, hf), c = frag_col(cn, nt);
+        const bool ok = t < C;
+        const float d0 = ok ? dD[0][nt][2 * hf] : 0.f, d1 = ok ? dD[0][nt][2 * hf + 1] : 0.f;
+        dDt.put2(t, c, -d0, -d1);
+        if (ok)
+          gstore2<NPL>(ddl, psv, ((static_cast<int64_t>(c0) + t) * d.Hv + h) * kD + v0 + c, d0, d1);
+      }
+    block_sync();
+    const float dec = expf(gl);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dS[0][nt][e] *= dec;
+    warp_mma<1, NT, true, true, kC>(dS, Q_s(s), warp * 16, GOt, 0);
+    warp_mma<1, NT, true, true, kC>(dS, W_s(s), warp * 16, dDt, 0);
+  }
+}
+
+// ---- 6. per chunk and value head: dq^, dk^ (intra and state parts), dW, dgamma parts ------------
+//   dP = dO Delta^T,  dPM = M o dP
+//   dq^ = diag(Gamma) dO S0^T + dPM K^           dk^ = diag(c) Delta dS^T + dPM^T Q^
+//   dW = -dDelta S0^T
+//   dgamma_t = Gamma_t q_t.(dO S0^T)_t + sum_i dP_ti P_ti - sum_j dP_jt P_jt - c_t k_t.(Delta
+//   dS^T)_t
+//              + [t = last] (Gamma_last sum(dS o S0) + sum_t c_t k_t.(Delta dS^T)_t)
+// The state tiles S0 = h[n] and dS = dh[n] are taken in two halves of their K rows.
+template <int NPL>
+struct DqkwLayout {
+  static constexpr size_t kO = 0;
+  static constexpr size_t kDl = kO + align128(Tile<kC, kD, NPL>::kBytes);
+  static constexpr size_t kDd = kDl + align128(Tile<kC, kD, NPL>::kBytes);
+  static constexpr size_t kPM = kDd + align128(Tile<kC, kD, NPL>::kBytes);
+  static constexpr size_t kS0 = kPM + align128(Tile<kC, kC, NPL>::kBytes);
+  static constexpr size_t kdS = kS0 + align128(Tile<kC, kD, NPL>::kBytes);
+  static constexpr size_t kU =
+      kdS + align128(Tile<kC, kD, NPL>::kBytes);  // union of the two phases
+  static constexpr size_t kP = kU;                // phase A: P, E
+  static constexpr size_t kE = kP + align128(Tile<kC, kC, NPL>::kBytes);
+  static constexpr size_t kKh = kU;  // phase B: K^, Q^ halves
+  static constexpr size_t kQh = kKh + align128(Tile<kC, kC, NPL>::kBytes);
+  static constexpr size_t kUEnd =
+      std::max(kE + align128(kC * 65 * 4), kQh + align128(Tile<kC, kC, NPL>::kBytes));
+  static constexpr size_t kF =
+      kUEnd;  // gamma, dg row terms, dg col terms, row q dots, row k dots, red
+  static constexpr size_t kBytes = kF + align128(5 * kC * 4 + kWarps * 4);
+};
+
+template <int NPL>
+__global__ void __launch_bounds__(kThreads)
+    dqkw_kernel(Dims d, const uint16_t* kh, const uint16_t* qh, const uint16_t* pm,
+                const uint16_t* dop, int64_t psdo, const uint16_t* dl, const uint16_t* ddl,
+                const uint16_t* hs, const uint16_t* dhs, const float* gcum, float* dqp, float* dkp,
+                uint16_t* dwp, float* dgp) {
+  using L = DqkwLayout<NPL>;
+  unsigned char* sm = smem_base();
+  const Tile<kC, kD, NPL> Ot{reinterpret_cast<uint16_t*>(sm + L::kO)};
+  const Tile<kC, kD, NPL> Dlt{reinterpret_cast<uint16_t*>(sm + L::kDl)};
+  const Tile<kC, kD, NPL> Ddt{reinterpret_cast<uint16_t*>(sm + L::kDd)};
+  const Tile<kC, kC, NPL> PMt{reinterpret_cast<uint16_t*>(sm + L::kPM)};
+  const Tile<kC, kD, NPL> S0t{reinterpret_cast<uint16_t*>(sm + L::kS0)};
+  const Tile<kC, kD, NPL> dSt{reinterpret_cast<uint16_t*>(sm + L::kdS)};
+  const Tile<kC, kC, NPL> Pt{reinterpret_cast<uint16_t*>(sm + L::kP)};
+  float* Ef = reinterpret_cast<float*>(sm + L::kE);
+  const Tile<kC, kC, NPL> Kht{reinterpret_cast<uint16_t*>(sm + L::kKh)};
+  const Tile<kC, kC, NPL> Qht{reinterpret_cast<uint16_t*>(sm + L::kQh)};
+  float* gam = reinterpret_cast<float*>(sm + L::kF);
+  float* dgrow = gam + kC;
+  float* dgcol = dgrow + kC;
+  float* rowq = dgcol + kC;
+  float* rowk = rowq + kC;
+  float* red = rowk + kC;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int n = blockIdx.x, h = blockIdx.y, hk = h / d.G;
+  const int c0 = d.chunk_start(n), C = d.chunk_len(n);
+  const int64_t psk = d.T * d.Hk * kD, psv = d.T * d.Hv * kD, psc = d.T * d.Hv * kC;
+  const int64_t psh = static_cast<int64_t>(d.NC) * d.Hv * kD * kD;
+  const int64_t rv = static_cast<int64_t>(c0) * d.Hv + h, rk = static_cast<int64_t>(c0) * d.Hk + hk;
+
+  load_rows(Ot, dop, psdo, rv * kD, static_cast<int64_t>(d.Hv) * kD, 0, C);
+  load_rows(Dlt, dl, psv, rv * kD, static_cast<int64_t>(d.Hv) * kD, 0, C);
+  load_rows(Ddt, ddl, psv, rv * kD, static_cast<int64_t>(d.Hv) * kD, 0, C);
+  load_rows(Pt, pm, psc, rv * kC, static_cast<int64_t>(d.Hv) * kC, 0, C);
+  cp_async_commit();
+  if (tid < kC) gam[tid] = tid < C ? gcum[(static_cast<int64_t>(c0) + tid) * d.Hv + h] : 0.f;
+  cp_async_wait_all();
+  block_sync();
+  const float gl = gam[C - 1];
+
+  {  // phase A: dP = dO Delta^T
+    float acc[1][8][4];
+    zero(acc);
+    warp_mma<1, 8, false, false, kD>(acc, Ot, warp * 16, Dlt, 0);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int t = frag_row(warp * 16, 0, hf), i = frag_col(0, nt);
+        float pmv[2], ev[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int ii = i + e;
+          const float dp = acc[0][nt][2 * hf + e];
+          pmv[e] = (t < C && ii <= t) ? dp * expf(gam[t] - gam[ii]) : 0.f;
+          ev[e] = (t < C && ii < t) ? dp * Pt.get(t, ii) : 0.f;
+        }
+        PMt.put2(t, i, pmv[0], pmv[1]);
+        Ef[t * 65 + i] = ev[0];
+        Ef[t * 65 + i + 1] = ev[1];
+      }
+  }
+  block_sync();
+  if (tid < kC) {
+    float s = 0.f;
+    for (int i = 0; i < kC; ++i) s += Ef[tid * 65 + i];
+    dgrow[tid] = s;
+  } else {
+    const int j = tid - kC;
+    float s = 0.f;
+    for (int t = 0; t < kC; ++t) s += Ef[t * 65 + j];
+    dgcol[j] = s;
+  }
+  float dq_dot[2] = {0.f, 0.f}, dk_dot[2] = {0.f, 0.f}, dlast = 0.f;
+#pragma unroll 1
+  for (int hf = 0; hf < 2; ++hf) {
+    block_sync();  // the union (phase A's P, E / the previous half's K^, Q^) and S0, dS are free
+    const int64_t hrow = (static_cast<int64_t>(n) * d.Hv + h) * kD + hf * 64;
+    load_rows(S0t, hs, psh, hrow * kD, kD, 0, 64);
+    load_rows(dSt, dhs, psh, hrow * kD, kD, 0, 64);
+    load_rows(Kht, kh, psk, rk * kD, static_cast<int64_t>(d.Hk) * kD, hf * 64, C);
+    load_rows(Qht, qh, psk, rk * kD, static_cast<int64_t>(d.Hk) * kD, hf * 64, C);
+    cp_async_commit();
+    cp_async_wait_all();
+    block_sync();
+    for (int i = tid; i < 64 * kD / 2; i += kThreads) {
+      const int r = i / (kD / 2), c = (i % (kD / 2)) * 2;
+      dlast += S0t.get(r, c) * dSt.get(r, c) + S0t.get(r, c + 1) * dSt.get(r, c + 1);
+    }
+    float acc[1][8][4];
+    // dq^ = diag(Gamma) dO S0^T + dPM K^
+    zero(acc);
+    warp_mma<1, 8, false, false, kD>(acc, Ot, warp * 16, S0t, 0);
+#pragma unroll
+    for (int r2 = 0; r2 < 2; ++r2) {
+      const int t = frag_row(warp * 16, 0, r2);
+      const float gt = t < C ? expf(gam[t]) : 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const int c = frag_col(0, nt);
+        acc[0][nt][2 * r2] *= gt;
+        acc[0][nt][2 * r2 + 1] *= gt;
+        dq_dot[r2] +=
+            acc[0][nt][2 * r2] * Qht.get(t, c) + acc[0][nt][2 * r2 + 1] * Qht.get(t, c + 1);
+      }
+    }
+    warp_mma<1, 8, false, true, kC>(acc, PMt, warp * 16, Kht, 0);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int r2 = 0; r2 < 2; ++r2) {
+        const int t = frag_row(warp * 16, 0, r2), c = frag_col(0, nt);
+        if (t < C)
+          st2(dqp + (rv + static_cast<int64_t>(t) * d.Hv) * kD + hf * 64 + c, acc[0][nt][2 * r2],
+              acc[0][nt][2 * r2 + 1]);
+      }
+    // dW = -dDelta S0^T
+    zero(acc);
+    warp_mma<1, 8, false, false, kD>(acc, Ddt, warp * 16, S0t, 0);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int r2 = 0; r2 < 2; ++r2) {
+        const int t = frag_row(warp * 16, 0, r2), c = frag_col(0, nt);
+        if (t < C)
+          gstore2<NPL>(dwp, psv, (rv + static_cast<int64_t>(t) * d.Hv) * kD + hf * 64 + c,
+                       -acc[0][nt][2 * r2], -acc[0][nt][2 * r2 + 1]);
+      }
+    // dk^ = diag(c) Delta dS^T + dPM^T Q^
+    zero(acc);
+    warp_mma<1, 8, false, false, kD>(acc, Dlt, warp * 16, dSt, 0);
+#pragma unroll
+    for (int r2 = 0; r2 < 2; ++r2) {
+      const int t = frag_row(warp * 16, 0, r2);
+      const float ct = t < C ? expf(gl - gam[t]) : 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const int c = frag_col(0, nt);
+        acc[0][nt][2 * r2] *= ct;
+        acc[0][nt][2 * r2 + 1] *= ct;
+        dk_dot[r2] +=
+            acc[0][nt][2 * r2] * Kht.get(t, c) + acc[0][nt][2 * r2 + 1] * Kht.get(t, c + 1);
+      }
+    }
+    warp_mma<1, 8, true, true, kC>(acc, PMt, warp * 16, Qht, 0);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int r2 = 0; r2 < 2; ++r2) {
+        const int t = frag_row(warp * 16, 0, r2), c = frag_col(0, nt);
+        if (t < C)
+          st2(dkp + (rv + static_cast<int64_t>(t) * d.Hv) * kD + hf * 64 + c, acc[0][nt][2 * r2],
+              acc[0][nt][2 * r2 + 1]);
+      }
+  }
+  // dgamma
+#pragma unroll
+  for (int r2 = 0; r2 < 2; ++r2) {
+    const float a = row_reduce4(dq_dot[r2]), b = row_reduce4(dk_dot[r2]);
+    if ((lane & 3) == 0) {
+      const int t = frag_row(warp * 16, 0, r2);
+      rowq[t] = a;
+      rowk[t] = b;
+    }
+  }
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) dlast += shfl_xor(dlast, m);
+  if (lane == 0) red[warp] = dlast;
+  block_sync();
+  if (tid < C) {
+    float dgt = rowq[tid] + dgrow[tid] - dgcol[tid] - rowk[tid];
+    if (tid == C - 1) {
+      float tot = 0.f;
+      for (int t = 0; t < C; ++t) tot += rowk[t];
+      float dl_sum = 0.f;
+      for (int i = 0; i < kWarps; ++i) dl_sum += red[i];
+      dgt += tot + expf(gl) * dl_sum;
+    }
+    dgp[rv + static_cast<int64_t>(tid) * d.Hv] = dgt;
+  }
+}
+
+// ---- 7. per chunk and value head: backward through W = T diag(beta Gamma) K^, U = T diag(beta) V
+// and T = (I + L)^-1; dv, dbeta, dg (reverse cumsum within the chunk) written; dk^ completed.
+//   X_u = T^T dU: dv = beta X_u, dbeta += X_u . v
+//   X_w = T^T dW: dk^ += beta Gamma X_w, dbeta += Gamma X_w . k^, dgamma += beta Gamma X_w . k^
+//   dT = (dU V^T) diag(beta) + (dW K^T) diag(beta Gamma);  dL = -T^T dT T^T (strictly lower)
+//   dA = dL o beta_t exp(gamma_t - gamma_i): dk^ += dA K^ + dA^T K^, dbeta_t += sum_i dL_ti exp()
+//   A_ti, dgamma_t += sum_i dL_ti L_ti - sum_j dL_jt L_jt
+template <int NPL>
+struct WyLayout {
+  static constexpr size_t kT = 0;
+  static constexpr size_t kA = kT + align128(Tile<kC, kC, NPL>::kBytes);  // dU, then dW
+  static constexpr size_t kB = kA + align128(Tile<kC, kD, NPL>::kBytes);  // V, then K^
+  static constexpr size_t kdT = kB + align128(Tile<kC, kD, NPL>::kBytes);
+  static constexpr size_t kY = kdT + align128(Tile<kC, kC, NPL>::kBytes);
+  static constexpr size_t kdA = kY + align128(Tile<kC, kC, NPL>::kBytes);
+  static constexpr size_t kE = kdA + align128(Tile<kC, kC, NPL>::kBytes);
+  static constexpr size_t kF =
+      kE + align128(kC * 65 * 4);  // gamma, beta, db rows, dg rows, dg E terms
+  static constexpr size_t kBytes = kF + align128(5 * kC * 4);
+};
+
+template <class Tin>
+__global__ void __launch_bounds__(kThreads)
+    wy_bwd_kernel(Dims d, const uint16_t* kh, const uint16_t* tm, const uint16_t* ddl,
+                  const uint16_t* dwp, const Tin* v, const float* beta, const float* gcum,
+                  const float* dgp, float* dkp, float* dv, float* dbeta, float* dg) {
+  constexpr int NPL = planes_of<Tin>();
+  using L = WyLayout<NPL>;
+  unsigned char* sm = smem_base();
+  const Tile<kC, kC, NPL> Tt{reinterpret_cast<uint16_t*>(sm + L::kT)};
+  const Tile<kC, kD, NPL> At{reinterpret_cast<uint16_t*>(sm + L::kA)};
+  const Tile<kC, kD, NPL> Bt{reinterpret_cast<uint16_t*>(sm + L::kB)};
+  const Tile<kC, kC, NPL> dTt{reinterpret_cast<uint16_t*>(sm + L::kdT)};
+  const Tile<kC, kC, NPL> Yt{reinterpret_cast<uint16_t*>(sm + L::kY)};
+  const Tile<kC, kC, NPL> dAt{reinterpret_cast<uint16_t*>(sm + L::kdA)};
+  float* Ef = reinterpret_cast<float*>(sm + L::kE);
+  float* gam = reinterpret_cast<float*>(sm + L::kF);
+  float* bet = gam + kC;
+  float* dbr = bet + kC;
+  float* dgr = dbr + kC;
+  float* dge = dgr + kC;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int n = blockIdx.x, h = blockIdx.y, hk = h / d.G;
+  const int c0 = d.chunk_start(n), C = d.chunk_len(n);
+  const int64_t psk = d.T * d.Hk * kD, psv = d.T * d.Hv * kD, psc = d.T * d.Hv * kC;
+  const int64_t rv = static_cast<int64_t>(c0) * d.Hv + h, rk = static_cast<int64_t>(c0) * d.Hk + hk;
+
+  load_rows(Tt, tm, psc, rv * kC, static_cast<int64_t>(d.Hv) * kC, 0, C);
+  load_rows(At, ddl, psv, rv * kD, static_cast<int64_t>(d.Hv) * kD, 0, C);
+  load_raw_rows(Bt, v + rv * d.V, static_cast<int64_t>(d.Hv) * d.V, d.V, C);
+  cp_async_commit();
+  if (tid < kC) {
+    gam[tid] = tid < C ? gcum[rv + static_cast<int64_t>(tid) * d.Hv] : 0.f;
+    bet[tid] = tid < C ? beta[rv + static_cast<int64_t>(tid) * d.Hv] : 0.f;
+  }
+  cp_async_wait_all();
+  block_sync();
+
+  float db_row[2] = {0.f, 0.f}, dg_row[2] = {0.f, 0.f};
+  float acc[1][16][4];  // X_u, then X_w -> the dk^ accumulator
+  float dT[1][8][4];
+  {
+    zero(acc);
+    warp_mma<1, 16, true, true, kC>(acc, Tt, warp * 16, At, 0);
+#pragma unroll
+    for (int r2 = 0; r2 < 2; ++r2) {
+      const int i = frag_row(warp * 16, 0, r2);
+#pragma unroll
+      for (int nt = 0; nt < 16; ++nt) {
+        const int c = frag_col(0, nt);
+        const float x0 = acc[0][nt][2 * r2], x1 = acc[0][nt][2 * r2 + 1];
+        db_row[r2] += x0 * Bt.get(i, c) + x1 * Bt.get(i, c + 1);
+        if (i < C && c < d.V)
+          st2(dv + (rv + static_cast<int64_t>(i) * d.Hv) * d.V + c, bet[i] * x0, bet[i] * x1);
+      }
+    }
+    zero(dT);
+    warp_mma<1, 8, false, false, kD>(dT, At, warp * 16, Bt, 0);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dT[0][nt][e] *= bet[frag_col(0, nt) + (e & 1)];
+  }
+  block_sync();
+  load_rows(At, dwp, psv, rv * kD, static_cast<int64_t>(d.Hv) * kD, 0, C);
+  load_rows(Bt, kh, psk, rk * kD, static_cast<int64_t>(d.Hk) * kD, 0, C);
+  cp_async_commit();
+  cp_async_wait_all();
+  block_sync();
+  {
+    zero(acc);
+    warp_mma<1, 16, true, true, kC>(acc, Tt, warp * 16, At, 0);
+#pragma unroll
+    for (int r2 = 0; r2 < 2; ++r2) {
+      const int i = frag_row(warp * 16, 0, r2);
+      float dot = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 16; ++nt) {
+        const int c = frag_col(0, nt);
+        dot += acc[0][nt][2 * r2] * Bt.get(i, c) + acc[0][nt][2 * r2 + 1] * Bt.get(i, c + 1);
+      }
+      const float gi = i < C ? expf(gam[i]) : 0.f, f = bet[i] * gi;
+      db_row[r2] += gi * dot;
+      dg_row[r2] += f * dot;
+#pragma unroll
+      for (int nt = 0; nt < 16; ++nt) {
+        acc[0][nt][2 * r2] *= f;
+        acc[0][nt][2 * r2 + 1] *= f;
+      }
+    }
+    float t2[1][8][4];
+    zero(t2);
+    warp_mma<1, 8, false, false, kD>(t2, At, warp * 16, Bt, 0);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = frag_col(0, nt) + (e & 1);
+        const float f = i < C ? bet[i] * expf(gam[i]) : 0.f;
+        dT[0][nt][e] += t2[0][nt][e] * f;
+      }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int r2 = 0; r2 < 2; ++r2)
+        dTt.put2(frag_row(warp * 16, 0, r2), frag_col(0, nt), dT[0][nt][2 * r2],
+                 dT[0][nt][2 * r2 + 1]);
+  }
+  block_sync();
+  {  // Y = dT T^T
+    float y[1][8][4];
+    zero(y);
+    warp_mma<1, 8, false, false, kC>(y, dTt, warp * 16, Tt, 0);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int r2 = 0; r2 < 2; ++r2)
+        Yt.put2(frag_row(warp * 16, 0, r2), frag_col(0, nt), y[0][nt][2 * r2],
+                y[0][nt][2 * r2 + 1]);
+  }
+  block_sync();
+  {  // Ef = (i < t < C) exp(gamma_t - gamma_i) k_t . k_i (each thread reads back only its own
+     // entries)
+    float a[1][8][4];
+    zero(a);
+    warp_mma<1, 8, false, false, kD>(a, Bt, warp * 16, Bt, 0);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = frag_row(warp * 16, 0, e >> 1), i = frag_col(0, nt) + (e & 1);
+        Ef[t * 65 + i] = (t < C && i < t) ? expf(gam[t] - gam[i]) * a[0][nt][e] : 0.f;
+      }
+  }
+  {  // dL = -T^T Y;  dA = dL beta_t exp();  Ef <- dL o L
+    float z[1][8][4];
+    zero(z);
+    warp_mma<1, 8, true, true, kC>(z, Tt, warp * 16, Yt, 0);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int r2 = 0; r2 < 2; ++r2) {
+        const int t = frag_row(warp * 16, 0, r2), i = frag_col(0, nt);
+        float da[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int ii = i + e;
+          const bool ok = t < C && ii < t;
+          const float dlv = -z[0][nt][2 * r2 + e], ea = Ef[t * 65 + ii];
+          da[e] = ok ? dlv * bet[t] * expf(gam[t] - gam[ii]) : 0.f;
+          db_row[r2] += dlv * ea;
+          Ef[t * 65 + ii] = dlv * bet[t] * ea;
+        }
+        dAt.put2(t, i, da[0], da[1]);
+      }
+  }
+  block_sync();
+  warp_mma<1, 16, false, true, kC>(acc, dAt, warp * 16, Bt, 0);
+  warp_mma<1, 16, true, true, kC>(acc, dAt, warp * 16, Bt, 0);
+#pragma unroll
+  for (int r2 = 0; r2 < 2;
+       ++r2) {  // dk^ += acc: all loads first (they would serialise behind the stores)
+    const int t = frag_row(warp * 16, 0, r2);
+    if (t >= C) continue;
+    F2* row = reinterpret_cast<F2*>(dkp + (rv + static_cast<int64_t>(t) * d.Hv) * kD);
+    F2 x[16];
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) x[nt] = row[frag_col(0, nt) / 2];
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt)
+      row[frag_col(0, nt) / 2] = F2{x[nt].x + acc[0][nt][2 * r2], x[nt].y + acc[0][nt][2 * r2 + 1]};
+  }
+#pragma unroll
+  for (int r2 = 0; r2 < 2; ++r2) {
+    const float a = row_reduce4(db_row[r2]), b = row_reduce4(dg_row[r2]);
+    if ((lane & 3) == 0) {
+      const int t = frag_row(warp * 16, 0, r2);
+      dbr[t] = a;
+      dgr[t] = b;
+    }
+  }
+  if (tid < kC) {
+    float s = 0.f;
+    for (int i = 0; i < kC; ++i) s += Ef[tid * 65 + i];
+    for (int j = 0; j < kC; ++j) s -= Ef[j * 65 + tid];
+    dge[tid] = s;
+  }
+  block_sync();
+  if (warp == 0) {  // dg_i = sum_{t >= i} dgamma_t within the chunk (2 tokens a lane)
+    float v2[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int t = lane * 2 + e;
+      v2[e] = t < C ? dgr[t] + dge[t] + dgp[rv + static_cast<int64_t>(t) * d.Hv] : 0.f;
+    }
+    const float s1 = v2[1], s0 = v2[0] + v2[1];
+    float x = s0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float y = shfl_down(x, o);
+      if (lane + o < 32) x += y;
+    }
+    const float after = x - s0;  // lanes above this one
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int t = lane * 2 + e;
+      if (t < C) {
+        dg[rv + static_cast<int64_t>(t) * d.Hv] = (e == 0 ? s0 : s1) + after;
+        dbeta[rv + static_cast<int64_t>(t) * d.Hv] = dbr[t];
+      }
+    }
+  }
+}
+
+// ---- 8. dq, dk: sum the value heads of each key head, then back through the scale and L2 norm
+// ----
+template <class Tin>
+__global__ void __launch_bounds__(kThreads)
+    finalize_qk_kernel(Dims d, float* dq, float* dk, const Tin* q, const Tin* k, const float* dqp,
+                       const float* dkp) {
+  const int lane = threadIdx.x & 31;
+  const int64_t rows = d.T * d.Hk;
+  for (int64_t w = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5; w < 2 * rows;
+       w += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const bool is_q = w < rows;
+    const int64_t r = is_q ? w : w - rows, t = r / d.Hk;
+    const int hk = static_cast<int>(r % d.Hk), c = lane * 4;
+    const float* part = is_q ? dqp : dkp;
+    float y[4] = {0.f, 0.f, 0.f, 0.f}, x[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int gi = 0; gi < d.G; ++gi) {
+      float p[4];
+      ld4(part + (t * d.Hv + static_cast<int64_t>(hk) * d.G + gi) * kD + c, p);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) y[e] += p[e];
+    }
+    if (c < d.K) ld4((is_q ? q : k) + r * d.K + c, x);
+    float ss = 0.f, dot = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      ss += x[e] * x[e];
+      dot += x[e] * y[e];
+    }
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1) {
+      ss += shfl_xor(ss, m);
+      dot += shfl_xor(dot, m);
+    }
+    const float s = is_q ? d.scale : 1.f;
+    float out[4];
+    if (d.l2norm) {
+      const float rn = rsqrtf(ss + d.eps), r3 = rn * rn * rn;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) out[e] = s * (rn * y[e] - r3 * x[e] * dot);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) out[e] = s * y[e];
+    }
+    if (c < d.K)
+      *reinterpret_cast<F4*>((is_q ? dq : dk) + r * d.K + c) = F4{out[0], out[1], out[2], out[3]};
+  }
+}
+
+// ---- host side ----------------------------------------------------------------------------------
+
+// Workspace carving: the same code sizes (base == nullptr) and hands out the buffers.
+struct Carve {
+  unsigned char* base;
+  size_t used = 0;
+  template <class T>
+  T* take(int64_t count) {
+    T* p = base ? reinterpret_cast<T*>(base + used) : nullptr;
+    used += (static_cast<size_t>(count) * sizeof(T) + 255) / 256 * 256;
+    return p;
+  }
+};
+
+Dims make_dims(const GdnDims& g, const int32_t* table) {
+  Dims d{};
+  d.T = g.T;
+  d.Hk = g.Hk;
+  d.Hv = g.Hv;
+  d.G = g.Hv / g.Hk;
+  d.K = g.K;
+  d.V = g.V;
+  d.scale = g.scale;
+  d.eps = g.eps;
+  d.l2norm = g.l2norm ? 1 : 0;
+  d.NC = g.num_chunks;
+  d.NS = g.num_seqs;
+  d.tab = table;
+  return d;
+}
+
+// Value columns per state-pass block: 64 when there are enough (sequence, head) pairs to fill
+// the GPU twice with them, else 32 (twice the blocks, each with half the work per chunk).
+// BB_GDN_VT=32|64 overrides (kernel-lab knob).
+int pick_vt(const GdnDims& g) {
+  if (const char* e = std::getenv("BB_GDN_VT")) {
+    const int v = std::atoi(e);
+    if (v == 32 || v == 64) return v;
+  }
+  return static_cast<int64_t>(g.num_seqs) * g.Hv * 2 >= 2LL * num_sms() ? 64 : 32;
+}
+
+unsigned blocks_for(int64_t work_items, int per_block) {
+  const int64_t b = (work_items + per_block - 1) / per_block;
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(b, int64_t{num_sms()} * 16)));
+}
+
+struct FwdBuffers {
+  uint16_t *qh, *kh, *w, *u, *pm, *tm;
+  float* gcum;
+};
+
+template <int NPL>
+FwdBuffers carve_prep(Carve& c, const GdnDims& g, bool with_t) {
+  FwdBuffers b{};
+  b.qh = c.take<uint16_t>(NPL * g.T * g.Hk * kD);
+  b.kh = c.take<uint16_t>(NPL * g.T * g.Hk * kD);
+  b.w = c.take<uint16_t>(NPL * g.T * g.Hv * kD);
+  b.u = c.take<uint16_t>(NPL * g.T * g.Hv * kD);
+  b.pm = c.take<uint16_t>(NPL * g.T * g.Hv * kC);
+  b.tm = with_t ? c.take<uint16_t>(NPL * g.T * g.Hv * kC) : nullptr;
+  b.gcum = c.take<float>(g.T * g.Hv);
+  return b;
+}
+
+template <class Tin, bool kStoreT>
+void run_prep(const Dims& d, const FwdBuffers& b, const Tin* q, const Tin* k, const Tin* v,
+              const float* g, const float* beta) {
+  constexpr int NPL = planes_of<Tin>();
+  launch(qk_norm_kernel<Tin>, dim3(blocks_for(2 * d.T * d.Hk, kWarps)), kThreads, 0, d, b.qh, b.kh,
+         q, k);
+  launch(chunk_prep_kernel<Tin, kStoreT>,
+         dim3(static_cast<unsigned>(d.NC), static_cast<unsigned>(d.Hv)), kThreads,
+         PrepLayout<NPL>::kBytes, d, static_cast<const uint16_t*>(b.qh),
+         static_cast<const uint16_t*>(b.kh), v, g, beta, b.gcum, b.w, b.u, b.pm, b.tm);
+}
+
+template <class Tin, bool kFwd>
+void run_state_fwd(const Dims& d, int vt, const FwdBuffers& b, Tin* o, uint16_t* hs, uint16_t* dl) {
+  constexpr int NPL = planes_of<Tin>();
+  const unsigned gy = static_cast<unsigned>(d.NS);
+  if (vt == 64)
+    launch(state_fwd_kernel<Tin, 64, kFwd>, dim3(static_cast<unsigned>(d.Hv * (kD / 64)), gy),
+           kStateThreads, StateFwdLayout<NPL, 64, kFwd>::kBytes, d,
+           static_cast<const uint16_t*>(b.kh), static_cast<const uint16_t*>(b.qh),
+           static_cast<const uint16_t*>(b.w), static_cast<const uint16_t*>(b.u),
+           static_cast<const uint16_t*>(b.pm), static_cast<const float*>(b.gcum), o, hs, dl);
+  else
+    launch(state_fwd_kernel<Tin, 32, kFwd>, dim3(static_cast<unsigned>(d.Hv * (kD / 32)), gy),
+           kStateThreads, StateFwdLayout<NPL, 32, kFwd>::kBytes, d,
+           static_cast<const uint16_t*>(b.kh), static_cast<const uint16_t*>(b.qh),
+           static_cast<const uint16_t*>(b.w), static_cast<const uint16_t*>(b.u),
+           static_cast<const uint16_t*>(b.pm), static_cast<const float*>(b.gcum), o, hs, dl);
+}
+
+template <class Tin>
+size_t forward_ws(const GdnDims& g) {
+  Carve c{nullptr};
+  carve_prep<planes_of<Tin>()>(c, g, false);
+  return c.used;
+}
+
+template <class Tin>
+void forward_impl(Tin* o, const Tin* q, const Tin* k, const Tin* v, const float* g,
+                  const float* beta, const int32_t* table, const GdnDims& gd, void* ws) {
+  const Dims d = make_dims(gd, table);
+  Carve c{static_cast<unsigned char*>(ws)};
+  const FwdBuffers b = carve_prep<planes_of<Tin>()>(c, gd, false);
+  run_prep<Tin, false>(d, b, q, k, v, g, beta);
+  run_state_fwd<Tin, true>(d, pick_vt(gd), b, o, nullptr, nullptr);
+}
+
+struct BwdBuffers {
+  FwdBuffers f;
+  uint16_t *hs, *dl, *dop, *dhs, *ddl, *dwp;
+  float *dqp, *dkp, *dgp;
+  bool own_do;
+};
+
+template <int NPL>
+BwdBuffers carve_bwd(Carve& c, const GdnDims& g, bool own_do) {
+  BwdBuffers b{};
+  b.f = carve_prep<NPL>(c, g, true);
+  const int64_t state = NPL * static_cast<int64_t>(g.num_chunks) * g.Hv * kD * kD;
+  b.hs = c.take<uint16_t>(state);
+  b.dl = c.take<uint16_t>(NPL * g.T * g.Hv * kD);
+  b.own_do = own_do;
+  b.dop = own_do ? c.take<uint16_t>(NPL * g.T * g.Hv * kD) : nullptr;
+  b.dhs = c.take<uint16_t>(state);
+  b.ddl = c.take<uint16_t>(NPL * g.T * g.Hv * kD);
+  b.dwp = b.f.u;  // U is dead once the states are rebuilt; dW takes its place
+  b.dqp = c.take<float>(g.T * g.Hv * kD);
+  b.dkp = c.take<float>(g.T * g.Hv * kD);
+  b.dgp = c.take<float>(g.T * g.Hv);
+  return b;
+}
+
+// d_o can serve as its own operand plane when it is bf16 in the bf16 path and V = D.
+bool do_needs_planes(const GdnDims& g, DType dt, DType do_dt) {
+  return !(dt == DType::bf16 && do_dt == DType::bf16 && g.V == kD);
+}
+
+template <class Tin>
+size_t backward_ws(const GdnDims& g, bool own_do) {
+  Carve c{nullptr};
+  carve_bwd<planes_of<Tin>()>(c, g, own_do);
+  return c.used;
+}
+
+template <class Tin>
+void backward_impl(float* dq, float* dk, float* dv, float* dg, float* dbeta, const void* d_o,
+                   DType do_dt, const Tin* q, const Tin* k, const Tin* v, const float* g,
+                   const float* beta, const int32_t* table, const GdnDims& gd, DType dt, void* ws) {
+  constexpr int NPL = planes_of<Tin>();
+  const Dims d = make_dims(gd, table);
+  const bool own_do = do_needs_planes(gd, dt, do_dt);
+  Carve c{static_cast<unsigned char*>(ws)};
+  const BwdBuffers b = carve_bwd<NPL>(c, gd, own_do);
+  const int vt = pick_vt(gd);
+  run_prep<Tin, true>(d, b.f, q, k, v, g, beta);
+  run_state_fwd<Tin, false>(d, vt, b.f, static_cast<Tin*>(nullptr), b.hs, b.dl);
+  const uint16_t* dop = static_cast<const uint16_t*>(d_o);
+  const int64_t psdo = gd.T * gd.Hv * kD;
+  if (own_do) {
+    const unsigned blocks = blocks_for(gd.T * gd.Hv * (kD / 4), kThreads);
+    if (do_dt == DType::f32)
+      launch(convert_do_kernel<float, NPL>, dim3(blocks), kThreads, 0, d, b.dop,
+             static_cast<const float*>(d_o));
+    else
+      launch(convert_do_kernel<uint16_t, NPL>, dim3(blocks), kThreads, 0, d, b.dop,
+             static_cast<const uint16_t*>(d_o));
+    dop = b.dop;
+  }
+  const unsigned gy = static_cast<unsigned>(d.NS);
+  const uint16_t *kh = b.f.kh, *qh = b.f.qh, *w = b.f.w, *pm = b.f.pm;
+  if (vt == 64)
+    launch(state_bwd_kernel<NPL, 64>, dim3(static_cast<unsigned>(d.Hv * (kD / 64)), gy),
+           kStateThreads, StateBwdLayout<NPL, 64>::kBytes, d, kh, qh, w, pm, dop, psdo,
+           static_cast<const float*>(b.f.gcum), b.dhs, b.ddl);
+  else
+    launch(state_bwd_kernel<NPL, 32>, dim3(static_cast<unsigned>(d.Hv * (kD / 32)), gy),
+           kStateThreads, StateBwdLayout<NPL, 32>::kBytes, d, kh, qh, w, pm, dop, psdo,
+           static_cast<const float*>(b.f.gcum), b.dhs, b.ddl);
+  const dim3 chunks(static_cast<unsigned>(d.NC), static_cast<unsigned>(d.Hv));
+  launch(dqkw_kernel<NPL>, chunks, kThreads, DqkwLayout<NPL>::kBytes, d, kh, qh, pm, dop, psdo,
+         static_cast<const uint16_t*>(b.dl), static_cast<const uint16_t*>(b.ddl),
+         static_cast<const uint16_t*>(b.hs), static_cast<const uint16_t*>(b.dhs),
+         static_cast<const float*>(b.f.gcum), b.dqp, b.dkp, b.dwp, b.dgp);
+  launch(wy_bwd_kernel<Tin>, chunks, kThreads, WyLayout<NPL>::kBytes, d, kh,
+         static_cast<const uint16_t*>(b.f.tm), static_cast<const uint16_t*>(b.ddl),
+         static_cast<const uint16_t*>(b.dwp), v, beta, static_cast<const float*>(b.f.gcum),
+         static_cast<const float*>(b.dgp), b.dkp, dv, dbeta, dg);
+  launch(finalize_qk_kernel<Tin>, dim3(blocks_for(2 * d.T * d.Hk, kWarps)), kThreads, 0, d, dq, dk,
+         q, k, static_cast<const float*>(b.dqp), static_cast<const float*>(b.dkp));
+}
+
+}  // namespace
+
+std::vector<int32_t> gdn_chunk_table(const int32_t* cu, int64_t nseq, GdnDims& dims) {
+  std::vector<int32_t> starts, lens, order;
+  std::vector<int32_t> first(static_cast<size_t>(nseq)), count(static_cast<size_t>(nseq));
+  for (int64_t s = 0; s < nseq; ++s) {
+    first[static_cast<size_t>(s)] = static_cast<int32_t>(starts.size());
+    for (int32_t c0 = cu[s]; c0 < cu[s + 1]; c0 += kC) {
+      starts.push_back(c0);
+      lens.push_back(std::min(kC, cu[s + 1] - c0));
+    }
+    count[static_cast<size_t>(s)] =
+        static_cast<int32_t>(starts.size()) - first[static_cast<size_t>(s)];
+    if (count[static_cast<size_t>(s)] > 0) order.push_back(static_cast<int32_t>(s));
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+    return count[static_cast<size_t>(a)] > count[static_cast<size_t>(b)];
+  });
+  BB_CHECK(order.size() <= 65535,
+           "gated_delta_rule (CUDA): at most 65535 non-empty sequences per call, got ",
+           order.size());
+  dims.num_chunks = static_cast<int>(starts.size());
+  dims.num_seqs = static_cast<int>(order.size());
+  std::vector<int32_t> table(starts);
+  table.insert(table.end(), lens.begin(), lens.end());
+  for (int32_t s : order) table.push_back(first[static_cast<size_t>(s)]);
+  for (int32_t s : order) table.push_back(count[static_cast<size_t>(s)]);
+  return table;
+}
+
+size_t gdn_forward_workspace_bytes(const GdnDims& dims, DType dt) {
+  return dt == DType::f32 ? forward_ws<float>(dims) : forward_ws<uint16_t>(dims);
+}
+
+void gdn_forward(void* o, const void* q, const void* k, const void* v, const float* g,
+                 const float* beta, const int32_t* table, const GdnDims& dims, DType dt, void* ws) {
+  if (dims.T == 0 || dims.num_chunks == 0) return;
+  if (dt == DType::f32)
+    forward_impl<float>(static_cast<float*>(o), static_cast<const float*>(q),
+                        static_cast<const float*>(k), static_cast<const float*>(v), g, beta, table,
+                        dims, ws);
+  else
+    forward_impl<uint16_t>(static_cast<uint16_t*>(o), static_cast<const uint16_t*>(q),
+                           static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), g,
+                           beta, table, dims, ws);
+}
+
+size_t gdn_backward_workspace_bytes(const GdnDims& dims, DType dt, DType do_dt) {
+  const bool own = do_needs_planes(dims, dt, do_dt);
+  return dt == DType::f32 ? backward_ws<float>(dims, own) : backward_ws<uint16_t>(dims, own);
+}
+
+void gdn_backward(float* dq, float* dk, float* dv, float* dg, float* dbeta, const void* d_o,
+                  DType do_dt, const void* q, const void* k, const void* v, const float* g,
+                  const float* beta, const int32_t* table, const GdnDims& dims, DType dt,
+                  void* ws) {
+  if (dims.T == 0 || dims.num_chunks == 0) return;
+  if (dt == DType::f32)
+    backward_impl<float>(dq, dk, dv, dg, dbeta, d_o, do_dt, static_cast<const float*>(q),
+                         static_cast<const float*>(k), static_cast<const float*>(v), g, beta, table,
+                         dims, dt, ws);
+  else
+    backward_impl<uint16_t>(dq, dk, dv, dg, dbeta, d_o, do_dt, static_cast<const uint16_t*>(q),
+                            static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), g,
+                            beta, table, dims, dt, ws);
+}
+
+}  // namespace bb::cuda

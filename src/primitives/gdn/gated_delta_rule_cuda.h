@@ -1,0 +1,47 @@
+// gated_delta_rule_cuda.h — host-side declarations of the chunked gated delta rule CUDA kernels
+// (equations in gated_delta_rule_ref.h and skills/gated-delta-rule.md). Raw device pointers;
+// everything is enqueued on cuda::stream(); no host synchronisation.
+//
+// Tensors (T tokens, Hk key heads, Hv value heads, K = V <= 128 head dims, K % 8 == V % 8 == 0):
+//   q, k   [T, Hk, K]  f32 or bf16 (`dt`)      v   [T, Hv, V]  dt       o  [T, Hv, V]  dt (written)
+//   g, beta [T, Hv]    f32
+//   d_o    [T, Hv, V]  f32 or dt (`do_dt`)
+//   dq, dk [T, Hk, K], dv [T, Hv, V], dg, dbeta [T, Hv]: f32, written (=)
+//   table  the chunk table of gdn_chunk_table(), uploaded to the device
+//   ws     workspace of gdn_*_workspace_bytes() bytes (device memory, no initial value needed)
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "core/dtype.h"
+
+namespace bb::cuda {
+
+struct GdnDims {
+  int64_t T = 0;
+  int Hk = 0, Hv = 0, K = 0, V = 0;
+  float scale = 1.f;  // applied to q after the norm (already resolved: never 0 here)
+  float eps = 1e-6f;
+  bool l2norm = true;
+  int num_chunks = 0;  // filled by gdn_chunk_table
+  int num_seqs = 0;    // non-empty sequences, filled by gdn_chunk_table
+};
+
+// Host: the chunk table for cu_seqlens (host, nseq + 1 entries): chunks of 64 tokens that never
+// cross a sequence boundary (the last of a sequence may be partial), and the non-empty sequences
+// longest first (the sequential state passes of long sequences start first). Layout, ints:
+// [chunk_start x C][chunk_len x C][seq_first_chunk x S][seq_num_chunks x S]. Sets the counts.
+std::vector<int32_t> gdn_chunk_table(const int32_t* cu, int64_t nseq, GdnDims& dims);
+
+size_t gdn_forward_workspace_bytes(const GdnDims& dims, DType dt);
+void gdn_forward(void* o, const void* q, const void* k, const void* v, const float* g,
+                 const float* beta, const int32_t* table, const GdnDims& dims, DType dt, void* ws);
+
+size_t gdn_backward_workspace_bytes(const GdnDims& dims, DType dt, DType do_dt);
+void gdn_backward(float* dq, float* dk, float* dv, float* dg, float* dbeta, const void* d_o,
+                  DType do_dt, const void* q, const void* k, const void* v, const float* g,
+                  const float* beta, const int32_t* table, const GdnDims& dims, DType dt, void* ws);
+
+}  // namespace bb::cuda
