@@ -11,6 +11,12 @@
 #   e2e_small    bench_train_step at 8K/16K/32K only
 #   paired       bench/paired_gpu.sh (every swap at 8K tokens of the 4-layer slice)
 #   hf           bench/hf_train_step.py at 8K/16K/32K/64K (PyTorch + transformers reference)
+#   gdn          (not in the default list) bench_gdn: the chunked gated delta rule kernels at the
+#                Qwen3.5 head shapes (32K, 8 x 4K packed, 128K, 256K)
+#   qwen35       (not in the default list) bench_train_step on the 4-layer Qwen3.5-35B-A3B slice
+#                (3 GDN + 1 gated attention layer) at 8K-128K, then 256K
+#   hf35         (not in the default list) hf_train_step.py on the same slice (transformers'
+#                PyTorch GDN fallback), with and without checkpointing, at HF35_SEQ (8K)
 #   sanitize     (not in the default list) every binary of `tests` under compute-sanitizer, once
 #                with --tool memcheck and once with --tool racecheck (--error-exitcode 99); logs
 #                sanitize_memcheck.log / sanitize_racecheck.log, one summary line per binary and
@@ -64,6 +70,19 @@ for part in "${PARTS[@]}"; do
     hf)
       PYTHONUNBUFFERED=1 run_logged hf.log python3 bench/hf_train_step.py --seq "${HF_SEQ:-8192,16384,32768,65536}" \
         --steps "${E2E_STEPS:-3}" --warmup 1 ;;
+    gdn)
+      [ -x "$BUILD/bench/bench_gdn" ] && run_logged gdn.log "$BUILD/bench/bench_gdn" ;;
+    qwen35)
+      q35=configs/models/qwen3.5-35b-a3b-4layer/config.json
+      run_logged qwen35.log "$BUILD/bench/bench_train_step" --config "$q35" \
+        --seq "${Q35_SEQ:-8192,16384,32768,65536,131072}" --steps "${E2E_STEPS:-3}" --warmup 1
+      run_logged qwen35.log "$BUILD/bench/bench_train_step" --config "$q35" --seq 262144 --steps 1 --warmup 1 ;;
+    hf35)
+      q35=configs/models/qwen3.5-35b-a3b-4layer/config.json
+      PYTHONUNBUFFERED=1 run_logged hf35.log python3 bench/hf_train_step.py --config "$q35" \
+        --seq "${HF35_SEQ:-8192}" --steps "${E2E_STEPS:-3}" --warmup 1
+      PYTHONUNBUFFERED=1 run_logged hf35.log python3 bench/hf_train_step.py --config "$q35" \
+        --seq "${HF35_SEQ:-8192}" --steps "${E2E_STEPS:-3}" --warmup 1 --no-checkpointing ;;
     sanitize)
       cs=$(command -v compute-sanitizer || true)
       for d in "${CUDA_HOME:-}" /usr/local/cuda; do

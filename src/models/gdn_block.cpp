@@ -25,11 +25,11 @@ struct GdnBlock::Saved final : BlockSaved {
   Tensor h;  // [T, H] input-norm output (the projections' input)
   RMSNormSaved rms;
   Tensor pre[3];   // [T, rows] f32 conv inputs of q, k, v (the projections)
-  Tensor act[3];   // [T, rows] f32 silu(conv(pre)): the gated delta rule's q, k, v
+  Tensor act[3];   // [T, rows] silu(conv(pre)) in the activation dtype: the gated delta rule's q, k, v
   Tensor z;        // [T, Hv Dv] output-gate projection
   Tensor a;        // [T, Hv] decay projection (g is recomputed from it in the gates' backward)
   Tensor g, beta;  // [T, Hv] f32 gates
-  Tensor o;        // [T, Hv, Dv] f32 gated delta rule output
+  Tensor o;        // [T, Hv, Dv] gated delta rule output (activation dtype)
   Tensor y;        // [T, Hv Dv] gated-norm output in the weight dtype: out_proj's input
 };
 
@@ -103,8 +103,12 @@ Tensor GdnBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) 
     const auto [row0, rows] = qkv_rows(i);
     S.pre[i] = block::as_dtype(linear_forward(S.h, w_qkv_->value.narrow(row0, rows), Tensor()),
                                DType::f32);
-    S.act[i] = causal_conv1d_forward(
-        S.pre[i], block::as_dtype(filters.narrow(row0, rows), DType::f32), cu, /*silu=*/true);
+    // On a GPU the gated delta rule takes q, k, v in the activation dtype (bf16: its tensor-core
+    // products run on bf16 operands; f32 inputs cost three products per multiply); its CPU
+    // reference takes f32.
+    S.act[i] = block::as_dtype(causal_conv1d_forward(S.pre[i], block::as_dtype(filters.narrow(row0, rows), DType::f32),
+                                                     cu, /*silu=*/true),
+                               x.device().is_cpu() ? DType::f32 : x.dtype());
   }
   S.z = linear_forward(S.h, w_z_->value, Tensor());
   S.a = linear_forward(S.h, w_a_->value, Tensor());
