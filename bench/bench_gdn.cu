@@ -2,7 +2,8 @@
 // forward + backward through the public API, at Qwen3.5 shapes by default.
 //
 //   bench_gdn [--seq LIST] [--hk 16] [--hv 32] [--k 128] [--v 128] [--dtype bf16|f32]
-//             [--do-dtype same|f32] [--no-l2norm] [--vt auto|32|64] [--iters 10] [--warmup 2]
+//             [--do-dtype same|f32] [--no-l2norm] [--vt auto|32|64] [--state-warps auto|4|8]
+//             [--iters 10] [--warmup 2]
 //   LIST: comma-separated shapes, each N (one sequence of N tokens) or NxM (M packed sequences of
 //   N tokens); default 32768,4096x8,131072,262144.
 //
@@ -44,7 +45,7 @@ struct Shape2 {
 struct Args {
   std::vector<Shape2> shapes;
   int64_t hk = 16, hv = 32, k = 128, v = 128;
-  std::string dtype = "bf16", do_dtype = "same", vt = "auto";
+  std::string dtype = "bf16", do_dtype = "same", vt = "auto", state_warps = "auto";
   bool l2norm = true;
   int iters = 10, warmup = 2;
 };
@@ -55,6 +56,7 @@ struct Args {
       "bench_gdn: %s\n"
       "usage: bench_gdn [--seq N|NxM[,...]] [--hk 16] [--hv 32] [--k 128] [--v 128]\n"
       "                 [--dtype bf16|f32] [--do-dtype same|f32] [--no-l2norm] [--vt auto|32|64]\n"
+      "                 [--state-warps auto|4|8]\n"
       "                 [--iters 10] [--warmup 2]\n",
       why.c_str());
   std::exit(2);
@@ -99,8 +101,9 @@ Args parse(int argc, char** argv) {
       continue;
     }
     if (k == "--help" || k == "-h") usage("help");
-    static const char* kValued[] = {"--seq",   "--hk",     "--hv",    "--k",        "--v",
-                                    "--iters", "--warmup", "--dtype", "--do-dtype", "--vt"};
+    static const char* kValued[] = {"--seq",      "--hk",    "--hv",         "--k",
+                                    "--v",        "--iters", "--warmup",     "--dtype",
+                                    "--do-dtype", "--vt",    "--state-warps"};
     if (std::find(std::begin(kValued), std::end(kValued), k) == std::end(kValued))
       usage("unknown option " + k);
     if (i + 1 >= argc) usage("option " + k + " needs a value");
@@ -129,6 +132,10 @@ Args parse(int argc, char** argv) {
       if (v != "auto" && v != "32" && v != "64")
         usage("--vt must be auto, 32 or 64, got '" + v + "'");
       a.vt = v;
+    } else if (k == "--state-warps") {
+      if (v != "auto" && v != "4" && v != "8")
+        usage("--state-warps must be auto, 4 or 8, got '" + v + "'");
+      a.state_warps = v;
     } else
       usage("unknown option " + k);
   }
@@ -199,6 +206,7 @@ double time_ms(const Args& a, Fn&& fn) {
 
 int run(const Args& a) {
   if (a.vt != "auto") setenv("BB_GDN_VT", a.vt.c_str(), 1);
+  if (a.state_warps != "auto") setenv("BB_GDN_STATE_WARPS", a.state_warps.c_str(), 1);
   cudaDeviceProp prop{};
   BB_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   const DType dt = a.dtype == "bf16" ? DType::bf16 : DType::f32;

@@ -9,8 +9,8 @@
 //   diag(beta Gamma)) K,  U = (T diag(beta)) V,  Delta = U - W S0 P = (i <= t) exp(gamma_t -
 //   gamma_i) q_t . k_i O = diag(Gamma) Q S0 + P Delta,  S_next = Gamma_last S0 + K^T diag(c) Delta
 //
-// Kernels (128 threads = 4 warps, the two sequential state passes 256; chunk-local products on
-// tensor cores):
+// Kernels (128 threads = 4 warps; the sequential state passes 4 or 8 warps, pick_state_warps;
+// chunk-local products on tensor cores):
 //   forward:  qk_norm -> chunk_prep -> state_fwd<fused output>
 //   backward: qk_norm -> chunk_prep (+T) -> state_fwd<recompute: boundary states h, Delta>
 //             -> [d_o to operand planes] -> state_bwd (reverse: dh, dDelta) -> dqkw (dq, dk parts,
@@ -32,8 +32,11 @@
 // one block per (non-empty sequence, value head, VT value columns), sequential over the chunks of
 // the sequence, with the next chunk's tiles prefetched by cp.async (two stages for bf16; one for
 // f32, whose hi/lo tiles need twice the shared memory). Nothing is atomic: results are bitwise
-// reproducible. Measured on an H200 (bench_gdn, skills/gated-delta-rule.md): the state passes and
-// chunk_prep / dqkw are latency bound, not yet near the tensor-core or memory ceilings.
+// reproducible. Measured on an H200 (bench_gdn, ncu; skills/gated-delta-rule.md): the state
+// passes are bound by shared-memory bandwidth (every warp reads the S / Delta tiles it shares
+// with the others, about 250 KB per chunk and block), chunk_prep / dqkw / wy_bwd by latency at
+// 3 / 2 / 2 blocks an SM; none is near the tensor-core or HBM ceilings. Shared-memory layouts
+// overlap buffers whose lives do not overlap, to fit those blocks.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -54,8 +57,7 @@ constexpr int kC = 64;         // tokens per chunk
 constexpr int kD = 128;        // padded K and V
 constexpr int kThreads = 128;  // every kernel but the state passes
 constexpr int kWarps = kThreads / 32;
-constexpr int kStateThreads =
-    256;  // state passes: 8 warps hide the latency of one chunk's short products
+// The state passes run 8 warps a block (or 4: BB_GDN_STATE_WARPS, see pick_state_warps).
 
 // ---- device intrinsics (all PTX in one place) -------------------------------------------------
 __device__ __forceinline__ uint16_t f2bf(float x) {
@@ -101,6 +103,11 @@ __device__ __forceinline__ void cp_async_commit() {
 __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
+// exp of a log-decay difference (<= 0 in practice): ex2.approx, relative error about 2^-22 plus
+// |x| 2^-24 from scaling the argument, far below the bf16 operand rounding and the f32 path's 1e-4.
+__device__ __forceinline__ float fexp(float x) {
+  return __expf(x);
+}
 __device__ __forceinline__ float shfl_xor(float v, int m) {
   return __shfl_xor_sync(0xffffffffu, v, m);
 }
@@ -121,9 +128,14 @@ __device__ __forceinline__ unsigned char* smem_base() {
 template <class... P, class... A>
 void launch(void (*kernel)(P...), dim3 grid, int threads, size_t smem, A... args) {
   if (grid.x == 0 || grid.y == 0) return;
-  if (smem > 48 * 1024)
+  if (smem > 48 * 1024) {
     BB_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem)));
+    // All of the unified L1 as shared memory: the tiles come in by cp.async.cg (L2 only), and
+    // the blocks an SM holds are set by shared memory.
+    BB_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                       cudaSharedmemCarveoutMaxShared));
+  }
   kernel<<<grid, threads, smem, stream()>>>(static_cast<P>(args)...);
   BB_CHECK_LAUNCH();
 }
@@ -198,6 +210,17 @@ struct Tile {
     if constexpr (NPL == 2) v += bf2f(*at(1, r, c));
     return v;
   }
+  // c even: columns c and c + 1, one 32-bit read a plane
+  __device__ __forceinline__ F2 get2(int r, int c) const {
+    const uint32_t h = *reinterpret_cast<const uint32_t*>(at(0, r, c));
+    F2 v{bf2f(static_cast<uint16_t>(h & 0xffffu)), bf2f(static_cast<uint16_t>(h >> 16))};
+    if constexpr (NPL == 2) {
+      const uint32_t l = *reinterpret_cast<const uint32_t*>(at(1, r, c));
+      v.x += bf2f(static_cast<uint16_t>(l & 0xffffu));
+      v.y += bf2f(static_cast<uint16_t>(l >> 16));
+    }
+    return v;
+  }
   // c even
   __device__ __forceinline__ void put2(int r, int c, float v0, float v1) const {
     const uint16_t h0 = f2bf(v0), h1 = f2bf(v1);
@@ -214,15 +237,33 @@ __device__ __forceinline__ void load_rows(const Tile<R, COLS, NPL>& t, const uin
                                           int64_t ps, int64_t row0, int64_t row_stride, int col0,
                                           int valid) {
   constexpr int kChunks = COLS / 8;
+  if constexpr ((R * kChunks) % NTH == 0 && NTH % kChunks == 0) {
+    // Every thread copies the same 16-byte column chunk of kPer rows kStep apart: the addresses
+    // are one base plus constant steps (the issue cost per chunk of the state passes matters).
+    constexpr int kPer = R * kChunks / NTH, kStep = NTH / kChunks;
+    const int r0 = static_cast<int>(threadIdx.x) / kChunks,
+              ch = static_cast<int>(threadIdx.x) % kChunks;
+    const int64_t step = kStep * row_stride;
 #pragma unroll
-  for (int pl = 0; pl < NPL; ++pl) {
-    const uint16_t* gp = g + pl * ps;
+    for (int pl = 0; pl < NPL; ++pl) {
+      const uint16_t* gp = g + pl * ps + row0 + r0 * row_stride + col0 + ch * 8;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        const bool ok = r0 + j * kStep < valid;
+        cp_async16(t.at(pl, r0 + j * kStep, ch * 8), ok ? gp + j * step : g, ok);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int pl = 0; pl < NPL; ++pl) {
+      const uint16_t* gp = g + pl * ps;
 #pragma unroll 4
-    for (int i = threadIdx.x; i < R * kChunks; i += NTH) {
-      const int r = i / kChunks, ch = i % kChunks;
-      const bool ok = r < valid;
-      const uint16_t* src = ok ? gp + row0 + r * row_stride + col0 + ch * 8 : g;
-      cp_async16(t.at(pl, r, ch * 8), src, ok);
+      for (int i = threadIdx.x; i < R * kChunks; i += NTH) {
+        const int r = i / kChunks, ch = i % kChunks;
+        const bool ok = r < valid;
+        const uint16_t* src = ok ? gp + row0 + r * row_stride + col0 + ch * 8 : g;
+        cp_async16(t.at(pl, r, ch * 8), src, ok);
+      }
     }
   }
 }
@@ -234,8 +275,13 @@ template <int R, int COLS, int NPL>
 __device__ __forceinline__ void load_raw_rows(const Tile<R, COLS, NPL>& t, const uint16_t* src,
                                               int64_t row_stride, int width, int valid) {
   constexpr int kChunks = COLS / 8;
-  for (int i = threadIdx.x; i < R * kChunks; i += kThreads) {
-    const int r = i / kChunks, ch = i % kChunks;
+  static_assert((R * kChunks) % kThreads == 0 && kThreads % kChunks == 0, "raw tile shape");
+  constexpr int kPer = R * kChunks / kThreads, kStep = kThreads / kChunks;
+  const int r0 = static_cast<int>(threadIdx.x) / kChunks,
+            ch = static_cast<int>(threadIdx.x) % kChunks;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int r = r0 + j * kStep;
     const bool ok = r < valid && ch * 8 < width;
     cp_async16(t.at(0, r, ch * 8), ok ? src + r * row_stride + ch * 8 : src, ok);
   }
@@ -297,6 +343,48 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const TA& A, i
             mma_bf16(c, a[1][mt], b[0][2 * sub], b[0][2 * sub + 1]);
           }
         }
+    }
+  }
+}
+
+// acc1 += A1[m0 + 16 rows][0, KLEN) B and acc2 += A2[...] B, one warp, A tiles as [m][k], B as
+// [k][n]: each B fragment is read from shared memory once for both products (the forward state
+// pass reads S for W S and Q S; shared-memory bandwidth bounds it).
+template <int NT, int KLEN, class TA, class TB>
+__device__ __forceinline__ void warp_mma_pair(float (&acc1)[1][NT][4], float (&acc2)[1][NT][4],
+                                              const TA& A1, const TA& A2, int m0, const TB& B,
+                                              int n0) {
+  static_assert(NT % 2 == 0, "n tiles come in pairs");
+  constexpr int NPL = (TA::kBytes / TA::kPlane) / 2;
+  static_assert(NPL == (TB::kBytes / TB::kPlane) / 2, "operands of one product share a precision");
+  const int lane = threadIdx.x & 31, j = lane >> 3, rr = lane & 7;
+#pragma unroll
+  for (int k = 0; k < KLEN; k += 16) {
+    uint32_t a1[NPL][4], a2[NPL][4];
+#pragma unroll
+    for (int pl = 0; pl < NPL; ++pl) {
+      ldsm4(a1[pl], A1.at(pl, m0 + (lane & 15), k + (lane >> 4) * 8));
+      ldsm4(a2[pl], A2.at(pl, m0 + (lane & 15), k + (lane >> 4) * 8));
+    }
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      uint32_t b[NPL][4];
+#pragma unroll
+      for (int pl = 0; pl < NPL; ++pl)
+        ldsm4t(b[pl], B.at(pl, k + rr + (j & 1) * 8, n0 + np * 16 + (j >> 1) * 8));
+#pragma unroll
+      for (int sub = 0; sub < 2; ++sub) {
+        float(&c1)[4] = acc1[0][np * 2 + sub];
+        float(&c2)[4] = acc2[0][np * 2 + sub];
+        mma_bf16(c1, a1[0], b[0][2 * sub], b[0][2 * sub + 1]);
+        mma_bf16(c2, a2[0], b[0][2 * sub], b[0][2 * sub + 1]);
+        if constexpr (NPL == 2) {
+          mma_bf16(c1, a1[0], b[1][2 * sub], b[1][2 * sub + 1]);
+          mma_bf16(c1, a1[1], b[0][2 * sub], b[0][2 * sub + 1]);
+          mma_bf16(c2, a2[0], b[1][2 * sub], b[1][2 * sub + 1]);
+          mma_bf16(c2, a2[1], b[0][2 * sub], b[0][2 * sub + 1]);
+        }
+      }
     }
   }
 }
@@ -376,18 +464,27 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---- 2. per chunk and value head: gamma, T = (I + L)^-1, W, U, P -------------------------------
+// Row strides (floats) of chunk_prep's f32 T and its block scratch: 16-byte rows, so the
+// off-diagonal solve reads and writes 4 columns at a time.
+constexpr int kTs = 68, kXs = 20;
+
 template <int NPL>
 struct PrepLayout {
-  static constexpr size_t kK = 0;                                           // K^
-  static constexpr size_t kQ = kK + align128(Tile<kC, kD, NPL>::kBytes);    // Q^
-  static constexpr size_t kV = kQ + align128(Tile<kC, kD, NPL>::kBytes);    // V
-  static constexpr size_t kTw = kV + align128(Tile<kC, kD, NPL>::kBytes);   // T diag(beta Gamma)
+  // Shared memory decides how many blocks share an SM (3 for bf16, not 2), so buffers whose
+  // lives do not overlap share space: V is loaded over Q^ once P is done, and the bf16
+  // T diag(.) operands are written over L once T is solved.
+  static constexpr size_t kK = 0;                                         // K^
+  static constexpr size_t kQ = kK + align128(Tile<kC, kD, NPL>::kBytes);  // Q^, then V
+  static constexpr size_t kV = kQ;
+  static constexpr size_t kL = kQ + align128(Tile<kC, kD, NPL>::kBytes);  // L f32 [64][65]
+  static constexpr size_t kTf = kL + align128(kC * kTs * 4);              // T f32 [64][kTs]
+  static constexpr size_t kX = kTf + align128(kC * kTs * 4);     // block scratch [3][16][kXs]
+  static constexpr size_t kG = kX + align128(3 * 16 * kXs * 4);  // gamma, beta, scan
+  static constexpr size_t kEnd = kG + align128(3 * kC * 4);
+  static constexpr bool kTInL = 2 * align128(Tile<kC, kC, NPL>::kBytes) <= kC * 65 * 4;
+  static constexpr size_t kTw = kTInL ? kL : kEnd;                          // T diag(beta Gamma)
   static constexpr size_t kTu = kTw + align128(Tile<kC, kC, NPL>::kBytes);  // T diag(beta)
-  static constexpr size_t kL = kTu + align128(Tile<kC, kC, NPL>::kBytes);   // L f32 [64][65]
-  static constexpr size_t kTf = kL + align128(kC * 65 * 4);                 // T f32 [64][65]
-  static constexpr size_t kX = kTf + align128(kC * 65 * 4);     // block scratch [3][16][17]
-  static constexpr size_t kG = kX + align128(3 * 16 * 17 * 4);  // gamma, beta, scan
-  static constexpr size_t kBytes = kG + align128(3 * kC * 4);
+  static constexpr size_t kBytes = kTInL ? kEnd : kTu + align128(Tile<kC, kC, NPL>::kBytes);
 };
 
 template <class Tin, bool kStoreT>
@@ -419,8 +516,6 @@ __global__ void __launch_bounds__(kThreads)
             static_cast<int64_t>(d.Hk) * kD, 0, C);
   load_rows(Qt, qh, psk, (static_cast<int64_t>(c0) * d.Hk + hk) * kD,
             static_cast<int64_t>(d.Hk) * kD, 0, C);
-  load_raw_rows(Vt, v + (static_cast<int64_t>(c0) * d.Hv + h) * d.V,
-                static_cast<int64_t>(d.Hv) * d.V, d.V, C);
   cp_async_commit();
 
   if (tid < kC) {  // warps 0 and 1: inclusive scan of g within each warp
@@ -447,7 +542,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = frag_row(warp * 16, 0, e >> 1), i = frag_col(0, nt) + (e & 1);
-        Lf[t * 65 + i] = (i < t && t < C) ? bet[t] * expf(gam[t] - gam[i]) * acc[0][nt][e] : 0.f;
+        Lf[t * 65 + i] = (i < t && t < C) ? bet[t] * fexp(gam[t] - gam[i]) * acc[0][nt][e] : 0.f;
       }
   }
   {  // P = (i <= t) exp(gamma_t - gamma_i) q_t . k_i  -> global
@@ -460,12 +555,16 @@ __global__ void __launch_bounds__(kThreads)
       for (int hf = 0; hf < 2; ++hf) {
         const int t = frag_row(warp * 16, 0, hf), i = frag_col(0, nt);
         if (t >= C) continue;
-        const float p0 = i <= t ? expf(gam[t] - gam[i]) * acc[0][nt][2 * hf] : 0.f;
-        const float p1 = i + 1 <= t ? expf(gam[t] - gam[i + 1]) * acc[0][nt][2 * hf + 1] : 0.f;
+        const float p0 = i <= t ? fexp(gam[t] - gam[i]) * acc[0][nt][2 * hf] : 0.f;
+        const float p1 = i + 1 <= t ? fexp(gam[t] - gam[i + 1]) * acc[0][nt][2 * hf + 1] : 0.f;
         gstore2<NPL>(pm, psc, ((static_cast<int64_t>(c0) + t) * d.Hv + h) * kC + i, p0, p1);
       }
   }
   block_sync();
+  // Q^ is dead: V goes into its space while T is solved (waited for before the U product).
+  load_raw_rows(Vt, v + (static_cast<int64_t>(c0) * d.Hv + h) * d.V,
+                static_cast<int64_t>(d.Hv) * d.V, d.V, C);
+  cp_async_commit();
 
   {  // diagonal 16 x 16 blocks of T: warp w inverts block w, lane l (< 16) owns column l
     const int base = warp * 16, jl = lane & 15;
@@ -479,49 +578,59 @@ __global__ void __launch_bounds__(kThreads)
     }
     if (lane < 16) {
 #pragma unroll
-      for (int t = 0; t < 16; ++t) Tf[(base + t) * 65 + base + jl] = x[t];
+      for (int t = 0; t < 16; ++t) Tf[(base + t) * kTs + base + jl] = x[t];
     }
     for (int i = lane; i < 16 * kC; i += 32) {  // blocks right of the diagonal are zero
       const int r = i / kC, c = i % kC;
-      if (c >= base + 16) Tf[(base + r) * 65 + c] = 0.f;
+      if (c >= base + 16) Tf[(base + r) * kTs + c] = 0.f;
     }
   }
   block_sync();
   // Off-diagonal blocks, one block diagonal at a time: T_ij = -T_ii sum_{k=j}^{i-1} L_ik T_kj.
+  // A thread computes 4 adjacent columns (c4): one L (or T_ii) value feeds 4 FMAs with a 16-byte
+  // read of the other operand; each element's sum runs in the same order as a scalar loop.
   for (int dd = 1; dd < 4; ++dd) {
     const int nb = 4 - dd;
-    for (int e = tid; e < nb * 256; e += kThreads) {
-      const int b = e >> 8, a = (e >> 4) & 15, c = e & 15, bi = dd + b, bj = b;
-      float s = 0.f;
+    for (int e = tid; e < nb * 64; e += kThreads) {
+      const int b = e >> 6, a = (e >> 2) & 15, c = (e & 3) * 4, bi = dd + b, bj = b;
+      F4 s{0.f, 0.f, 0.f, 0.f};
       for (int kb = bj; kb < bi; ++kb)
 #pragma unroll
-        for (int m = 0; m < 16; ++m)
-          s += Lf[(bi * 16 + a) * 65 + kb * 16 + m] * Tf[(kb * 16 + m) * 65 + bj * 16 + c];
-      Xs[(b * 16 + a) * 17 + c] = s;
+        for (int m = 0; m < 16; ++m) {
+          const float l = Lf[(bi * 16 + a) * 65 + kb * 16 + m];
+          const F4 t4 = *reinterpret_cast<const F4*>(Tf + (kb * 16 + m) * kTs + bj * 16 + c);
+          s.a += l * t4.a, s.b += l * t4.b, s.c += l * t4.c, s.d += l * t4.d;
+        }
+      *reinterpret_cast<F4*>(Xs + (b * 16 + a) * kXs + c) = s;
     }
     block_sync();
-    for (int e = tid; e < nb * 256; e += kThreads) {
-      const int b = e >> 8, a = (e >> 4) & 15, c = e & 15, bi = dd + b, bj = b;
-      float s = 0.f;
+    for (int e = tid; e < nb * 64; e += kThreads) {
+      const int b = e >> 6, a = (e >> 2) & 15, c = (e & 3) * 4, bi = dd + b, bj = b;
+      F4 s{0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int m = 0; m < 16; ++m)
-        s += Tf[(bi * 16 + a) * 65 + bi * 16 + m] * Xs[(b * 16 + m) * 17 + c];
-      Tf[(bi * 16 + a) * 65 + bj * 16 + c] = -s;
+      for (int m = 0; m < 16; ++m) {
+        const float tv = Tf[(bi * 16 + a) * kTs + bi * 16 + m];
+        const F4 x4 = *reinterpret_cast<const F4*>(Xs + (b * 16 + m) * kXs + c);
+        s.a += tv * x4.a, s.b += tv * x4.b, s.c += tv * x4.c, s.d += tv * x4.d;
+      }
+      *reinterpret_cast<F4*>(Tf + (bi * 16 + a) * kTs + bj * 16 + c) = F4{-s.a, -s.b, -s.c, -s.d};
     }
     block_sync();
   }
-  if (tid < kC) scan[tid] = tid < C ? bet[tid] * expf(gam[tid]) : 0.f;  // beta Gamma (scan is free)
+  if (tid < kC) scan[tid] = tid < C ? bet[tid] * fexp(gam[tid]) : 0.f;  // beta Gamma (scan is free)
   block_sync();
   for (int i = tid; i < kC * kC / 2;
        i += kThreads) {  // T diag(beta Gamma), T diag(beta) as operands
     const int r = i / (kC / 2), c = (i % (kC / 2)) * 2;
-    const float a0 = Tf[r * 65 + c], a1 = Tf[r * 65 + c + 1];
+    const F2 tv = *reinterpret_cast<const F2*>(Tf + r * kTs + c);
+    const float a0 = tv.x, a1 = tv.y;
     Twt.put2(r, c, a0 * scan[c], a1 * scan[c + 1]);
     Tut.put2(r, c, a0 * bet[c], a1 * bet[c + 1]);
     if (kStoreT && r < C)
       gstore2<NPL>(tm, psc, ((static_cast<int64_t>(c0) + r) * d.Hv + h) * kC + c, a0, a1);
   }
   if (tid < C) gcum[(static_cast<int64_t>(c0) + tid) * d.Hv + h] = gam[tid];
+  cp_async_wait_all();
   block_sync();
 
 #pragma unroll 1
@@ -564,21 +673,26 @@ struct StateFwdLayout {
   static constexpr size_t kBytes = kCd + align128(Tile<kC, VT, NPL>::kBytes);
 };
 
-// Warp w of the 8: rows [16 w, 16 w + 16) of the state (all VT columns); for the chunk-row
-// products (Delta, O) rows [16 (w % 4), +16) x columns [(w / 4) VT / 2, +VT / 2).
-template <class Tin, int VT, bool kFwd>
-__global__ void __launch_bounds__(kStateThreads, 1)
+// NW warps (8 or 4). Warp w: rows [w D / NW, +D / NW) of the state (all VT columns); for the
+// chunk-row products (Delta, O) rows [16 (w % 4), +16) x columns [(w / 4) VT / (NW / 4), +VT /
+// (NW / 4)). Fewer warps read the shared S and Delta tiles fewer times (the pass is bound by
+// shared-memory bandwidth) but hide less latency.
+template <class Tin, int VT, bool kFwd, int NW>
+__global__ void __launch_bounds__(NW * 32, 1)
     state_fwd_kernel(Dims d, const uint16_t* kh, const uint16_t* qh, const uint16_t* w,
                      const uint16_t* u, const uint16_t* pm, const float* gcum, Tin* o, uint16_t* hs,
                      uint16_t* dl) {
-  constexpr int NPL = planes_of<Tin>(), NT = VT / 8, NT2 = VT / 16, NTH = kStateThreads;
+  static_assert(NW == 4 || NW == 8, "state pass warps");
+  constexpr int NPL = planes_of<Tin>(), NT = VT / 8, NT2 = VT / 8 / (NW / 4), NTH = NW * 32;
+  constexpr int MS = kD / NW / 16;  // 16-row tiles of the state per warp
   using L = StateFwdLayout<NPL, VT, kFwd>;
   unsigned char* sm = smem_base();
   const Tile<kD, VT, NPL> St{reinterpret_cast<uint16_t*>(sm + L::kS)};
   const Tile<kC, VT, NPL> Dt{reinterpret_cast<uint16_t*>(sm + L::kDl)};
   const Tile<kC, VT, NPL> Ct{reinterpret_cast<uint16_t*>(sm + L::kCd)};
   const int tid = threadIdx.x, warp = tid >> 5;
-  const int rm = (warp & 3) * 16, cn = (warp >> 2) * (VT / 2);  // chunk-row tile of this warp
+  const int rm = (warp & 3) * 16, cn = (warp >> 2) * (VT / (NW / 4));  // chunk-row tile
+  const int rs = warp * (kD / NW);                                     // state rows
   constexpr int nvt = kD / VT;
   const int h = blockIdx.x / nvt, v0 = (blockIdx.x % nvt) * VT, hk = h / d.G;
   const int first = d.seq_first(blockIdx.y), count = d.seq_count(blockIdx.y);
@@ -619,7 +733,7 @@ __global__ void __launch_bounds__(kStateThreads, 1)
     cp_async_commit();
   };
 
-  float S[1][NT][4];  // rows 16 warp + [0, 16), cols v0 + [0, VT)
+  float S[MS][NT][4];  // rows rs + [0, 16 MS), cols v0 + [0, VT)
   zero(S);
   if (count > 0) issue(0, 0);
   for (int idx = 0; idx < count; ++idx) {
@@ -630,15 +744,17 @@ __global__ void __launch_bounds__(kStateThreads, 1)
       issue(idx, 0);
     }
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int mt = 0; mt < MS; ++mt)
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int r = frag_row(warp * 16, 0, hf), c = frag_col(0, nt);
-        St.put2(r, c, S[0][nt][2 * hf], S[0][nt][2 * hf + 1]);
-        if constexpr (!kFwd)
-          gstore2<NPL>(hs, psh, ((static_cast<int64_t>(n) * d.Hv + h) * kD + r) * kD + v0 + c,
-                       S[0][nt][2 * hf], S[0][nt][2 * hf + 1]);
-      }
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int r = frag_row(rs, mt, hf), c = frag_col(0, nt);
+          St.put2(r, c, S[mt][nt][2 * hf], S[mt][nt][2 * hf + 1]);
+          if constexpr (!kFwd)
+            gstore2<NPL>(hs, psh, ((static_cast<int64_t>(n) * d.Hv + h) * kD + r) * kD + v0 + c,
+                         S[mt][nt][2 * hf], S[mt][nt][2 * hf + 1]);
+        }
     cp_async_wait_all();
     block_sync();
     if (L::kStages == 2 && idx + 1 < count) issue(idx + 1, s ^ 1);
@@ -649,20 +765,26 @@ __global__ void __launch_bounds__(kStateThreads, 1)
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int t = frag_row(rm, 0, hf);
-      ct[hf] = t < C ? expf(gl - gam[t]) : 0.f;
-      gt[hf] = t < C ? expf(gam[t]) : 0.f;
+      ct[hf] = t < C ? fexp(gl - gam[t]) : 0.f;
+      gt[hf] = t < C ? fexp(gam[t]) : 0.f;
     }
-    float D[1][NT2][4];
+    float D[1][NT2][4], O[1][NT2][4];
     zero(D);
-    warp_mma<1, NT2, false, true, kD>(D, W_s(s), rm, St, cn);
+    if constexpr (kFwd) {  // Delta's W S0 and the output's Q S0 share their S0 fragments
+      zero(O);
+      warp_mma_pair<NT2, kD>(D, O, W_s(s), Q_s(s), rm, St, cn);
+    } else {
+      warp_mma<1, NT2, false, true, kD>(D, W_s(s), rm, St, cn);
+    }
 #pragma unroll
     for (int nt = 0; nt < NT2; ++nt)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int t = frag_row(rm, 0, hf), c = frag_col(cn, nt);
         const bool ok = t < C;
-        const float d0 = ok ? U_s(s).get(t, c) - D[0][nt][2 * hf] : 0.f;
-        const float d1 = ok ? U_s(s).get(t, c + 1) - D[0][nt][2 * hf + 1] : 0.f;
+        const F2 uv = U_s(s).get2(t, c);
+        const float d0 = ok ? uv.x - D[0][nt][2 * hf] : 0.f;
+        const float d1 = ok ? uv.y - D[0][nt][2 * hf + 1] : 0.f;
         if constexpr (kFwd) Dt.put2(t, c, d0, d1);
         Ct.put2(t, c, ct[hf] * d0, ct[hf] * d1);
         if constexpr (!kFwd)
@@ -670,10 +792,7 @@ __global__ void __launch_bounds__(kStateThreads, 1)
             gstore2<NPL>(dl, psv, ((static_cast<int64_t>(c0) + t) * d.Hv + h) * kD + v0 + c, d0,
                          d1);
       }
-    float O[1][NT2][4];
     if constexpr (kFwd) {
-      zero(O);
-      warp_mma<1, NT2, false, true, kD>(O, Q_s(s), rm, St, cn);
 #pragma unroll
       for (int nt = 0; nt < NT2; ++nt)
 #pragma unroll
@@ -692,12 +811,14 @@ __global__ void __launch_bounds__(kStateThreads, 1)
                 O[0][nt][2 * hf + 1]);
         }
     }
-    const float dec = expf(gl);
+    const float dec = fexp(gl);
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int mt = 0; mt < MS; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) S[0][nt][e] *= dec;
-    warp_mma<1, NT, true, true, kC>(S, K_s(s), warp * 16, Ct, 0);
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) S[mt][nt][e] *= dec;
+    warp_mma<MS, NT, true, true, kC>(S, K_s(s), rs, Ct, 0);
   }
 }
 
@@ -743,19 +864,20 @@ struct StateBwdLayout {
   static constexpr size_t kBytes = kGo + align128(Tile<kC, VT, NPL>::kBytes);
 };
 
-template <int NPL, int VT>
-__global__ void __launch_bounds__(kStateThreads, 1)
+template <int NPL, int VT, int NW>
+__global__ void __launch_bounds__(NW * 32, 1)
     state_bwd_kernel(Dims d, const uint16_t* kh, const uint16_t* qh, const uint16_t* w,
                      const uint16_t* pm, const uint16_t* dop, int64_t psdo, const float* gcum,
                      uint16_t* dhs, uint16_t* ddl) {
-  constexpr int NT = VT / 8, NT2 = VT / 16, NTH = kStateThreads;
+  static_assert(NW == 4 || NW == 8, "state pass warps");
+  constexpr int NT = VT / 8, NT2 = VT / 8 / (NW / 4), NTH = NW * 32, MS = kD / NW / 16;
   using L = StateBwdLayout<NPL, VT>;
   unsigned char* sm = smem_base();
   const Tile<kD, VT, NPL> dSt{reinterpret_cast<uint16_t*>(sm + L::kS)};
   const Tile<kC, VT, NPL> dDt{reinterpret_cast<uint16_t*>(sm + L::kDd)};  // holds -dDelta
   const Tile<kC, VT, NPL> GOt{reinterpret_cast<uint16_t*>(sm + L::kGo)};  // diag(Gamma) dO
   const int tid = threadIdx.x, warp = tid >> 5;
-  const int rm = (warp & 3) * 16, cn = (warp >> 2) * (VT / 2);
+  const int rm = (warp & 3) * 16, cn = (warp >> 2) * (VT / (NW / 4)), rs = warp * (kD / NW);
   constexpr int nvt = kD / VT;
   const int h = blockIdx.x / nvt, v0 = (blockIdx.x % nvt) * VT, hk = h / d.G;
   const int first = d.seq_first(blockIdx.y), count = d.seq_count(blockIdx.y);
@@ -794,7 +916,7 @@ __global__ void __launch_bounds__(kStateThreads, 1)
     cp_async_commit();
   };
 
-  float dS[1][NT][4];  // rows 16 warp + [0, 16)
+  float dS[MS][NT][4];  // rows rs + [0, 16 MS)
   zero(dS);
   if (count > 0) issue(count - 1, 0);
   for (int it = 0; it < count; ++it) {
@@ -806,14 +928,16 @@ __global__ void __launch_bounds__(kStateThreads, 1)
       issue(idx, 0);
     }
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int mt = 0; mt < MS; ++mt)
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int r = frag_row(warp * 16, 0, hf), c = frag_col(0, nt);
-        dSt.put2(r, c, dS[0][nt][2 * hf], dS[0][nt][2 * hf + 1]);
-        gstore2<NPL>(dhs, psh, ((static_cast<int64_t>(n) * d.Hv + h) * kD + r) * kD + v0 + c,
-                     dS[0][nt][2 * hf], dS[0][nt][2 * hf + 1]);
-      }
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int r = frag_row(rs, mt, hf), c = frag_col(0, nt);
+          dSt.put2(r, c, dS[mt][nt][2 * hf], dS[mt][nt][2 * hf + 1]);
+          gstore2<NPL>(dhs, psh, ((static_cast<int64_t>(n) * d.Hv + h) * kD + r) * kD + v0 + c,
+                       dS[mt][nt][2 * hf], dS[mt][nt][2 * hf + 1]);
+        }
     cp_async_wait_all();
     block_sync();
     if (L::kStages == 2 && idx > 0) issue(idx - 1, s ^ 1);
@@ -822,14 +946,15 @@ __global__ void __launch_bounds__(kStateThreads, 1)
     const float gl = gam[C - 1];
     for (int i = tid; i < kC * VT / 2; i += NTH) {
       const int r = i / (VT / 2), c = (i % (VT / 2)) * 2;
-      const float gr = r < C ? expf(gam[r]) : 0.f;
-      GOt.put2(r, c, gr * O_s(s).get(r, c), gr * O_s(s).get(r, c + 1));
+      const float gr = r < C ? fexp(gam[r]) : 0.f;
+      const F2 ov = O_s(s).get2(r, c);
+      GOt.put2(r, c, gr * ov.x, gr * ov.y);
     }
     float ct[2];
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int t = frag_row(rm, 0, hf);
-      ct[hf] = t < C ? expf(gl - gam[t]) : 0.f;
+      ct[hf] = t < C ? fexp(gl - gam[t]) : 0.f;
     }
     float dD[1][NT2][4];
     zero(dD);
@@ -851,13 +976,15 @@ __global__ void __launch_bounds__(kStateThreads, 1)
           gstore2<NPL>(ddl, psv, ((static_cast<int64_t>(c0) + t) * d.Hv + h) * kD + v0 + c, d0, d1);
       }
     block_sync();
-    const float dec = expf(gl);
+    const float dec = fexp(gl);
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int mt = 0; mt < MS; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dS[0][nt][e] *= dec;
-    warp_mma<1, NT, true, true, kC>(dS, Q_s(s), warp * 16, GOt, 0);
-    warp_mma<1, NT, true, true, kC>(dS, W_s(s), warp * 16, dDt, 0);
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dS[mt][nt][e] *= dec;
+    warp_mma<MS, NT, true, true, kC>(dS, Q_s(s), rs, GOt, 0);
+    warp_mma<MS, NT, true, true, kC>(dS, W_s(s), rs, dDt, 0);
   }
 }
 
@@ -879,15 +1006,15 @@ struct DqkwLayout {
   static constexpr size_t kdS = kS0 + align128(Tile<kC, kD, NPL>::kBytes);
   static constexpr size_t kU =
       kdS + align128(Tile<kC, kD, NPL>::kBytes);  // union of the two phases
-  static constexpr size_t kP = kU;                // phase A: P, E
-  static constexpr size_t kE = kP + align128(Tile<kC, kC, NPL>::kBytes);
-  static constexpr size_t kKh = kU;  // phase B: K^, Q^ halves
+  static constexpr size_t kP = kU;                // phase A: P
+  static constexpr size_t kKh = kU;               // phase B: K^, Q^ halves
   static constexpr size_t kQh = kKh + align128(Tile<kC, kC, NPL>::kBytes);
-  static constexpr size_t kUEnd =
-      std::max(kE + align128(kC * 65 * 4), kQh + align128(Tile<kC, kC, NPL>::kBytes));
-  static constexpr size_t kF =
-      kUEnd;  // gamma, dg row terms, dg col terms, row q dots, row k dots, red
-  static constexpr size_t kBytes = kF + align128(5 * kC * 4 + kWarps * 4);
+  static constexpr size_t kUEnd = kQh + align128(Tile<kC, kC, NPL>::kBytes);
+  // gamma, dg row terms, row q dots, row k dots, dg column terms per warp [kWarps][64], red.
+  // (The dP o P sums are reduced in registers, not through a 64 x 65 f32 tile: that keeps the
+  // block at 106 KiB for bf16, two blocks an SM.)
+  static constexpr size_t kF = kUEnd;
+  static constexpr size_t kBytes = kF + align128((4 * kC + kWarps * kC + kWarps) * 4);
 };
 
 template <int NPL>
@@ -905,15 +1032,14 @@ __global__ void __launch_bounds__(kThreads)
   const Tile<kC, kD, NPL> S0t{reinterpret_cast<uint16_t*>(sm + L::kS0)};
   const Tile<kC, kD, NPL> dSt{reinterpret_cast<uint16_t*>(sm + L::kdS)};
   const Tile<kC, kC, NPL> Pt{reinterpret_cast<uint16_t*>(sm + L::kP)};
-  float* Ef = reinterpret_cast<float*>(sm + L::kE);
   const Tile<kC, kC, NPL> Kht{reinterpret_cast<uint16_t*>(sm + L::kKh)};
   const Tile<kC, kC, NPL> Qht{reinterpret_cast<uint16_t*>(sm + L::kQh)};
   float* gam = reinterpret_cast<float*>(sm + L::kF);
   float* dgrow = gam + kC;
-  float* dgcol = dgrow + kC;
-  float* rowq = dgcol + kC;
+  float* rowq = dgrow + kC;
   float* rowk = rowq + kC;
-  float* red = rowk + kC;
+  float* colp = rowk + kC;  // [kWarps][kC]
+  float* red = colp + kWarps * kC;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int n = blockIdx.x, h = blockIdx.y, hk = h / d.G;
@@ -932,38 +1058,48 @@ __global__ void __launch_bounds__(kThreads)
   block_sync();
   const float gl = gam[C - 1];
 
-  {  // phase A: dP = dO Delta^T
+  {  // phase A: dP = dO Delta^T; E = (i < t) dP o P summed over its rows (dgrow, in the
+     // accumulator's lanes) and columns (per warp over its 16 rows, then over the warps)
     float acc[1][8][4];
     zero(acc);
     warp_mma<1, 8, false, false, kD>(acc, Ot, warp * 16, Dlt, 0);
+    float rs[2] = {0.f, 0.f}, cs[8][2];
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+    for (int nt = 0; nt < 8; ++nt) {
+      cs[nt][0] = cs[nt][1] = 0.f;
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int t = frag_row(warp * 16, 0, hf), i = frag_col(0, nt);
-        float pmv[2], ev[2];
+        float pmv[2];
+        const F2 pv = Pt.get2(t, i);
+        const float pe[2] = {pv.x, pv.y};
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int ii = i + e;
           const float dp = acc[0][nt][2 * hf + e];
-          pmv[e] = (t < C && ii <= t) ? dp * expf(gam[t] - gam[ii]) : 0.f;
-          ev[e] = (t < C && ii < t) ? dp * Pt.get(t, ii) : 0.f;
+          pmv[e] = (t < C && ii <= t) ? dp * fexp(gam[t] - gam[ii]) : 0.f;
+          const float ev = (t < C && ii < t) ? dp * pe[e] : 0.f;
+          rs[hf] += ev;
+          cs[nt][e] += ev;
         }
         PMt.put2(t, i, pmv[0], pmv[1]);
-        Ef[t * 65 + i] = ev[0];
-        Ef[t * 65 + i + 1] = ev[1];
       }
-  }
-  block_sync();
-  if (tid < kC) {
-    float s = 0.f;
-    for (int i = 0; i < kC; ++i) s += Ef[tid * 65 + i];
-    dgrow[tid] = s;
-  } else {
-    const int j = tid - kC;
-    float s = 0.f;
-    for (int t = 0; t < kC; ++t) s += Ef[t * 65 + j];
-    dgcol[j] = s;
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const float r = row_reduce4(rs[hf]);
+      if ((lane & 3) == 0) dgrow[frag_row(warp * 16, 0, hf)] = r;
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float c = cs[nt][e];
+        c += shfl_xor(c, 4);
+        c += shfl_xor(c, 8);
+        c += shfl_xor(c, 16);
+        if (lane < 4) colp[warp * kC + frag_col(0, nt) + e] = c;
+      }
   }
   float dq_dot[2] = {0.f, 0.f}, dk_dot[2] = {0.f, 0.f}, dlast = 0.f;
 #pragma unroll 1
@@ -977,9 +1113,25 @@ __global__ void __launch_bounds__(kThreads)
     cp_async_commit();
     cp_async_wait_all();
     block_sync();
-    for (int i = tid; i < 64 * kD / 2; i += kThreads) {
-      const int r = i / (kD / 2), c = (i % (kD / 2)) * 2;
-      dlast += S0t.get(r, c) * dSt.get(r, c) + S0t.get(r, c + 1) * dSt.get(r, c + 1);
+    // sum(S0 o dS) over the half: both tiles share one swizzle, so element j of the raw
+    // planes is the same (row, column) in each; 16-byte reads, order-independent positions.
+    for (int i = tid; i < 64 * kD / 8; i += kThreads) {
+#pragma unroll
+      for (int pl = 0; pl < NPL; ++pl) {
+        const uint4 a = reinterpret_cast<const uint4*>(S0t.p + pl * S0t.kPlane)[i];
+        const uint32_t aw[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+        for (int ql = 0; ql < NPL; ++ql) {
+          const uint4 b = reinterpret_cast<const uint4*>(dSt.p + ql * dSt.kPlane)[i];
+          const uint32_t bw[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            dlast +=
+                bf2f(static_cast<uint16_t>(aw[e] & 0xffffu)) *
+                    bf2f(static_cast<uint16_t>(bw[e] & 0xffffu)) +
+                bf2f(static_cast<uint16_t>(aw[e] >> 16)) * bf2f(static_cast<uint16_t>(bw[e] >> 16));
+        }
+      }
     }
     float acc[1][8][4];
     // dq^ = diag(Gamma) dO S0^T + dPM K^
@@ -988,14 +1140,14 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int r2 = 0; r2 < 2; ++r2) {
       const int t = frag_row(warp * 16, 0, r2);
-      const float gt = t < C ? expf(gam[t]) : 0.f;
+      const float gt = t < C ? fexp(gam[t]) : 0.f;
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
         const int c = frag_col(0, nt);
         acc[0][nt][2 * r2] *= gt;
         acc[0][nt][2 * r2 + 1] *= gt;
-        dq_dot[r2] +=
-            acc[0][nt][2 * r2] * Qht.get(t, c) + acc[0][nt][2 * r2 + 1] * Qht.get(t, c + 1);
+        const F2 qv = Qht.get2(t, c);
+        dq_dot[r2] += acc[0][nt][2 * r2] * qv.x + acc[0][nt][2 * r2 + 1] * qv.y;
       }
     }
     warp_mma<1, 8, false, true, kC>(acc, PMt, warp * 16, Kht, 0);
@@ -1026,14 +1178,14 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int r2 = 0; r2 < 2; ++r2) {
       const int t = frag_row(warp * 16, 0, r2);
-      const float ct = t < C ? expf(gl - gam[t]) : 0.f;
+      const float ct = t < C ? fexp(gl - gam[t]) : 0.f;
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
         const int c = frag_col(0, nt);
         acc[0][nt][2 * r2] *= ct;
         acc[0][nt][2 * r2 + 1] *= ct;
-        dk_dot[r2] +=
-            acc[0][nt][2 * r2] * Kht.get(t, c) + acc[0][nt][2 * r2 + 1] * Kht.get(t, c + 1);
+        const F2 kv = Kht.get2(t, c);
+        dk_dot[r2] += acc[0][nt][2 * r2] * kv.x + acc[0][nt][2 * r2 + 1] * kv.y;
       }
     }
     warp_mma<1, 8, true, true, kC>(acc, PMt, warp * 16, Qht, 0);
@@ -1062,13 +1214,15 @@ __global__ void __launch_bounds__(kThreads)
   if (lane == 0) red[warp] = dlast;
   block_sync();
   if (tid < C) {
-    float dgt = rowq[tid] + dgrow[tid] - dgcol[tid] - rowk[tid];
+    float dgcol = 0.f;
+    for (int wp = 0; wp < kWarps; ++wp) dgcol += colp[wp * kC + tid];
+    float dgt = rowq[tid] + dgrow[tid] - dgcol - rowk[tid];
     if (tid == C - 1) {
       float tot = 0.f;
       for (int t = 0; t < C; ++t) tot += rowk[t];
       float dl_sum = 0.f;
       for (int i = 0; i < kWarps; ++i) dl_sum += red[i];
-      dgt += tot + expf(gl) * dl_sum;
+      dgt += tot + fexp(gl) * dl_sum;
     }
     dgp[rv + static_cast<int64_t>(tid) * d.Hv] = dgt;
   }
@@ -1088,8 +1242,8 @@ struct WyLayout {
   static constexpr size_t kB = kA + align128(Tile<kC, kD, NPL>::kBytes);  // V, then K^
   static constexpr size_t kdT = kB + align128(Tile<kC, kD, NPL>::kBytes);
   static constexpr size_t kY = kdT + align128(Tile<kC, kC, NPL>::kBytes);
-  static constexpr size_t kdA = kY + align128(Tile<kC, kC, NPL>::kBytes);
-  static constexpr size_t kE = kdA + align128(Tile<kC, kC, NPL>::kBytes);
+  static constexpr size_t kdA = kdT;  // dT is dead once Y = dT T^T is formed
+  static constexpr size_t kE = kY + align128(Tile<kC, kC, NPL>::kBytes);
   static constexpr size_t kF =
       kE + align128(kC * 65 * 4);  // gamma, beta, db rows, dg rows, dg E terms
   static constexpr size_t kBytes = kF + align128(5 * kC * 4);
@@ -1146,7 +1300,8 @@ __global__ void __launch_bounds__(kThreads)
       for (int nt = 0; nt < 16; ++nt) {
         const int c = frag_col(0, nt);
         const float x0 = acc[0][nt][2 * r2], x1 = acc[0][nt][2 * r2 + 1];
-        db_row[r2] += x0 * Bt.get(i, c) + x1 * Bt.get(i, c + 1);
+        const F2 bv = Bt.get2(i, c);
+        db_row[r2] += x0 * bv.x + x1 * bv.y;
         if (i < C && c < d.V)
           st2(dv + (rv + static_cast<int64_t>(i) * d.Hv) * d.V + c, bet[i] * x0, bet[i] * x1);
       }
@@ -1174,9 +1329,10 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int nt = 0; nt < 16; ++nt) {
         const int c = frag_col(0, nt);
-        dot += acc[0][nt][2 * r2] * Bt.get(i, c) + acc[0][nt][2 * r2 + 1] * Bt.get(i, c + 1);
+        const F2 bv = Bt.get2(i, c);
+        dot += acc[0][nt][2 * r2] * bv.x + acc[0][nt][2 * r2 + 1] * bv.y;
       }
-      const float gi = i < C ? expf(gam[i]) : 0.f, f = bet[i] * gi;
+      const float gi = i < C ? fexp(gam[i]) : 0.f, f = bet[i] * gi;
       db_row[r2] += gi * dot;
       dg_row[r2] += f * dot;
 #pragma unroll
@@ -1193,7 +1349,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = frag_col(0, nt) + (e & 1);
-        const float f = i < C ? bet[i] * expf(gam[i]) : 0.f;
+        const float f = i < C ? bet[i] * fexp(gam[i]) : 0.f;
         dT[0][nt][e] += t2[0][nt][e] * f;
       }
 #pragma unroll
@@ -1226,7 +1382,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = frag_row(warp * 16, 0, e >> 1), i = frag_col(0, nt) + (e & 1);
-        Ef[t * 65 + i] = (t < C && i < t) ? expf(gam[t] - gam[i]) * a[0][nt][e] : 0.f;
+        Ef[t * 65 + i] = (t < C && i < t) ? fexp(gam[t] - gam[i]) * a[0][nt][e] : 0.f;
       }
   }
   {  // dL = -T^T Y;  dA = dL beta_t exp();  Ef <- dL o L
@@ -1244,7 +1400,7 @@ __global__ void __launch_bounds__(kThreads)
           const int ii = i + e;
           const bool ok = t < C && ii < t;
           const float dlv = -z[0][nt][2 * r2 + e], ea = Ef[t * 65 + ii];
-          da[e] = ok ? dlv * bet[t] * expf(gam[t] - gam[ii]) : 0.f;
+          da[e] = ok ? dlv * bet[t] * fexp(gam[t] - gam[ii]) : 0.f;
           db_row[r2] += dlv * ea;
           Ef[t * 65 + ii] = dlv * bet[t] * ea;
         }
@@ -1399,6 +1555,17 @@ int pick_vt(const GdnDims& g) {
   return static_cast<int64_t>(g.num_seqs) * g.Hv * 2 >= 2LL * num_sms() ? 64 : 32;
 }
 
+// Warps per state-pass block. Measured on an H200 (1 x 32K, bf16): the forward pass (which also
+// forms O) is faster with 4 (0.90 against 0.96 ms), the backward's rebuild and reverse pass with
+// 8 (0.96 / 1.35 against 1.05 / 1.42 ms). BB_GDN_STATE_WARPS=4|8 sets all three (kernel-lab knob).
+int pick_state_warps(bool forward_output) {
+  if (const char* e = std::getenv("BB_GDN_STATE_WARPS")) {
+    const int v = std::atoi(e);
+    if (v == 4 || v == 8) return v;
+  }
+  return forward_output ? 4 : 8;
+}
+
 unsigned blocks_for(int64_t work_items, int per_block) {
   const int64_t b = (work_items + per_block - 1) / per_block;
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(b, int64_t{num_sms()} * 16)));
@@ -1434,22 +1601,45 @@ void run_prep(const Dims& d, const FwdBuffers& b, const Tin* q, const Tin* k, co
          static_cast<const uint16_t*>(b.kh), v, g, beta, b.gcum, b.w, b.u, b.pm, b.tm);
 }
 
-template <class Tin, bool kFwd>
-void run_state_fwd(const Dims& d, int vt, const FwdBuffers& b, Tin* o, uint16_t* hs, uint16_t* dl) {
+template <class Tin, bool kFwd, int NW>
+void run_state_fwd_nw(const Dims& d, int vt, const FwdBuffers& b, Tin* o, uint16_t* hs,
+                      uint16_t* dl) {
   constexpr int NPL = planes_of<Tin>();
   const unsigned gy = static_cast<unsigned>(d.NS);
   if (vt == 64)
-    launch(state_fwd_kernel<Tin, 64, kFwd>, dim3(static_cast<unsigned>(d.Hv * (kD / 64)), gy),
-           kStateThreads, StateFwdLayout<NPL, 64, kFwd>::kBytes, d,
-           static_cast<const uint16_t*>(b.kh), static_cast<const uint16_t*>(b.qh),
-           static_cast<const uint16_t*>(b.w), static_cast<const uint16_t*>(b.u),
-           static_cast<const uint16_t*>(b.pm), static_cast<const float*>(b.gcum), o, hs, dl);
+    launch(state_fwd_kernel<Tin, 64, kFwd, NW>, dim3(static_cast<unsigned>(d.Hv * (kD / 64)), gy),
+           NW * 32, StateFwdLayout<NPL, 64, kFwd>::kBytes, d, static_cast<const uint16_t*>(b.kh),
+           static_cast<const uint16_t*>(b.qh), static_cast<const uint16_t*>(b.w),
+           static_cast<const uint16_t*>(b.u), static_cast<const uint16_t*>(b.pm),
+           static_cast<const float*>(b.gcum), o, hs, dl);
   else
-    launch(state_fwd_kernel<Tin, 32, kFwd>, dim3(static_cast<unsigned>(d.Hv * (kD / 32)), gy),
-           kStateThreads, StateFwdLayout<NPL, 32, kFwd>::kBytes, d,
-           static_cast<const uint16_t*>(b.kh), static_cast<const uint16_t*>(b.qh),
-           static_cast<const uint16_t*>(b.w), static_cast<const uint16_t*>(b.u),
-           static_cast<const uint16_t*>(b.pm), static_cast<const float*>(b.gcum), o, hs, dl);
+    launch(state_fwd_kernel<Tin, 32, kFwd, NW>, dim3(static_cast<unsigned>(d.Hv * (kD / 32)), gy),
+           NW * 32, StateFwdLayout<NPL, 32, kFwd>::kBytes, d, static_cast<const uint16_t*>(b.kh),
+           static_cast<const uint16_t*>(b.qh), static_cast<const uint16_t*>(b.w),
+           static_cast<const uint16_t*>(b.u), static_cast<const uint16_t*>(b.pm),
+           static_cast<const float*>(b.gcum), o, hs, dl);
+}
+
+template <class Tin, bool kFwd>
+void run_state_fwd(const Dims& d, int vt, int nw, const FwdBuffers& b, Tin* o, uint16_t* hs,
+                   uint16_t* dl) {
+  if (nw == 4)
+    run_state_fwd_nw<Tin, kFwd, 4>(d, vt, b, o, hs, dl);
+  else
+    run_state_fwd_nw<Tin, kFwd, 8>(d, vt, b, o, hs, dl);
+}
+
+template <int NPL, int NW>
+void run_state_bwd(const Dims& d, int vt, const uint16_t* kh, const uint16_t* qh, const uint16_t* w,
+                   const uint16_t* pm, const uint16_t* dop, int64_t psdo, const float* gcum,
+                   uint16_t* dhs, uint16_t* ddl) {
+  const unsigned gy = static_cast<unsigned>(d.NS);
+  if (vt == 64)
+    launch(state_bwd_kernel<NPL, 64, NW>, dim3(static_cast<unsigned>(d.Hv * (kD / 64)), gy),
+           NW * 32, StateBwdLayout<NPL, 64>::kBytes, d, kh, qh, w, pm, dop, psdo, gcum, dhs, ddl);
+  else
+    launch(state_bwd_kernel<NPL, 32, NW>, dim3(static_cast<unsigned>(d.Hv * (kD / 32)), gy),
+           NW * 32, StateBwdLayout<NPL, 32>::kBytes, d, kh, qh, w, pm, dop, psdo, gcum, dhs, ddl);
 }
 
 template <class Tin>
@@ -1466,7 +1656,7 @@ void forward_impl(Tin* o, const Tin* q, const Tin* k, const Tin* v, const float*
   Carve c{static_cast<unsigned char*>(ws)};
   const FwdBuffers b = carve_prep<planes_of<Tin>()>(c, gd, false);
   run_prep<Tin, false>(d, b, q, k, v, g, beta);
-  run_state_fwd<Tin, true>(d, pick_vt(gd), b, o, nullptr, nullptr);
+  run_state_fwd<Tin, true>(d, pick_vt(gd), pick_state_warps(true), b, o, nullptr, nullptr);
 }
 
 struct BwdBuffers {
@@ -1517,7 +1707,8 @@ void backward_impl(float* dq, float* dk, float* dv, float* dg, float* dbeta, con
   const BwdBuffers b = carve_bwd<NPL>(c, gd, own_do);
   const int vt = pick_vt(gd);
   run_prep<Tin, true>(d, b.f, q, k, v, g, beta);
-  run_state_fwd<Tin, false>(d, vt, b.f, static_cast<Tin*>(nullptr), b.hs, b.dl);
+  const int nw = pick_state_warps(false);
+  run_state_fwd<Tin, false>(d, vt, nw, b.f, static_cast<Tin*>(nullptr), b.hs, b.dl);
   const uint16_t* dop = static_cast<const uint16_t*>(d_o);
   const int64_t psdo = gd.T * gd.Hv * kD;
   if (own_do) {
@@ -1530,16 +1721,13 @@ void backward_impl(float* dq, float* dk, float* dv, float* dg, float* dbeta, con
              static_cast<const uint16_t*>(d_o));
     dop = b.dop;
   }
-  const unsigned gy = static_cast<unsigned>(d.NS);
   const uint16_t *kh = b.f.kh, *qh = b.f.qh, *w = b.f.w, *pm = b.f.pm;
-  if (vt == 64)
-    launch(state_bwd_kernel<NPL, 64>, dim3(static_cast<unsigned>(d.Hv * (kD / 64)), gy),
-           kStateThreads, StateBwdLayout<NPL, 64>::kBytes, d, kh, qh, w, pm, dop, psdo,
-           static_cast<const float*>(b.f.gcum), b.dhs, b.ddl);
+  if (nw == 4)
+    run_state_bwd<NPL, 4>(d, vt, kh, qh, w, pm, dop, psdo, static_cast<const float*>(b.f.gcum),
+                          b.dhs, b.ddl);
   else
-    launch(state_bwd_kernel<NPL, 32>, dim3(static_cast<unsigned>(d.Hv * (kD / 32)), gy),
-           kStateThreads, StateBwdLayout<NPL, 32>::kBytes, d, kh, qh, w, pm, dop, psdo,
-           static_cast<const float*>(b.f.gcum), b.dhs, b.ddl);
+    run_state_bwd<NPL, 8>(d, vt, kh, qh, w, pm, dop, psdo, static_cast<const float*>(b.f.gcum),
+                          b.dhs, b.ddl);
   const dim3 chunks(static_cast<unsigned>(d.NC), static_cast<unsigned>(d.Hv));
   launch(dqkw_kernel<NPL>, chunks, kThreads, DqkwLayout<NPL>::kBytes, d, kh, qh, pm, dop, psdo,
          static_cast<const uint16_t*>(b.dl), static_cast<const uint16_t*>(b.ddl),
