@@ -42,7 +42,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   });
   std::vector<ParamUnit*> units = model.units();
   if (fuzz::accept_or_reject("check_unit_table",
-                             [&] { check_unit_table(cst["units"], units, dir); })) {
+                             [&] { check_unit_table(cst["units"], units, model.config().num_experts, dir); })) {
     FUZZ_CHECK(cst["units"].size() == units.size(), "unit table of %zu units accepted for %zu",
                cst["units"].size(), units.size());
   }

@@ -117,6 +117,9 @@ class Group {
   virtual void all_reduce_host(int64_t* v, int64_t n, ReduceOp op) = 0;
   // Replaces `bytes` on every rank by root's.
   virtual void broadcast_host(std::string& bytes, int root) = 0;
+  // send holds n values for each peer in peer order ([size x n]); recv receives n from each
+  // peer in peer order ([size x n]). The MoE dispatcher's per-expert counts.
+  virtual void all_to_all_host(const int64_t* send, int64_t* recv, int64_t n) = 0;
   double sum(double v) { all_reduce_host(&v, 1, ReduceOp::sum); return v; }
   int64_t sum(int64_t v) { all_reduce_host(&v, 1, ReduceOp::sum); return v; }
   int64_t max(int64_t v) { all_reduce_host(&v, 1, ReduceOp::max); return v; }

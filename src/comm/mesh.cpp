@@ -16,8 +16,12 @@ void ParallelLayout::validate(int64_t world_size, int64_t num_experts) const {
              " routed experts; choose ep among the divisors of ", num_experts);
   else
     BB_CHECK(ep == 1, "parallel.ep = ", ep, " but the model has no routed experts; set ep = 1");
+  BB_CHECK(ep <= dp * cp, "parallel.ep = ", ep, " is more than the ", dp * cp, " rank(s) of a pipeline stage (dp x cp = ",
+           dp * cp, "): an expert-parallel group is formed from those ranks; launch at least ", ep,
+           " processes or lower parallel.ep to a divisor of ", dp * cp);
   BB_CHECK((dp * cp) % ep == 0, "parallel.ep = ", ep, " does not divide dp x cp = ", dp * cp,
-           ": expert-parallel groups are formed from the data and context ranks of one stage");
+           ": expert-parallel groups are formed from the data and context ranks of one stage; choose ep among the ",
+           "divisors of ", dp * cp);
 }
 
 std::string ParallelLayout::str() const {

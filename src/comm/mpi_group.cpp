@@ -250,6 +250,9 @@ class MpiGroup final : public Group {
     check_peer("broadcast_host", root);
     mpi_host_broadcast(comm_, name(), size(), seq_, bytes, root);
   }
+  void all_to_all_host(const int64_t* send, int64_t* recv, int64_t n) override {
+    mpi_host_all_to_all(comm_, name(), size(), seq_, send, recv, n);
+  }
 
   GroupPtr split(int color, int key, const std::string& n) override {
     MPI_Comm c;
@@ -362,6 +365,19 @@ void mpi_host_broadcast(MPI_Comm comm, const std::string& group, int size, uint6
   bcast(&n, 1, MPI_INT64_T);
   bytes.resize(static_cast<size_t>(n));
   bcast(bytes.data(), n, MPI_CHAR);
+}
+
+void mpi_host_all_to_all(MPI_Comm comm, const std::string& group, int size, uint64_t& seq, const int64_t* send,
+                         int64_t* recv, int64_t n) {
+  BB_CHECK(n >= 0, "all_to_all_host on group ", group, ": negative count ", n);
+  if (n == 0) return;  // every rank passes the same n
+  BB_CHECK(send != recv, "all_to_all_host on group ", group, ": send and recv must not be the same buffer");
+  const uint64_t s = ++seq;
+  set_current_op(group.c_str(), "all_to_all_host", s);
+  MPI_Request r;
+  const int c = mpi_count(n, "all_to_all_host", group);
+  MPI_Ialltoall(send, c, MPI_INT64_T, recv, c, MPI_INT64_T, comm, &r);
+  mpi_timed_wait(&r, group, size, "all_to_all_host", s);
 }
 
 GroupPtr make_mpi_group(MPI_Comm comm, const std::string& name) {

@@ -332,6 +332,14 @@ class NcclGroup final : public Group {
              " is not in [0, ", size(), ")");
     if (mpi_ != MPI_COMM_NULL) mpi_host_broadcast(mpi_, name(), size(), seq_, bytes, root);
   }
+  void all_to_all_host(const int64_t* send, int64_t* recv, int64_t n) override {
+    if (mpi_ != MPI_COMM_NULL) {
+      mpi_host_all_to_all(mpi_, name(), size(), seq_, send, recv, n);
+    } else {  // a single process: its own values
+      BB_CHECK(n >= 0, "all_to_all_host on group ", name(), ": negative count ", n);
+      if (n > 0 && send != recv) std::copy(send, send + n, recv);
+    }
+  }
 
   GroupPtr split(int color, int key, const std::string& n) override;
 

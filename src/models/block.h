@@ -40,6 +40,9 @@ struct ForwardStats {
   int64_t num_valid = 0;
   double aux_loss = 0;
   double z_loss = 0;
+  // Rows this rank's experts received, summed over the MoE layers (train and eval forwards; a
+  // recompute does not count again): the token-count skew across expert-parallel ranks.
+  int64_t moe_rows_received = 0;
 };
 
 // Which forward this is.

@@ -2,6 +2,7 @@
 // and head, and the Hugging Face view of its parameters (decoder.h).
 #include "models/decoder.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/rng.h"
@@ -98,8 +99,12 @@ DecoderModel::DecoderModel(const ModelConfig& cfg, const ModelOptions& opts, uin
       mc.moe_index = moe_index++;
       mc.num_moe_layers = num_moe_layers_;
       mc.zero_centered_norm = cfg.zero_centered_norm;
+      DispatcherConfig dc;
+      dc.num_experts = cfg.num_experts;
+      dc.group = opts_.ep_group;
+      dc.num_chunks = std::max<int64_t>(1, opts_.prims.moe_dispatch.count);
       L.blocks.push_back(std::make_unique<MoeBlock>(store_, dense, experts, prefix, mc,
-                                                    opts_.prims.moe_dispatch.value(cfg.num_experts)));
+                                                    opts_.prims.moe_dispatch.value(dc)));
     } else {
       L.blocks.push_back(std::make_unique<MlpBlock>(store_, dense, prefix, H,
                                                     cfg.intermediate_size, cfg.rms_norm_eps));
@@ -112,12 +117,16 @@ DecoderModel::DecoderModel(const ModelConfig& cfg, const ModelOptions& opts, uin
   store_.allocate(opts_.device, opts_.param_dtype);
 
   // Initialisation: each parameter draws from its own Philox stream (offset = index << 40), in
-  // the order the parameters were declared.
+  // the order the parameters were declared. A unit holding experts first_expert.. of a layer
+  // (expert parallelism) starts at that expert's counter, so every expert gets the values it
+  // has on one rank.
   uint64_t index = 0;
   for (Param* p : store_.params()) {
+    const bool expert_param = p->hf == HfSplit::experts_gate_up || p->hf == HfSplit::experts_down;
+    const uint64_t skip = expert_param ? static_cast<uint64_t>(p->unit->first_expert * (p->numel() / p->shape[0])) : 0;
     switch (p->init) {
       case ParamInit::normal:
-        fill_normal(p->value, seed, index << 40, 0.0f, static_cast<float>(cfg.init_std));
+        fill_normal(p->value, seed, (index << 40) + skip, 0.0f, static_cast<float>(cfg.init_std));
         break;
       case ParamInit::zeros:
         p->value.fill_(0.0);

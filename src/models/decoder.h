@@ -38,6 +38,9 @@ struct ModelOptions {
   // master copies live in the optimizer) and the residual stream is bf16; on the CPU all f32.
   Device device = Device::cpu();
   DType param_dtype = DType::f32;
+  // The expert-parallel group the MoE layers' dispatchers move rows over (the mesh's `ep`);
+  // null: every expert on this rank. The model itself never looks at it.
+  comm::GroupPtr ep_group;
   void validate() const;
 };
 

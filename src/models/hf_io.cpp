@@ -109,6 +109,9 @@ std::string HfLoadReport::summary() const {
   if (fused_expert_tensors > 0)
     out += " (" + std::to_string(fused_expert_tensors) + " fused expert tensors)";
   if (!language_model_prefix.empty()) out += " under " + language_model_prefix + "*";
+  if (other_ranks_expert_tensors > 0)
+    out += "; " + std::to_string(other_ranks_expert_tensors) +
+           " expert tensors left to the other expert-parallel ranks";
   out += "; ignored " + std::to_string(ignored.size());
   const char* sep = ": ";
   for (const auto& [what, n] : groups) {
@@ -229,9 +232,37 @@ HfLoadReport load_hf_weights(DecoderModel& model, const std::string& dir,
   }
   HfLoadReport report;
   report.language_model_prefix = fn.lm_prefix;
+  // Per-expert tensors of experts this model does not hold (expert parallelism: another EP rank
+  // holds them) belong to the checkpoint, not to the problems.
+  struct Held {
+    std::string base;  // "model.layers.L.mlp.experts." as the files name it
+    int64_t first = 0, num = 0;
+  };
+  std::vector<Held> held;
+  for (Param* p : model.params())
+    if (p->hf == HfSplit::experts_gate_up && p->unit->num_experts < cfg.num_experts)
+      held.push_back({fn.of(p->name.substr(0, p->name.rfind('.') + 1)), p->unit->first_expert, p->unit->num_experts});
+  auto other_ranks_expert = [&](const std::string& name) {
+    for (const Held& h : held) {
+      if (name.rfind(h.base, 0) != 0) continue;
+      const std::string rest = name.substr(h.base.size());
+      const size_t dot = rest.find('.');
+      if (dot == 0 || dot == std::string::npos || rest.find_first_not_of("0123456789") != dot) continue;
+      const std::string proj = rest.substr(dot + 1);
+      if (proj != "gate_proj.weight" && proj != "up_proj.weight" && proj != "down_proj.weight") continue;
+      if (dot > 9) continue;
+      const int64_t e = std::stoll(rest.substr(0, dot));
+      if (e < cfg.num_experts && (e < h.first || e >= h.first + h.num)) return true;
+    }
+    return false;
+  };
   bool tied_head_in_file = false;
   for (const std::string& name : files.names()) {
     if (claimed.count(name)) continue;
+    if (other_ranks_expert(name)) {
+      ++report.other_ranks_expert_tensors;
+      continue;
+    }
     if (is_ignored_buffer(name) || (cfg.is_qwen35() && is_qwen35_non_text(name))) {
       report.ignored.push_back(name);
     } else if (cfg.tie_word_embeddings && name == "lm_head.weight") {

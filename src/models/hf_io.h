@@ -49,6 +49,8 @@ struct HfLoadReport {
   int64_t fused_expert_tensors = 0;  // of those, fused [E, ...] expert tensors
   std::vector<std::string> ignored;  // present in the files, deliberately not loaded
   std::string language_model_prefix;  // "model.language_model." for a wrapped Qwen3.5 checkpoint
+  // Per-expert tensors of experts another expert-parallel rank holds (skipped, not a problem).
+  int64_t other_ranks_expert_tensors = 0;
   // One log line: what was read, and the ignored tensors grouped ("...; ignored 351: 15 mtp.*
   // (multi-token prediction head), 333 model.visual.* (vision tower), 3 rotary ...").
   std::string summary() const;

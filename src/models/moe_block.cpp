@@ -19,9 +19,7 @@ struct MoeBlock::Saved final : BlockSaved {
   RouterSaved router;
   Tensor topk_prob;   // [T, K] f32
   PermuteMap map;
-  DispatchState dispatch;
-  Tensor rows, rows_prob;  // the experts' input rows [M, H] (and their probabilities [M])
-  ExpertsSaved experts;
+  DispatchState dispatch;  // the experts' rows [M, H], probabilities [M], saved intermediates
   Tensor y_perm;      // [N, H] the combined expert outputs (standard permute only)
   Tensor s_gate_up, s_act, s_out, s_gate;  // shared expert; s_gate = sigmoid(gate logit) [T]
 };
@@ -56,6 +54,30 @@ MoeBlock::MoeBlock(ParamStore& store, ParamUnit& dense_unit, ParamUnit& expert_u
 }
 
 std::unique_ptr<BlockSaved> MoeBlock::make_saved() const { return std::make_unique<Saved>(); }
+
+ExpertCalls MoeBlock::expert_calls(BatchContext& ctx, BlockSaved& saved) {
+  // The weights are read when a call runs (state sharding rebinds them around the layer).
+  const ExpertsImpl impl = cfg_.experts;
+  ExpertCalls c;
+  c.forward = [this, impl](const Tensor& rows, const Tensor& prob, const std::vector<int64_t>& counts,
+                           ExpertsSaved* s) {
+    return experts_forward(impl, rows, counts, experts_gate_up_->value, experts_down_->value, prob, s);
+  };
+  c.backward_data = [this, impl](const Tensor& d_y, const Tensor& prob, const std::vector<int64_t>& counts,
+                                 const ExpertsSaved& s) {
+    return experts_backward_data(impl, d_y, counts, experts_gate_up_->value, experts_down_->value, prob, s);
+  };
+  c.backward_weight = [this, impl, &ctx, &saved](const Tensor& d_y, const Tensor& rows, const Tensor& prob,
+                                                 const std::vector<int64_t>& counts, const ExpertsSaved& s,
+                                                 const Tensor& d_gate_up) {
+    ExpertsDgrad wg;  // only d_gate_up is read by the weight part
+    wg.d_gate_up = d_gate_up;
+    block::weight_grad(ctx, saved, [this, impl, d_y, rows, prob, counts, s, wg] {
+      experts_backward_weight(impl, d_y, rows, counts, prob, s, wg, experts_gate_up_->grad, experts_down_->grad);
+    });
+  };
+  return c;
+}
 
 RouterConfig MoeBlock::router_config() const {
   RouterConfig r;
@@ -102,17 +124,14 @@ Tensor MoeBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) 
   }
   S.topk_prob = r.topk_prob;
 
-  // Permute -> dispatch -> experts -> combine -> unpermute.
+  // Permute -> dispatch -> experts -> combine -> unpermute (the dispatcher runs the experts on
+  // the rows it brings, in as many chunks as it moves them).
   S.map = make_permute_map(r.topk_idx, E, &r.tokens_per_expert);
   Tensor x_perm = permute_forward(S.h, S.map);
   Tensor row_prob = mem_eff ? permute_probs(r.topk_prob, S.map) : Tensor();
-  DispatchRows d = dispatcher_->dispatch(x_perm, row_prob, r.tokens_per_expert, S.dispatch);
-  S.rows = d.rows;
-  S.rows_prob = d.row_prob;
-  Tensor y_local = experts_forward(cfg_.experts, S.rows, S.dispatch.tokens_per_local_expert,
-                                   experts_gate_up_->value, experts_down_->value, S.rows_prob,
-                                   &S.experts);
-  Tensor y_perm = dispatcher_->combine(y_local, S.dispatch);
+  Tensor y_perm = dispatcher_->forward(x_perm, row_prob, r.tokens_per_expert, expert_calls(ctx, S), S.dispatch);
+  x_perm = row_prob = Tensor();
+  if (ctx.stats && ctx.pass != Pass::recompute) ctx.stats->moe_rows_received += S.dispatch.num_rows();
   if (!mem_eff) S.y_perm = y_perm;  // unpermute's backward needs it to form d_prob
   Tensor out = unpermute_forward(y_perm, S.map, mem_eff ? Tensor() : r.topk_prob);
 
@@ -134,26 +153,12 @@ Tensor MoeBlock::backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved&
   Saved& S = static_cast<Saved&>(saved);
   const RouterConfig rc = router_config();
   const bool mem_eff = cfg_.permute == PermuteMode::memory_efficient;
-  const ExpertsImpl impl = cfg_.experts;
 
   // Unpermute -> combine -> experts -> dispatch -> permute, backwards.
   UnpermuteGrads ug = unpermute_backward(block::as_dtype(d_y, S.h.dtype()), S.y_perm, S.map,
                                          mem_eff ? Tensor() : S.topk_prob);
-  Tensor d_local = dispatcher_->combine_backward(ug.d_y_perm, S.dispatch);
-  const std::vector<int64_t>& counts = S.dispatch.tokens_per_local_expert;
-  ExpertsDgrad eg = experts_backward_data(impl, d_local, counts, experts_gate_up_->value,
-                                          experts_down_->value, S.rows_prob, S.experts);
-  {
-    ExpertsDgrad wg;  // only d_gate_up is read by the weight part; d_x is not held for it
-    wg.d_gate_up = eg.d_gate_up;
-    block::weight_grad(ctx, S, [this, impl, d_local, rows = S.rows, counts, rp = S.rows_prob,
-                                ex = S.experts, wg] {
-      experts_backward_weight(impl, d_local, rows, counts, rp, ex, wg, experts_gate_up_->grad,
-                              experts_down_->grad);
-    });
-  }
-  DispatchRows back = dispatcher_->dispatch_backward(eg.d_x, eg.d_row_prob, S.dispatch);
-  eg = ExpertsDgrad{};
+  DispatchRows back = dispatcher_->backward(ug.d_y_perm, expert_calls(ctx, S), S.dispatch);
+  S.dispatch = DispatchState{};
   Tensor d_topk_prob = mem_eff ? unpermute_probs_grad(back.row_prob, S.map) : ug.d_topk_prob;
   Tensor d_h = permute_backward(back.rows, S.map);
   if (d_h.dtype() != DType::f32) d_h = d_h.to_dtype(DType::f32, MemCategory::activations);

@@ -3,7 +3,8 @@
 //   route      logits = h W_router^T (f32); top-k (router family) -> idx, prob, counts
 //   permute    x_perm = rows of h grouped by expert
 //   dispatch   rows to the ranks that hold their experts (Dispatcher; nothing moves on one rank)
-//   experts    SwiGLU expert MLPs on the local rows (experts family)
+//   experts    SwiGLU expert MLPs on the local rows (experts family), run by the dispatcher
+//              on the rows it brought (per chunk for chunked_alltoall)
 //   combine    expert outputs back in x_perm's order (Dispatcher)
 //   unpermute  weighted sum of each token's K outputs (permute family)
 //   [+ shared expert: sigmoid(h w_gate) * W_sd swiglu(W_sgu h)]
@@ -56,6 +57,9 @@ class MoeBlock final : public Block {
  private:
   struct Saved;
   RouterConfig router_config() const;
+  // The expert MLPs as the dispatcher calls them; wgrad goes through block::weight_grad(ctx,
+  // saved), so ctx and saved must outlive the dispatcher call.
+  ExpertCalls expert_calls(BatchContext& ctx, BlockSaved& saved);
   MoeBlockConfig cfg_;
   std::unique_ptr<Dispatcher> dispatcher_;
   Param *ln_ = nullptr, *router_ = nullptr, *experts_gate_up_ = nullptr, *experts_down_ = nullptr;

@@ -52,28 +52,47 @@ Param& ParamStore::add(ParamUnit& unit, const std::string& name, const Shape& sh
   return p;
 }
 
+UnitLayout lay_out_unit(const std::vector<int64_t>& numels, const std::vector<bool>& decay) {
+  BB_CHECK(numels.size() == decay.size(), "lay_out_unit: one decay flag per parameter");
+  auto align = [](int64_t n) { return (n + ParamStore::kAlign - 1) / ParamStore::kAlign * ParamStore::kAlign; };
+  UnitLayout l;
+  l.offsets.assign(numels.size(), 0);
+  int64_t off = 0;
+  bool seen_plain = false;
+  for (int pass = 0; pass < 2; ++pass)  // the weight-decayed parameters, then the others
+    for (size_t i = 0; i < numels.size(); ++i) {
+      if (decay[i] != (pass == 0)) continue;
+      off = align(off);
+      if (pass == 1 && !seen_plain) {  // the no-decay bucket starts here
+        l.decay_numel = off;
+        seen_plain = true;
+      }
+      l.offsets[i] = off;
+      off += numels[i];
+    }
+  l.numel = align(off);
+  if (!seen_plain) l.decay_numel = l.numel;
+  return l;
+}
+
 void ParamStore::allocate(Device dev, DType param_dtype) {
   BB_CHECK(!allocated_, "ParamStore: allocate() called twice");
-  auto align = [](int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; };
   for (ParamUnit& u : units_) {
-    std::vector<Param*> ordered;
+    std::vector<int64_t> numels;
+    std::vector<bool> decay;
+    for (Param* p : u.params) {
+      numels.push_back(p->numel());
+      decay.push_back(p->decay);
+    }
+    const UnitLayout l = lay_out_unit(numels, decay);
+    for (size_t i = 0; i < u.params.size(); ++i) u.params[i]->offset = l.offsets[i];
+    u.numel = l.numel;
+    u.decay_numel = l.decay_numel;
+    std::vector<Param*> ordered;  // layout order
     for (Param* p : u.params)
       if (p->decay) ordered.push_back(p);
     for (Param* p : u.params)
       if (!p->decay) ordered.push_back(p);
-    int64_t off = 0;
-    bool seen_plain = false;
-    for (Param* p : ordered) {
-      off = align(off);
-      if (!p->decay && !seen_plain) {  // the no-decay bucket starts here
-        u.decay_numel = off;
-        seen_plain = true;
-      }
-      p->offset = off;
-      off += p->numel();
-    }
-    u.numel = align(off);
-    if (!seen_plain) u.decay_numel = u.numel;
     u.params = ordered;
     u.value = Tensor::zeros({u.numel}, u.f32_values ? DType::f32 : param_dtype, dev, MemCategory::params);
     u.grad = Tensor::zeros({u.numel}, DType::f32, dev, MemCategory::grads);

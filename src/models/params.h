@@ -84,6 +84,15 @@ struct ParamUnit {
 Tensor unit_slice(const Tensor& flat, const Param& p, int64_t offset, const Shape& shape);
 inline Tensor unit_slice(const Tensor& flat, const Param& p) { return unit_slice(flat, p, 0, p.shape); }
 
+// Where the parameters of a unit go in its flat buffers, given each parameter's element count
+// and decay flag in declaration order: weight-decayed ones first (in order), then the others,
+// each at a multiple of ParamStore::kAlign. offsets[i] is parameter i's (declaration index).
+struct UnitLayout {
+  std::vector<int64_t> offsets;
+  int64_t numel = 0, decay_numel = 0;
+};
+UnitLayout lay_out_unit(const std::vector<int64_t>& numels, const std::vector<bool>& decay);
+
 class ParamStore {
  public:
   static constexpr int64_t kAlign = 128;

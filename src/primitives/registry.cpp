@@ -59,7 +59,13 @@ const Family<AttentionKind>& attention_family() {
 const Family<DispatcherFactory>& moe_dispatch_family() {
   static const Family<DispatcherFactory> f(
       "moe_dispatch", "allgather",
-      {{"allgather", make_single_rank_dispatcher, "all-gather / reduce-scatter (one rank: local)"}});
+      {{"allgather", make_allgather_dispatcher,
+        "all-gather the rows over the EP group, reduce-scatter the outputs back (one rank: nothing moves)"},
+       {"alltoall", make_alltoall_dispatcher,
+        "per-expert counts, then all-to-all-v of the rows; received rows sorted by local expert"},
+       {"chunked_alltoall", make_chunked_alltoall_dispatcher,
+        "alltoall in N chunks: one chunk's communication overlaps another chunk's expert GEMMs",
+        kMaxDispatchChunks}});
   return f;
 }
 

@@ -28,11 +28,13 @@ enum class AttentionKind { sdpa };
 enum class StateKind { replicated, zero1, fsdp };
 enum class OptimizerKind { adamw, adamw_bf16_moments };
 
-// One family's member as chosen: the name (for logs and checkpoints) and its typed value.
+// One family's member as chosen: the name (for logs and checkpoints, as written:
+// "chunked_alltoall:2"), its typed value, and the count of a member that takes one.
 template <class T>
 struct Choice {
   std::string name;
   T value{};
+  int64_t count = 0;  // N of a member named "<member>:N" (e.g. chunked_alltoall:N), else 0
 };
 
 template <class T>
@@ -41,25 +43,44 @@ class Family {
   struct Member {
     std::string name;
     T value;
-    std::string what;  // one line for docs and errors
+    std::string what;        // one line for docs and errors
+    int64_t max_count = 0;   // > 0: the member is written "<name>:N" with N in [1, max_count]
   };
   Family(std::string key, std::string default_name, std::vector<Member> members)
       : key_(std::move(key)), default_(std::move(default_name)), members_(std::move(members)) {}
 
   const std::string& key() const { return key_; }
   const std::vector<Member>& members() const { return members_; }
-  // The member called `name`; otherwise throws naming the key (`primitives.<key>`), `where`
-  // and every registered name.
+  // The member called `name` ("<member>:N" for one that takes a count); otherwise throws naming
+  // the key (`primitives.<key>`), `where` and every registered name.
   Choice<T> parse(const std::string& name, const std::string& where) const {
-    for (const Member& m : members_)
-      if (m.name == name) return {m.name, m.value};
-    BB_FAIL("primitives.", key_, " = '", name, "'", where.empty() ? "" : " in " + where,
-            " is not registered; registered members: ", names());
+    const std::string in = where.empty() ? "" : " in " + where;
+    for (const Member& m : members_) {
+      if (m.max_count == 0) {
+        if (m.name == name) return {m.name, m.value, 0};
+        continue;
+      }
+      const std::string usage = m.name + ":N with N in [1, " + std::to_string(m.max_count) + "]";
+      if (name == m.name)
+        BB_FAIL("primitives.", key_, " = '", name, "'", in, " needs a count: write ", usage, " (e.g. ", m.name, ":2)");
+      if (name.rfind(m.name + ":", 0) != 0) continue;
+      const std::string digits = name.substr(m.name.size() + 1);
+      int64_t n = 0;
+      bool ok = !digits.empty() && digits.size() <= 9;
+      for (char ch : digits) {
+        ok = ok && ch >= '0' && ch <= '9';
+        if (ok) n = n * 10 + (ch - '0');
+      }
+      BB_CHECK(ok && n >= 1 && n <= m.max_count, "primitives.", key_, " = '", name, "'", in, ": the count must be ",
+               usage);
+      return {name, m.value, n};
+    }
+    BB_FAIL("primitives.", key_, " = '", name, "'", in, " is not registered; registered members: ", names());
   }
   Choice<T> default_choice() const { return parse(default_, "the registry"); }
-  std::string names() const {  // "full_ce, linear_ce"
+  std::string names() const {  // "full_ce, linear_ce"; a member with a count as "<name>:N"
     std::string s;
-    for (const Member& m : members_) s += (s.empty() ? "" : ", ") + m.name;
+    for (const Member& m : members_) s += (s.empty() ? "" : ", ") + m.name + (m.max_count > 0 ? ":N" : "");
     return s;
   }
 

@@ -34,20 +34,60 @@ void check_checkpoint_optimizer(const nlohmann::json& state, const std::string& 
           " --out DIR --dtype f32`, then model.init = \"hf:DIR\"; the moments restart at zero)");
 }
 
-nlohmann::json unit_table(const std::vector<ParamUnit*>& units) {
+GlobalUnit global_unit(const ParamUnit& u, int64_t num_experts) {
+  GlobalUnit g;
+  const bool split = u.kind == UnitKind::experts && num_experts > 0 && u.num_experts != num_experts;
+  std::vector<int64_t> numels;
+  std::vector<bool> decay;
+  for (const Param* p : u.params) {
+    Shape shape = p->shape;
+    if (split) {
+      BB_CHECK(!shape.empty() && shape[0] == u.num_experts, "checkpoint: expert parameter ", p->name, " has shape ",
+               shape_str(shape), " but its unit holds ", u.num_experts, " experts");
+      shape[0] = num_experts;
+    }
+    g.params.push_back({p->name, shape, 0});
+    numels.push_back(shape_numel(shape));
+    decay.push_back(p->decay);
+  }
+  const UnitLayout l = lay_out_unit(numels, decay);
+  g.numel = l.numel;
+  g.decay_numel = l.decay_numel;
+  for (size_t i = 0; i < u.params.size(); ++i) {
+    const Param& p = *u.params[i];
+    g.params[i].offset = l.offsets[i];
+    const int64_t per_expert = split ? p.numel() / p.shape[0] : 0;
+    g.param_runs.push_back({p.offset, l.offsets[i] + (split ? u.first_expert * per_expert : 0), p.numel()});
+  }
+  g.identity = !split;
+  return g;
+}
+
+std::vector<GlobalUnit::Run> global_runs(const GlobalUnit& g, int64_t lo, int64_t len) {
+  std::vector<GlobalUnit::Run> out;
+  for (const GlobalUnit::Run& r : g.param_runs) {
+    const int64_t a = std::max(lo, r.local), b = std::min(lo + len, r.local + r.n);
+    if (a < b) out.push_back({a, r.global + (a - r.local), b - a});
+  }
+  return out;
+}
+
+nlohmann::json unit_table(const std::vector<ParamUnit*>& units, int64_t num_experts) {
   nlohmann::json t = nlohmann::json::array();
   for (const ParamUnit* u : units) {
+    const GlobalUnit g = global_unit(*u, num_experts);
     nlohmann::json ps = nlohmann::json::array();
-    for (const Param* p : u->params) ps.push_back({{"name", p->name}, {"offset", p->offset}, {"shape", p->shape}});
-    t.push_back({{"name", u->name}, {"numel", u->numel}, {"decay_numel", u->decay_numel},
-                 {"first_expert", u->first_expert}, {"params", ps}});
+    for (const GlobalUnit::Param& p : g.params)
+      ps.push_back({{"name", p.name}, {"offset", p.offset}, {"shape", p.shape}});
+    t.push_back({{"name", u->name}, {"numel", g.numel}, {"decay_numel", g.decay_numel},
+                 {"first_expert", g.identity ? u->first_expert : 0}, {"params", ps}});
   }
   return t;
 }
 
-void check_unit_table(const nlohmann::json& table, const std::vector<ParamUnit*>& units,
+void check_unit_table(const nlohmann::json& table, const std::vector<ParamUnit*>& units, int64_t num_experts,
                       const std::string& dir) {
-  const nlohmann::json mine = unit_table(units);
+  const nlohmann::json mine = unit_table(units, num_experts);
   BB_CHECK(table.is_array(), "checkpoint ", dir, ": state.json has no unit table");
   BB_CHECK(table.size() == mine.size(), "checkpoint ", dir, " has ", table.size(), " parameter units, the model ",
            mine.size(), " (written for a different model)");
@@ -113,10 +153,31 @@ ShardSet::ShardSet(const std::string& dir, const nlohmann::json& state) : dir_(d
     auto file = std::make_shared<SafetensorsReader>(path_join(dir, name));
     for (const auto& [unit, range] : file->metadata()) {
       if (unit == "format" || unit == "rank" || unit == "world") continue;
-      long long lo = -1, len = -1;
-      BB_CHECK(std::sscanf(range.c_str(), "%lld %lld", &lo, &len) == 2 && lo >= 0 && len >= 0, "checkpoint ", dir,
-               ": shard ", name, " has a bad range '", range, "' for unit ", unit);
-      if (len > 0) pieces_[unit].push_back({file, lo, len});
+      // "lo len" or several runs "lo1 len1 lo2 len2 ..." (their elements one after the other).
+      std::vector<Piece> runs;
+      const char* at = range.c_str();
+      int64_t total = 0;
+      bool any = false;
+      while (true) {
+        while (*at == ' ') ++at;
+        if (!*at) break;
+        long long lo = -1, len = -1;
+        int used = 0;
+        BB_CHECK(std::sscanf(at, "%lld %lld%n", &lo, &len, &used) == 2 && lo >= 0 && len >= 0 &&
+                     len <= (int64_t{1} << 50) && lo <= (int64_t{1} << 50),
+                 "checkpoint ", dir, ": shard ", name, " has a bad range '", range.substr(0, 80), "' for unit ", unit);
+        at += used;
+        any = true;
+        if (len > 0) runs.push_back({file, lo, len, total, 0});
+        total += len;
+        BB_CHECK(total <= (int64_t{1} << 50), "checkpoint ", dir, ": shard ", name, " has runs of more than 2^50 ",
+                 "elements for unit ", unit);
+      }
+      BB_CHECK(any, "checkpoint ", dir, ": shard ", name, " has an empty range for unit ", unit);
+      for (Piece& p : runs) {
+        p.total = total;
+        pieces_[unit].push_back(p);
+      }
     }
   }
 }
@@ -134,9 +195,9 @@ Tensor ShardSet::read(const std::string& unit, const std::string& which, int64_t
       const std::string name = unit + "." + which;
       BB_CHECK(p.file->has(name), "checkpoint ", dir_, ": ", p.file->path(), " lacks ", name);
       Tensor t = p.file->read(name, MemCategory::other);
-      BB_CHECK(t.dtype() == dtype && t.numel() == p.len, "checkpoint ", dir_, ": ", p.file->path(), ": ", name,
-               " is ", t.str(), ", expected ", dtype_name(dtype), "[", p.len, "]");
-      out.narrow(a - lo, b - a).copy_from(t.narrow(a - p.lo, b - a));
+      BB_CHECK(t.dtype() == dtype && t.numel() == p.total, "checkpoint ", dir_, ": ", p.file->path(), ": ", name,
+               " is ", t.str(), ", expected ", dtype_name(dtype), "[", p.total, "]");
+      out.narrow(a - lo, b - a).copy_from(t.narrow(p.at + a - p.lo, b - a));
       covered += b - a;
     }
   }
@@ -152,18 +213,29 @@ Tensor ShardSet::read(const std::string& unit, const std::string& which, int64_t
   return out;
 }
 
+Tensor ShardSet::read_runs(const std::string& unit, const std::string& which, const std::vector<GlobalUnit::Run>& runs,
+                           int64_t lo, int64_t len, DType dtype) const {
+  Tensor out = Tensor::zeros({len}, dtype, Device::cpu(), MemCategory::other);
+  for (const GlobalUnit::Run& r : runs) {
+    BB_CHECK(r.local >= lo && r.local + r.n <= lo + len, "ShardSet::read_runs: run outside the range");
+    out.narrow(r.local - lo, r.n).copy_from(read(unit, which, r.global, r.n, dtype));
+  }
+  return out;
+}
+
 void export_distributed_checkpoint(const std::string& step_dir, const std::string& out_dir,
                                    const HfExportOptions& opts) {
   const nlohmann::json st = read_checkpoint_state(step_dir);
   const ModelConfig cfg = parse_hf_config(st["model_config"], step_dir + "/state.json");
-  DecoderModel model(cfg, ModelOptions{}, 0);  // CPU f32; every weight is overwritten below
+  DecoderModel model(cfg, ModelOptions{}, 0);  // CPU f32, every expert; every weight is overwritten below
   std::vector<ParamUnit*> units = model.units();
-  check_unit_table(st["units"], units, step_dir);
+  check_unit_table(st["units"], units, cfg.num_experts, step_dir);
   ShardSet shards(step_dir, st);
   shards.set_check_finite(false);  // export_hf checks the weights it writes (or not: --allow-nonfinite)
   for (ParamUnit* u : units) {
-    // The whole unit (padding included, which is zero) at full precision.
-    u->value.copy_from(shards.read(u->name, "master", 0, u->numel));
+    // The whole unit at full precision (padding zero).
+    const GlobalUnit g = global_unit(*u, cfg.num_experts);
+    u->value.copy_from(shards.read_runs(u->name, "master", global_runs(g, 0, u->numel), 0, u->numel));
   }
   export_hf(model, out_dir, opts);
 }

@@ -12,10 +12,16 @@
 //                              `.exp_avg`, `.exp_avg_sq` (the optimizer's moment dtype: f32 for
 //                              adamw, bf16 for adamw_bf16_moments) of elements [lo, lo + len) of
 //                              the unit's flat layout, with "lo len" in the file's metadata under
-//                              the unit's name
+//                              the unit's name; or of several runs "lo1 len1 lo2 len2 ..." (the
+//                              tensors are the runs' elements one after the other)
+// Coordinates are global: every unit is described (unit table) and addressed (ranges) as the
+// model holding every expert lays it out. An expert unit of an expert-parallel rank holds experts
+// [first_expert, first_expert + E_l) of each of its parameters, which are runs of the global
+// unit; it writes those runs (its parameters' elements, no alignment padding), and reads them
+// back. So a checkpoint written at any EP degree reads at any other.
 // Parameter values are not stored: they are the masters in the parameter dtype, which is what
 // the optimizer writes after every step. Any layout can read any other: each rank reads the
-// pieces that overlap what it holds under its own layout.
+// pieces that overlap what it holds under its own layout; padding is never read (it is zero).
 #pragma once
 
 #include <map>
@@ -39,11 +45,33 @@ std::string checkpoint_optimizer(const nlohmann::json& state);
 void check_checkpoint_optimizer(const nlohmann::json& state, const std::string& run_optimizer,
                                 const std::string& dir);
 
-// The unit table of state.json.
-nlohmann::json unit_table(const std::vector<ParamUnit*>& units);
+// A unit in global coordinates (the model holding all `num_experts` experts): the unit itself,
+// except an expert unit holding E_l < E experts, laid out as the E-expert unit.
+struct GlobalUnit {
+  struct Param {
+    std::string name;
+    Shape shape;         // global ([E, ...] for expert parameters)
+    int64_t offset = 0;  // global
+  };
+  // Elements [local, local + n) of the rank's unit are elements [global, global + n) of the
+  // global unit.
+  struct Run {
+    int64_t local = 0, global = 0, n = 0;
+  };
+  int64_t numel = 0, decay_numel = 0;
+  std::vector<Param> params;   // layout order
+  std::vector<Run> param_runs;  // every parameter's local elements (no padding), layout order
+  bool identity = true;         // local coordinates are the global ones
+};
+GlobalUnit global_unit(const ParamUnit& u, int64_t num_experts);
+// The parameter runs of `g` clipped to local elements [lo, lo + len).
+std::vector<GlobalUnit::Run> global_runs(const GlobalUnit& g, int64_t lo, int64_t len);
+
+// The unit table of state.json, in global coordinates (num_experts: the model's routed experts).
+nlohmann::json unit_table(const std::vector<ParamUnit*>& units, int64_t num_experts);
 // Throws naming the first difference when the table of a checkpoint does not describe `units`.
 void check_unit_table(const nlohmann::json& table, const std::vector<ParamUnit*>& units,
-                      const std::string& dir);
+                      int64_t num_experts, const std::string& dir);
 
 // The shard files of a step directory, indexed by unit.
 class ShardSet {
@@ -56,12 +84,18 @@ class ShardSet {
   // set_check_finite(false) (export --allow-nonfinite).
   Tensor read(const std::string& unit, const std::string& which, int64_t lo, int64_t len,
               DType dtype = DType::f32) const;
+  // Local elements [lo, lo + len) of a rank's unit whose elements are the global `runs`
+  // (global_runs): each run read, the rest (padding) zero.
+  Tensor read_runs(const std::string& unit, const std::string& which, const std::vector<GlobalUnit::Run>& runs,
+                   int64_t lo, int64_t len, DType dtype = DType::f32) const;
   void set_check_finite(bool on) { check_finite_ = on; }
 
  private:
   struct Piece {
     std::shared_ptr<SafetensorsReader> file;
-    int64_t lo = 0, len = 0;
+    int64_t lo = 0, len = 0;  // global elements [lo, lo + len) of the unit
+    int64_t at = 0;           // their first element in the file's tensor
+    int64_t total = 0;        // the file tensor's elements (all runs of the unit)
   };
   std::string dir_;
   bool check_finite_ = true;

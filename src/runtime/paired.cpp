@@ -69,8 +69,22 @@ Side run_side(const PairedOptions& o, const std::vector<std::string>& side, cons
       std::vector<ParamUnit*> units = tr.model().units();
       std::vector<Tensor> whole;  // gathered where the state family shards them (collective)
       for (size_t u = 0; u < units.size(); ++u) whole.push_back(tr.state().gather_grad(u));
-      for (Param* p : tr.model().params())
-        s.grads.emplace_back(p->name, unit_slice(whole[static_cast<size_t>(p->unit->index)], *p).to_floats());
+      const int64_t E = cfg.model.num_experts;
+      for (Param* p : tr.model().params()) {
+        Tensor g = unit_slice(whole[static_cast<size_t>(p->unit->index)], *p);
+        if (p->unit->kind == UnitKind::experts && p->unit->num_experts < E) {
+          // Expert parallelism: this rank holds experts [first, first + E_l) of the parameter;
+          // the EP group's slices in rank order are the whole [E, ...] gradient (collective).
+          comm::Group& ep = *tr.mesh().ep();
+          const Device dev = cfg.resolved_device();
+          Tensor mine = g.view({g.numel()}).to(dev, MemCategory::other);
+          Tensor all = Tensor::empty({g.numel() * ep.size()}, DType::f32, dev, MemCategory::other);
+          ep.all_gather(mine, all)->wait();
+          s.grads.emplace_back(p->name, all.to_floats());
+          continue;
+        }
+        s.grads.emplace_back(p->name, g.to_floats());
+      }
     }
     if (out) {
       std::fprintf(out, "[paired] side %s step %lld/%lld loss %.6f\n", label,

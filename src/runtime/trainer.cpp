@@ -179,9 +179,8 @@ ParallelLayout resolve_layout(const RunConfig& cfg, int64_t world_size) {
     l.dp = world_size / (l.cp * l.pp);
   }
   l.validate(world_size, cfg.model.num_experts);
-  // The layouts the groups are built for but whose data paths come later.
+  // The layout the groups are built for but whose data path comes later.
   BB_CHECK(l.cp == 1, "parallel.cp = ", l.cp, ": context-parallel attention is not implemented yet; set cp = 1");
-  BB_CHECK(l.ep == 1, "parallel.ep = ", l.ep, ": the expert-parallel dispatcher is not implemented yet; set ep = 1");
   return l;
 }
 
@@ -229,7 +228,9 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
     std::fprintf(log_, "%s[startup] backend: %s\n", p, cfg.backend.summary().c_str());
     std::fflush(log_);
   }
-  model_ = std::make_unique<DecoderModel>(cfg.model, model_options(cfg), cfg.seed);
+  ModelOptions mo = model_options(cfg);
+  mo.ep_group = mesh_->ep();  // the MoE dispatchers move rows over the mesh's expert-parallel group
+  model_ = std::make_unique<DecoderModel>(cfg.model, mo, cfg.seed);
   schedule_ = std::make_unique<Schedule>(*model_, ScheduleOptions{cfg.prim.recompute.value, false});
   std::vector<ParamUnit*> units = model_->units();
   std::vector<Tensor> masters;
@@ -403,9 +404,10 @@ StepMetrics Trainer::train_step() {
     BB_RANGE("zero_grad");
     state_->begin_step();
   }
-  double sums[5] = {0, 0, 0, 0, 0};  // loss_sum, aux, z, tokens, flops
+  double sums[6] = {0, 0, 0, 0, 0, 0};  // loss_sum, aux, z, tokens, flops, expert rows received
   const float loss_scale = 1.0f / static_cast<float>(valid);
   const double aux_scale = 1.0 / static_cast<double>(dp * accum);
+  std::vector<int64_t> routing(record_routing_ ? static_cast<size_t>(dp * accum) : 0, 0);
   for (size_t i = 0; i < mbs.size(); ++i) {
     state_->begin_micro_batch(i + 1 == mbs.size());
     ForwardStats st = schedule_->forward_backward(mbs[i], loss_scale, aux_scale);
@@ -414,9 +416,22 @@ StepMetrics Trainer::train_step() {
     sums[2] += st.z_loss * aux_scale;
     sums[3] += static_cast<double>(mbs[i].tokens.numel());
     sums[4] += model_flops(cfg_.model, seq_lens(mbs[i]));
+    sums[5] += static_cast<double>(st.moe_rows_received);
+    if (record_routing_ && mesh_->cp_rank() == 0) {
+      uint64_t h = 1469598103934665603ull;  // FNV-1a over every layer's [T, K] expert ids
+      for (const Tensor& t : schedule_->last_routing())
+        for (int32_t v : t.to_ints()) h = (h ^ static_cast<uint32_t>(v)) * 1099511628211ull;
+      routing[static_cast<size_t>(dp_rank * accum) + i] = static_cast<int64_t>(h);
+    }
   }
+  const int64_t my_rows = static_cast<int64_t>(sums[5]);
   state_->end_backward();
-  world.all_reduce_host(sums, 5, comm::ReduceOp::sum);
+  world.all_reduce_host(sums, 6, comm::ReduceOp::sum);
+  if (record_routing_) {  // each slot is filled by one rank
+    world.all_reduce_host(routing.data(), static_cast<int64_t>(routing.size()), comm::ReduceOp::sum);
+    m.routing = routing;
+  }
+  m.moe_rows_mean = sums[5] / static_cast<double>(world.size());
   m.valid_tokens = valid;
   m.loss = sums[0] / static_cast<double>(valid);
   m.aux_loss = sums[1];
@@ -492,12 +507,14 @@ StepMetrics Trainer::train_step() {
   }
   nonfinite_flags_ = Tensor();
   // Per-rank maxima of the peaks and of the non-finite flag (one small all-reduce).
-  std::array<int64_t, kNumMemCategories + 3> pk{};
+  std::array<int64_t, kNumMemCategories + 4> pk{};
   for (int c = 0; c < kNumMemCategories; ++c) pk[static_cast<size_t>(c)] = m.mem.peak[static_cast<size_t>(c)];
   pk[kNumMemCategories] = m.mem.peak_total;
   pk[kNumMemCategories + 1] = m.mem.reserved_peak;
   pk[kNumMemCategories + 2] = bad_unit;
+  pk[kNumMemCategories + 3] = my_rows;
   world.all_reduce_host(pk.data(), static_cast<int64_t>(pk.size()), comm::ReduceOp::max);
+  m.moe_rows_max = pk[kNumMemCategories + 3];
   if (const int64_t bu = pk[kNumMemCategories + 2]; bu > 0) {
     const std::string unit = state_->unit_name(static_cast<size_t>(bu - 1));
     BB_CHECK(cfg_.on_nonfinite == "skip_step", "step ", m.step, ": the update made the weights or optimizer moments of ",
@@ -543,6 +560,10 @@ void Trainer::log_line(const StepMetrics& m) {
   if (device_.is_cuda())
     std::fprintf(log_, "%s           reserved peak %.1f MiB | host syncs %lld\n", log_prefix_.c_str(), mib(mem.reserved_peak),
                  static_cast<long long>(m.host_syncs));
+  if (mesh_->layout().ep > 1)  // token-count skew of expert parallelism
+    std::fprintf(log_, "%s           expert rows per rank: max %s mean %s (skew %.2f)\n", log_prefix_.c_str(),
+                 human_count(static_cast<double>(m.moe_rows_max)).c_str(), human_count(m.moe_rows_mean).c_str(),
+                 m.moe_rows_mean > 0 ? static_cast<double>(m.moe_rows_max) / m.moe_rows_mean : 1.0);
   std::fflush(log_);
 }
 
@@ -624,6 +645,8 @@ std::vector<StepMetrics> Trainer::run() {
       j["reserved_peak_bytes"] = m.mem_max.reserved_peak;
       j["ranks"] = mesh_->world()->size();
       j["host_syncs"] = m.host_syncs;
+      j["moe_rows_max"] = m.moe_rows_max;  // expert rows received per rank: max and mean
+      j["moe_rows_mean"] = m.moe_rows_mean;
       *metrics << j.dump() << "\n";
       metrics->flush();
       BB_CHECK(metrics->good(), "cannot write log.metrics file '", mpath, "' at step ", m.step,
@@ -708,15 +731,35 @@ std::string Trainer::save_checkpoint(const std::string& root) {
                                                {"rank", std::to_string(rank)},
                                                {"world", std::to_string(world.size())}};
     std::vector<std::pair<std::string, Tensor>> tensors;
+    // In global coordinates (checkpoint.h): an expert unit of an expert-parallel rank writes its
+    // experts' runs of the global unit; every other unit its range as it is.
     for (size_t i = 0; i < units.size(); ++i) {
       const auto [lo, len] = state_->checkpoint_range(i);
       const ModelState::Owned o = state_->owned(i);
-      meta[units[i]->name] = std::to_string(lo) + " " + std::to_string(len);
-      if (len == 0) continue;
-      const int64_t at = lo - o.lo;
-      tensors.emplace_back(units[i]->name + ".master", o.master.narrow(at, len));
-      tensors.emplace_back(units[i]->name + ".exp_avg", o.exp_avg.narrow(at, len));
-      tensors.emplace_back(units[i]->name + ".exp_avg_sq", o.exp_avg_sq.narrow(at, len));
+      const GlobalUnit g = global_unit(*units[i], cfg_.model.num_experts);
+      const std::vector<GlobalUnit::Run> runs =
+          g.identity ? std::vector<GlobalUnit::Run>{{lo, lo, len}} : global_runs(g, lo, len);
+      std::string range;
+      int64_t total = 0;
+      for (const GlobalUnit::Run& r : runs) {
+        range += (range.empty() ? "" : " ") + std::to_string(r.global) + " " + std::to_string(r.n);
+        total += r.n;
+      }
+      meta[units[i]->name] = range.empty() ? "0 0" : range;
+      if (total == 0) continue;
+      auto take = [&](const Tensor& t) {  // t: the owned elements [o.lo, o.lo + o.len)
+        if (runs.size() == 1) return t.narrow(runs[0].local - o.lo, runs[0].n);
+        Tensor out = Tensor::empty({total}, t.dtype(), t.device(), MemCategory::other);
+        int64_t at = 0;
+        for (const GlobalUnit::Run& r : runs) {
+          out.narrow(at, r.n).copy_from(t.narrow(r.local - o.lo, r.n));
+          at += r.n;
+        }
+        return out;
+      };
+      tensors.emplace_back(units[i]->name + ".master", take(o.master));
+      tensors.emplace_back(units[i]->name + ".exp_avg", take(o.exp_avg));
+      tensors.emplace_back(units[i]->name + ".exp_avg_sq", take(o.exp_avg_sq));
     }
     write_safetensors(path_join(tmp_dir, shard_name(rank)), tensors, meta);
   } catch (const std::exception& e) {
@@ -743,7 +786,7 @@ std::string Trainer::save_checkpoint(const std::string& root) {
       const ParallelLayout& l = mesh_->layout();
       st["layout"] = {{"dp", l.dp}, {"cp", l.cp}, {"ep", l.ep}, {"pp", l.pp}, {"world", world.size()},
                       {"state", cfg_.prim.state.name}, {"grad_accum", cfg_.grad_accum}};
-      st["units"] = unit_table(model_->units());
+      st["units"] = unit_table(model_->units(), cfg_.model.num_experts);
       nlohmann::json files = nlohmann::json::array();
       for (int r = 0; r < world.size(); ++r) files.push_back(shard_name(r));
       st["shards"] = files;
@@ -790,7 +833,7 @@ void Trainer::load_checkpoint(const std::string& path) {
     BB_FAIL("checkpoint ", dir, " was written for a different model:", diff);
   }
   std::vector<ParamUnit*> units = model_->units();
-  check_unit_table(st["units"], units, dir);
+  check_unit_table(st["units"], units, cfg_.model.num_experts, dir);
   check_checkpoint_optimizer(st, cfg_.prim.optimizer.name, dir);
   const int64_t step = st["step"].get<int64_t>();
   const DataPosition pos = st["data_position"].get<DataPosition>();
@@ -803,9 +846,12 @@ void Trainer::load_checkpoint(const std::string& path) {
   for (size_t i = 0; i < units.size(); ++i) {
     const ModelState::Owned o = state_->owned(i);
     if (o.len == 0) continue;
+    // The parameters' elements in global coordinates (an EP rank's experts are runs of the
+    // global unit); alignment padding stays zero.
+    const std::vector<GlobalUnit::Run> runs = global_runs(global_unit(*units[i], cfg_.model.num_experts), o.lo, o.len);
     for (int k = 0; k < 3; ++k)
-      staged[i][static_cast<size_t>(k)] =
-          shards.read(units[i]->name, which[k], o.lo, o.len, k == 0 ? DType::f32 : state_->moment_dtype());
+      staged[i][static_cast<size_t>(k)] = shards.read_runs(units[i]->name, which[k], runs, o.lo, o.len,
+                                                           k == 0 ? DType::f32 : state_->moment_dtype());
   }
   for (size_t i = 0; i < units.size(); ++i) {
     ModelState::Owned o = state_->owned(i);

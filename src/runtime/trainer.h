@@ -44,6 +44,15 @@ struct StepMetrics {
   MemoryStats mem;          // peaks over this step: this rank's
   MemoryStats mem_max;      // the same, maximum over ranks per category
   int64_t host_syncs = 0;   // deliberate host-device synchronisations in the step (GPU)
+  // Rows the experts of a rank received in the step (summed over MoE layers and micro-batches):
+  // the maximum and the mean over ranks. max / mean is the token-count skew of expert
+  // parallelism (1 on one rank).
+  int64_t moe_rows_max = 0;
+  double moe_rows_mean = 0;
+  // With Trainer::set_record_routing(true): one hash of the routing (every MoE layer's top-k
+  // expert ids) per micro-batch of the step, in global micro-batch order (dp rank, then
+  // accumulation index), the same on every rank. Tests compare it across layouts.
+  std::vector<int64_t> routing;
   // "" for a step that updated the weights; "nonfinite" (loss, gradient norm or update not
   // finite, train.on_nonfinite = "skip_step": nothing applied) or "no_targets" (every target of
   // the step masked). A skipped step still counts: the step index and the data move on.
@@ -78,6 +87,8 @@ class Trainer {
   // The run's id: new for a fresh run, the checkpoint's for a resumed one (state.json run_id).
   const std::string& run_id() const { return run_id_; }
   int64_t skipped_nonfinite() const { return skipped_nonfinite_; }
+  // Fill StepMetrics::routing (a host copy of every layer's routing per micro-batch).
+  void set_record_routing(bool on) { record_routing_ = on; }
   int64_t skipped_no_targets() const { return skipped_no_targets_; }
 
   // Writes <dir>/step_NNNNNNNN atomically (temp dir + rename) and points <dir>/latest at it
@@ -108,6 +119,7 @@ class Trainer {
   std::unique_ptr<CheckpointRoot> root_;  // rank 0, when checkpoint.dir is set: checked and locked
   std::string run_id_;
   int64_t skipped_nonfinite_ = 0, skipped_no_targets_ = 0;
+  bool record_routing_ = false;
   double loss_mean_ = 0;
   int64_t loss_mean_n_ = 0;
   Tensor nonfinite_flags_;           // per unit, set by the update of the current step

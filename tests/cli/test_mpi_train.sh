@@ -41,5 +41,21 @@ SLURM_STEP_ID=0 SLURM_PROCID=0 SLURM_LOCALID=0 SLURM_STEP_NUM_TASKS=1 "$BB" trai
   && grep -q "launcher srun" "$TMP/g.txt" || { echo "FAIL: srun environment"; cat "$TMP/g.txt"; fail=1; }
 SLURM_STEP_ID=0 SLURM_PROCID=0 SLURM_LOCALID=0 SLURM_STEP_NUM_TASKS=2 "$BB" train "${ARGS[@]}" --steps 1 --set 'checkpoint.dir=""' > "$TMP/h.txt" 2>&1
 [ $? -ne 0 ] && grep -q "started 2 processes but MPI sees a world of 1" "$TMP/h.txt" || { echo "FAIL: srun without PMI not refused"; cat "$TMP/h.txt"; fail=1; }
-[ $fail -eq 0 ] && echo "ok: mpirun train, logs, metrics, distributed checkpoint, resume on 1 rank, export, paired, bad layout, srun"
+# Expert parallelism (ep 2 over both ranks, chunked all-to-all): the step log reports the expert
+# rows each rank received; its checkpoint resumes on one process; paired against the
+# single-rank run, every gradient (the experts' gathered from both ranks) agrees.
+EP=(--set parallel.ep=2 --set 'primitives.moe_dispatch="chunked_alltoall:2"')
+"${MPI[@]}" "$BB" train "${ARGS[@]}" "${EP[@]}" --steps 2 --set "checkpoint.dir=\"$TMP/ckpt_ep\"" --set 'log.metrics=""' > "$TMP/i.txt" 2>&1 \
+  || { echo "FAIL: ep train exited $?"; cat "$TMP/i.txt"; fail=1; }
+grep -q "layout dp=2 cp=1 ep=2" "$TMP/i.txt" && grep -q "expert rows per rank: max .* mean .* (skew " "$TMP/i.txt" \
+  || { echo "FAIL: ep run log (layout, expert rows per rank)"; cat "$TMP/i.txt"; fail=1; }
+"$BB" train "${ARGS[@]}" --steps 3 --set train.grad_accum=2 --set "checkpoint.dir=\"$TMP/ckpt_ep\"" --set 'checkpoint.resume="auto"' \
+  --set 'log.metrics=""' > "$TMP/j.txt" 2>&1 && grep -q "resumed from .*step_00000002 at step 2" "$TMP/j.txt" && grep -q "^step      3 | loss" "$TMP/j.txt" \
+  || { echo "FAIL: ep checkpoint resumed on 1 rank"; cat "$TMP/j.txt"; fail=1; }
+"${MPI[@]}" "$BB" paired "${ARGS[@]}" --steps 2 --a parallel.dp=1 --a train.grad_accum=2 --b parallel.ep=2 \
+  --b 'primitives.moe_dispatch="chunked_alltoall:2"' --tol-loss 1e-5 --tol-grad 1e-5 > "$TMP/k.txt" 2>&1 && grep -q "^PASS" "$TMP/k.txt" \
+  || { echo "FAIL: paired ep 2 vs one rank"; cat "$TMP/k.txt"; fail=1; }
+"${MPI[@]}" "$BB" train "${ARGS[@]}" --steps 1 --set parallel.ep=3 > "$TMP/l.txt" 2>&1
+[ $? -ne 0 ] && grep -q "parallel.ep = 3 does not divide the model's 8 routed experts" "$TMP/l.txt" || { echo "FAIL: bad ep not refused"; cat "$TMP/l.txt"; fail=1; }
+[ $fail -eq 0 ] && echo "ok: mpirun train, logs, metrics, distributed checkpoint, resume on 1 rank, export, paired, bad layout, srun, expert parallelism"
 exit $fail

@@ -2,6 +2,8 @@
 // errors that list the registered members, and the run config reads every family through it.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "common/testing.h"
 #include "primitives/registry.h"
 
@@ -13,8 +15,11 @@ void check_family(const Family<T>& f) {
   SCOPED_TRACE(f.key());
   ASSERT_FALSE(f.members().empty());
   for (const auto& m : f.members()) {
-    const Choice<T> c = f.parse(m.name, "test");
-    EXPECT_EQ(c.name, m.name);
+    // A member that takes a count is written "<name>:N".
+    const std::string written = m.max_count > 0 ? m.name + ":2" : m.name;
+    const Choice<T> c = f.parse(written, "test");
+    EXPECT_EQ(c.name, written);
+    EXPECT_EQ(c.count, m.max_count > 0 ? 2 : 0);
     EXPECT_FALSE(m.what.empty()) << m.name << " has no description";
   }
   try {
@@ -50,9 +55,30 @@ TEST(Registry, MembersCarryTypedValues) {
   // The factories build working members.
   auto head = loss_family().parse("linear_ce", "").value(LossHeadConfig{});
   ASSERT_TRUE(head);
-  auto d = moe_dispatch_family().parse("allgather", "").value(8);
-  EXPECT_EQ(d->num_local_experts(8), 8);
-  EXPECT_EQ(d->first_local_expert(8), 0);
+  DispatcherConfig dc;
+  dc.num_experts = 8;
+  for (const char* name : {"allgather", "alltoall", "chunked_alltoall:3"}) {
+    const Choice<DispatcherFactory> c = moe_dispatch_family().parse(name, "");
+    dc.num_chunks = std::max<int64_t>(1, c.count);
+    auto d = c.value(dc);  // one rank: every expert local
+    ASSERT_TRUE(d) << name;
+    EXPECT_EQ(d->num_local_experts(8), 8);
+    EXPECT_EQ(d->first_local_expert(8), 0);
+  }
+}
+
+TEST(Registry, CountedMembersNeedAValidCount) {
+  const auto& f = moe_dispatch_family();
+  EXPECT_EQ(f.parse("chunked_alltoall:4", "").count, 4);
+  EXPECT_EQ(f.parse("chunked_alltoall:64", "").count, 64);
+  EXPECT_NE(f.names().find("chunked_alltoall:N"), std::string::npos) << f.names();
+  test::expect_error_contains([&] { f.parse("chunked_alltoall", "run.toml"); },
+                              "primitives.moe_dispatch = 'chunked_alltoall' in run.toml needs a count: write "
+                              "chunked_alltoall:N with N in [1, 64]");
+  for (const char* bad : {"chunked_alltoall:0", "chunked_alltoall:65", "chunked_alltoall:x", "chunked_alltoall:",
+                          "chunked_alltoall:-1", "chunked_alltoall:2.5"})
+    test::expect_error_contains([&] { f.parse(bad, ""); }, "the count must be chunked_alltoall:N with N in [1, 64]");
+  test::expect_error_contains([&] { f.parse("alltoall:2", ""); }, "is not registered");
 }
 
 TEST(Registry, PrimitiveSetDefaultsKeysAndSummary) {

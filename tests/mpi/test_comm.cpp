@@ -125,6 +125,22 @@ TEST(Comm, AllToAllWithPerPeerCounts) {
     for (int64_t j = 0; j < count(p, r) * W; ++j) ASSERT_EQ(got[k++], static_cast<float>(p * 10000 + r * 100 + j));
 }
 
+// The host all-to-all of control values (the MoE dispatcher's per-expert counts): n values to
+// and from every peer, each naming (source, destination, index).
+TEST(Comm, AllToAllOfHostValues) {
+  comm::Group& g = *world();
+  const int R = g.size(), r = g.rank();
+  for (int64_t n : {0, 1, 3}) {
+    std::vector<int64_t> send, recv(static_cast<size_t>(R * n), -1);
+    for (int p = 0; p < R; ++p)
+      for (int64_t i = 0; i < n; ++i) send.push_back(r * 1000000 + p * 1000 + i);
+    g.all_to_all_host(send.data(), recv.data(), n);
+    for (int p = 0; p < R; ++p)
+      for (int64_t i = 0; i < n; ++i)
+        ASSERT_EQ(recv[static_cast<size_t>(p * n + i)], p * 1000000 + r * 1000 + i) << "from " << p << " value " << i;
+  }
+}
+
 TEST(Comm, SendRecvRingBroadcastBarrierAndHostValues) {
   comm::Group& g = *world();
   const int R = g.size(), r = g.rank();
@@ -238,6 +254,8 @@ TEST(Mesh, ImpossibleLayoutsAreClearErrors) {
   test::expect_error_contains([&] { ParallelLayout{R, 1, 2, 1}.validate(R, 7); }, "routed experts");
   test::expect_error_contains([&] { ParallelLayout{R, 1, 1, 2}.validate(R, 8); }, "pipeline");
   test::expect_error_contains([&] { ParallelLayout{R, 1, 2, 1}.validate(R, 0); }, "no routed experts");
+  test::expect_error_contains([&] { ParallelLayout{R, 1, 2 * R, 1}.validate(R, 8 * R); },
+                              "is more than the " + std::to_string(R) + " rank(s) of a pipeline stage");
 }
 
 }  // namespace

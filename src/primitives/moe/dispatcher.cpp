@@ -1,40 +1,122 @@
-// dispatcher.cpp — the single-rank dispatcher: every expert is local, so dispatch and combine
-// hand the rows through unchanged (no copy) and keep the per-expert counts.
+// dispatcher.cpp — the single-rank dispatcher (every expert local: the experts run on x_perm
+// itself, nothing is copied), the config checks and the row-run helpers the multi-rank members
+// share (dispatcher_rows.h).
 #include "primitives/moe/dispatcher.h"
 
 #include "core/error.h"
+#include "primitives/moe/dispatcher_rows.h"
 
 namespace bb {
 
+namespace dispatch {
+
+std::vector<RowRun> reversed(const std::vector<RowRun>& runs) {
+  std::vector<RowRun> out;
+  out.reserve(runs.size());
+  for (const RowRun& r : runs) out.push_back({r.src, r.dst, r.n});
+  return out;
+}
+
+Tensor rows_like(const Tensor& like, int64_t rows, bool zero) {
+  Shape s = like.shape();
+  BB_CHECK(!s.empty(), "dispatcher: a 0-d tensor has no rows");
+  s[0] = rows;
+  return zero ? Tensor::zeros(s, like.dtype(), like.device(), like.category())
+              : Tensor::empty(s, like.dtype(), like.device(), like.category());
+}
+
+void copy_rows(const Tensor& dst, const Tensor& src, const std::vector<RowRun>& runs) {
+  // Adjacent runs (contiguous on both sides) are merged into one copy.
+  size_t i = 0;
+  while (i < runs.size()) {
+    RowRun r = runs[i++];
+    while (i < runs.size() && runs[i].dst == r.dst + r.n && runs[i].src == r.src + r.n) r.n += runs[i++].n;
+    if (r.n == 0) continue;
+    Tensor d = dst.narrow(r.dst, r.n);
+    d.copy_from(src.narrow(r.src, r.n));
+  }
+}
+
+Tensor gather_rows(const Tensor& src, const std::vector<RowRun>& runs, int64_t rows) {
+  if (rows == src.size(0)) {
+    bool identity = true;
+    int64_t covered = 0;
+    for (const RowRun& r : runs) {
+      if (r.n == 0) continue;
+      identity = identity && r.dst == r.src;
+      covered += r.n;
+    }
+    if (identity && covered == rows) return src;
+  }
+  Tensor out = rows_like(src, rows);
+  copy_rows(out, src, runs);
+  return out;
+}
+
+void check_dispatch_inputs(const char* who, const Tensor& x_perm, const Tensor& row_prob,
+                           const std::vector<int64_t>& tokens_per_expert, int64_t num_experts) {
+  BB_CHECK(static_cast<int64_t>(tokens_per_expert.size()) == num_experts, who, " dispatch: ",
+           tokens_per_expert.size(), " expert counts for a model of ", num_experts, " experts");
+  int64_t n = 0;
+  for (int64_t c : tokens_per_expert) {
+    BB_CHECK(c >= 0, who, " dispatch: negative expert count ", c);
+    n += c;
+  }
+  BB_CHECK(x_perm.defined() && x_perm.dim() == 2 && n == x_perm.size(0), who,
+           " dispatch: tokens_per_expert sums to ", n, " but x_perm is ",
+           x_perm.defined() ? x_perm.str() : std::string("undefined"));
+  if (row_prob.defined())
+    BB_CHECK(row_prob.dtype() == DType::f32 && row_prob.dim() == 1 && row_prob.size(0) == n &&
+                 row_prob.device() == x_perm.device(),
+             who, " dispatch: row_prob ", row_prob.str(), " must be f32 [", n, "] on ",
+             x_perm.device().str());
+}
+
+}  // namespace dispatch
+
+void DispatcherConfig::validate(const char* member) const {
+  const int64_t P = group_size();
+  BB_CHECK(num_experts >= 1, "primitives.moe_dispatch = ", member, ": the model has no routed experts");
+  BB_CHECK(num_experts % P == 0, "primitives.moe_dispatch = ", member, ": the expert-parallel group has ", P,
+           " ranks (parallel.ep), which does not divide the model's ", num_experts,
+           " routed experts; choose parallel.ep among the divisors of ", num_experts);
+  BB_CHECK(num_chunks >= 1 && num_chunks <= kMaxDispatchChunks, "primitives.moe_dispatch = ", member,
+           ": the chunk count must be in [1, ", kMaxDispatchChunks, "], got ", num_chunks);
+}
+
 namespace {
+
 class SingleRankDispatcher final : public Dispatcher {
  public:
-  const char* name() const override { return "allgather"; }
+  explicit SingleRankDispatcher(const DispatcherConfig& cfg) : num_experts_(cfg.num_experts) {}
+  const char* name() const override { return "single_rank"; }
   int64_t num_local_experts(int64_t num_experts) const override { return num_experts; }
   int64_t first_local_expert(int64_t) const override { return 0; }
-  DispatchRows dispatch(const Tensor& x_perm, const Tensor& row_prob,
-                        const std::vector<int64_t>& tokens_per_expert,
-                        DispatchState& state) override {
-    int64_t n = 0;
-    for (int64_t c : tokens_per_expert) n += c;
-    BB_CHECK(x_perm.dim() == 2 && n == x_perm.size(0), "dispatch: tokens_per_expert sums to ", n,
-             " but x_perm is ", x_perm.str());
+  Tensor forward(const Tensor& x_perm, const Tensor& row_prob, const std::vector<int64_t>& tokens_per_expert,
+                 const ExpertCalls& experts, DispatchState& state) override {
+    dispatch::check_dispatch_inputs("single-rank", x_perm, row_prob, tokens_per_expert, num_experts_);
     state.tokens_per_local_expert = tokens_per_expert;
-    return {x_perm, row_prob};
+    state.rows = x_perm;
+    state.row_prob = row_prob;
+    state.plan = nullptr;
+    return experts.forward(x_perm, row_prob, tokens_per_expert, &state.experts);
   }
-  Tensor combine(const Tensor& y_local, const DispatchState&) override { return y_local; }
-  Tensor combine_backward(const Tensor& d_y_perm, const DispatchState&) override {
-    return d_y_perm;
+  DispatchRows backward(const Tensor& d_y_perm, const ExpertCalls& experts, DispatchState& state) override {
+    const std::vector<int64_t>& counts = state.tokens_per_local_expert;
+    ExpertsDgrad g = experts.backward_data(d_y_perm, state.row_prob, counts, state.experts);
+    experts.backward_weight(d_y_perm, state.rows, state.row_prob, counts, state.experts, g.d_gate_up);
+    return {g.d_x, g.d_row_prob};
   }
-  DispatchRows dispatch_backward(const Tensor& d_rows, const Tensor& d_row_prob,
-                                 const DispatchState&) override {
-    return {d_rows, d_row_prob};
-  }
+
+ private:
+  int64_t num_experts_;
 };
+
 }  // namespace
 
-std::unique_ptr<Dispatcher> make_single_rank_dispatcher(int64_t) {
-  return std::make_unique<SingleRankDispatcher>();
+std::unique_ptr<Dispatcher> make_single_rank_dispatcher(const DispatcherConfig& cfg) {
+  cfg.validate("single_rank");
+  return std::make_unique<SingleRankDispatcher>(cfg);
 }
 
 }  // namespace bb

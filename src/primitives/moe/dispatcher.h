@@ -1,35 +1,90 @@
 // dispatcher.h — MoE dispatch / combine (family `moe_dispatch`): moves a layer's permuted token
-// rows to the ranks that own their experts, and the expert outputs back. The MoE block calls it
-// between permute and the experts and between the experts and unpermute; it never knows how
-// many ranks there are or how rows travel (DESIGN.md sec. 11).
+// rows to the ranks that own their experts, runs the experts there, and moves the expert outputs
+// back. The MoE block calls it between permute and unpermute; it never knows how many ranks
+// there are, how rows travel or in how many chunks (DESIGN.md sec. 11).
 //
 // Legend: N permuted rows of this rank (grouped by global expert, permute.h), E global experts,
-// E_l experts held by this rank, M rows this rank's experts receive, H hidden.
-//   dispatch           x_perm [N, H], row_prob [N] f32 or undefined, tokens_per_expert [E] (host)
-//                      -> rows [M, H] grouped by local expert (+ their row_prob [M]);
-//                         state.tokens_per_local_expert [E_l]
-//   combine            y_local [M, H] -> y_perm [N, H], in x_perm's row order
-//   combine_backward   d_y_perm [N, H] -> d_y_local [M, H]   (the movement of dispatch)
-//   dispatch_backward  d_rows [M, H], d_row_prob [M] or undefined
-//                      -> d_x_perm [N, H], d_row_prob [N]   (the movement of combine)
-// Outputs have the input's dtype, category moe. No parameters; backward outputs are WRITTEN.
-// `state` is filled by dispatch and read by the other three calls of the same micro-batch.
+// P ranks of the expert-parallel (EP) group, E_l = E / P experts held by this rank (global ids
+// [first_local_expert, + E_l)), M rows this rank's experts receive, H hidden, F expert ffn.
+// Expert e lives on EP rank e / E_l.
+//
+//   forward   x_perm [N, H], row_prob [N] f32 or undefined, tokens_per_expert [E] (host)
+//             -> y_perm [N, H] in x_perm's row order: ExpertCalls::forward applied to every
+//             row by the rank that holds the row's expert
+//   backward  d_y_perm [N, H] -> d_x_perm [N, H] and d_row_prob [N] (when row_prob travelled);
+//             ExpertCalls::backward_data per group of rows, then ExpertCalls::backward_weight
+//             once over all M rows of the micro-batch (after the last dgrad)
+//
+// The experts see their M rows "grouped by local expert": expert j's rows are contiguous, in
+// the order (source EP rank, then the source's own row order), with counts
+// state.tokens_per_local_expert [E_l]. That layout is the same for every member, so the expert
+// inputs, and hence the results of `allgather` and `alltoall`, are bit-identical.
 // row_prob travels with its rows (the memory_efficient permute folds it in before fc2).
-// Members: `allgather` (the baseline). On one rank every expert is local and nothing moves:
-// dispatch and combine return their input (the single-rank dispatcher below). The multi-rank
-// members (all-gather / reduce-scatter, all-to-all, chunked all-to-all) implement this same
-// interface over the expert-parallel group the mesh gives them.
+// Outputs have the input's dtype, category moe. No parameters; backward outputs are WRITTEN.
+//
+// Members (skills/dispatcher.md: bytes moved, overlap design, verification):
+//   allgather           (baseline) all-gather every rank's rows and counts over the EP group,
+//                       keep the local experts' rows; return the outputs with a reduce-scatter
+//                       of a zero-filled [P x N_max, H] buffer (exact: one nonzero term per row)
+//   alltoall            one small host all-to-all of the per-expert counts, then all-to-all-v
+//                       of the rows, sorted by local expert on arrival; the reverse to combine
+//   chunked_alltoall:N  every (destination rank, expert) run of rows split into N chunks; all
+//                       chunks' dispatches are posted first, then chunk c's experts run while
+//                       chunk c+1 is in flight and chunk c-1's combine travels (a GPU overlaps
+//                       them on the comm stream); the saved tensors and the wgrad are those of
+//                       alltoall (whole micro-batch, same layout)
+// On one rank (group of size 1) allgather and alltoall move nothing and copy nothing: forward
+// is the experts on x_perm itself.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <vector>
 
+#include "comm/comm.h"
 #include "core/tensor.h"
+#include "primitives/moe/experts.h"
 
 namespace bb {
 
+// What the MoE block runs on the rows the dispatcher brings. Every call is for rows grouped by
+// local expert with `counts` [E_l]; the dispatcher calls forward / backward_data once per chunk
+// of rows (once in all for the unchunked members) and backward_weight once per micro-batch.
+struct ExpertCalls {
+  // y [M_c, H] from rows [M_c, H] (+ row_prob [M_c] or undefined); fills `saved` (never null).
+  std::function<Tensor(const Tensor& rows, const Tensor& row_prob,
+                       const std::vector<int64_t>& counts, ExpertsSaved* saved)>
+      forward;
+  // The data gradient of forward: d_x [M_c, H], d_row_prob [M_c], d_gate_up [M_c, 2F] from
+  // d_y [M_c, H] and what forward saved for these rows.
+  std::function<ExpertsDgrad(const Tensor& d_y, const Tensor& row_prob,
+                             const std::vector<int64_t>& counts, const ExpertsSaved& saved)>
+      backward_data;
+  // The weight gradient over all M rows of the micro-batch (the layout of the state): d_y
+  // [M, H], rows [M, H], row_prob [M] or undefined, saved (gate_up, act), d_gate_up [M, 2F].
+  std::function<void(const Tensor& d_y, const Tensor& rows, const Tensor& row_prob,
+                     const std::vector<int64_t>& counts, const ExpertsSaved& saved,
+                     const Tensor& d_gate_up)>
+      backward_weight;
+};
+
+// How a member moved the rows of one micro-batch (member-specific), kept for its backward.
+struct DispatchPlan {
+  virtual ~DispatchPlan() = default;
+};
+
+// Filled by forward, read by backward of the same micro-batch (one per MoE layer).
 struct DispatchState {
   std::vector<int64_t> tokens_per_local_expert;  // [E_l] host: the experts' row counts
+  Tensor rows, row_prob;                         // [M, H], [M] f32 or undefined: expert inputs
+  ExpertsSaved experts;                          // gate_up [M, 2F], act [M, F]
+  std::shared_ptr<const DispatchPlan> plan;
+  // M: the rows this rank's experts received.
+  int64_t num_rows() const {
+    int64_t m = 0;
+    for (int64_t c : tokens_per_local_expert) m += c;
+    return m;
+  }
 };
 
 // Rows and their routing probabilities (row_prob undefined when none travel).
@@ -45,19 +100,37 @@ class Dispatcher {
   // Experts of the E global ones that this rank holds, and the global id of the first.
   virtual int64_t num_local_experts(int64_t num_experts) const = 0;
   virtual int64_t first_local_expert(int64_t num_experts) const = 0;
-  virtual DispatchRows dispatch(const Tensor& x_perm, const Tensor& row_prob,
-                                const std::vector<int64_t>& tokens_per_expert,
+  // Collective over the EP group: every rank of it calls forward (and later backward) for the
+  // same layer of the same micro-batch, in the same order.
+  virtual Tensor forward(const Tensor& x_perm, const Tensor& row_prob,
+                         const std::vector<int64_t>& tokens_per_expert, const ExpertCalls& experts,
+                         DispatchState& state) = 0;
+  virtual DispatchRows backward(const Tensor& d_y_perm, const ExpertCalls& experts,
                                 DispatchState& state) = 0;
-  virtual Tensor combine(const Tensor& y_local, const DispatchState& state) = 0;
-  virtual Tensor combine_backward(const Tensor& d_y_perm, const DispatchState& state) = 0;
-  virtual DispatchRows dispatch_backward(const Tensor& d_rows, const Tensor& d_row_prob,
-                                         const DispatchState& state) = 0;
 };
 
-// Builds a family member for a model of `num_experts` experts.
-using DispatcherFactory = std::unique_ptr<Dispatcher> (*)(int64_t num_experts);
+// What a member is built with. A group of one rank (or none) is the single-rank case.
+struct DispatcherConfig {
+  int64_t num_experts = 0;
+  comm::GroupPtr group;    // the expert-parallel group (Mesh::ep()); null: this rank alone
+  int64_t num_chunks = 1;  // chunked_alltoall:N
+  // Errors naming the problem and the fix: E not divisible by P, chunks out of range.
+  void validate(const char* member) const;
+  int64_t group_size() const { return group ? group->size() : 1; }
+};
 
-// `allgather` on one rank: all experts local, nothing moves (the rows are returned as is).
-std::unique_ptr<Dispatcher> make_single_rank_dispatcher(int64_t num_experts);
+// Builds a family member.
+using DispatcherFactory = std::unique_ptr<Dispatcher> (*)(const DispatcherConfig&);
+
+// The members (registry.cpp lists them). allgather / alltoall over a group of one rank are the
+// single-rank dispatcher (nothing moves); chunked_alltoall chunks even on one rank.
+std::unique_ptr<Dispatcher> make_allgather_dispatcher(const DispatcherConfig& cfg);
+std::unique_ptr<Dispatcher> make_alltoall_dispatcher(const DispatcherConfig& cfg);
+std::unique_ptr<Dispatcher> make_chunked_alltoall_dispatcher(const DispatcherConfig& cfg);
+// Every expert local, nothing moves (the rows are handed to the experts as they are).
+std::unique_ptr<Dispatcher> make_single_rank_dispatcher(const DispatcherConfig& cfg);
+
+// The largest chunk count chunked_alltoall accepts.
+constexpr int64_t kMaxDispatchChunks = 64;
 
 }  // namespace bb

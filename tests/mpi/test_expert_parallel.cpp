@@ -1,0 +1,352 @@
+// Multi-rank: expert parallelism in the trainer (parallel.ep, primitives.moe_dispatch) against
+// the single-rank run on the same data, with parallel folding: on 4 ranks EP4 (dp 4 on the dense
+// side, every rank's experts a quarter of them) and DP2 x EP2 (dp 4, ep 2: two EP groups of two
+// ranks, each expert on one rank of each group); on 2 ranks EP2. For every dispatcher member
+// (allgather, alltoall, chunked_alltoall:1..4): 5 steps over packed sequences of mixed lengths
+// give the single-rank losses, aux losses and grad norms to 1e-6 relative, the same token
+// counts and the same routing (a hash of every layer's top-k ids per micro-batch), and the
+// expert units hold exactly their experts. chunked_alltoall:N with the `grouped` experts equals
+// alltoall bit for bit. The state families shard expert units over the expert-data group;
+// checkpoints move between EP degrees (EP_R -> EP1 and EP1 -> EP_R, and EP4 -> EP2 on 4 ranks);
+// the HF loader reads only a rank's experts; bad layouts are clear errors.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+
+#include "common/mpi_main.h"
+#include "common/testing.h"
+#include "io/fs.h"
+#include "models/hf_io.h"
+#include "runtime/checkpoint.h"
+#include "runtime/run_config.h"
+#include "runtime/trainer.h"
+
+namespace bb {
+namespace {
+
+using test::world;
+
+constexpr int kSteps = 5;
+
+ModelConfig small_model() {
+  ModelConfig c = load_hf_config("configs/models/demo-tiny/config.json");
+  c.hidden_size = 32;
+  c.num_layers = 3;  // layer 0 dense (mlp_only_layers), layers 1 and 2 MoE
+  c.num_heads = 2;
+  c.num_kv_heads = 1;
+  c.head_dim = 16;
+  c.intermediate_size = 48;
+  c.moe_intermediate_size = 24;
+  c.num_experts = 8;
+  c.top_k = 2;
+  return c;
+}
+
+struct TestRun {
+  std::string dir, toml;
+};
+
+TestRun make_run(const char* tag) {
+  TestRun r;
+  r.dir = test::shared_tmpdir(tag);
+  if (world()->rank() == 0) std::ofstream(r.dir + "/config.json") << small_model().to_hf_json().dump(2);
+  world()->barrier();
+  // Packed micro-batches of 80 tokens from demo documents of mixed lengths; z-loss on so that
+  // both router losses are exercised. lr 2e-3: AdamW turns fp32 rounding noise in near-zero
+  // gradients into full-size updates, so the layouts' (legitimate) ulp differences grow with
+  // the learning rate; at 5e-3 the 5th step's grad norm differed by up to 7e-7 (BLAS expert
+  // GEMMs over the rows of 4 ranks round differently than over one rank's), at 2e-3 by < 1e-7
+  // on every layout and member, the same as pure data parallelism.
+  r.toml = "[model]\nconfig = \"" + r.dir + "/config.json\"\n" +
+           "[train]\nsteps = 10\nmicro_batch_tokens = 80\nlr = 2e-3\nmin_lr = 2e-4\nwarmup_steps = 2\nseed = 11\n"
+           "grad_clip = 0.5\nz_loss_coef = 1e-3\n"
+           "[data]\npath = \"demo\"\ndemo_documents = 60\n"
+           "[checkpoint]\nevery = 0\nsave_final = false\n";
+  return r;
+}
+
+RunConfig config(const TestRun& r, const std::vector<std::string>& ov) { return parse_run_config(r.toml, "test run", ov); }
+
+double rel(double a, double b) { return std::abs(a - b) / std::max(1e-30, std::abs(b)); }
+
+double rel_norm(const std::vector<float>& x, const std::vector<float>& y) {
+  EXPECT_EQ(x.size(), y.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
+    num += (static_cast<double>(x[i]) - y[i]) * (static_cast<double>(x[i]) - y[i]);
+    den += static_cast<double>(y[i]) * y[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+// The single-rank reference: the whole global batch (R micro-batches per step) on one rank.
+struct Reference {
+  std::unique_ptr<Trainer> t;
+  std::vector<StepMetrics> steps;
+};
+
+Reference reference(const TestRun& run, std::vector<std::string> ov, int steps = kSteps) {
+  ov.push_back("train.grad_accum=" + std::to_string(world()->size()));
+  Reference ref;
+  ref.t = std::make_unique<Trainer>(config(run, ov), nullptr, Corpus{}, comm::self_group());
+  ref.t->set_record_routing(true);
+  for (int s = 0; s < steps; ++s) ref.steps.push_back(ref.t->train_step());
+  return ref;
+}
+
+// The local experts' elements of a unit of the reference (which holds every expert): the
+// parameters' rows [first, first + n) in the local unit's layout.
+std::vector<float> local_slice_of(Trainer& local_t, Trainer& ref, size_t unit, const Tensor& whole_ref) {
+  ParamUnit* lu = local_t.model().units()[unit];
+  Tensor out = Tensor::zeros({lu->numel}, DType::f32, Device::cpu(), MemCategory::other);
+  for (Param* p : lu->params) {
+    Param* rp = ref.model().find_param(p->name);
+    const int64_t per = p->numel() / p->shape[0];
+    out.narrow(p->offset, p->numel())
+        .copy_from(whole_ref.narrow(rp->offset + lu->first_expert * per, p->numel()));
+  }
+  return out.to_floats();
+}
+
+// Steps, routing, token counts and the expert placement of `t` against the reference; the final
+// masters of every unit (the local experts' rows for expert units) to 1e-5.
+void expect_matches(Trainer& t, Reference& ref, const std::vector<StepMetrics>& got, double tol = 1e-6) {
+  const ParallelLayout& l = t.mesh().layout();
+  const ModelConfig& mc = t.config().model;
+  double worst = 0;
+  for (size_t s = 0; s < got.size(); ++s) {
+    const StepMetrics &m = got[s], &w = ref.steps[s];
+    EXPECT_LE(rel(m.loss, w.loss), tol) << "step " << s + 1;
+    EXPECT_LE(rel(m.grad_norm, w.grad_norm), tol) << "step " << s + 1;
+    EXPECT_LE(rel(m.aux_loss, w.aux_loss), tol) << "step " << s + 1;
+    EXPECT_LE(rel(m.z_loss, w.z_loss), tol) << "step " << s + 1;
+    worst = std::max({worst, rel(m.loss, w.loss), rel(m.grad_norm, w.grad_norm)});
+    EXPECT_EQ(m.tokens, w.tokens);
+    EXPECT_EQ(m.valid_tokens, w.valid_tokens);
+    EXPECT_EQ(w.routing.size(), static_cast<size_t>(world()->size()));  // one hash per micro-batch
+    EXPECT_EQ(m.routing, w.routing) << "step " << s + 1 << ": the routing differs from the single-rank run";
+    // Every routed row is received by exactly one rank.
+    const double rows = static_cast<double>(m.tokens * mc.top_k * mc.num_moe_layers());
+    EXPECT_DOUBLE_EQ(m.moe_rows_mean * static_cast<double>(world()->size()), rows);
+    EXPECT_GE(static_cast<double>(m.moe_rows_max), m.moe_rows_mean);
+  }
+  std::vector<ParamUnit*> units = t.model().units();
+  for (size_t i = 0; i < units.size(); ++i) {
+    ParamUnit* u = units[i];
+    const Tensor mine = t.state().gather_master(i), whole = ref.t->state().gather_master(i);
+    if (u->kind == UnitKind::experts) {
+      // Only this rank's experts live here.
+      EXPECT_EQ(u->num_experts, mc.num_experts / l.ep) << u->name;
+      EXPECT_EQ(u->first_expert, t.mesh().ep_rank() * (mc.num_experts / l.ep)) << u->name;
+      EXPECT_LE(rel_norm(mine.to_floats(), local_slice_of(t, *ref.t, i, whole)), 1e-5) << u->name;
+    } else {
+      EXPECT_LE(rel_norm(mine.to_floats(), whole.to_floats()), 1e-5) << u->name;
+    }
+  }
+  if (world()->rank() == 0)
+    std::printf("[ep] %s %s state %s: max rel diff vs 1 rank over %zu steps: %.1e\n", l.str().c_str(),
+                t.config().prim.moe_dispatch.name.c_str(), t.config().prim.state.name.c_str(), got.size(), worst);
+}
+
+std::vector<int64_t> ep_degrees() {
+  std::vector<int64_t> out;
+  for (int64_t ep = 2; ep <= world()->size(); ++ep)
+    if (world()->size() % ep == 0 && small_model().num_experts % ep == 0) out.push_back(ep);
+  return out;
+}
+
+std::string ov_ep(int64_t ep) { return "parallel.ep=" + std::to_string(ep); }
+std::string ov_dispatch(const std::string& m) { return "primitives.moe_dispatch=\"" + m + "\""; }
+
+std::vector<StepMetrics> train(Trainer& t, int steps = kSteps) {
+  t.set_record_routing(true);
+  std::vector<StepMetrics> out;
+  for (int s = 0; s < steps; ++s) out.push_back(t.train_step());
+  return out;
+}
+
+TEST(ExpertParallel, EveryDispatcherEqualsTheSingleRankRun) {
+  if (ep_degrees().empty()) GTEST_SKIP() << "needs 2 or 4 ranks (runs in the np2 and np4 variants)";
+  TestRun run = make_run("ep_members");
+  Reference ref = reference(run, {});
+  for (int64_t ep : ep_degrees())
+    for (const char* m : {"allgather", "alltoall", "chunked_alltoall:1", "chunked_alltoall:2", "chunked_alltoall:3",
+                          "chunked_alltoall:4"}) {
+      SCOPED_TRACE(std::string(m) + " ep " + std::to_string(ep));
+      Trainer t(config(run, {ov_ep(ep), ov_dispatch(m)}), nullptr, Corpus{}, world());
+      ASSERT_EQ(t.mesh().layout().dp, world()->size());
+      ASSERT_EQ(t.mesh().layout().ep, ep);
+      expect_matches(t, ref, train(t));
+    }
+}
+
+// Expert units are held by the expert-data group (edp = R / ep ranks): zero1 and fsdp shard them
+// there (DP2 x EP2: over 2 ranks) while the dense units shard over all R.
+TEST(ExpertParallel, StateFamiliesShardExpertUnitsOverTheExpertDataGroup) {
+  if (ep_degrees().empty()) GTEST_SKIP() << "needs 2 or 4 ranks";
+  TestRun run = make_run("ep_state");
+  Reference ref = reference(run, {});
+  for (int64_t ep : ep_degrees())
+    for (const char* kind : {"zero1", "fsdp"}) {
+      SCOPED_TRACE(std::string(kind) + " ep " + std::to_string(ep));
+      Trainer t(config(run, {ov_ep(ep), ov_dispatch("alltoall"), std::string("primitives.state=\"") + kind + "\""}),
+                nullptr, Corpus{}, world());
+      ASSERT_EQ(t.mesh().edp()->size(), world()->size() / ep);
+      expect_matches(t, ref, train(t));
+    }
+}
+
+// chunked_alltoall:N works under full recompute (the recompute forward dispatches again from the
+// stashed routing) with the probability folded in before fc2.
+TEST(ExpertParallel, ChunkedUnderFullRecomputeAndMemoryEfficientPermute) {
+  if (ep_degrees().empty()) GTEST_SKIP() << "needs 2 or 4 ranks";
+  TestRun run = make_run("ep_recompute");
+  const std::vector<std::string> common = {"primitives.recompute=\"full\"", "primitives.permute=\"memory_efficient\""};
+  Reference ref = reference(run, common);
+  const int64_t ep = ep_degrees().back();
+  std::vector<std::string> ov = common;
+  ov.insert(ov.end(), {ov_ep(ep), ov_dispatch("chunked_alltoall:3")});
+  Trainer t(config(run, ov), nullptr, Corpus{}, world());
+  expect_matches(t, ref, train(t));
+}
+
+// With the grouped experts (row-independent arithmetic) chunking changes no bit: every step's
+// loss, aux loss and grad norm and the final masters equal alltoall's exactly.
+TEST(ExpertParallel, ChunkedEqualsAllToAllBitForBitWithGroupedExperts) {
+  if (ep_degrees().empty()) GTEST_SKIP() << "needs 2 or 4 ranks";
+  TestRun run = make_run("ep_chunked");
+  const int64_t ep = ep_degrees().back();
+  const std::string grouped = "primitives.experts=\"grouped\"";
+  Trainer a(config(run, {grouped, ov_ep(ep), ov_dispatch("alltoall")}), nullptr, Corpus{}, world());
+  const std::vector<StepMetrics> want = train(a);
+  for (int n = 1; n <= 4; ++n) {
+    SCOPED_TRACE("chunks " + std::to_string(n));
+    Trainer t(config(run, {grouped, ov_ep(ep), ov_dispatch("chunked_alltoall:" + std::to_string(n))}), nullptr,
+              Corpus{}, world());
+    const std::vector<StepMetrics> got = train(t);
+    for (size_t s = 0; s < got.size(); ++s) {
+      EXPECT_EQ(got[s].loss, want[s].loss) << "step " << s + 1;
+      EXPECT_EQ(got[s].aux_loss, want[s].aux_loss) << "step " << s + 1;
+      EXPECT_EQ(got[s].grad_norm, want[s].grad_norm) << "step " << s + 1;
+      EXPECT_EQ(got[s].routing, want[s].routing) << "step " << s + 1;
+    }
+    for (size_t i = 0; i < t.model().units().size(); ++i)
+      EXPECT_EQ(t.state().gather_master(i).to_floats(), a.state().gather_master(i).to_floats())
+          << t.model().units()[i]->name;
+  }
+}
+
+// A checkpoint written at EP_R resumes at EP1 (one rank, the same global batch) and one written
+// at EP1 resumes at EP_R: the next steps are those of the run that went on. On 4 ranks also
+// EP4 -> EP2 (each half of the job resumes the EP4 checkpoint as dp 2 x ep 2, grad_accum 2).
+TEST(ExpertParallel, CheckpointsMoveBetweenExpertParallelDegrees) {
+  if (ep_degrees().empty()) GTEST_SKIP() << "needs 2 or 4 ranks";
+  const int R = world()->size();
+  TestRun run = make_run("ep_ckpt");
+  const std::string accum_R = "train.grad_accum=" + std::to_string(R);
+  // EP_R -> EP1 (on 4 ranks: EP4, and DP2 x EP2 whose expert units two ranks write halves of).
+  for (const int64_t ep : ep_degrees()) {
+    Trainer a(config(run, {ov_ep(ep), ov_dispatch("alltoall")}), nullptr, Corpus{}, world());
+    for (int s = 0; s < 3; ++s) a.train_step();
+    const std::string ck = a.save_checkpoint(run.dir + "/ck_ep" + std::to_string(ep));
+    std::vector<StepMetrics> cont;
+    for (int s = 0; s < 2; ++s) cont.push_back(a.train_step());
+    Trainer b(config(run, {accum_R, "checkpoint.resume=\"" + ck + "\""}), nullptr, Corpus{}, comm::self_group());
+    ASSERT_EQ(b.step(), 3);
+    for (int s = 0; s < 2; ++s) {
+      const StepMetrics m = b.train_step();
+      EXPECT_LE(rel(m.loss, cont[static_cast<size_t>(s)].loss), 1e-6) << "EP" << ep << " -> EP1 step " << m.step;
+      EXPECT_LE(rel(m.grad_norm, cont[static_cast<size_t>(s)].grad_norm), 1e-6) << "EP" << ep << " -> EP1 step " << m.step;
+    }
+    // Export consolidates every expert: its weights are EP1's masters.
+    if (world()->rank() == 0) {
+      HfExportOptions eo;
+      eo.dtype = DType::f32;
+      export_distributed_checkpoint(ck, run.dir + "/hf_ep" + std::to_string(ep), eo);
+      DecoderModel m(small_model(), ModelOptions{}, 99);
+      load_hf_weights(m, run.dir + "/hf_ep" + std::to_string(ep));
+      Trainer c(config(run, {accum_R, "checkpoint.resume=\"" + ck + "\""}), nullptr, Corpus{}, comm::self_group());
+      for (size_t i = 0; i < m.units().size(); ++i)
+        EXPECT_EQ(m.units()[i]->value.to_floats(), c.state().gather_master(i).to_floats()) << m.units()[i]->name;
+    }
+    world()->barrier();
+  }
+  // EP1 -> EP_R: rank 0 writes the single-rank checkpoint.
+  for (const int64_t ep : ep_degrees()) {
+    std::string ck;
+    std::vector<StepMetrics> cont;
+    Trainer a(config(run, {accum_R}), nullptr, Corpus{}, comm::self_group());
+    for (int s = 0; s < 3; ++s) a.train_step();
+    if (world()->rank() == 0) ck = a.save_checkpoint(run.dir + "/ck_1_" + std::to_string(ep));
+    world()->broadcast_host(ck, 0);
+    for (int s = 0; s < 2; ++s) cont.push_back(a.train_step());
+    Trainer b(config(run, {ov_ep(ep), ov_dispatch("chunked_alltoall:2"), "checkpoint.resume=\"" + ck + "\""}), nullptr,
+              Corpus{}, world());
+    ASSERT_EQ(b.step(), 3);
+    for (int s = 0; s < 2; ++s) {
+      const StepMetrics m = b.train_step();
+      EXPECT_LE(rel(m.loss, cont[static_cast<size_t>(s)].loss), 1e-6) << "EP1 -> EP" << ep << " step " << m.step;
+      EXPECT_LE(rel(m.grad_norm, cont[static_cast<size_t>(s)].grad_norm), 1e-6) << "EP1 -> EP" << ep << " step " << m.step;
+    }
+  }
+  // EP4 under fsdp (expert units whole: edp 1; dense units sharded over 4) -> two jobs of dp 2 x
+  // ep 2 under zero1 (dense units sharded over 2), each reading the whole checkpoint.
+  if (R == 4) {
+    Trainer a(config(run, {ov_ep(4), ov_dispatch("alltoall"), "primitives.state=\"fsdp\""}), nullptr, Corpus{}, world());
+    for (int s = 0; s < 3; ++s) a.train_step();
+    const std::string ck = a.save_checkpoint(run.dir + "/ck_ep4_fsdp");
+    std::vector<StepMetrics> cont;
+    for (int s = 0; s < 2; ++s) cont.push_back(a.train_step());
+    comm::GroupPtr half = world()->split(world()->rank() / 2, world()->rank(), "half");
+    Trainer b(config(run, {ov_ep(2), "train.grad_accum=2", ov_dispatch("allgather"), "primitives.state=\"zero1\"",
+                           "checkpoint.resume=\"" + ck + "\""}),
+              nullptr, Corpus{}, half);
+    ASSERT_EQ(b.mesh().layout().dp, 2);
+    for (int s = 0; s < 2; ++s) {
+      const StepMetrics m = b.train_step();
+      EXPECT_LE(rel(m.loss, cont[static_cast<size_t>(s)].loss), 1e-6) << "EP4 -> EP2 step " << m.step;
+      EXPECT_LE(rel(m.grad_norm, cont[static_cast<size_t>(s)].grad_norm), 1e-6) << "EP4 -> EP2 step " << m.step;
+    }
+  }
+}
+
+// model.init = "hf:DIR" at EP_R: every rank reads its experts (the other ranks' per-expert
+// tensors are not an error) and trains as the single-rank run from the same weights.
+TEST(ExpertParallel, HuggingFaceInitLoadsEachRanksExperts) {
+  if (ep_degrees().empty()) GTEST_SKIP() << "needs 2 or 4 ranks";
+  TestRun run = make_run("ep_hf");
+  if (world()->rank() == 0) {
+    DecoderModel src(small_model(), ModelOptions{}, 77);
+    HfExportOptions eo;
+    eo.dtype = DType::f32;
+    export_hf(src, run.dir + "/hf", eo);
+  }
+  world()->barrier();
+  const std::string init = "model.init=\"hf:" + run.dir + "/hf\"";
+  Reference ref = reference(run, {init}, 3);
+  const int64_t ep = ep_degrees().back();
+  Trainer t(config(run, {init, ov_ep(ep), ov_dispatch("alltoall")}), nullptr, Corpus{}, world());
+  expect_matches(t, ref, train(t, 3));
+}
+
+TEST(ExpertParallel, BadLayoutsAreClearErrors) {
+  const int R = world()->size();
+  TestRun run = make_run("ep_bad");
+  comm::GroupPtr g = world();
+  test::expect_error_contains([&] { Trainer(config(run, {"parallel.ep=3"}), nullptr, Corpus{}, g); },
+                              "parallel.ep = 3 does not divide the model's 8 routed experts; choose ep among the "
+                              "divisors of 8");
+  test::expect_error_contains([&] { Trainer(config(run, {"parallel.ep=" + std::to_string(2 * R)}), nullptr, Corpus{}, g); },
+                              "parallel.ep = " + std::to_string(2 * R) + " is more than the " + std::to_string(R) +
+                                  " rank(s) of a pipeline stage (dp x cp = " + std::to_string(R) + ")");
+  test::expect_error_contains([&] { Trainer(config(run, {"primitives.moe_dispatch=\"chunked_alltoall\""}), nullptr, Corpus{}, g); },
+                              "needs a count: write chunked_alltoall:N with N in [1, 64]");
+  test::expect_error_contains([&] { Trainer(config(run, {"primitives.moe_dispatch=\"chunked_alltoall:0\""}), nullptr, Corpus{}, g); },
+                              "the count must be chunked_alltoall:N");
+  test::expect_error_contains([&] { Trainer(config(run, {"primitives.moe_dispatch=\"all2all\""}), nullptr, Corpus{}, g); },
+                              "registered members: allgather, alltoall, chunked_alltoall:N");
+}
+
+}  // namespace
+}  // namespace bb
