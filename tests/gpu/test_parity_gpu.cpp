@@ -168,9 +168,9 @@ void check_golden_gpu(const std::string& dir, const std::string& loss, const Bf1
 // maxima: 0.013 nats (qwen3) and 0.010 nats (qwen2); mean relative 8.3e-3 and 4.1e-3.
 // chaotic: for a model whose 20-step trajectory is chaotic on its batch (the Qwen3.5 tiny models:
 // on the CPU in fp32 a one-ulp start already drifts ~10x per step, tests/cpu/test_parity.cpp), so
-// a bf16 run cannot follow the fp32 curve step by step. Then: the loss within 0.1 nats over the
-// first 3 steps (before the drift), and the run learns the batch like the reference (final loss
-// below 2 x the reference's final loss + 0.05); every step is printed.
+// a bf16 run cannot follow the fp32 curve step by step. Then: the first step's loss within 0.05
+// nats (measured on an H200: 0.004), and the run learns the batch like the reference (final loss
+// below 2 x the reference's final loss + 0.05; measured 0.0177 vs 0.0167); every step is printed.
 void check_curve_gpu(const std::string& dir, const std::string& loss, bool chaotic = false) {
   SafetensorsReader g(path_join(dir, "golden.safetensors"));
   const test::GoldenCurve ref = test::read_golden_curve(dir);
@@ -186,7 +186,7 @@ void check_curve_gpu(const std::string& dir, const std::string& loss, bool chaot
     std::printf("  %4zu  %14.5f  %14.5f  %.1e  %9.4f  %9.4f\n", i + 1, m.loss, ref.loss[i], el,
                 m.grad_norm, ref.grad_norm[i]);
     if (chaotic) {
-      if (i < 3) EXPECT_LT(std::fabs(m.loss - ref.loss[i]), 0.1) << "step " << i + 1;
+      if (i == 0) EXPECT_LT(std::fabs(m.loss - ref.loss[i]), 0.05) << "step 1";
       if (i + 1 == ref.loss.size()) EXPECT_LT(m.loss, 2 * ref.loss[i] + 0.05) << "the run did not learn the batch";
       continue;
     }
