@@ -93,12 +93,49 @@ Tensor AttentionBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* s
     o_in = S.o_gated;
   }
   Tensor out = linear_forward(o_in, wo_->value, Tensor());
+  o_in = Tensor();
+  if (saved) {  // selective recompute: backward_data rebuilds what is dropped here
+    const RecomputeParts& drop = ctx.recompute_drop;
+    if (drop.has(RecomputePart::norms)) S.h1 = Tensor();
+    if (drop.has(RecomputePart::attention)) S.q_rot = S.k_rot = S.o_gated = Tensor();
+    if (drop.has(RecomputePart::core_attention)) {
+      S.o = S.o_gated = Tensor();
+      S.attn = AttentionSaved{};
+    }
+  }
   return block::as_dtype(add(x, out, MemCategory::activations), x.dtype());
+}
+
+void AttentionBlock::rebuild(const BatchContext& ctx, BlockSaved& saved) const {
+  // The forward's own calls on the kept inputs: bit-identical to what it dropped.
+  Saved& S = static_cast<Saved&>(saved);
+  const MicroBatch& mb = *ctx.mb;
+  const RopeConfig rope{cfg_.rope_theta, cfg_.rotary_dim};
+  const bool zc = cfg_.zero_centered_norm;
+  if (!S.q_rot.defined()) {
+    RMSNormSaved qn, kn;
+    S.q_rot = rope_forward(q_norm_ ? qk_norm_forward(S.q_pre, q_norm_->value, cfg_.rms_norm_eps,
+                                                     &qn, MemCategory::activations, zc)
+                                   : S.q_pre,
+                           mb.positions, rope);
+    S.k_rot = rope_forward(k_norm_ ? qk_norm_forward(S.k_pre, k_norm_->value, cfg_.rms_norm_eps,
+                                                     &kn, MemCategory::activations, zc)
+                                   : S.k_pre,
+                           mb.positions, rope);
+  }
+  if (!S.o.defined()) {
+    const float scale = 1.0f / std::sqrt(static_cast<float>(cfg_.head_dim));
+    S.o = attention_forward(S.q_rot, S.k_rot, S.v, AttentionArgs::causal_self(mb.cu_seqlens, scale),
+                            &S.attn);
+  }
+  if (cfg_.output_gate && !S.o_gated.defined())
+    S.o_gated = sigmoid_mul(block::flat(S.o), S.gate, MemCategory::activations);
 }
 
 Tensor AttentionBlock::backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved& saved) {
   BB_RANGE("attention_block_backward");
   Saved& S = static_cast<Saved&>(saved);
+  rebuild(ctx, S);
   const MicroBatch& mb = *ctx.mb;
   const int64_t T = d_y.size(0), D = cfg_.head_dim, Hq = cfg_.num_heads;
   const RopeConfig rope{cfg_.rope_theta, cfg_.rotary_dim};
@@ -127,6 +164,9 @@ Tensor AttentionBlock::backward_data(const Tensor& d_y, BatchContext& ctx, Block
     d_q = join_halves(d_q.view({T * Hq, D}), d_gate.view({T * Hq, D}), DType::f32,
                       MemCategory::activations)
               .view({T, Hq * 2 * D});
+  if (!S.h1.defined())  // selective recompute of `norms`: rebuilt where it is first needed
+    S.h1 =
+        rmsnorm_forward(S.x, ln_->value, cfg_.rms_norm_eps, nullptr, MemCategory::activations, zc);
   Tensor d_h1 = block::linear_backward(ctx, S, block::flat(d_q), S.h1, wq_, bq_);
   add_inplace(d_h1, block::linear_backward(ctx, S, block::flat(d_k), S.h1, wk_, bk_));
   add_inplace(d_h1, block::linear_backward(ctx, S, block::flat(ag.dv), S.h1, wv_, bv_));

@@ -45,6 +45,9 @@ class AttentionBlock final : public Block {
 
  private:
   struct Saved;
+  // Selective recompute: rebuilds the attention inputs, output and o_proj input that the
+  // forward dropped (recompute parts attention, core_attention).
+  void rebuild(const BatchContext& ctx, BlockSaved& saved) const;
   AttentionBlockConfig cfg_;
   Param *ln_ = nullptr, *wq_ = nullptr, *wk_ = nullptr, *wv_ = nullptr, *wo_ = nullptr;
   Param *bq_ = nullptr, *bk_ = nullptr, *bv_ = nullptr;

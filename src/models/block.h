@@ -27,6 +27,7 @@
 #include "core/tensor.h"
 #include "models/config.h"
 #include "models/params.h"
+#include "primitives/recompute/recompute.h"
 
 namespace bb {
 
@@ -76,6 +77,11 @@ struct BatchContext {
   // Backward: d objective / d pooled aux loss, and / d each layer's z-loss.
   double aux_grad = 0, z_grad = 0;
   bool defer_wgrad = false;  // queue weight gradients for backward_weight
+  // Selective recompute (primitives/recompute/recompute.h): the parts whose internal
+  // activations a forward with saved state does not keep. The schedule sets it for the training
+  // forward only; a block's backward rebuilds whatever its saved state lacks (an undefined
+  // tensor) from what it kept, with the same primitives, so gradients do not change.
+  RecomputeParts recompute_drop;
 };
 
 // A block's saved state. The base keeps the queued weight-gradient calls.

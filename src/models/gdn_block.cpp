@@ -79,6 +79,19 @@ std::unique_ptr<BlockSaved> GdnBlock::make_saved() const {
   return std::make_unique<Saved>();
 }
 
+Tensor GdnBlock::conv_act(int i, const Tensor& pre, const Tensor& cu_seqlens,
+                          const Tensor& x) const {
+  const int64_t row0 = qkv_rows(i).first, rows = qkv_rows(i).second;
+  const Tensor filters = conv_->value.view({conv_->shape[0], cfg_.conv_kernel});
+  // On a GPU the gated delta rule takes q, k, v in the activation dtype (bf16: its tensor-core
+  // products run on bf16 operands; f32 inputs cost three products per multiply); its CPU
+  // reference takes f32.
+  return block::as_dtype(
+      causal_conv1d_forward(pre, block::as_dtype(filters.narrow(row0, rows), DType::f32),
+                            cu_seqlens, /*silu=*/true),
+      x.device().is_cpu() ? DType::f32 : x.dtype());
+}
+
 std::pair<int64_t, int64_t> GdnBlock::qkv_rows(int i) const {
   const int64_t key = cfg_.num_key_heads * cfg_.key_head_dim;
   const int64_t value = cfg_.num_value_heads * cfg_.value_head_dim;
@@ -98,17 +111,11 @@ Tensor GdnBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) 
   S.h = rmsnorm_forward(x, ln_->value, cfg_.rms_norm_eps, &S.rms, MemCategory::activations,
                         cfg_.zero_centered_norm);
   // q, k, v: projection -> depthwise causal conv -> SiLU, per row block of the fused weights.
-  const Tensor filters = conv_->value.view({conv_->shape[0], cfg_.conv_kernel});
   for (int i = 0; i < 3; ++i) {
     const auto [row0, rows] = qkv_rows(i);
     S.pre[i] = block::as_dtype(linear_forward(S.h, w_qkv_->value.narrow(row0, rows), Tensor()),
                                DType::f32);
-    // On a GPU the gated delta rule takes q, k, v in the activation dtype (bf16: its tensor-core
-    // products run on bf16 operands; f32 inputs cost three products per multiply); its CPU
-    // reference takes f32.
-    S.act[i] = block::as_dtype(causal_conv1d_forward(S.pre[i], block::as_dtype(filters.narrow(row0, rows), DType::f32),
-                                                     cu, /*silu=*/true),
-                               x.device().is_cpu() ? DType::f32 : x.dtype());
+    S.act[i] = conv_act(i, S.pre[i], cu, x);
   }
   S.z = linear_forward(S.h, w_z_->value, Tensor());
   S.a = linear_forward(S.h, w_a_->value, Tensor());
@@ -128,6 +135,11 @@ Tensor GdnBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) 
                                          norm_->value, cfg_.rms_norm_eps);
   S.y = block::as_dtype(y.view({T, Hv * Dv}), w_out_->value.dtype());
   Tensor out = linear_forward(S.y, w_out_->value, Tensor());
+  if (saved) {  // selective recompute: backward_data rebuilds what is dropped here
+    if (ctx.recompute_drop.has(RecomputePart::gdn))
+      for (Tensor& t : S.act) t = Tensor();
+    if (ctx.recompute_drop.has(RecomputePart::norms)) S.h = Tensor();
+  }
   return block::as_dtype(add(x, out, MemCategory::activations), x.dtype());
 }
 
@@ -142,6 +154,9 @@ Tensor GdnBlock::backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved&
   auto [d_o, d_z] =
       gated_rmsnorm_backward(d_norm_out.view({T * Hv, Dv}), S.o.view({T * Hv, Dv}),
                              S.z.view({T * Hv, Dv}), norm_->value, cfg_.rms_norm_eps, norm_->grad);
+  // Selective recompute of `gdn`: the convs again on the kept conv inputs (bit-identical).
+  for (int i = 0; i < 3; ++i)
+    if (!S.act[i].defined()) S.act[i] = conv_act(i, S.pre[i], cu, S.x);
   GatedDeltaOptions opts;
   opts.scale = 1.0 / std::sqrt(static_cast<double>(Dk));
   opts.l2norm = true;
@@ -157,6 +172,9 @@ Tensor GdnBlock::backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved&
   const Tensor filters = conv_->value.view({conv_->shape[0], cfg_.conv_kernel});
   Tensor filter_grads = conv_->grad.view({conv_->shape[0], cfg_.conv_kernel});
   const Tensor* d_act[3] = {&gg.d_q, &gg.d_k, &gg.d_v};
+  if (!S.h.defined())  // selective recompute of `norms`
+    S.h = rmsnorm_forward(S.x, ln_->value, cfg_.rms_norm_eps, nullptr, MemCategory::activations,
+                          cfg_.zero_centered_norm);
   Tensor d_h;
   for (int i = 0; i < 3; ++i) {
     const auto [row0, rows] = qkv_rows(i);

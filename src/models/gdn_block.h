@@ -49,6 +49,9 @@ class GdnBlock final : public Block {
   struct Saved;
   // Row block i of in_proj_qkv / conv1d: 0 = q, 1 = k, 2 = v (first row, row count).
   std::pair<int64_t, int64_t> qkv_rows(int i) const;
+  // silu(causal_conv1d(pre)) of row block i in the gated delta rule's input dtype (the
+  // forward's, and the rebuild of selective recompute's `gdn` part).
+  Tensor conv_act(int i, const Tensor& pre, const Tensor& cu_seqlens, const Tensor& x) const;
   GdnBlockConfig cfg_;
   Param *ln_ = nullptr, *w_qkv_ = nullptr, *w_z_ = nullptr, *w_b_ = nullptr, *w_a_ = nullptr;
   Param *conv_ = nullptr, *norm_ = nullptr, *w_out_ = nullptr;

@@ -26,7 +26,7 @@ MlpBlock::MlpBlock(ParamStore& store, ParamUnit& unit, const std::string& prefix
 
 std::unique_ptr<BlockSaved> MlpBlock::make_saved() const { return std::make_unique<Saved>(); }
 
-Tensor MlpBlock::forward(const Tensor& x, BatchContext&, BlockSaved* saved) {
+Tensor MlpBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) {
   BB_RANGE("mlp_block_forward");
   Saved local;
   Saved& S = saved ? static_cast<Saved&>(*saved) : local;
@@ -35,12 +35,22 @@ Tensor MlpBlock::forward(const Tensor& x, BatchContext&, BlockSaved* saved) {
   S.gate_up = linear_forward(S.h, gate_up_->value, Tensor());
   S.act = swiglu_forward(S.gate_up);
   Tensor out = linear_forward(S.act, down_->value, Tensor());
+  if (saved) {  // selective recompute: backward_data rebuilds what is dropped here
+    if (ctx.recompute_drop.has(RecomputePart::mlp)) S.gate_up = S.act = Tensor();
+    if (ctx.recompute_drop.has(RecomputePart::norms)) S.h = Tensor();
+  }
   return block::as_dtype(add(x, out, MemCategory::activations), x.dtype());
 }
 
 Tensor MlpBlock::backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved& saved) {
   BB_RANGE("mlp_block_backward");
   Saved& S = static_cast<Saved&>(saved);
+  // Selective recompute: the forward's own calls on what it kept (bit-identical).
+  if (!S.h.defined()) S.h = rmsnorm_forward(S.x, ln_->value, eps_, nullptr);
+  if (!S.act.defined()) {
+    S.gate_up = linear_forward(S.h, gate_up_->value, Tensor());
+    S.act = swiglu_forward(S.gate_up);
+  }
   Tensor d_act = block::linear_backward(ctx, S, d_y, S.act, down_, nullptr);
   Tensor d_gu = swiglu_backward(d_act, S.gate_up);
   Tensor d_h = block::linear_backward(ctx, S, d_gu, S.h, gate_up_, nullptr);

@@ -145,6 +145,12 @@ Tensor MoeBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) 
     add_inplace(mo, gated);
     out = mo;
   }
+  if (saved) {  // selective recompute: backward_data rebuilds what is dropped here
+    const RecomputeParts& drop = ctx.recompute_drop;
+    if (drop.has(RecomputePart::moe_experts)) S.dispatch.experts = ExpertsSaved{};
+    if (drop.has(RecomputePart::shared_expert)) S.s_gate_up = S.s_act = Tensor();
+    if (drop.has(RecomputePart::norms)) S.h = Tensor();
+  }
   return block::as_dtype(add(x, out, MemCategory::activations), x.dtype());
 }
 
@@ -154,14 +160,30 @@ Tensor MoeBlock::backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved&
   const RouterConfig rc = router_config();
   const bool mem_eff = cfg_.permute == PermuteMode::memory_efficient;
 
+  // Selective recompute of `moe_experts`: the experts' forward on the rows they received (its
+  // output is discarded; the fc1 output and activation are what backward reads).
+  if (!S.dispatch.experts.gate_up.defined())
+    experts_forward(cfg_.experts, S.dispatch.rows, S.dispatch.tokens_per_local_expert,
+                    experts_gate_up_->value, experts_down_->value, S.dispatch.row_prob,
+                    &S.dispatch.experts);
+
   // Unpermute -> combine -> experts -> dispatch -> permute, backwards.
-  UnpermuteGrads ug = unpermute_backward(block::as_dtype(d_y, S.h.dtype()), S.y_perm, S.map,
+  UnpermuteGrads ug = unpermute_backward(block::as_dtype(d_y, S.x.dtype()), S.y_perm, S.map,
                                          mem_eff ? Tensor() : S.topk_prob);
   DispatchRows back = dispatcher_->backward(ug.d_y_perm, expert_calls(ctx, S), S.dispatch);
   S.dispatch = DispatchState{};
   Tensor d_topk_prob = mem_eff ? unpermute_probs_grad(back.row_prob, S.map) : ug.d_topk_prob;
   Tensor d_h = permute_backward(back.rows, S.map);
   if (d_h.dtype() != DType::f32) d_h = d_h.to_dtype(DType::f32, MemCategory::activations);
+
+  // Selective recompute of `norms` / `shared_expert`, rebuilt where they are first needed.
+  if (!S.h.defined())
+    S.h = rmsnorm_forward(S.x, ln_->value, cfg_.rms_norm_eps, nullptr, MemCategory::activations,
+                          cfg_.zero_centered_norm);
+  if (shared_gate_up_ && !S.s_act.defined()) {
+    S.s_gate_up = linear_forward(S.h, shared_gate_up_->value, Tensor());
+    S.s_act = swiglu_forward(S.s_gate_up);
+  }
 
   // Route: the combine weights' gradient, the z-loss and the pooled aux loss.
   Tensor d_logits = router_backward(d_topk_prob, 0.0, ctx.z_grad, S.logits, rc, S.router);

@@ -12,7 +12,9 @@
 // Routing is decided once per micro-batch (the train or eval pass) and stashed in
 // ctx.routing; the recompute pass replays it (router_forward with RouterReplay): the same
 // selection and counts, no second top-k, no host read, one routing entry per layer. The aux loss
-// pools over layers through ctx.aux (its gradient is added in backward_data).
+// pools over layers through ctx.aux (its gradient is added in backward_data). Selective
+// recompute (ctx.recompute_drop) may drop h (`norms`), the experts' fc1 output and activation
+// (`moe_experts`) and the shared expert's (`shared_expert`); backward_data rebuilds them.
 // Parameters under `prefix`: post_attention_layernorm.weight [H], mlp.gate.weight [E, H] and
 // the shared expert's mlp.shared_expert.gate_up_proj [2S, H], .down_proj.weight [H, S],
 // mlp.shared_expert_gate.weight [1, H] in the dense unit; mlp.experts.gate_up_proj

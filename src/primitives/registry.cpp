@@ -20,8 +20,23 @@ const Family<RecomputePolicy>& recompute_family() {
   static const Family<RecomputePolicy> f(
       "recompute", "none",
       {{"none", RecomputePolicy::none, "keep every layer's saved state until its backward"},
-       {"full", RecomputePolicy::full, "keep each layer's input; rerun its forward in backward"}});
+       {"selective", RecomputePolicy::selective,
+        "drop the named parts' internal activations; each block's backward rebuilds them"},
+       {"full", RecomputePolicy::full, "keep each layer's input; rerun its forward in backward"}},
+      {"selective", recompute_part_names(), recompute_default_parts()});
   return f;
+}
+
+static_assert(static_cast<size_t>(RecomputePart::count_) <= 32, "RecomputeParts holds 32 bits");
+
+RecomputeParts recompute_parts(const Choice<RecomputePolicy>& c) {
+  RecomputeParts p;
+  if (c.value != RecomputePolicy::selective) return p;
+  const std::vector<std::string>& names = recompute_part_names();
+  for (const std::string& part : c.parts)
+    for (size_t i = 0; i < names.size(); ++i)
+      if (names[i] == part) p.add(static_cast<RecomputePart>(i));
+  return p;
 }
 
 const Family<RouterScore>& router_family() {

@@ -20,10 +20,11 @@
 #include "primitives/moe/experts.h"
 #include "primitives/moe/permute.h"
 #include "primitives/moe/router.h"
+#include "primitives/recompute/recompute.h"
 
 namespace bb {
 
-enum class RecomputePolicy { none, full };
+enum class RecomputePolicy { none, selective, full };
 enum class AttentionKind { sdpa };
 enum class StateKind { replicated, zero1, fsdp };
 enum class OptimizerKind { adamw, adamw_bf16_moments };
@@ -35,6 +36,9 @@ struct Choice {
   std::string name;
   T value{};
   int64_t count = 0;  // N of a member named "<member>:N" (e.g. chunked_alltoall:N), else 0
+  // The parts of a member written "<member>[:part,part,...]" (selective recompute), in the
+  // order written; the member's default parts when written bare; else empty.
+  std::vector<std::string> parts;
 };
 
 template <class T>
@@ -46,8 +50,18 @@ class Family {
     std::string what;        // one line for docs and errors
     int64_t max_count = 0;   // > 0: the member is written "<name>:N" with N in [1, max_count]
   };
-  Family(std::string key, std::string default_name, std::vector<Member> members)
-      : key_(std::move(key)), default_(std::move(default_name)), members_(std::move(members)) {}
+  // A member that takes a list of named parts: "<member>" (the default parts) or
+  // "<member>:a,b,c" (each one of `valid`, no repeats).
+  struct PartList {
+    std::string member;
+    std::vector<std::string> valid, defaults;
+  };
+  Family(std::string key, std::string default_name, std::vector<Member> members,
+         PartList parts = {})
+      : key_(std::move(key)),
+        default_(std::move(default_name)),
+        members_(std::move(members)),
+        parts_(std::move(parts)) {}
 
   const std::string& key() const { return key_; }
   const std::vector<Member>& members() const { return members_; }
@@ -56,8 +70,13 @@ class Family {
   Choice<T> parse(const std::string& name, const std::string& where) const {
     const std::string in = where.empty() ? "" : " in " + where;
     for (const Member& m : members_) {
+      if (!parts_.member.empty() && m.name == parts_.member) {
+        if (name == m.name) return {m.name, m.value, 0, parts_.defaults};
+        if (name.rfind(m.name + ":", 0) == 0) return {name, m.value, 0, parse_parts(name, in)};
+        continue;
+      }
       if (m.max_count == 0) {
-        if (m.name == name) return {m.name, m.value, 0};
+        if (m.name == name) return {m.name, m.value, 0, {}};
         continue;
       }
       const std::string usage = m.name + ":N with N in [1, " + std::to_string(m.max_count) + "]";
@@ -73,20 +92,52 @@ class Family {
       }
       BB_CHECK(ok && n >= 1 && n <= m.max_count, "primitives.", key_, " = '", name, "'", in, ": the count must be ",
                usage);
-      return {name, m.value, n};
+      return {name, m.value, n, {}};
     }
     BB_FAIL("primitives.", key_, " = '", name, "'", in, " is not registered; registered members: ", names());
   }
   Choice<T> default_choice() const { return parse(default_, "the registry"); }
   std::string names() const {  // "full_ce, linear_ce"; a member with a count as "<name>:N"
     std::string s;
-    for (const Member& m : members_) s += (s.empty() ? "" : ", ") + m.name + (m.max_count > 0 ? ":N" : "");
+    for (const Member& m : members_) {
+      s += (s.empty() ? "" : ", ") + m.name + (m.max_count > 0 ? ":N" : "");
+      if (!parts_.member.empty() && m.name == parts_.member) s += "[:part,...]";
+    }
     return s;
   }
 
  private:
+  // The comma-separated list after "<member>:"; spaces around a name are ignored.
+  std::vector<std::string> parse_parts(const std::string& name, const std::string& in) const {
+    std::string valid;
+    for (const std::string& v : parts_.valid) valid += (valid.empty() ? "" : ", ") + v;
+    const std::string head = "primitives." + key_ + " = '" + name + "'" + in;
+    std::vector<std::string> out;
+    const std::string list = name.substr(parts_.member.size() + 1);
+    size_t at = 0;
+    while (true) {
+      const size_t comma = list.find(',', at);
+      std::string part =
+          list.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
+      const size_t b = part.find_first_not_of(' '), e = part.find_last_not_of(' ');
+      part = b == std::string::npos ? std::string() : part.substr(b, e - b + 1);
+      BB_CHECK(!part.empty(), head, ": an empty part name; write ", parts_.member,
+               ":part,part,... with parts among: ", valid);
+      bool known = false;
+      for (const std::string& v : parts_.valid) known = known || v == part;
+      BB_CHECK(known, head, ": unknown part '", part, "'; valid parts: ", valid);
+      for (const std::string& o : out)
+        BB_CHECK(o != part, head, ": part '", part, "' is listed twice");
+      out.push_back(part);
+      if (comma == std::string::npos) break;
+      at = comma + 1;
+    }
+    return out;
+  }
+
   std::string key_, default_;
   std::vector<Member> members_;
+  PartList parts_;
 };
 
 const Family<LossHeadFactory>& loss_family();
@@ -98,6 +149,9 @@ const Family<AttentionKind>& attention_family();
 const Family<DispatcherFactory>& moe_dispatch_family();
 const Family<StateKind>& state_family();
 const Family<OptimizerKind>& optimizer_family();
+
+// The parts selective recompute drops (empty unless the choice is `selective`).
+RecomputeParts recompute_parts(const Choice<RecomputePolicy>& c);
 
 // Every family's choice, and the loss chunk sizes. Defaults: the registry defaults and
 // LossHeadConfig's chunks (the one place they are written down).

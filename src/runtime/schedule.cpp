@@ -53,6 +53,7 @@ ForwardStats Schedule::forward_backward(const MicroBatch& mb, float loss_scale, 
   ForwardStats st;
   BatchContext ctx = begin(mb, Pass::train, st);
   ctx.defer_wgrad = opts_.delay_wgrad;
+  if (opts_.recompute == RecomputePolicy::selective) ctx.recompute_drop = opts_.parts;
   const bool full = opts_.recompute == RecomputePolicy::full;
   std::vector<Layer>& layers = model_.layers();
   std::vector<LayerState> state(layers.size());

@@ -4,6 +4,8 @@
 // schedule decides what is kept, what is recomputed and when each block's weight gradients run.
 //
 //   recompute = none   every block keeps its saved state from the forward until its backward
+//   recompute = selective  every block keeps its saved state except the named parts'
+//                      internals (ctx.recompute_drop), which its backward rebuilds
 //   recompute = full   only each layer's input is kept; in backward the layer's forward runs
 //                      again (Pass::recompute: the stashed routing is replayed) to rebuild it
 //   delay_wgrad        each layer's weight-gradient GEMMs run after all of the layer's
@@ -35,6 +37,9 @@ namespace bb {
 struct ScheduleOptions {
   RecomputePolicy recompute = RecomputePolicy::none;
   bool delay_wgrad = false;
+  // recompute = selective: the parts each block's training forward does not keep
+  // (recompute_parts() of the registry choice); ignored by the other policies.
+  RecomputeParts parts;
 };
 
 class Schedule {

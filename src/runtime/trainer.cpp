@@ -231,7 +231,9 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
   ModelOptions mo = model_options(cfg);
   mo.ep_group = mesh_->ep();  // the MoE dispatchers move rows over the mesh's expert-parallel group
   model_ = std::make_unique<DecoderModel>(cfg.model, mo, cfg.seed);
-  schedule_ = std::make_unique<Schedule>(*model_, ScheduleOptions{cfg.prim.recompute.value, false});
+  schedule_ = std::make_unique<Schedule>(
+      *model_,
+      ScheduleOptions{cfg.prim.recompute.value, false, recompute_parts(cfg.prim.recompute)});
   std::vector<ParamUnit*> units = model_->units();
   std::vector<Tensor> masters;
   if (cfg.model_init.rfind("hf:", 0) == 0) {

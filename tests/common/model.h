@@ -23,7 +23,9 @@ struct ModelRun {
   DecoderModel model;
   Schedule schedule;
   ModelRun(const ModelConfig& c, const ModelOptions& o, uint64_t seed, bool delay_wgrad = false)
-      : model(c, o, seed), schedule(model, ScheduleOptions{o.prims.recompute.value, delay_wgrad}) {}
+      : model(c, o, seed),
+        schedule(model, ScheduleOptions{o.prims.recompute.value, delay_wgrad,
+                                        recompute_parts(o.prims.recompute)}) {}
   ForwardStats forward_backward(const MicroBatch& mb, float loss_scale, double aux_scale) {
     return schedule.forward_backward(mb, loss_scale, aux_scale);
   }

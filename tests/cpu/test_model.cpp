@@ -182,6 +182,71 @@ TEST(Recompute, FullGivesIdenticalGradientsAndSmallerActivationPeak) {
               static_cast<long long>(a.act_peak), static_cast<long long>(b.act_peak));
 }
 
+// Selective recompute: every part alone, the default set and all parts together give the same
+// loss, aux loss and gradients as recompute = none, bit for bit, and a strictly lower
+// activations peak (full <= selective <= none). qwen3: every layer MoE; qwen2: a dense layer 0
+// (the `mlp` part), a shared expert, no QK norm, q/k/v biases.
+TEST(SelectiveRecompute, EachPartIsBitIdenticalToNoneAndLowersThePeak) {
+  for (bool qwen2 : {false, true}) {
+    SCOPED_TRACE(qwen2 ? "qwen2 (a dense layer, a shared expert)" : "qwen3");
+    ModelOptions none = test::model_options(), full = test::model_options({{"recompute", "full"}});
+    none.aux_loss_coef = full.aux_loss_coef = 0.01;
+    const RunResult a = run_once(none, qwen2), f = run_once(full, qwen2);
+    std::vector<std::string> parts = {"norms", "attention", "core_attention", "moe_experts"};
+    if (qwen2) {
+      parts.push_back("mlp");
+      parts.push_back("shared_expert");
+    }
+    std::vector<std::string> choices = parts;
+    for (std::string& c : choices) c = "selective:" + c;
+    choices.push_back("selective");  // the default set
+    choices.push_back(qwen2
+                          ? "selective:norms,attention,core_attention,moe_experts,mlp,shared_expert"
+                          : "selective:norms,attention,core_attention,moe_experts");
+    for (const std::string& choice : choices) {
+      SCOPED_TRACE(choice);
+      ModelOptions o = test::model_options({{"recompute", choice}});
+      o.aux_loss_coef = 0.01;
+      const RunResult b = run_once(o, qwen2);
+      EXPECT_EQ(a.stats.loss_sum, b.stats.loss_sum);
+      EXPECT_EQ(a.stats.aux_loss, b.stats.aux_loss);
+      EXPECT_EQ(a.stats.z_loss, b.stats.z_loss);
+      ASSERT_EQ(a.grads.size(), b.grads.size());
+      for (size_t i = 0; i < a.grads.size(); ++i)
+        EXPECT_EQ(a.grads[i], b.grads[i]) << "param " << i;
+      EXPECT_EQ(a.routing, b.routing);
+      EXPECT_EQ(b.replays, a.replays) << "selective recompute does not rerun the router";
+      EXPECT_LT(b.act_peak, a.act_peak) << "dropping a part should lower the activations peak";
+      EXPECT_LE(f.act_peak, b.act_peak) << "full recompute keeps the least";
+      std::printf("%s activations peak: none %lld B, %s %lld B, full %lld B\n",
+                  qwen2 ? "qwen2" : "qwen3", static_cast<long long>(a.act_peak), choice.c_str(),
+                  static_cast<long long>(b.act_peak), static_cast<long long>(f.act_peak));
+    }
+  }
+}
+
+// The rebuilds also hold with the other experts / permute members and with delayed wgrad (whose
+// queued GEMMs read the rebuilt tensors).
+TEST(SelectiveRecompute, AgreesWithNoneUnderOtherPrimitivesAndDelayedWgrad) {
+  for (const auto& [experts, permute] :
+       {std::pair{"grouped", "memory_efficient"}, std::pair{"sequential", "standard"}}) {
+    for (bool delay : {false, true}) {
+      SCOPED_TRACE(std::string(experts) + " " + permute + (delay ? " delayed wgrad" : ""));
+      ModelOptions none = test::model_options({{"experts", experts}, {"permute", permute}});
+      ModelOptions sel = test::model_options(
+          {{"experts", experts},
+           {"permute", permute},
+           {"recompute",
+            "selective:norms,attention,core_attention,moe_experts,mlp,shared_expert"}});
+      const RunResult a = run_once(none, true, delay), b = run_once(sel, true, delay);
+      EXPECT_EQ(a.stats.loss_sum, b.stats.loss_sum);
+      for (size_t i = 0; i < a.grads.size(); ++i)
+        EXPECT_EQ(a.grads[i], b.grads[i]) << "param " << i;
+      EXPECT_LT(b.act_peak, a.act_peak);
+    }
+  }
+}
+
 TEST(Recompute, FullReusesTheStashedRouting) {
   ModelOptions none = test::model_options(), full = test::model_options({{"recompute", "full"}});
   for (bool qwen2 : {false, true}) {

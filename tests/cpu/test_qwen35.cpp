@@ -320,8 +320,8 @@ struct RunResult {
   int64_t act_peak = 0;
 };
 
-RunResult run_once(const ModelOptions& o, bool delay_wgrad = false) {
-  test::ModelRun run(tiny_qwen35(4), o, 11, delay_wgrad);
+RunResult run_once(const ModelOptions& o, bool delay_wgrad = false, int64_t layers = 4) {
+  test::ModelRun run(tiny_qwen35(layers), o, 11, delay_wgrad);
   MicroBatch mb = tiny_batch(5);
   run.model.zero_grad();
   Allocator& a = allocator_for(Device::cpu());
@@ -354,6 +354,38 @@ TEST(Qwen35Recompute, FullGivesIdenticalLossesAndGradients) {
   for (const auto& g : a.grads)
     for (float x : g) gsq += double(x) * x;
   EXPECT_GT(gsq, 0.0);
+}
+
+// Selective recompute on the hybrid model (8 layers: GDN, GDN, GDN, gated attention, twice; MoE
+// with a shared expert everywhere): each part alone and the default set are bit-identical to
+// none and lower the activations peak; full <= selective. Two attention layers, because the
+// peak falls in the last layer's backward, where that layer's dropped parts are rebuilt.
+TEST(Qwen35Recompute, SelectivePartsGiveIdenticalLossesAndGradientsAndALowerPeak) {
+  constexpr int64_t kLayers = 8;
+  ModelOptions none = test::model_options(), full = test::model_options({{"recompute", "full"}});
+  none.aux_loss_coef = full.aux_loss_coef = 0.01;
+  const RunResult a = run_once(none, false, kLayers), f = run_once(full, false, kLayers);
+  for (const char* choice :
+       {"selective:norms", "selective:attention", "selective:core_attention", "selective:gdn",
+        "selective:shared_expert", "selective:moe_experts", "selective",
+        "selective:gdn,norms,attention,core_attention,shared_expert,moe_experts"}) {
+    SCOPED_TRACE(choice);
+    ModelOptions o = test::model_options({{"recompute", choice}});
+    o.aux_loss_coef = 0.01;
+    const RunResult b = run_once(o, false, kLayers);
+    expect_identical(a, b, choice);
+    EXPECT_LT(b.act_peak, a.act_peak) << "dropping a part should lower the activations peak";
+    EXPECT_LE(f.act_peak, b.act_peak) << "full recompute keeps the least";
+    std::printf("qwen3.5 activations peak: none %lld B, %s %lld B, full %lld B\n",
+                static_cast<long long>(a.act_peak), choice, static_cast<long long>(b.act_peak),
+                static_cast<long long>(f.act_peak));
+  }
+  // With delayed wgrad the queued GEMMs read the rebuilt tensors.
+  ModelOptions o =
+      test::model_options({{"recompute", "selective:gdn,norms,attention,shared_expert"}});
+  o.aux_loss_coef = 0.01;
+  expect_identical(run_once(none, true, kLayers), run_once(o, true, kLayers),
+                   "selective with delayed wgrad");
 }
 
 TEST(Qwen35Schedule, DelayedWeightGradientsAreBitIdentical) {

@@ -46,6 +46,46 @@ TEST(Registry, EveryFamilyParsesItsMembersAndListsThemOnError) {
   check_family(optimizer_family());
 }
 
+TEST(Registry, SelectiveRecomputeTakesNamedParts) {
+  const Choice<RecomputePolicy> bare = recompute_family().parse("selective", "");
+  EXPECT_EQ(bare.value, RecomputePolicy::selective);
+  EXPECT_EQ(bare.parts, recompute_default_parts());
+  const Choice<RecomputePolicy> c = recompute_family().parse("selective:attention, norms", "");
+  EXPECT_EQ(c.name, "selective:attention, norms");
+  EXPECT_EQ(c.parts, (std::vector<std::string>{"attention", "norms"}));
+  const RecomputeParts p = recompute_parts(c);
+  EXPECT_TRUE(p.has(RecomputePart::attention));
+  EXPECT_TRUE(p.has(RecomputePart::norms));
+  EXPECT_FALSE(p.has(RecomputePart::moe_experts));
+  EXPECT_TRUE(recompute_parts(recompute_family().parse("full", "")).empty());
+  EXPECT_TRUE(recompute_parts(recompute_family().parse("none", "")).empty());
+  auto error_of = [](const std::string& name) {
+    try {
+      recompute_family().parse(name, "run.toml");
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string bad = error_of("selective:attention,norm");
+  EXPECT_NE(
+      bad.find(
+          "primitives.recompute = 'selective:attention,norm' in run.toml: unknown part 'norm'"),
+      std::string::npos)
+      << bad;
+  for (const std::string& part : recompute_part_names())
+    EXPECT_NE(bad.find(part), std::string::npos)
+        << "the error does not list " << part << ": " << bad;
+  EXPECT_NE(error_of("selective:norms,norms").find("listed twice"), std::string::npos);
+  EXPECT_NE(error_of("selective:").find("an empty part name"), std::string::npos);
+  EXPECT_NE(error_of("selective:norms,").find("an empty part name"), std::string::npos);
+  EXPECT_NE(error_of("full:norms").find("is not registered"), std::string::npos);
+  PrimitiveSet s;
+  s.set("recompute", "selective:moe_experts", "test");
+  EXPECT_EQ(s.name_of("recompute"), "selective:moe_experts");
+  EXPECT_NE(s.summary().find("recompute=selective:moe_experts"), std::string::npos) << s.summary();
+}
+
 TEST(Registry, MembersCarryTypedValues) {
   EXPECT_EQ(router_family().parse("sigmoid_topk", "").value, RouterScore::sigmoid);
   EXPECT_EQ(experts_family().parse("grouped", "").value, ExpertsImpl::grouped);
