@@ -6,6 +6,7 @@
 #include <map>
 
 #include "common/model.h"
+#include "common/model_grad.h"
 #include "common/testing.h"
 #include "core/rng.h"
 #include "models/attention_block.h"
@@ -70,52 +71,13 @@ MicroBatch tiny_batch(int64_t V, uint64_t seed) {
   return mb;
 }
 
-double objective(const ForwardStats& s, const ModelOptions& o) {
-  return s.loss_sum + o.aux_loss_coef * s.aux_loss + o.z_loss_coef * s.z_loss;
-}
-
 void check_model_gradients(bool qwen2, const std::string& loss) {
   ModelOptions o = test::model_options({{"loss", loss}});
   o.prims.loss_chunks = {5, 8, 5};
   o.aux_loss_coef = 0.3;
   o.z_loss_coef = 0.05;
   test::ModelRun run(tiny_config(qwen2), o, 7);
-  DecoderModel& m = run.model;
-  MicroBatch mb = tiny_batch(37, 3);
-  m.zero_grad();
-  run.forward_backward(mb, 1.0f, 1.0);
-  std::vector<Tensor> routing0 = run.last_routing();
-  ASSERT_FALSE(routing0.empty());
-  int checked = 0;
-  uint64_t dir_seed = 100;
-  for (Param* p : m.params()) {
-    // Directional derivative along a random direction u: (L(w + h u) - L(w - h u)) / 2h vs <g, u>.
-    const int64_t n = p->value.numel();
-    auto u = test::randn(static_cast<size_t>(n), dir_seed++);
-    auto w0 = p->value.to_floats();
-    auto g = p->grad.to_floats();
-    double analytic = 0;
-    for (int64_t i = 0; i < n; ++i) analytic += static_cast<double>(g[i]) * u[i];
-    const double h = 1e-3;
-    auto eval = [&](double sgn) {
-      std::vector<float> w(w0);
-      for (int64_t i = 0; i < n; ++i) w[i] += static_cast<float>(sgn * h * u[i]);
-      p->value.copy_from(Tensor::from_floats(w, p->value.shape()));
-      const double L = objective(run.forward(mb, nullptr), o);
-      // Finite differences are only valid while the top-k selection stays put.
-      for (size_t l = 0; l < routing0.size(); ++l)
-        EXPECT_EQ(run.last_routing()[l].to_ints(), routing0[l].to_ints())
-            << p->name << ": routing changed under perturbation";
-      return L;
-    };
-    const double fd = (eval(+1) - eval(-1)) / (2 * h);
-    p->value.copy_from(Tensor::from_floats(w0, p->value.shape()));
-    const double err = std::fabs(fd - analytic) / std::max(std::fabs(fd), 1e-2);
-    if (std::getenv("BB_VERBOSE")) std::printf("%-55s fd %+.6e an %+.6e err %.1e\n", p->name.c_str(), fd, analytic, err);
-    EXPECT_LT(err, 2e-2) << p->name << ": finite difference " << fd << " vs analytic " << analytic;
-    ++checked;
-  }
-  EXPECT_GT(checked, 10);
+  EXPECT_GT(test::check_directional_gradients(run, tiny_batch(37, 3), o), 10);
 }
 
 TEST(ModelGrad, Qwen3MoeMatchesFiniteDifferences) { check_model_gradients(false, "linear_ce"); }
