@@ -82,6 +82,12 @@ struct BatchContext {
   // forward only; a block's backward rebuilds whatever its saved state lacks (an undefined
   // tensor) from what it kept, with the same primitives, so gradients do not change.
   RecomputeParts recompute_drop;
+  // The caller discards this block's output: the schedule sets it for the last block of a layer
+  // in the full-recompute forward (Pass::recompute), whose result only rebuilt saved state. A
+  // block may then skip work whose only consumer is its output (and return an undefined
+  // tensor), as long as `saved` ends exactly as a normal forward leaves it; ignoring the flag is
+  // always correct. Never set when the output feeds another block.
+  bool output_unused = false;
 };
 
 // A block's saved state. The base keeps the queued weight-gradient calls.

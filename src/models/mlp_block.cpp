@@ -34,6 +34,9 @@ Tensor MlpBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) 
   S.h = rmsnorm_forward(x, ln_->value, eps_, &S.rms);
   S.gate_up = linear_forward(S.h, gate_up_->value, Tensor());
   S.act = swiglu_forward(S.gate_up);
+  // Output discarded (the full-recompute forward): backward reads x, h, rms, gate_up and act,
+  // never the down projection's output.
+  if (saved && ctx.output_unused) return Tensor();
   Tensor out = linear_forward(S.act, down_->value, Tensor());
   if (saved) {  // selective recompute: backward_data rebuilds what is dropped here
     if (ctx.recompute_drop.has(RecomputePart::mlp)) S.gate_up = S.act = Tensor();

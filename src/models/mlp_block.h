@@ -1,5 +1,7 @@
 // mlp_block.h — the dense SwiGLU MLP as a residual block:
 //   h = RMSNorm(x);  y = x + W_down swiglu(W_gate_up h)
+// With ctx.output_unused (the full-recompute forward) it stops after the activation (backward
+// never reads W_down's output) and returns an undefined tensor.
 // Parameters under `prefix` (e.g. "model.layers.0."): post_attention_layernorm.weight [H];
 // mlp.gate_up_proj [2I, H] (Hugging Face gate_proj rows then up_proj rows); mlp.down_proj.weight
 // [H, I]. Legend: T tokens, H hidden, I ffn dim.

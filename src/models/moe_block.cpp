@@ -63,6 +63,10 @@ ExpertCalls MoeBlock::expert_calls(BatchContext& ctx, BlockSaved& saved) {
                            ExpertsSaved* s) {
     return experts_forward(impl, rows, counts, experts_gate_up_->value, experts_down_->value, prob, s);
   };
+  c.rebuild = [this, impl](const Tensor& rows, const Tensor& prob, const std::vector<int64_t>& counts,
+                           ExpertsSaved* s) {
+    experts_forward_saved(impl, rows, counts, experts_gate_up_->value, experts_down_->value, prob, *s);
+  };
   c.backward_data = [this, impl](const Tensor& d_y, const Tensor& prob, const std::vector<int64_t>& counts,
                                  const ExpertsSaved& s) {
     return experts_backward_data(impl, d_y, counts, experts_gate_up_->value, experts_down_->value, prob, s);
@@ -95,6 +99,15 @@ Tensor MoeBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) 
   const int64_t T = x.size(0), E = cfg_.num_experts;
   const RouterConfig rc = router_config();
   const bool mem_eff = cfg_.permute == PermuteMode::memory_efficient;
+  // The caller discards the output (the full-recompute forward, ctx.output_unused): keep only
+  // what backward_data reads. It reads the experts' rows, row_prob and gate_up/act (so the rows
+  // are dispatched again and fc1 + activation run), y_perm with the standard permute (d_prob
+  // = <d_out, y_perm>: fc2 and the combine must run there), and the shared expert's s_gate_up,
+  // s_act, s_out and s_gate; it never reads the unpermuted sum, the gated shared output or the
+  // block output. So with memory_efficient the routed path stops before fc2 (no combine), and
+  // with either permute the unpermute, the shared expert's gating and the residual add are
+  // skipped.
+  const bool rebuild_only = saved && ctx.output_unused;
   S.x = x;
   S.h = rmsnorm_forward(x, ln_->value, cfg_.rms_norm_eps, &S.rms, MemCategory::activations,
                         cfg_.zero_centered_norm);
@@ -129,21 +142,28 @@ Tensor MoeBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) 
   S.map = make_permute_map(r.topk_idx, E, &r.tokens_per_expert);
   Tensor x_perm = permute_forward(S.h, S.map);
   Tensor row_prob = mem_eff ? permute_probs(r.topk_prob, S.map) : Tensor();
-  Tensor y_perm = dispatcher_->forward(x_perm, row_prob, r.tokens_per_expert, expert_calls(ctx, S), S.dispatch);
+  Tensor y_perm;
+  if (rebuild_only && mem_eff)
+    dispatcher_->forward_for_backward(x_perm, row_prob, r.tokens_per_expert, expert_calls(ctx, S), S.dispatch);
+  else
+    y_perm = dispatcher_->forward(x_perm, row_prob, r.tokens_per_expert, expert_calls(ctx, S), S.dispatch);
   x_perm = row_prob = Tensor();
   if (ctx.stats && ctx.pass != Pass::recompute) ctx.stats->moe_rows_received += S.dispatch.num_rows();
   if (!mem_eff) S.y_perm = y_perm;  // unpermute's backward needs it to form d_prob
-  Tensor out = unpermute_forward(y_perm, S.map, mem_eff ? Tensor() : r.topk_prob);
+  Tensor out = rebuild_only ? Tensor() : unpermute_forward(y_perm, S.map, mem_eff ? Tensor() : r.topk_prob);
+  y_perm = Tensor();
 
   if (shared_gate_up_) {
     S.s_gate_up = linear_forward(S.h, shared_gate_up_->value, Tensor());
     S.s_act = swiglu_forward(S.s_gate_up);
     S.s_out = linear_forward(S.s_act, shared_down_->value, Tensor());
     S.s_gate = sigmoid(linear_forward(S.h, shared_gate_->value, Tensor()), MemCategory::activations);
-    Tensor gated = scale_rows(S.s_out, S.s_gate, MemCategory::activations);
-    Tensor mo = out.dtype() == DType::f32 ? out : out.to_dtype(DType::f32);
-    add_inplace(mo, gated);
-    out = mo;
+    if (!rebuild_only) {
+      Tensor gated = scale_rows(S.s_out, S.s_gate, MemCategory::activations);
+      Tensor mo = out.dtype() == DType::f32 ? out : out.to_dtype(DType::f32);
+      add_inplace(mo, gated);
+      out = mo;
+    }
   }
   if (saved) {  // selective recompute: backward_data rebuilds what is dropped here
     const RecomputeParts& drop = ctx.recompute_drop;
@@ -151,6 +171,7 @@ Tensor MoeBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) 
     if (drop.has(RecomputePart::shared_expert)) S.s_gate_up = S.s_act = Tensor();
     if (drop.has(RecomputePart::norms)) S.h = Tensor();
   }
+  if (rebuild_only) return Tensor();
   return block::as_dtype(add(x, out, MemCategory::activations), x.dtype());
 }
 
@@ -160,12 +181,12 @@ Tensor MoeBlock::backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved&
   const RouterConfig rc = router_config();
   const bool mem_eff = cfg_.permute == PermuteMode::memory_efficient;
 
-  // Selective recompute of `moe_experts`: the experts' forward on the rows they received (its
-  // output is discarded; the fc1 output and activation are what backward reads).
+  // Selective recompute of `moe_experts`: the fc1 output and activation of the rows the experts
+  // received, rebuilt without fc2 (its output would be discarded).
   if (!S.dispatch.experts.gate_up.defined())
-    experts_forward(cfg_.experts, S.dispatch.rows, S.dispatch.tokens_per_local_expert,
-                    experts_gate_up_->value, experts_down_->value, S.dispatch.row_prob,
-                    &S.dispatch.experts);
+    experts_forward_saved(cfg_.experts, S.dispatch.rows, S.dispatch.tokens_per_local_expert,
+                          experts_gate_up_->value, experts_down_->value, S.dispatch.row_prob,
+                          S.dispatch.experts);
 
   // Unpermute -> combine -> experts -> dispatch -> permute, backwards.
   UnpermuteGrads ug = unpermute_backward(block::as_dtype(d_y, S.x.dtype()), S.y_perm, S.map,

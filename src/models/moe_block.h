@@ -15,6 +15,11 @@
 // pools over layers through ctx.aux (its gradient is added in backward_data). Selective
 // recompute (ctx.recompute_drop) may drop h (`norms`), the experts' fc1 output and activation
 // (`moe_experts`) and the shared expert's (`shared_expert`); backward_data rebuilds them.
+// A forward whose output the caller discards (ctx.output_unused: the full-recompute forward)
+// keeps only what backward_data reads: with the memory_efficient permute the dispatcher's
+// forward_for_backward (rows dispatched, fc1 + activation, no fc2, no combine); with standard
+// the combined y_perm is read by backward (d_prob), so fc2 and the combine still run; either way
+// no unpermute, shared-expert gating or residual add. It returns an undefined tensor then.
 // Parameters under `prefix`: post_attention_layernorm.weight [H], mlp.gate.weight [E, H] and
 // the shared expert's mlp.shared_expert.gate_up_proj [2S, H], .down_proj.weight [H, S],
 // mlp.shared_expert_gate.weight [1, H] in the dense unit; mlp.experts.gate_up_proj

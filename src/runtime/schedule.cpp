@@ -38,14 +38,18 @@ BatchContext Schedule::begin(const MicroBatch& mb, Pass pass, ForwardStats& st) 
 }
 
 Tensor Schedule::forward_layer(Layer& layer, const Tensor& x, BatchContext& ctx,
-                               LayerState* state) {
+                               LayerState* state, bool output_unused) {
   if (state) {
     state->blocks.clear();
     for (auto& b : layer.blocks) state->blocks.push_back(b->make_saved());
   }
   Tensor y = x;
-  for (size_t b = 0; b < layer.blocks.size(); ++b)
+  for (size_t b = 0; b < layer.blocks.size(); ++b) {
+    // Only the last block's output leaves the layer; the others feed the next block.
+    ctx.output_unused = output_unused && b + 1 == layer.blocks.size();
     y = layer.blocks[b]->forward(y, ctx, state ? state->blocks[b].get() : nullptr);
+  }
+  ctx.output_unused = false;
   return y;
 }
 
@@ -95,7 +99,9 @@ ForwardStats Schedule::forward_backward(const MicroBatch& mb, float loss_scale, 
       for (LayerHooks* h : hooks_) h->before_forward(L, Pass::recompute);
       Tensor input = state[i].x;
       state[i] = LayerState{};
-      forward_layer(L, input, ctx, &state[i]);
+      // Its output is not used (the backward starts from d): the last block may skip the work
+      // that only produced it (the MoE block's fc2 and combine, ctx.output_unused).
+      forward_layer(L, input, ctx, &state[i], /*output_unused=*/true);
       for (auto h = hooks_.rbegin(); h != hooks_.rend(); ++h)
         (*h)->after_forward(L, Pass::recompute);
       ctx.pass = Pass::train;

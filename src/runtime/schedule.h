@@ -7,7 +7,9 @@
 //   recompute = selective  every block keeps its saved state except the named parts'
 //                      internals (ctx.recompute_drop), which its backward rebuilds
 //   recompute = full   only each layer's input is kept; in backward the layer's forward runs
-//                      again (Pass::recompute: the stashed routing is replayed) to rebuild it
+//                      again (Pass::recompute: the stashed routing is replayed) to rebuild it;
+//                      its output is discarded, so the last block runs with ctx.output_unused
+//                      (the MoE block then skips fc2 and the combine where backward allows)
 //   delay_wgrad        each layer's weight-gradient GEMMs run after all of the layer's
 //                      data-gradient work (a schedule that overlaps communication moves them
 //                      further); gradients are identical either way
@@ -73,7 +75,10 @@ class Schedule {
     Tensor x;  // the layer input (full recompute)
     std::vector<std::unique_ptr<BlockSaved>> blocks;
   };
-  Tensor forward_layer(Layer& layer, const Tensor& x, BatchContext& ctx, LayerState* state);
+  // output_unused: the caller discards the result (the recompute forward); the last block sees
+  // ctx.output_unused and may return an undefined tensor.
+  Tensor forward_layer(Layer& layer, const Tensor& x, BatchContext& ctx, LayerState* state,
+                       bool output_unused = false);
   // Checks the batch, resets the routing stash and the aux pool, and returns the context of
   // one pass over `mb` whose statistics go to `st`.
   BatchContext begin(const MicroBatch& mb, Pass pass, ForwardStats& st);

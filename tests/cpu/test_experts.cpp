@@ -183,6 +183,35 @@ TEST(Experts, RowProbScalesBeforeDownProjection) {
   EXPECT_EQ(scaled.act, plain.act);  // the saved activation is unscaled
 }
 
+// experts_forward_saved (the recompute forward whose output is unused) fills exactly the saved
+// tensors of experts_forward, without the down projection: f32 and bf16, with and without
+// row_prob, an empty expert.
+TEST(Experts, ForwardSavedEqualsTheForwardsSavedTensors) {
+  Problem p = make_problem({3, 0, 5, 2}, 7, 6, 900);
+  for (ExpertsImpl impl : {ExpertsImpl::sequential, ExpertsImpl::grouped})
+    for (DType dt : {DType::f32, DType::bf16})
+      for (bool with_prob : {false, true}) {
+        SCOPED_TRACE(std::string(impl_name(impl)) + " " + dtype_name(dt) + (with_prob ? " +prob" : ""));
+        const Tensor x = Tensor::from_floats(p.x, {p.N, p.H}, dt),
+                     wgu = Tensor::from_floats(p.wgu, {p.E, 2 * p.F, p.H}, dt),
+                     wd = Tensor::from_floats(p.wd, {p.E, p.H, p.F}, dt);
+        const Tensor prob = with_prob ? f32(p.prob, {p.N}) : Tensor();
+        ExpertsSaved full, only;
+        experts_forward(impl, x, p.counts, wgu, wd, prob, &full);
+        experts_forward_saved(impl, x, p.counts, wgu, wd, prob, only);
+        EXPECT_EQ(only.gate_up.dtype(), full.gate_up.dtype());
+        EXPECT_EQ(only.gate_up.shape(), full.gate_up.shape());
+        EXPECT_EQ(only.gate_up.to_floats(), full.gate_up.to_floats());
+        EXPECT_EQ(only.act.to_floats(), full.act.to_floats());
+        EXPECT_EQ(only.act.category(), MemCategory::activations);
+      }
+  // The same boundary checks as the forward.
+  const Tensor x = f32(p.x, {p.N, p.H}), wgu = f32(p.wgu, {p.E, 2 * p.F, p.H}), wd = f32(p.wd, {p.E, p.H, p.F});
+  ExpertsSaved s;
+  test::expect_error_contains([&] { experts_forward_saved(ExpertsImpl::sequential, x, {1, 2}, wgu, wd, Tensor(), s); },
+                              "experts_forward_saved: tokens_per_expert has 2 entries");
+}
+
 TEST(Experts, WeightGradientsAccumulate) {
   Problem p = make_problem({2, 0, 3}, 5, 4, 400);
   for (ExpertsImpl impl : {ExpertsImpl::sequential, ExpertsImpl::grouped}) {

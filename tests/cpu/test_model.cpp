@@ -11,6 +11,7 @@
 #include "core/rng.h"
 #include "models/attention_block.h"
 #include "models/decoder.h"
+#include "models/moe_block.h"
 #include "primitives/optim/adamw.h"
 
 namespace bb {
@@ -95,6 +96,7 @@ struct RunResult {
   int64_t act_peak = 0;
   std::vector<std::vector<int32_t>> routing;
   std::vector<int64_t> replays;
+  std::vector<DispatchCounts> dispatch;  // per MoE layer: what its dispatcher ran
 };
 
 RunResult run_once(const ModelOptions& o, bool qwen2 = false, bool delay_wgrad = false) {
@@ -113,6 +115,9 @@ RunResult run_once(const ModelOptions& o, bool qwen2 = false, bool delay_wgrad =
   r.grads = grads_of(run.model);
   for (const Tensor& t : run.last_routing()) r.routing.push_back(t.to_ints());
   r.replays = run.schedule.last_replays();
+  for (Layer& L : run.model.layers())
+    for (auto& b : L.blocks)
+      if (auto* moe = dynamic_cast<MoeBlock*>(b.get())) r.dispatch.push_back(moe->dispatcher().counts());
   return r;
 }
 
@@ -207,6 +212,55 @@ TEST(SelectiveRecompute, AgreesWithNoneUnderOtherPrimitivesAndDelayedWgrad) {
       EXPECT_LT(b.act_peak, a.act_peak);
     }
   }
+}
+
+// The full-recompute forward keeps only what the MoE block's backward reads (its output is
+// discarded, ctx.output_unused): with the memory_efficient permute the dispatcher rebuilds the
+// experts' state without fc2 and posts no combine; with standard, backward reads the combined
+// y_perm (d_prob), so fc2 and the combine run again. Gradients stay bit-identical to none.
+// The counters would catch a recompute that runs fc2 (expert_forwards) or combines (combines).
+TEST(Recompute, FullRecomputeSkipsFc2AndCombineWhereBackwardAllows) {
+  for (bool qwen2 : {false, true})
+    for (const char* permute : {"memory_efficient", "standard"})
+      for (const char* dispatch : {"alltoall", "chunked_alltoall:3"})
+        for (const char* experts : {"sequential", "grouped"}) {
+          const bool mem_eff = std::string(permute) == "memory_efficient";
+          const int64_t chunks = std::string(dispatch) == "alltoall" ? 1 : 3;
+          const bool delay = qwen2 && chunks == 3;
+          SCOPED_TRACE(std::string(qwen2 ? "qwen2 (shared expert) " : "qwen3 ") + permute + " " + dispatch +
+                       " " + experts + (delay ? " delayed wgrad" : ""));
+          const std::vector<std::pair<std::string, std::string>> prims = {
+              {"permute", permute}, {"moe_dispatch", dispatch}, {"experts", experts}};
+          ModelOptions none = test::model_options(prims), full = none;
+          full.prims.set("recompute", "full", "test");
+          none.aux_loss_coef = full.aux_loss_coef = 0.01;
+          none.z_loss_coef = full.z_loss_coef = 0.01;
+          const RunResult a = run_once(none, qwen2, delay), b = run_once(full, qwen2, delay);
+          EXPECT_EQ(a.stats.loss_sum, b.stats.loss_sum);
+          EXPECT_EQ(a.stats.aux_loss, b.stats.aux_loss);
+          EXPECT_EQ(a.stats.z_loss, b.stats.z_loss);
+          ASSERT_EQ(a.grads.size(), b.grads.size());
+          for (size_t i = 0; i < a.grads.size(); ++i) EXPECT_EQ(a.grads[i], b.grads[i]) << "param " << i;
+          ASSERT_FALSE(a.dispatch.empty());
+          ASSERT_EQ(a.dispatch.size(), b.dispatch.size());
+          for (size_t l = 0; l < b.dispatch.size(); ++l) {
+            SCOPED_TRACE("MoE layer " + std::to_string(l));
+            const DispatchCounts& n = a.dispatch[l];
+            const DispatchCounts& f = b.dispatch[l];
+            // recompute = none: one forward, every chunk's experts and combine once.
+            EXPECT_EQ(n.forwards, 1);
+            EXPECT_EQ(n.forwards_for_backward, 0);
+            EXPECT_EQ(n.expert_forwards, chunks);
+            EXPECT_EQ(n.expert_rebuilds, 0);
+            EXPECT_EQ(n.combines, chunks);
+            // full: the training forward as above, then the recompute.
+            EXPECT_EQ(f.forwards, mem_eff ? 1 : 2);
+            EXPECT_EQ(f.forwards_for_backward, mem_eff ? 1 : 0);
+            EXPECT_EQ(f.expert_forwards, (mem_eff ? 1 : 2) * chunks) << "fc2 ran in the recompute";
+            EXPECT_EQ(f.expert_rebuilds, mem_eff ? chunks : 0);
+            EXPECT_EQ(f.combines, (mem_eff ? 1 : 2) * chunks) << "the recompute combined";
+          }
+        }
 }
 
 TEST(Recompute, FullReusesTheStashedRouting) {

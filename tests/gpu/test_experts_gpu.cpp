@@ -185,6 +185,21 @@ TEST_P(ExpertsGpuEdge, Bf16GradientsAccumulate) {
   EXPECT_LT(test::rel_error(dwd_g.to_floats(), dwd_c.to_floats()), test::kTolBf16);
 }
 
+// experts_forward_saved on the GPU: the forward's saved tensors bit for bit (the same kernels up
+// to the activation), no output.
+TEST_P(ExpertsGpuEdge, ForwardSavedEqualsTheForwardsSavedTensors) {
+  BB_REQUIRE_GPU();
+  const ExpertsImpl impl = GetParam();
+  for (DType dt : {DType::f32, DType::bf16}) {
+    const Inputs in = make_inputs(kOdd, dt, 550);
+    ExpertsSaved full, only;
+    experts_forward(impl, gpu(in.x), in.counts, gpu(in.wgu), gpu(in.wd), gpu(in.prob), &full);
+    experts_forward_saved(impl, gpu(in.x), in.counts, gpu(in.wgu), gpu(in.wd), gpu(in.prob), only);
+    EXPECT_EQ(only.gate_up.to_floats(), full.gate_up.to_floats()) << dtype_name(dt);
+    EXPECT_EQ(only.act.to_floats(), full.act.to_floats()) << dtype_name(dt);
+  }
+}
+
 TEST_P(ExpertsGpuEdge, AllExpertsEmpty) {
   BB_REQUIRE_GPU();
   const ExpertsImpl impl = GetParam();

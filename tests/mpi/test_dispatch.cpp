@@ -284,28 +284,44 @@ struct LayerRun {
   Tensor y, d_x, d_prob, d_wgu, d_wd;  // host copies; weight gradients of the local experts
 };
 
-// One MoE layer's experts over the dispatcher `d`: rows x_perm [N, H] with counts [E], local
-// weights, forward then backward with d_y_perm; weight gradients accumulate from zero.
-LayerRun run_layer(Dispatcher& d, ExpertsImpl impl, const Tensor& x_perm, const Tensor& prob,
-                   const std::vector<int64_t>& counts, const Tensor& wgu, const Tensor& wd, const Tensor& d_y_perm) {
-  LayerRun out;
-  Tensor dwgu = Tensor::zeros(wgu.shape(), DType::f32, wgu.device(), MemCategory::other);
-  Tensor dwd = Tensor::zeros(wd.shape(), DType::f32, wd.device(), MemCategory::other);
+// The expert MLPs with weights wgu, wd; the weight gradients accumulate into dwgu, dwd.
+ExpertCalls real_experts(ExpertsImpl impl, const Tensor& wgu, const Tensor& wd, Tensor& dwgu, Tensor& dwd) {
   ExpertCalls c;
-  c.forward = [&](const Tensor& rows, const Tensor& p, const std::vector<int64_t>& cnt, ExpertsSaved* s) {
+  c.forward = [=](const Tensor& rows, const Tensor& p, const std::vector<int64_t>& cnt, ExpertsSaved* s) {
     return experts_forward(impl, rows, cnt, wgu, wd, p, s);
   };
-  c.backward_data = [&](const Tensor& dy, const Tensor& p, const std::vector<int64_t>& cnt, const ExpertsSaved& s) {
+  c.rebuild = [=](const Tensor& rows, const Tensor& p, const std::vector<int64_t>& cnt, ExpertsSaved* s) {
+    experts_forward_saved(impl, rows, cnt, wgu, wd, p, *s);
+  };
+  c.backward_data = [=](const Tensor& dy, const Tensor& p, const std::vector<int64_t>& cnt, const ExpertsSaved& s) {
     return experts_backward_data(impl, dy, cnt, wgu, wd, p, s);
   };
-  c.backward_weight = [&](const Tensor& dy, const Tensor& rows, const Tensor& p, const std::vector<int64_t>& cnt,
-                          const ExpertsSaved& s, const Tensor& dgu) {
+  c.backward_weight = [=, &dwgu, &dwd](const Tensor& dy, const Tensor& rows, const Tensor& p,
+                                       const std::vector<int64_t>& cnt, const ExpertsSaved& s, const Tensor& dgu) {
     ExpertsDgrad g;
     g.d_gate_up = dgu;
     experts_backward_weight(impl, dy, rows, cnt, p, s, g, dwgu, dwd);
   };
+  return c;
+}
+
+// One MoE layer's experts over the dispatcher `d`: rows x_perm [N, H] with counts [E], local
+// weights, forward then backward with d_y_perm; weight gradients accumulate from zero. rebuild:
+// between them the state is rebuilt by forward_for_backward (as under full recompute).
+LayerRun run_layer(Dispatcher& d, ExpertsImpl impl, const Tensor& x_perm, const Tensor& prob,
+                   const std::vector<int64_t>& counts, const Tensor& wgu, const Tensor& wd, const Tensor& d_y_perm,
+                   bool rebuild = false) {
+  LayerRun out;
+  Tensor dwgu = Tensor::zeros(wgu.shape(), DType::f32, wgu.device(), MemCategory::other);
+  Tensor dwd = Tensor::zeros(wd.shape(), DType::f32, wd.device(), MemCategory::other);
+  ExpertCalls c = real_experts(impl, wgu, wd, dwgu, dwd);
   DispatchState st;
   out.y = d.forward(x_perm, prob, counts, c, st).to(Device::cpu(), MemCategory::other);
+  if (rebuild) {
+    // A recompute: the state rebuilt by forward_for_backward replaces the forward's.
+    st = DispatchState{};
+    d.forward_for_backward(x_perm, prob, counts, c, st);
+  }
   DispatchRows b = d.backward(d_y_perm, c, st);
   out.d_x = b.rows.to(Device::cpu(), MemCategory::other);
   if (b.row_prob.defined()) out.d_prob = b.row_prob.to(Device::cpu(), MemCategory::other);
@@ -477,6 +493,59 @@ TEST(Dispatch, ChunkedEqualsAllToAll) {
     }
   }
   if (r == 0) std::printf("[chunked vs alltoall] sequential experts: max relative difference %.2e\n", worst);
+}
+
+// forward_for_backward (the recompute of a layer whose output is unused): the same dispatch
+// and the same state as forward, bit for bit (rows, row_prob, gate_up, act, counts), so the
+// backward from it gives forward's gradients exactly; the experts ran their rebuild (no fc2) once
+// per chunk and no combine was posted. Every member, with and without row_prob, both experts.
+TEST(Dispatch, ForwardForBackwardRebuildsTheStateWithoutFc2OrCombine) {
+  comm::GroupPtr g = world();
+  const int P = g->size(), r = g->rank();
+  for (bool with_prob : {false, true}) {
+    LayerCase c = make_case(4 * P, with_prob);
+    const int64_t El = c.E / P;
+    Tensor wgu = c.wgu_full.narrow(r * El, El), wd = c.wd_full.narrow(r * El, El);
+    for (ExpertsImpl impl : {ExpertsImpl::grouped, ExpertsImpl::sequential})
+      for (const char* member : kMembers) {
+        SCOPED_TRACE(std::string(member) + (impl == ExpertsImpl::grouped ? " grouped" : " sequential") +
+                     (with_prob ? " +prob" : ""));
+        const Choice<DispatcherFactory> ch = moe_dispatch_family().parse(member, "test");
+        const int64_t chunks = std::string(member).rfind("chunked", 0) == 0 ? std::max<int64_t>(1, ch.count) : 1;
+        auto d = make(member, c.E, g);
+        Tensor dwgu = Tensor::zeros(wgu.shape(), DType::f32, wgu.device(), MemCategory::other);
+        Tensor dwd = Tensor::zeros(wd.shape(), DType::f32, wd.device(), MemCategory::other);
+        const ExpertCalls calls = real_experts(impl, wgu, wd, dwgu, dwd);
+        DispatchState fwd, re;
+        Tensor y = d->forward(c.x, c.prob, c.counts, calls, fwd);
+        const DispatchCounts after_forward = d->counts();
+        EXPECT_EQ(after_forward.expert_forwards, chunks);
+        EXPECT_EQ(after_forward.combines, chunks);
+        d->forward_for_backward(c.x, c.prob, c.counts, calls, re);
+        const DispatchCounts& n = d->counts();
+        EXPECT_EQ(n.forwards, 1);
+        EXPECT_EQ(n.forwards_for_backward, 1);
+        EXPECT_EQ(n.expert_forwards, chunks) << "forward_for_backward ran the experts' fc2";
+        EXPECT_EQ(n.expert_rebuilds, chunks);
+        EXPECT_EQ(n.combines, chunks) << "forward_for_backward posted a combine";
+        EXPECT_EQ(re.tokens_per_local_expert, fwd.tokens_per_local_expert);
+        EXPECT_EQ(re.rows.to_floats(), fwd.rows.to_floats());
+        EXPECT_EQ(re.row_prob.defined(), fwd.row_prob.defined());
+        if (with_prob) EXPECT_EQ(re.row_prob.to_floats(), fwd.row_prob.to_floats());
+        EXPECT_EQ(re.experts.gate_up.to_floats(), fwd.experts.gate_up.to_floats());
+        EXPECT_EQ(re.experts.act.to_floats(), fwd.experts.act.to_floats());
+        fwd = DispatchState{};
+        re = DispatchState{};
+        if (!test::device().is_cpu()) continue;  // the gradients: bit-exact CPU arithmetic below
+        LayerRun A = run_layer(*make(member, c.E, g), impl, c.x, c.prob, c.counts, wgu, wd, c.dy);
+        LayerRun B = run_layer(*make(member, c.E, g), impl, c.x, c.prob, c.counts, wgu, wd, c.dy, /*rebuild=*/true);
+        EXPECT_EQ(A.y.to_floats(), y.to(Device::cpu(), MemCategory::other).to_floats());
+        EXPECT_EQ(A.d_x.to_floats(), B.d_x.to_floats());
+        if (with_prob) EXPECT_EQ(A.d_prob.to_floats(), B.d_prob.to_floats());
+        EXPECT_EQ(A.d_wgu.to_floats(), B.d_wgu.to_floats());
+        EXPECT_EQ(A.d_wd.to_floats(), B.d_wd.to_floats());
+      }
+  }
 }
 
 // Layouts a dispatcher cannot serve are refused when it is built, naming the fix.

@@ -16,8 +16,10 @@
 
 #include "common/mpi_main.h"
 #include "common/testing.h"
+#include "common/trainer_equivalence.h"
 #include "io/fs.h"
 #include "models/hf_io.h"
+#include "models/moe_block.h"
 #include "runtime/checkpoint.h"
 #include "runtime/run_config.h"
 #include "runtime/trainer.h"
@@ -68,85 +70,17 @@ TestRun make_run(const char* tag) {
 
 RunConfig config(const TestRun& r, const std::vector<std::string>& ov) { return parse_run_config(r.toml, "test run", ov); }
 
-double rel(double a, double b) { return std::abs(a - b) / std::max(1e-30, std::abs(b)); }
-
-double rel_norm(const std::vector<float>& x, const std::vector<float>& y) {
-  EXPECT_EQ(x.size(), y.size());
-  double num = 0, den = 0;
-  for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
-    num += (static_cast<double>(x[i]) - y[i]) * (static_cast<double>(x[i]) - y[i]);
-    den += static_cast<double>(y[i]) * y[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
-}
+using test::Reference;
+using test::rel;
 
 // The single-rank reference: the whole global batch (R micro-batches per step) on one rank.
-struct Reference {
-  std::unique_ptr<Trainer> t;
-  std::vector<StepMetrics> steps;
-};
-
 Reference reference(const TestRun& run, std::vector<std::string> ov, int steps = kSteps) {
   ov.push_back("train.grad_accum=" + std::to_string(world()->size()));
-  Reference ref;
-  ref.t = std::make_unique<Trainer>(config(run, ov), nullptr, Corpus{}, comm::self_group());
-  ref.t->set_record_routing(true);
-  for (int s = 0; s < steps; ++s) ref.steps.push_back(ref.t->train_step());
-  return ref;
+  return test::reference_run(config(run, ov), Corpus{}, steps);
 }
 
-// The local experts' elements of a unit of the reference (which holds every expert): the
-// parameters' rows [first, first + n) in the local unit's layout.
-std::vector<float> local_slice_of(Trainer& local_t, Trainer& ref, size_t unit, const Tensor& whole_ref) {
-  ParamUnit* lu = local_t.model().units()[unit];
-  Tensor out = Tensor::zeros({lu->numel}, DType::f32, Device::cpu(), MemCategory::other);
-  for (Param* p : lu->params) {
-    Param* rp = ref.model().find_param(p->name);
-    const int64_t per = p->numel() / p->shape[0];
-    out.narrow(p->offset, p->numel())
-        .copy_from(whole_ref.narrow(rp->offset + lu->first_expert * per, p->numel()));
-  }
-  return out.to_floats();
-}
-
-// Steps, routing, token counts and the expert placement of `t` against the reference; the final
-// masters of every unit (the local experts' rows for expert units) to 1e-5.
-void expect_matches(Trainer& t, Reference& ref, const std::vector<StepMetrics>& got, double tol = 1e-6) {
-  const ParallelLayout& l = t.mesh().layout();
-  const ModelConfig& mc = t.config().model;
-  double worst = 0;
-  for (size_t s = 0; s < got.size(); ++s) {
-    const StepMetrics &m = got[s], &w = ref.steps[s];
-    EXPECT_LE(rel(m.loss, w.loss), tol) << "step " << s + 1;
-    EXPECT_LE(rel(m.grad_norm, w.grad_norm), tol) << "step " << s + 1;
-    EXPECT_LE(rel(m.aux_loss, w.aux_loss), tol) << "step " << s + 1;
-    EXPECT_LE(rel(m.z_loss, w.z_loss), tol) << "step " << s + 1;
-    worst = std::max({worst, rel(m.loss, w.loss), rel(m.grad_norm, w.grad_norm)});
-    EXPECT_EQ(m.tokens, w.tokens);
-    EXPECT_EQ(m.valid_tokens, w.valid_tokens);
-    EXPECT_EQ(w.routing.size(), static_cast<size_t>(world()->size()));  // one hash per micro-batch
-    EXPECT_EQ(m.routing, w.routing) << "step " << s + 1 << ": the routing differs from the single-rank run";
-    // Every routed row is received by exactly one rank.
-    const double rows = static_cast<double>(m.tokens * mc.top_k * mc.num_moe_layers());
-    EXPECT_DOUBLE_EQ(m.moe_rows_mean * static_cast<double>(world()->size()), rows);
-    EXPECT_GE(static_cast<double>(m.moe_rows_max), m.moe_rows_mean);
-  }
-  std::vector<ParamUnit*> units = t.model().units();
-  for (size_t i = 0; i < units.size(); ++i) {
-    ParamUnit* u = units[i];
-    const Tensor mine = t.state().gather_master(i), whole = ref.t->state().gather_master(i);
-    if (u->kind == UnitKind::experts) {
-      // Only this rank's experts live here.
-      EXPECT_EQ(u->num_experts, mc.num_experts / l.ep) << u->name;
-      EXPECT_EQ(u->first_expert, t.mesh().ep_rank() * (mc.num_experts / l.ep)) << u->name;
-      EXPECT_LE(rel_norm(mine.to_floats(), local_slice_of(t, *ref.t, i, whole)), 1e-5) << u->name;
-    } else {
-      EXPECT_LE(rel_norm(mine.to_floats(), whole.to_floats()), 1e-5) << u->name;
-    }
-  }
-  if (world()->rank() == 0)
-    std::printf("[ep] %s %s state %s: max rel diff vs 1 rank over %zu steps: %.1e\n", l.str().c_str(),
-                t.config().prim.moe_dispatch.name.c_str(), t.config().prim.state.name.c_str(), got.size(), worst);
+void expect_matches(Trainer& t, Reference& ref, const std::vector<StepMetrics>& got) {
+  test::expect_matches(t, ref, got, "ep");
 }
 
 std::vector<int64_t> ep_degrees() {
@@ -159,12 +93,7 @@ std::vector<int64_t> ep_degrees() {
 std::string ov_ep(int64_t ep) { return "parallel.ep=" + std::to_string(ep); }
 std::string ov_dispatch(const std::string& m) { return "primitives.moe_dispatch=\"" + m + "\""; }
 
-std::vector<StepMetrics> train(Trainer& t, int steps = kSteps) {
-  t.set_record_routing(true);
-  std::vector<StepMetrics> out;
-  for (int s = 0; s < steps; ++s) out.push_back(t.train_step());
-  return out;
-}
+std::vector<StepMetrics> train(Trainer& t, int steps = kSteps) { return test::train_steps(t, steps); }
 
 TEST(ExpertParallel, EveryDispatcherEqualsTheSingleRankRun) {
   if (ep_degrees().empty()) GTEST_SKIP() << "needs 2 or 4 ranks (runs in the np2 and np4 variants)";
@@ -208,7 +137,33 @@ TEST(ExpertParallel, ChunkedUnderFullRecomputeAndMemoryEfficientPermute) {
   std::vector<std::string> ov = common;
   ov.insert(ov.end(), {ov_ep(ep), ov_dispatch("chunked_alltoall:3")});
   Trainer t(config(run, ov), nullptr, Corpus{}, world());
-  expect_matches(t, ref, train(t));
+  const std::vector<StepMetrics> got = train(t);
+  expect_matches(t, ref, got);
+  // The recompute forward rebuilt each MoE layer's state without fc2 or a combine (the layer
+  // output is discarded; memory_efficient's backward does not read y_perm): per layer, as many
+  // forward_for_backward calls as forwards, and every fc2 and combine belongs to a forward.
+  int64_t moe_layers = 0;
+  for (Layer& L : t.model().layers())
+    for (auto& b : L.blocks)
+      if (auto* moe = dynamic_cast<MoeBlock*>(b.get())) {
+        const DispatchCounts& c = moe->dispatcher().counts();
+        ++moe_layers;
+        EXPECT_GT(c.forwards, 0);
+        EXPECT_EQ(c.forwards_for_backward, c.forwards);
+        EXPECT_EQ(c.expert_forwards, 3 * c.forwards) << "fc2 ran outside the training forward";
+        EXPECT_EQ(c.combines, 3 * c.forwards) << "a combine ran outside the training forward";
+        EXPECT_EQ(c.expert_rebuilds, 3 * c.forwards_for_backward);
+      }
+  EXPECT_GT(moe_layers, 0);
+  // And the same EP run without recompute gives the same bits.
+  Trainer n(config(run, {"primitives.permute=\"memory_efficient\"", ov_ep(ep), ov_dispatch("chunked_alltoall:3")}),
+            nullptr, Corpus{}, world());
+  const std::vector<StepMetrics> want = train(n);
+  for (size_t s = 0; s < got.size(); ++s) {
+    EXPECT_EQ(got[s].loss, want[s].loss) << "step " << s + 1;
+    EXPECT_EQ(got[s].aux_loss, want[s].aux_loss) << "step " << s + 1;
+    EXPECT_EQ(got[s].grad_norm, want[s].grad_norm) << "step " << s + 1;
+  }
 }
 
 // With the grouped experts (row-independent arithmetic) chunking changes no bit: every step's

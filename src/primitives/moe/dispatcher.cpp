@@ -99,7 +99,22 @@ class SingleRankDispatcher final : public Dispatcher {
     state.rows = x_perm;
     state.row_prob = row_prob;
     state.plan = nullptr;
+    ++counts_.forwards;
+    ++counts_.expert_forwards;
+    ++counts_.combines;
     return experts.forward(x_perm, row_prob, tokens_per_expert, &state.experts);
+  }
+  void forward_for_backward(const Tensor& x_perm, const Tensor& row_prob,
+                            const std::vector<int64_t>& tokens_per_expert, const ExpertCalls& experts,
+                            DispatchState& state) override {
+    dispatch::check_dispatch_inputs("single-rank", x_perm, row_prob, tokens_per_expert, num_experts_);
+    state.tokens_per_local_expert = tokens_per_expert;
+    state.rows = x_perm;
+    state.row_prob = row_prob;
+    state.plan = nullptr;
+    ++counts_.forwards_for_backward;
+    ++counts_.expert_rebuilds;
+    experts.rebuild(x_perm, row_prob, tokens_per_expert, &state.experts);
   }
   DispatchRows backward(const Tensor& d_y_perm, const ExpertCalls& experts, DispatchState& state) override {
     const std::vector<int64_t>& counts = state.tokens_per_local_expert;

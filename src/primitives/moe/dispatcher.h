@@ -11,6 +11,11 @@
 //   forward   x_perm [N, H], row_prob [N] f32 or undefined, tokens_per_expert [E] (host)
 //             -> y_perm [N, H] in x_perm's row order: ExpertCalls::forward applied to every
 //             row by the rank that holds the row's expert
+//   forward_for_backward  the inputs of forward -> nothing: the same dispatch (the rows move
+//             exactly as in forward) and ExpertCalls::rebuild (fc1 + activation) per group of
+//             rows, filling `state` as forward would, bit for bit; no down projection (fc2), no
+//             combine. For a recompute pass whose y_perm nobody reads (the MoE block under
+//             full recompute with the memory_efficient permute).
 //   backward  d_y_perm [N, H] -> d_x_perm [N, H] and d_row_prob [N] (when row_prob travelled);
 //             ExpertCalls::backward_data per group of rows, then ExpertCalls::backward_weight
 //             once over all M rows of the micro-batch (after the last dgrad)
@@ -48,13 +53,20 @@
 namespace bb {
 
 // What the MoE block runs on the rows the dispatcher brings. Every call is for rows grouped by
-// local expert with `counts` [E_l]; the dispatcher calls forward / backward_data once per chunk
-// of rows (once in all for the unchunked members) and backward_weight once per micro-batch.
+// local expert with `counts` [E_l]; the dispatcher calls forward (or, in forward_for_backward,
+// rebuild) and backward_data once per chunk of rows (once in all for the unchunked members) and
+// backward_weight once per micro-batch.
 struct ExpertCalls {
   // y [M_c, H] from rows [M_c, H] (+ row_prob [M_c] or undefined); fills `saved` (never null).
   std::function<Tensor(const Tensor& rows, const Tensor& row_prob,
                        const std::vector<int64_t>& counts, ExpertsSaved* saved)>
       forward;
+  // What forward saves, without its output: fills `saved` (gate_up, act) exactly as forward
+  // does for the same rows, skipping the down projection (fc2). Called by
+  // Dispatcher::forward_for_backward in place of forward.
+  std::function<void(const Tensor& rows, const Tensor& row_prob, const std::vector<int64_t>& counts,
+                     ExpertsSaved* saved)>
+      rebuild;
   // The data gradient of forward: d_x [M_c, H], d_row_prob [M_c], d_gate_up [M_c, 2F] from
   // d_y [M_c, H] and what forward saved for these rows.
   std::function<ExpertsDgrad(const Tensor& d_y, const Tensor& row_prob,
@@ -93,6 +105,16 @@ struct DispatchRows {
   Tensor row_prob;
 };
 
+// What a dispatcher has done since it was built (host counters, for tests and benchmarks).
+struct DispatchCounts {
+  int64_t forwards = 0;              // forward calls
+  int64_t forwards_for_backward = 0; // forward_for_backward calls
+  int64_t expert_forwards = 0;       // ExpertCalls::forward calls (fc1 + fc2)
+  int64_t expert_rebuilds = 0;       // ExpertCalls::rebuild calls (fc1 only)
+  int64_t combines = 0;              // combines posted: one per chunk of a forward (one rank:
+                                     // the experts' output handed back as y_perm)
+};
+
 class Dispatcher {
  public:
   virtual ~Dispatcher() = default;
@@ -105,8 +127,20 @@ class Dispatcher {
   virtual Tensor forward(const Tensor& x_perm, const Tensor& row_prob,
                          const std::vector<int64_t>& tokens_per_expert, const ExpertCalls& experts,
                          DispatchState& state) = 0;
+  // The dispatch half of forward for a pass that only rebuilds the saved state: `state` ends
+  // as forward leaves it (same rows, row_prob, saved tensors, counts and plan, so backward is
+  // unchanged), the experts run ExpertCalls::rebuild instead of forward, and no combine is
+  // posted. Collective like forward (the dispatch still moves the rows); every rank of the
+  // group must make the same choice between the two for a layer.
+  virtual void forward_for_backward(const Tensor& x_perm, const Tensor& row_prob,
+                                    const std::vector<int64_t>& tokens_per_expert,
+                                    const ExpertCalls& experts, DispatchState& state) = 0;
   virtual DispatchRows backward(const Tensor& d_y_perm, const ExpertCalls& experts,
                                 DispatchState& state) = 0;
+  const DispatchCounts& counts() const { return counts_; }
+
+ protected:
+  DispatchCounts counts_;
 };
 
 // What a member is built with. A group of one rank (or none) is the single-rank case.

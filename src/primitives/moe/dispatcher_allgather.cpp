@@ -8,6 +8,8 @@
 // contribution, so the sum is exact (x + 0 = x) and the combine equals a pure data movement.
 // Backward: all-gather of d_y_perm (the combine's backward), reduce-scatter of d_x and
 // d_row_prob (the dispatch's backward), the experts' wgrad while the reduce-scatters travel.
+// forward_for_backward: the same all-gathers and state, the experts' rebuild (no fc2), no
+// reduce-scatter.
 // Simple and exact, but it moves P times the rows of alltoall (skills/dispatcher.md).
 #include "core/error.h"
 #include "core/trace.h"
@@ -49,28 +51,15 @@ class AllGatherDispatcher final : public Dispatcher {
   Tensor forward(const Tensor& x_perm, const Tensor& row_prob, const std::vector<int64_t>& tokens_per_expert,
                  const ExpertCalls& experts, DispatchState& state) override {
     BB_RANGE("dispatch_allgather_forward");
-    dispatch::check_dispatch_inputs("allgather", x_perm, row_prob, tokens_per_expert, num_experts_);
-    auto plan = make_plan(tokens_per_expert);
-    comm::Group& g = *group_;
-    const bool with_prob = row_prob.defined();
-    Tensor all = dispatch::rows_like(x_perm, plan->num_gathered), all_prob;
-    comm::WorkPtr w = g.all_gather_v(x_perm, all, plan->rows_of_rank), wp;
-    if (with_prob) {
-      all_prob = dispatch::rows_like(row_prob, plan->num_gathered);
-      wp = g.all_gather_v(row_prob, all_prob, plan->rows_of_rank);
-    }
-    w->wait();
-    if (wp) wp->wait();
-    const int64_t M = rows(plan->local_counts);
-    state.rows = dispatch::gather_rows(all, plan->select, M);
-    state.row_prob = with_prob ? dispatch::gather_rows(all_prob, plan->select, M) : Tensor();
-    all = all_prob = Tensor();
-    state.experts = ExpertsSaved{};
-    Tensor y = experts.forward(state.rows, state.row_prob, plan->local_counts, &state.experts);
-    Tensor y_perm = scatter_back(y, *plan).first;
-    state.tokens_per_local_expert = plan->local_counts;
-    state.plan = plan;
-    return y_perm;
+    ++counts_.forwards;
+    return run(x_perm, row_prob, tokens_per_expert, experts, state, /*combine=*/true);
+  }
+  void forward_for_backward(const Tensor& x_perm, const Tensor& row_prob,
+                            const std::vector<int64_t>& tokens_per_expert, const ExpertCalls& experts,
+                            DispatchState& state) override {
+    BB_RANGE("dispatch_allgather_forward_for_backward");
+    ++counts_.forwards_for_backward;
+    run(x_perm, row_prob, tokens_per_expert, experts, state, /*combine=*/false);
   }
 
   DispatchRows backward(const Tensor& d_y_perm, const ExpertCalls& experts, DispatchState& state) override {
@@ -97,6 +86,40 @@ class AllGatherDispatcher final : public Dispatcher {
   }
 
  private:
+  // forward (combine = true: the experts' forward and the reduce-scatter back) or
+  // forward_for_backward (combine = false: the experts' rebuild, nothing goes back).
+  Tensor run(const Tensor& x_perm, const Tensor& row_prob, const std::vector<int64_t>& tokens_per_expert,
+             const ExpertCalls& experts, DispatchState& state, bool combine) {
+    dispatch::check_dispatch_inputs("allgather", x_perm, row_prob, tokens_per_expert, num_experts_);
+    auto plan = make_plan(tokens_per_expert);
+    comm::Group& g = *group_;
+    const bool with_prob = row_prob.defined();
+    Tensor all = dispatch::rows_like(x_perm, plan->num_gathered), all_prob;
+    comm::WorkPtr w = g.all_gather_v(x_perm, all, plan->rows_of_rank), wp;
+    if (with_prob) {
+      all_prob = dispatch::rows_like(row_prob, plan->num_gathered);
+      wp = g.all_gather_v(row_prob, all_prob, plan->rows_of_rank);
+    }
+    w->wait();
+    if (wp) wp->wait();
+    const int64_t M = rows(plan->local_counts);
+    state.rows = dispatch::gather_rows(all, plan->select, M);
+    state.row_prob = with_prob ? dispatch::gather_rows(all_prob, plan->select, M) : Tensor();
+    all = all_prob = Tensor();
+    state.experts = ExpertsSaved{};
+    state.tokens_per_local_expert = plan->local_counts;
+    state.plan = plan;
+    if (!combine) {
+      ++counts_.expert_rebuilds;
+      experts.rebuild(state.rows, state.row_prob, plan->local_counts, &state.experts);
+      return Tensor();
+    }
+    ++counts_.expert_forwards;
+    Tensor y = experts.forward(state.rows, state.row_prob, plan->local_counts, &state.experts);
+    ++counts_.combines;
+    return scatter_back(y, *plan).first;
+  }
+
   static int64_t rows(const std::vector<int64_t>& counts) {
     int64_t n = 0;
     for (int64_t c : counts) n += c;

@@ -17,7 +17,9 @@
 // gradient sees exactly alltoall's tensors.
 //
 // Order of work (forward): post every chunk's dispatch; then per chunk wait for it, run its
-// experts, post its combine; then wait for the combines and place the rows. Backward: post
+// experts, post its combine; then wait for the combines and place the rows. forward_for_backward
+// (a recompute whose output is unused): the same dispatches and state, the experts' rebuild
+// (fc1 + activation, no fc2) per chunk, no combine. Backward: post
 // every chunk's combine-backward; per chunk wait, run its expert dgrad, post its
 // dispatch-backward; run the whole micro-batch's expert wgrad; wait and place. On a GPU the
 // collectives run on the comm stream (comm.h), so chunk c+1's dispatch and chunk c-1's combine
@@ -71,7 +73,18 @@ class AllToAllDispatcher final : public Dispatcher {
   }
 
   Tensor forward(const Tensor& x_perm, const Tensor& row_prob, const std::vector<int64_t>& tokens_per_expert,
-                 const ExpertCalls& experts, DispatchState& state) override;
+                 const ExpertCalls& experts, DispatchState& state) override {
+    BB_RANGE("dispatch_alltoall_forward");
+    ++counts_.forwards;
+    return run(x_perm, row_prob, tokens_per_expert, experts, state, /*combine=*/true);
+  }
+  void forward_for_backward(const Tensor& x_perm, const Tensor& row_prob,
+                            const std::vector<int64_t>& tokens_per_expert, const ExpertCalls& experts,
+                            DispatchState& state) override {
+    BB_RANGE("dispatch_alltoall_forward_for_backward");
+    ++counts_.forwards_for_backward;
+    run(x_perm, row_prob, tokens_per_expert, experts, state, /*combine=*/false);
+  }
   DispatchRows backward(const Tensor& d_y_perm, const ExpertCalls& experts, DispatchState& state) override;
 
  private:
@@ -80,6 +93,10 @@ class AllToAllDispatcher final : public Dispatcher {
              num_experts);
   }
   std::shared_ptr<AllToAllPlan> make_plan(const std::vector<int64_t>& counts) const;
+  // forward (combine = true) or forward_for_backward (combine = false: ExpertCalls::rebuild per
+  // chunk, no combine posted, returns undefined); the dispatch and the state are the same.
+  Tensor run(const Tensor& x_perm, const Tensor& row_prob, const std::vector<int64_t>& tokens_per_expert,
+             const ExpertCalls& experts, DispatchState& state, bool combine);
 
   const char* name_;
   comm::GroupPtr group_;
@@ -155,10 +172,9 @@ struct Flight {
   }
 };
 
-Tensor AllToAllDispatcher::forward(const Tensor& x_perm, const Tensor& row_prob,
-                                   const std::vector<int64_t>& tokens_per_expert, const ExpertCalls& experts,
-                                   DispatchState& state) {
-  BB_RANGE("dispatch_alltoall_forward");
+Tensor AllToAllDispatcher::run(const Tensor& x_perm, const Tensor& row_prob,
+                               const std::vector<int64_t>& tokens_per_expert, const ExpertCalls& experts,
+                               DispatchState& state, bool combine) {
   dispatch::check_dispatch_inputs(name_, x_perm, row_prob, tokens_per_expert, num_experts_);
   std::shared_ptr<AllToAllPlan> plan = make_plan(tokens_per_expert);
   const bool chunked = num_chunks_ > 1, with_prob = row_prob.defined();
@@ -185,7 +201,7 @@ Tensor AllToAllDispatcher::forward(const Tensor& x_perm, const Tensor& row_prob,
     state.row_prob = with_prob ? dispatch::rows_like(row_prob, M) : Tensor();
     state.experts = ExpertsSaved{};
   }
-  // Per chunk: its experts, then its combine.
+  // Per chunk: its experts, then its combine (none when only the state is rebuilt).
   std::vector<Flight> back(N);
   for (size_t k = 0; k < N; ++k) {
     const AllToAllPlan::Chunk& ch = plan->chunks[k];
@@ -196,8 +212,17 @@ Tensor AllToAllDispatcher::forward(const Tensor& x_perm, const Tensor& row_prob,
     rows_in[k] = Flight{};
     prob_in[k] = Flight{};
     ExpertsSaved saved;
-    Tensor y = experts.forward(rows, prob, ch.local_counts, &saved);
-    BB_CHECK(y.defined() && y.dim() == 2 && y.size(0) == ch.num_recv && y.size(1) == x_perm.size(1), name_,
+    Tensor y;
+    if (combine) {
+      ++counts_.expert_forwards;
+      y = experts.forward(rows, prob, ch.local_counts, &saved);
+    } else {
+      ++counts_.expert_rebuilds;
+      experts.rebuild(rows, prob, ch.local_counts, &saved);
+    }
+    BB_CHECK(!combine ||
+                 (y.defined() && y.dim() == 2 && y.size(0) == ch.num_recv && y.size(1) == x_perm.size(1)),
+             name_,
              ": the experts returned ", y.defined() ? y.str() : std::string("nothing"), " for ", ch.num_recv,
              " rows of width ", x_perm.size(1));
     if (chunked) {
@@ -214,11 +239,16 @@ Tensor AllToAllDispatcher::forward(const Tensor& x_perm, const Tensor& row_prob,
       state.row_prob = prob;
       state.experts = saved;
     }
+    if (!combine) continue;
+    ++counts_.combines;
     Tensor send = dispatch::gather_rows(y, dispatch::reversed(ch.sort), ch.num_recv);
     back[k].out = dispatch::rows_like(y, ch.num_send);
     back[k].work = g.all_to_all_v(send, ch.recv_peer, back[k].out, ch.send_peer);
   }
 
+  state.tokens_per_local_expert = plan->local_counts;
+  state.plan = plan;
+  if (!combine) return Tensor();
   Tensor y_perm;
   for (size_t k = 0; k < N; ++k) {
     back[k].wait();
@@ -229,8 +259,6 @@ Tensor AllToAllDispatcher::forward(const Tensor& x_perm, const Tensor& row_prob,
     if (!y_perm.defined()) y_perm = dispatch::rows_like(back[k].out, plan->num_rows);
     dispatch::copy_rows(y_perm, back[k].out, dispatch::reversed(plan->chunks[k].gather));
   }
-  state.tokens_per_local_expert = plan->local_counts;
-  state.plan = plan;
   return y_perm;
 }
 

@@ -174,18 +174,23 @@ void weight_grad(ExpertsImpl impl, const Tensor& A, const Tensor& B,
   if (!direct) dW.copy_from(g.to_dtype(gdt, MemCategory::workspace));
 }
 
+// with_output = false: gate_up and act only (experts_forward_saved); returns undefined.
 Tensor forward_cuda(ExpertsImpl impl, const Tensor& x, const std::vector<int64_t>& counts,
                     const Tensor& w_gate_up, const Tensor& w_down, const Tensor& row_prob,
-                    ExpertsSaved* saved, const Dims& d) {
+                    ExpertsSaved* saved, const Dims& d, bool with_output = true) {
   const DType dt = x.dtype();
   const Device dev = x.device();
   const MemCategory saved_cat = saved ? MemCategory::activations : MemCategory::workspace;
   Tensor gate_up = Tensor::empty({d.N, 2 * d.F}, dt, dev, saved_cat);
-  Tensor y = Tensor::empty({d.N, d.H}, dt, dev, MemCategory::moe);
+  Tensor y = with_output ? Tensor::empty({d.N, d.H}, dt, dev, MemCategory::moe) : Tensor();
   Tensor act;
   if (d.N > 0) {
     project(impl, x, counts, in_dtype(w_gate_up, dt), true, gate_up);  // x W_gu[e]^T
     act = swiglu_forward(gate_up, saved_cat);
+  } else {
+    act = Tensor::empty({0, d.F}, dt, dev, saved_cat);
+  }
+  if (d.N > 0 && with_output) {
     Tensor a = act;
     if (row_prob.defined()) {
       a = Tensor::empty({d.N, d.F}, dt, dev, MemCategory::workspace);
@@ -193,8 +198,6 @@ Tensor forward_cuda(ExpertsImpl impl, const Tensor& x, const std::vector<int64_t
                                dev.index);
     }
     project(impl, a, counts, in_dtype(w_down, dt), true, y);  // a W_down[e]^T
-  } else {
-    act = Tensor::empty({0, d.F}, dt, dev, saved_cat);
   }
   if (saved) {
     saved->gate_up = gate_up;
@@ -257,32 +260,55 @@ void backward_weight_cuda(ExpertsImpl impl, const Tensor& d_y, const Tensor& x_p
 
 }  // namespace
 
-Tensor experts_forward(ExpertsImpl impl, const Tensor& x_perm,
-                       const std::vector<int64_t>& tokens_per_expert, const Tensor& w_gate_up,
-                       const Tensor& w_down, const Tensor& row_prob, ExpertsSaved* saved) {
-  BB_RANGE("experts_forward");
-  const char* op = "experts_forward";
+namespace {
+
+// experts_forward and (with_output = false: no down projection, returns undefined)
+// experts_forward_saved: one code path, so the saved tensors are the same bits.
+Tensor forward_impl(const char* op, ExpertsImpl impl, const Tensor& x_perm,
+                    const std::vector<int64_t>& tokens_per_expert, const Tensor& w_gate_up,
+                    const Tensor& w_down, const Tensor& row_prob, ExpertsSaved* saved,
+                    bool with_output) {
   const Dims d = check_all(op, x_perm, "x_perm", tokens_per_expert, w_gate_up, w_down, row_prob);
 #ifdef BB_WITH_CUDA
   if (x_perm.device().is_cuda())
-    return forward_cuda(impl, x_perm, tokens_per_expert, w_gate_up, w_down, row_prob, saved, d);
+    return forward_cuda(impl, x_perm, tokens_per_expert, w_gate_up, w_down, row_prob, saved, d,
+                        with_output);
 #endif
   const DType dt = x_perm.dtype();
   const MemCategory saved_cat = saved ? MemCategory::activations : MemCategory::workspace;
-  Tensor x = cpu::as_f32(x_perm), wgu = cpu::as_f32(w_gate_up), wd = cpu::as_f32(w_down);
+  Tensor x = cpu::as_f32(x_perm), wgu = cpu::as_f32(w_gate_up);
+  Tensor wd = with_output ? cpu::as_f32(w_down) : Tensor();
   Tensor gate_up = f32_for({d.N, 2 * d.F}, dt, saved_cat);
   Tensor act = f32_for({d.N, d.F}, dt, saved_cat);
-  Tensor y = f32_for({d.N, d.H}, dt, MemCategory::moe);
+  Tensor y = with_output ? f32_for({d.N, d.H}, dt, MemCategory::moe) : Tensor();
   auto fn = impl == ExpertsImpl::sequential ? ref::experts_forward_sequential<float>
                                             : ref::experts_forward_grouped<float>;
-  fn(y.data<float>(), gate_up.data<float>(), act.data<float>(), x.data<float>(),
-     tokens_per_expert.data(), d.E, wgu.data<float>(), wd.data<float>(), prob_ptr(row_prob), d.H,
-     d.F);
+  fn(with_output ? y.data<float>() : nullptr, gate_up.data<float>(), act.data<float>(),
+     x.data<float>(), tokens_per_expert.data(), d.E, wgu.data<float>(),
+     with_output ? wd.data<float>() : nullptr, prob_ptr(row_prob), d.H, d.F);
   if (saved) {
     saved->gate_up = finish(gate_up, dt, saved_cat);
     saved->act = finish(act, dt, saved_cat);
   }
-  return finish(y, dt, MemCategory::moe);
+  return with_output ? finish(y, dt, MemCategory::moe) : Tensor();
+}
+
+}  // namespace
+
+Tensor experts_forward(ExpertsImpl impl, const Tensor& x_perm,
+                       const std::vector<int64_t>& tokens_per_expert, const Tensor& w_gate_up,
+                       const Tensor& w_down, const Tensor& row_prob, ExpertsSaved* saved) {
+  BB_RANGE("experts_forward");
+  return forward_impl("experts_forward", impl, x_perm, tokens_per_expert, w_gate_up, w_down,
+                      row_prob, saved, /*with_output=*/true);
+}
+
+void experts_forward_saved(ExpertsImpl impl, const Tensor& x_perm,
+                           const std::vector<int64_t>& tokens_per_expert, const Tensor& w_gate_up,
+                           const Tensor& w_down, const Tensor& row_prob, ExpertsSaved& saved) {
+  BB_RANGE("experts_forward_saved");
+  forward_impl("experts_forward_saved", impl, x_perm, tokens_per_expert, w_gate_up, w_down,
+               row_prob, &saved, /*with_output=*/false);
 }
 
 ExpertsDgrad experts_backward_data(ExpertsImpl impl, const Tensor& d_y,

@@ -38,6 +38,14 @@ Tensor experts_forward(ExpertsImpl impl, const Tensor& x_perm,
                        const std::vector<int64_t>& tokens_per_expert, const Tensor& w_gate_up,
                        const Tensor& w_down, const Tensor& row_prob, ExpertsSaved* saved);
 
+// The saved tensors of experts_forward, bit for bit (the same code up to the activation), without
+// the down projection (fc2) and without y: what a recompute forward whose output nobody reads
+// needs for the backward. Arguments as experts_forward (w_down and row_prob are only checked:
+// act is saved unscaled). Fills saved.gate_up [N, 2F] and saved.act [N, F].
+void experts_forward_saved(ExpertsImpl impl, const Tensor& x_perm,
+                           const std::vector<int64_t>& tokens_per_expert, const Tensor& w_gate_up,
+                           const Tensor& w_down, const Tensor& row_prob, ExpertsSaved& saved);
+
 struct ExpertsDgrad {
   Tensor d_x;         // [N, H], dtype of d_y, category moe (goes to permute_backward)
   Tensor d_row_prob;  // [N] f32, category activations: <d_y W_down, act>; undefined w/o row_prob

@@ -22,7 +22,8 @@ namespace bb::ref {
 
 // ---- sequential: one GEMM per expert ---------------------------------------------------------
 
-// y [N, H], gate_up [N, 2F], act [N, F] (unscaled swiglu output) <- x [N, H].
+// y [N, H], gate_up [N, 2F], act [N, F] (unscaled swiglu output) <- x [N, H]. y null: gate_up
+// and act only (the same arithmetic), no down projection (experts_forward_saved).
 template <class T>
 void experts_forward_sequential(T* y, T* gate_up, T* act, const T* x, const int64_t* counts,
                                 int64_t E, const T* w_gate_up, const T* w_down, const T* row_prob,
@@ -36,6 +37,7 @@ void experts_forward_sequential(T* y, T* gate_up, T* act, const T* x, const int6
     T* a = act + off * F;
     cpu::gemm<T>(false, true, c, 2 * F, H, T(1), x + off * H, w_gate_up + e * 2 * F * H, T(0), gu);
     swiglu_forward(a, gu, c, F);
+    if (!y) continue;
     const T* a_in = a;
     if (row_prob) {
       scaled.resize(c * F);
@@ -109,6 +111,7 @@ inline std::vector<int32_t> experts_row_expert(const int64_t* counts, int64_t E)
   return owner;
 }
 
+// As experts_forward_sequential, y null included.
 template <class T>
 void experts_forward_grouped(T* y, T* gate_up, T* act, const T* x, const int64_t* counts, int64_t E,
                              const T* w_gate_up, const T* w_down, const T* row_prob, int64_t H,
@@ -117,7 +120,6 @@ void experts_forward_grouped(T* y, T* gate_up, T* act, const T* x, const int64_t
   const int64_t N = static_cast<int64_t>(owner.size());
   for (int64_t n = 0; n < N; ++n) {
     const T* wgu = w_gate_up + owner[n] * 2 * F * H;
-    const T* wd = w_down + owner[n] * H * F;
     const T* xn = x + n * H;
     T* gu = gate_up + n * 2 * F;
     T* a = act + n * F;
@@ -127,6 +129,8 @@ void experts_forward_grouped(T* y, T* gate_up, T* act, const T* x, const int64_t
       gu[i] = s;
     }
     for (int64_t j = 0; j < F; ++j) a[j] = gu[j] * stable_sigmoid(gu[j]) * gu[F + j];
+    if (!y) continue;
+    const T* wd = w_down + owner[n] * H * F;
     const T p = row_prob ? row_prob[n] : T(1);
     for (int64_t i = 0; i < H; ++i) {
       T s = 0;
