@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "core/context_shard.h"
 #include "core/tensor.h"
 
 namespace bb {
@@ -16,7 +17,18 @@ struct MicroBatch {
   Tensor targets;         // [T] next-token ids; -1 = no loss here
   Tensor positions;       // [T] position of each token within its sequence (RoPE), from 0
   Tensor cu_seqlens;      // [B+1] cumulative sequence lengths (host), cu[0] = 0, cu[B] = T
-  int64_t num_valid = 0;  // number of targets >= 0: the loss denominator
+  int64_t num_valid = 0;  // number of targets >= 0: the loss denominator (of this batch's tokens)
+  // Context parallelism: set when this batch is one rank's shard of a micro-batch split over a
+  // context-parallel group (runtime/context_shard.h); tokens, targets, positions and cu_seqlens
+  // above are then the shard's. cp 1: the whole micro-batch.
+  ContextShard shard;
+  // This batch's share of its micro-batch's tokens (1 unless sharded): per-token means of the
+  // micro-batch (the router z-loss) are the sum over the shards of share x the local mean.
+  double token_share() const {
+    return shard.split() && shard.tokens > 0
+               ? static_cast<double>(tokens.numel()) / static_cast<double>(shard.tokens)
+               : 1.0;
+  }
 };
 
 }  // namespace bb

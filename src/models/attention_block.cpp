@@ -25,8 +25,8 @@ struct AttentionBlock::Saved final : BlockSaved {
 };
 
 AttentionBlock::AttentionBlock(ParamStore& store, ParamUnit& unit, const std::string& prefix,
-                               const AttentionBlockConfig& cfg)
-    : cfg_(cfg) {
+                               const AttentionBlockConfig& cfg, std::unique_ptr<SelfAttention> attention)
+    : cfg_(cfg), attn_(attention ? std::move(attention) : make_sdpa_attention({})) {
   const int64_t H = cfg.hidden, D = cfg.head_dim, Hq = cfg.num_heads, Hkv = cfg.num_kv_heads;
   BB_CHECK(H > 0 && D > 0 && Hq > 0 && Hkv > 0 && Hq % Hkv == 0,
            "AttentionBlock: bad shape (hidden ", H, ", heads ", Hq, ", kv heads ", Hkv,
@@ -85,8 +85,7 @@ Tensor AttentionBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* s
                       : S.k_pre;
   S.q_rot = rope_forward(qn, mb.positions, rope);
   S.k_rot = rope_forward(kn, mb.positions, rope);
-  S.o = attention_forward(S.q_rot, S.k_rot, S.v, AttentionArgs::causal_self(mb.cu_seqlens, scale),
-                          &S.attn);
+  S.o = attn_->forward(S.q_rot, S.k_rot, S.v, mb, scale, &S.attn);
   Tensor o_in = block::flat(S.o);
   if (cfg_.output_gate) {
     S.o_gated = sigmoid_mul(o_in, S.gate, MemCategory::activations);
@@ -125,8 +124,7 @@ void AttentionBlock::rebuild(const BatchContext& ctx, BlockSaved& saved) const {
   }
   if (!S.o.defined()) {
     const float scale = 1.0f / std::sqrt(static_cast<float>(cfg_.head_dim));
-    S.o = attention_forward(S.q_rot, S.k_rot, S.v, AttentionArgs::causal_self(mb.cu_seqlens, scale),
-                            &S.attn);
+    S.o = attn_->forward(S.q_rot, S.k_rot, S.v, mb, scale, &S.attn);
   }
   if (cfg_.output_gate && !S.o_gated.defined())
     S.o_gated = sigmoid_mul(block::flat(S.o), S.gate, MemCategory::activations);
@@ -153,8 +151,7 @@ Tensor AttentionBlock::backward_data(const Tensor& d_y, BatchContext& ctx, Block
     d_o = block::as_dtype(block::linear_backward(ctx, S, d_y, block::flat(S.o), wo_, nullptr), act)
               .view({T, Hq, D});
   }
-  AttentionGrads ag = attention_backward(d_o, S.q_rot, S.k_rot, S.v, S.o,
-                                         AttentionArgs::causal_self(mb.cu_seqlens, scale), S.attn);
+  AttentionGrads ag = attn_->backward(d_o, S.q_rot, S.k_rot, S.v, S.o, mb, scale, S.attn);
   Tensor d_qn = rope_backward(ag.dq, mb.positions, rope);
   Tensor d_kn = rope_backward(ag.dk, mb.positions, rope);
   const bool zc = cfg_.zero_centered_norm;

@@ -1,7 +1,8 @@
 // attention_block.h — the full-attention token mixer as a residual block:
 //   h = RMSNorm(x);  q, k, v = h Wq^T (+bq), h Wk^T (+bk), h Wv^T (+bv)
 //   [q_norm / k_norm per head]  ->  RoPE on the first rotary_dim dims of each head
-//   o = attention(q, k, v)  (sdpa: causal GQA over packed sequences)
+//   o = attention(q, k, v)  (the attention family's member: causal GQA over the packed sequences,
+//                            context-parallel members across ranks; context_parallel.h)
 //   [output gate: o *= sigmoid(g), g from q_proj's second half per head]
 //   y = x + o Wo^T
 // Parameters (Hugging Face names under `prefix`, e.g. "model.layers.3."):
@@ -15,7 +16,7 @@
 #pragma once
 
 #include "models/block.h"
-#include "primitives/attention/attention.h"
+#include "primitives/attention/context_parallel.h"
 #include "primitives/norm/rmsnorm.h"
 
 namespace bb {
@@ -33,9 +34,10 @@ struct AttentionBlockConfig {
 
 class AttentionBlock final : public Block {
  public:
-  // Declares the parameters in `unit` (the layer's dense unit).
+  // Declares the parameters in `unit` (the layer's dense unit). `attention` is the family's
+  // member the block calls (null: sdpa).
   AttentionBlock(ParamStore& store, ParamUnit& unit, const std::string& prefix,
-                 const AttentionBlockConfig& cfg);
+                 const AttentionBlockConfig& cfg, std::unique_ptr<SelfAttention> attention = nullptr);
   const char* kind() const override { return "attention"; }
   std::unique_ptr<BlockSaved> make_saved() const override;
   Tensor forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) override;
@@ -49,6 +51,7 @@ class AttentionBlock final : public Block {
   // forward dropped (recompute parts attention, core_attention).
   void rebuild(const BatchContext& ctx, BlockSaved& saved) const;
   AttentionBlockConfig cfg_;
+  std::unique_ptr<SelfAttention> attn_;
   Param *ln_ = nullptr, *wq_ = nullptr, *wk_ = nullptr, *wv_ = nullptr, *wo_ = nullptr;
   Param *bq_ = nullptr, *bk_ = nullptr, *bv_ = nullptr;
   Param *q_norm_ = nullptr, *k_norm_ = nullptr;

@@ -74,7 +74,8 @@ DecoderModel::DecoderModel(const ModelConfig& cfg, const ModelOptions& opts, uin
     ParamUnit& dense = store_.add_unit(unit + "dense", UnitKind::dense, l);
     switch (L.type) {
       case LayerType::full_attention:
-        L.blocks.push_back(std::make_unique<AttentionBlock>(store_, dense, prefix, ac));
+        L.blocks.push_back(std::make_unique<AttentionBlock>(
+            store_, dense, prefix, ac, opts_.prims.attention.value(SelfAttentionConfig{opts_.cp_group})));
         break;
       case LayerType::linear_attention: {
         // A_log and dt_bias stay fp32 whatever the parameter dtype: their own unit.

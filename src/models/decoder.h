@@ -32,7 +32,7 @@
 namespace bb {
 
 struct ModelOptions {
-  PrimitiveSet prims;  // the model reads loss, router, experts, permute, moe_dispatch
+  PrimitiveSet prims;  // the model reads loss, router, experts, permute, moe_dispatch, attention
   double aux_loss_coef = 0, z_loss_coef = 0;
   // Where the model lives and how its weights are stored. On a GPU the weights are bf16 (fp32
   // master copies live in the optimizer) and the residual stream is bf16; on the CPU all f32.
@@ -41,6 +41,9 @@ struct ModelOptions {
   // The expert-parallel group the MoE layers' dispatchers move rows over (the mesh's `ep`);
   // null: every expert on this rank. The model itself never looks at it.
   comm::GroupPtr ep_group;
+  // The context-parallel group the attention layers' members exchange K/V or heads over (the
+  // mesh's `cp`); null: each rank attends its whole micro-batch alone.
+  comm::GroupPtr cp_group;
   void validate() const;
 };
 

@@ -64,10 +64,15 @@ const Family<PermuteMode>& permute_family() {
   return f;
 }
 
-const Family<AttentionKind>& attention_family() {
-  static const Family<AttentionKind> f(
+const Family<SelfAttentionFactory>& attention_family() {
+  static const Family<SelfAttentionFactory> f(
       "attention", "sdpa",
-      {{"sdpa", AttentionKind::sdpa, "causal GQA attention over packed sequences"}});
+      {{"sdpa", make_sdpa_attention, "causal GQA attention over packed sequences (one rank's tokens)"},
+       {"cp_ring", make_cp_ring_attention,
+        "context parallel: KV blocks around the CP ring, partial outputs merged by log-sum-exp (any head count)"},
+       {"cp_a2a", make_cp_a2a_attention,
+        "context parallel: all-to-all to head-sharded q/k/v and back (heads % cp == 0; KV heads split or "
+        "replicated)"}});
   return f;
 }
 

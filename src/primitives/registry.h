@@ -5,7 +5,7 @@
 // A family is a named list of members; each member is a name and the family's typed value: an
 // enum for the families whose members are variants of one primitive (router, experts, permute,
 // recompute, ...), a factory for the families with an interface (loss: LossHead; moe_dispatch:
-// Dispatcher). Adding a member is its folder plus one line in registry.cpp; an unknown name is
+// Dispatcher; attention: SelfAttention). Adding a member is its folder plus one line in registry.cpp; an unknown name is
 // an error that lists the registered ones.
 #pragma once
 
@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "primitives/attention/context_parallel.h"
 #include "primitives/loss/loss_head.h"
 #include "primitives/moe/dispatcher.h"
 #include "primitives/moe/experts.h"
@@ -25,7 +26,6 @@
 namespace bb {
 
 enum class RecomputePolicy { none, selective, full };
-enum class AttentionKind { sdpa };
 enum class StateKind { replicated, zero1, fsdp };
 enum class OptimizerKind { adamw, adamw_bf16_moments };
 
@@ -145,7 +145,7 @@ const Family<RecomputePolicy>& recompute_family();
 const Family<RouterScore>& router_family();
 const Family<ExpertsImpl>& experts_family();
 const Family<PermuteMode>& permute_family();
-const Family<AttentionKind>& attention_family();
+const Family<SelfAttentionFactory>& attention_family();
 const Family<DispatcherFactory>& moe_dispatch_family();
 const Family<StateKind>& state_family();
 const Family<OptimizerKind>& optimizer_family();
@@ -161,7 +161,7 @@ struct PrimitiveSet {
   Choice<RouterScore> router = router_family().default_choice();
   Choice<ExpertsImpl> experts = experts_family().default_choice();
   Choice<PermuteMode> permute = permute_family().default_choice();
-  Choice<AttentionKind> attention = attention_family().default_choice();
+  Choice<SelfAttentionFactory> attention = attention_family().default_choice();
   Choice<DispatcherFactory> moe_dispatch = moe_dispatch_family().default_choice();
   Choice<StateKind> state = state_family().default_choice();
   Choice<OptimizerKind> optimizer = optimizer_family().default_choice();

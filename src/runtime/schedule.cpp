@@ -80,6 +80,7 @@ ForwardStats Schedule::forward_backward(const MicroBatch& mb, float loss_scale, 
     aux_.finish();
     st.aux_loss = aux_.value();
   }
+  st.z_loss *= mb.token_share();
   before_end(ModelEnd::head, Pass::train);
   Tensor d = model_.head_train(x, mb, loss_scale, st);
   x = Tensor();
@@ -88,7 +89,8 @@ ForwardStats Schedule::forward_backward(const MicroBatch& mb, float loss_scale, 
   const ModelOptions& o = model_.options();
   const double n_moe = static_cast<double>(std::max<int64_t>(1, model_.num_moe_layers()));
   ctx.aux_grad = aux_scale * o.aux_loss_coef;  // d objective / d (pooled) aux
-  ctx.z_grad = aux_scale * o.z_loss_coef / n_moe;
+  // A context shard's router z-loss is its share of the micro-batch's per-token mean.
+  ctx.z_grad = aux_scale * o.z_loss_coef / n_moe * mb.token_share();
   for (size_t i = layers.size(); i-- > 0;) {
     Layer& L = layers[i];
     for (LayerHooks* h : hooks_) h->before_backward(L);
@@ -150,6 +152,7 @@ ForwardStats Schedule::forward(const MicroBatch& mb, Tensor* logits) {
     aux_.finish();
     st.aux_loss = aux_.value();
   }
+  st.z_loss *= mb.token_share();
   before_end(ModelEnd::head, Pass::eval);
   model_.head_eval(x, mb, st, logits);
   after_end(ModelEnd::head, Pass::eval);

@@ -20,6 +20,7 @@
 #include "primitives/optim/adamw.h"
 #include "runtime/checkpoint.h"
 #include "runtime/ckpt_root.h"
+#include "runtime/context_shard.h"
 
 #ifdef BB_WITH_CUDA
 #include "backend/cuda/runtime.h"
@@ -49,6 +50,29 @@ std::vector<int64_t> seq_lens(const MicroBatch& mb) {
   std::vector<int64_t> out;
   for (size_t i = 1; i < cu.size(); ++i) out.push_back(cu[i] - cu[i - 1]);
   return out;
+}
+
+// The routing of one micro-batch as a number that does not depend on how it was sharded: the
+// sum over tokens and MoE layers of a mix of (layer, token's row in the whole micro-batch, its
+// top-k expert ids), modulo a prime below 2^31 (so the per-rank parts sum without overflow).
+constexpr int64_t kRoutingHashPrime = 2147483647;
+
+int64_t routing_hash(const std::vector<Tensor>& layers, const MicroBatch& mb) {
+  const std::vector<int64_t> rows = mb.shard.split() ? cp_layout::global_rows(mb.shard.seqlens, mb.shard.cp, mb.shard.rank)
+                                                     : std::vector<int64_t>{};
+  uint64_t sum = 0;
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const std::vector<int32_t> ids = layers[l].to_ints();
+    const int64_t T = layers[l].size(0), K = T > 0 ? layers[l].size(1) : 0;
+    for (int64_t t = 0; t < T; ++t) {
+      const uint64_t row = rows.empty() ? static_cast<uint64_t>(t) : static_cast<uint64_t>(rows[static_cast<size_t>(t)]);
+      uint64_t h = 1469598103934665603ull;  // FNV-1a over (layer, row, ids)
+      for (uint64_t v : {static_cast<uint64_t>(l), row}) h = (h ^ v) * 1099511628211ull;
+      for (int64_t k = 0; k < K; ++k) h = (h ^ static_cast<uint32_t>(ids[static_cast<size_t>(t * K + k)])) * 1099511628211ull;
+      sum = (sum + h % static_cast<uint64_t>(kRoutingHashPrime)) % static_cast<uint64_t>(kRoutingHashPrime);
+    }
+  }
+  return static_cast<int64_t>(sum);
 }
 
 std::string step_dir_name(int64_t step) {
@@ -179,8 +203,19 @@ ParallelLayout resolve_layout(const RunConfig& cfg, int64_t world_size) {
     l.dp = world_size / (l.cp * l.pp);
   }
   l.validate(world_size, cfg.model.num_experts);
-  // The layout the groups are built for but whose data path comes later.
-  BB_CHECK(l.cp == 1, "parallel.cp = ", l.cp, ": context-parallel attention is not implemented yet; set cp = 1");
+  if (l.cp > 1) {
+    // Context parallelism splits every sequence over the cp ranks; the attention layers need a
+    // member that attends across them, and the token mixers without one are refused.
+    const std::string& attn = cfg.prim.attention.name;
+    BB_CHECK(attn != "sdpa", "parallel.cp = ", l.cp, " splits every sequence over ", l.cp, " ranks, but primitives.attention = "
+             "\"sdpa\" attends within one rank's tokens; set primitives.attention = \"cp_ring\" (any head count) or "
+             "\"cp_a2a\" (query heads divisible by cp)");
+    if (attn == "cp_a2a") check_cp_a2a_heads(cfg.model.num_heads, cfg.model.num_kv_heads, l.cp);
+    for (int64_t i = 0; i < cfg.model.num_layers; ++i)
+      BB_CHECK(cfg.model.layer_type(i) != LayerType::linear_attention, "parallel.cp = ", l.cp, ": layer ", i,
+               " is a linear_attention (Gated DeltaNet) layer, whose recurrence has no context-parallel form in this "
+               "version; set parallel.cp = 1 for this model (use dp / ep for more ranks)");
+  }
   return l;
 }
 
@@ -230,6 +265,7 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
   }
   ModelOptions mo = model_options(cfg);
   mo.ep_group = mesh_->ep();  // the MoE dispatchers move rows over the mesh's expert-parallel group
+  mo.cp_group = mesh_->cp();  // the attention members over its context-parallel group
   model_ = std::make_unique<DecoderModel>(cfg.model, mo, cfg.seed);
   schedule_ = std::make_unique<Schedule>(
       *model_,
@@ -255,6 +291,16 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
                                         cfg.prim.optimizer.value, cfg.seed);
   masters.clear();
   schedule_->add_hooks(state_.get());
+  if (layout.cp > 1) {
+    // The aux loss pools its counts and probabilities over the whole micro-batch: summed over
+    // the cp ranks that share it.
+    comm::GroupPtr cpg = mesh_->cp();
+    schedule_->aux_pool().reduce_hook = [cpg](std::vector<double>& counts, Tensor& prob_sum, int64_t& rows) {
+      cpg->all_reduce_host(counts.data(), static_cast<int64_t>(counts.size()), comm::ReduceOp::sum);
+      cpg->all_reduce(prob_sum)->wait();
+      rows = cpg->sum(rows);
+    };
+  }
   if (log_) {
     std::fprintf(log_, "%s[startup] loading data '%s'\n", log_prefix_.c_str(), cfg.data.path.c_str());
     std::fflush(log_);
@@ -376,13 +422,16 @@ StepMetrics Trainer::train_step() {
 #endif
   comm::Group& world = *mesh_->world();
   const int64_t dp = mesh_->layout().dp, dp_rank = mesh_->dp_rank(), accum = cfg_.grad_accum;
+  const int64_t cp = mesh_->layout().cp;
 
   // The step's dp x grad_accum micro-batches come from one global stream; DP rank r takes
   // [r A, (r + 1) A). Every rank packs all of them (cheap) so the data position is global.
   std::vector<MicroBatch> mbs;  // uploaded without a host sync (pinned staging)
   for (int64_t i = 0; i < dp * accum; ++i) {
     MicroBatch mb = data_->next();
-    if (i / accum == dp_rank) mbs.push_back(to_device(std::move(mb), device_));
+    // Context parallelism: the cp ranks of a data rank share its micro-batches, each keeping its
+    // head-tail shard of every sequence (runtime/context_shard.h).
+    if (i / accum == dp_rank) mbs.push_back(to_device(shard_micro_batch(mb, cp, mesh_->cp_rank()), device_));
   }
   int64_t local_valid = 0;
   for (const MicroBatch& mb : mbs) local_valid += mb.num_valid;
@@ -414,23 +463,24 @@ StepMetrics Trainer::train_step() {
     state_->begin_micro_batch(i + 1 == mbs.size());
     ForwardStats st = schedule_->forward_backward(mbs[i], loss_scale, aux_scale);
     sums[0] += st.loss_sum;
-    sums[1] += st.aux_loss * aux_scale;
+    // The pooled aux loss is the micro-batch's on each of its cp ranks (the pool is reduced over
+    // them); the z-loss is each shard's part already.
+    sums[1] += st.aux_loss * aux_scale / static_cast<double>(cp);
     sums[2] += st.z_loss * aux_scale;
     sums[3] += static_cast<double>(mbs[i].tokens.numel());
-    sums[4] += model_flops(cfg_.model, seq_lens(mbs[i]));
+    // Each cp rank counts its share of the whole sequences' work.
+    sums[4] += mbs[i].shard.split() ? model_flops(cfg_.model, mbs[i].shard.seqlens) / static_cast<double>(cp)
+                                    : model_flops(cfg_.model, seq_lens(mbs[i]));
     sums[5] += static_cast<double>(st.moe_rows_received);
-    if (record_routing_ && mesh_->cp_rank() == 0) {
-      uint64_t h = 1469598103934665603ull;  // FNV-1a over every layer's [T, K] expert ids
-      for (const Tensor& t : schedule_->last_routing())
-        for (int32_t v : t.to_ints()) h = (h ^ static_cast<uint32_t>(v)) * 1099511628211ull;
-      routing[static_cast<size_t>(dp_rank * accum) + i] = static_cast<int64_t>(h);
-    }
+    if (record_routing_)
+      routing[static_cast<size_t>(dp_rank * accum) + i] = routing_hash(schedule_->last_routing(), mbs[i]);
   }
   const int64_t my_rows = static_cast<int64_t>(sums[5]);
   state_->end_backward();
   world.all_reduce_host(sums, 6, comm::ReduceOp::sum);
-  if (record_routing_) {  // each slot is filled by one rank
+  if (record_routing_) {  // each slot is summed over the cp ranks of one data rank
     world.all_reduce_host(routing.data(), static_cast<int64_t>(routing.size()), comm::ReduceOp::sum);
+    for (int64_t& h : routing) h %= kRoutingHashPrime;
     m.routing = routing;
   }
   m.moe_rows_mean = sums[5] / static_cast<double>(world.size());

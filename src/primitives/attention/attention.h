@@ -26,7 +26,8 @@
 // Backward: dq, dk, dv are activation gradients, WRITTEN (=) into new tensors with the shapes and
 // dtypes of q, k, v (category activations). It needs q, k, v, o and saved.lse and the same args;
 // the softmax matrix is recomputed from lse (flash-attention style), never stored.
-// Alternatives of the family (cp_ring, cp_a2a; later) keep these signatures.
+// The family's members as a decoder layer calls them (sdpa, cp_ring, cp_a2a) are in
+// context_parallel.h; they call these functions on their query and key blocks.
 #pragma once
 
 #include "core/tensor.h"
@@ -51,6 +52,9 @@ struct AttentionArgs {
 
 struct AttentionSaved {
   Tensor lse;  // [Hq, Tq] f32, category activations: log-sum-exp of the scaled scores
+  // Kept by the context-parallel all-to-all member only (context_parallel.h): its head-sharded
+  // inputs and output over the whole sequences (lse is then theirs).
+  Tensor q, k, v, o;
 };
 
 // Returns o [Tq, Hq, D] (q's dtype, activations). `saved` may be null (inference, or a recompute

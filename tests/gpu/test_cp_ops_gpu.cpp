@@ -1,0 +1,87 @@
+// The context-parallel data movements (cp_ops.h) on CUDA against their CPU path: row gathers
+// (f32 and bf16), scatter-adds, lse column gathers, the log-sum-exp merge, head split / join
+// (assign and accumulate with replicated heads), on fresh random inputs and odd sizes.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "common/gpu.h"
+#include "common/testing.h"
+#include "core/tensor.h"
+#include "primitives/attention/cp_ops.h"
+
+namespace bb {
+namespace {
+
+using test::randn;
+
+const Device kGpu = Device::cuda(0);
+
+Tensor rnd(const Shape& s, uint64_t seed, DType dt = DType::f32) {
+  return Tensor::from_floats(randn(static_cast<size_t>(shape_numel(s)), seed), s).to_dtype(dt);
+}
+
+void expect_close(const Tensor& gpu, const Tensor& cpu, double tol) {
+  const std::vector<float> a = gpu.to_floats(), b = cpu.to_floats();
+  ASSERT_EQ(a.size(), b.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    den += static_cast<double>(b[i]) * b[i];
+  }
+  EXPECT_LE(std::sqrt(num / std::max(den, 1e-300)), tol);
+}
+
+TEST(CpOpsGpu, MovesAndMergeMatchTheCpu) {
+  BB_REQUIRE_GPU();
+  const int64_t T = 131, H = 6, D = 40;
+  const std::vector<int64_t> rows = {130, 0, 7, 64, 65, 3, 99};
+  const auto n = static_cast<int64_t>(rows.size());
+  for (DType dt : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    const Tensor x = rnd({T, H, D}, 1, dt);
+    // Gathers are copies: exact.
+    EXPECT_EQ(cp::gather_rows(x.to(kGpu), rows, MemCategory::other).to_floats(),
+              cp::gather_rows(x, rows, MemCategory::other).to_floats());
+    const Tensor src = rnd({n, H * D}, 2, dt);
+    Tensor acc_c = rnd({T, H * D}, 3), acc_g = acc_c.to(kGpu);
+    cp::scatter_add_rows(acc_c, src, rows);
+    cp::scatter_add_rows(acc_g, src.to(kGpu), rows);
+    expect_close(acc_g, acc_c, test::kTolF32);
+    const std::vector<int64_t> starts = {0, 3};
+    const Tensor sp_c = cp::split_heads(x, starts, 3, MemCategory::other);
+    EXPECT_EQ(cp::split_heads(x.to(kGpu), starts, 3, MemCategory::other).to_floats(), sp_c.to_floats());
+    Tensor back_c = Tensor::zeros({T, H, D}, dt, Device::cpu(), MemCategory::other), back_g = back_c.to(kGpu);
+    cp::join_heads(back_c, sp_c, starts, 3, false);
+    cp::join_heads(back_g, sp_c.to(kGpu), starts, 3, false);
+    EXPECT_EQ(back_g.to_floats(), back_c.to_floats());
+    EXPECT_EQ(back_c.to_floats(), x.to_floats());
+    // Replicated heads accumulate (head 2 from three peers).
+    const std::vector<int64_t> rep = {2, 2, 2, 5};
+    const Tensor blocks = cp::split_heads(x, rep, 1, MemCategory::other);
+    Tensor sum_c = Tensor::zeros({T, H, D}, DType::f32, Device::cpu(), MemCategory::other), sum_g = sum_c.to(kGpu);
+    cp::join_heads(sum_c, blocks, rep, 1, true);
+    cp::join_heads(sum_g, blocks.to(kGpu), rep, 1, true);
+    expect_close(sum_g, sum_c, test::kTolF32);
+    // The merge, with rows where the partial or the accumulator has seen nothing (-inf).
+    Tensor o_c = rnd({T, H, D}, 4), lse_c = rnd({H, T}, 5);
+    std::vector<float> lp = randn(static_cast<size_t>(H * n), 6);
+    lp[0] = -std::numeric_limits<float>::infinity();
+    lp[static_cast<size_t>(H * n - 1)] = -std::numeric_limits<float>::infinity();
+    const Tensor lse_p = Tensor::from_floats(lp, {H, n});
+    const Tensor o_p = rnd({n, H, D}, 7, dt);
+    Tensor o_g = o_c.to(kGpu), lse_g = lse_c.to(kGpu);
+    cp::merge_partial(o_c, lse_c, o_p, lse_p, rows);
+    cp::merge_partial(o_g, lse_g, o_p.to(kGpu), lse_p.to(kGpu), rows);
+    expect_close(o_g, o_c, test::kTolF32);
+    expect_close(lse_g, lse_c, test::kTolF32);
+  }
+  const Tensor lse = rnd({H, T}, 8);
+  EXPECT_EQ(cp::gather_cols(lse.to(kGpu), rows, MemCategory::other).to_floats(),
+            cp::gather_cols(lse, rows, MemCategory::other).to_floats());
+}
+
+}  // namespace
+}  // namespace bb
