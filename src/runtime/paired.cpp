@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "io/fs.h"
+#include "runtime/context_shard.h"
 
 namespace bb {
 
@@ -58,10 +59,31 @@ Side run_side(const PairedOptions& o, const std::vector<std::string>& side, cons
   }
   {
     DataLoader first(cfg.data);  // the same first micro-batch the trainer will see
-    MicroBatch mb = to_device(first.next(), cfg.resolved_device());
+    const int64_t cp = tr.mesh().layout().cp;
+    MicroBatch mb = to_device(shard_micro_batch(first.next(), cp, tr.mesh().cp_rank()), cfg.resolved_device());
     Tensor logits;
     tr.schedule().forward(mb, &logits);
-    s.logits = logits.to_floats();
+    if (cp == 1) {
+      s.logits = logits.to_floats();
+    } else {
+      // Context parallelism: each rank has its shard's rows; gather them (rank order) and put
+      // them back in the whole micro-batch's order.
+      std::vector<int64_t> counts, order;
+      for (int64_t r = 0; r < cp; ++r) {
+        const std::vector<int64_t> rows = cp_layout::global_rows(mb.shard.seqlens, cp, r);
+        counts.push_back(static_cast<int64_t>(rows.size()));
+        order.insert(order.end(), rows.begin(), rows.end());
+      }
+      const int64_t V = logits.size(1);
+      Tensor mine = logits.to_dtype(DType::f32, MemCategory::other);
+      Tensor all = Tensor::empty({static_cast<int64_t>(order.size()), V}, DType::f32, mine.device(), MemCategory::other);
+      tr.mesh().cp()->all_gather_v(mine, all, counts)->wait();
+      const std::vector<float> gathered = all.to_floats();
+      s.logits.assign(gathered.size(), 0.0f);
+      for (size_t m = 0; m < order.size(); ++m)
+        std::copy_n(gathered.begin() + static_cast<int64_t>(m) * V, V,
+                    s.logits.begin() + order[m] * V);
+    }
   }
   for (int64_t i = 0; i < o.steps; ++i) {
     s.steps.push_back(tr.train_step());

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `mpirun -np 2 bumblebee ...` end to end: one log line per step from rank 0 (every rank's with
 # --log-all-ranks), the metrics file, a distributed checkpoint resumed on one process, export,
-# paired across layouts, and an impossible layout refused before anything runs.
+# paired across layouts, and an impossible layout refused before anything runs; expert and
+# context parallelism.
 set -u
 BB=${1:?usage: test_mpi_train.sh bumblebee-binary}
 command -v mpirun > /dev/null || { echo "FAIL: mpirun not found"; exit 1; }
@@ -57,5 +58,21 @@ grep -q "layout dp=2 cp=1 ep=2" "$TMP/i.txt" && grep -q "expert rows per rank: m
   || { echo "FAIL: paired ep 2 vs one rank"; cat "$TMP/k.txt"; fail=1; }
 "${MPI[@]}" "$BB" train "${ARGS[@]}" --steps 1 --set parallel.ep=3 > "$TMP/l.txt" 2>&1
 [ $? -ne 0 ] && grep -q "parallel.ep = 3 does not divide the model's 8 routed experts" "$TMP/l.txt" || { echo "FAIL: bad ep not refused"; cat "$TMP/l.txt"; fail=1; }
-[ $fail -eq 0 ] && echo "ok: mpirun train, logs, metrics, distributed checkpoint, resume on 1 rank, export, paired, bad layout, srun, expert parallelism"
+# Context parallelism (cp 2: every sequence over both ranks): the checkpoint resumes on one
+# process; paired against the single-rank run (logits gathered from both shards, every gradient);
+# sdpa under cp 2 is refused naming the members to use.
+CP=(--set parallel.cp=2 --set 'primitives.attention="cp_ring"')
+"${MPI[@]}" "$BB" train "${ARGS[@]}" "${CP[@]}" --steps 2 --set "checkpoint.dir=\"$TMP/ckpt_cp\"" --set 'log.metrics=""' > "$TMP/m.txt" 2>&1 \
+  && grep -q "layout dp=1 cp=2 ep=1" "$TMP/m.txt" || { echo "FAIL: cp train"; cat "$TMP/m.txt"; fail=1; }
+"$BB" train "${ARGS[@]}" --steps 3 --set "checkpoint.dir=\"$TMP/ckpt_cp\"" --set 'checkpoint.resume="auto"' --set 'log.metrics=""' > "$TMP/n.txt" 2>&1 \
+  && grep -q "resumed from .*step_00000002 at step 2" "$TMP/n.txt" && grep -q "^step      3 | loss" "$TMP/n.txt" \
+  || { echo "FAIL: cp checkpoint resumed on 1 rank"; cat "$TMP/n.txt"; fail=1; }
+for attn in cp_ring cp_a2a; do
+  "${MPI[@]}" "$BB" paired "${ARGS[@]}" --steps 2 --a parallel.dp=1 --b parallel.cp=2 --b "primitives.attention=\"$attn\"" \
+    --tol-loss 1e-5 --tol-grad 1e-5 > "$TMP/o.txt" 2>&1 && grep -q "^PASS" "$TMP/o.txt" \
+    || { echo "FAIL: paired cp 2 ($attn) vs one rank"; cat "$TMP/o.txt"; fail=1; }
+done
+"${MPI[@]}" "$BB" train "${ARGS[@]}" --steps 1 --set parallel.cp=2 > "$TMP/p.txt" 2>&1
+[ $? -ne 0 ] && grep -q 'set primitives.attention = "cp_ring"' "$TMP/p.txt" || { echo "FAIL: sdpa under cp 2 not refused"; cat "$TMP/p.txt"; fail=1; }
+[ $fail -eq 0 ] && echo "ok: mpirun train, logs, metrics, distributed checkpoint, resume on 1 rank, export, paired, bad layout, srun, expert parallelism, context parallelism"
 exit $fail

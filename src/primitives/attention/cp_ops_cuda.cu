@@ -56,9 +56,10 @@ __global__ void merge_kernel(float* o_acc, float* lse_acc, const TP* o_p, const 
     const float w1 = l1 == -INFINITY ? 0.f : __expf(l1 - m), w2 = l2 == -INFINITY ? 0.f : __expf(l2 - m);
     float* a = o_acc + (r * H + h) * D;
     const TP* p = o_p + (i * H + h) * D;
-    for (int64_t d = lane; d < D; d += 32) a[d] = w1 * a[d] + w2 * to_f32(p[d]);
+    const float sum = w1 + w2, inv = 1.f / sum;  // the weights of the merged softmax: e^(l - L)
+    for (int64_t d = lane; d < D; d += 32) a[d] = (w1 * a[d] + w2 * to_f32(p[d])) * inv;
     __syncwarp();
-    if (lane == 0) lse_acc[h * T + r] = m + logf(w1 + w2);
+    if (lane == 0) lse_acc[h * T + r] = m + logf(sum);
   }
 }
 
