@@ -1,6 +1,7 @@
-// The context-parallel data movements (cp_ops.h) on CUDA against their CPU path: row gathers
-// (f32 and bf16), scatter-adds, lse column gathers, the log-sum-exp merge, head split / join
-// (assign and accumulate with replicated heads), on fresh random inputs and odd sizes.
+// Row movements on CUDA against their CPU path: the context-parallel data movements (cp_ops.h:
+// row gathers (f32 and bf16), scatter-adds, lse column gathers, the log-sum-exp merge, head
+// split / join, assign and accumulate with replicated heads) and the MoE dispatchers' run copies
+// (dispatcher_rows.h: one kernel over a run table past a few runs), on random inputs and odd sizes.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -11,6 +12,7 @@
 #include "common/testing.h"
 #include "core/tensor.h"
 #include "primitives/attention/cp_ops.h"
+#include "primitives/moe/dispatcher_rows.h"
 
 namespace bb {
 namespace {
@@ -81,6 +83,35 @@ TEST(CpOpsGpu, MovesAndMergeMatchTheCpu) {
   const Tensor lse = rnd({H, T}, 8);
   EXPECT_EQ(cp::gather_cols(lse.to(kGpu), rows, MemCategory::other).to_floats(),
             cp::gather_cols(lse, rows, MemCategory::other).to_floats());
+}
+
+// Thousands of short runs in shuffled order (as a chunked dispatch sorts rows), rows of f32, bf16
+// and i32 with widths that are and are not multiples of 16 bytes: every copied row equals the
+// CPU copy, every other row keeps its value.
+TEST(RowRunsGpu, ManyRunsCopyExactlyLikeTheCpu) {
+  BB_REQUIRE_GPU();
+  for (int64_t width : {64, 3, 1}) {
+    for (DType dt : {DType::f32, DType::bf16}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + " width " + std::to_string(width));
+      const int64_t rows = 5000;
+      const Tensor src = rnd({rows, width}, 11, dt);
+      std::vector<dispatch::RowRun> runs;
+      uint64_t state = 7;
+      int64_t dst = 0;
+      // Runs of 0..6 rows taken from scattered places, written back to back (some adjacent: merged).
+      while (dst < rows - 8) {
+        state = state * 6364136223846793005ull + 1442695040888963407ull;
+        const int64_t n = static_cast<int64_t>((state >> 40) % 7);
+        const int64_t from = static_cast<int64_t>((state >> 16) % static_cast<uint64_t>(rows - n));
+        runs.push_back({dst, from, n});
+        dst += n;
+      }
+      Tensor d_c = rnd({rows, width}, 12, dt), d_g = d_c.to(kGpu);
+      dispatch::copy_rows(d_c, src, runs);
+      dispatch::copy_rows(d_g, src.to(kGpu), runs);
+      EXPECT_EQ(d_g.to_floats(), d_c.to_floats());
+    }
+  }
 }
 
 }  // namespace

@@ -6,6 +6,12 @@
 #include "core/error.h"
 #include "primitives/moe/dispatcher_rows.h"
 
+#include <climits>
+
+#ifdef BB_WITH_CUDA
+#include "backend/cuda/row_runs.h"
+#endif
+
 namespace bb {
 
 namespace dispatch {
@@ -27,11 +33,44 @@ Tensor rows_like(const Tensor& like, int64_t rows, bool zero) {
 
 void copy_rows(const Tensor& dst, const Tensor& src, const std::vector<RowRun>& runs) {
   // Adjacent runs (contiguous on both sides) are merged into one copy.
+  std::vector<RowRun> merged;
   size_t i = 0;
   while (i < runs.size()) {
     RowRun r = runs[i++];
     while (i < runs.size() && runs[i].dst == r.dst + r.n && runs[i].src == r.src + r.n) r.n += runs[i++].n;
-    if (r.n == 0) continue;
+    if (r.n > 0) merged.push_back(r);
+  }
+#ifdef BB_WITH_CUDA
+  // On a GPU, more than a few runs go as one kernel over a small uploaded run table (one
+  // cudaMemcpyAsync per run costs microseconds each, and a chunked dispatch has thousands).
+  constexpr size_t kKernelRuns = 4;
+  if (dst.device().is_cuda() && merged.size() > kKernelRuns) {
+    BB_CHECK(src.device() == dst.device() && src.dtype() == dst.dtype() &&
+                 src.numel() * dst.size(0) == dst.numel() * src.size(0),
+             "dispatch copy_rows: ", src.str(), " and ", dst.str(), " differ in device, dtype or row size");
+    const auto R = static_cast<int64_t>(merged.size());
+    std::vector<int32_t> table(static_cast<size_t>(3 * R + 1));
+    int64_t total = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      const RowRun& m = merged[static_cast<size_t>(r)];
+      BB_CHECK(m.dst >= 0 && m.src >= 0 && m.dst + m.n <= dst.size(0) && m.src + m.n <= src.size(0),
+               "dispatch copy_rows: run (dst ", m.dst, ", src ", m.src, ", ", m.n, " rows) outside ", dst.str(),
+               " / ", src.str());
+      table[static_cast<size_t>(r)] = static_cast<int32_t>(total);
+      table[static_cast<size_t>(R + 1 + r)] = static_cast<int32_t>(m.dst);
+      table[static_cast<size_t>(2 * R + 1 + r)] = static_cast<int32_t>(m.src);
+      total += m.n;
+    }
+    BB_CHECK(total < INT32_MAX && dst.size(0) < INT32_MAX && src.size(0) < INT32_MAX,
+             "dispatch copy_rows: more than 2^31 rows");
+    table[static_cast<size_t>(R)] = static_cast<int32_t>(total);
+    const Tensor t = Tensor::from_ints(table, {3 * R + 1}, MemCategory::workspace).to(dst.device(), MemCategory::workspace);
+    const int64_t row_bytes = dst.size(0) > 0 ? static_cast<int64_t>(dst.nbytes()) / dst.size(0) : 0;
+    cuda::copy_row_runs(dst.raw(), src.raw(), t.data<int32_t>(), R, total, row_bytes);
+    return;
+  }
+#endif
+  for (const RowRun& r : merged) {
     Tensor d = dst.narrow(r.dst, r.n);
     d.copy_from(src.narrow(r.src, r.n));
   }
