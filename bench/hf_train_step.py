@@ -17,9 +17,19 @@ prints which one ran.
   --compile           torch.compile each decoder layer (the usual way to compile an HF model
                       for training; the embedding, head and loss stay eager)
   --no-checkpointing  keep every activation (no gradient checkpointing): faster, more memory
+  --fsdp              launched by torchrun: one process per GPU, PyTorch FSDP2
+                      (torch.distributed.fsdp.fully_shard on every decoder layer, then on the
+                      root), each rank training on its own sequence of S tokens; reports
+                      tokens/s and model TFLOP/s per GPU (slowest rank's median step) and the
+                      largest per-rank peak. No expert parallelism: every rank runs every
+                      expert on its own tokens (bumblebee's EP rows are not comparable 1:1).
+
+    torchrun --nproc_per_node 8 bench/hf_train_step.py --fsdp \\
+        --config configs/models/qwen3-30b-a3b-4layer/config.json --seq 16384
 """
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -79,7 +89,18 @@ def main():
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     ap.add_argument("--no-checkpointing", action="store_true",
                     help="no gradient checkpointing (every activation kept)")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="under torchrun: FSDP2 fully_shard per decoder layer and the root")
     args = ap.parse_args()
+    dist = None
+    rank, world = 0, 1
+    if args.fsdp:
+        import torch.distributed as dist
+        if "LOCAL_RANK" not in os.environ:
+            ap.error("--fsdp needs a launch by torchrun (LOCAL_RANK, RANK, WORLD_SIZE unset)")
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl")
+        rank, world = dist.get_rank(), dist.get_world_size()
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -102,11 +123,23 @@ def main():
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     if not args.no_checkpointing:
         model.gradient_checkpointing_enable()
+    if args.fsdp:
+        # Every rank built the same weights (same seed); sharding keeps 1/world of each.
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch 2.4 / 2.5
+            from torch.distributed._composable.fsdp import fully_shard
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
     if args.compile:
         for i, layer in enumerate(model.model.layers):
             model.model.layers[i] = torch.compile(layer)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    # Sharded parameters are DTensors: the foreach AdamW handles them on every torch that has
+    # fully_shard; the fused one is kept for the single-GPU step as before.
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True) if args.fsdp
+           else torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True))
     gdn = ""
     if "linear_attention" in layer_types(text_config(cfg_json)):
         try:
@@ -114,9 +147,11 @@ def main():
             gdn = ", GDN: flash-linear-attention"
         except ImportError:
             gdn = ", GDN: transformers' PyTorch fallback (torch_chunk_gated_delta_rule)"
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params, experts {experts_impl}"
-          f"{gdn}", flush=True)
+    # (numel of a sharded parameter is that of the whole tensor)
+    if rank == 0:
+        print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
+              f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params, experts {experts_impl}"
+              f"{gdn}" + (f", FSDP2 over {world} GPUs" if args.fsdp else ""), flush=True)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     attn_ctx = sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                             SDPBackend.EFFICIENT_ATTENTION])
@@ -125,10 +160,17 @@ def main():
     for s in [int(x) for x in args.seq.split(",")]:
         try:
             torch.cuda.reset_peak_memory_stats()
-            ids = torch.randint(0, config.vocab_size, (1, s + 1), device="cuda")
+            if args.fsdp:  # each rank its own sequence (a generator seeded by the rank)
+                gen = torch.Generator(device="cuda")
+                gen.manual_seed(1000 + rank)
+                ids = torch.randint(0, config.vocab_size, (1, s + 1), device="cuda", generator=gen)
+            else:
+                ids = torch.randint(0, config.vocab_size, (1, s + 1), device="cuda")
             times = []
             for i in range(args.warmup + args.steps):
                 torch.cuda.synchronize()
+                if dist is not None:
+                    dist.barrier()
                 t0 = time.perf_counter()
                 # HF shifts the labels inside the loss: labels are the inputs themselves.
                 out = model(input_ids=ids[:, :-1], labels=ids[:, :-1])
@@ -139,23 +181,39 @@ def main():
                 if i >= args.warmup:
                     times.append(time.perf_counter() - t0)
             t = statistics.median(times)
-            rows.append((s, t * 1e3, s / t, model_flops(cfg_json, s) / t / 1e12,
-                         torch.cuda.max_memory_allocated() / 2**30, ""))
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            if dist is not None:
+                # The step is as slow as the slowest rank; memory: the largest rank.
+                v = torch.tensor([t, peak], device="cuda", dtype=torch.float64)
+                dist.all_reduce(v, op=dist.ReduceOp.MAX)
+                t, peak = v.tolist()
+            # Per GPU: each rank trains on its own s tokens.
+            rows.append((s, t * 1e3, s / t, model_flops(cfg_json, s) / t / 1e12, peak, ""))
         except torch.OutOfMemoryError:
+            if dist is not None:
+                raise  # the other ranks would wait in a collective forever
             rows.append((s, 0, 0, 0, 0, "out of memory"))
             out = None
             torch.cuda.empty_cache()
-        print(rows[-1], flush=True)
+        if rank == 0:
+            print(rows[-1], flush=True)
     mode = ("no checkpointing" if args.no_checkpointing else "activation checkpointing") + \
         (", torch.compile per decoder layer" if args.compile else ", eager")
-    print(f"\nPyTorch + HF reference step: {args.config}, bf16, {mode}, "
-          f"sdpa (cuDNN/flash), experts {experts_impl}{gdn}")
-    print(f"{'tokens':>8} | {'step ms':>9} | {'tokens/s':>10} | {'model TF/s':>10} | {'peak GiB':>9}")
-    for s, ms, tps, tf, peak, err in rows:
-        if err:
-            print(f"{s:>8} | {err}")
-        else:
-            print(f"{s:>8} | {ms:>9.1f} | {tps:>10.0f} | {tf:>10.1f} | {peak:>9.2f}")
+    if args.fsdp:
+        mode += f", FSDP2 fully_shard per decoder layer + root over {world} GPUs (no EP)"
+    if rank == 0:
+        print(f"\nPyTorch + HF reference step: {args.config}, bf16, {mode}, "
+              f"sdpa (cuDNN/flash), experts {experts_impl}{gdn}")
+        per = " per GPU" if args.fsdp else ""
+        print(f"{'tokens':>8} | {'step ms':>9} | {'tokens/s' + per:>10} | {'model TF/s' + per:>10} | "
+              f"{'peak GiB':>9}")
+        for s, ms, tps, tf, peak, err in rows:
+            if err:
+                print(f"{s:>8} | {err}")
+            else:
+                print(f"{s:>8} | {ms:>9.1f} | {tps:>10.0f} | {tf:>10.1f} | {peak:>9.2f}")
+    if dist is not None:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
