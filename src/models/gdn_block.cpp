@@ -20,6 +20,8 @@
 
 namespace bb {
 
+// Under context parallelism the tensors after the exchange (pre, act, z, a, g, beta, o) hold this
+// rank's heads of every row of the whole sequences ([T_all, rows / cp] ...); x, h and y its rows.
 struct GdnBlock::Saved final : BlockSaved {
   Tensor x;  // [T, H] block input
   Tensor h;  // [T, H] input-norm output (the projections' input)
@@ -51,8 +53,8 @@ Tensor row_linear_backward(BatchContext& ctx, BlockSaved& saved, const Tensor& d
 }  // namespace
 
 GdnBlock::GdnBlock(ParamStore& store, ParamUnit& unit, ParamUnit& f32_unit,
-                   const std::string& prefix, const GdnBlockConfig& cfg)
-    : cfg_(cfg) {
+                   const std::string& prefix, const GdnBlockConfig& cfg, HeadExchange exchange)
+    : cfg_(cfg), xchg_(std::move(exchange)) {
   const int64_t H = cfg.hidden, Hk = cfg.num_key_heads, Hv = cfg.num_value_heads;
   const int64_t Dk = cfg.key_head_dim, Dv = cfg.value_head_dim, W = cfg.conv_kernel;
   BB_CHECK(H > 0 && Hk > 0 && Hv > 0 && Dk > 0 && Dv > 0 && Hv % Hk == 0,
@@ -79,16 +81,15 @@ std::unique_ptr<BlockSaved> GdnBlock::make_saved() const {
   return std::make_unique<Saved>();
 }
 
-Tensor GdnBlock::conv_act(int i, const Tensor& pre, const Tensor& cu_seqlens,
-                          const Tensor& x) const {
-  const int64_t row0 = qkv_rows(i).first, rows = qkv_rows(i).second;
+Tensor GdnBlock::conv_act(int i, const Tensor& pre, const MicroBatch& mb, const Tensor& x) const {
+  const auto [row0, rows] = my_conv_rows(i, mb);
   const Tensor filters = conv_->value.view({conv_->shape[0], cfg_.conv_kernel});
   // On a GPU the gated delta rule takes q, k, v in the activation dtype (bf16: its tensor-core
   // products run on bf16 operands; f32 inputs cost three products per multiply); its CPU
   // reference takes f32.
   return block::as_dtype(
       causal_conv1d_forward(pre, block::as_dtype(filters.narrow(row0, rows), DType::f32),
-                            cu_seqlens, /*silu=*/true),
+                            xchg_.cu_seqlens(mb), /*silu=*/true),
       x.device().is_cpu() ? DType::f32 : x.dtype());
 }
 
@@ -100,28 +101,44 @@ std::pair<int64_t, int64_t> GdnBlock::qkv_rows(int i) const {
                   : std::pair{2 * key, value};
 }
 
+std::pair<int64_t, int64_t> GdnBlock::qkv_heads(int i) const {
+  return i < 2 ? std::pair{cfg_.num_key_heads, cfg_.key_head_dim}
+               : std::pair{cfg_.num_value_heads, cfg_.value_head_dim};
+}
+
+std::pair<int64_t, int64_t> GdnBlock::my_conv_rows(int i, const MicroBatch& mb) const {
+  const auto [heads, dim] = qkv_heads(i);
+  const auto [first, count] = xchg_.my_heads(heads, mb, "Gated DeltaNet under context parallelism");
+  return {qkv_rows(i).first + first * dim, count * dim};
+}
+
 Tensor GdnBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) {
   BB_RANGE("gdn_block_forward");
-  const int64_t T = x.size(0), Hk = cfg_.num_key_heads, Hv = cfg_.num_value_heads;
+  const MicroBatch& mb = *ctx.mb;
+  const int64_t Hk = cfg_.num_key_heads, Hv = cfg_.num_value_heads;
   const int64_t Dk = cfg_.key_head_dim, Dv = cfg_.value_head_dim;
-  const Tensor& cu = ctx.mb->cu_seqlens;
+  constexpr MemCategory kAct = MemCategory::activations;
   Saved local;
   Saved& S = saved ? static_cast<Saved&>(*saved) : local;
   S.x = x;
-  S.h = rmsnorm_forward(x, ln_->value, cfg_.rms_norm_eps, &S.rms, MemCategory::activations,
-                        cfg_.zero_centered_norm);
-  // q, k, v: projection -> depthwise causal conv -> SiLU, per row block of the fused weights.
+  S.h = rmsnorm_forward(x, ln_->value, cfg_.rms_norm_eps, &S.rms, kAct, cfg_.zero_centered_norm);
+  // q, k, v: projection -> (to heads) -> depthwise causal conv -> SiLU, per row block of the
+  // fused weights.
   for (int i = 0; i < 3; ++i) {
     const auto [row0, rows] = qkv_rows(i);
-    S.pre[i] = block::as_dtype(linear_forward(S.h, w_qkv_->value.narrow(row0, rows), Tensor()),
-                               DType::f32);
-    S.act[i] = conv_act(i, S.pre[i], cu, x);
+    S.pre[i] = xchg_.to_heads(
+        block::as_dtype(linear_forward(S.h, w_qkv_->value.narrow(row0, rows), Tensor()), DType::f32),
+        qkv_heads(i).first, mb, kAct);
+    S.act[i] = conv_act(i, S.pre[i], mb, x);
   }
-  S.z = linear_forward(S.h, w_z_->value, Tensor());
-  S.a = linear_forward(S.h, w_a_->value, Tensor());
+  S.z = xchg_.to_heads(linear_forward(S.h, w_z_->value, Tensor()), Hv, mb, kAct);
+  S.a = xchg_.to_heads(linear_forward(S.h, w_a_->value, Tensor()), Hv, mb, kAct);
+  const auto [vh0, hv] = xchg_.my_heads(Hv, mb, "Gated DeltaNet under context parallelism");
+  const int64_t hk = hv * Hk / Hv;
+  const int64_t T = S.a.size(0);  // rows of the head-sharded tensors (the whole sequences under cp)
   {
-    const Tensor b = linear_forward(S.h, w_b_->value, Tensor());
-    GdnGates gates = gdn_gates_forward(S.a, b, a_log_->value, dt_bias_->value);
+    const Tensor b = xchg_.to_heads(linear_forward(S.h, w_b_->value, Tensor()), Hv, mb, kAct);
+    GdnGates gates = gdn_gates_forward(S.a, b, a_log_->value.narrow(vh0, hv), dt_bias_->value.narrow(vh0, hv));
     S.g = gates.g;
     S.beta = gates.beta;
   }
@@ -129,59 +146,68 @@ Tensor GdnBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) 
   opts.scale = 1.0 / std::sqrt(static_cast<double>(Dk));
   opts.l2norm = true;
   opts.eps = 1e-6;
-  S.o = gated_delta_rule_forward(S.act[0].view({T, Hk, Dk}), S.act[1].view({T, Hk, Dk}),
-                                 S.act[2].view({T, Hv, Dv}), S.g, S.beta, cu, opts);
-  const Tensor y = gated_rmsnorm_forward(S.o.view({T * Hv, Dv}), S.z.view({T * Hv, Dv}),
+  S.o = gated_delta_rule_forward(S.act[0].view({T, hk, Dk}), S.act[1].view({T, hk, Dk}),
+                                 S.act[2].view({T, hv, Dv}), S.g, S.beta, xchg_.cu_seqlens(mb), opts);
+  const Tensor y = gated_rmsnorm_forward(S.o.view({T * hv, Dv}), S.z.view({T * hv, Dv}),
                                          norm_->value, cfg_.rms_norm_eps);
-  S.y = block::as_dtype(y.view({T, Hv * Dv}), w_out_->value.dtype());
+  S.y = xchg_.from_heads(block::as_dtype(y.view({T, hv * Dv}), w_out_->value.dtype()), Hv, mb, kAct);
   Tensor out = linear_forward(S.y, w_out_->value, Tensor());
   if (saved) {  // selective recompute: backward_data rebuilds what is dropped here
     if (ctx.recompute_drop.has(RecomputePart::gdn))
       for (Tensor& t : S.act) t = Tensor();
     if (ctx.recompute_drop.has(RecomputePart::norms)) S.h = Tensor();
   }
-  return block::as_dtype(add(x, out, MemCategory::activations), x.dtype());
+  return block::as_dtype(add(x, out, kAct), x.dtype());
 }
 
 Tensor GdnBlock::backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved& saved) {
   BB_RANGE("gdn_block_backward");
   Saved& S = static_cast<Saved&>(saved);
-  const int64_t T = d_y.size(0), Hk = cfg_.num_key_heads, Hv = cfg_.num_value_heads;
+  const MicroBatch& mb = *ctx.mb;
+  const int64_t Hk = cfg_.num_key_heads, Hv = cfg_.num_value_heads;
   const int64_t Dk = cfg_.key_head_dim, Dv = cfg_.value_head_dim;
-  const Tensor& cu = ctx.mb->cu_seqlens;
+  constexpr MemCategory kAct = MemCategory::activations;
+  const auto [vh0, hv] = xchg_.my_heads(Hv, mb, "Gated DeltaNet under context parallelism");
+  const int64_t hk = hv * Hk / Hv, T = S.a.size(0);
+  const Tensor cu = xchg_.cu_seqlens(mb);
 
-  const Tensor d_norm_out = block::linear_backward(ctx, S, d_y, S.y, w_out_, nullptr);
+  const Tensor d_norm_out =
+      xchg_.to_heads(block::linear_backward(ctx, S, d_y, S.y, w_out_, nullptr), Hv, mb, kAct);
   auto [d_o, d_z] =
-      gated_rmsnorm_backward(d_norm_out.view({T * Hv, Dv}), S.o.view({T * Hv, Dv}),
-                             S.z.view({T * Hv, Dv}), norm_->value, cfg_.rms_norm_eps, norm_->grad);
+      gated_rmsnorm_backward(d_norm_out.view({T * hv, Dv}), S.o.view({T * hv, Dv}),
+                             S.z.view({T * hv, Dv}), norm_->value, cfg_.rms_norm_eps, norm_->grad);
   // Selective recompute of `gdn`: the convs again on the kept conv inputs (bit-identical).
   for (int i = 0; i < 3; ++i)
-    if (!S.act[i].defined()) S.act[i] = conv_act(i, S.pre[i], cu, S.x);
+    if (!S.act[i].defined()) S.act[i] = conv_act(i, S.pre[i], mb, S.x);
   GatedDeltaOptions opts;
   opts.scale = 1.0 / std::sqrt(static_cast<double>(Dk));
   opts.l2norm = true;
   opts.eps = 1e-6;
-  GatedDeltaGrads gg = gated_delta_rule_backward(d_o.view({T, Hv, Dv}), S.act[0].view({T, Hk, Dk}),
-                                                 S.act[1].view({T, Hk, Dk}),
-                                                 S.act[2].view({T, Hv, Dv}), S.g, S.beta, cu, opts);
+  GatedDeltaGrads gg = gated_delta_rule_backward(d_o.view({T, hv, Dv}), S.act[0].view({T, hk, Dk}),
+                                                 S.act[1].view({T, hk, Dk}),
+                                                 S.act[2].view({T, hv, Dv}), S.g, S.beta, cu, opts);
   d_o = Tensor();
-  auto [d_a, d_b] = gdn_gates_backward(gg.d_g, gg.d_beta, S.a, S.g, S.beta, a_log_->value,
-                                       dt_bias_->value, a_log_->grad, dt_bias_->grad);
+  // This rank's heads' slices of A_log and dt_bias (and of their gradients: the other ranks add
+  // theirs, and the dense gradient reduction sums them).
+  Tensor d_a_log = a_log_->grad.narrow(vh0, hv), d_dt_bias = dt_bias_->grad.narrow(vh0, hv);
+  auto [d_a, d_b] = gdn_gates_backward(gg.d_g, gg.d_beta, S.a, S.g, S.beta, a_log_->value.narrow(vh0, hv),
+                                       dt_bias_->value.narrow(vh0, hv), d_a_log, d_dt_bias);
 
   // Through the convs (their filter gradients added here) and the projections.
   const Tensor filters = conv_->value.view({conv_->shape[0], cfg_.conv_kernel});
   Tensor filter_grads = conv_->grad.view({conv_->shape[0], cfg_.conv_kernel});
   const Tensor* d_act[3] = {&gg.d_q, &gg.d_k, &gg.d_v};
   if (!S.h.defined())  // selective recompute of `norms`
-    S.h = rmsnorm_forward(S.x, ln_->value, cfg_.rms_norm_eps, nullptr, MemCategory::activations,
-                          cfg_.zero_centered_norm);
+    S.h = rmsnorm_forward(S.x, ln_->value, cfg_.rms_norm_eps, nullptr, kAct, cfg_.zero_centered_norm);
   Tensor d_h;
   for (int i = 0; i < 3; ++i) {
     const auto [row0, rows] = qkv_rows(i);
-    Tensor d_w = filter_grads.narrow(row0, rows);
-    const Tensor d_pre = causal_conv1d_backward(
-        d_act[i]->view({T, rows}), S.pre[i],
-        block::as_dtype(filters.narrow(row0, rows), DType::f32), cu, /*silu=*/true, d_w);
+    const auto [c0, crows] = my_conv_rows(i, mb);
+    Tensor d_w = filter_grads.narrow(c0, crows);
+    const Tensor d_pre = xchg_.from_heads(
+        causal_conv1d_backward(d_act[i]->view({T, crows}), S.pre[i],
+                               block::as_dtype(filters.narrow(c0, crows), DType::f32), cu, /*silu=*/true, d_w),
+        qkv_heads(i).first, mb, kAct);
     Tensor d = row_linear_backward(ctx, S, d_pre, S.h, w_qkv_, row0, rows);
     if (i == 0)
       d_h = d;
@@ -189,9 +215,10 @@ Tensor GdnBlock::backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved&
       add_inplace(d_h, d);
   }
   gg = GatedDeltaGrads{};
-  add_inplace(d_h, block::linear_backward(ctx, S, d_z.view({T, Hv * Dv}), S.h, w_z_, nullptr));
-  add_inplace(d_h, block::linear_backward(ctx, S, d_b, S.h, w_b_, nullptr));
-  add_inplace(d_h, block::linear_backward(ctx, S, d_a, S.h, w_a_, nullptr));
+  add_inplace(d_h, block::linear_backward(ctx, S, xchg_.from_heads(d_z.view({T, hv * Dv}), Hv, mb, kAct), S.h,
+                                          w_z_, nullptr));
+  add_inplace(d_h, block::linear_backward(ctx, S, xchg_.from_heads(d_b, Hv, mb, kAct), S.h, w_b_, nullptr));
+  add_inplace(d_h, block::linear_backward(ctx, S, xchg_.from_heads(d_a, Hv, mb, kAct), S.h, w_a_, nullptr));
   Tensor d_x = rmsnorm_backward(d_h, S.x, ln_->value, S.rms, ln_->grad, cfg_.zero_centered_norm);
   add_inplace(d_x, d_y);
   return d_x;

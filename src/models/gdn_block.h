@@ -16,10 +16,16 @@
 // Backward convention as every block (block.h): d_x written; the projection weight gradients
 // through the deferred-wgrad queue; the vector-like gradients (both norms, conv1d, A_log,
 // dt_bias) added in backward_data, since their primitives compute them with the data gradient.
+// Context parallelism (a micro-batch sharded over cp ranks): everything from the conv to the
+// output norm is per channel or per head, so the block sends its projections to heads
+// (HeadExchange: each rank gets Hk / cp key and Hv / cp value heads of every row of the whole
+// sequences), runs the conv, gates, recurrence and norm there, and brings the normed output back
+// to its rows before out_proj. Unsharded, the exchange is the identity.
 // Legend: T tokens, H hidden, Hk / Hv key / value heads, Dk / Dv their dims, W conv width.
 #pragma once
 
 #include "models/block.h"
+#include "primitives/attention/context_parallel.h"
 #include "primitives/gdn/gdn_gates.h"  // the gates (gdn_gates_forward/backward), used by the tests too
 #include "primitives/norm/rmsnorm.h"
 
@@ -37,7 +43,7 @@ class GdnBlock final : public Block {
   // Declares the parameters: matrices and norms in `unit` (the layer's dense unit), A_log and
   // dt_bias in `f32_unit` (a unit whose values stay f32).
   GdnBlock(ParamStore& store, ParamUnit& unit, ParamUnit& f32_unit, const std::string& prefix,
-           const GdnBlockConfig& cfg);
+           const GdnBlockConfig& cfg, HeadExchange exchange = HeadExchange());
   const char* kind() const override { return "gated_delta_net"; }
   std::unique_ptr<BlockSaved> make_saved() const override;
   Tensor forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) override;
@@ -49,10 +55,15 @@ class GdnBlock final : public Block {
   struct Saved;
   // Row block i of in_proj_qkv / conv1d: 0 = q, 1 = k, 2 = v (first row, row count).
   std::pair<int64_t, int64_t> qkv_rows(int i) const;
-  // silu(causal_conv1d(pre)) of row block i in the gated delta rule's input dtype (the
-  // forward's, and the rebuild of selective recompute's `gdn` part).
-  Tensor conv_act(int i, const Tensor& pre, const Tensor& cu_seqlens, const Tensor& x) const;
+  // Heads and head dim of row block i.
+  std::pair<int64_t, int64_t> qkv_heads(int i) const;
+  // The conv filter rows of row block i that this rank's heads of mb use (first row, rows).
+  std::pair<int64_t, int64_t> my_conv_rows(int i, const MicroBatch& mb) const;
+  // silu(causal_conv1d(pre)) of row block i (this rank's heads) in the gated delta rule's input
+  // dtype (the forward's, and the rebuild of selective recompute's `gdn` part).
+  Tensor conv_act(int i, const Tensor& pre, const MicroBatch& mb, const Tensor& x) const;
   GdnBlockConfig cfg_;
+  HeadExchange xchg_;
   Param *ln_ = nullptr, *w_qkv_ = nullptr, *w_z_ = nullptr, *w_b_ = nullptr, *w_a_ = nullptr;
   Param *conv_ = nullptr, *norm_ = nullptr, *w_out_ = nullptr;
   Param *a_log_ = nullptr, *dt_bias_ = nullptr;

@@ -212,9 +212,10 @@ ParallelLayout resolve_layout(const RunConfig& cfg, int64_t world_size) {
              "\"cp_a2a\" (query heads divisible by cp)");
     if (attn == "cp_a2a") check_cp_a2a_heads(cfg.model.num_heads, cfg.model.num_kv_heads, l.cp);
     for (int64_t i = 0; i < cfg.model.num_layers; ++i)
-      BB_CHECK(cfg.model.layer_type(i) != LayerType::linear_attention, "parallel.cp = ", l.cp, ": layer ", i,
-               " is a linear_attention (Gated DeltaNet) layer, whose recurrence has no context-parallel form in this "
-               "version; set parallel.cp = 1 for this model (use dp / ep for more ranks)");
+      if (cfg.model.layer_type(i) == LayerType::linear_attention) {  // all-to-all to heads (HeadExchange)
+        check_cp_gdn_heads(cfg.model.linear_num_key_heads, cfg.model.linear_num_value_heads, l.cp);
+        break;
+      }
   }
   return l;
 }

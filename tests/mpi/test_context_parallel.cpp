@@ -7,7 +7,7 @@
 // micro-batch and its top-k ids), and the same final weights. On 4 ranks: CP4 (ring and a2a with
 // KV heads replicated), CP2 x DP2, CP2 x DP2 with EP2 and with EP4 folded over cp x dp, CP4 x EP4
 // with chunked_alltoall:3, and full / selective recompute; on 2 ranks CP2 (ring, a2a) and
-// CP2 x EP2. The head-tail layout itself and the data movements of the members are tested in
+// CP2 x EP2; the Qwen3.5 hybrid (Gated DeltaNet layers all-to-all to heads) at CP2 / CP4. The head-tail layout itself and the data movements of the members are tested in
 // test_cp_layout (CPU). Bad layouts are clear errors.
 #include <gtest/gtest.h>
 
@@ -169,6 +169,54 @@ TEST(ContextParallel, RecomputeAndStateFamilies) {
                 });
 }
 
+// The Qwen3.5 hybrid: Gated DeltaNet layers go to heads over the whole sequences (HeadExchange)
+// while the gated full-attention layer runs cp_ring or cp_a2a. 3 GDN layers + 1 attention layer,
+// 4 key / 8 value heads so that cp 2 and cp 4 both split them.
+ModelConfig small_qwen35() {
+  ModelConfig c;
+  c.model_type = "qwen3_5_moe_text";
+  c.vocab_size = 264;
+  c.hidden_size = 32;
+  c.num_layers = 4;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 8;
+  c.partial_rotary_factor = 0.5;
+  c.moe_intermediate_size = 12;
+  c.shared_expert_intermediate_size = 10;
+  c.num_experts = 4;
+  c.top_k = 2;
+  c.norm_topk_prob = true;
+  c.qk_norm = true;
+  c.zero_centered_norm = true;
+  c.attn_output_gate = true;
+  c.linear_num_key_heads = 4;
+  c.linear_num_value_heads = 8;
+  c.linear_key_head_dim = 8;
+  c.linear_value_head_dim = 6;
+  c.linear_conv_kernel_dim = 4;
+  for (int64_t l = 0; l < 4; ++l)
+    c.layer_types.push_back(l < 3 ? LayerType::linear_attention : LayerType::full_attention);
+  c.rope_theta = 10000;
+  c.rms_norm_eps = 1e-6;
+  c.router_aux_loss_coef = 0.01;
+  c.eos_token_id = 256;
+  return c;
+}
+
+TEST(ContextParallel, GatedDeltaNetLayersGoToHeads) {
+  const int64_t R = world()->size();
+  if (R != 2 && R != 4) GTEST_SKIP() << "needs 2 or 4 ranks";
+  TestRun run = make_run("cp_qwen35");
+  if (world()->rank() == 0) std::ofstream(run.dir + "/q35.json") << small_qwen35().to_hf_json().dump(2);
+  world()->barrier();
+  const std::vector<std::string> model = {"model.config=\"" + run.dir + "/q35.json\""};
+  std::vector<Layout> layouts = {{R, 1, "cp_ring", "alltoall", {}},
+                                 {R, 1, "cp_a2a", "alltoall", {"primitives.recompute=\"selective\""}},
+                                 {2, 2, "cp_ring", "chunked_alltoall:2", {"primitives.recompute=\"full\""}}};
+  check_layouts("cp_qwen35_run", layouts, model);
+}
+
 TEST(ContextParallel, BadLayoutsAreClearErrors) {
   const int64_t R = world()->size();
   if (R < 2) GTEST_SKIP() << "needs 2 or more ranks";
@@ -191,14 +239,9 @@ TEST(ContextParallel, BadLayoutsAreClearErrors) {
         },
         "cp_a2a");
   }
-  // A Gated DeltaNet model has no context-parallel form yet.
-  test::expect_error_contains(
-      [&] {
-        Trainer t(config(run, {cp, "primitives.attention=\"cp_ring\"",
-                               "model.config=\"configs/models/qwen3.5-35b-a3b-4layer/config.json\""}),
-                  nullptr, Corpus{}, world());
-      },
-      "linear_attention");
+  // Gated DeltaNet layers split their key and value heads over cp: 16 / 32 heads, cp 3 (on 3
+  // ranks a layout cannot be built, so the check itself is called).
+  test::expect_error_contains([] { check_cp_gdn_heads(16, 32, 3); }, "common divisors of 16 and 32");
 }
 
 }  // namespace

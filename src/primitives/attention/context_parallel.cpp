@@ -385,6 +385,58 @@ void check_cp_a2a_heads(int64_t num_heads, int64_t num_kv_heads, int64_t cp) {
            "(needs kv heads % cp == 0 or cp % kv heads == 0); use primitives.attention = \"cp_ring\"");
 }
 
+void check_cp_gdn_heads(int64_t num_key_heads, int64_t num_value_heads, int64_t cp) {
+  BB_CHECK(num_key_heads % cp == 0 && num_value_heads % cp == 0, "parallel.cp = ", cp,
+           ": the Gated DeltaNet layers split their ", num_key_heads, " key and ", num_value_heads,
+           " value heads over the context-parallel ranks (all-to-all to heads), which needs cp to divide both; "
+           "choose cp among the common divisors of ", num_key_heads, " and ", num_value_heads);
+}
+
+std::pair<int64_t, int64_t> HeadExchange::my_heads(int64_t num_heads, const MicroBatch& mb, const char* what) const {
+  if (!mb.shard.split()) return {0, num_heads};
+  check_shard("context-parallel head exchange", group_, mb);
+  const int64_t P = group_->size();
+  BB_CHECK(num_heads % P == 0, what, ": ", num_heads, " heads cannot be split over ", P,
+           " context-parallel ranks (cp must divide them)");
+  return {group_->rank() * (num_heads / P), num_heads / P};
+}
+
+Tensor HeadExchange::to_heads(const Tensor& x, int64_t num_heads, const MicroBatch& mb, MemCategory cat) const {
+  if (!mb.shard.split()) return x;
+  const int64_t P = group_->size(), T = x.size(0), hd = x.size(1) / num_heads;
+  BB_CHECK(x.dim() == 2 && hd * num_heads == x.size(1), "HeadExchange::to_heads: ", x.str(), " is not [T, ",
+           num_heads, " x head_dim]");
+  const auto [first, count] = my_heads(num_heads, mb, "HeadExchange::to_heads");
+  (void)first;
+  std::vector<int64_t> start;
+  for (int64_t j = 0; j < P; ++j) start.push_back(j * count);
+  const SeqOrder so = seq_order(mb);
+  Tensor h = bb::to_heads(*group_, x.view({T, num_heads, hd}), start, count, so, cat);
+  return h.view({h.size(0), count * hd});
+}
+
+Tensor HeadExchange::from_heads(const Tensor& xh, int64_t num_heads, const MicroBatch& mb, MemCategory cat) const {
+  if (!mb.shard.split()) return xh;
+  const int64_t P = group_->size();
+  const auto [first, count] = my_heads(num_heads, mb, "HeadExchange::from_heads");
+  (void)first;
+  const int64_t hd = xh.size(1) / count;
+  BB_CHECK(xh.dim() == 2 && hd * count == xh.size(1), "HeadExchange::from_heads: ", xh.str(), " is not [T, ",
+           count, " x head_dim]");
+  const SeqOrder so = seq_order(mb);
+  const int64_t T = cp_layout::rank_layout(mb.shard.seqlens, P, group_->rank()).tokens;
+  Tensor back = bb::from_heads(*group_, xh.view({xh.size(0), count, hd}), T, so);
+  std::vector<int64_t> start;
+  for (int64_t j = 0; j < P; ++j) start.push_back(j * count);
+  Tensor out = Tensor::empty({T, num_heads, hd}, xh.dtype(), xh.device(), cat);
+  cp::join_heads(out, back, start, count, /*accumulate=*/false);
+  return out.view({T, num_heads * hd});
+}
+
+Tensor HeadExchange::cu_seqlens(const MicroBatch& mb) const {
+  return mb.shard.split() ? offsets(mb.shard.seqlens) : mb.cu_seqlens;
+}
+
 std::unique_ptr<SelfAttention> make_sdpa_attention(const SelfAttentionConfig&) {
   return std::make_unique<SdpaAttention>();
 }

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <memory>
+#include <utility>
 
 #include "comm/comm.h"
 #include "core/batch.h"
@@ -55,5 +56,34 @@ std::unique_ptr<SelfAttention> make_cp_a2a_attention(const SelfAttentionConfig& 
 // Errors (naming the heads, CP and the member to use instead) when cp_a2a cannot split these
 // heads over `cp` ranks. Checked at startup by the trainer and again by the member.
 void check_cp_a2a_heads(int64_t num_heads, int64_t num_kv_heads, int64_t cp);
+
+// Context parallelism for a token mixer whose work is independent per head and channel (the
+// Gated DeltaNet layer: depthwise conv per channel, recurrence and output norm per head): an
+// all-to-all from this rank's rows of every head to every row of this rank's head group over the
+// whole sequences (in the whole micro-batch's packed order), and back. With no group or a whole
+// micro-batch every call is the identity, so a block can call it unconditionally
+// (skills/cp-a2a.md, "Gated DeltaNet layers").
+class HeadExchange {
+ public:
+  explicit HeadExchange(comm::GroupPtr group = nullptr) : group_(std::move(group)) {}
+  // This rank's heads [first, first + count) of `num_heads` for mb (all of them when mb is
+  // whole); an error naming `what` unless the context-parallel size divides num_heads.
+  std::pair<int64_t, int64_t> my_heads(int64_t num_heads, const MicroBatch& mb, const char* what) const;
+  // x [T_local, num_heads * head_dim] -> [T_all, (num_heads / P) * head_dim]: this rank's heads
+  // of every row of mb's whole sequences.
+  Tensor to_heads(const Tensor& x, int64_t num_heads, const MicroBatch& mb, MemCategory cat) const;
+  // The inverse: [T_all, (num_heads / P) * head_dim] -> [T_local, num_heads * head_dim].
+  Tensor from_heads(const Tensor& xh, int64_t num_heads, const MicroBatch& mb, MemCategory cat) const;
+  // The offsets of the sequences the head-sharded rows form: mb's whole sequences when sharded,
+  // else mb.cu_seqlens.
+  Tensor cu_seqlens(const MicroBatch& mb) const;
+
+ private:
+  comm::GroupPtr group_;
+};
+
+// Errors naming the heads and parallel.cp when a Gated DeltaNet layer cannot split its key and
+// value heads over `cp` ranks (HeadExchange). Checked at startup by the trainer.
+void check_cp_gdn_heads(int64_t num_key_heads, int64_t num_value_heads, int64_t cp);
 
 }  // namespace bb
