@@ -12,6 +12,7 @@
 #include <set>
 
 #include "common/testing.h"
+#include "common/tiny_models.h"
 #include "io/fs.h"
 #include "io/safetensors.h"
 #include "models/config.h"
@@ -383,29 +384,9 @@ TEST(HfIo, ParseByteSize) {
 // Qwen3.5: layer 0 Gated DeltaNet, layer 1 gated full attention; every layer MoE + shared expert.
 
 ModelConfig tiny_qwen35() {
-  ModelConfig c;
-  c.model_type = "qwen3_5_moe_text";
-  c.vocab_size = 19;
-  c.hidden_size = 8;
-  c.num_layers = 2;
-  c.num_heads = 2;
-  c.num_kv_heads = 1;
-  c.head_dim = 8;
-  c.partial_rotary_factor = 0.25;
-  c.moe_intermediate_size = 6;
-  c.shared_expert_intermediate_size = 5;
-  c.num_experts = 4;
-  c.top_k = 2;
-  c.norm_topk_prob = true;
-  c.qk_norm = true;
-  c.zero_centered_norm = true;
-  c.attn_output_gate = true;
-  c.linear_num_key_heads = 1;
-  c.linear_num_value_heads = 2;
-  c.linear_key_head_dim = 4;
-  c.linear_value_head_dim = 3;
-  c.linear_conv_kernel_dim = 4;
-  c.layer_types = {LayerType::linear_attention, LayerType::full_attention};
+  ModelConfig c = test::qwen35_config({.vocab = 19, .hidden = 8, .heads = 2, .kv_heads = 1, .rotary = 0.25, .moe_ffn = 6,
+                                       .shared_ffn = 5, .lin_key_heads = 1, .lin_value_heads = 2, .lin_key_dim = 4,
+                                       .lin_value_dim = 3});
   c.bos_token_id = 1;
   c.eos_token_id = 2;
   c.max_position_embeddings = 64;

@@ -13,6 +13,7 @@
 #include "common/model.h"
 #include "common/model_grad.h"
 #include "common/testing.h"
+#include "common/tiny_models.h"
 #include "core/rng.h"
 #include "models/decoder.h"
 #include "models/gdn_block.h"
@@ -24,35 +25,7 @@ namespace {
 // 2 layers: [linear_attention, full_attention]; 4 layers: 3 x linear then full (the Qwen3.5
 // pattern). Dk != Dv so that a swapped key / value dim fails; partial RoPE on 4 of 8 dims.
 ModelConfig tiny_qwen35(int64_t layers = 2) {
-  ModelConfig c;
-  c.model_type = "qwen3_5_moe_text";
-  c.vocab_size = 37;
-  c.hidden_size = 16;
-  c.num_layers = layers;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 8;
-  c.partial_rotary_factor = 0.5;
-  c.intermediate_size = 0;
-  c.moe_intermediate_size = 12;
-  c.shared_expert_intermediate_size = 10;
-  c.num_experts = 4;
-  c.top_k = 2;
-  c.norm_topk_prob = true;
-  c.qk_norm = true;
-  c.zero_centered_norm = true;
-  c.attn_output_gate = true;
-  c.linear_num_key_heads = 2;
-  c.linear_num_value_heads = 4;
-  c.linear_key_head_dim = 8;
-  c.linear_value_head_dim = 6;
-  c.linear_conv_kernel_dim = 4;
-  for (int64_t l = 0; l < layers; ++l)
-    c.layer_types.push_back((l + 1) % (layers == 2 ? 2 : 4) ? LayerType::linear_attention
-                                                            : LayerType::full_attention);
-  c.rope_theta = 10000;
-  c.rms_norm_eps = 1e-6;
-  c.router_aux_loss_coef = 0.01;
+  ModelConfig c = test::qwen35_config({.layers = layers});
   c.init_std = 0.3;  // large enough that every path carries signal in a 2-layer model
   return c;
 }

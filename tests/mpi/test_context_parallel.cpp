@@ -17,6 +17,7 @@
 #include "common/mpi_main.h"
 #include "common/testing.h"
 #include "common/trainer_equivalence.h"
+#include "common/tiny_models.h"
 #include "models/config.h"
 #include "runtime/run_config.h"
 
@@ -27,19 +28,7 @@ using test::world;
 
 constexpr int kSteps = 5;
 
-ModelConfig small_model() {
-  ModelConfig c = load_hf_config("configs/models/demo-tiny/config.json");
-  c.hidden_size = 32;
-  c.num_layers = 3;  // layer 0 dense (mlp_only_layers), layers 1 and 2 MoE
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 8;
-  c.intermediate_size = 48;
-  c.moe_intermediate_size = 24;
-  c.num_experts = 8;
-  c.top_k = 2;
-  return c;
-}
+ModelConfig small_model() { return test::small_moe({.heads = 4, .kv_heads = 2, .head_dim = 8}); }
 
 // Documents of lengths 1..7 (shorter than 2 x cp for cp 4), mid-size and longer than the 96-token
 // micro-batch, random ids below the EOS id.
@@ -173,33 +162,7 @@ TEST(ContextParallel, RecomputeAndStateFamilies) {
 // while the gated full-attention layer runs cp_ring or cp_a2a. 3 GDN layers + 1 attention layer,
 // 4 key / 8 value heads so that cp 2 and cp 4 both split them.
 ModelConfig small_qwen35() {
-  ModelConfig c;
-  c.model_type = "qwen3_5_moe_text";
-  c.vocab_size = 264;
-  c.hidden_size = 32;
-  c.num_layers = 4;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 8;
-  c.partial_rotary_factor = 0.5;
-  c.moe_intermediate_size = 12;
-  c.shared_expert_intermediate_size = 10;
-  c.num_experts = 4;
-  c.top_k = 2;
-  c.norm_topk_prob = true;
-  c.qk_norm = true;
-  c.zero_centered_norm = true;
-  c.attn_output_gate = true;
-  c.linear_num_key_heads = 4;
-  c.linear_num_value_heads = 8;
-  c.linear_key_head_dim = 8;
-  c.linear_value_head_dim = 6;
-  c.linear_conv_kernel_dim = 4;
-  for (int64_t l = 0; l < 4; ++l)
-    c.layer_types.push_back(l < 3 ? LayerType::linear_attention : LayerType::full_attention);
-  c.rope_theta = 10000;
-  c.rms_norm_eps = 1e-6;
-  c.router_aux_loss_coef = 0.01;
+  ModelConfig c = test::qwen35_config({.vocab = 264, .hidden = 32, .layers = 4, .lin_key_heads = 4, .lin_value_heads = 8});
   c.eos_token_id = 256;
   return c;
 }

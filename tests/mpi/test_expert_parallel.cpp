@@ -17,6 +17,7 @@
 #include "common/mpi_main.h"
 #include "common/testing.h"
 #include "common/trainer_equivalence.h"
+#include "common/tiny_models.h"
 #include "io/fs.h"
 #include "models/hf_io.h"
 #include "models/moe_block.h"
@@ -31,19 +32,7 @@ using test::world;
 
 constexpr int kSteps = 5;
 
-ModelConfig small_model() {
-  ModelConfig c = load_hf_config("configs/models/demo-tiny/config.json");
-  c.hidden_size = 32;
-  c.num_layers = 3;  // layer 0 dense (mlp_only_layers), layers 1 and 2 MoE
-  c.num_heads = 2;
-  c.num_kv_heads = 1;
-  c.head_dim = 16;
-  c.intermediate_size = 48;
-  c.moe_intermediate_size = 24;
-  c.num_experts = 8;
-  c.top_k = 2;
-  return c;
-}
+ModelConfig small_model() { return test::small_moe(); }  // layer 0 dense, layers 1 and 2 MoE: 8 experts top-2
 
 struct TestRun {
   std::string dir, toml;

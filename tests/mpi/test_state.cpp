@@ -10,6 +10,7 @@
 
 #include "common/mpi_main.h"
 #include "common/testing.h"
+#include "common/tiny_models.h"
 #include "io/fs.h"
 #include "models/hf_io.h"
 #include "runtime/checkpoint.h"
@@ -23,19 +24,8 @@ using test::world;
 
 bool on_gpu() { return test::device().is_cuda(); }
 
-ModelConfig small_model() {
-  ModelConfig c = load_hf_config("configs/models/demo-tiny/config.json");
-  c.hidden_size = 32;
-  c.num_layers = 2;
-  c.num_heads = 2;
-  c.num_kv_heads = 1;
-  c.head_dim = on_gpu() ? 128 : 16;  // cuDNN attention needs a supported head dim
-  c.intermediate_size = 48;
-  c.moe_intermediate_size = 24;
-  c.num_experts = 4;
-  c.top_k = 2;
-  return c;
-}
+// cuDNN attention needs a supported head dim.
+ModelConfig small_model() { return test::small_moe({.layers = 2, .experts = 4, .head_dim = on_gpu() ? 128 : 16}); }
 
 // CPU: fp32, so a multi-rank run differs from the single-rank one only by the order of fp32
 // sums. GPU: bf16 weights (a 1-ulp bf16 difference of a weight is 4e-3 relative) and kernels
