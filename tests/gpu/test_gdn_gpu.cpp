@@ -283,6 +283,43 @@ TEST(GatedDeltaGpu, RepeatedCallsAreBitwiseEqual) {
   EXPECT_EQ(a.d_beta.to_floats(), c.d_beta.to_floats());
 }
 
+// A workspace limit below what one call needs runs the key heads in groups (2 and 4 here: each
+// group's q, k, v, gates and d_o copied out, the results copied back): bit-identical to one call,
+// for f32 and bf16 d_o (the bf16 path reads d_o in place only when it is the whole tensor).
+TEST(GatedDeltaGpu, HeadGroupsUnderAWorkspaceLimitAreBitwiseEqual) {
+  BB_REQUIRE_GPU();
+  const std::vector<int32_t> cu = {0, 130, 131, 400};
+  const int64_t T = 400, Hk = 4, Hv = 8, K = 128;
+  const Tensor cut = Tensor::from_ints(cu, {4});
+  auto bf = [&](int64_t n, uint64_t seed, const Shape& sh) {
+    return Tensor::from_floats(test::randn(static_cast<size_t>(n), seed), sh, DType::bf16).to(kGpu);
+  };
+  const Tensor q = bf(T * Hk * K, 21, {T, Hk, K}), k = bf(T * Hk * K, 22, {T, Hk, K}), v = bf(T * Hv * K, 23, {T, Hv, K});
+  const Tensor g = Tensor::from_floats(test::randu(T * Hv, 24, -0.3f, -0.01f), {T, Hv}).to(kGpu);
+  const Tensor b = Tensor::from_floats(test::randu(T * Hv, 25, 0.1f, 0.9f), {T, Hv}).to(kGpu);
+  const Tensor d_o32 = Tensor::from_floats(test::randn(T * Hv * K, 26), {T, Hv, K}).to(kGpu);
+  const Tensor d_o16 = bf(T * Hv * K, 26, {T, Hv, K});
+  GatedDeltaOptions whole;
+  const Tensor o = gated_delta_rule_forward(q, k, v, g, b, cut, whole);
+  const GatedDeltaGrads a32 = gated_delta_rule_backward(d_o32, q, k, v, g, b, cut, whole);
+  const GatedDeltaGrads a16 = gated_delta_rule_backward(d_o16, q, k, v, g, b, cut, whole);
+  // 1 byte: one key head per call (4 groups); 1.5 x the 2-group workspace: 2 groups.
+  for (size_t limit : {size_t{1}, size_t{T * (512 * 2 + 3336 * 4 + 256 * 4) * 3 / 2}}) {
+    SCOPED_TRACE("limit " + std::to_string(limit));
+    GatedDeltaOptions split;
+    split.max_workspace_bytes = limit;
+    EXPECT_EQ(gated_delta_rule_forward(q, k, v, g, b, cut, split).to_floats(), o.to_floats());
+    for (const auto& [d_o, a] : {std::pair{&d_o32, &a32}, std::pair{&d_o16, &a16}}) {
+      const GatedDeltaGrads c = gated_delta_rule_backward(*d_o, q, k, v, g, b, cut, split);
+      EXPECT_EQ(c.d_q.to_floats(), a->d_q.to_floats());
+      EXPECT_EQ(c.d_k.to_floats(), a->d_k.to_floats());
+      EXPECT_EQ(c.d_v.to_floats(), a->d_v.to_floats());
+      EXPECT_EQ(c.d_g.to_floats(), a->d_g.to_floats());
+      EXPECT_EQ(c.d_beta.to_floats(), a->d_beta.to_floats());
+    }
+  }
+}
+
 TEST(GatedDeltaGpu, EmptyBatchesAndBadInputs) {
   BB_REQUIRE_GPU();
   auto gpu = [](const Shape& s, DType dt = DType::f32) {

@@ -3,8 +3,10 @@
 #include "primitives/gdn/gated_delta_rule.h"
 
 #include <cmath>
+#include <functional>
 
 #include "core/trace.h"
+#include "primitives/attention/cp_ops.h"
 #include "primitives/gdn/gated_delta_rule_cuda.h"
 #include "primitives/gdn/gated_delta_rule_ref.h"
 
@@ -105,6 +107,34 @@ Tensor workspace(size_t bytes, Device dev) {
   return Tensor::empty({static_cast<int64_t>(std::max<size_t>(bytes, 1))}, DType::u8, dev,
                        MemCategory::workspace);
 }
+
+// The fewest key-head groups (a divisor of Hk) whose per-call workspace fits `limit`; Hk when
+// none does (one key head per call is the least a call can take).
+int64_t head_groups(const CudaPlan& p, int64_t Hk, size_t limit, const std::function<size_t(const cuda::GdnDims&)>& ws) {
+  for (int64_t groups = 1; groups <= Hk; ++groups) {
+    if (Hk % groups != 0) continue;
+    cuda::GdnDims d = p.dims;
+    d.Hk = static_cast<int>(Hk / groups);
+    d.Hv = static_cast<int>(p.dims.Hv / groups);
+    if (ws(d) <= limit) return groups;
+  }
+  return Hk;
+}
+
+// Heads [first, first + count) of x [T, H, D] as a contiguous [T, count, D] copy (or x itself
+// when that is all of it); g and beta ([T, Hv]) are viewed [T, Hv, 1].
+Tensor heads_of(const Tensor& x, int64_t first, int64_t count) {
+  const Tensor x3 = x.dim() == 2 ? x.view({x.size(0), x.size(1), 1}) : x;
+  if (count == x3.size(1)) return x;
+  const Tensor h = cp::split_heads(x3, {first}, count, MemCategory::workspace);
+  return x.dim() == 2 ? h.view({x.size(0), count}) : h;
+}
+// Writes part [T, count, D] (or [T, count]) into heads [first, first + count) of dst.
+void put_heads(Tensor& dst, const Tensor& part, int64_t first) {
+  Tensor d3 = dst.dim() == 2 ? dst.view({dst.size(0), dst.size(1), 1}) : dst;
+  const int64_t count = part.numel() / std::max<int64_t>(1, dst.size(0) * d3.size(2));
+  cp::join_heads(d3, part.view({dst.size(0), count, d3.size(2)}), {first}, count, /*accumulate=*/false);
+}
 #endif
 
 }  // namespace
@@ -119,9 +149,22 @@ Tensor gated_delta_rule_forward(const Tensor& q, const Tensor& k, const Tensor& 
   if (q.device().is_cuda()) {
     if (s.T == 0) return o;
     const CudaPlan p = cuda_plan(s, cu_seqlens, q.device());
-    const Tensor ws = workspace(cuda::gdn_forward_workspace_bytes(p.dims, q.dtype()), q.device());
-    cuda::gdn_forward(o.raw(), q.raw(), k.raw(), v.raw(), g.data<float>(), beta.data<float>(),
-                      p.table.data<int32_t>(), p.dims, q.dtype(), ws.raw());
+    const int64_t groups = head_groups(p, s.Hk, opts.max_workspace_bytes, [&](const cuda::GdnDims& d) {
+      return cuda::gdn_forward_workspace_bytes(d, q.dtype());
+    });
+    const int64_t hk = s.Hk / groups, hv = s.Hv / groups;
+    cuda::GdnDims d = p.dims;
+    d.Hk = static_cast<int>(hk);
+    d.Hv = static_cast<int>(hv);
+    const Tensor ws = workspace(cuda::gdn_forward_workspace_bytes(d, q.dtype()), q.device());
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      const Tensor qg = heads_of(q, gi * hk, hk), kg = heads_of(k, gi * hk, hk), vg = heads_of(v, gi * hv, hv);
+      const Tensor gg = heads_of(g, gi * hv, hv), bg = heads_of(beta, gi * hv, hv);
+      Tensor og = groups == 1 ? o : Tensor::empty({s.T, hv, s.V}, v.dtype(), v.device(), MemCategory::workspace);
+      cuda::gdn_forward(og.raw(), qg.raw(), kg.raw(), vg.raw(), gg.data<float>(), bg.data<float>(),
+                        p.table.data<int32_t>(), d, q.dtype(), ws.raw());
+      if (groups > 1) put_heads(o, og, gi * hv);
+    }
     return o;
   }
 #endif
@@ -155,12 +198,36 @@ GatedDeltaGrads gated_delta_rule_backward(const Tensor& d_o, const Tensor& q, co
   if (dev.is_cuda()) {
     if (s.T == 0) return r;
     const CudaPlan p = cuda_plan(s, cu_seqlens, dev);
-    const Tensor ws =
-        workspace(cuda::gdn_backward_workspace_bytes(p.dims, q.dtype(), d_o.dtype()), dev);
-    cuda::gdn_backward(r.d_q.data<float>(), r.d_k.data<float>(), r.d_v.data<float>(),
-                       r.d_g.data<float>(), r.d_beta.data<float>(), d_o.raw(), d_o.dtype(), q.raw(),
-                       k.raw(), v.raw(), g.data<float>(), beta.data<float>(),
-                       p.table.data<int32_t>(), p.dims, q.dtype(), ws.raw());
+    const int64_t groups = head_groups(p, s.Hk, opts.max_workspace_bytes, [&](const cuda::GdnDims& d) {
+      return cuda::gdn_backward_workspace_bytes(d, q.dtype(), d_o.dtype());
+    });
+    const int64_t hk = s.Hk / groups, hv = s.Hv / groups;
+    cuda::GdnDims d = p.dims;
+    d.Hk = static_cast<int>(hk);
+    d.Hv = static_cast<int>(hv);
+    const Tensor ws = workspace(cuda::gdn_backward_workspace_bytes(d, q.dtype(), d_o.dtype()), dev);
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      const int64_t k0 = gi * hk, v0 = gi * hv;
+      const Tensor qg = heads_of(q, k0, hk), kg = heads_of(k, k0, hk), vg = heads_of(v, v0, hv);
+      const Tensor gg = heads_of(g, v0, hv), bg = heads_of(beta, v0, hv), dog = heads_of(d_o, v0, hv);
+      GatedDeltaGrads part = r;
+      if (groups > 1) {
+        auto mk_part = [&](const Shape& shape) { return Tensor::empty(shape, DType::f32, dev, MemCategory::workspace); };
+        part = {mk_part({s.T, hk, s.K}), mk_part({s.T, hk, s.K}), mk_part({s.T, hv, s.V}), mk_part({s.T, hv}),
+                mk_part({s.T, hv})};
+      }
+      cuda::gdn_backward(part.d_q.data<float>(), part.d_k.data<float>(), part.d_v.data<float>(),
+                         part.d_g.data<float>(), part.d_beta.data<float>(), dog.raw(), d_o.dtype(), qg.raw(),
+                         kg.raw(), vg.raw(), gg.data<float>(), bg.data<float>(), p.table.data<int32_t>(), d,
+                         q.dtype(), ws.raw());
+      if (groups > 1) {
+        put_heads(r.d_q, part.d_q, k0);
+        put_heads(r.d_k, part.d_k, k0);
+        put_heads(r.d_v, part.d_v, v0);
+        put_heads(r.d_g, part.d_g, v0);
+        put_heads(r.d_beta, part.d_beta, v0);
+      }
+    }
     return r;
   }
 #endif
