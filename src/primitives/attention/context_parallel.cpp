@@ -185,11 +185,13 @@ class RingAttention final : public SelfAttention {
     const int64_t P = group_->size(), r = group_->rank(), T = q.size(0), D = q.size(2), Hkv = k.size(1);
     const std::vector<cp_layout::RankLayout> L = layouts(mb);
     Tensor dq = Tensor::zeros(q.shape(), DType::f32, q.device(), kWs);
-    // Step t: block s = r - t and its f32 gradient accumulator (what the ranks before added) are
-    // here; the next block is prefetched during the step's attention backward, the accumulator
-    // moves on once this rank has added its part.
+    // Step t: block s = r - t is here (prefetched during step t - 1), and its f32 gradient
+    // accumulator (what the ranks before added) is arriving from the previous rank; the step's
+    // attention backward runs before it waits for the accumulator, so that transfer overlaps the
+    // step's compute; the accumulator moves on once this rank has added its part.
     Tensor cur = pack_kv(k, v, kWs);
     Tensor dcur = Tensor::zeros({2 * T, Hkv, D}, DType::f32, q.device(), kWs);
+    comm::WorkPtr wd;  // the transfer into dcur, if one is in flight
     int64_t s = r;
     for (int64_t t = 0; t < P; ++t) {
       const int64_t sn = (s - 1 + P) % P, Ts = L[static_cast<size_t>(s)].tokens, Tn = L[static_cast<size_t>(sn)].tokens;
@@ -212,20 +214,23 @@ class RingAttention final : public SelfAttention {
             cp::gather_rows(cur.narrow(Ts, Ts), st.k_rows, kWs), rows_of(o, st.q_rows),
             AttentionArgs{st.cu_q, st.cu_kv, AttentionMask::none, scale}, ls);
         cp::scatter_add_rows(dq, g.dq, st.q_rows);
+        if (wd) wd->wait();
+        wd = nullptr;
         Tensor dk_rows = dcur.narrow(0, Ts), dv_rows = dcur.narrow(Ts, Ts);
         cp::scatter_add_rows(dk_rows, g.dk, st.k_rows);
         cp::scatter_add_rows(dv_rows, g.dv, st.k_rows);
       }
       if (wk) {
+        if (wd) wd->wait();  // nothing of mine for this block: forward what arrived
         Tensor dnxt = Tensor::empty({2 * Tn, Hkv, D}, DType::f32, k.device(), kWs);
-        comm::WorkPtr wd = ring_shift(*group_, dcur, dnxt);
+        wd = ring_shift(*group_, dcur, dnxt);
         wk->wait();
-        wd->wait();
         cur = nxt;
         dcur = dnxt;
         s = sn;
       }
     }
+    if (wd) wd->wait();
     // The accumulator in hand is block r + 1's, complete: it goes home; mine arrives.
     Tensor mine = Tensor::empty({2 * T, Hkv, D}, DType::f32, k.device(), kWs);
     ring_shift(*group_, dcur, mine)->wait();
