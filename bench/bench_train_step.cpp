@@ -5,7 +5,10 @@
 //   bench_train_step [--config PATH] [--seq 8192,32768,65536,131072] [--steps 5] [--warmup 2]
 //                    [--set table.key=value ...] [--profile]
 // --profile: the last step of each size runs under the built-in range profiler (core/trace.h)
-// and its GPU time per BB_RANGE name is printed (CUDA builds).
+// and its GPU time per BB_RANGE name is printed (CUDA builds), then per category (dense GEMMs,
+// expert GEMMs, attention, Gated DeltaNet, loss head, optimizer, elementwise and other kernels,
+// and the step time outside any range: idle / launch) with each category's achieved rate against
+// its ceiling (category_table below).
 // Default model: the 4-layer slice of Qwen3-30B-A3B with recompute=full, loss=linear_ce,
 // experts=grouped, on cuda:0 (falls back to a tiny CPU run if no GPU is visible).
 #include <algorithm>
@@ -47,6 +50,77 @@ double recompute_flops(const ModelConfig& m, int64_t S) {
   ModelConfig no_head = m;
   const double head = 2.0 * static_cast<double>(m.vocab_size) * m.hidden_size * S;
   return model_flops(no_head, {S}) / 3.0 - head;
+}
+// The categories of a step profile: which range names each one's exclusive GPU time comes from,
+// and its work. Ranges not named here (block-level ranges: their glue kernels, copies and waits
+// between the named primitives) count as "elementwise / other". Ceilings measured on an H200
+// (bench/results/2026-11-30-h200.md: bf16 GEMM 769 TFLOP/s, copy kernel 3.87 TB/s).
+struct Category {
+  const char* name;
+  std::vector<const char*> ranges;
+  double work = 0;      // FLOPs, or bytes for the optimizer; 0: not rated
+  const char* unit = "";
+  double ceiling = 0;   // FLOP/s or B/s
+};
+
+void category_table(const std::vector<trace::RangeTotal>& totals, const RunConfig& cfg, int64_t S, double step_ms) {
+  if (totals.empty()) return;  // no profile (a CPU build)
+  const ModelConfig& m = cfg.model;
+  const double T = static_cast<double>(S), H = static_cast<double>(m.hidden_size);
+  const double n_moe = static_cast<double>(m.num_moe_layers());
+  const double lin = static_cast<double>(m.num_linear_attention_layers());
+  const double full = static_cast<double>(m.num_layers) - lin;
+  // Layers run forward twice under full recompute: 3 passes (fwd + 2 bwd) -> 4.
+  const double layer_passes = cfg.prim.recompute.value == RecomputePolicy::full ? 4.0 : 3.0;
+  const double expert = 2.0 * T * static_cast<double>(m.top_k) * 3 * H * static_cast<double>(m.moe_intermediate_size) * n_moe;
+  const double head = 2.0 * T * H * static_cast<double>(m.vocab_size);
+  const double dense = 2.0 * T * static_cast<double>(m.active_matmul_params_per_token()) - expert - head;
+  const double attn = full * 4.0 * (T * T / 2) * static_cast<double>(m.num_heads) * static_cast<double>(m.head_dim);
+  const double gdn = lin * 6.0 * static_cast<double>(m.linear_key_head_dim) * static_cast<double>(m.linear_value_head_dim) *
+                     static_cast<double>(m.linear_num_value_heads) * T;
+  // AdamW per parameter: read grad f32, master, m, v; write master, m, v, the bf16 weight.
+  const double moment_bytes = cfg.prim.optimizer.value == OptimizerKind::adamw_bf16_moments ? 2.0 : 4.0;
+  const double opt_bytes = static_cast<double>(m.num_params()) * (4 + 4 + 4 * moment_bytes + 4 + 2);
+  const double gemm = 769e12, hbm = 3.87e12;
+  std::vector<Category> cats = {
+      {"dense GEMMs", {"linear_forward", "linear_backward_data", "linear_backward_weight"}, dense * layer_passes, "TFLOP/s", gemm},
+      {"expert GEMMs", {"experts_forward", "experts_backward_data", "experts_backward_weight", "experts_forward_saved"},
+       expert * layer_passes, "TFLOP/s", gemm},
+      {"attention", {"attention_forward", "attention_backward"}, attn * layer_passes, "TFLOP/s", gemm},
+      {"Gated DeltaNet", {"gated_delta_rule_forward", "gated_delta_rule_backward"}, gdn * layer_passes, "TFLOP/s", gemm},
+      {"loss head", {"loss_head"}, head * 3, "TFLOP/s", gemm},
+      {"optimizer", {"optimizer_step", "grad_norm", "zero_grad"}, opt_bytes, "TB/s", hbm},
+  };
+  std::vector<double> ms(cats.size() + 1, 0.0);  // the last: elementwise / other
+  double ranged = 0;
+  for (const trace::RangeTotal& t : totals) {
+    ranged += t.exclusive_ms;
+    size_t c = cats.size();
+    for (size_t i = 0; i < cats.size(); ++i)
+      for (const char* r : cats[i].ranges)
+        if (t.name == r) c = i;
+    ms[c] += t.exclusive_ms;
+  }
+  std::printf("\nstep profile by category at %lld tokens (%.1f ms; exclusive GPU time of the ranges, so a "
+              "range's nested primitives count in their own category; GPU waits for the host inside a "
+              "range count there):\n", static_cast<long long>(S), step_ms);
+  std::printf("%-22s | %9s | %6s | %12s | %10s | %10s\n", "category", "GPU ms", "%", "work", "rate", "of ceiling");
+  auto row = [&](const char* name, double t, const Category* c) {
+    if (c && c->work > 0 && t > 0) {
+      const bool bytes = std::strcmp(c->unit, "TB/s") == 0;
+      const double rate = c->work / (t * 1e-3);
+      std::printf("%-22s | %9.2f | %5.1f%% | %9.2f %s | %6.1f %s | %9.1f%%\n", name, t, 100 * t / step_ms,
+                  c->work / (bytes ? 1e9 : 1e12), bytes ? "GB" : "TF", rate / 1e12, c->unit, 100 * rate / c->ceiling);
+    } else {
+      std::printf("%-22s | %9.2f | %5.1f%% | %12s | %10s | %10s\n", name, t, 100 * t / step_ms, "-", "-", "-");
+    }
+  };
+  for (size_t i = 0; i < cats.size(); ++i)
+    if (ms[i] > 0 || cats[i].work > 0) row(cats[i].name, ms[i], &cats[i]);
+  row("elementwise / other", ms[cats.size()], nullptr);
+  row("idle / launch", std::max(0.0, step_ms - ranged), nullptr);
+  std::printf("(work: model FLOPs per category for the step, 3 passes per layer, 4 under full recompute; "
+              "optimizer: bytes moved. Ceilings: bf16 GEMM 769 TFLOP/s, copy kernel 3.87 TB/s, H200.)\n");
 }
 }  // namespace
 
@@ -93,7 +167,7 @@ int main(int argc, char** argv) {
         if (prof) {
           std::printf("\nprofile of one step at %lld tokens (%.1f ms):\n", static_cast<long long>(S),
                       m.step_time_s * 1e3);
-          trace::profile_report(stdout, m.step_time_s * 1e3);
+          category_table(trace::profile_report(stdout, m.step_time_s * 1e3), cfg, S, m.step_time_s * 1e3);
         }
         std::fprintf(stderr, "[bench] S=%lld step %lld: %.3fs loss %.4f\n", static_cast<long long>(S),
                      static_cast<long long>(i + 1), m.step_time_s, m.loss);

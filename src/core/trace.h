@@ -14,13 +14,22 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <string>
+#include <vector>
 
 namespace bb::trace {
 // Starts collecting (drops what an earlier session collected).
 void profile_begin();
 // Stops collecting, waits for the device, prints "name | calls | total ms | % of `total_ms`"
-// sorted by total time, to `out`. total_ms <= 0: percentages of the largest range.
-void profile_report(FILE* out, double total_ms = 0);
+// sorted by total time, to `out` (null: print nothing). total_ms <= 0: percentages of the
+// largest range. Returns the totals per name: inclusive (of nested ranges) and exclusive (minus
+// the ranges opened inside it on the same thread), in ms.
+struct RangeTotal {
+  std::string name;
+  int64_t calls = 0;
+  double inclusive_ms = 0, exclusive_ms = 0;
+};
+std::vector<RangeTotal> profile_report(FILE* out, double total_ms = 0);
 bool profiling();
 }  // namespace bb::trace
 

@@ -20,7 +20,12 @@ namespace {
 struct Rec {
   const char* name;
   cudaEvent_t a = nullptr, b = nullptr;
+  int64_t parent = -1;  // the range open on this thread when this one opened (-1: none)
 };
+
+// The innermost open range of this thread in the current session (index into g_recs).
+thread_local int64_t t_open = -1;
+thread_local int64_t t_open_session = -1;
 
 std::atomic<bool> g_on{false};
 int64_t g_session = 0;            // bumped by profile_begin; the high bits of a range id
@@ -54,6 +59,14 @@ bool profiling() { return g_on.load(std::memory_order_relaxed); }
 void profile_begin() {
   std::lock_guard<std::mutex> lock(g_mu);
   recycle_locked();
+  // Events for a whole training step up front: creating them inside the profiled step costs the
+  // host microseconds each, enough to starve the GPU and inflate every range.
+  constexpr size_t kPool = 16384;
+  while (g_pool.size() < kPool) {
+    cudaEvent_t e = nullptr;
+    if (cudaEventCreate(&e) != cudaSuccess) break;
+    g_pool.push_back(e);
+  }
   ++g_session;
   g_on = true;
 }
@@ -63,9 +76,15 @@ int64_t range_begin(const char* name) {
   Rec r;
   r.name = name;
   r.a = take_event();
+  if (t_open_session != g_session) {
+    t_open_session = g_session;
+    t_open = -1;
+  }
+  r.parent = t_open;
   cudaEventRecord(r.a, cuda::stream());
   g_recs.push_back(r);
-  return (g_session << 32) | static_cast<int64_t>(g_recs.size() - 1);
+  t_open = static_cast<int64_t>(g_recs.size() - 1);
+  return (g_session << 32) | t_open;
 }
 
 void range_end(int64_t id) noexcept {
@@ -82,35 +101,43 @@ void range_end(int64_t id) noexcept {
   }
   g_recs[idx].b = e;
   cudaEventRecord(e, cuda::stream());
+  if (t_open_session == g_session && t_open == idx) t_open = g_recs[idx].parent;
 }
 
-void profile_report(FILE* out, double total_ms) {
+std::vector<RangeTotal> profile_report(FILE* out, double total_ms) {
   std::lock_guard<std::mutex> lock(g_mu);
   g_on = false;
   cudaDeviceSynchronize();
-  struct Sum {
-    int64_t calls = 0;
-    double ms = 0;
-  };
-  std::map<std::string, Sum> sums;
-  for (const Rec& r : g_recs) {
+  std::vector<double> ms(g_recs.size(), -1.0), child(g_recs.size(), 0.0);
+  for (size_t i = 0; i < g_recs.size(); ++i) {
+    const Rec& r = g_recs[i];
     if (!r.b) continue;  // still open
-    float ms = 0;
-    if (cudaEventElapsedTime(&ms, r.a, r.b) != cudaSuccess) continue;
-    Sum& s = sums[r.name];
-    ++s.calls;
-    s.ms += ms;
+    float m = 0;
+    if (cudaEventElapsedTime(&m, r.a, r.b) != cudaSuccess) continue;
+    ms[i] = m;
+    if (r.parent >= 0) child[static_cast<size_t>(r.parent)] += m;
+  }
+  std::map<std::string, RangeTotal> sums;
+  for (size_t i = 0; i < g_recs.size(); ++i) {
+    if (ms[i] < 0) continue;
+    RangeTotal& t = sums[g_recs[i].name];
+    t.name = g_recs[i].name;
+    ++t.calls;
+    t.inclusive_ms += ms[i];
+    t.exclusive_ms += std::max(0.0, ms[i] - child[i]);
   }
   recycle_locked();
-  std::vector<std::pair<std::string, Sum>> rows(sums.begin(), sums.end());
-  std::sort(rows.begin(), rows.end(), [](const auto& x, const auto& y) { return x.second.ms > y.second.ms; });
-  if (!out) return;
-  const double ref = total_ms > 0 ? total_ms : (rows.empty() ? 1.0 : rows.front().second.ms);
-  std::fprintf(out, "%-34s | %7s | %10s | %7s\n", "range (inclusive of nested ranges)", "calls",
-               "GPU ms", "%");
-  for (const auto& [name, s] : rows)
-    std::fprintf(out, "%-34s | %7lld | %10.2f | %6.1f%%\n", name.c_str(),
-                 static_cast<long long>(s.calls), s.ms, 100.0 * s.ms / ref);
+  std::vector<RangeTotal> rows;
+  for (auto& [name, t] : sums) rows.push_back(t);
+  std::sort(rows.begin(), rows.end(), [](const RangeTotal& x, const RangeTotal& y) { return x.inclusive_ms > y.inclusive_ms; });
+  if (!out) return rows;
+  const double ref = total_ms > 0 ? total_ms : (rows.empty() ? 1.0 : rows.front().inclusive_ms);
+  std::fprintf(out, "%-34s | %7s | %10s | %7s | %12s\n", "range (inclusive of nested ranges)", "calls",
+               "GPU ms", "%", "exclusive ms");
+  for (const RangeTotal& t : rows)
+    std::fprintf(out, "%-34s | %7lld | %10.2f | %6.1f%% | %12.2f\n", t.name.c_str(), static_cast<long long>(t.calls),
+                 t.inclusive_ms, 100.0 * t.inclusive_ms / ref, t.exclusive_ms);
+  return rows;
 }
 
 }  // namespace bb::trace
