@@ -88,8 +88,10 @@ void category_table(const std::vector<trace::RangeTotal>& totals, const RunConfi
        expert * layer_passes, "TFLOP/s", gemm},
       {"attention", {"attention_forward", "attention_backward"}, attn * layer_passes, "TFLOP/s", gemm},
       {"Gated DeltaNet", {"gated_delta_rule_forward", "gated_delta_rule_backward"}, gdn * layer_passes, "TFLOP/s", gemm},
-      {"loss head", {"loss_head"}, head * 3, "TFLOP/s", gemm},
-      {"optimizer", {"optimizer_step", "grad_norm", "zero_grad"}, opt_bytes, "TB/s", hbm},
+      {"loss head",
+       {"loss_head", "linear_ce_fused", "linear_ce_forward", "linear_ce_backward", "full_ce_forward", "full_ce_backward"},
+       head * 3, "TFLOP/s", gemm},
+      {"optimizer", {"optimizer_step", "adamw_step", "grad_norm", "global_grad_norm", "zero_grad"}, opt_bytes, "TB/s", hbm},
   };
   std::vector<double> ms(cats.size() + 1, 0.0);  // the last: elementwise / other
   double ranged = 0;
