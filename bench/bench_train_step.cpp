@@ -176,7 +176,9 @@ int main(int argc, char** argv) {
         if (i >= warmup) ms.push_back(m);
       }
       std::sort(ms.begin(), ms.end(), [](const StepMetrics& a, const StepMetrics& b) { return a.step_time_s < b.step_time_s; });
-      const StepMetrics& med = ms[ms.size() / 2];
+      // The median; with an even count the lower middle (2 steps: the faster, since a second step
+      // can still be warming up: allocator growth, plan caches).
+      const StepMetrics& med = ms[(ms.size() - 1) / 2];
       const double mf = model_flops(cfg.model, {S});
       r.step_ms = med.step_time_s * 1e3;
       r.tok_s = static_cast<double>(S) / med.step_time_s;
