@@ -41,7 +41,8 @@
 # FSDP_TOKENS (32768), FSDP_MODEL (the slice; the full config fits zero1 on 8 GPUs), FULL_RUNS
 # ("4096:1 32768:2 131072:4", tokens:cp), FULL_STEPS (8), SCALE_TOKENS (16384), SCALE_STEPS
 # (10), NCCL_TESTS (directory of nccl-tests binaries, optional). NCCL_NVLS_ENABLE=0 always.
-# The device tool allows 10 minutes per command: run one part per call (`dryrun` fits one).
+# Each part takes up to about 10 minutes: run one part per command where jobs have a time limit
+# (`dryrun` runs every part shrunk in about a minute).
 set -u
 BUILD=${1:?usage: multigpu.sh BUILD OUT PART... (comm layouts fsdp moe full scaling torch all dryrun)}
 OUT=${2:?usage: multigpu.sh BUILD OUT PART...}
