@@ -1,13 +1,15 @@
 // causal_conv1d_cuda.cu — depthwise causal conv1d (+ SiLU) forward and backward on the GPU.
 //
 // One thread per (token, channel), consecutive threads on consecutive channels (coalesced rows
-// of [T, C]). A token finds its sequence's start by binary search in cu_seqlens (n + 1 ints on
+// of [T, C]; a 2D grid, channels x token stride, so no per-element 64-bit index division). A token finds its sequence's start by binary search in cu_seqlens (n + 1 ints on
 // the device), so no filter tap reaches across a sequence start.
 // Backward recomputes the pre-activation of the W tokens a tap feeds (W <= 4: at most 16
 // multiply-adds per element, nothing saved by the forward). dw is a reduction over all tokens:
 // each block sums a fixed chunk of kChunk tokens for 32 channels into its own workspace slot,
 // and a second kernel adds the slots in chunk order, so the result does not depend on timing.
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include "backend/cuda/check.cuh"
 #include "primitives/conv/causal_conv1d_cuda.h"
@@ -44,16 +46,24 @@ __device__ __forceinline__ float silu_grad(float p) {
   return s * (1.f + p * (1.f - s));
 }
 
+// The elementwise kernels run a 2D grid: x over channels (a block covers kThreads consecutive
+// channels of one token row: coalesced), y strides over the tokens; no 64-bit division per element.
+dim3 rows_grid(int64_t T, int64_t C) {
+  const int64_t cb = ceil_div(C, kThreads);
+  const int64_t want = ceil_div(static_cast<int64_t>(sm_count()) * 16, cb);  // ~16 blocks per SM
+  return dim3(static_cast<unsigned>(cb), static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>({T, want, 65535}))));
+}
+
 __global__ void __launch_bounds__(kThreads)
     forward_kernel(float* __restrict__ y, const float* __restrict__ x, const float* __restrict__ w,
                    const int32_t* __restrict__ cu, int64_t nseq, int64_t T, int64_t C, int W, bool silu) {
-  const int64_t n = T * C;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t t = i / C, c = i % C;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const float* wc = w + c * W;
+  for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
     const int64_t start = cu[seq_of(cu, nseq, t)];
-    const float p = pre_at(x, w + c * W, t, start, c, C, W);
-    y[i] = silu ? p / (1.f + __expf(-p)) : p;
+    const float p = pre_at(x, wc, t, start, c, C, W);
+    y[t * C + c] = silu ? p / (1.f + __expf(-p)) : p;
   }
 }
 
@@ -69,20 +79,19 @@ __global__ void __launch_bounds__(kThreads)
     backward_dx_kernel(float* __restrict__ dx, const float* __restrict__ dy, const float* __restrict__ x,
                        const float* __restrict__ w, const int32_t* __restrict__ cu, int64_t nseq, int64_t T, int64_t C,
                        int W, bool silu) {
-  const int64_t n = T * C;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t s = i / C, c = i % C;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const float* wc = w + c * W;
+  for (int64_t s = blockIdx.y; s < T; s += gridDim.y) {
     const int q = seq_of(cu, nseq, s);
     const int64_t start = cu[q], end = cu[q + 1];
-    const float* wc = w + c * W;
     float acc = 0.f;
     // x[s] feeds token t = s + (W-1) - j through tap j.
     for (int j = 0; j < W; ++j) {
       const int64_t t = s + (W - 1) - j;
       if (t < end) acc = fmaf(wc[j], dpre_at(dy, x, wc, t, start, c, C, W, silu), acc);
     }
-    dx[i] = acc;
+    dx[s * C + c] = acc;
   }
 }
 
@@ -134,8 +143,7 @@ __global__ void __launch_bounds__(kThreads)
 void causal_conv1d_forward(float* y, const float* x, const float* w, const int32_t* cu, int64_t nseq, int64_t T,
                            int64_t C, int64_t W, bool silu) {
   if (T * C == 0) return;
-  forward_kernel<<<grid_stride_blocks(T * C, kThreads), kThreads, 0, stream()>>>(y, x, w, cu, nseq, T, C,
-                                                                                 static_cast<int>(W), silu);
+  forward_kernel<<<rows_grid(T, C), kThreads, 0, stream()>>>(y, x, w, cu, nseq, T, C, static_cast<int>(W), silu);
   BB_CHECK_LAUNCH();
 }
 
@@ -147,8 +155,7 @@ void causal_conv1d_backward(float* dx, float* dw, float* ws, const float* dy, co
                             const int32_t* cu, int64_t nseq, int64_t T, int64_t C, int64_t W, bool silu) {
   if (T * C == 0) return;
   const int Wi = static_cast<int>(W);
-  backward_dx_kernel<<<grid_stride_blocks(T * C, kThreads), kThreads, 0, stream()>>>(dx, dy, x, w, cu, nseq, T, C, Wi,
-                                                                                     silu);
+  backward_dx_kernel<<<rows_grid(T, C), kThreads, 0, stream()>>>(dx, dy, x, w, cu, nseq, T, C, Wi, silu);
   BB_CHECK_LAUNCH();
   const int64_t chunks = ceil_div(T, kChunk);
   const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(ceil_div(C, 32)));
