@@ -184,13 +184,13 @@ class RingAttention final : public SelfAttention {
       return attention_backward(d_o, q, k, v, o, AttentionArgs::causal_self(mb.cu_seqlens, scale), saved);
     const int64_t P = group_->size(), r = group_->rank(), T = q.size(0), D = q.size(2), Hkv = k.size(1);
     const std::vector<cp_layout::RankLayout> L = layouts(mb);
-    Tensor dq = Tensor::zeros(q.shape(), DType::f32, q.device(), kWs);
+    Tensor dq;  // f32 accumulators, started by step 0
     // Step t: block s = r - t is here (prefetched during step t - 1), and its f32 gradient
     // accumulator (what the ranks before added) is arriving from the previous rank; the step's
     // attention backward runs before it waits for the accumulator, so that transfer overlaps the
     // step's compute; the accumulator moves on once this rank has added its part.
     Tensor cur = pack_kv(k, v, kWs);
-    Tensor dcur = Tensor::zeros({2 * T, Hkv, D}, DType::f32, q.device(), kWs);
+    Tensor dcur;
     comm::WorkPtr wd;  // the transfer into dcur, if one is in flight
     int64_t s = r;
     for (int64_t t = 0; t < P; ++t) {
@@ -203,8 +203,8 @@ class RingAttention final : public SelfAttention {
       }
       if (t == 0) {
         AttentionGrads g = attention_backward(d_o, q, k, v, o, AttentionArgs::causal_self(mb.cu_seqlens, scale), saved);
-        cp::scatter_add_rows(dq, g.dq, identity(T));
-        cp::scatter_add_rows(dcur, pack_kv(g.dk, g.dv, kWs), identity(2 * T));
+        dq = g.dq.to_dtype(DType::f32, kWs);
+        dcur = pack_kv(g.dk, g.dv, kWs).to_dtype(DType::f32, kWs);
       } else if (const RingStep st = ring_step(L[static_cast<size_t>(r)], L[static_cast<size_t>(s)], s < r);
                  !st.empty()) {
         AttentionSaved ls;
@@ -247,11 +247,6 @@ class RingAttention final : public SelfAttention {
     std::vector<cp_layout::RankLayout> L;
     for (int64_t s = 0; s < mb.shard.cp; ++s) L.push_back(cp_layout::rank_layout(mb.shard.seqlens, mb.shard.cp, s));
     return L;
-  }
-  static std::vector<int64_t> identity(int64_t n) {
-    std::vector<int64_t> v(static_cast<size_t>(n));
-    std::iota(v.begin(), v.end(), 0);
-    return v;
   }
   comm::GroupPtr group_;
 };
@@ -397,6 +392,24 @@ void check_cp_gdn_heads(int64_t num_key_heads, int64_t num_value_heads, int64_t 
            "choose cp among the common divisors of ", num_key_heads, " and ", num_value_heads);
 }
 
+struct HeadExchange::Orders {
+  std::vector<int64_t> seqlens;
+  int64_t cp = 0, rank = 0;
+  SeqOrder so;
+};
+
+const HeadExchange::Orders& HeadExchange::orders(const MicroBatch& mb) const {
+  if (!cache_ || cache_->cp != mb.shard.cp || cache_->rank != mb.shard.rank || cache_->seqlens != mb.shard.seqlens) {
+    auto o = std::make_shared<Orders>();
+    o->seqlens = mb.shard.seqlens;
+    o->cp = mb.shard.cp;
+    o->rank = mb.shard.rank;
+    o->so = seq_order(mb);
+    cache_ = std::move(o);
+  }
+  return *cache_;
+}
+
 std::pair<int64_t, int64_t> HeadExchange::my_heads(int64_t num_heads, const MicroBatch& mb, const char* what) const {
   if (!mb.shard.split()) return {0, num_heads};
   check_shard("context-parallel head exchange", group_, mb);
@@ -415,8 +428,7 @@ Tensor HeadExchange::to_heads(const Tensor& x, int64_t num_heads, const MicroBat
   (void)first;
   std::vector<int64_t> start;
   for (int64_t j = 0; j < P; ++j) start.push_back(j * count);
-  const SeqOrder so = seq_order(mb);
-  Tensor h = bb::to_heads(*group_, x.view({T, num_heads, hd}), start, count, so, cat);
+  Tensor h = bb::to_heads(*group_, x.view({T, num_heads, hd}), start, count, orders(mb).so, cat);
   return h.view({h.size(0), count * hd});
 }
 
@@ -428,8 +440,8 @@ Tensor HeadExchange::from_heads(const Tensor& xh, int64_t num_heads, const Micro
   const int64_t hd = xh.size(1) / count;
   BB_CHECK(xh.dim() == 2 && hd * count == xh.size(1), "HeadExchange::from_heads: ", xh.str(), " is not [T, ",
            count, " x head_dim]");
-  const SeqOrder so = seq_order(mb);
-  const int64_t T = cp_layout::rank_layout(mb.shard.seqlens, P, group_->rank()).tokens;
+  const SeqOrder& so = orders(mb).so;
+  const int64_t T = so.counts[static_cast<size_t>(group_->rank())];
   Tensor back = bb::from_heads(*group_, xh.view({xh.size(0), count, hd}), T, so);
   std::vector<int64_t> start;
   for (int64_t j = 0; j < P; ++j) start.push_back(j * count);
@@ -439,7 +451,7 @@ Tensor HeadExchange::from_heads(const Tensor& xh, int64_t num_heads, const Micro
 }
 
 Tensor HeadExchange::cu_seqlens(const MicroBatch& mb) const {
-  return mb.shard.split() ? offsets(mb.shard.seqlens) : mb.cu_seqlens;
+  return mb.shard.split() ? orders(mb).so.cu : mb.cu_seqlens;
 }
 
 std::unique_ptr<SelfAttention> make_sdpa_attention(const SelfAttentionConfig&) {

@@ -79,7 +79,12 @@ class HeadExchange {
   Tensor cu_seqlens(const MicroBatch& mb) const;
 
  private:
+  // The row orders of mb's sharding (every rank's rows, rank-major <-> global), computed once per
+  // sharding: a layer exchanges several tensors of one micro-batch.
+  struct Orders;
+  const Orders& orders(const MicroBatch& mb) const;
   comm::GroupPtr group_;
+  mutable std::shared_ptr<const Orders> cache_;
 };
 
 // Errors naming the heads and parallel.cp when a Gated DeltaNet layer cannot split its key and
