@@ -45,7 +45,9 @@ TEST(CausalConv1dGpu, ForwardAndBackwardMatchCpu) {
     int64_t C;
   };
   const std::vector<Case> cases = {
-      {{1, 0, 2, 3, 40}, 7}, {{700, 1, 300}, 96}, {{5000}, 33}, {{1}, 1}};
+      {{1, 0, 2, 3, 40}, 7}, {{700, 1, 300}, 96}, {{5000}, 33}, {{1}, 1},
+      // sequence ends on and next to the backward's 256-token chunk edges; two channel blocks
+      {{256, 257, 0, 3}, 9}, {{255, 2, 300}, 300}};
   for (const Case& k : cases) {
     int64_t T = 0;
     for (int32_t l : k.lens) T += l;

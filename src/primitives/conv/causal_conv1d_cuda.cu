@@ -3,10 +3,14 @@
 // One thread per (token, channel), consecutive threads on consecutive channels (coalesced rows
 // of [T, C]; a 2D grid, channels x token stride, so no per-element 64-bit index division). A token finds its sequence's start by binary search in cu_seqlens (n + 1 ints on
 // the device), so no filter tap reaches across a sequence start.
-// Backward recomputes the pre-activation of the W tokens a tap feeds (W <= 4: at most 16
-// multiply-adds per element, nothing saved by the forward). dw is a reduction over all tokens:
-// each block sums a fixed chunk of kChunk tokens for 32 channels into its own workspace slot,
-// and a second kernel adds the slots in chunk order, so the result does not depend on timing.
+// Backward: one fused pass. A thread owns one channel of a chunk of kChunk tokens and walks them
+// in order (plus the W - 1 tokens after the chunk whose taps reach back into it), keeping the
+// last W - 1 inputs and the W pending dx sums in registers: each x and dy element is read once
+// (x, dy in, dx out: the memory floor), the pre-activation is recomputed from the register
+// window (nothing saved by the forward), and dw's W partial sums for the chunk go to the
+// chunk's own workspace slot. A second kernel adds the slots in chunk order, so dw does not
+// depend on timing. (The earlier version, one thread per element recomputing every tap's
+// pre-activation from memory plus a separate dw pass, measured ~15x its memory time.)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -67,65 +71,75 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// dpre of token t (in the sequence [start, end)), channel c.
-__device__ __forceinline__ float dpre_at(const float* dy, const float* x, const float* wc, int64_t t, int64_t start,
-                                         int64_t c, int64_t C, int W, bool silu) {
-  float d = dy[t * C + c];
-  if (silu) d *= silu_grad(pre_at(x, wc, t, start, c, C, W));
-  return d;
-}
-
+// Block (chunk, 256-channel group); thread = channel c, tokens [t0, t1) of the chunk. dx[s] =
+// sum_j w[j] dpre[s + W-1 - j] (same sequence), so dpre[t] adds w[k] dpre[t] to the pending sum
+// of s = t - (W-1) + k; s = t - (W-1) is then complete. At a sequence's last token the pending
+// sums are complete too (later taps would cross the boundary). ws[chunk][c][j] = sum over the
+// chunk's t of dpre[t] x[t - (W-1) + j] (inputs before the sequence start read as 0).
+template <int W>
 __global__ void __launch_bounds__(kThreads)
-    backward_dx_kernel(float* __restrict__ dx, const float* __restrict__ dy, const float* __restrict__ x,
-                       const float* __restrict__ w, const int32_t* __restrict__ cu, int64_t nseq, int64_t T, int64_t C,
-                       int W, bool silu) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    backward_fused_kernel(float* __restrict__ dx, float* __restrict__ ws, const float* __restrict__ dy,
+                          const float* __restrict__ x, const float* __restrict__ w, const int32_t* __restrict__ cu,
+                          int64_t nseq, int64_t T, int64_t C, bool silu) {
+  const int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   if (c >= C) return;
-  const float* wc = w + c * W;
-  for (int64_t s = blockIdx.y; s < T; s += gridDim.y) {
-    const int q = seq_of(cu, nseq, s);
-    const int64_t start = cu[q], end = cu[q + 1];
-    float acc = 0.f;
-    // x[s] feeds token t = s + (W-1) - j through tap j.
-    for (int j = 0; j < W; ++j) {
-      const int64_t t = s + (W - 1) - j;
-      if (t < end) acc = fmaf(wc[j], dpre_at(dy, x, wc, t, start, c, C, W, silu), acc);
-    }
-    dx[s * C + c] = acc;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kChunk, t1 = t0 + kChunk < T ? t0 + kChunk : T;
+  const int64_t tend = t1 + (W - 1) < T ? t1 + (W - 1) : T;
+  float wc[W];
+#pragma unroll
+  for (int j = 0; j < W; ++j) wc[j] = w[c * W + j];
+  int q = seq_of(cu, nseq, t0);
+  int64_t start = cu[q], end = cu[q + 1];
+  float xw[W];  // xw[j] = x[t - (W-1) + j] for the token t being processed (0 before start)
+  float da[W];  // da[k] = pending dx sum of s = t - (W-1) + k
+  float dwa[W];
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    const int64_t src = t0 - (W - 1) + j;
+    xw[j] = (j < W - 1 && src >= start) ? x[src * C + c] : 0.f;
+    da[j] = 0.f;
+    dwa[j] = 0.f;
   }
-}
-
-// ws[chunk][c][j] = sum over the chunk's tokens t of dpre[t, c] x[t - (W-1) + j, c]. Block
-// (chunk, 32-channel group): thread (ty, tx) takes channel group*32 + tx and every 8th token.
-__global__ void __launch_bounds__(kThreads)
-    backward_dw_partial_kernel(float* __restrict__ ws, const float* __restrict__ dy, const float* __restrict__ x,
-                               const float* __restrict__ w, const int32_t* __restrict__ cu, int64_t nseq, int64_t T,
-                               int64_t C, int W, bool silu) {
-  __shared__ float red[8][32][4];
-  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
-  const int64_t c = static_cast<int64_t>(blockIdx.y) * 32 + tx;
-  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kChunk;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  if (c < C) {
-    const float* wc = w + c * W;
-    for (int64_t t = t0 + ty; t < t0 + kChunk && t < T; t += 8) {
-      const int64_t start = cu[seq_of(cu, nseq, t)];
-      const float d = dpre_at(dy, x, wc, t, start, c, C, W, silu);
-      for (int j = 0; j < W; ++j) {
-        const int64_t src = t - (W - 1) + j;
-        if (src >= start) acc[j] = fmaf(d, x[src * C + c], acc[j]);
+  for (int64_t t = t0; t < tend; ++t) {
+    if (t >= end) {  // the next non-empty sequence starts at t: nothing reaches across
+      while (t >= end) {
+        ++q;
+        start = cu[q];
+        end = cu[q + 1];
+      }
+#pragma unroll
+      for (int j = 0; j < W; ++j) xw[j] = da[j] = 0.f;
+    }
+    xw[W - 1] = x[t * C + c];
+    float pre = 0.f;
+#pragma unroll
+    for (int j = 0; j < W; ++j) pre = fmaf(wc[j], xw[j], pre);
+    float d = dy[t * C + c];
+    if (silu) d *= silu_grad(pre);
+    if (t < t1) {
+#pragma unroll
+      for (int j = 0; j < W; ++j) dwa[j] = fmaf(d, xw[j], dwa[j]);
+    }
+#pragma unroll
+    for (int k = 0; k < W; ++k) da[k] = fmaf(wc[k], d, da[k]);
+    const int64_t s = t - (W - 1);
+    if (s >= t0 && s >= start) dx[s * C + c] = da[0];  // s < t1 holds: t < t1 + W - 1
+    if (t + 1 == end) {  // the sequence ends: its pending sums s = t - W + 2 .. t are complete
+#pragma unroll
+      for (int k = 1; k < W; ++k) {
+        const int64_t sk = s + k;
+        if (sk >= t0 && sk >= start && sk < t1) dx[sk * C + c] = da[k];
       }
     }
-  }
-  for (int j = 0; j < 4; ++j) red[ty][tx][j] = acc[j];
-  __syncthreads();
-  if (ty == 0 && c < C) {
-    for (int j = 0; j < W; ++j) {
-      float s = 0.f;
-      for (int r = 0; r < 8; ++r) s += red[r][tx][j];
-      ws[(static_cast<int64_t>(blockIdx.x) * C + c) * W + j] = s;
+#pragma unroll
+    for (int k = 0; k + 1 < W; ++k) {
+      da[k] = da[k + 1];
+      xw[k] = xw[k + 1];
     }
+    da[W - 1] = 0.f;
   }
+#pragma unroll
+  for (int j = 0; j < W; ++j) ws[(static_cast<int64_t>(blockIdx.x) * C + c) * W + j] = dwa[j];
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -154,12 +168,17 @@ int64_t causal_conv1d_backward_workspace(int64_t T, int64_t C, int64_t W) {
 void causal_conv1d_backward(float* dx, float* dw, float* ws, const float* dy, const float* x, const float* w,
                             const int32_t* cu, int64_t nseq, int64_t T, int64_t C, int64_t W, bool silu) {
   if (T * C == 0) return;
-  const int Wi = static_cast<int>(W);
-  backward_dx_kernel<<<rows_grid(T, C), kThreads, 0, stream()>>>(dx, dy, x, w, cu, nseq, T, C, Wi, silu);
-  BB_CHECK_LAUNCH();
   const int64_t chunks = ceil_div(T, kChunk);
-  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(ceil_div(C, 32)));
-  backward_dw_partial_kernel<<<grid, kThreads, 0, stream()>>>(ws, dy, x, w, cu, nseq, T, C, Wi, silu);
+  BB_CHECK(ceil_div(C, kThreads) <= 65535, "causal_conv1d_backward: C = ", C, " channels is more than the ",
+           int64_t{65535} * kThreads, " one launch takes");
+  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(ceil_div(C, kThreads)));
+  switch (W) {
+    case 1: backward_fused_kernel<1><<<grid, kThreads, 0, stream()>>>(dx, ws, dy, x, w, cu, nseq, T, C, silu); break;
+    case 2: backward_fused_kernel<2><<<grid, kThreads, 0, stream()>>>(dx, ws, dy, x, w, cu, nseq, T, C, silu); break;
+    case 3: backward_fused_kernel<3><<<grid, kThreads, 0, stream()>>>(dx, ws, dy, x, w, cu, nseq, T, C, silu); break;
+    case 4: backward_fused_kernel<4><<<grid, kThreads, 0, stream()>>>(dx, ws, dy, x, w, cu, nseq, T, C, silu); break;
+    default: BB_CHECK(false, "causal_conv1d_backward: width W = ", W, " is not in [1, 4]");
+  }
   BB_CHECK_LAUNCH();
   backward_dw_finish_kernel<<<grid_stride_blocks(C * W, kThreads), kThreads, 0, stream()>>>(dw, ws, chunks, C * W);
   BB_CHECK_LAUNCH();
