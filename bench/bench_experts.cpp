@@ -13,7 +13,8 @@
 //     wgrad: d_W_down[e] += d_y_e^T a_e                d_W_gu[e] += d_gu_e^T x_e    (f32 C)
 //   Algorithms: sequential (one cuda::gemm per expert, compute stream only), cublas (one
 //   cublasGemmGroupedBatchedEx; it refuses bf16 -> f32, so no wgrad row), multi_stream with
-//   S = 1, 2, 4, 8 side streams, wmma (wgrad only), and sequential / multi_stream S=4 with the
+//   S = 1, 2, 4, 8 side streams, wmma (wgrad only), our mma tile kernel with 64- and 128-row
+//   tiles (grouped_mma.h, every stage), and sequential / multi_stream S=4 with the
 //   plan cache cleared before every timed call ("cold": what a step pays for expert sizes never
 //   seen before, one cuBLASLt heuristic query per new shape).
 //   Columns: ms = median over --iters calls of CUDA events on the compute stream around the call
@@ -312,6 +313,8 @@ void bench_shape(const Args& args, int64_t T, double ceiling) {
                      {cuda::GroupedAlgo::multi_stream, s},
                      false});
   if (!args.skip_wmma) algos.push_back({"wmma", false, {cuda::GroupedAlgo::wmma, 0}, false});
+  for (int tm : {64, 128})
+    algos.push_back({"mma BM=" + std::to_string(tm), false, {cuda::GroupedAlgo::mma, 0, tm}, false});
   algos.push_back({"sequential, cold plans", true, {}, true});
   algos.push_back(
       {"multi_stream S=4, cold plans", false, {cuda::GroupedAlgo::multi_stream, 4}, true});
@@ -360,6 +363,14 @@ void bench_shape(const Args& args, int64_t T, double ceiling) {
        ExpertsImpl::grouped,
        {cuda::GroupedAlgo::cublas, cuda::GroupedAlgo::multi_stream, 8}},
   };
+  {
+    cuda::GroupedDefaults m{cuda::GroupedAlgo::mma, cuda::GroupedAlgo::mma, 4};
+    m.multi_stream_min_flops = 1e30;  // every call on the mma kernel
+    wholes.push_back({"grouped (mma / mma)", ExpertsImpl::grouped, m});
+    cuda::GroupedDefaults h{cuda::GroupedAlgo::mma, cuda::GroupedAlgo::multi_stream, 4};
+    h.multi_stream_min_flops = 1e30;
+    wholes.push_back({"grouped (mma / multi_stream S=4)", ExpertsImpl::grouped, h});
+  }
   if (!args.skip_wmma)
     wholes.push_back({"grouped (cublas / wmma): the old default",
                       ExpertsImpl::grouped,

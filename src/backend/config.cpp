@@ -25,8 +25,8 @@ void check_one_of(const std::string& where, const char* key, const std::string& 
 void BackendConfig::validate(const std::string& where) const {
   const std::string in = where.empty() ? "" : " in " + where;
   check_one_of(where, "grouped_gemm_same_dtype", grouped_gemm_same_dtype,
-               {"cublas", "multi_stream"});
-  check_one_of(where, "grouped_gemm_widening", grouped_gemm_widening, {"multi_stream", "wmma"});
+               {"cublas", "multi_stream", "mma"});
+  check_one_of(where, "grouped_gemm_widening", grouped_gemm_widening, {"multi_stream", "wmma", "mma"});
   BB_CHECK(grouped_gemm_streams >= 1 && grouped_gemm_streams <= 16,
            "backend.grouped_gemm_streams = ", grouped_gemm_streams, in, " is not in [1, 16]");
   BB_CHECK(grouped_gemm_multi_stream_min_flops >= 0,

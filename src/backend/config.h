@@ -15,14 +15,14 @@
 namespace bb {
 
 struct BackendConfig {
-  // Grouped GEMM of same-dtype problems (the expert forward and dgrad): cublas | multi_stream.
-  std::string grouped_gemm_same_dtype = "cublas";
-  // Grouped GEMM of 16-bit inputs into f32 (the expert wgrad): multi_stream | wmma.
+  // Grouped GEMM of same-dtype problems (the expert forward and dgrad): cublas | multi_stream | mma.
+  std::string grouped_gemm_same_dtype = "mma";
+  // Grouped GEMM of 16-bit inputs into f32 (the expert wgrad): multi_stream | wmma | mma.
   std::string grouped_gemm_widening = "multi_stream";
   // Side streams of the multi_stream grouped GEMM, 1..16.
   int64_t grouped_gemm_streams = 4;
   // Same-dtype grouped calls whose mean problem has at least this many FLOPs take multi_stream.
-  double grouped_gemm_multi_stream_min_flops = 1e9;
+  double grouped_gemm_multi_stream_min_flops = 1.2e9;
   // multi_stream: enqueue the side streams from a pool of host threads (false: one thread).
   bool grouped_gemm_threaded_enqueue = true;
   // cuBLASLt algorithm choice: bucketed (one heuristic query per size bucket, checked per size)

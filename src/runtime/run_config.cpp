@@ -378,9 +378,11 @@ void apply_backend_config(const BackendConfig& c) {
 #ifdef BB_WITH_CUDA
   cuda::GroupedDefaults d;
   d.same_dtype = c.grouped_gemm_same_dtype == "multi_stream" ? cuda::GroupedAlgo::multi_stream
+                 : c.grouped_gemm_same_dtype == "mma"        ? cuda::GroupedAlgo::mma
                                                              : cuda::GroupedAlgo::cublas;
-  d.widening = c.grouped_gemm_widening == "wmma" ? cuda::GroupedAlgo::wmma
-                                                 : cuda::GroupedAlgo::multi_stream;
+  d.widening = c.grouped_gemm_widening == "wmma"  ? cuda::GroupedAlgo::wmma
+               : c.grouped_gemm_widening == "mma" ? cuda::GroupedAlgo::mma
+                                                  : cuda::GroupedAlgo::multi_stream;
   d.num_streams = static_cast<int>(c.grouped_gemm_streams);
   d.multi_stream_min_flops = c.grouped_gemm_multi_stream_min_flops;
   d.threaded_enqueue = c.grouped_gemm_threaded_enqueue;

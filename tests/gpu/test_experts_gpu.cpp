@@ -305,6 +305,23 @@ TEST(ExpertsGpuAlgos, GroupedAlgorithmsMatchSequential) {
     EXPECT_TRUE(same(g.dwgu, seq.dwgu)) << "d_w_gate_up, S=" << streams;
     EXPECT_TRUE(same(g.dwd, seq.dwd)) << "d_w_down, S=" << streams;
   }
+  // Our mma tile kernel for every stage (min_flops out of reach: no call goes to multi_stream).
+  {
+    cuda::GroupedDefaults dm;
+    dm.same_dtype = cuda::GroupedAlgo::mma;
+    dm.widening = cuda::GroupedAlgo::mma;
+    dm.multi_stream_min_flops = 1e30;
+    cuda::set_grouped_defaults(dm);
+    const Out m = run(ExpertsImpl::grouped);
+    EXPECT_LT(test::rel_error(m.y, seq.y), test::kTolBf16) << "y, mma";
+    EXPECT_LT(test::rel_error(m.d_x, seq.d_x), test::kTolBf16) << "d_x, mma";
+    EXPECT_LT(test::rel_error(m.d_gate_up, seq.d_gate_up), test::kTolBf16) << "d_gate_up, mma";
+    EXPECT_LT(test::rel_error(m.d_row_prob, seq.d_row_prob), test::kTolBf16) << "d_row_prob, mma";
+    EXPECT_LT(test::rel_error(increment(m.dwgu, gu0), increment(seq.dwgu, gu0)), test::kTolBf16)
+        << "d_w_gate_up, mma";
+    EXPECT_LT(test::rel_error(increment(m.dwd, gd0), increment(seq.dwd, gd0)), test::kTolBf16)
+        << "d_w_down, mma";
+  }
   cuda::set_grouped_defaults({cuda::GroupedAlgo::cublas, cuda::GroupedAlgo::wmma, 4});
   const Out w = run(ExpertsImpl::grouped);
   EXPECT_LT(test::rel_error(w.y, seq.y), test::kTolBf16) << "y, cublas";

@@ -422,6 +422,142 @@ INSTANTIATE_TEST_SUITE_P(
              dtype_name(g.out) + algo_suffix(g.algo);
     });
 
+// ---- the mma tile kernel (GroupedAlgo::mma) ----------------------------------------------------
+
+// Every transpose pair, bf16 and f16, C of the input dtype or f32, both tile heights, beta 0 and
+// 1, against a double reference. Sizes: the contiguous extents are multiples of 8 (the kernel's
+// contract); the others are ragged (1, 37, 129, 200 rows: partial tiles; a K tail of 37 or 300
+// rows for the wgrad shape), N crosses a 128-column tile, K spans 1 to 5 K steps of 64, one
+// problem is empty (M = 0) and one has K = 0 (C = beta C). Leading dimensions exceed the extents,
+// and each problem's matrices are separate buffers.
+TEST(GemmGroupedMma, AllTransposesAndDtypesMatchDoubleReference) {
+  BB_REQUIRE_GPU();
+#ifdef BB_WITH_CUDA
+  int cases = 0;
+  for (bool ta : {false, true})
+    for (bool tb : {false, true})
+      for (DType in : {DType::bf16, DType::f16})
+        for (bool f32_out : {false, true})
+          for (int tile_m : {64, 128})
+            for (float beta : {0.0f, 1.0f}) {
+              const DType out = f32_out ? DType::f32 : in;
+              // {M, N, K}: M must be a multiple of 8 when A is stored [K][M]; K when it is the
+              // contiguous extent of A ([M][K]) or of B ([N][K]).
+              const bool k8 = !ta || tb;
+              const std::vector<std::array<int64_t, 3>> mnk = {
+                  {ta ? 136 : 37, 136, k8 ? 72 : 37}, {0, 136, 64},
+                  {ta ? 8 : 1, 8, k8 ? 320 : 300},    {ta ? 200 : 129, 256, 0},
+                  {ta ? 64 : 200, 136, k8 ? 136 : 129}};
+              int64_t maxm = 0, maxn = 0, maxk = 0;
+              for (const auto& p : mnk) maxm = std::max(maxm, p[0]), maxn = std::max(maxn, p[1]), maxk = std::max(maxk, p[2]);
+              const int64_t lda = (ta ? maxm : maxk) + 8, ldb = (tb ? maxk : maxn) + 16, ldc = maxn + 8;
+              std::vector<cuda::GemmProblem> ps;
+              std::vector<Tensor> keep;
+              std::vector<std::vector<float>> av, bv, cv;
+              for (size_t i = 0; i < mnk.size(); ++i) {
+                const auto [M, N, K] = mnk[i];
+                const int64_t a_rows = ta ? K : M, b_rows = tb ? N : K;
+                const uint64_t seed = 1000 + 10 * static_cast<uint64_t>(cases) + i;
+                av.push_back(stored(test::randn(std::max<int64_t>(a_rows, 1) * lda, seed), in));
+                bv.push_back(stored(test::randn(std::max<int64_t>(b_rows, 1) * ldb, seed + 300), in));
+                cv.push_back(stored(test::randn(std::max<int64_t>(M, 1) * ldc, seed + 600), out));
+                keep.push_back(on_gpu(av.back(), {std::max<int64_t>(a_rows, 1), lda}, in));
+                keep.push_back(on_gpu(bv.back(), {std::max<int64_t>(b_rows, 1), ldb}, in));
+                keep.push_back(on_gpu(cv.back(), {std::max<int64_t>(M, 1), ldc}, out));
+                cuda::GemmProblem p;
+                p.M = M;
+                p.N = N;
+                p.K = K;
+                p.A = keep[keep.size() - 3].raw();
+                p.B = keep[keep.size() - 2].raw();
+                p.C = keep.back().raw();
+                ps.push_back(p);
+              }
+              const float alpha = 0.75f;
+              cuda::GroupedConfig cfg;
+              cfg.algo = cuda::GroupedAlgo::mma;
+              cfg.tile_m = tile_m;
+              cuda::gemm_grouped(ta, tb, ps, alpha, in, lda, ldb, beta, out, ldc, 0, cfg);
+              const std::string what = std::string(ta ? "T" : "N") + (tb ? "T" : "N") + " " + dtype_name(in) +
+                                       "->" + dtype_name(out) + " tile_m " + std::to_string(tile_m) +
+                                       " beta " + std::to_string(beta);
+              for (size_t i = 0; i < mnk.size(); ++i) {
+                const auto [M, N, K] = mnk[i];
+                if (M == 0) continue;
+                // The reference on packed copies of the stored (strided) operands.
+                const int64_t a_rows = ta ? K : M, a_cols = ta ? M : K, b_rows = tb ? N : K, b_cols = tb ? K : N;
+                std::vector<float> a(a_rows * a_cols), b(b_rows * b_cols), c0(M * N);
+                for (int64_t r = 0; r < a_rows; ++r)
+                  for (int64_t c = 0; c < a_cols; ++c) a[r * a_cols + c] = av[i][r * lda + c];
+                for (int64_t r = 0; r < b_rows; ++r)
+                  for (int64_t c = 0; c < b_cols; ++c) b[r * b_cols + c] = bv[i][r * ldb + c];
+                for (int64_t r = 0; r < M; ++r)
+                  for (int64_t c = 0; c < N; ++c) c0[r * N + c] = cv[i][r * ldc + c];
+                const auto ref = ref_gemm(ta, tb, M, N, K, alpha, a, b, beta, c0);
+                const std::vector<float> all = keep[3 * i + 2].to_floats();
+                std::vector<float> got(M * N);
+                for (int64_t r = 0; r < M; ++r)
+                  for (int64_t c = 0; c < ldc; ++c) {
+                    if (c < N) got[r * N + c] = all[r * ldc + c];
+                    else ASSERT_EQ(all[r * ldc + c], cv[i][r * ldc + c]) << what << ": problem " << i
+                                                                         << " wrote past N at row " << r;
+                  }
+                if (K == 0 && beta == 0.0f) {  // C = 0 exactly (the reference is all zeros)
+                  for (float v : got) ASSERT_EQ(v, 0.0f) << what << ": problem " << i;
+                  continue;
+                }
+                EXPECT_LT(test::rel_error(got, ref), out == DType::f32 ? 1e-5 : test::kTolBf16)
+                    << what << ": problem " << i;
+              }
+              ++cases;
+            }
+  EXPECT_EQ(cases, 64);
+#endif
+}
+
+TEST(GemmGroupedMma, RefusalsAreClearErrorsAndAutomaticFallsBack) {
+  BB_REQUIRE_GPU();
+#ifdef BB_WITH_CUDA
+  const int64_t M = 37, N = 71, K = 40;  // N = 71: not a multiple of 8
+  const auto av = stored(test::randn(M * K, 5), DType::bf16), bv = stored(test::randn(N * K, 6), DType::bf16);
+  const std::vector<float> cv(M * N, 0.0f);
+  Tensor A = on_gpu(av, {M, K}, DType::bf16), B = on_gpu(bv, {N, K}, DType::bf16);
+  Tensor C = on_gpu(cv, {M, N}, DType::bf16);
+  std::vector<cuda::GemmProblem> ps(1);
+  ps[0].M = M;
+  ps[0].N = N;
+  ps[0].K = K;
+  ps[0].A = A.raw();
+  ps[0].B = B.raw();
+  ps[0].C = C.raw();
+  cuda::GroupedConfig cfg;
+  cfg.algo = cuda::GroupedAlgo::mma;
+  test::expect_error_contains(
+      [&] { cuda::gemm_grouped(false, true, ps, 1.0f, DType::bf16, K, K, 0.0f, DType::bf16, N, 0, cfg); },
+      "algorithm mma refuses this call: every leading dimension must be a multiple of 8");
+  test::expect_error_contains(
+      [&] { cuda::gemm_grouped(false, true, ps, 1.0f, DType::f32, K, K, 0.0f, DType::f32, N, 0, cfg); },
+      "algorithm mma refuses this call: inputs must be bf16 or f16");
+  cfg.tile_m = 96;
+  std::vector<cuda::GemmProblem> ok = ps;
+  ok[0].N = 64;
+  test::expect_error_contains(
+      [&] { cuda::gemm_grouped(false, true, ok, 1.0f, DType::bf16, K, K, 0.0f, DType::bf16, 64, 0, cfg); },
+      "mma tile_m = 96 is not 0, 64 or 128");
+  // Defaults naming mma: a call it refuses runs on cuBLAS's grouped GEMM instead, correctly.
+  const cuda::GroupedDefaults d0 = cuda::grouped_defaults();
+  cuda::GroupedDefaults d = d0;
+  d.same_dtype = cuda::GroupedAlgo::mma;
+  d.widening = cuda::GroupedAlgo::mma;
+  d.multi_stream_min_flops = 1e30;
+  cuda::set_grouped_defaults(d);
+  cuda::gemm_grouped(false, true, ps, 1.0f, DType::bf16, K, K, 0.0f, DType::bf16, N, 0);
+  cuda::set_grouped_defaults(d0);
+  const auto ref = ref_gemm(false, true, M, N, K, 1.0, av, bv, 0.0, cv);
+  EXPECT_LT(test::rel_error(C.to_floats(), ref), test::kTolBf16);
+#endif
+}
+
 // ---- multi-stream grouped GEMM on the expert weight-gradient shape ----------------------------
 
 // d_W[g] += d_Y_g^T X_g as the experts issue it: A_g and B_g are consecutive row blocks
@@ -591,10 +727,10 @@ TEST(GemmGroupedMultiStream, DefaultsSteerAutomatic) {
   BB_REQUIRE_GPU();
 #ifdef BB_WITH_CUDA
   const cuda::GroupedDefaults d0 = cuda::grouped_defaults();
-  EXPECT_EQ(d0.same_dtype, cuda::GroupedAlgo::cublas);
+  EXPECT_EQ(d0.same_dtype, cuda::GroupedAlgo::mma);
   EXPECT_EQ(d0.widening, cuda::GroupedAlgo::multi_stream);
   EXPECT_EQ(d0.num_streams, 4);
-  EXPECT_EQ(d0.multi_stream_min_flops, 1e9);
+  EXPECT_EQ(d0.multi_stream_min_flops, 1.2e9);
   {
     cuda::GroupedDefaults bad = d0;
     bad.multi_stream_min_flops = -1;

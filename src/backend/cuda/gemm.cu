@@ -1,4 +1,5 @@
-// gemm.cu — cuBLASLt GEMM and grouped GEMM: cuBLAS grouped, multi-stream cuBLASLt, and a WMMA
+// gemm.cu — cuBLASLt GEMM and grouped GEMM: cuBLAS grouped, multi-stream cuBLASLt, our mma.sync
+// tile kernel (grouped_mma.cu), and a WMMA
 // grouped weight-gradient kernel.
 //
 // Row-major on a column-major library: a row-major X[r, c] is the column-major X^T, so
@@ -34,6 +35,7 @@
 
 #include "backend/cuda/check.cuh"
 #include "backend/cuda/gemm.h"
+#include "backend/cuda/grouped_mma.h"
 #include "backend/cuda/runtime.h"
 #include "backend/cuda/vec.cuh"
 #include "core/tensor.h"
@@ -995,6 +997,8 @@ const char* grouped_algo_name(GroupedAlgo a) {
       return "multi_stream";
     case GroupedAlgo::wmma:
       return "wmma";
+    case GroupedAlgo::mma:
+      return "mma";
   }
   return "?";
 }
@@ -1053,6 +1057,13 @@ void gemm_grouped(bool ta, bool tb, const std::vector<GemmProblem>& problems, fl
     }
   }
   const int num_streams = cfg.num_streams > 0 ? cfg.num_streams : defaults.num_streams;
+  std::string mma_refusal;
+  if (algo == GroupedAlgo::mma) {
+    mma_refusal = grouped_mma_refusal(ta, tb, problems, ab, lda, ldb, cdt, ldc, dev);
+    // A default that cannot take this call falls back instead of failing the step.
+    if (!mma_refusal.empty() && cfg.algo == GroupedAlgo::automatic)
+      algo = same ? GroupedAlgo::cublas : GroupedAlgo::multi_stream;
+  }
   bool ok = false;
   const char* takes = "";
   switch (algo) {
@@ -1068,9 +1079,15 @@ void gemm_grouped(bool ta, bool tb, const std::vector<GemmProblem>& problems, fl
       ok = (ab == DType::bf16 || ab == DType::f16) && cdt == DType::f32 && ta && !tb;
       takes = "bf16|f16 -> f32 with trans_a && !trans_b";
       break;
+    case GroupedAlgo::mma:
+      ok = mma_refusal.empty();
+      takes = "bf16|f16 -> the same or f32, with multiples of 8 and 16-byte aligned matrices";
+      break;
     case GroupedAlgo::automatic:
       break;
   }
+  BB_CHECK(algo != GroupedAlgo::mma || ok, "cuda::gemm_grouped: algorithm mma refuses this call: ",
+           mma_refusal);
   BB_CHECK(ok, "cuda::gemm_grouped: inputs ", dtype_name(ab), " with output ", dtype_name(cdt),
            " and trans_a=", ta, " trans_b=", tb, " is not supported by algorithm ",
            grouped_algo_name(algo), " (it takes ", takes, ")");
@@ -1090,6 +1107,9 @@ void gemm_grouped(bool ta, bool tb, const std::vector<GemmProblem>& problems, fl
       break;
     case GroupedAlgo::wmma:
       grouped_own_tn(ps, alpha, ab, lda, ldb, beta, ldc, dev);
+      break;
+    case GroupedAlgo::mma:
+      grouped_mma(ta, tb, ps, alpha, ab, lda, ldb, beta, cdt, ldc, dev, cfg.tile_m);
       break;
     case GroupedAlgo::automatic:
       break;

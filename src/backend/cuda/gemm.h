@@ -1,4 +1,5 @@
-// gemm.h — row-major GEMM on CUDA devices through cuBLASLt (and cuBLAS for grouped GEMM).
+// gemm.h — row-major GEMM on CUDA devices through cuBLASLt (grouped GEMM also through cuBLAS and our
+// tile kernels: WMMA, and mma.sync in grouped_mma.h).
 //
 //   C[M,N] = alpha * op(A) @ op(B) + beta * C          (fp32 compute and accumulation)
 //   op(A) is A[M,K] (trans_a = false) or A[K,M]^T; op(B) is B[K,N] or B[N,K]^T.
@@ -52,14 +53,18 @@ enum class GroupedAlgo {
   cublas,        // one cublasGemmGroupedBatchedEx: bf16 -> bf16, f16 -> f16, f32 -> f32 only
   multi_stream,  // one cuBLASLt GEMM per problem, spread over side streams (any native combo)
   wmma,          // our WMMA tile kernel: bf16|f16 -> f32 with trans_a && !trans_b only
+  mma,           // our mma.sync tile kernel (grouped_mma.h): bf16|f16 -> same or f32, any
+                 // transposes, one launch; multiples of 8 and 16-byte alignment required
 };
 const char* grouped_algo_name(GroupedAlgo a);
 
 // Per-call choice. num_streams (multi_stream only): side streams used, 1..kMaxGroupedStreams;
 // 0 takes grouped_defaults().num_streams.
+// tile_m (mma only): rows per CTA tile, 64 or 128; 0 picks from the mean M (64 up to 320 rows).
 struct GroupedConfig {
   GroupedAlgo algo = GroupedAlgo::automatic;
   int num_streams = 0;
+  int tile_m = 0;
 };
 constexpr int kMaxGroupedStreams = 16;
 
@@ -68,17 +73,19 @@ constexpr int kMaxGroupedStreams = 16;
 //   same_dtype: bf16 -> bf16, f16 -> f16, f32 -> f32 (the expert forward and dgrad);
 //   widening:   bf16|f16 -> f32 (the expert wgrad into f32 gradients).
 struct GroupedDefaults {
-  GroupedAlgo same_dtype = GroupedAlgo::cublas;
+  GroupedAlgo same_dtype = GroupedAlgo::mma;
   GroupedAlgo widening = GroupedAlgo::multi_stream;
   int num_streams = 4;
   // Same-dtype calls whose mean problem is at least this many FLOPs (2 M N K over the non-empty
-  // problems) take multi_stream instead of `same_dtype`. Measured on an H200 at E = 128,
-  // H = 2048, F = 768 (forward stage, both projections): cuBLAS's grouped GEMM 1.15 ms vs
-  // single-thread multi_stream 1.92 ms at T = 4K tokens x top-8 (0.8-1.6 GFLOP per expert);
-  // 2.14 vs 1.78 ms (S = 2, threaded enqueue) at T = 8K; 8.7 vs 3.9 ms at T = 32K. In the
-  // end-to-end step of the 4-layer Qwen3-30B-A3B slice at 8K tokens, 1e9 gave 121.2 ms, 2e9
-  // 125.5 ms. 0 sends every same-dtype call to multi_stream.
-  double multi_stream_min_flops = 1e9;
+  // problems) take multi_stream instead of `same_dtype`. Measured on an H200 (bench_experts,
+  // forward stage, both projections; skills/experts.md): with 256 rows per expert (E = 256,
+  // H = 2048, F = 512; 0.5 and 1.1 GFLOP per expert) mma 1.46 ms, cuBLAS grouped 1.63,
+  // multi_stream S=4 2.13; with 512 rows (E = 128, F = 768; 1.6 and 3.2 GFLOP) multi_stream S=2
+  // 1.80, mma 1.89, cuBLAS grouped 2.16; with 2048 rows multi_stream 3.86, mma 6.96. End to end
+  // (4-layer Qwen3-30B-A3B slice, 8K tokens) a line at 2e9, which sends its 1.6 GFLOP down
+  // projection to mma, gave 108.4 ms against 105.0 at 1e9. 0 sends every same-dtype call to
+  // multi_stream.
+  double multi_stream_min_flops = 1.2e9;
   // multi_stream: side streams 1..S-1 are enqueued by a pool of host threads while the calling
   // thread enqueues stream 0 (false: one thread, launches interleaved across the streams).
   bool threaded_enqueue = true;
@@ -108,6 +115,11 @@ void set_grouped_defaults(const GroupedDefaults& d);  // checked: no automatic, 
 //   - wmma: our tile kernel, one CTA per (problem, 128x128 output tile), bf16 WMMA with fp32
 //     accumulators; bf16|f16 -> f32 with trans_a && !trans_b (d_W += d_Y^T X) only. Kept for
 //     comparison: cuBLASLt is several times faster.
+//   - mma: our tile kernel of grouped_mma.h, one launch for all problems (no per-problem host
+//     cost), bf16|f16 inputs with C of the same dtype or f32, all transposes. It needs every
+//     contiguous extent and leading dimension a multiple of 8 and 16-byte aligned matrices;
+//     when `automatic` resolves to mma and a call does not meet that, the call takes cublas
+//     (same dtype) or multi_stream (widening) instead.
 // A combination the chosen algorithm does not take is an error naming it.
 void gemm_grouped(bool trans_a, bool trans_b, const std::vector<GemmProblem>& problems, float alpha,
                   DType ab_dt, int64_t lda, int64_t ldb, float beta, DType c_dt, int64_t ldc,
