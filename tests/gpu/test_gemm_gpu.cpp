@@ -56,6 +56,18 @@ std::vector<double> ref_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, 
 }
 
 #ifdef BB_WITH_CUDA
+// One grouped-GEMM problem whose A, B and C are the last three tensors of `keep`.
+cuda::GemmProblem last_three(int64_t M, int64_t N, int64_t K, std::vector<Tensor>& keep) {
+  cuda::GemmProblem p;
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  p.A = keep[keep.size() - 3].raw();
+  p.B = keep[keep.size() - 2].raw();
+  p.C = keep.back().raw();
+  return p;
+}
+
 void gpu_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const Tensor& a,
               const Tensor& b, float beta, Tensor& c) {
   cuda::gemm(ta, tb, M, N, K, alpha, a.raw(), a.dtype(), std::max<int64_t>(a.size(1), 1), b.raw(),
@@ -383,14 +395,7 @@ TEST_P(GemmGroupedGpu, EachProblemMatchesDoubleReference) {
     keep.push_back(on_gpu(av.back(), {a_rows, lda0}, g.in));
     keep.push_back(on_gpu(bv.back(), {b_rows, ldb0}, g.in));
     keep.push_back(on_gpu(cv.back(), {M, ldc0}, g.out));
-    cuda::GemmProblem p;
-    p.M = M;
-    p.N = N;
-    p.K = K;
-    p.A = keep[keep.size() - 3].raw();
-    p.B = keep[keep.size() - 2].raw();
-    p.C = keep.back().raw();
-    ps.push_back(p);
+    ps.push_back(last_three(M, N, K, keep));
   }
   cuda::gemm_grouped(g.ta, g.tb, ps, alpha, g.in, lda0, ldb0, beta, g.out, ldc0, 0,
                      config_of(g.algo));
@@ -464,14 +469,7 @@ TEST(GemmGroupedMma, AllTransposesAndDtypesMatchDoubleReference) {
                 keep.push_back(on_gpu(av.back(), {std::max<int64_t>(a_rows, 1), lda}, in));
                 keep.push_back(on_gpu(bv.back(), {std::max<int64_t>(b_rows, 1), ldb}, in));
                 keep.push_back(on_gpu(cv.back(), {std::max<int64_t>(M, 1), ldc}, out));
-                cuda::GemmProblem p;
-                p.M = M;
-                p.N = N;
-                p.K = K;
-                p.A = keep[keep.size() - 3].raw();
-                p.B = keep[keep.size() - 2].raw();
-                p.C = keep.back().raw();
-                ps.push_back(p);
+                ps.push_back(last_three(M, N, K, keep));
               }
               const float alpha = 0.75f;
               cuda::GroupedConfig cfg;
