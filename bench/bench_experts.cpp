@@ -13,8 +13,9 @@
 //     wgrad: d_W_down[e] += d_y_e^T a_e                d_W_gu[e] += d_gu_e^T x_e    (f32 C)
 //   Algorithms: sequential (one cuda::gemm per expert, compute stream only), cublas (one
 //   cublasGemmGroupedBatchedEx; it refuses bf16 -> f32, so no wgrad row), multi_stream with
-//   S = 1, 2, 4, 8 side streams, wmma (wgrad only), our mma tile kernel with 64- and 128-row
-//   tiles (grouped_mma.h, every stage), and sequential / multi_stream S=4 with the
+//   S = 1, 2, 4, 8 side streams, wmma (wgrad only), our mma tile kernels (grouped_mma.h, every
+//   stage: automatic = the wgmma kernel where it applies, and the mma.sync kernel with 64- and
+//   128-row tiles), and sequential / multi_stream S=4 with the
 //   plan cache cleared before every timed call ("cold": what a step pays for expert sizes never
 //   seen before, one cuBLASLt heuristic query per new shape).
 //   Columns: ms = median over --iters calls of CUDA events on the compute stream around the call
@@ -313,8 +314,9 @@ void bench_shape(const Args& args, int64_t T, double ceiling) {
                      {cuda::GroupedAlgo::multi_stream, s},
                      false});
   if (!args.skip_wmma) algos.push_back({"wmma", false, {cuda::GroupedAlgo::wmma, 0}, false});
+  algos.push_back({"mma auto (wgmma for fwd)", false, {cuda::GroupedAlgo::mma, 0, 0}, false});
   for (int tm : {64, 128})
-    algos.push_back({"mma BM=" + std::to_string(tm), false, {cuda::GroupedAlgo::mma, 0, tm}, false});
+    algos.push_back({"mma.sync BM=" + std::to_string(tm), false, {cuda::GroupedAlgo::mma, 0, tm}, false});
   algos.push_back({"sequential, cold plans", true, {}, true});
   algos.push_back(
       {"multi_stream S=4, cold plans", false, {cuda::GroupedAlgo::multi_stream, 4}, true});

@@ -429,8 +429,9 @@ INSTANTIATE_TEST_SUITE_P(
 
 // ---- the mma tile kernel (GroupedAlgo::mma) ----------------------------------------------------
 
-// Every transpose pair, bf16 and f16, C of the input dtype or f32, both tile heights, beta 0 and
-// 1, against a double reference. Sizes: the contiguous extents are multiples of 8 (the kernel's
+// Every transpose pair, bf16 and f16, C of the input dtype or f32, both tile heights and the
+// automatic choice (the wgmma kernel for bf16 NT calls on sm_90), beta 0 and 1, against a
+// double reference. Sizes: the contiguous extents are multiples of 8 (the kernel's
 // contract); the others are ragged (1, 37, 129, 200 rows: partial tiles; a K tail of 37 or 300
 // rows for the wgrad shape), N crosses a 128-column tile, K spans 1 to 5 K steps of 64, one
 // problem is empty (M = 0) and one has K = 0 (C = beta C). Leading dimensions exceed the extents,
@@ -443,7 +444,7 @@ TEST(GemmGroupedMma, AllTransposesAndDtypesMatchDoubleReference) {
     for (bool tb : {false, true})
       for (DType in : {DType::bf16, DType::f16})
         for (bool f32_out : {false, true})
-          for (int tile_m : {64, 128})
+          for (int tile_m : {0, 64, 128})  // 0: the wgmma kernel where it applies (sm_90, bf16, NT)
             for (float beta : {0.0f, 1.0f}) {
               const DType out = f32_out ? DType::f32 : in;
               // {M, N, K}: M must be a multiple of 8 when A is stored [K][M]; K when it is the
@@ -509,7 +510,7 @@ TEST(GemmGroupedMma, AllTransposesAndDtypesMatchDoubleReference) {
               }
               ++cases;
             }
-  EXPECT_EQ(cases, 64);
+  EXPECT_EQ(cases, 96);
 #endif
 }
 

@@ -53,8 +53,9 @@ enum class GroupedAlgo {
   cublas,        // one cublasGemmGroupedBatchedEx: bf16 -> bf16, f16 -> f16, f32 -> f32 only
   multi_stream,  // one cuBLASLt GEMM per problem, spread over side streams (any native combo)
   wmma,          // our WMMA tile kernel: bf16|f16 -> f32 with trans_a && !trans_b only
-  mma,           // our mma.sync tile kernel (grouped_mma.h): bf16|f16 -> same or f32, any
-                 // transposes, one launch; multiples of 8 and 16-byte alignment required
+  mma,           // our tile kernels (grouped_mma.h; wgmma for the bf16 forward shape on sm_90,
+                 // mma.sync otherwise): bf16|f16 -> same or f32, any transposes, one launch;
+                 // multiples of 8 and 16-byte alignment required
 };
 const char* grouped_algo_name(GroupedAlgo a);
 

@@ -23,10 +23,11 @@
 // M-fastest so CTAs running together share a B tile in L2); a CTA finds its problem by binary
 // search over the tile starts.
 //
-// Measured (H200, bench_experts; skills/experts.md): 289-355 TFLOP/s on the expert forward
-// (37-45% of the cuBLASLt ceiling), ahead of cuBLAS's grouped GEMM and per-expert calls up to
+// Measured (H200, bench_experts; skills/experts.md): 289-362 TFLOP/s on the expert forward
+// (37-46% of the cuBLASLt ceiling), ahead of cuBLAS's grouped GEMM and per-expert calls up to
 // ~512 rows per expert, behind cuBLASLt's wgmma kernels beyond: mma.sync, not the schedule, is
-// the limit. The wgrad shape (both operands through ldmatrix.trans) reaches 8-33%.
+// the limit. The wgrad shape (both operands through ldmatrix.trans) reaches 8-34%. On sm_90 the
+// forward shape runs the wgmma kernel of grouped_wgmma_sm90a.cu instead (334-418 TFLOP/s).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -47,14 +48,6 @@ namespace bb::cuda {
 namespace {
 
 constexpr int kBN = 128, kBK = 64, kStages = 3, kThreads = 128;
-
-struct MmaProblem {
-  int64_t M, N, K;
-  const void* A;
-  const void* B;
-  void* C;
-  int32_t tiles_m;
-};
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -352,6 +345,12 @@ void grouped_mma(bool ta, bool tb, const std::vector<GemmProblem>& ps, float alp
   BB_CHECK(tile_m == 0 || tile_m == 64 || tile_m == 128, "cuda::gemm_grouped: mma tile_m = ",
            tile_m, " is not 0, 64 or 128");
   if (ps.empty()) return;
+  int major = 0, minor = 0;
+  BB_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  BB_CHECK_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  const bool wgmma = tile_m == 0 && major == 9 && minor == 0 && ab == DType::bf16 && !ta && tb &&
+                     (cdt == DType::bf16 || cdt == DType::f32);
+  if (wgmma) tile_m = 128;
   if (tile_m == 0) {
     double rows = 0;
     for (const GemmProblem& p : ps) rows += static_cast<double>(p.M);
@@ -379,6 +378,10 @@ void grouped_mma(bool ta, bool tb, const std::vector<GemmProblem>& ps, float alp
   const auto* dprobs = static_cast<const MmaProblem*>(meta.raw());
   const auto* dstarts = reinterpret_cast<const int32_t*>(static_cast<const unsigned char*>(meta.raw()) + pb);
   const int n = static_cast<int>(mp.size());
+  if (wgmma) {
+    launch_grouped_wgmma_tn(dprobs, dstarts, n, tiles, lda, ldb, ldc, alpha, beta, cdt == DType::f32);
+    return;
+  }
   const bool bf = ab == DType::bf16;
   if (cdt == DType::f32) {
     if (bf) launch_t<true, float>(ta, tb, tile_m, dprobs, dstarts, n, tiles, lda, ldb, ldc, alpha, beta);

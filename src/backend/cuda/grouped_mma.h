@@ -29,10 +29,28 @@ std::string grouped_mma_refusal(bool trans_a, bool trans_b, const std::vector<Ge
                                 int device);
 
 // Runs the problems (all with M, N > 0; checked by the caller) on cuda::stream(). tile_m: 64 or
-// 128 rows per CTA tile, 0 = chosen from the shapes (64 when the mean M is at most 320).
+// 128 rows per CTA tile of the mma.sync kernel; 0 = the wgmma kernel below when it applies
+// (compute capability 9.0, bf16 inputs, C bf16 or f32, !trans_a && trans_b: the expert forward),
+// else the mma.sync kernel with 64 rows when the mean M is at most 320 and 128 above.
 void grouped_mma(bool trans_a, bool trans_b, const std::vector<GemmProblem>& ps, float alpha,
                  DType ab, int64_t lda, int64_t ldb, float beta, DType c_dt, int64_t ldc,
                  int device, int tile_m);
+
+// The device-side problem table of both kernels (internal).
+struct MmaProblem {
+  int64_t M, N, K;
+  const void* A;
+  const void* B;
+  void* C;
+  int32_t tiles_m;  // M tiles of this problem; its CTAs are the M-fastest (m, n) tiles
+};
+
+// grouped_wgmma_sm90a.cu (built for sm_90a only): 128 x 128 tiles, wgmma from shared memory,
+// op(A) = A [M][K], op(B) = B^T with B [N][K], bf16 inputs, C bf16 (c_f32 false) or f32.
+// `starts[g]` is problem g's first CTA; `tiles` CTAs in all.
+void launch_grouped_wgmma_tn(const MmaProblem* probs, const int32_t* starts, int n, int64_t tiles,
+                             int64_t lda, int64_t ldb, int64_t ldc, float alpha, float beta,
+                             bool c_f32);
 
 }  // namespace bb::cuda
 
