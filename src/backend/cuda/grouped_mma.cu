@@ -40,6 +40,7 @@
 
 #include "backend/cuda/check.cuh"
 #include "backend/cuda/grouped_mma.h"
+#include "backend/cuda/grouped_mma_device.cuh"
 #include "backend/cuda/runtime.h"
 #include "core/error.h"
 #include "core/tensor.h"
@@ -47,21 +48,9 @@
 namespace bb::cuda {
 namespace {
 
+using namespace grouped;
+
 constexpr int kBN = 128, kBK = 64, kStages = 3, kThreads = 128;
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 
 __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -130,23 +119,6 @@ struct TileLoader {
   }
 };
 
-__device__ __forceinline__ void store2(float* p, float a, float b) {
-  *reinterpret_cast<float2*>(p) = make_float2(a, b);
-}
-__device__ __forceinline__ void store2(__nv_bfloat16* p, float a, float b) {
-  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
-}
-__device__ __forceinline__ void store2(__half* p, float a, float b) {
-  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
-}
-__device__ __forceinline__ float2 load2(const float* p) { return *reinterpret_cast<const float2*>(p); }
-__device__ __forceinline__ float2 load2(const __nv_bfloat16* p) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
-}
-__device__ __forceinline__ float2 load2(const __half* p) {
-  return __half22float2(*reinterpret_cast<const __half2*>(p));
-}
-
 template <int BM>
 constexpr int smem_bytes() {
   return kStages * (BM * kBK + kBN * kBK) * 2;
@@ -166,19 +138,9 @@ __global__ void __launch_bounds__(kThreads, BM == 128 ? 2 : 3)
   uint16_t* As = smem;
   uint16_t* Bs = smem + kStages * kATile;
 
-  // The problem owning this CTA: the last one whose first tile is <= blockIdx.x.
-  const int bid = static_cast<int>(blockIdx.x);
-  int lo = 0, hi = num_probs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (__ldg(starts + mid) <= bid) lo = mid;
-    else hi = mid - 1;
-  }
-  const MmaProblem& p = probs[lo];
-  const int64_t M = p.M, N = p.N, K = p.K;
-  const int tile = bid - __ldg(starts + lo);
-  const int64_t m0 = static_cast<int64_t>(tile % p.tiles_m) * BM;
-  const int64_t n0 = static_cast<int64_t>(tile / p.tiles_m) * kBN;
+  const TileAt at = find_tile<BM, kBN>(probs, starts, num_probs);
+  const MmaProblem& p = *at.p;
+  const int64_t M = p.M, N = p.N, K = p.K, m0 = at.m0, n0 = at.n0;
   const auto* A = static_cast<const uint16_t*>(p.A);
   const auto* B = static_cast<const uint16_t*>(p.B);
 
@@ -273,14 +235,7 @@ __global__ void __launch_bounds__(kThreads, BM == 128 ? 2 : 3)
       for (int h = 0; h < 2; ++h) {
         const int64_t row = m0 + wm * WM + i * 16 + (lane >> 2) + 8 * h;
         if (row >= M) continue;
-        TC* out = C + row * ldc + col;
-        float v0 = alpha * acc[i][j][2 * h], v1 = alpha * acc[i][j][2 * h + 1];
-        if (beta != 0.0f) {
-          const float2 o = load2(out);
-          v0 += beta * o.x;
-          v1 += beta * o.y;
-        }
-        store2(out, v0, v1);
+        epilogue2(C + row * ldc + col, acc[i][j][2 * h], acc[i][j][2 * h + 1], alpha, beta);
       }
     }
 #else

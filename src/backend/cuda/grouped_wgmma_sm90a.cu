@@ -19,25 +19,16 @@
 
 #include "backend/cuda/check.cuh"
 #include "backend/cuda/grouped_mma.h"
+#include "backend/cuda/grouped_mma_device.cuh"
 
 namespace bb::cuda {
 namespace {
 
+using namespace grouped;
+
 constexpr int kBM = 128, kBN = 128, kBK = 64, kStages = 3, kThreads = 256;
 constexpr int kTileBytes = kBM * kBK * 2;  // A and B tiles are both 128 x 64 bf16 (16 KB)
 constexpr int kSmem = kStages * 2 * kTileBytes + 1024;  // + room to align the base to 1024
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 
 // Shared-memory matrix descriptor: start address, leading byte offset 16 (unused by swizzled
 // K-major layouts), stride byte offset 1024 (one 8-row atom), 128-byte swizzle.
@@ -70,15 +61,6 @@ __device__ __forceinline__ void load_tile(uint32_t s, const uint16_t* g, const u
   }
 }
 
-__device__ __forceinline__ void store2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
-__device__ __forceinline__ void store2(__nv_bfloat16* p, float a, float b) {
-  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
-}
-__device__ __forceinline__ float2 load2(const float* p) { return *reinterpret_cast<const float2*>(p); }
-__device__ __forceinline__ float2 load2(const __nv_bfloat16* p) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
-}
-
 template <class TC>
 __global__ void __launch_bounds__(kThreads, 2)
     grouped_wgmma_tn_kernel(const MmaProblem* __restrict__ probs, const int32_t* __restrict__ starts, int num_probs,
@@ -89,18 +71,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   const uint32_t base = (raw + 1023u) & ~1023u;  // wgmma's swizzle is on address bits: align
   const uint32_t As = base, Bs = base + kStages * kTileBytes;
 
-  const int bid = static_cast<int>(blockIdx.x);
-  int lo = 0, hi = num_probs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (__ldg(starts + mid) <= bid) lo = mid;
-    else hi = mid - 1;
-  }
-  const MmaProblem& p = probs[lo];
-  const int64_t M = p.M, N = p.N, K = p.K;
-  const int tile = bid - __ldg(starts + lo);
-  const int64_t m0 = static_cast<int64_t>(tile % p.tiles_m) * kBM;
-  const int64_t n0 = static_cast<int64_t>(tile / p.tiles_m) * kBN;
+  const TileAt at = find_tile<kBM, kBN>(probs, starts, num_probs);
+  const MmaProblem& p = *at.p;
+  const int64_t M = p.M, N = p.N, K = p.K, m0 = at.m0, n0 = at.n0;
   const auto* A = static_cast<const uint16_t*>(p.A);
   const auto* B = static_cast<const uint16_t*>(p.B);
   const uint16_t* ga = A + m0 * lda;  // row m0 of A, K step 0
@@ -156,14 +129,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int h = 0; h < 2; ++h) {
       const int64_t row = row0 + 8 * h;
       if (row >= M) continue;
-      TC* out = C + row * ldc + col;
-      float v0 = alpha * acc[4 * j + 2 * h], v1 = alpha * acc[4 * j + 2 * h + 1];
-      if (beta != 0.0f) {
-        const float2 o = load2(out);
-        v0 += beta * o.x;
-        v1 += beta * o.y;
-      }
-      store2(out, v0, v1);
+      epilogue2(C + row * ldc + col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1], alpha, beta);
     }
   }
 #else

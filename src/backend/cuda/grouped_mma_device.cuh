@@ -1,0 +1,83 @@
+// grouped_mma_device.cuh — device pieces shared by the grouped GEMM tile kernels
+// (grouped_mma.cu, grouped_wgmma_sm90a.cu): cp.async moves, the CTA -> (problem, tile) lookup,
+// and the paired epilogue loads and stores.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/grouped_mma.h"
+
+namespace bb::cuda::grouped {
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared; !valid zero-fills them and reads nothing (src must still be a
+// mapped address: callers pass the matrix's first element).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// This CTA's problem (the last one whose first tile is <= blockIdx.x, by binary search over the
+// tile starts) and the origin of its BM x BN output tile (tiles M-fastest within a problem).
+struct TileAt {
+  const MmaProblem* p;
+  int64_t m0, n0;
+};
+template <int BM, int BN>
+__device__ __forceinline__ TileAt find_tile(const MmaProblem* probs, const int32_t* starts, int num_probs) {
+  const int bid = static_cast<int>(blockIdx.x);
+  int lo = 0, hi = num_probs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldg(starts + mid) <= bid) lo = mid;
+    else hi = mid - 1;
+  }
+  const MmaProblem* p = probs + lo;
+  const int tile = bid - __ldg(starts + lo);
+  return {p, static_cast<int64_t>(tile % p->tiles_m) * BM, static_cast<int64_t>(tile / p->tiles_m) * BN};
+}
+
+// Two adjacent C elements (8- or 4-byte aligned), as floats.
+__device__ __forceinline__ void store2(float* p, float a, float b) {
+  *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+__device__ __forceinline__ void store2(__nv_bfloat16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+__device__ __forceinline__ void store2(__half* p, float a, float b) {
+  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+}
+__device__ __forceinline__ float2 load2(const float* p) { return *reinterpret_cast<const float2*>(p); }
+__device__ __forceinline__ float2 load2(const __nv_bfloat16* p) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+}
+__device__ __forceinline__ float2 load2(const __half* p) {
+  return __half22float2(*reinterpret_cast<const __half2*>(p));
+}
+
+// out[0..1] = alpha (v0, v1) + beta out[0..1] (out not read when beta is 0).
+template <class TC>
+__device__ __forceinline__ void epilogue2(TC* out, float v0, float v1, float alpha, float beta) {
+  v0 *= alpha;
+  v1 *= alpha;
+  if (beta != 0.0f) {
+    const float2 o = load2(out);
+    v0 += beta * o.x;
+    v1 += beta * o.y;
+  }
+  store2(out, v0, v1);
+}
+
+}  // namespace bb::cuda::grouped
