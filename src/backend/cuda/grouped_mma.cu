@@ -171,11 +171,7 @@ __global__ void __launch_bounds__(kThreads, BM == 128 ? 2 : 3)
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 
   const int KT = static_cast<int>((K + kBK - 1) / kBK);
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < KT) load_stage(s, static_cast<int64_t>(s) * kBK);
-    cp_async_commit();
-  }
+  pipeline_prologue<kStages, kBK>(KT, load_stage);
 
   for (int kt = 0; kt < KT; ++kt) {
     cp_async_wait<kStages - 2>();

@@ -29,6 +29,17 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// The pipeline's prologue: K steps 0 .. S - 2 in flight, one commit group each (empty groups
+// past the last step keep the wait_group counts of the main loop right).
+template <int S, int BK, class Load>
+__device__ __forceinline__ void pipeline_prologue(int steps, const Load& load_stage) {
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (s < steps) load_stage(s, static_cast<int64_t>(s) * BK);
+    cp_async_commit();
+  }
+}
+
 // This CTA's problem (the last one whose first tile is <= blockIdx.x, by binary search over the
 // tile starts) and the origin of its BM x BN output tile (tiles M-fastest within a problem).
 struct TileAt {

@@ -89,11 +89,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     load_tile(As + stage * kTileBytes, ga + k0, A, lda, M - m0, K - k0);
     load_tile(Bs + stage * kTileBytes, gb + k0, B, ldb, N - n0, K - k0);
   };
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < KT) load_stage(s, static_cast<int64_t>(s) * kBK);
-    cp_async_commit();
-  }
+  pipeline_prologue<kStages, kBK>(KT, load_stage);
   for (int kt = 0; kt < KT; ++kt) {
     cp_async_wait<kStages - 2>();
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
