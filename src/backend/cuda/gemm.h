@@ -61,7 +61,8 @@ const char* grouped_algo_name(GroupedAlgo a);
 
 // Per-call choice. num_streams (multi_stream only): side streams used, 1..kMaxGroupedStreams;
 // 0 takes grouped_defaults().num_streams.
-// tile_m (mma only): rows per CTA tile, 64 or 128; 0 picks from the mean M (64 up to 320 rows).
+// tile_m (mma only): rows per CTA tile, 64 or 128; 0 = the wgmma kernel for bf16 !trans_a &&
+// trans_b calls on sm_90, else 128 (64 when trans_a).
 struct GroupedConfig {
   GroupedAlgo algo = GroupedAlgo::automatic;
   int num_streams = 0;

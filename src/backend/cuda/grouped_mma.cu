@@ -302,11 +302,10 @@ void grouped_mma(bool ta, bool tb, const std::vector<GemmProblem>& ps, float alp
   const bool wgmma = tile_m == 0 && major == 9 && minor == 0 && ab == DType::bf16 && !ta && tb &&
                      (cdt == DType::bf16 || cdt == DType::f32);
   if (wgmma) tile_m = 128;
-  if (tile_m == 0) {
-    double rows = 0;
-    for (const GemmProblem& p : ps) rows += static_cast<double>(p.M);
-    tile_m = rows / static_cast<double>(ps.size()) <= 320.0 ? 64 : 128;
-  }
+  // Measured on an H200 (bench_experts, 256-2048 rows per expert): 128-row tiles are 4-8% faster
+  // for the forward and dgrad shapes, 64-row tiles 13-28% faster for the wgrad shape
+  // (trans_a, both operands through ldmatrix.trans).
+  if (tile_m == 0) tile_m = ta ? 64 : 128;
   std::vector<MmaProblem> mp;
   std::vector<int32_t> starts;
   int64_t tiles = 0;

@@ -31,7 +31,7 @@ std::string grouped_mma_refusal(bool trans_a, bool trans_b, const std::vector<Ge
 // Runs the problems (all with M, N > 0; checked by the caller) on cuda::stream(). tile_m: 64 or
 // 128 rows per CTA tile of the mma.sync kernel; 0 = the wgmma kernel below when it applies
 // (compute capability 9.0, bf16 inputs, C bf16 or f32, !trans_a && trans_b: the expert forward),
-// else the mma.sync kernel with 64 rows when the mean M is at most 320 and 128 above.
+// else the mma.sync kernel with 128-row tiles, or 64-row tiles when trans_a (the wgrad shape).
 void grouped_mma(bool trans_a, bool trans_b, const std::vector<GemmProblem>& ps, float alpha,
                  DType ab, int64_t lda, int64_t ldb, float beta, DType c_dt, int64_t ldc,
                  int device, int tile_m);
