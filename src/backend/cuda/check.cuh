@@ -31,6 +31,8 @@ inline bool aligned(const void* p, size_t bytes) {
 }
 // Multiprocessors of the current device (asked once per device, then cached).
 int sm_count();
+// Compute capability of device `dev` as 10 major + minor (90 for H100/H200; asked once, cached).
+int compute_capability(int dev);
 // Blocks of `threads` for a grid-stride loop over `work` items: enough to cover the work, at
 // most `blocks_per_sm` per multiprocessor (enough resident threads to hide memory latency).
 inline unsigned grid_stride_blocks(int64_t work, int threads, int blocks_per_sm = 16) {

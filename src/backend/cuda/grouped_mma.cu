@@ -284,9 +284,7 @@ std::string grouped_mma_refusal(bool ta, bool tb, const std::vector<GemmProblem>
     if (!aligned(p.A, 16) || !aligned(p.B, 16) || !aligned(p.C, 16))
       return "every matrix must start 16-byte aligned";
   }
-  int major = 0;
-  BB_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  if (major < 8) return "it needs compute capability 8.0 or newer";
+  if (compute_capability(device) < 80) return "it needs compute capability 8.0 or newer";
   return "";
 }
 
@@ -296,10 +294,7 @@ void grouped_mma(bool ta, bool tb, const std::vector<GemmProblem>& ps, float alp
   BB_CHECK(tile_m == 0 || tile_m == 64 || tile_m == 128, "cuda::gemm_grouped: mma tile_m = ",
            tile_m, " is not 0, 64 or 128");
   if (ps.empty()) return;
-  int major = 0, minor = 0;
-  BB_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  BB_CHECK_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  const bool wgmma = tile_m == 0 && major == 9 && minor == 0 && ab == DType::bf16 && !ta && tb &&
+  const bool wgmma = tile_m == 0 && compute_capability(device) == 90 && ab == DType::bf16 && !ta && tb &&
                      (cdt == DType::bf16 || cdt == DType::f32);
   if (wgmma) tile_m = 128;
   // Measured on an H200 (bench_experts, 256-2048 rows per expert): 128-row tiles are 4-8% faster

@@ -46,6 +46,7 @@ struct DeviceState {
   cudaEvent_t release_marks[kNumStreams] = {};
   cudaMemPool_t pool = nullptr;
   int sms = 0;
+  int cc = 0;  // compute capability, 10 major + minor
   int priority_low = 0, priority_high = 0;
   std::vector<cudaEvent_t> free_events;
 };
@@ -84,6 +85,10 @@ DeviceState& state(int dev) {
   BB_CHECK_CUDA(
       cudaMemPoolSetAttribute(s->pool, cudaMemPoolReuseAllowInternalDependencies, &no));
   BB_CHECK_CUDA(cudaDeviceGetAttribute(&s->sms, cudaDevAttrMultiProcessorCount, dev));
+  int major = 0, minor = 0;
+  BB_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  BB_CHECK_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  s->cc = 10 * major + minor;
   g_states[dev].store(s, std::memory_order_release);
   return *s;
 }
@@ -255,6 +260,8 @@ int sm_count() {
   if (t_cache.sms == 0) t_cache.sms = state(cached_device()).sms;
   return t_cache.sms;
 }
+
+int compute_capability(int dev) { return state(dev).cc; }
 
 int device_count() { return visible_devices(); }
 
