@@ -3,6 +3,7 @@
 //
 //   bench_gdn [--seq LIST] [--hk 16] [--hv 32] [--k 128] [--v 128] [--dtype bf16|f32]
 //             [--do-dtype same|f32] [--no-l2norm] [--vt auto|32|64] [--state-warps auto|4|8]
+//             [--no-overlap]
 //             [--iters 10] [--warmup 2]
 //   LIST: comma-separated shapes, each N (one sequence of N tokens) or NxM (M packed sequences of
 //   N tokens); default 32768,4096x8,131072,262144.
@@ -46,7 +47,7 @@ struct Args {
   std::vector<Shape2> shapes;
   int64_t hk = 16, hv = 32, k = 128, v = 128;
   std::string dtype = "bf16", do_dtype = "same", vt = "auto", state_warps = "auto";
-  bool l2norm = true;
+  bool l2norm = true, overlap = true;
   int iters = 10, warmup = 2;
 };
 
@@ -56,7 +57,7 @@ struct Args {
       "bench_gdn: %s\n"
       "usage: bench_gdn [--seq N|NxM[,...]] [--hk 16] [--hv 32] [--k 128] [--v 128]\n"
       "                 [--dtype bf16|f32] [--do-dtype same|f32] [--no-l2norm] [--vt auto|32|64]\n"
-      "                 [--state-warps auto|4|8]\n"
+      "                 [--state-warps auto|4|8] [--no-overlap]\n"
       "                 [--iters 10] [--warmup 2]\n",
       why.c_str());
   std::exit(2);
@@ -96,6 +97,10 @@ Args parse(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
+    if (k == "--no-overlap") {
+      a.overlap = false;
+      continue;
+    }
     if (k == "--no-l2norm") {
       a.l2norm = false;
       continue;
@@ -207,16 +212,18 @@ double time_ms(const Args& a, Fn&& fn) {
 int run(const Args& a) {
   if (a.vt != "auto") setenv("BB_GDN_VT", a.vt.c_str(), 1);
   if (a.state_warps != "auto") setenv("BB_GDN_STATE_WARPS", a.state_warps.c_str(), 1);
+  if (!a.overlap) setenv("BB_GDN_OVERLAP", "0", 1);
   cudaDeviceProp prop{};
   BB_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   const DType dt = a.dtype == "bf16" ? DType::bf16 : DType::f32;
   const DType do_dt = a.do_dtype == "same" ? dt : DType::f32;
   std::printf(
       "device: %s (%d SMs); Hk %lld, Hv %lld, K %lld, V %lld, %s q/k/v, d_o %s, l2norm %s, vt %s; "
-      "median of %d after %d warm-up\n\n",
+      "backward state passes %s; median of %d after %d warm-up\n\n",
       prop.name, prop.multiProcessorCount, static_cast<long long>(a.hk),
       static_cast<long long>(a.hv), static_cast<long long>(a.k), static_cast<long long>(a.v),
-      a.dtype.c_str(), dtype_name(do_dt), a.l2norm ? "on" : "off", a.vt.c_str(), a.iters, a.warmup);
+      a.dtype.c_str(), dtype_name(do_dt), a.l2norm ? "on" : "off", a.vt.c_str(),
+      a.overlap ? "overlapped" : "in sequence", a.iters, a.warmup);
   std::printf(
       "| shape | tokens | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s | bwd TFLOP/s | fwd+bwd "
       "TFLOP/s | "

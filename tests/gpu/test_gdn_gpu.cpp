@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -283,6 +284,34 @@ TEST(GatedDeltaGpu, RepeatedCallsAreBitwiseEqual) {
   EXPECT_EQ(a.d_v.to_floats(), c.d_v.to_floats());
   EXPECT_EQ(a.d_g.to_floats(), c.d_g.to_floats());
   EXPECT_EQ(a.d_beta.to_floats(), c.d_beta.to_floats());
+}
+
+// The backward runs its two state passes on two streams (the rebuild on a side stream that forks
+// from and joins the current one). The result must not depend on it: BB_GDN_OVERLAP=0 runs both
+// on the current stream, bit for bit the same. Long enough (1000 + 3000 tokens) that the passes
+// really run side by side, and the outputs are read on the current stream right after the call,
+// so a missing join would read unfinished states.
+TEST(GatedDeltaGpu, BackwardSideStreamIsBitwiseEqualToOneStream) {
+  BB_REQUIRE_GPU();
+  const std::vector<int32_t> cu = {0, 1000, 4000};
+  const int64_t T = 4000, Hk = 2, Hv = 4, K = 128;
+  const Tensor cut = Tensor::from_ints(cu, {3});
+  auto bf = [&](int64_t n, uint64_t seed, const Shape& sh) {
+    return Tensor::from_floats(test::randn(static_cast<size_t>(n), seed), sh, DType::bf16).to(kGpu);
+  };
+  const Tensor q = bf(T * Hk * K, 31, {T, Hk, K}), k = bf(T * Hk * K, 32, {T, Hk, K}),
+               v = bf(T * Hv * K, 33, {T, Hv, K}), d_o = bf(T * Hv * K, 36, {T, Hv, K});
+  const Tensor g = Tensor::from_floats(test::randu(T * Hv, 34, -0.3f, -0.01f), {T, Hv}).to(kGpu);
+  const Tensor b = Tensor::from_floats(test::randu(T * Hv, 35, 0.1f, 0.9f), {T, Hv}).to(kGpu);
+  const GatedDeltaGrads two = gated_delta_rule_backward(d_o, q, k, v, g, b, cut);
+  setenv("BB_GDN_OVERLAP", "0", 1);
+  const GatedDeltaGrads one = gated_delta_rule_backward(d_o, q, k, v, g, b, cut);
+  unsetenv("BB_GDN_OVERLAP");
+  EXPECT_EQ(two.d_q.to_floats(), one.d_q.to_floats());
+  EXPECT_EQ(two.d_k.to_floats(), one.d_k.to_floats());
+  EXPECT_EQ(two.d_v.to_floats(), one.d_v.to_floats());
+  EXPECT_EQ(two.d_g.to_floats(), one.d_g.to_floats());
+  EXPECT_EQ(two.d_beta.to_floats(), one.d_beta.to_floats());
 }
 
 // A workspace limit below what one call needs runs the key heads in groups (2 and 4 here: each

@@ -126,7 +126,8 @@ __device__ __forceinline__ unsigned char* smem_base() {
 }
 
 template <class... P, class... A>
-void launch(void (*kernel)(P...), dim3 grid, int threads, size_t smem, A... args) {
+void launch_on(cudaStream_t st, void (*kernel)(P...), dim3 grid, int threads, size_t smem,
+               A... args) {
   if (grid.x == 0 || grid.y == 0) return;
   if (smem > 48 * 1024) {
     BB_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -136,8 +137,12 @@ void launch(void (*kernel)(P...), dim3 grid, int threads, size_t smem, A... args
     BB_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                        cudaSharedmemCarveoutMaxShared));
   }
-  kernel<<<grid, threads, smem, stream()>>>(static_cast<P>(args)...);
+  kernel<<<grid, threads, smem, st>>>(static_cast<P>(args)...);
   BB_CHECK_LAUNCH();
+}
+template <class... P, class... A>
+void launch(void (*kernel)(P...), dim3 grid, int threads, size_t smem, A... args) {
+  launch_on(stream(), kernel, grid, threads, smem, args...);
 }
 int num_sms() {
   return sm_count();
@@ -678,7 +683,7 @@ struct StateFwdLayout {
 // (NW / 4)). Fewer warps read the shared S and Delta tiles fewer times (the pass is bound by
 // shared-memory bandwidth) but hide less latency.
 template <class Tin, int VT, bool kFwd, int NW>
-__global__ void __launch_bounds__(NW * 32, 1)
+__global__ void __launch_bounds__(NW * 32, kFwd ? 1 : 2)
     state_fwd_kernel(Dims d, const uint16_t* kh, const uint16_t* qh, const uint16_t* w,
                      const uint16_t* u, const uint16_t* pm, const float* gcum, Tin* o, uint16_t* hs,
                      uint16_t* dl) {
@@ -865,7 +870,7 @@ struct StateBwdLayout {
 };
 
 template <int NPL, int VT, int NW>
-__global__ void __launch_bounds__(NW * 32, 1)
+__global__ void __launch_bounds__(NW * 32, 2)
     state_bwd_kernel(Dims d, const uint16_t* kh, const uint16_t* qh, const uint16_t* w,
                      const uint16_t* pm, const uint16_t* dop, int64_t psdo, const float* gcum,
                      uint16_t* dhs, uint16_t* ddl) {
@@ -1602,31 +1607,66 @@ void run_prep(const Dims& d, const FwdBuffers& b, const Tin* q, const Tin* k, co
 }
 
 template <class Tin, bool kFwd, int NW>
-void run_state_fwd_nw(const Dims& d, int vt, const FwdBuffers& b, Tin* o, uint16_t* hs,
-                      uint16_t* dl) {
+void run_state_fwd_nw(cudaStream_t st, const Dims& d, int vt, const FwdBuffers& b, Tin* o,
+                      uint16_t* hs, uint16_t* dl) {
   constexpr int NPL = planes_of<Tin>();
   const unsigned gy = static_cast<unsigned>(d.NS);
   if (vt == 64)
-    launch(state_fwd_kernel<Tin, 64, kFwd, NW>, dim3(static_cast<unsigned>(d.Hv * (kD / 64)), gy),
-           NW * 32, StateFwdLayout<NPL, 64, kFwd>::kBytes, d, static_cast<const uint16_t*>(b.kh),
-           static_cast<const uint16_t*>(b.qh), static_cast<const uint16_t*>(b.w),
-           static_cast<const uint16_t*>(b.u), static_cast<const uint16_t*>(b.pm),
-           static_cast<const float*>(b.gcum), o, hs, dl);
+    launch_on(st, state_fwd_kernel<Tin, 64, kFwd, NW>,
+              dim3(static_cast<unsigned>(d.Hv * (kD / 64)), gy), NW * 32,
+              StateFwdLayout<NPL, 64, kFwd>::kBytes, d, static_cast<const uint16_t*>(b.kh),
+              static_cast<const uint16_t*>(b.qh), static_cast<const uint16_t*>(b.w),
+              static_cast<const uint16_t*>(b.u), static_cast<const uint16_t*>(b.pm),
+              static_cast<const float*>(b.gcum), o, hs, dl);
   else
-    launch(state_fwd_kernel<Tin, 32, kFwd, NW>, dim3(static_cast<unsigned>(d.Hv * (kD / 32)), gy),
-           NW * 32, StateFwdLayout<NPL, 32, kFwd>::kBytes, d, static_cast<const uint16_t*>(b.kh),
-           static_cast<const uint16_t*>(b.qh), static_cast<const uint16_t*>(b.w),
-           static_cast<const uint16_t*>(b.u), static_cast<const uint16_t*>(b.pm),
-           static_cast<const float*>(b.gcum), o, hs, dl);
+    launch_on(st, state_fwd_kernel<Tin, 32, kFwd, NW>,
+              dim3(static_cast<unsigned>(d.Hv * (kD / 32)), gy), NW * 32,
+              StateFwdLayout<NPL, 32, kFwd>::kBytes, d, static_cast<const uint16_t*>(b.kh),
+              static_cast<const uint16_t*>(b.qh), static_cast<const uint16_t*>(b.w),
+              static_cast<const uint16_t*>(b.u), static_cast<const uint16_t*>(b.pm),
+              static_cast<const float*>(b.gcum), o, hs, dl);
 }
 
 template <class Tin, bool kFwd>
 void run_state_fwd(const Dims& d, int vt, int nw, const FwdBuffers& b, Tin* o, uint16_t* hs,
-                   uint16_t* dl) {
+                   uint16_t* dl, cudaStream_t st = stream()) {
   if (nw == 4)
-    run_state_fwd_nw<Tin, kFwd, 4>(d, vt, b, o, hs, dl);
+    run_state_fwd_nw<Tin, kFwd, 4>(st, d, vt, b, o, hs, dl);
   else
-    run_state_fwd_nw<Tin, kFwd, 8>(d, vt, b, o, hs, dl);
+    run_state_fwd_nw<Tin, kFwd, 8>(st, d, vt, b, o, hs, dl);
+}
+
+// The backward's two state passes are independent: the rebuild (chunk-start states, Delta) and
+// the reverse pass (dh, dDelta) read only chunk_prep's outputs and d_o. With few sequences each
+// launches about one block an SM and leaves most of it idle, so the rebuild runs on a second
+// stream beside the reverse pass; both are built for two blocks an SM (128 registers with 8
+// warps; 84.5 + 136.5 KiB of shared memory for bf16 at VT 32) so that they share SMs. The side
+// stream (one per thread and device, created on first use, non-blocking) forks from the current
+// stream after chunk_prep and joins it before dqkw, so callers see one stream-ordered call and
+// the workspace is released in the current stream's order. BB_GDN_OVERLAP=0 runs both on the
+// current stream (kernel-lab knob, bench_gdn --no-overlap).
+struct SideStream {
+  cudaStream_t s = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
+};
+bool overlap_state_passes() {
+  const char* e = std::getenv("BB_GDN_OVERLAP");
+  return !(e != nullptr && e[0] == '0');
+}
+SideStream& side_stream() {
+  constexpr int kMaxDevices = 64;
+  thread_local SideStream per_device[kMaxDevices];
+  int dev = 0;
+  BB_CHECK_CUDA(cudaGetDevice(&dev));
+  BB_CHECK(dev >= 0 && dev < kMaxDevices, "gated_delta_rule (CUDA): device ", dev,
+           " is beyond the ", kMaxDevices, " this backend supports");
+  SideStream& ss = per_device[dev];
+  if (ss.s == nullptr) {
+    BB_CHECK_CUDA(cudaStreamCreateWithFlags(&ss.s, cudaStreamNonBlocking));
+    BB_CHECK_CUDA(cudaEventCreateWithFlags(&ss.fork, cudaEventDisableTiming));
+    BB_CHECK_CUDA(cudaEventCreateWithFlags(&ss.join, cudaEventDisableTiming));
+  }
+  return ss;
 }
 
 template <int NPL, int NW>
@@ -1708,7 +1748,14 @@ void backward_impl(float* dq, float* dk, float* dv, float* dg, float* dbeta, con
   const int vt = pick_vt(gd);
   run_prep<Tin, true>(d, b.f, q, k, v, g, beta);
   const int nw = pick_state_warps(false);
-  run_state_fwd<Tin, false>(d, vt, nw, b.f, static_cast<Tin*>(nullptr), b.hs, b.dl);
+  const cudaStream_t main_st = stream();
+  SideStream* side = overlap_state_passes() ? &side_stream() : nullptr;
+  if (side != nullptr) {
+    BB_CHECK_CUDA(cudaEventRecord(side->fork, main_st));
+    BB_CHECK_CUDA(cudaStreamWaitEvent(side->s, side->fork, 0));
+  }
+  run_state_fwd<Tin, false>(d, vt, nw, b.f, static_cast<Tin*>(nullptr), b.hs, b.dl,
+                            side != nullptr ? side->s : main_st);
   const uint16_t* dop = static_cast<const uint16_t*>(d_o);
   const int64_t psdo = gd.T * gd.Hv * kD;
   if (own_do) {
@@ -1728,6 +1775,10 @@ void backward_impl(float* dq, float* dk, float* dv, float* dg, float* dbeta, con
   else
     run_state_bwd<NPL, 8>(d, vt, kh, qh, w, pm, dop, psdo, static_cast<const float*>(b.f.gcum),
                           b.dhs, b.ddl);
+  if (side != nullptr) {  // dqkw reads the rebuilt states and Delta
+    BB_CHECK_CUDA(cudaEventRecord(side->join, side->s));
+    BB_CHECK_CUDA(cudaStreamWaitEvent(main_st, side->join, 0));
+  }
   const dim3 chunks(static_cast<unsigned>(d.NC), static_cast<unsigned>(d.Hv));
   launch(dqkw_kernel<NPL>, chunks, kThreads, DqkwLayout<NPL>::kBytes, d, kh, qh, pm, dop, psdo,
          static_cast<const uint16_t*>(b.dl), static_cast<const uint16_t*>(b.ddl),
