@@ -31,8 +31,9 @@
 // Parallelism: the chunk-parallel kernels run one block per (chunk, value head); the state passes
 // one block per (non-empty sequence, value head, VT value columns), sequential over the chunks of
 // the sequence, with the next chunk's tiles prefetched by cp.async (two stages for bf16; one for
-// f32, whose hi/lo tiles need twice the shared memory). Nothing is atomic: results are bitwise
-// reproducible. Measured on an H200 (bench_gdn, ncu; skills/gated-delta-rule.md): the state
+// f32, whose hi/lo tiles need twice the shared memory); in the backward the rebuild and the
+// reverse pass run side by side on two streams (side_stream). Nothing is atomic: results are
+// bitwise reproducible. Measured on an H200 (bench_gdn, ncu; skills/gated-delta-rule.md): the state
 // passes are bound by shared-memory bandwidth (every warp reads the S / Delta tiles it shares
 // with the others, about 250 KB per chunk and block), chunk_prep / dqkw / wy_bwd by latency at
 // 3 / 2 / 2 blocks an SM; none is near the tensor-core or HBM ceilings. Shared-memory layouts
