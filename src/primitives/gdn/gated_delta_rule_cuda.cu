@@ -1607,34 +1607,29 @@ void run_prep(const Dims& d, const FwdBuffers& b, const Tin* q, const Tin* k, co
          static_cast<const uint16_t*>(b.kh), v, g, beta, b.gcum, b.w, b.u, b.pm, b.tm);
 }
 
-template <class Tin, bool kFwd, int NW>
-void run_state_fwd_nw(cudaStream_t st, const Dims& d, int vt, const FwdBuffers& b, Tin* o,
-                      uint16_t* hs, uint16_t* dl) {
+template <class Tin, bool kFwd, int NW, int VT>
+void run_state_fwd_nw(cudaStream_t st, const Dims& d, const FwdBuffers& b, Tin* o, uint16_t* hs,
+                      uint16_t* dl) {
   constexpr int NPL = planes_of<Tin>();
-  const unsigned gy = static_cast<unsigned>(d.NS);
-  if (vt == 64)
-    launch_on(st, state_fwd_kernel<Tin, 64, kFwd, NW>,
-              dim3(static_cast<unsigned>(d.Hv * (kD / 64)), gy), NW * 32,
-              StateFwdLayout<NPL, 64, kFwd>::kBytes, d, static_cast<const uint16_t*>(b.kh),
-              static_cast<const uint16_t*>(b.qh), static_cast<const uint16_t*>(b.w),
-              static_cast<const uint16_t*>(b.u), static_cast<const uint16_t*>(b.pm),
-              static_cast<const float*>(b.gcum), o, hs, dl);
-  else
-    launch_on(st, state_fwd_kernel<Tin, 32, kFwd, NW>,
-              dim3(static_cast<unsigned>(d.Hv * (kD / 32)), gy), NW * 32,
-              StateFwdLayout<NPL, 32, kFwd>::kBytes, d, static_cast<const uint16_t*>(b.kh),
-              static_cast<const uint16_t*>(b.qh), static_cast<const uint16_t*>(b.w),
-              static_cast<const uint16_t*>(b.u), static_cast<const uint16_t*>(b.pm),
-              static_cast<const float*>(b.gcum), o, hs, dl);
+  launch_on(st, state_fwd_kernel<Tin, VT, kFwd, NW>,
+            dim3(static_cast<unsigned>(d.Hv * (kD / VT)), static_cast<unsigned>(d.NS)), NW * 32,
+            StateFwdLayout<NPL, VT, kFwd>::kBytes, d, static_cast<const uint16_t*>(b.kh),
+            static_cast<const uint16_t*>(b.qh), static_cast<const uint16_t*>(b.w),
+            static_cast<const uint16_t*>(b.u), static_cast<const uint16_t*>(b.pm),
+            static_cast<const float*>(b.gcum), o, hs, dl);
 }
 
 template <class Tin, bool kFwd>
 void run_state_fwd(const Dims& d, int vt, int nw, const FwdBuffers& b, Tin* o, uint16_t* hs,
                    uint16_t* dl, cudaStream_t st = stream()) {
-  if (nw == 4)
-    run_state_fwd_nw<Tin, kFwd, 4>(st, d, vt, b, o, hs, dl);
+  if (nw == 4 && vt == 64)
+    run_state_fwd_nw<Tin, kFwd, 4, 64>(st, d, b, o, hs, dl);
+  else if (nw == 4)
+    run_state_fwd_nw<Tin, kFwd, 4, 32>(st, d, b, o, hs, dl);
+  else if (vt == 64)
+    run_state_fwd_nw<Tin, kFwd, 8, 64>(st, d, b, o, hs, dl);
   else
-    run_state_fwd_nw<Tin, kFwd, 8>(st, d, vt, b, o, hs, dl);
+    run_state_fwd_nw<Tin, kFwd, 8, 32>(st, d, b, o, hs, dl);
 }
 
 // The backward's two state passes are independent: the rebuild (chunk-start states, Delta) and
