@@ -14,8 +14,9 @@
 //   Algorithms: sequential (one cuda::gemm per expert, compute stream only), cublas (one
 //   cublasGemmGroupedBatchedEx; it refuses bf16 -> f32, so no wgrad row), multi_stream with
 //   S = 1, 2, 4, 8 side streams, wmma (wgrad only), our mma tile kernels (grouped_mma.h, every
-//   stage: automatic = the wgmma kernel where it applies, and the mma.sync kernel with 64- and
-//   128-row tiles), and sequential / multi_stream S=4 with the
+//   stage: automatic = the TMA kernel where it applies (sm_90, the forward and dgrad), the same
+//   with the TMA kernel off (the wgmma kernel for the forward), and the mma.sync kernel with 64-
+//   and 128-row tiles), and sequential / multi_stream S=4 with the
 //   plan cache cleared before every timed call ("cold": what a step pays for expert sizes never
 //   seen before, one cuBLASLt heuristic query per new shape).
 //   Columns: ms = median over --iters calls of CUDA events on the compute stream around the call
@@ -314,7 +315,8 @@ void bench_shape(const Args& args, int64_t T, double ceiling) {
                      {cuda::GroupedAlgo::multi_stream, s},
                      false});
   if (!args.skip_wmma) algos.push_back({"wmma", false, {cuda::GroupedAlgo::wmma, 0}, false});
-  algos.push_back({"mma auto (wgmma for fwd)", false, {cuda::GroupedAlgo::mma, 0, 0}, false});
+  algos.push_back({"mma auto (TMA where it applies)", false, {cuda::GroupedAlgo::mma, 0, 0, true}, false});
+  algos.push_back({"mma auto, no TMA (wgmma fwd)", false, {cuda::GroupedAlgo::mma, 0, 0, false}, false});
   for (int tm : {64, 128})
     algos.push_back({"mma.sync BM=" + std::to_string(tm), false, {cuda::GroupedAlgo::mma, 0, tm}, false});
   algos.push_back({"sequential, cold plans", true, {}, true});
@@ -372,6 +374,9 @@ void bench_shape(const Args& args, int64_t T, double ceiling) {
     cuda::GroupedDefaults h{cuda::GroupedAlgo::mma, cuda::GroupedAlgo::multi_stream, 4};
     h.multi_stream_min_flops = 1e30;
     wholes.push_back({"grouped (mma / multi_stream S=4)", ExpertsImpl::grouped, h});
+    cuda::GroupedDefaults o = d0;
+    o.tma = false;
+    wholes.push_back({"grouped (defaults, TMA off: the previous defaults)", ExpertsImpl::grouped, o});
   }
   if (!args.skip_wmma)
     wholes.push_back({"grouped (cublas / wmma): the old default",

@@ -32,6 +32,8 @@ void BackendConfig::validate(const std::string& where) const {
   BB_CHECK(grouped_gemm_multi_stream_min_flops >= 0,
            "backend.grouped_gemm_multi_stream_min_flops = ", grouped_gemm_multi_stream_min_flops,
            in, " must be >= 0 (0 = every same-dtype grouped GEMM takes multi_stream)");
+  BB_CHECK(grouped_gemm_tma_multi_stream_min_rows >= 0, "backend.grouped_gemm_tma_multi_stream_min_rows = ",
+           grouped_gemm_tma_multi_stream_min_rows, in, " must be >= 0 (0 = the TMA kernel only for calls the other rules send to mma)");
   check_one_of(where, "gemm_heuristics", gemm_heuristics, {"bucketed", "exact"});
 }
 
@@ -42,6 +44,8 @@ std::string BackendConfig::summary() const {
      << " grouped_gemm_streams=" << grouped_gemm_streams
      << " grouped_gemm_multi_stream_min_flops=" << grouped_gemm_multi_stream_min_flops
      << " grouped_gemm_threaded_enqueue=" << (grouped_gemm_threaded_enqueue ? "true" : "false")
+     << " grouped_gemm_tma=" << (grouped_gemm_tma ? "true" : "false")
+     << " grouped_gemm_tma_multi_stream_min_rows=" << grouped_gemm_tma_multi_stream_min_rows
      << " gemm_heuristics=" << gemm_heuristics
      << " cudnn_library=" << (cudnn_library.empty() ? "(default)" : cudnn_library);
   return os.str();
@@ -53,6 +57,8 @@ void to_json(nlohmann::json& j, const BackendConfig& c) {
                      {"grouped_gemm_streams", c.grouped_gemm_streams},
                      {"grouped_gemm_multi_stream_min_flops", c.grouped_gemm_multi_stream_min_flops},
                      {"grouped_gemm_threaded_enqueue", c.grouped_gemm_threaded_enqueue},
+                     {"grouped_gemm_tma", c.grouped_gemm_tma},
+                     {"grouped_gemm_tma_multi_stream_min_rows", c.grouped_gemm_tma_multi_stream_min_rows},
                      {"gemm_heuristics", c.gemm_heuristics},
                      {"cudnn_library", c.cudnn_library}};
 }
@@ -69,6 +75,9 @@ void from_json(const nlohmann::json& j, BackendConfig& c) {
       else if (k == "grouped_gemm_multi_stream_min_flops")
         c.grouped_gemm_multi_stream_min_flops = it->get<double>();
       else if (k == "grouped_gemm_threaded_enqueue") c.grouped_gemm_threaded_enqueue = it->get<bool>();
+      else if (k == "grouped_gemm_tma") c.grouped_gemm_tma = it->get<bool>();
+      else if (k == "grouped_gemm_tma_multi_stream_min_rows")
+        c.grouped_gemm_tma_multi_stream_min_rows = it->get<int64_t>();
       else if (k == "gemm_heuristics") c.gemm_heuristics = it->get<std::string>();
       else if (k == "cudnn_library") c.cudnn_library = it->get<std::string>();
       else BB_FAIL("unknown backend setting '", k, "'");

@@ -23,7 +23,9 @@
 #include "primitives/linear/linear.h"
 
 #ifdef BB_WITH_CUDA
+#include "backend/cuda/check.cuh"
 #include "backend/cuda/gemm.h"
+#include "backend/cuda/grouped_mma.h"
 #endif
 
 namespace bb {
@@ -554,6 +556,272 @@ TEST(GemmGroupedMma, RefusalsAreClearErrorsAndAutomaticFallsBack) {
   cuda::set_grouped_defaults(d0);
   const auto ref = ref_gemm(false, true, M, N, K, 1.0, av, bv, 0.0, cv);
   EXPECT_LT(test::rel_error(C.to_floats(), ref), test::kTolBf16);
+#endif
+}
+
+// ---- the TMA kernel (GroupedAlgo::mma, tile_m 0, on sm_90) --------------------------------------
+
+// The expert layouts the TMA kernel takes: the problems' A are consecutive row ranges of one
+// [rows][K] matrix (ragged counts, zero-count experts skipped), B is one weight tensor
+// ([E][N][K] for TN, [E][K][N] for NN) and C consecutive row ranges of one [rows][N] matrix.
+struct ExpertLayout {
+  bool tb;
+  int64_t E, N, K, lda, ldb, ldc;
+  std::vector<int64_t> counts;
+  std::vector<float> a, b, c0;  // stored values (bf16-rounded inputs; C in its dtype)
+  DType out;
+  int64_t rows() const {
+    int64_t r = 0;
+    for (int64_t c : counts) r += c;
+    return r;
+  }
+  ExpertLayout(bool tb_, DType out_, std::vector<int64_t> counts_, int64_t N_, int64_t K_, uint64_t seed)
+      : tb(tb_), E(static_cast<int64_t>(counts_.size())), N(N_), K(K_), lda(K_ + 8), ldb(tb_ ? K_ : N_ + 8),
+        ldc(N_ + 8), counts(std::move(counts_)), out(out_) {
+    a = stored(test::randn(std::max<int64_t>(rows(), 1) * lda, seed), DType::bf16);
+    b = stored(test::randn(E * (tb ? N : K) * ldb, seed + 1), DType::bf16);
+    c0 = stored(test::randn(std::max<int64_t>(rows(), 1) * ldc, seed + 2), out);
+  }
+  std::vector<cuda::GemmProblem> problems(const Tensor& A, const Tensor& B, Tensor& C) const {
+    std::vector<cuda::GemmProblem> ps;
+    int64_t off = 0;
+    for (int64_t e = 0; e < E; off += counts[e], ++e) {
+      if (counts[e] == 0) continue;
+      cuda::GemmProblem p;
+      p.M = counts[e];
+      p.N = N;
+      p.K = K;
+      p.A = static_cast<const uint16_t*>(A.raw()) + off * lda;
+      p.B = static_cast<const uint16_t*>(B.raw()) + e * (tb ? N : K) * ldb;
+      p.C = static_cast<char*>(C.raw()) + off * ldc * static_cast<int64_t>(dtype_size(out));
+      ps.push_back(p);
+    }
+    return ps;
+  }
+  // Checks C against a double reference per expert, and that the pad columns kept their values.
+  void expect_matches(const std::vector<float>& got_all, float alpha, float beta, const std::string& what) const {
+    int64_t off = 0;
+    for (int64_t e = 0; e < E; off += counts[e], ++e) {
+      const int64_t M = counts[e];
+      if (M == 0) continue;
+      std::vector<float> ap(M * K), bp(N * K), cp(M * N), got(M * N);
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t k = 0; k < K; ++k) ap[r * K + k] = a[(off + r) * lda + k];
+      for (int64_t r = 0; r < (tb ? N : K); ++r)
+        for (int64_t c = 0; c < (tb ? K : N); ++c) bp[r * (tb ? K : N) + c] = b[(e * (tb ? N : K) + r) * ldb + c];
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t c = 0; c < ldc; ++c) {
+          const float v = got_all[(off + r) * ldc + c];
+          if (c < N) {
+            cp[r * N + c] = c0[(off + r) * ldc + c];
+            got[r * N + c] = v;
+          } else {
+            ASSERT_EQ(v, c0[(off + r) * ldc + c]) << what << ": expert " << e << " wrote past N at row " << r;
+          }
+        }
+      const auto ref = ref_gemm(false, tb, M, N, K, alpha, ap, bp, beta, cp);
+      EXPECT_LT(test::rel_error(got, ref), out == DType::f32 ? 1e-5 : test::kTolBf16) << what << ": expert " << e;
+    }
+  }
+};
+
+// Ragged counts (1, 37, 129, 200, 256, 300 rows: partial 128-row tiles; more tiles than the
+// H200 has SMs, so every CTA walks several tiles and the producer runs ahead across tiles),
+// zero-count experts, N = 264 (a partial second 256-column tile, whose rows run into the next
+// expert's weights for TN), a K tail (TN: K = 200, three full 64-wide steps and 8 columns),
+// beta 0 and 1, C bf16 and f32.
+TEST(GemmGroupedTma, ExpertLayoutsMatchDoubleReference) {
+  BB_REQUIRE_GPU();
+#ifdef BB_WITH_CUDA
+  if (cuda::compute_capability(0) != 90) GTEST_SKIP() << "the TMA kernel runs on compute capability 9.0 only";
+  std::vector<int64_t> counts;
+  for (int e = 0; e < 48; ++e) counts.push_back(std::vector<int64_t>{1, 37, 129, 200, 256, 300, 64, 0}[e % 8]);
+  counts.back() = 0;  // the last expert has no rows: the previous one's B tile runs past the map
+  int cases = 0;
+  for (bool tb : {true, false})
+    for (DType out : {DType::bf16, DType::f32})
+      for (float beta : {0.0f, 1.0f}) {
+        // TN: zero-count experts sit only at the end (an expert's 264 B rows overrun into the
+        // next expert's, which must be a problem). NN reads K rows of B: no overrun.
+        std::vector<int64_t> cs = counts;
+        if (tb)
+          for (size_t e = 0; e + 1 < cs.size(); ++e) cs[e] = std::max<int64_t>(cs[e], 5);
+        const ExpertLayout L(tb, out, cs, 264, tb ? 200 : 192, 7000 + 10 * cases);
+        Tensor A = on_gpu(L.a, {std::max<int64_t>(L.rows(), 1), L.lda}, DType::bf16);
+        Tensor B = on_gpu(L.b, {L.E * (tb ? L.N : L.K), L.ldb}, DType::bf16);
+        Tensor C = on_gpu(L.c0, {std::max<int64_t>(L.rows(), 1), L.ldc}, out);
+        const auto ps = L.problems(A, B, C);
+        ASSERT_EQ(cuda::grouped_tma_refusal(false, tb, ps, DType::bf16, L.lda, L.ldb, out, 0), "");
+        const int64_t calls = cuda::grouped_tma_calls();
+        cuda::GroupedConfig cfg;
+        cfg.algo = cuda::GroupedAlgo::mma;
+        const float alpha = 0.75f;
+        cuda::gemm_grouped(false, tb, ps, alpha, DType::bf16, L.lda, L.ldb, beta, out, L.ldc, 0, cfg);
+        EXPECT_EQ(cuda::grouped_tma_calls(), calls + 1) << "the call did not take the TMA kernel";
+        L.expect_matches(C.to_floats(), alpha, beta,
+                         std::string(tb ? "TN " : "NN ") + dtype_name(out) + " beta " + std::to_string(beta));
+        ++cases;
+      }
+  EXPECT_EQ(cases, 8);
+#endif
+}
+
+// The wgrad shape: d_W[e] (+)= A_e^T B_e with A_e, B_e the expert's rows of one [rows][M] and one
+// [rows][N] matrix, K = the expert's row count (ragged: 0, 1, 63, 64, 65, 200, 513 rows; the
+// last K step of each expert holds the next expert's rows, which the kernel must zero), M = 136
+// and N = 264 (partial tiles), C f32 (the gradients) or bf16, beta 0 and 1. A K = 0 problem
+// gives C = beta C.
+TEST(GemmGroupedTma, WgradLayoutMatchesDoubleReference) {
+  BB_REQUIRE_GPU();
+#ifdef BB_WITH_CUDA
+  if (cuda::compute_capability(0) != 90) GTEST_SKIP() << "the TMA kernel runs on compute capability 9.0 only";
+  const int64_t M = 136, N = 264, lda = M + 8, ldb = N, ldc = N + 8;
+  std::vector<int64_t> counts;
+  for (int e = 0; e < 24; ++e) counts.push_back(std::vector<int64_t>{1, 63, 0, 64, 65, 200, 513, 130}[e % 8]);
+  int64_t rows = 0;
+  for (int64_t c : counts) rows += c;
+  const int64_t E = static_cast<int64_t>(counts.size());
+  int cases = 0;
+  for (DType out : {DType::f32, DType::bf16})
+    for (float beta : {0.0f, 1.0f}) {
+      const uint64_t seed = 9100 + 10 * static_cast<uint64_t>(cases);
+      const auto av = stored(test::randn(rows * lda, seed), DType::bf16);
+      const auto bv = stored(test::randn(rows * ldb, seed + 1), DType::bf16);
+      const auto cv = stored(test::randn(E * M * ldc, seed + 2), out);
+      Tensor A = on_gpu(av, {rows, lda}, DType::bf16), B = on_gpu(bv, {rows, ldb}, DType::bf16);
+      Tensor C = on_gpu(cv, {E * M, ldc}, out);
+      std::vector<cuda::GemmProblem> ps;
+      int64_t off = 0;
+      for (int64_t e = 0; e < E; off += counts[e], ++e) {
+        cuda::GemmProblem p;
+        p.M = M;
+        p.N = N;
+        p.K = counts[e];
+        p.A = static_cast<const uint16_t*>(A.raw()) + off * lda;
+        p.B = static_cast<const uint16_t*>(B.raw()) + off * ldb;
+        p.C = static_cast<char*>(C.raw()) + e * M * ldc * static_cast<int64_t>(dtype_size(out));
+        ps.push_back(p);
+      }
+      ASSERT_EQ(cuda::grouped_tma_refusal(true, false, ps, DType::bf16, lda, ldb, out, 0), "");
+      const int64_t calls = cuda::grouped_tma_calls();
+      cuda::GroupedConfig cfg;
+      cfg.algo = cuda::GroupedAlgo::mma;
+      const float alpha = 0.5f;
+      cuda::gemm_grouped(true, false, ps, alpha, DType::bf16, lda, ldb, beta, out, ldc, 0, cfg);
+      EXPECT_EQ(cuda::grouped_tma_calls(), calls + 1) << "the call did not take the TMA kernel";
+      const std::vector<float> got_all = C.to_floats();
+      const std::string what = std::string("wgrad ") + dtype_name(out) + " beta " + std::to_string(beta);
+      off = 0;
+      for (int64_t e = 0; e < E; off += counts[e], ++e) {
+        const int64_t K = counts[e];
+        std::vector<float> ap(K * M), bp(K * N), cp(M * N), got(M * N);
+        for (int64_t r = 0; r < K; ++r) {
+          for (int64_t m = 0; m < M; ++m) ap[r * M + m] = av[(off + r) * lda + m];
+          for (int64_t n = 0; n < N; ++n) bp[r * N + n] = bv[(off + r) * ldb + n];
+        }
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t c = 0; c < ldc; ++c) {
+            const float v = got_all[(e * M + m) * ldc + c];
+            if (c < N) {
+              cp[m * N + c] = cv[(e * M + m) * ldc + c];
+              got[m * N + c] = v;
+            } else {
+              ASSERT_EQ(v, cv[(e * M + m) * ldc + c]) << what << ": expert " << e << " wrote past N";
+            }
+          }
+        const auto ref = ref_gemm(true, false, M, N, K, alpha, ap, bp, beta, cp);
+        if (K == 0 && beta == 0.0f) {
+          for (float v : got) ASSERT_EQ(v, 0.0f) << what << ": expert " << e << " (K = 0)";
+          continue;
+        }
+        EXPECT_LT(test::rel_error(got, ref), out == DType::f32 ? 1e-5 : test::kTolBf16) << what << ": expert " << e
+                                                                                         << " (K = " << K << ")";
+      }
+      ++cases;
+    }
+  EXPECT_EQ(cases, 4);
+#endif
+}
+
+// The automatic choice takes the TMA kernel for the expert shapes below its row line whatever
+// their FLOPs (the multi_stream FLOP line applies only to calls it does not take); a row line
+// under the call's mean rows, or grouped_gemm_tma = false, sends the same call back to the FLOP
+// line; all give the reference's result.
+TEST(GemmGroupedTma, AutomaticTakesItAndTheSwitchTurnsItOff) {
+  BB_REQUIRE_GPU();
+#ifdef BB_WITH_CUDA
+  if (cuda::compute_capability(0) != 90) GTEST_SKIP() << "the TMA kernel runs on compute capability 9.0 only";
+  const ExpertLayout L(true, DType::bf16, {640, 512, 700, 384}, 768, 2048, 91);  // ~2-2.9 GFLOP each
+  Tensor A = on_gpu(L.a, {L.rows(), L.lda}, DType::bf16);
+  Tensor B = on_gpu(L.b, {L.E * L.N, L.ldb}, DType::bf16);
+  const cuda::GroupedDefaults d0 = cuda::grouped_defaults();
+  struct Restore {
+    cuda::GroupedDefaults d;
+    ~Restore() { cuda::set_grouped_defaults(d); }
+  } restore{d0};
+  struct Setting {
+    bool tma;
+    int64_t line;  // mean rows of this call: 559
+    bool takes;
+  };
+  for (const Setting& st : {Setting{true, 1536, true}, Setting{true, 500, false}, Setting{false, 1536, false}}) {
+    cuda::GroupedDefaults d = d0;
+    d.tma = st.tma;
+    d.tma_multi_stream_min_rows = st.line;
+    cuda::set_grouped_defaults(d);
+    Tensor C = on_gpu(L.c0, {L.rows(), L.ldc}, DType::bf16);
+    const int64_t calls = cuda::grouped_tma_calls();
+    cuda::gemm_grouped(false, true, L.problems(A, B, C), 1.0f, DType::bf16, L.lda, L.ldb, 0.0f, DType::bf16, L.ldc, 0);
+    const std::string what = "automatic, tma " + std::to_string(st.tma) + ", row line " + std::to_string(st.line);
+    EXPECT_EQ(cuda::grouped_tma_calls(), calls + (st.takes ? 1 : 0)) << what;
+    L.expect_matches(C.to_floats(), 1.0f, 0.0f, what);
+  }
+#endif
+}
+
+// Layouts one tensor map cannot cover safely are refused with the reason, and mma with tile_m 0
+// then runs them on the other kernels, correctly.
+TEST(GemmGroupedTma, RefusedLayoutsFallBackCorrectly) {
+  BB_REQUIRE_GPU();
+#ifdef BB_WITH_CUDA
+  if (cuda::compute_capability(0) != 90) GTEST_SKIP() << "the TMA kernel runs on compute capability 9.0 only";
+  // TN with N = 264 and a zero-count expert in the middle: the tile of expert 0's B rows runs
+  // into expert 1's weights, which no problem owns.
+  const ExpertLayout L(true, DType::bf16, {100, 0, 90}, 264, 128, 17);
+  Tensor A = on_gpu(L.a, {L.rows(), L.lda}, DType::bf16);
+  Tensor B = on_gpu(L.b, {L.E * L.N, L.ldb}, DType::bf16);
+  Tensor C = on_gpu(L.c0, {L.rows(), L.ldc}, DType::bf16);
+  auto ps = L.problems(A, B, C);
+  EXPECT_NE(cuda::grouped_tma_refusal(false, true, ps, DType::bf16, L.lda, L.ldb, DType::bf16, 0)
+                .find("would read rows no problem owns"),
+            std::string::npos);
+  const int64_t calls = cuda::grouped_tma_calls();
+  cuda::GroupedConfig cfg;
+  cfg.algo = cuda::GroupedAlgo::mma;
+  cuda::gemm_grouped(false, true, ps, 1.0f, DType::bf16, L.lda, L.ldb, 0.0f, DType::bf16, L.ldc, 0, cfg);
+  EXPECT_EQ(cuda::grouped_tma_calls(), calls);
+  L.expect_matches(C.to_floats(), 1.0f, 0.0f, "refused TN layout");
+  // A matrices half a row apart are not rows of one matrix.
+  auto shifted = ps;
+  shifted[1].A = static_cast<const uint16_t*>(shifted[1].A) + L.lda / 2;
+  EXPECT_NE(cuda::grouped_tma_refusal(false, true, shifted, DType::bf16, L.lda, L.ldb, DType::bf16, 0)
+                .find("A matrices are not rows of one matrix"),
+            std::string::npos);
+  // Different K, NN with K not a multiple of 64, other dtypes and transposes.
+  auto k_differs = ps;
+  k_differs[1].K = 64;
+  EXPECT_EQ(cuda::grouped_tma_refusal(false, true, k_differs, DType::bf16, L.lda, L.ldb, DType::bf16, 0),
+            "the problems differ in K");
+  auto k72 = ps;
+  for (auto& p : k72) p.K = 72;
+  EXPECT_EQ(cuda::grouped_tma_refusal(false, false, k72, DType::bf16, L.lda, 272, DType::bf16, 0),
+            "K is not a multiple of 64 (B stored [K][N])");
+  EXPECT_EQ(cuda::grouped_tma_refusal(false, true, ps, DType::f16, L.lda, L.ldb, DType::f16, 0),
+            "the inputs are not bf16");
+  EXPECT_EQ(cuda::grouped_tma_refusal(true, true, ps, DType::bf16, L.lda, L.ldb, DType::f32, 0),
+            "A is stored [K][M] and B [N][K]");
+  EXPECT_EQ(cuda::grouped_tma_refusal(false, true, ps, DType::bf16, L.lda, L.ldb, DType::f16, 0),
+            "C is neither bf16 nor f32");
 #endif
 }
 

@@ -131,6 +131,8 @@ struct Knobs {
   std::atomic<int> num_streams{GroupedDefaults{}.num_streams};
   std::atomic<double> min_flops{GroupedDefaults{}.multi_stream_min_flops};
   std::atomic<bool> threaded{GroupedDefaults{}.threaded_enqueue};
+  std::atomic<bool> tma{GroupedDefaults{}.tma};
+  std::atomic<int64_t> tma_rows{GroupedDefaults{}.tma_multi_stream_min_rows};
   std::atomic<bool> exact{false};
 };
 Knobs& knobs() {
@@ -1011,6 +1013,8 @@ GroupedDefaults grouped_defaults() {
   d.num_streams = k.num_streams.load();
   d.multi_stream_min_flops = k.min_flops.load();
   d.threaded_enqueue = k.threaded.load();
+  d.tma = k.tma.load();
+  d.tma_multi_stream_min_rows = k.tma_rows.load();
   return d;
 }
 
@@ -1024,6 +1028,8 @@ void set_grouped_defaults(const GroupedDefaults& d) {
            "default");
   BB_CHECK(d.multi_stream_min_flops >= 0, "cuda::set_grouped_defaults: multi_stream_min_flops must "
            "be >= 0, got ", d.multi_stream_min_flops);
+  BB_CHECK(d.tma_multi_stream_min_rows >= 0, "cuda::set_grouped_defaults: tma_multi_stream_min_rows must be >= 0, got ",
+           d.tma_multi_stream_min_rows);
   BB_CHECK(d.num_streams >= 1 && d.num_streams <= kMaxGroupedStreams,
            "cuda::set_grouped_defaults: num_streams=", d.num_streams, " is not in [1, ",
            kMaxGroupedStreams, "]");
@@ -1033,6 +1039,8 @@ void set_grouped_defaults(const GroupedDefaults& d) {
   k.num_streams.store(d.num_streams);
   k.min_flops.store(d.multi_stream_min_flops);
   k.threaded.store(d.threaded_enqueue);
+  k.tma.store(d.tma);
+  k.tma_rows.store(d.tma_multi_stream_min_rows);
 }
 
 void gemm_grouped(bool ta, bool tb, const std::vector<GemmProblem>& problems, float alpha, DType ab,
@@ -1045,7 +1053,24 @@ void gemm_grouped(bool ta, bool tb, const std::vector<GemmProblem>& problems, fl
   const GroupedDefaults defaults = grouped_defaults();
   const bool same = ab == cdt;
   GroupedAlgo algo = cfg.algo;
-  if (algo == GroupedAlgo::automatic) {
+  const bool tma = cfg.tma && defaults.tma;
+  // Automatic: the TMA kernel first, for the forward and dgrad calls it takes whose mean problem
+  // has fewer rows than its line; then the dtype defaults and the FLOP line. (The wgrad shape
+  // stays with `widening`: there the TMA kernel's f32 read-modify-write epilogue, not
+  // overlapped with its products, makes it 2x slower than multi_stream; skills/experts.md.)
+  bool tma_first = false;
+  if (algo == GroupedAlgo::automatic && tma && !ta &&
+      grouped_tma_refusal(ta, tb, problems, ab, lda, ldb, cdt, dev).empty()) {
+    double rows = 0;
+    int64_t n = 0;
+    for (const GemmProblem& p : problems)
+      if (p.M > 0 && p.N > 0) rows += static_cast<double>(p.M), ++n;
+    tma_first = rows < static_cast<double>(defaults.tma_multi_stream_min_rows) * static_cast<double>(n);
+  }
+  if (tma_first) {
+    algo = GroupedAlgo::mma;
+    cfg.tile_m = 0;
+  } else if (algo == GroupedAlgo::automatic) {
     algo = same ? defaults.same_dtype : defaults.widening;
     if (same && native(ab, cdt)) {
       double flops = 0;
@@ -1109,7 +1134,7 @@ void gemm_grouped(bool ta, bool tb, const std::vector<GemmProblem>& problems, fl
       grouped_own_tn(ps, alpha, ab, lda, ldb, beta, ldc, dev);
       break;
     case GroupedAlgo::mma:
-      grouped_mma(ta, tb, ps, alpha, ab, lda, ldb, beta, cdt, ldc, dev, cfg.tile_m);
+      grouped_mma(ta, tb, ps, alpha, ab, lda, ldb, beta, cdt, ldc, dev, cfg.tile_m, tma);
       break;
     case GroupedAlgo::automatic:
       break;

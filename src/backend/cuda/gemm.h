@@ -61,12 +61,17 @@ const char* grouped_algo_name(GroupedAlgo a);
 
 // Per-call choice. num_streams (multi_stream only): side streams used, 1..kMaxGroupedStreams;
 // 0 takes grouped_defaults().num_streams.
-// tile_m (mma only): rows per CTA tile, 64 or 128; 0 = the wgmma kernel for bf16 !trans_a &&
-// trans_b calls on sm_90, else 128 (64 when trans_a).
+// tile_m (mma only): rows per CTA tile of the mma.sync kernel, 64 or 128; 0 = the fastest of
+// our kernels that takes the call: on sm_90 with bf16 inputs and !trans_a, the TMA kernel when
+// the problems are laid out as the experts' are (grouped_mma.h, grouped_tma_refusal), else the
+// wgmma kernel for trans_b, else mma.sync with 128-row tiles (64 when trans_a).
+// tma (mma with tile_m 0 only): false keeps the call off the TMA kernel (benches, tests); it
+// is used only when GroupedDefaults::tma is true as well.
 struct GroupedConfig {
   GroupedAlgo algo = GroupedAlgo::automatic;
   int num_streams = 0;
   int tile_m = 0;
+  bool tma = true;
 };
 constexpr int kMaxGroupedStreams = 16;
 
@@ -91,6 +96,16 @@ struct GroupedDefaults {
   // multi_stream: side streams 1..S-1 are enqueued by a pool of host threads while the calling
   // thread enqueues stream 0 (false: one thread, launches interleaved across the streams).
   bool threaded_enqueue = true;
+  // Automatic forward and dgrad calls (!trans_a) that the TMA kernel takes (sm_90, bf16, the
+  // expert layouts: grouped_mma.h) run on it, before same_dtype and the FLOP line apply, when
+  // their mean problem has fewer than tma_multi_stream_min_rows rows (M); larger ones follow the
+  // rules above. (The wgrad shape keeps `widening`: mma with tile_m 0 runs it on the TMA kernel,
+  // which is slower than multi_stream there.) Measured on an H200 (bench_experts, Qwen3-30B-A3B expert
+  // shapes; skills/experts.md): with 1024 rows per expert the TMA kernel is 7-15% faster than
+  // multi_stream, with 2048 rows 4-19% slower (its 128 x 256 tiles pay a fixed cost per tile that
+  // cuBLASLt's kernels hide). [backend] grouped_gemm_tma, grouped_gemm_tma_multi_stream_min_rows.
+  bool tma = true;
+  int64_t tma_multi_stream_min_rows = 1536;
 };
 GroupedDefaults grouped_defaults();
 void set_grouped_defaults(const GroupedDefaults& d);  // checked: no automatic, streams in range

@@ -290,10 +290,14 @@ std::string grouped_mma_refusal(bool ta, bool tb, const std::vector<GemmProblem>
 
 void grouped_mma(bool ta, bool tb, const std::vector<GemmProblem>& ps, float alpha, DType ab,
                  int64_t lda, int64_t ldb, float beta, DType cdt, int64_t ldc, int device,
-                 int tile_m) {
+                 int tile_m, bool tma) {
   BB_CHECK(tile_m == 0 || tile_m == 64 || tile_m == 128, "cuda::gemm_grouped: mma tile_m = ",
            tile_m, " is not 0, 64 or 128");
   if (ps.empty()) return;
+  if (tile_m == 0 && tma && grouped_tma_refusal(ta, tb, ps, ab, lda, ldb, cdt, device).empty()) {
+    grouped_tma(ta, tb, ps, alpha, lda, ldb, beta, cdt, ldc, device);
+    return;
+  }
   const bool wgmma = tile_m == 0 && compute_capability(device) == 90 && ab == DType::bf16 && !ta && tb &&
                      (cdt == DType::bf16 || cdt == DType::f32);
   if (wgmma) tile_m = 128;

@@ -29,12 +29,14 @@ std::string grouped_mma_refusal(bool trans_a, bool trans_b, const std::vector<Ge
                                 int device);
 
 // Runs the problems (all with M, N > 0; checked by the caller) on cuda::stream(). tile_m: 64 or
-// 128 rows per CTA tile of the mma.sync kernel; 0 = the wgmma kernel below when it applies
-// (compute capability 9.0, bf16 inputs, C bf16 or f32, !trans_a && trans_b: the expert forward),
-// else the mma.sync kernel with 128-row tiles, or 64-row tiles when trans_a (the wgrad shape).
+// 128 rows per CTA tile of the mma.sync kernel; 0 = the fastest kernel that applies: the TMA
+// kernel of grouped_tma_sm90a.cu when `tma` and grouped_tma_refusal is empty, else the wgmma
+// kernel below when it applies (compute capability 9.0, bf16 inputs, C bf16 or f32, !trans_a &&
+// trans_b: the expert forward), else the mma.sync kernel with 128-row tiles, or 64-row tiles
+// when trans_a (the wgrad shape).
 void grouped_mma(bool trans_a, bool trans_b, const std::vector<GemmProblem>& ps, float alpha,
                  DType ab, int64_t lda, int64_t ldb, float beta, DType c_dt, int64_t ldc,
-                 int device, int tile_m);
+                 int device, int tile_m, bool tma);
 
 // The device-side problem table of both kernels (internal).
 struct MmaProblem {
@@ -51,6 +53,25 @@ struct MmaProblem {
 void launch_grouped_wgmma_tn(const MmaProblem* probs, const int32_t* starts, int n, int64_t tiles,
                              int64_t lda, int64_t ldb, int64_t ldc, float alpha, float beta,
                              bool c_f32);
+
+// grouped_tma_sm90a.cu (built for sm_90a only): the persistent warp-specialised kernel, TMA
+// loads into 128-byte swizzled stages, wgmma m64n256k16, 128 x 256 tiles, bf16 inputs, C bf16
+// or f32, in the expert shapes: A [M][K] with B [N][K] (trans_b: the forward) or B [K][N] (the
+// dgrad), and A [K][M] with B [K][N] (trans_a: the wgrad, K ragged per problem). Empty when it
+// takes the call, else why not: besides the dtypes and the device (compute capability 9.0),
+// one tensor map per operand must cover every problem, so the problems' A (and B) must be rows
+// of one matrix (their pointers a whole number of rows apart), agree on the extent that is the
+// map's inner dimension (K for A [M][K] and B [N][K]; N for B [K][N]; M for A [K][M]), with K a
+// multiple of 64 for the dgrad, and a tile that runs past a problem's last row must land on
+// rows another problem owns or past the last problem's rows (the expert layouts: permuted rows
+// back to back, weights [E][N][K] or [E][K][N]). Problems with M = 0 or N = 0 are ignored.
+std::string grouped_tma_refusal(bool trans_a, bool trans_b, const std::vector<GemmProblem>& ps,
+                                DType ab, int64_t lda, int64_t ldb, DType c_dt, int device);
+// Runs a call grouped_tma_refusal accepted, on cuda::stream().
+void grouped_tma(bool trans_a, bool trans_b, const std::vector<GemmProblem>& ps, float alpha,
+                 int64_t lda, int64_t ldb, float beta, DType c_dt, int64_t ldc, int device);
+// Calls the TMA kernel has run, process-wide (tests check which kernel a call took).
+int64_t grouped_tma_calls();
 
 }  // namespace bb::cuda
 

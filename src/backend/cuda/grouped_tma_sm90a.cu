@@ -1,0 +1,512 @@
+// grouped_tma_sm90a.cu — the Hopper kernel of the grouped GEMM (grouped_mma.h, GroupedAlgo::mma
+// with tile_m = 0): a persistent, warp-specialised kernel that moves tiles with the tensor
+// memory accelerator (TMA, cp.async.bulk.tensor) and multiplies them with wgmma. Compiled for
+// sm_90a only (CMakeLists.txt builds *_sm90a.cu as their own object library); grouped_mma.cu
+// launches it only on compute capability 9.0.
+//
+// What it computes: C_g = alpha op(A_g) op(B_g) + beta C_g for every problem g, bf16 A and B,
+// fp32 accumulators, C bf16 or f32, in the three expert shapes:
+//   forward (TN): A [M][K], B [N][K]                 x W^T
+//   dgrad   (NN): A [M][K], B [K][N]                 d_y W
+//   wgrad   (TN^T: trans_a, !trans_b): A [K][M], B [K][N], K = the expert's rows (ragged)
+//                                                    d_W += d_y^T x
+//
+// Why TMA needs a layout check: one tensor map per operand spans every problem's rows (the
+// experts' permuted rows are one [rows][K] matrix, their weights one [E x N][K] or [E x K][N]
+// matrix), and a box that runs past a problem's last row reads the rows after it. In the
+// forward and dgrad those rows only feed output rows or columns the epilogue does not store;
+// in the wgrad they would add other experts' rows to the sum, so the consumers zero them in
+// shared memory before multiplying. Either way they must be memory the caller owns:
+// grouped_tma_refusal accepts a call only when every such overrun lands on another problem's
+// rows or past the map's end (where TMA reads nothing and fills zeros). A contiguous extent is
+// the map's inner dimension, so its tail is zero-filled; for the dgrad the K rows of B are the
+// outer dimension, so K must be a multiple of the 64-row K step.
+//
+// Layout per CTA (one per SM, 384 threads):
+//   warpgroup 0: the producer. One thread waits for a free stage, arms the stage's "full"
+//     mbarrier with the stage's byte count and issues the TMA loads of the next K step (A: one
+//     64 x 128 box, or two 64 x 64 boxes when A is stored [K][M]; B: one 64 x 256 box when B is
+//     [N][K], four 64 x 64 boxes when it is [K][N]). It runs up to kStages K steps ahead, across
+//     tile boundaries, so the next tile's loads overlap this tile's last products and its
+//     epilogue. Its registers drop to 40 (setmaxnreg).
+//   warpgroups 1, 2: the consumers. Warpgroup w multiplies rows [64 (w - 1), +64) of the
+//     128 x 256 output tile with wgmma.mma_async m64n256k16 (both operands from shared
+//     memory, 128 fp32 accumulators a thread), keeps one K step's products in flight, frees a
+//     stage (one arrival per warp on its "empty" mbarrier) once the products that read it are
+//     done, and stores the tile from registers. Registers rise to 232.
+// Shared memory: kStages x (A 16 KiB + B 32 KiB), 128-byte swizzled as TMA writes it, which is
+// wgmma's canonical layout: K-major for an operand stored with K contiguous (rows of 64 K
+// elements, 8-row atoms 1024 bytes apart, +32 bytes per k16 step); M/N-major for one stored
+// with M or N contiguous (rows of 64 M or N elements, one 8 KiB block per 64 of them: leading
+// byte offset 8192 between the blocks, stride byte offset 1024 between 8-row K groups, +2048
+// bytes per k16 step), read with wgmma's transpose bit.
+// Tiles: problem after problem, M-fastest within a problem (the CTAs working at the same time
+// share B's rows in L2); CTA b takes tiles b, b + grid, ...; a tile's problem is found by binary
+// search over the problems' first tiles.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/check.cuh"
+#include "backend/cuda/grouped_mma.h"
+#include "backend/cuda/grouped_mma_device.cuh"
+#include "backend/cuda/runtime.h"
+#include "core/error.h"
+#include "core/tensor.h"
+
+namespace bb::cuda {
+namespace {
+
+using namespace grouped;
+
+constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4;
+constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
+constexpr int kABytes = kBM * kBK * 2;  // 16 KiB
+constexpr int kBBytes = kBN * kBK * 2;  // 32 KiB
+constexpr int kStageBytes = kABytes + kBBytes;
+constexpr int kBlock = 64 * kBK * 2;  // one 64 x 64 box of an M/N-major operand (8 KiB)
+// Stages, 1024 bytes to align them (the 128-byte swizzle is on address bits), the mbarriers.
+constexpr int kSmem = kStages * kStageBytes + 1024 + 2 * kStages * 8;
+
+// The device-side problem table: rows of the A map where problem g starts, rows of the B map
+// (forward: its N rows; dgrad and wgrad: its K rows), its K and its C.
+struct TmaProblem {
+  void* C;
+  int32_t M, N, K, a_row, b_row, tiles_m;
+};
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the phase of `parity` has completed. A wait longer than about 10 s of SM clock
+// traps (a lost arrival would otherwise hang the GPU; the launch then fails with an error).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  if (done) return;
+  const long long t0 = clock64();
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    if (!done && clock64() - t0 > (1ll << 34)) __trap();
+  } while (!done);
+}
+
+// One 2D box global -> shared, completing on `bar` (complete_tx counts its bytes). c0 is the
+// inner (contiguous) coordinate, c1 the row.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride byte
+// offsets (both >> 4).
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(sbo >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+// Descriptor of a K-major (contiguous K) or M/N-major (contiguous M or N) operand tile.
+__device__ __forceinline__ uint64_t operand_desc(uint32_t saddr, bool mn_major) {
+  return mn_major ? sw128_desc(saddr, kBlock, 1024) : sw128_desc(saddr, 16, 1024);
+}
+// The descriptor's address step of one k16 slice: 32 bytes along a K-major row, 16 rows of 128
+// bytes in an M/N-major block (in the descriptor's 16-byte units).
+__host__ __device__ constexpr uint64_t k16_step(bool mn_major) { return mn_major ? 2048 / 16 : 32 / 16; }
+
+// D (64 x 256, f32) += A (64 x 16) * B (16 x 256), both from shared memory; the transpose bits
+// say M/N-major; scale_d = 0 overwrites D.
+template <bool kTransA, bool kTransB>
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1, %131, %132;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db), "r"(scale_d), "n"(kTransA ? 1 : 0), "n"(kTransB ? 1 : 0));
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Tile t's problem (binary search over the first tiles) and the origin of its output tile.
+struct TmaTile {
+  const TmaProblem* p;
+  int m0, n0, k_steps;
+};
+__device__ __forceinline__ TmaTile tile_at(const TmaProblem* probs, const int32_t* starts, int num_probs, int t) {
+  int lo = 0, hi = num_probs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldg(starts + mid) <= t) lo = mid;
+    else hi = mid - 1;
+  }
+  const TmaProblem* p = probs + lo;
+  const int tile = t - __ldg(starts + lo);
+  return {p, (tile % p->tiles_m) * kBM, (tile / p->tiles_m) * kBN, (p->K + kBK - 1) / kBK};
+}
+
+// kTA: A stored [K][M] (the wgrad; its K, the expert's rows, is ragged per problem); kBMN: B
+// stored [K][N] (dgrad, wgrad) rather than [N][K] (forward).
+template <bool kTA, bool kBMN, class TC>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_tma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                       const TmaProblem* __restrict__ probs, const int32_t* __restrict__ starts, int num_probs,
+                       int tiles, int64_t ldc, float alpha, float beta) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t full0 = base + kStages * kStageBytes;  // kStages "full" barriers, then kStages "empty"
+  const uint32_t empty0 = full0 + kStages * 8;
+  auto a_stage = [&](int s) { return base + s * kStageBytes; };
+  auto b_stage = [&](int s) { return base + s * kStageBytes + kABytes; };
+
+  const int wg = threadIdx.x >> 7;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full0 + 8 * s, 1);   // the producer's arrive.expect_tx; the bytes complete it
+      mbar_init(empty0 + 8 * s, 8);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (threadIdx.x == 0) {
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map_a)) : "memory");
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map_b)) : "memory");
+      uint32_t it = 0;
+      for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const TmaTile at = tile_at(probs, starts, num_probs, t);
+        const int a_row = at.p->a_row, b_row = at.p->b_row;
+        for (int k = 0; k < at.k_steps; ++k, ++it) {
+          const int s = static_cast<int>(it % kStages);
+          mbar_wait(empty0 + 8 * s, ((it / kStages) & 1) ^ 1);
+          const uint32_t full = full0 + 8 * s;
+          mbar_arrive_expect_tx(full, kStageBytes);
+          if constexpr (kTA) {
+#pragma unroll
+            for (int j = 0; j < kBM / 64; ++j)
+              tma_load_2d(a_stage(s) + j * kBlock, &map_a, full, at.m0 + 64 * j, a_row + k * kBK);
+          } else {
+            tma_load_2d(a_stage(s), &map_a, full, k * kBK, a_row + at.m0);
+          }
+          if constexpr (kBMN) {
+#pragma unroll
+            for (int j = 0; j < kBN / 64; ++j)
+              tma_load_2d(b_stage(s) + j * kBlock, &map_b, full, at.n0 + 64 * j, b_row + k * kBK);
+          } else {
+            tma_load_2d(b_stage(s), &map_b, full, k * kBK, b_row + at.n0);
+          }
+        }
+      }
+    }
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    const int cw = wg - 1;  // rows [64 cw, +64) of each tile
+    const int ct = threadIdx.x - 128;  // 0..255 over the consumers
+    const int lane = threadIdx.x & 31, q = (threadIdx.x >> 5) & 3;
+    uint32_t it = 0;
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;  // (each tile's first product overwrites them)
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      const TmaTile at = tile_at(probs, starts, num_probs, t);
+      if (at.k_steps == 0) {  // K = 0: C = beta C
+#pragma unroll
+        for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+      }
+      for (int k = 0; k < at.k_steps; ++k, ++it) {
+        const int s = static_cast<int>(it % kStages);
+        mbar_wait(full0 + 8 * s, (it / kStages) & 1);
+        if constexpr (kTA) {
+          // The wgrad's last K step of a problem holds rows of the next problem (or TMA's zeros
+          // past the map): zero rows [valid, 64) of every A and B block before multiplying.
+          const int valid = at.p->K - k * kBK;
+          if (valid < kBK) {
+            constexpr int kBlocks = kBM / 64 + kBN / 64;
+            const int chunks = (kBK - valid) * kBlocks * 8;  // 16-byte chunks of 128-byte rows
+            for (int i = ct; i < chunks; i += 256) {
+              const int line = i >> 3, blk = line % kBlocks, row = valid + line / kBlocks;
+              const uint32_t at_blk = blk < kBM / 64 ? a_stage(s) + blk * kBlock : b_stage(s) + (blk - kBM / 64) * kBlock;
+              asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(at_blk + row * 128 + (i & 7) * 16), "r"(0)
+                           : "memory");
+            }
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes -> wgmma reads
+            asm volatile("bar.sync 1, 256;\n" ::: "memory");                // both consumer warpgroups
+          }
+        }
+        const uint64_t da = operand_desc(a_stage(s) + cw * (kTA ? kBlock : 64 * 128), kTA);
+        const uint64_t db = operand_desc(b_stage(s), kBMN);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk)
+          wgmma_m64n256k16<kTA, kBMN>(acc, da + k16_step(kTA) * kk, db + k16_step(kBMN) * kk, (k > 0 || kk > 0) ? 1 : 0);
+        wgmma_commit();
+        // Step k's products run while step k - 1's are waited for; then k - 1's stage is free.
+        wgmma_wait<1>();
+        if (k > 0 && lane == 0) mbar_arrive(empty0 + 8 * static_cast<int>((it - 1) % kStages));
+      }
+      wgmma_wait<0>();
+      if (at.k_steps > 0 && lane == 0) mbar_arrive(empty0 + 8 * static_cast<int>((it - 1) % kStages));
+
+      // Accumulators: warp q holds rows 16 q + lane / 4 (+ 8) of the warpgroup's 64; n8 block j
+      // in acc[4 j .. 4 j + 3] as in mma.sync's m16n8 fragment.
+      const TmaProblem& p = *at.p;
+      TC* C = static_cast<TC*>(p.C);
+      const int row0 = at.m0 + cw * 64 + q * 16 + (lane >> 2);
+#pragma unroll
+      for (int j = 0; j < kBN / 8; ++j) {
+        const int col = at.n0 + j * 8 + 2 * (lane & 3);
+        if (col >= p.N) continue;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = row0 + 8 * h;
+          if (row >= p.M) continue;
+          epilogue2(C + static_cast<int64_t>(row) * ldc + col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1], alpha, beta);
+        }
+      }
+    }
+  }
+#else
+  __trap();
+#endif
+}
+
+// ---- host side ----------------------------------------------------------------------------------
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    BB_CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q));
+    BB_CHECK(q == cudaDriverEntryPointSuccess && f != nullptr,
+             "cuda::gemm_grouped: the driver has no cuTensorMapEncodeTiled (needs CUDA 12 or newer)");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// A 2D bf16 tensor map: `rows` rows of `cols` elements, `ld` elements apart, boxes of
+// box_cols x box_rows, 128-byte swizzle, zero fill outside.
+CUtensorMap make_map(const void* base, int64_t rows, int64_t cols, int64_t ld, int box_cols, int box_rows) {
+  CUtensorMap m;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld * 2)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t elem[2] = {1, 1};
+  const CUresult r = encode_fn()(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
+                                 elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  BB_CHECK(r == CUDA_SUCCESS, "cuda::gemm_grouped: cuTensorMapEncodeTiled failed (error ", static_cast<int>(r),
+           ") for a ", rows, " x ", cols, " bf16 map with leading dimension ", ld);
+  return m;
+}
+
+// Where each problem's rows start in one map over all of them, or why no such map is safe.
+// extent[g]: rows problem g owns; box: rows one load covers (a problem's rows are read in whole
+// boxes from its first row). Every box must end inside the problem's own rows, inside another
+// problem's rows, or at/after the map's last row (zero fill).
+struct RowMap {
+  const char* base = nullptr;
+  std::vector<int64_t> first;
+  int64_t rows = 0;  // the map's row count
+  std::string refusal;
+};
+RowMap row_map(const std::vector<const void*>& ptrs, const std::vector<int64_t>& extent, int64_t ld, int64_t box,
+               const char* what) {
+  RowMap r;
+  const int64_t pitch = ld * 2;
+  r.base = static_cast<const char*>(*std::min_element(ptrs.begin(), ptrs.end()));
+  std::vector<std::pair<int64_t, int64_t>> spans;  // [first, first + extent) of every problem
+  for (size_t g = 0; g < ptrs.size(); ++g) {
+    const int64_t off = static_cast<const char*>(ptrs[g]) - r.base;
+    if (off % pitch != 0) {
+      r.refusal = std::string("the problems' ") + what + " are not rows of one matrix";
+      return r;
+    }
+    r.first.push_back(off / pitch);
+    spans.push_back({off / pitch, off / pitch + extent[g]});
+    r.rows = std::max(r.rows, off / pitch + extent[g]);
+  }
+  if (r.rows == 0 || r.rows >= (int64_t{1} << 31)) {
+    r.refusal = std::string("the problems' ") + what + (r.rows == 0 ? " have no rows" : " span too many rows for a tensor map");
+    return r;
+  }
+  std::sort(spans.begin(), spans.end());
+  // Merge the spans, then check that every overrun [end, end of its last box) is covered.
+  std::vector<std::pair<int64_t, int64_t>> cover;
+  for (const auto& s : spans) {
+    if (!cover.empty() && s.first <= cover.back().second) cover.back().second = std::max(cover.back().second, s.second);
+    else cover.push_back(s);
+  }
+  for (size_t g = 0; g < ptrs.size(); ++g) {
+    const int64_t end = r.first[g] + extent[g];
+    const int64_t read_end = std::min(r.first[g] + (extent[g] + box - 1) / box * box, r.rows);
+    if (read_end <= end) continue;
+    // The covering span that holds `end` must reach read_end.
+    auto it = std::upper_bound(cover.begin(), cover.end(), std::make_pair(end, INT64_MAX));
+    const bool ok = it != cover.begin() && std::prev(it)->first <= end && std::prev(it)->second >= read_end;
+    if (!ok) {
+      r.refusal = std::string("a tile of the problems' ") + what + " would read rows no problem owns";
+      return r;
+    }
+  }
+  return r;
+}
+
+std::atomic<int64_t> g_tma_calls{0};
+
+template <bool kTA, bool kBMN, class TC>
+void launch(const CUtensorMap& ma, const CUtensorMap& mb, const TmaProblem* probs, const int32_t* starts, int n,
+            int tiles, int64_t ldc, float alpha, float beta) {
+  auto* kernel = grouped_tma_kernel<kTA, kBMN, TC>;
+  BB_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  const int grid = std::min(tiles, sm_count());
+  kernel<<<static_cast<unsigned>(grid), kThreads, kSmem, stream()>>>(ma, mb, probs, starts, n, tiles, ldc, alpha, beta);
+  BB_CHECK_LAUNCH();
+}
+
+// The two maps' rows, or why the call does not suit them. ps: the problems with M, N > 0.
+struct Plan {
+  RowMap a, b;
+  std::string refusal;
+};
+Plan plan(bool ta, bool tb, const std::vector<GemmProblem>& ps, int64_t lda, int64_t ldb) {
+  Plan pl;
+  const GemmProblem& p0 = ps.front();
+  std::vector<const void*> ap, bp;
+  std::vector<int64_t> ax, bx;
+  for (const GemmProblem& p : ps) {
+    // One map's inner dimension serves every problem: the extents it covers must agree.
+    if (ta && (p.M != p0.M || p.N != p0.N)) {
+      pl.refusal = "the problems differ in M or N (A stored [K][M])";
+      return pl;
+    }
+    if (!ta && p.K != p0.K) {
+      pl.refusal = "the problems differ in K";
+      return pl;
+    }
+    if (!ta && !tb && p.N != p0.N) {
+      pl.refusal = "the problems differ in N (B stored [K][N])";
+      return pl;
+    }
+    ap.push_back(p.A);
+    ax.push_back(ta ? p.K : p.M);
+    bp.push_back(p.B);
+    bx.push_back(tb ? p.N : p.K);
+  }
+  if (!ta && p0.K <= 0) {
+    pl.refusal = "K is 0";
+    return pl;
+  }
+  if (!ta && !tb && p0.K % kBK != 0) {
+    pl.refusal = "K is not a multiple of 64 (B stored [K][N])";
+    return pl;
+  }
+  pl.a = row_map(ap, ax, lda, ta ? kBK : kBM, "A matrices");
+  if (!pl.a.refusal.empty()) {
+    pl.refusal = pl.a.refusal;
+    return pl;
+  }
+  pl.b = row_map(bp, bx, ldb, tb ? kBN : kBK, "B matrices");
+  pl.refusal = pl.b.refusal;
+  return pl;
+}
+
+std::vector<GemmProblem> with_work(const std::vector<GemmProblem>& ps) {
+  std::vector<GemmProblem> live;
+  for (const GemmProblem& p : ps)
+    if (p.M > 0 && p.N > 0) live.push_back(p);
+  return live;
+}
+
+}  // namespace
+
+std::string grouped_tma_refusal(bool ta, bool tb, const std::vector<GemmProblem>& ps, DType ab, int64_t lda,
+                                int64_t ldb, DType cdt, int device) {
+  if (ta && tb) return "A is stored [K][M] and B [N][K]";
+  if (ab != DType::bf16) return "the inputs are not bf16";
+  if (cdt != DType::bf16 && cdt != DType::f32) return "C is neither bf16 nor f32";
+  if (compute_capability(device) != 90) return "the device is not compute capability 9.0";
+  const std::vector<GemmProblem> live = with_work(ps);
+  if (live.empty()) return "no problem has work";
+  return plan(ta, tb, live, lda, ldb).refusal;
+}
+
+void grouped_tma(bool ta, bool tb, const std::vector<GemmProblem>& ps, float alpha, int64_t lda, int64_t ldb,
+                 float beta, DType cdt, int64_t ldc, int device) {
+  const std::vector<GemmProblem> live = with_work(ps);
+  BB_CHECK(!live.empty(), "cuda::grouped_tma: no problem has work");
+  const Plan pl = plan(ta, tb, live, lda, ldb);
+  BB_CHECK(pl.refusal.empty(), "cuda::grouped_tma refuses this call: ", pl.refusal);
+  const GemmProblem& p0 = live.front();
+  // A: [rows][K] in 64 x 128 boxes, or [rows][M] in 64 x 64 boxes (wgrad). B: [rows][K] in
+  // 64 x 256 boxes (forward), or [rows][N] in 64 x 64 boxes.
+  const CUtensorMap ma = ta ? make_map(pl.a.base, pl.a.rows, p0.M, lda, 64, kBK)
+                            : make_map(pl.a.base, pl.a.rows, p0.K, lda, kBK, kBM);
+  const CUtensorMap mb = tb ? make_map(pl.b.base, pl.b.rows, p0.K, ldb, kBK, kBN)
+                            : make_map(pl.b.base, pl.b.rows, p0.N, ldb, 64, kBK);
+  std::vector<TmaProblem> tp;
+  std::vector<int32_t> starts;
+  int64_t tiles = 0;
+  for (size_t g = 0; g < live.size(); ++g) {
+    const GemmProblem& p = live[g];
+    const int64_t tm = ceil_div(p.M, kBM), tn = ceil_div(p.N, kBN);
+    BB_CHECK(p.M < (int64_t{1} << 31) && p.N < (int64_t{1} << 31) && p.K < (int64_t{1} << 31),
+             "cuda::gemm_grouped: a problem too large for the TMA kernel (", p.M, " x ", p.N, " x ", p.K, ")");
+    starts.push_back(static_cast<int32_t>(tiles));
+    tp.push_back({p.C, static_cast<int32_t>(p.M), static_cast<int32_t>(p.N), static_cast<int32_t>(p.K),
+                  static_cast<int32_t>(pl.a.first[g]), static_cast<int32_t>(pl.b.first[g]), static_cast<int32_t>(tm)});
+    tiles += tm * tn;
+    BB_CHECK(tiles < (int64_t{1} << 31), "cuda::gemm_grouped: too many tiles (", tiles, ") for the TMA kernel");
+  }
+  const size_t pb = tp.size() * sizeof(TmaProblem), sb = starts.size() * sizeof(int32_t);
+  std::vector<unsigned char> host(pb + sb);
+  std::copy_n(reinterpret_cast<const unsigned char*>(tp.data()), pb, host.data());
+  std::copy_n(reinterpret_cast<const unsigned char*>(starts.data()), sb, host.data() + pb);
+  Tensor meta = Tensor::empty({static_cast<int64_t>(host.size())}, DType::u8, Device::cuda(device), MemCategory::workspace);
+  cuda::memcpy(meta.raw(), Device::cuda(device), host.data(), Device::cpu(), host.size());
+  const auto* dprobs = static_cast<const TmaProblem*>(meta.raw());
+  const auto* dstarts = reinterpret_cast<const int32_t*>(static_cast<const unsigned char*>(meta.raw()) + pb);
+  const int n = static_cast<int>(tp.size()), nt = static_cast<int>(tiles);
+  const bool f32 = cdt == DType::f32;
+  if (ta) {
+    if (f32) launch<true, true, float>(ma, mb, dprobs, dstarts, n, nt, ldc, alpha, beta);
+    else launch<true, true, __nv_bfloat16>(ma, mb, dprobs, dstarts, n, nt, ldc, alpha, beta);
+  } else if (tb) {
+    if (f32) launch<false, false, float>(ma, mb, dprobs, dstarts, n, nt, ldc, alpha, beta);
+    else launch<false, false, __nv_bfloat16>(ma, mb, dprobs, dstarts, n, nt, ldc, alpha, beta);
+  } else {
+    if (f32) launch<false, true, float>(ma, mb, dprobs, dstarts, n, nt, ldc, alpha, beta);
+    else launch<false, true, __nv_bfloat16>(ma, mb, dprobs, dstarts, n, nt, ldc, alpha, beta);
+  }
+  g_tma_calls.fetch_add(1, std::memory_order_relaxed);
+}
+
+int64_t grouped_tma_calls() { return g_tma_calls.load(std::memory_order_relaxed); }
+
+}  // namespace bb::cuda
