@@ -32,8 +32,6 @@ void BackendConfig::validate(const std::string& where) const {
   BB_CHECK(grouped_gemm_multi_stream_min_flops >= 0,
            "backend.grouped_gemm_multi_stream_min_flops = ", grouped_gemm_multi_stream_min_flops,
            in, " must be >= 0 (0 = every same-dtype grouped GEMM takes multi_stream)");
-  BB_CHECK(grouped_gemm_tma_multi_stream_min_rows >= 0, "backend.grouped_gemm_tma_multi_stream_min_rows = ",
-           grouped_gemm_tma_multi_stream_min_rows, in, " must be >= 0 (0 = the TMA kernel only for calls the other rules send to mma)");
   check_one_of(where, "gemm_heuristics", gemm_heuristics, {"bucketed", "exact"});
 }
 
@@ -45,7 +43,6 @@ std::string BackendConfig::summary() const {
      << " grouped_gemm_multi_stream_min_flops=" << grouped_gemm_multi_stream_min_flops
      << " grouped_gemm_threaded_enqueue=" << (grouped_gemm_threaded_enqueue ? "true" : "false")
      << " grouped_gemm_tma=" << (grouped_gemm_tma ? "true" : "false")
-     << " grouped_gemm_tma_multi_stream_min_rows=" << grouped_gemm_tma_multi_stream_min_rows
      << " gemm_heuristics=" << gemm_heuristics
      << " cudnn_library=" << (cudnn_library.empty() ? "(default)" : cudnn_library);
   return os.str();
@@ -58,7 +55,6 @@ void to_json(nlohmann::json& j, const BackendConfig& c) {
                      {"grouped_gemm_multi_stream_min_flops", c.grouped_gemm_multi_stream_min_flops},
                      {"grouped_gemm_threaded_enqueue", c.grouped_gemm_threaded_enqueue},
                      {"grouped_gemm_tma", c.grouped_gemm_tma},
-                     {"grouped_gemm_tma_multi_stream_min_rows", c.grouped_gemm_tma_multi_stream_min_rows},
                      {"gemm_heuristics", c.gemm_heuristics},
                      {"cudnn_library", c.cudnn_library}};
 }
@@ -76,8 +72,6 @@ void from_json(const nlohmann::json& j, BackendConfig& c) {
         c.grouped_gemm_multi_stream_min_flops = it->get<double>();
       else if (k == "grouped_gemm_threaded_enqueue") c.grouped_gemm_threaded_enqueue = it->get<bool>();
       else if (k == "grouped_gemm_tma") c.grouped_gemm_tma = it->get<bool>();
-      else if (k == "grouped_gemm_tma_multi_stream_min_rows")
-        c.grouped_gemm_tma_multi_stream_min_rows = it->get<int64_t>();
       else if (k == "gemm_heuristics") c.gemm_heuristics = it->get<std::string>();
       else if (k == "cudnn_library") c.cudnn_library = it->get<std::string>();
       else BB_FAIL("unknown backend setting '", k, "'");

@@ -25,10 +25,9 @@ struct BackendConfig {
   double grouped_gemm_multi_stream_min_flops = 1.2e9;
   // multi_stream: enqueue the side streams from a pool of host threads (false: one thread).
   bool grouped_gemm_threaded_enqueue = true;
-  // Grouped calls the TMA kernel takes (sm_90, bf16, the expert layouts) run on it, before the
-  // choices above, when their mean problem has fewer rows than the line below.
+  // Forward and dgrad grouped calls the TMA kernel takes (sm_90, bf16, the expert layouts) run
+  // on it, before grouped_gemm_same_dtype and the FLOP line apply.
   bool grouped_gemm_tma = true;
-  int64_t grouped_gemm_tma_multi_stream_min_rows = 1536;
   // cuBLASLt algorithm choice: bucketed (one heuristic query per size bucket, checked per size)
   // or exact (one query per new shape).
   std::string gemm_heuristics = "bucketed";

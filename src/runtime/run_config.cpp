@@ -335,7 +335,6 @@ RunConfig build(const toml::value& root, const std::string& src) {
   be.read("grouped_gemm_multi_stream_min_flops", b.grouped_gemm_multi_stream_min_flops);
   be.read("grouped_gemm_threaded_enqueue", b.grouped_gemm_threaded_enqueue);
   be.read("grouped_gemm_tma", b.grouped_gemm_tma);
-  be.read("grouped_gemm_tma_multi_stream_min_rows", b.grouped_gemm_tma_multi_stream_min_rows);
   be.read("gemm_heuristics", b.gemm_heuristics);
   be.read("cudnn_library", b.cudnn_library);
   be.finish();
@@ -389,7 +388,6 @@ void apply_backend_config(const BackendConfig& c) {
   d.multi_stream_min_flops = c.grouped_gemm_multi_stream_min_flops;
   d.threaded_enqueue = c.grouped_gemm_threaded_enqueue;
   d.tma = c.grouped_gemm_tma;
-  d.tma_multi_stream_min_rows = c.grouped_gemm_tma_multi_stream_min_rows;
   cuda::set_grouped_defaults(d);
   cuda::set_exact_heuristics(c.gemm_heuristics == "exact");
   set_cudnn_library(c.cudnn_library);

@@ -164,15 +164,13 @@ TEST(RunConfig, BackendTableIsParsedCheckedAndSavedInStateJson) {
   RunConfig c = load_run_config(run, {"backend.grouped_gemm_same_dtype=multi_stream",
                                       "backend.grouped_gemm_multi_stream_min_flops=5e8",
                                       "backend.grouped_gemm_threaded_enqueue=false",
-                                      "backend.grouped_gemm_tma=false",
-                                      "backend.grouped_gemm_tma_multi_stream_min_rows=1000", "train.steps=1"});
+                                      "backend.grouped_gemm_tma=false", "train.steps=1"});
   EXPECT_EQ(c.backend.grouped_gemm_streams, 2);
   EXPECT_EQ(c.backend.gemm_heuristics, "exact");
   EXPECT_EQ(c.backend.grouped_gemm_same_dtype, "multi_stream");
   EXPECT_DOUBLE_EQ(c.backend.grouped_gemm_multi_stream_min_flops, 5e8);
   EXPECT_FALSE(c.backend.grouped_gemm_threaded_enqueue);
   EXPECT_FALSE(c.backend.grouped_gemm_tma);
-  EXPECT_EQ(c.backend.grouped_gemm_tma_multi_stream_min_rows, 1000);
   EXPECT_NE(c.backend.summary().find("grouped_gemm_tma=false"), std::string::npos);
   EXPECT_NE(c.backend.summary().find("grouped_gemm_streams=2"), std::string::npos);
   // Saved with the checkpoint, read back equal.

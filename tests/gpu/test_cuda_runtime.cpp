@@ -90,7 +90,6 @@ TEST(BackendConfig, DefaultsEqualTheGemmDefaultsAndApplyChangesThem) {
   EXPECT_EQ(start.multi_stream_min_flops, g.multi_stream_min_flops);
   EXPECT_EQ(start.threaded_enqueue, g.threaded_enqueue);
   EXPECT_EQ(start.tma, g.tma);
-  EXPECT_EQ(start.tma_multi_stream_min_rows, g.tma_multi_stream_min_rows);
   EXPECT_FALSE(cuda::exact_heuristics());
   const BackendConfig b{};
   EXPECT_EQ(b.grouped_gemm_same_dtype, cuda::grouped_algo_name(g.same_dtype));
@@ -99,7 +98,6 @@ TEST(BackendConfig, DefaultsEqualTheGemmDefaultsAndApplyChangesThem) {
   EXPECT_EQ(b.grouped_gemm_multi_stream_min_flops, g.multi_stream_min_flops);
   EXPECT_EQ(b.grouped_gemm_threaded_enqueue, g.threaded_enqueue);
   EXPECT_EQ(b.grouped_gemm_tma, g.tma);
-  EXPECT_EQ(b.grouped_gemm_tma_multi_stream_min_rows, g.tma_multi_stream_min_rows);
   EXPECT_EQ(b.gemm_heuristics, "bucketed");
   BackendConfig c;
   c.grouped_gemm_same_dtype = "multi_stream";
@@ -107,7 +105,6 @@ TEST(BackendConfig, DefaultsEqualTheGemmDefaultsAndApplyChangesThem) {
   c.grouped_gemm_multi_stream_min_flops = 5e8;
   c.grouped_gemm_threaded_enqueue = false;
   c.grouped_gemm_tma = false;
-  c.grouped_gemm_tma_multi_stream_min_rows = 777;
   c.gemm_heuristics = "exact";
   apply_backend_config(c);
   const cuda::GroupedDefaults now = cuda::grouped_defaults();
@@ -116,7 +113,6 @@ TEST(BackendConfig, DefaultsEqualTheGemmDefaultsAndApplyChangesThem) {
   EXPECT_EQ(now.multi_stream_min_flops, 5e8);
   EXPECT_FALSE(now.threaded_enqueue);
   EXPECT_FALSE(now.tma);
-  EXPECT_EQ(now.tma_multi_stream_min_rows, 777);
   EXPECT_TRUE(cuda::exact_heuristics());
   apply_backend_config(BackendConfig{});
   EXPECT_EQ(cuda::grouped_defaults().num_streams, g.num_streams);

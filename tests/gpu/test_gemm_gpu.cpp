@@ -743,10 +743,10 @@ TEST(GemmGroupedTma, WgradLayoutMatchesDoubleReference) {
 #endif
 }
 
-// The automatic choice takes the TMA kernel for the expert shapes below its row line whatever
-// their FLOPs (the multi_stream FLOP line applies only to calls it does not take); a row line
-// under the call's mean rows, or grouped_gemm_tma = false, sends the same call back to the FLOP
-// line; all give the reference's result.
+// The automatic choice takes the TMA kernel for the expert forward shape whatever its FLOPs (the
+// multi_stream FLOP line applies only to calls it does not take), and grouped_gemm_tma = false
+// sends the same call back to the FLOP line; both give the reference's result. The wgrad shape
+// stays on `widening` (multi_stream).
 TEST(GemmGroupedTma, AutomaticTakesItAndTheSwitchTurnsItOff) {
   BB_REQUIRE_GPU();
 #ifdef BB_WITH_CUDA
@@ -759,22 +759,36 @@ TEST(GemmGroupedTma, AutomaticTakesItAndTheSwitchTurnsItOff) {
     cuda::GroupedDefaults d;
     ~Restore() { cuda::set_grouped_defaults(d); }
   } restore{d0};
-  struct Setting {
-    bool tma;
-    int64_t line;  // mean rows of this call: 559
-    bool takes;
-  };
-  for (const Setting& st : {Setting{true, 1536, true}, Setting{true, 500, false}, Setting{false, 1536, false}}) {
+  for (bool on : {true, false}) {
     cuda::GroupedDefaults d = d0;
-    d.tma = st.tma;
-    d.tma_multi_stream_min_rows = st.line;
+    d.tma = on;
     cuda::set_grouped_defaults(d);
     Tensor C = on_gpu(L.c0, {L.rows(), L.ldc}, DType::bf16);
     const int64_t calls = cuda::grouped_tma_calls();
     cuda::gemm_grouped(false, true, L.problems(A, B, C), 1.0f, DType::bf16, L.lda, L.ldb, 0.0f, DType::bf16, L.ldc, 0);
-    const std::string what = "automatic, tma " + std::to_string(st.tma) + ", row line " + std::to_string(st.line);
-    EXPECT_EQ(cuda::grouped_tma_calls(), calls + (st.takes ? 1 : 0)) << what;
-    L.expect_matches(C.to_floats(), 1.0f, 0.0f, what);
+    EXPECT_EQ(cuda::grouped_tma_calls(), calls + (on ? 1 : 0)) << "tma " << on;
+    L.expect_matches(C.to_floats(), 1.0f, 0.0f, on ? "automatic, tma on" : "automatic, tma off");
+  }
+  // The wgrad shape through automatic: widening (multi_stream), not the TMA kernel.
+  {
+    cuda::set_grouped_defaults(d0);
+    const int64_t M = 64, N = 128, K = 100;
+    const auto av = stored(test::randn(2 * K * M, 95), DType::bf16), bv = stored(test::randn(2 * K * N, 96), DType::bf16);
+    Tensor wa = on_gpu(av, {2 * K, M}, DType::bf16), wb = on_gpu(bv, {2 * K, N}, DType::bf16);
+    Tensor wc = Tensor::zeros({2 * M, N}, DType::f32, kGpu, MemCategory::other);
+    std::vector<cuda::GemmProblem> ps(2);
+    for (int e = 0; e < 2; ++e) {
+      ps[e].M = M;
+      ps[e].N = N;
+      ps[e].K = K;
+      ps[e].A = static_cast<const uint16_t*>(wa.raw()) + e * K * M;
+      ps[e].B = static_cast<const uint16_t*>(wb.raw()) + e * K * N;
+      ps[e].C = wc.data<float>() + e * M * N;
+    }
+    ASSERT_EQ(cuda::grouped_tma_refusal(true, false, ps, DType::bf16, M, N, DType::f32, 0), "");
+    const int64_t calls = cuda::grouped_tma_calls();
+    cuda::gemm_grouped(true, false, ps, 1.0f, DType::bf16, M, N, 1.0f, DType::f32, N, 0);
+    EXPECT_EQ(cuda::grouped_tma_calls(), calls) << "the automatic wgrad took the TMA kernel";
   }
 #endif
 }

@@ -132,7 +132,6 @@ struct Knobs {
   std::atomic<double> min_flops{GroupedDefaults{}.multi_stream_min_flops};
   std::atomic<bool> threaded{GroupedDefaults{}.threaded_enqueue};
   std::atomic<bool> tma{GroupedDefaults{}.tma};
-  std::atomic<int64_t> tma_rows{GroupedDefaults{}.tma_multi_stream_min_rows};
   std::atomic<bool> exact{false};
 };
 Knobs& knobs() {
@@ -1014,7 +1013,6 @@ GroupedDefaults grouped_defaults() {
   d.multi_stream_min_flops = k.min_flops.load();
   d.threaded_enqueue = k.threaded.load();
   d.tma = k.tma.load();
-  d.tma_multi_stream_min_rows = k.tma_rows.load();
   return d;
 }
 
@@ -1028,8 +1026,6 @@ void set_grouped_defaults(const GroupedDefaults& d) {
            "default");
   BB_CHECK(d.multi_stream_min_flops >= 0, "cuda::set_grouped_defaults: multi_stream_min_flops must "
            "be >= 0, got ", d.multi_stream_min_flops);
-  BB_CHECK(d.tma_multi_stream_min_rows >= 0, "cuda::set_grouped_defaults: tma_multi_stream_min_rows must be >= 0, got ",
-           d.tma_multi_stream_min_rows);
   BB_CHECK(d.num_streams >= 1 && d.num_streams <= kMaxGroupedStreams,
            "cuda::set_grouped_defaults: num_streams=", d.num_streams, " is not in [1, ",
            kMaxGroupedStreams, "]");
@@ -1040,7 +1036,6 @@ void set_grouped_defaults(const GroupedDefaults& d) {
   k.min_flops.store(d.multi_stream_min_flops);
   k.threaded.store(d.threaded_enqueue);
   k.tma.store(d.tma);
-  k.tma_rows.store(d.tma_multi_stream_min_rows);
 }
 
 void gemm_grouped(bool ta, bool tb, const std::vector<GemmProblem>& problems, float alpha, DType ab,
@@ -1054,19 +1049,11 @@ void gemm_grouped(bool ta, bool tb, const std::vector<GemmProblem>& problems, fl
   const bool same = ab == cdt;
   GroupedAlgo algo = cfg.algo;
   const bool tma = cfg.tma && defaults.tma;
-  // Automatic: the TMA kernel first, for the forward and dgrad calls it takes whose mean problem
-  // has fewer rows than its line; then the dtype defaults and the FLOP line. (The wgrad shape
-  // stays with `widening`: there the TMA kernel's f32 read-modify-write epilogue, not
-  // overlapped with its products, makes it 2x slower than multi_stream; skills/experts.md.)
-  bool tma_first = false;
-  if (algo == GroupedAlgo::automatic && tma && !ta &&
-      grouped_tma_refusal(ta, tb, problems, ab, lda, ldb, cdt, dev).empty()) {
-    double rows = 0;
-    int64_t n = 0;
-    for (const GemmProblem& p : problems)
-      if (p.M > 0 && p.N > 0) rows += static_cast<double>(p.M), ++n;
-    tma_first = rows < static_cast<double>(defaults.tma_multi_stream_min_rows) * static_cast<double>(n);
-  }
+  // Automatic: the TMA kernel first for the forward and dgrad calls it takes (faster than every
+  // other algorithm at 256-2048 rows per expert, skills/experts.md); then the dtype defaults and
+  // the FLOP line. (The wgrad shape stays with `widening`: multi_stream is faster there.)
+  const bool tma_first = algo == GroupedAlgo::automatic && tma && !ta &&
+                         grouped_tma_refusal(ta, tb, problems, ab, lda, ldb, cdt, dev).empty();
   if (tma_first) {
     algo = GroupedAlgo::mma;
     cfg.tile_m = 0;

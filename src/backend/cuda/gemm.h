@@ -97,15 +97,11 @@ struct GroupedDefaults {
   // thread enqueues stream 0 (false: one thread, launches interleaved across the streams).
   bool threaded_enqueue = true;
   // Automatic forward and dgrad calls (!trans_a) that the TMA kernel takes (sm_90, bf16, the
-  // expert layouts: grouped_mma.h) run on it, before same_dtype and the FLOP line apply, when
-  // their mean problem has fewer than tma_multi_stream_min_rows rows (M); larger ones follow the
-  // rules above. (The wgrad shape keeps `widening`: mma with tile_m 0 runs it on the TMA kernel,
-  // which is slower than multi_stream there.) Measured on an H200 (bench_experts, Qwen3-30B-A3B expert
-  // shapes; skills/experts.md): with 1024 rows per expert the TMA kernel is 7-15% faster than
-  // multi_stream, with 2048 rows 4-19% slower (its 128 x 256 tiles pay a fixed cost per tile that
-  // cuBLASLt's kernels hide). [backend] grouped_gemm_tma, grouped_gemm_tma_multi_stream_min_rows.
+  // expert layouts: grouped_mma.h) run on it, before same_dtype and the FLOP line apply: on an
+  // H200 it is faster than every other algorithm at 256-2048 rows per expert (bench_experts,
+  // skills/experts.md). The wgrad shape keeps `widening` (mma with tile_m 0 runs it on the TMA
+  // kernel, slower than multi_stream there). [backend] grouped_gemm_tma.
   bool tma = true;
-  int64_t tma_multi_stream_min_rows = 1536;
 };
 GroupedDefaults grouped_defaults();
 void set_grouped_defaults(const GroupedDefaults& d);  // checked: no automatic, streams in range

@@ -66,14 +66,12 @@ namespace {
 
 using namespace grouped;
 
-constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4;
+constexpr int kBM = 128, kBN = 256, kBK = 64;
 constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
 constexpr int kABytes = kBM * kBK * 2;  // 16 KiB
 constexpr int kBBytes = kBN * kBK * 2;  // 32 KiB
 constexpr int kStageBytes = kABytes + kBBytes;
 constexpr int kBlock = 64 * kBK * 2;  // one 64 x 64 box of an M/N-major operand (8 KiB)
-// Stages, 1024 bytes to align them (the 128-byte swizzle is on address bits), the mbarriers.
-constexpr int kSmem = kStages * kStageBytes + 1024 + 2 * kStages * 8;
 
 // The device-side problem table: rows of the A map where problem g starts, rows of the B map
 // (forward: its N rows; dgrad and wgrad: its K rows), its K and its C.
@@ -168,27 +166,70 @@ __device__ __forceinline__ TmaTile tile_at(const TmaProblem* probs, const int32_
   return {p, (tile % p->tiles_m) * kBM, (tile / p->tiles_m) * kBN, (p->K + kBK - 1) / kBK};
 }
 
+// Shared-memory plan of a kernel instance. bf16 outputs go through a staging tile that three
+// epilogue warps write out while the consumers multiply the next tile (3 stages then fit); f32
+// outputs (read-modify-write with beta) are stored by the consumers themselves (4 stages).
+template <class TC>
+struct SmemPlan {
+  static constexpr bool kStaged = sizeof(TC) == 2;
+  static constexpr int kStages = kStaged ? 3 : 4;
+  static constexpr int kRing = 4;  // tile descriptors the producer may publish ahead
+  static constexpr int kStaging = kStages * kStageBytes;
+  static constexpr int kRingAt = kStaging + (kStaged ? kBM * kBN * 2 : 0);
+  static constexpr int kMetaAt = kRingAt + kRing * 32;
+  static constexpr int kBarsAt = kMetaAt + 32;
+  static constexpr int kBars = 2 * kStages + 2 * kRing + 2;
+  static constexpr int kBytes = kBarsAt + kBars * 8 + 1024;  // + room to align the base to 1024
+};
+
+// A tile as the producer publishes it to the consumers (and the consumers to the epilogue).
+struct alignas(16) TileInfo {
+  void* C;
+  int32_t M, N, K, m0, n0, k_steps;
+};
+
 // kTA: A stored [K][M] (the wgrad; its K, the expert's rows, is ragged per problem); kBMN: B
 // stored [K][N] (dgrad, wgrad) rather than [N][K] (forward).
+// Roles: warp 0, one thread: the producer (tile lookup, TMA loads); warps 1-3: the epilogue
+// (bf16 outputs); warps 4-11: the two consumer warpgroups.
+// mbarriers: full/empty per stage (TMA bytes / 8 consumer warps), tile_full/tile_empty per ring
+// slot (the producer / 256 consumer threads), staged/drained for the staging tile (256
+// consumer threads / 96 epilogue threads).
 template <bool kTA, bool kBMN, class TC>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_tma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                        const TmaProblem* __restrict__ probs, const int32_t* __restrict__ starts, int num_probs,
                        int tiles, int64_t ldc, float alpha, float beta) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using P = SmemPlan<TC>;
+  constexpr int S = P::kStages, R = P::kRing;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  const uint32_t full0 = base + kStages * kStageBytes;  // kStages "full" barriers, then kStages "empty"
-  const uint32_t empty0 = full0 + kStages * 8;
+  unsigned char* const sbase = smem_raw + (base - smem_u32(smem_raw));  // generic pointer to `base`
+  TileInfo* const ring = reinterpret_cast<TileInfo*>(sbase + P::kRingAt);
+  TileInfo* const meta = reinterpret_cast<TileInfo*>(sbase + P::kMetaAt);
+  const uint32_t bars = base + P::kBarsAt;
+  auto full = [&](int s) { return bars + 8 * s; };
+  auto empty = [&](int s) { return bars + 8 * (S + s); };
+  auto tile_full = [&](int r) { return bars + 8 * (2 * S + r); };
+  auto tile_empty = [&](int r) { return bars + 8 * (2 * S + R + r); };
+  const uint32_t staged = bars + 8 * (2 * S + 2 * R), drained = staged + 8;
   auto a_stage = [&](int s) { return base + s * kStageBytes; };
   auto b_stage = [&](int s) { return base + s * kStageBytes + kABytes; };
+  const uint32_t staging = base + P::kStaging;
 
-  const int wg = threadIdx.x >> 7;
+  const int wg = threadIdx.x >> 7, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(full0 + 8 * s, 1);   // the producer's arrive.expect_tx; the bytes complete it
-      mbar_init(empty0 + 8 * s, 8);  // one arrival per consumer warp
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full(s), 1);   // the producer's arrive.expect_tx; the bytes complete it
+      mbar_init(empty(s), 8);  // one arrival per consumer warp
     }
+    for (int r = 0; r < R; ++r) {
+      mbar_init(tile_full(r), 1);
+      mbar_init(tile_empty(r), 256);
+    }
+    mbar_init(staged, 256);
+    mbar_init(drained, 96);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -196,63 +237,104 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if (threadIdx.x == 0) {
+      // The producer: publishes each tile, then loads its K steps.
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map_a)) : "memory");
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map_b)) : "memory");
-      uint32_t it = 0;
-      for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+      uint32_t it = 0, i = 0;
+      for (int t = blockIdx.x; t < tiles; t += gridDim.x, ++i) {
         const TmaTile at = tile_at(probs, starts, num_probs, t);
-        const int a_row = at.p->a_row, b_row = at.p->b_row;
+        const TmaProblem& p = *at.p;
+        const int r = static_cast<int>(i % R);
+        mbar_wait(tile_empty(r), ((i / R) & 1) ^ 1);
+        ring[r] = TileInfo{p.C, p.M, p.N, p.K, at.m0, at.n0, at.k_steps};
+        mbar_arrive(tile_full(r));  // release: the descriptor is visible to whoever sees the phase
+        const int a_row = p.a_row, b_row = p.b_row;
         for (int k = 0; k < at.k_steps; ++k, ++it) {
-          const int s = static_cast<int>(it % kStages);
-          mbar_wait(empty0 + 8 * s, ((it / kStages) & 1) ^ 1);
-          const uint32_t full = full0 + 8 * s;
-          mbar_arrive_expect_tx(full, kStageBytes);
+          const int s = static_cast<int>(it % S);
+          mbar_wait(empty(s), ((it / S) & 1) ^ 1);
+          mbar_arrive_expect_tx(full(s), kStageBytes);
           if constexpr (kTA) {
 #pragma unroll
             for (int j = 0; j < kBM / 64; ++j)
-              tma_load_2d(a_stage(s) + j * kBlock, &map_a, full, at.m0 + 64 * j, a_row + k * kBK);
+              tma_load_2d(a_stage(s) + j * kBlock, &map_a, full(s), at.m0 + 64 * j, a_row + k * kBK);
           } else {
-            tma_load_2d(a_stage(s), &map_a, full, k * kBK, a_row + at.m0);
+            tma_load_2d(a_stage(s), &map_a, full(s), k * kBK, a_row + at.m0);
           }
           if constexpr (kBMN) {
 #pragma unroll
             for (int j = 0; j < kBN / 64; ++j)
-              tma_load_2d(b_stage(s) + j * kBlock, &map_b, full, at.n0 + 64 * j, b_row + k * kBK);
+              tma_load_2d(b_stage(s) + j * kBlock, &map_b, full(s), at.n0 + 64 * j, b_row + k * kBK);
           } else {
-            tma_load_2d(b_stage(s), &map_b, full, k * kBK, b_row + at.n0);
+            tma_load_2d(b_stage(s), &map_b, full(s), k * kBK, b_row + at.n0);
           }
         }
+      }
+    } else if (P::kStaged && warp >= 1) {
+      // The epilogue: warp w - 1 of 3 writes rows w - 1, w + 2, ... of each staged tile, 16 bytes
+      // (8 columns) a lane, a whole 256-column row a warp (coalesced).
+      const int ew = warp - 1;
+      uint32_t i = 0;
+      for (int t = blockIdx.x; t < tiles; t += gridDim.x, ++i) {
+        mbar_wait(staged, i & 1);
+        const TileInfo at = *meta;
+        const int col = at.n0 + 8 * lane;
+        TC* C = static_cast<TC*>(at.C);
+        for (int r = ew; r < kBM && at.m0 + r < at.M; r += 3) {
+          if (col >= at.N) continue;
+          uint4 v;
+          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                       : "r"(staging + r * (kBN * 2) + ((lane ^ (r & 7)) << 4)));
+          TC* out = C + static_cast<int64_t>(at.m0 + r) * ldc + col;
+          if (beta != 0.0f) {
+            const uint4 o = *reinterpret_cast<const uint4*>(out);
+            uint32_t* pv = &v.x;
+            const uint32_t* po = &o.x;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(pv + e));
+              const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(po + e));
+              const __nv_bfloat162 sum = __floats2bfloat162_rn(a.x + beta * b.x, a.y + beta * b.y);
+              pv[e] = *reinterpret_cast<const uint32_t*>(&sum);
+            }
+          }
+          *reinterpret_cast<uint4*>(out) = v;
+        }
+        mbar_arrive(drained);
       }
     }
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     const int cw = wg - 1;  // rows [64 cw, +64) of each tile
     const int ct = threadIdx.x - 128;  // 0..255 over the consumers
-    const int lane = threadIdx.x & 31, q = (threadIdx.x >> 5) & 3;
-    uint32_t it = 0;
+    const int q = warp & 3;
+    uint32_t it = 0, i = 0;
     float acc[128];
 #pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = 0.0f;  // (each tile's first product overwrites them)
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-      const TmaTile at = tile_at(probs, starts, num_probs, t);
+    for (int j = 0; j < 128; ++j) acc[j] = 0.0f;  // (each tile's first product overwrites them)
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x, ++i) {
+      const int r = static_cast<int>(i % R);
+      mbar_wait(tile_full(r), (i / R) & 1);
+      const TileInfo at = ring[r];
+      mbar_arrive(tile_empty(r));
       if (at.k_steps == 0) {  // K = 0: C = beta C
 #pragma unroll
-        for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+        for (int j = 0; j < 128; ++j) acc[j] = 0.0f;
       }
       for (int k = 0; k < at.k_steps; ++k, ++it) {
-        const int s = static_cast<int>(it % kStages);
-        mbar_wait(full0 + 8 * s, (it / kStages) & 1);
+        const int s = static_cast<int>(it % S);
+        mbar_wait(full(s), (it / S) & 1);
         if constexpr (kTA) {
           // The wgrad's last K step of a problem holds rows of the next problem (or TMA's zeros
           // past the map): zero rows [valid, 64) of every A and B block before multiplying.
-          const int valid = at.p->K - k * kBK;
+          const int valid = at.K - k * kBK;
           if (valid < kBK) {
             constexpr int kBlocks = kBM / 64 + kBN / 64;
             const int chunks = (kBK - valid) * kBlocks * 8;  // 16-byte chunks of 128-byte rows
-            for (int i = ct; i < chunks; i += 256) {
-              const int line = i >> 3, blk = line % kBlocks, row = valid + line / kBlocks;
+            for (int c = ct; c < chunks; c += 256) {
+              const int line = c >> 3, blk = line % kBlocks, row = valid + line / kBlocks;
               const uint32_t at_blk = blk < kBM / 64 ? a_stage(s) + blk * kBlock : b_stage(s) + (blk - kBM / 64) * kBlock;
-              asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(at_blk + row * 128 + (i & 7) * 16), "r"(0)
+              asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(at_blk + row * 128 + (c & 7) * 16), "r"(0)
                            : "memory");
             }
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes -> wgmma reads
@@ -268,25 +350,55 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_commit();
         // Step k's products run while step k - 1's are waited for; then k - 1's stage is free.
         wgmma_wait<1>();
-        if (k > 0 && lane == 0) mbar_arrive(empty0 + 8 * static_cast<int>((it - 1) % kStages));
+        if (k > 0 && lane == 0) mbar_arrive(empty(static_cast<int>((it - 1) % S)));
       }
       wgmma_wait<0>();
-      if (at.k_steps > 0 && lane == 0) mbar_arrive(empty0 + 8 * static_cast<int>((it - 1) % kStages));
+      if (at.k_steps > 0 && lane == 0) mbar_arrive(empty(static_cast<int>((it - 1) % S)));
 
       // Accumulators: warp q holds rows 16 q + lane / 4 (+ 8) of the warpgroup's 64; n8 block j
       // in acc[4 j .. 4 j + 3] as in mma.sync's m16n8 fragment.
-      const TmaProblem& p = *at.p;
-      TC* C = static_cast<TC*>(p.C);
-      const int row0 = at.m0 + cw * 64 + q * 16 + (lane >> 2);
+      const int rt = cw * 64 + q * 16 + (lane >> 2);  // tile row of acc[.. 0, 1]; + 8 for [.. 2, 3]
+      if constexpr (P::kStaged) {
+        // alpha acc in bf16 into the staging tile ([128][256], the 16-byte chunks of row r
+        // XOR-swizzled by r & 7: conflict-free writes of these fragments and reads of whole rows).
+        mbar_wait(drained, (i & 1) ^ 1);  // the epilogue warps are done with the previous tile
 #pragma unroll
-      for (int j = 0; j < kBN / 8; ++j) {
-        const int col = at.n0 + j * 8 + 2 * (lane & 3);
-        if (col >= p.N) continue;
+        for (int j = 0; j < kBN / 8; ++j)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = row0 + 8 * h;
-          if (row >= p.M) continue;
-          epilogue2(C + static_cast<int64_t>(row) * ldc + col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1], alpha, beta);
+          for (int h = 0; h < 2; ++h) {
+            const int row = rt + 8 * h;
+            const __nv_bfloat162 v = __floats2bfloat162_rn(alpha * acc[4 * j + 2 * h], alpha * acc[4 * j + 2 * h + 1]);
+            asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(staging + row * (kBN * 2) + ((j ^ (row & 7)) << 4) +
+                                                           (lane & 3) * 4),
+                         "r"(*reinterpret_cast<const uint32_t*>(&v))
+                         : "memory");
+          }
+        if (ct == 0) *meta = at;
+        mbar_arrive(staged);
+      } else {
+        // f32 C, stored by the consumers. beta = 1 (the wgrad's d_W +=) adds in L2 with
+        // red.global.add: no load, so nothing here waits for memory and the next tile starts at
+        // once. Each element gets one addition (one tile covers it), so repeated calls are
+        // bitwise equal and the sum is the fp32 C + alpha acc of a load, add and store, except
+        // that subnormal results flush to zero (the f32 reduction implies .ftz).
+        TC* C = static_cast<TC*>(at.C);
+#pragma unroll
+        for (int j = 0; j < kBN / 8; ++j) {
+          const int col = at.n0 + j * 8 + 2 * (lane & 3);
+          if (col >= at.N) continue;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = at.m0 + rt + 8 * h;
+            if (row >= at.M) continue;
+            TC* out = C + static_cast<int64_t>(row) * ldc + col;
+            if (beta == 1.0f) {
+              asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(out), "f"(alpha * acc[4 * j + 2 * h]),
+                           "f"(alpha * acc[4 * j + 2 * h + 1])
+                           : "memory");
+              continue;
+            }
+            epilogue2(out, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1], alpha, beta);
+          }
         }
       }
     }
@@ -384,6 +496,7 @@ template <bool kTA, bool kBMN, class TC>
 void launch(const CUtensorMap& ma, const CUtensorMap& mb, const TmaProblem* probs, const int32_t* starts, int n,
             int tiles, int64_t ldc, float alpha, float beta) {
   auto* kernel = grouped_tma_kernel<kTA, kBMN, TC>;
+  constexpr int kSmem = SmemPlan<TC>::kBytes;
   BB_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   const int grid = std::min(tiles, sm_count());
   kernel<<<static_cast<unsigned>(grid), kThreads, kSmem, stream()>>>(ma, mb, probs, starts, n, tiles, ldc, alpha, beta);
