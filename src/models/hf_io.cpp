@@ -410,6 +410,7 @@ std::vector<std::pair<std::string, Tensor>> hf_state(DecoderModel& model) {
 }
 
 std::vector<HfNamedParam> hf_named_params(DecoderModel& model) {
+  model.param_store().materialize_grads();  // lazily zeroed gradients a backward did not write
   std::vector<HfNamedParam> out;
   for (const HfTensor& t : model.hf_tensors()) out.push_back({t.name, t.value(), t.grad()});
   return out;

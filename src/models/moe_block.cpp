@@ -43,6 +43,8 @@ MoeBlock::MoeBlock(ParamStore& store, ParamUnit& dense_unit, ParamUnit& expert_u
                                 true, HfSplit::experts_gate_up);
   experts_down_ = &store.add(expert_unit, prefix + "mlp.experts.down_proj", {El, H, F}, true,
                              HfSplit::experts_down);
+  // The experts' backward writes every expert's slice on its first touch of a step.
+  experts_gate_up_->lazy_zero_grad = experts_down_->lazy_zero_grad = true;
   if (cfg.shared_ffn > 0) {
     const int64_t S = cfg.shared_ffn;
     shared_gate_up_ = &store.add(dense_unit, prefix + "mlp.shared_expert.gate_up_proj", {2 * S, H},
@@ -77,7 +79,15 @@ ExpertCalls MoeBlock::expert_calls(BatchContext& ctx, BlockSaved& saved) {
     ExpertsDgrad wg;  // only d_gate_up is read by the weight part
     wg.d_gate_up = d_gate_up;
     block::weight_grad(ctx, saved, [this, impl, d_y, rows, prob, counts, s, wg] {
-      experts_backward_weight(impl, d_y, rows, counts, prob, s, wg, experts_gate_up_->grad, experts_down_->grad);
+      // The first write of a step overwrites the lazily zeroed gradients (no memset before the
+      // step, no read of the old values); later ones (chunks, micro-batches) add.
+      // (ParamStore::zero_grad marks the unit's parameters together.)
+      const bool overwrite = experts_gate_up_->grad_stale;
+      BB_CHECK(experts_down_->grad_stale == overwrite, "MoeBlock: the expert gradients of ", experts_down_->name,
+               " and ", experts_gate_up_->name, " disagree on being zeroed");
+      experts_backward_weight(impl, d_y, rows, counts, prob, s, wg, experts_gate_up_->grad, experts_down_->grad,
+                              !overwrite);
+      experts_gate_up_->grad_stale = experts_down_->grad_stale = false;
     });
   };
   return c;

@@ -1,6 +1,9 @@
 // params.cpp — flat parameter units: layout, allocation and the views (models/params.h).
 #include "models/params.h"
 
+#include <algorithm>
+#include <limits>
+
 #include "core/error.h"
 
 namespace bb {
@@ -139,14 +142,39 @@ void ParamStore::rebind(ParamUnit& u, const Tensor& value, const Tensor& grad) {
   u.value = value.defined() ? value.narrow(0, u.numel) : Tensor();
   u.grad = grad.defined() ? grad.narrow(0, u.numel) : Tensor();
   for (Param* p : u.params) {
+    p->grad_stale = false;  // new gradient buffers hold what they were given
     p->value = u.value.defined() ? unit_slice(u.value, *p) : Tensor();
     p->grad = u.grad.defined() ? unit_slice(u.grad, *p) : Tensor();
   }
 }
 
 void ParamStore::zero_grad() {
-  for (ParamUnit& u : units_)
-    if (u.grad.defined()) u.grad.zero_();
+  for (ParamUnit& u : units_) {
+    if (!u.grad.defined()) continue;
+    const bool lazy = !u.params.empty() &&
+                      std::all_of(u.params.begin(), u.params.end(), [](const Param* p) { return p->lazy_zero_grad; });
+    if (!lazy) {
+      u.grad.zero_();
+      for (Param* p : u.params) p->grad_stale = false;
+      continue;
+    }
+    // The padding between the parameters is never written and stays zero.
+    for (Param* p : u.params) {
+      p->grad_stale = true;
+      if (p->grad.device().is_cpu()) p->grad.fill_(std::numeric_limits<float>::quiet_NaN());
+    }
+  }
+}
+
+void ParamStore::materialize_grads(ParamUnit* only) {
+  for (ParamUnit& u : units_) {
+    if (only && &u != only) continue;
+    for (Param* p : u.params)
+      if (p->grad_stale) {
+        if (p->grad.defined()) p->grad.zero_();
+        p->grad_stale = false;
+      }
+  }
 }
 
 }  // namespace bb

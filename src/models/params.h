@@ -58,6 +58,14 @@ struct Param {
   int64_t offset = 0;  // first element in the unit's flat buffers
   Tensor value;        // view of unit->value: the model's parameter dtype, category params
   Tensor grad;         // view of unit->grad: f32, category grads
+  // Lazily zeroed gradient (the routed experts' weights, whose backward can write instead of
+  // add): ParamStore::zero_grad marks it stale instead of clearing it. While `grad_stale`, the
+  // gradient is logically zero and its memory holds anything (NaN on the CPU, so that a read
+  // that forgets it fails in tests); the block's backward writes it on its first touch of a
+  // step (accumulate = false) and clears the flag. Readers of whole gradients call
+  // ParamStore::materialize_grads first.
+  bool lazy_zero_grad = false;
+  bool grad_stale = false;
   int64_t numel() const { return shape_numel(shape); }
 };
 
@@ -122,8 +130,12 @@ class ParamStore {
   // a parameter then is an error, not a read of stale memory. The old buffers are released when
   // nothing else holds them.
   void rebind(ParamUnit& u, const Tensor& value, const Tensor& grad);
-  // Zeroes every unit's gradient (one memset per unit; units without gradients are skipped).
+  // Zeroes every unit's gradient (one memset per unit; units without gradients are skipped),
+  // except units whose parameters all have lazy_zero_grad: those are marked grad_stale.
   void zero_grad();
+  // Zeroes the gradients still marked stale (of unit `u`, or of every unit) and clears the flag:
+  // before anything reads gradients as a whole (reductions, the norm, the optimizer, exports).
+  void materialize_grads(ParamUnit* u = nullptr);
 
  private:
   std::deque<Param> params_;  // deque: pointers stay valid as parameters are added

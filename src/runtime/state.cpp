@@ -308,6 +308,9 @@ void ModelState::before_backward(const Layer& l) {
 void ModelState::after_backward(const Layer& l) {
   drain();  // the layer above's reduce-scatters: at most one layer's whole gradients in flight
   for (Unit* u : layer_units(l.index)) {
+    // A lazily zeroed gradient the layer's backward did not write (no rows reached its experts)
+    // is zeroed before it is reduced.
+    model_.param_store().materialize_grads(u->u);
     if (u->mode == Mode::fsdp) {
       grads_end(*u);
       release(*u);
@@ -346,6 +349,7 @@ ModelState::Owned ModelState::owned(size_t i) {
 
 double ModelState::grad_norm() {
   BB_RANGE("grad_norm");
+  model_.param_store().materialize_grads();
   // Each rank sums the squares of the elements it writes to checkpoints (for whole units: its
   // 1/N of them), so one all-reduce over the world counts every element once.
   double local = 0;
@@ -399,6 +403,7 @@ const std::string& ModelState::unit_name(size_t i) const { return units_[i]->u->
 
 void ModelState::step(int64_t step, double lr, double weight_decay, const AdamWConfig& cfg, Tensor* nonfinite) {
   BB_RANGE("optimizer_step");
+  model_.param_store().materialize_grads();
   std::vector<comm::WorkPtr> gathers;
   for (auto& up : units_) {
     Unit& u = *up;
@@ -458,6 +463,7 @@ Tensor ModelState::gather_master(size_t i) {
 
 Tensor ModelState::gather_grad(size_t i) {
   Unit& u = *units_[i];
+  model_.param_store().materialize_grads(u.u);
   if (u.mode == Mode::whole) return u.u->grad.to(Device::cpu(), MemCategory::other);
   Tensor shard = u.mode == Mode::fsdp ? u.grad_shard : u.grad_buf.narrow(u.r * u.S, u.S);
   Tensor all = Tensor::empty({u.N * u.S}, DType::f32, shard.device(), MemCategory::other);

@@ -230,6 +230,38 @@ TEST(Experts, WeightGradientsAccumulate) {
   }
 }
 
+// accumulate = false writes the gradients: NaN in them before is ignored, experts without rows
+// get zeros, and the result equals adding into zeros.
+TEST(Experts, WeightGradientsOverwriteWhenNotAccumulating) {
+  Problem p = make_problem({2, 0, 3}, 5, 4, 410);
+  for (ExpertsImpl impl : {ExpertsImpl::sequential, ExpertsImpl::grouped}) {
+    const Tensor x = f32(p.x, {p.N, p.H}), wgu = f32(p.wgu, {p.E, 2 * p.F, p.H}),
+                 wd = f32(p.wd, {p.E, p.H, p.F}), dy = f32(p.dy, {p.N, p.H});
+    ExpertsSaved s;
+    experts_forward(impl, x, p.counts, wgu, wd, Tensor(), &s);
+    ExpertsDgrad dg = experts_backward_data(impl, dy, p.counts, wgu, wd, Tensor(), s);
+    Tensor add_gu = Tensor::zeros(wgu.shape(), DType::f32, Device::cpu(), MemCategory::grads);
+    Tensor add_d = Tensor::zeros(wd.shape(), DType::f32, Device::cpu(), MemCategory::grads);
+    experts_backward_weight(impl, dy, x, p.counts, Tensor(), s, dg, add_gu, add_d);
+    Tensor w_gu = Tensor::zeros(wgu.shape(), DType::f32, Device::cpu(), MemCategory::grads);
+    Tensor w_d = Tensor::zeros(wd.shape(), DType::f32, Device::cpu(), MemCategory::grads);
+    w_gu.fill_(std::nan(""));
+    w_d.fill_(std::nan(""));
+    experts_backward_weight(impl, dy, x, p.counts, Tensor(), s, dg, w_gu, w_d, /*accumulate=*/false);
+    EXPECT_EQ(w_gu.to_floats(), add_gu.to_floats());
+    EXPECT_EQ(w_d.to_floats(), add_d.to_floats());
+    // All experts empty: the gradients become zeros.
+    const std::vector<int64_t> none(p.E, 0);
+    Tensor x0 = Tensor::empty({0, p.H}, DType::f32, Device::cpu(), MemCategory::moe);
+    ExpertsSaved s0;
+    experts_forward(impl, x0, none, wgu, wd, Tensor(), &s0);
+    ExpertsDgrad dg0 = experts_backward_data(impl, x0, none, wgu, wd, Tensor(), s0);
+    experts_backward_weight(impl, x0, x0, none, Tensor(), s0, dg0, w_gu, w_d, false);
+    for (float v : w_gu.to_floats()) ASSERT_EQ(v, 0.0f);
+    for (float v : w_d.to_floats()) ASSERT_EQ(v, 0.0f);
+  }
+}
+
 TEST(Experts, AllExpertsEmpty) {
   const int64_t E = 3, H = 4, F = 2;
   std::vector<int64_t> counts = {0, 0, 0};

@@ -185,6 +185,37 @@ TEST_P(ExpertsGpuEdge, Bf16GradientsAccumulate) {
   EXPECT_LT(test::rel_error(dwd_g.to_floats(), dwd_c.to_floats()), test::kTolBf16);
 }
 
+// accumulate = false on the GPU (the first write of a step into lazily zeroed gradients): NaN in
+// the gradients is ignored, empty experts get zeros, and the result equals adding into zeros (to
+// rounding: cuBLASLt may pick another kernel for beta 0); f32 and bf16 gradients.
+TEST_P(ExpertsGpuEdge, WeightGradientsOverwriteWhenNotAccumulating) {
+  BB_REQUIRE_GPU();
+  const ExpertsImpl impl = GetParam();
+  const Inputs in = make_inputs(kOdd, DType::bf16, 520);
+  const Tensor x = gpu(in.x), dy = gpu(in.dy), wgu = gpu(in.wgu), wd = gpu(in.wd), prob = gpu(in.prob);
+  ExpertsSaved s;
+  experts_forward(impl, x, in.counts, wgu, wd, prob, &s);
+  const ExpertsDgrad d = experts_backward_data(impl, dy, in.counts, wgu, wd, prob, s);
+  for (DType gdt : {DType::f32, DType::bf16}) {
+    Tensor add_gu = Tensor::zeros({in.E, 2 * in.F, in.H}, gdt, kGpu, MemCategory::grads);
+    Tensor add_d = Tensor::zeros({in.E, in.H, in.F}, gdt, kGpu, MemCategory::grads);
+    experts_backward_weight(impl, dy, x, in.counts, prob, s, d, add_gu, add_d);
+    Tensor w_gu = Tensor::zeros({in.E, 2 * in.F, in.H}, gdt, kGpu, MemCategory::grads);
+    Tensor w_d = Tensor::zeros({in.E, in.H, in.F}, gdt, kGpu, MemCategory::grads);
+    w_gu.fill_(std::nan(""));
+    w_d.fill_(std::nan(""));
+    experts_backward_weight(impl, dy, x, in.counts, prob, s, d, w_gu, w_d, /*accumulate=*/false);
+    const double tol = gdt == DType::f32 ? 1e-5 : test::kTolBf16;
+    EXPECT_LT(test::rel_error(w_gu.to_floats(), add_gu.to_floats()), tol) << dtype_name(gdt);
+    EXPECT_LT(test::rel_error(w_d.to_floats(), add_d.to_floats()), tol) << dtype_name(gdt);
+    // Experts without rows (kOdd has two): exactly zero.
+    const std::vector<float> gd = w_d.to_floats();
+    for (size_t e = 0; e < in.counts.size(); ++e)
+      if (in.counts[e] == 0)
+        for (int64_t i = 0; i < in.H * in.F; ++i) ASSERT_EQ(gd[e * in.H * in.F + i], 0.0f) << "expert " << e;
+  }
+}
+
 // experts_forward_saved on the GPU: the forward's saved tensors bit for bit (the same kernels up
 // to the activation), no output.
 TEST_P(ExpertsGpuEdge, ForwardSavedEqualsTheForwardsSavedTensors) {

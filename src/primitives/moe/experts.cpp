@@ -141,21 +141,24 @@ void project(ExpertsImpl impl, const Tensor& rows, const std::vector<int64_t>& c
     cuda::gemm_grouped(false, trans_w, problems, 1.0f, dt, Kd, ld_w, 0.0f, dt, Out, dev);
 }
 
-// dW[e] += A[rows of e]^T B[rows of e] for every expert with rows.
+// dW[e] += A[rows of e]^T B[rows of e] for every expert with rows (accumulate), or
+// dW[e] = A[rows of e]^T B[rows of e] for every expert, zero without rows (!accumulate).
 // A [N, M], B [N, Nc] (one dtype), dW [E, M, Nc] (any float dtype).
 void weight_grad(ExpertsImpl impl, const Tensor& A, const Tensor& B,
-                 const std::vector<int64_t>& counts, Tensor& dW) {
+                 const std::vector<int64_t>& counts, Tensor& dW, bool accumulate) {
   const int64_t M = A.size(1), Nc = B.size(1);
   const DType ab = A.dtype(), gdt = dW.dtype();
   const int dev = A.device().index;
+  const float beta = accumulate ? 1.0f : 0.0f;
   // The grouped path takes C = f32 or C = the input dtype; other gradients go through f32.
   const bool direct = impl == ExpertsImpl::sequential || gdt == DType::f32 || gdt == ab;
-  Tensor g = direct ? dW : dW.to_dtype(DType::f32, MemCategory::workspace);
+  Tensor g = direct ? dW : (accumulate ? dW.to_dtype(DType::f32, MemCategory::workspace)
+                                       : Tensor::empty(dW.shape(), DType::f32, dW.device(), MemCategory::workspace));
   std::vector<cuda::GemmProblem> problems;
   int64_t off = 0;
   for (size_t e = 0; e < counts.size(); off += counts[e], ++e) {
     const int64_t c = counts[e];
-    if (c == 0) continue;  // nothing to add
+    if (c == 0 && accumulate) continue;  // nothing to add (written: a K = 0 problem gives C = 0)
     cuda::GemmProblem p;
     p.M = M;
     p.N = Nc;
@@ -164,13 +167,13 @@ void weight_grad(ExpertsImpl impl, const Tensor& A, const Tensor& B,
     p.B = ptr_at(B, off * Nc);
     p.C = const_cast<char*>(ptr_at(g, static_cast<int64_t>(e) * M * Nc));
     if (impl == ExpertsImpl::sequential)
-      cuda::gemm(true, false, M, Nc, c, 1.0f, p.A, ab, M, p.B, ab, Nc, 1.0f, p.C, g.dtype(), Nc,
+      cuda::gemm(true, false, M, Nc, c, 1.0f, p.A, ab, M, p.B, ab, Nc, beta, p.C, g.dtype(), Nc,
                  dev);
     else
       problems.push_back(p);
   }
   if (impl == ExpertsImpl::grouped)
-    cuda::gemm_grouped(true, false, problems, 1.0f, ab, M, Nc, 1.0f, g.dtype(), Nc, dev);
+    cuda::gemm_grouped(true, false, problems, 1.0f, ab, M, Nc, beta, g.dtype(), Nc, dev);
   if (!direct) dW.copy_from(g.to_dtype(gdt, MemCategory::workspace));
 }
 
@@ -239,8 +242,14 @@ ExpertsDgrad backward_data_cuda(ExpertsImpl impl, const Tensor& d_y,
 void backward_weight_cuda(ExpertsImpl impl, const Tensor& d_y, const Tensor& x_perm,
                           const std::vector<int64_t>& counts, const Tensor& row_prob,
                           const Tensor& act_saved, const Tensor& d_gate_up, Tensor& d_w_gate_up,
-                          Tensor& d_w_down, const Dims& d) {
-  if (d.N == 0) return;
+                          Tensor& d_w_down, const Dims& d, bool accumulate) {
+  if (d.N == 0) {
+    if (!accumulate) {
+      d_w_gate_up.zero_();
+      d_w_down.zero_();
+    }
+    return;
+  }
   // One input dtype for the GEMMs: the common one, or f32 when they differ (exact widening).
   DType ab = d_y.dtype();
   for (const Tensor* t : {&x_perm, &act_saved, &d_gate_up})
@@ -252,9 +261,9 @@ void backward_weight_cuda(ExpertsImpl impl, const Tensor& d_y, const Tensor& x_p
     cuda::experts_scale_rows(a.raw(), act.raw(), ab, row_prob.data<float>(), d.N, d.F,
                              d_y.device().index);
   }
-  weight_grad(impl, in_dtype(d_y, ab), a, counts, d_w_down);  // d_y^T (p act)
-  weight_grad(impl, in_dtype(d_gate_up, ab), in_dtype(x_perm, ab), counts,
-              d_w_gate_up);  // d_gate_up^T x
+  weight_grad(impl, in_dtype(d_y, ab), a, counts, d_w_down, accumulate);  // d_y^T (p act)
+  weight_grad(impl, in_dtype(d_gate_up, ab), in_dtype(x_perm, ab), counts, d_w_gate_up,
+              accumulate);  // d_gate_up^T x
 }
 #endif  // BB_WITH_CUDA
 
@@ -348,7 +357,7 @@ ExpertsDgrad experts_backward_data(ExpertsImpl impl, const Tensor& d_y,
 void experts_backward_weight(ExpertsImpl impl, const Tensor& d_y, const Tensor& x_perm,
                              const std::vector<int64_t>& tokens_per_expert, const Tensor& row_prob,
                              const ExpertsSaved& saved, const ExpertsDgrad& dgrad,
-                             Tensor& d_w_gate_up, Tensor& d_w_down) {
+                             Tensor& d_w_gate_up, Tensor& d_w_down, bool accumulate) {
   BB_RANGE("experts_backward_weight");
   const char* op = "experts_backward_weight";
   const Dims d = check_all(op, d_y, "d_y", tokens_per_expert, d_w_gate_up, d_w_down, row_prob);
@@ -361,10 +370,14 @@ void experts_backward_weight(ExpertsImpl impl, const Tensor& d_y, const Tensor& 
 #ifdef BB_WITH_CUDA
   if (d_y.device().is_cuda()) {
     backward_weight_cuda(impl, d_y, x_perm, tokens_per_expert, row_prob, saved.act,
-                         dgrad.d_gate_up, d_w_gate_up, d_w_down, d);
+                         dgrad.d_gate_up, d_w_gate_up, d_w_down, d, accumulate);
     return;
   }
 #endif
+  if (!accumulate) {  // the reference adds into zeros
+    d_w_gate_up.zero_();
+    d_w_down.zero_();
+  }
   Tensor dy = cpu::as_f32(d_y), x = cpu::as_f32(x_perm), act = cpu::as_f32(saved.act);
   Tensor dgu = cpu::as_f32(dgrad.d_gate_up);
   // f32 gradients are updated in place; 16-bit ones through an f32 copy stored back.

@@ -12,7 +12,7 @@
 // by it BEFORE the down projection:
 //   y = W_down[e] (p * swiglu(W_gu[e] x))   or   y = W_down[e] swiglu(W_gu[e] x).
 // Accumulation convention: backward_data WRITES d_x, d_row_prob, d_gate_up (=);
-// backward_weight ACCUMULATES into d_w_gate_up and d_w_down (+=).
+// backward_weight ACCUMULATES into d_w_gate_up and d_w_down (+=), or writes them (accumulate = false).
 // Data and weights may be f32, bf16 or f16 (computed in fp32; outputs in x_perm's / d_y's dtype).
 #pragma once
 
@@ -60,9 +60,13 @@ ExpertsDgrad experts_backward_data(ExpertsImpl impl, const Tensor& d_y,
 // d_w_gate_up [E, 2F, H] += d_gate_up^T x_perm;  d_w_down [E, H, F] += d_y^T (p * act).
 // d_y [N, H], x_perm [N, H] float (in); dgrad from experts_backward_data (its d_gate_up).
 // The gradient tensors may be any float dtype (usually f32, category grads), on the same device as the data.
+// accumulate = false writes (=) instead of adding: whatever the gradients held is ignored (NaN
+// too), every expert's slice is written, zero for experts without rows. It saves the memset
+// before the step and the read of the old gradient (the first write of a step: the model's
+// lazily zeroed expert gradients, models/params.h).
 void experts_backward_weight(ExpertsImpl impl, const Tensor& d_y, const Tensor& x_perm,
                              const std::vector<int64_t>& tokens_per_expert, const Tensor& row_prob,
                              const ExpertsSaved& saved, const ExpertsDgrad& dgrad,
-                             Tensor& d_w_gate_up, Tensor& d_w_down);
+                             Tensor& d_w_gate_up, Tensor& d_w_down, bool accumulate = true);
 
 }  // namespace bb
