@@ -40,8 +40,19 @@ __device__ __forceinline__ void pipeline_prologue(int steps, const Load& load_st
   }
 }
 
-// This CTA's problem (the last one whose first tile is <= blockIdx.x, by binary search over the
-// tile starts) and the origin of its BM x BN output tile (tiles M-fastest within a problem).
+// The problem that tile t belongs to: the last one whose first tile is <= t (binary search over
+// the problems' first tiles).
+__device__ __forceinline__ int problem_of_tile(const int32_t* starts, int num_probs, int t) {
+  int lo = 0, hi = num_probs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldg(starts + mid) <= t) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+// This CTA's problem and the origin of its BM x BN output tile (tiles M-fastest within a problem).
 struct TileAt {
   const MmaProblem* p;
   int64_t m0, n0;
@@ -49,12 +60,7 @@ struct TileAt {
 template <int BM, int BN>
 __device__ __forceinline__ TileAt find_tile(const MmaProblem* probs, const int32_t* starts, int num_probs) {
   const int bid = static_cast<int>(blockIdx.x);
-  int lo = 0, hi = num_probs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (__ldg(starts + mid) <= bid) lo = mid;
-    else hi = mid - 1;
-  }
+  const int lo = problem_of_tile(starts, num_probs, bid);
   const MmaProblem* p = probs + lo;
   const int tile = bid - __ldg(starts + lo);
   return {p, static_cast<int64_t>(tile % p->tiles_m) * BM, static_cast<int64_t>(tile / p->tiles_m) * BN};
