@@ -561,6 +561,7 @@ TEST(GemmGroupedMma, RefusalsAreClearErrorsAndAutomaticFallsBack) {
 
 // ---- the TMA kernel (GroupedAlgo::mma, tile_m 0, on sm_90) --------------------------------------
 
+#ifdef BB_WITH_CUDA
 // The expert layouts the TMA kernel takes: the problems' A are consecutive row ranges of one
 // [rows][K] matrix (ragged counts, zero-count experts skipped), B is one weight tensor
 // ([E][N][K] for TN, [E][K][N] for NN) and C consecutive row ranges of one [rows][N] matrix.
@@ -624,6 +625,7 @@ struct ExpertLayout {
     }
   }
 };
+#endif  // BB_WITH_CUDA
 
 // Ragged counts (1, 37, 129, 200, 256, 300 rows: partial 128-row tiles; more tiles than the
 // H200 has SMs, so every CTA walks several tiles and the producer runs ahead across tiles),
