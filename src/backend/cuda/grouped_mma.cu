@@ -294,10 +294,7 @@ void grouped_mma(bool ta, bool tb, const std::vector<GemmProblem>& ps, float alp
   BB_CHECK(tile_m == 0 || tile_m == 64 || tile_m == 128, "cuda::gemm_grouped: mma tile_m = ",
            tile_m, " is not 0, 64 or 128");
   if (ps.empty()) return;
-  if (tile_m == 0 && tma && grouped_tma_refusal(ta, tb, ps, ab, lda, ldb, cdt, device).empty()) {
-    grouped_tma(ta, tb, ps, alpha, lda, ldb, beta, cdt, ldc, device);
-    return;
-  }
+  if (tile_m == 0 && tma && grouped_tma(ta, tb, ps, alpha, ab, lda, ldb, beta, cdt, ldc, device)) return;
   const bool wgmma = tile_m == 0 && compute_capability(device) == 90 && ab == DType::bf16 && !ta && tb &&
                      (cdt == DType::bf16 || cdt == DType::f32);
   if (wgmma) tile_m = 128;

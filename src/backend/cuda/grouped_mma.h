@@ -67,9 +67,10 @@ void launch_grouped_wgmma_tn(const MmaProblem* probs, const int32_t* starts, int
 // back to back, weights [E][N][K] or [E][K][N]). Problems with M = 0 or N = 0 are ignored.
 std::string grouped_tma_refusal(bool trans_a, bool trans_b, const std::vector<GemmProblem>& ps,
                                 DType ab, int64_t lda, int64_t ldb, DType c_dt, int device);
-// Runs a call grouped_tma_refusal accepted, on cuda::stream().
-void grouped_tma(bool trans_a, bool trans_b, const std::vector<GemmProblem>& ps, float alpha,
-                 int64_t lda, int64_t ldb, float beta, DType c_dt, int64_t ldc, int device);
+// Runs the call on the TMA kernel (on cuda::stream()) and returns true when grouped_tma_refusal
+// would be empty; else does nothing and returns false. Checks and plans once.
+bool grouped_tma(bool trans_a, bool trans_b, const std::vector<GemmProblem>& ps, float alpha,
+                 DType ab, int64_t lda, int64_t ldb, float beta, DType c_dt, int64_t ldc, int device);
 // Calls the TMA kernel has run, process-wide (tests check which kernel a call took).
 int64_t grouped_tma_calls();
 

@@ -1,6 +1,7 @@
 // grouped_mma_device.cuh — device pieces shared by the grouped GEMM tile kernels
-// (grouped_mma.cu, grouped_wgmma_sm90a.cu): cp.async moves, the CTA -> (problem, tile) lookup,
-// and the paired epilogue loads and stores.
+// (grouped_mma.cu, grouped_wgmma_sm90a.cu, grouped_tma_sm90a.cu): cp.async moves, the
+// tile -> problem lookup, the wgmma shared-memory descriptor, and the paired epilogue loads and
+// stores.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -38,6 +39,14 @@ __device__ __forceinline__ void pipeline_prologue(int steps, const Load& load_st
     if (s < steps) load_stage(s, static_cast<int64_t>(s) * BK);
     cp_async_commit();
   }
+}
+
+// wgmma shared-memory matrix descriptor for a 128-byte swizzled tile: start address, leading and
+// stride byte offsets (all >> 4). K-major tiles (8-row atoms of 128-byte rows): lbo 16 (unused),
+// sbo 1024; M/N-major ones: lbo = the distance between 64-element blocks, sbo 1024.
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(sbo >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
 }
 
 // The problem that tile t belongs to: the last one whose first tile is <= t (binary search over

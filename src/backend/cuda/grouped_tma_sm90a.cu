@@ -99,18 +99,16 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 // Waits until the phase of `parity` has completed. A wait longer than about 10 s of SM clock
 // traps (a lost arrival would otherwise hang the GPU; the launch then fails with an error).
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  if (done) return;
-  const long long t0 = clock64();
-  do {
+  long long t0 = 0;  // read once a wait is not over at the first try
+  for (;;) {
+    uint32_t done;
     asm volatile(
         "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
         : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-    if (!done && clock64() - t0 > (1ll << 34)) __trap();
-  } while (!done);
+    if (done) return;
+    if (t0 == 0) t0 = clock64();
+    else if (clock64() - t0 > (1ll << 34)) __trap();
+  }
 }
 
 // One 2D box global -> shared, completing on `bar` (complete_tx counts its bytes). c0 is the
@@ -135,12 +133,6 @@ __device__ __forceinline__ void load_k_step(uint32_t dst, const CUtensorMap* map
   }
 }
 
-// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading and stride byte
-// offsets (both >> 4).
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
-         (static_cast<uint64_t>(sbo >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
-}
 // Descriptor of a K-major (contiguous K) or M/N-major (contiguous M or N) operand tile.
 __device__ __forceinline__ uint64_t operand_desc(uint32_t saddr, bool mn_major) {
   return mn_major ? sw128_desc(saddr, kBlock, 1024) : sw128_desc(saddr, 16, 1024);
@@ -560,25 +552,32 @@ std::vector<GemmProblem> with_work(const std::vector<GemmProblem>& ps) {
   return live;
 }
 
+// The whole check of grouped_tma_refusal; the plan (for `live`, the problems with work) when the
+// kernel takes the call.
+Plan check(bool ta, bool tb, const std::vector<GemmProblem>& live, DType ab, int64_t lda, int64_t ldb, DType cdt,
+           int device) {
+  Plan pl;
+  if (ta && tb) pl.refusal = "A is stored [K][M] and B [N][K]";
+  else if (ab != DType::bf16) pl.refusal = "the inputs are not bf16";
+  else if (cdt != DType::bf16 && cdt != DType::f32) pl.refusal = "C is neither bf16 nor f32";
+  else if (compute_capability(device) != 90) pl.refusal = "the device is not compute capability 9.0";
+  else if (live.empty()) pl.refusal = "no problem has work";
+  else pl = plan(ta, tb, live, lda, ldb);
+  return pl;
+}
+
 }  // namespace
 
 std::string grouped_tma_refusal(bool ta, bool tb, const std::vector<GemmProblem>& ps, DType ab, int64_t lda,
                                 int64_t ldb, DType cdt, int device) {
-  if (ta && tb) return "A is stored [K][M] and B [N][K]";
-  if (ab != DType::bf16) return "the inputs are not bf16";
-  if (cdt != DType::bf16 && cdt != DType::f32) return "C is neither bf16 nor f32";
-  if (compute_capability(device) != 90) return "the device is not compute capability 9.0";
-  const std::vector<GemmProblem> live = with_work(ps);
-  if (live.empty()) return "no problem has work";
-  return plan(ta, tb, live, lda, ldb).refusal;
+  return check(ta, tb, with_work(ps), ab, lda, ldb, cdt, device).refusal;
 }
 
-void grouped_tma(bool ta, bool tb, const std::vector<GemmProblem>& ps, float alpha, int64_t lda, int64_t ldb,
-                 float beta, DType cdt, int64_t ldc, int device) {
+bool grouped_tma(bool ta, bool tb, const std::vector<GemmProblem>& ps, float alpha, DType ab, int64_t lda,
+                 int64_t ldb, float beta, DType cdt, int64_t ldc, int device) {
   const std::vector<GemmProblem> live = with_work(ps);
-  BB_CHECK(!live.empty(), "cuda::grouped_tma: no problem has work");
-  const Plan pl = plan(ta, tb, live, lda, ldb);
-  BB_CHECK(pl.refusal.empty(), "cuda::grouped_tma refuses this call: ", pl.refusal);
+  const Plan pl = check(ta, tb, live, ab, lda, ldb, cdt, device);
+  if (!pl.refusal.empty()) return false;
   const GemmProblem& p0 = live.front();
   // A: [rows][K] in 64 x 128 boxes, or [rows][M] in 64 x 64 boxes (wgrad). B: [rows][K] in
   // 64 x 256 boxes (forward), or [rows][N] in 64 x 64 boxes.
@@ -621,6 +620,7 @@ void grouped_tma(bool ta, bool tb, const std::vector<GemmProblem>& ps, float alp
     else launch<false, true, __nv_bfloat16>(ma, mb, dprobs, dstarts, n, nt, ldc, alpha, beta);
   }
   g_tma_calls.fetch_add(1, std::memory_order_relaxed);
+  return true;
 }
 
 int64_t grouped_tma_calls() { return g_tma_calls.load(std::memory_order_relaxed); }

@@ -30,13 +30,6 @@ constexpr int kBM = 128, kBN = 128, kBK = 64, kStages = 3, kThreads = 256;
 constexpr int kTileBytes = kBM * kBK * 2;  // A and B tiles are both 128 x 64 bf16 (16 KB)
 constexpr int kSmem = kStages * 2 * kTileBytes + 1024;  // + room to align the base to 1024
 
-// Shared-memory matrix descriptor: start address, leading byte offset 16 (unused by swizzled
-// K-major layouts), stride byte offset 1024 (one 8-row atom), 128-byte swizzle.
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr) {
-  return static_cast<uint64_t>((saddr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(16 >> 4) << 16) |
-         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
-}
-
 __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
@@ -95,8 +88,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async writes -> wgmma reads
     __syncthreads();  // step kt landed for every thread
     const int stage = kt % kStages;
-    const uint64_t da = sw128_desc(As + stage * kTileBytes + wg * 64 * 128);
-    const uint64_t db = sw128_desc(Bs + stage * kTileBytes);
+    const uint64_t da = sw128_desc(As + stage * kTileBytes + wg * 64 * 128, 16, 1024);
+    const uint64_t db = sw128_desc(Bs + stage * kTileBytes, 16, 1024);
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
     for (int kk = 0; kk < kBK / 16; ++kk)  // +32 bytes along K per k16 step (2 in 16-byte units)
