@@ -3,14 +3,17 @@
 //
 //   bench_gdn [--seq LIST] [--hk 16] [--hv 32] [--k 128] [--v 128] [--dtype bf16|f32]
 //             [--do-dtype same|f32] [--no-l2norm] [--vt auto|32|64] [--state-warps auto|4|8]
-//             [--no-overlap]
+//             [--no-overlap] [--block-order auto|chunk|head]
 //             [--iters 10] [--warmup 2]
 //   LIST: comma-separated shapes, each N (one sequence of N tokens) or NxM (M packed sequences of
 //   N tokens); default 32768,4096x8,131072,262144.
 //
 // Timing: CUDA events on the compute stream around each call, median of --iters calls after
 // --warmup calls (the allocator's pool is warm then; the host-side chunk table and its upload
-// are inside the timed region, as in training).
+// are inside the timed region, as in training). The last five columns: the forward that keeps
+// its chunk_prep outputs for the backward (GatedDeltaPrep), the backward that takes them (each
+// timed call gets a fresh prep from an untimed forward), the pair, and the bytes per token of
+// the kept prep and of the backward's remaining workspace.
 // FLOPs: the matrix products of the chunked algorithm as the kernels execute them, per token and
 // value head with chunk C = 64 (full C x C intra-chunk tiles; the triangular solve and
 // elementwise work are not counted):
@@ -46,7 +49,8 @@ struct Shape2 {
 struct Args {
   std::vector<Shape2> shapes;
   int64_t hk = 16, hv = 32, k = 128, v = 128;
-  std::string dtype = "bf16", do_dtype = "same", vt = "auto", state_warps = "auto";
+  std::string dtype = "bf16", do_dtype = "same", vt = "auto", state_warps = "auto",
+              block_order = "auto";
   bool l2norm = true, overlap = true;
   int iters = 10, warmup = 2;
 };
@@ -57,7 +61,7 @@ struct Args {
       "bench_gdn: %s\n"
       "usage: bench_gdn [--seq N|NxM[,...]] [--hk 16] [--hv 32] [--k 128] [--v 128]\n"
       "                 [--dtype bf16|f32] [--do-dtype same|f32] [--no-l2norm] [--vt auto|32|64]\n"
-      "                 [--state-warps auto|4|8] [--no-overlap]\n"
+      "                 [--state-warps auto|4|8] [--no-overlap] [--block-order auto|chunk|head]\n"
       "                 [--iters 10] [--warmup 2]\n",
       why.c_str());
   std::exit(2);
@@ -108,7 +112,7 @@ Args parse(int argc, char** argv) {
     if (k == "--help" || k == "-h") usage("help");
     static const char* kValued[] = {"--seq",      "--hk",    "--hv",         "--k",
                                     "--v",        "--iters", "--warmup",     "--dtype",
-                                    "--do-dtype", "--vt",    "--state-warps"};
+                                    "--do-dtype", "--vt",    "--state-warps", "--block-order"};
     if (std::find(std::begin(kValued), std::end(kValued), k) == std::end(kValued))
       usage("unknown option " + k);
     if (i + 1 >= argc) usage("option " + k + " needs a value");
@@ -141,6 +145,10 @@ Args parse(int argc, char** argv) {
       if (v != "auto" && v != "4" && v != "8")
         usage("--state-warps must be auto, 4 or 8, got '" + v + "'");
       a.state_warps = v;
+    } else if (k == "--block-order") {
+      if (v != "auto" && v != "chunk" && v != "head")
+        usage("--block-order must be auto, chunk or head, got '" + v + "'");
+      a.block_order = v;
     } else
       usage("unknown option " + k);
   }
@@ -187,14 +195,19 @@ Tensor random_tensor(const bb::Shape& s, DType dt, uint32_t seed, float lo, floa
   return t;
 }
 
-template <class Fn>
-double time_ms(const Args& a, Fn&& fn) {
+// setup runs before each call, outside the timed region.
+template <class Setup, class Fn>
+double time_ms(const Args& a, Setup&& setup, Fn&& fn) {
   cudaEvent_t e0, e1;
   BB_CHECK_CUDA(cudaEventCreate(&e0));
   BB_CHECK_CUDA(cudaEventCreate(&e1));
-  for (int i = 0; i < a.warmup; ++i) fn();
+  for (int i = 0; i < a.warmup; ++i) {
+    setup();
+    fn();
+  }
   std::vector<double> ms;
   for (int i = 0; i < a.iters; ++i) {
+    setup();
     BB_CHECK_CUDA(cudaEventRecord(e0, cuda::stream()));
     fn();
     BB_CHECK_CUDA(cudaEventRecord(e1, cuda::stream()));
@@ -208,11 +221,16 @@ double time_ms(const Args& a, Fn&& fn) {
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2];
 }
+template <class Fn>
+double time_ms(const Args& a, Fn&& fn) {
+  return time_ms(a, [] {}, fn);
+}
 
 int run(const Args& a) {
   if (a.vt != "auto") setenv("BB_GDN_VT", a.vt.c_str(), 1);
   if (a.state_warps != "auto") setenv("BB_GDN_STATE_WARPS", a.state_warps.c_str(), 1);
   if (!a.overlap) setenv("BB_GDN_OVERLAP", "0", 1);
+  if (a.block_order != "auto") setenv("BB_GDN_BLOCK_ORDER", a.block_order.c_str(), 1);
   cudaDeviceProp prop{};
   BB_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   const DType dt = a.dtype == "bf16" ? DType::bf16 : DType::f32;
@@ -226,9 +244,9 @@ int run(const Args& a) {
       a.overlap ? "overlapped" : "in sequence", a.iters, a.warmup);
   std::printf(
       "| shape | tokens | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s | bwd TFLOP/s | fwd+bwd "
-      "TFLOP/s | "
-      "fwd ws B/token | bwd ws B/token |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+      "TFLOP/s | fwd ws B/token | bwd ws B/token | fwd keeping prep ms | bwd from kept prep ms | "
+      "fwd+bwd, kept prep ms | kept prep B/token | bwd ws with prep B/token |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Shape2& sh : a.shapes) {
     const int64_t T = sh.len * sh.count;
     std::vector<int32_t> cu = {0};
@@ -251,6 +269,29 @@ int run(const Args& a) {
       (void)gated_delta_rule_forward(q, k, v, g, b, cut, opts);
       (void)gated_delta_rule_backward(d_o, q, k, v, g, b, cut, opts);
     });
+    // The forward keeping its chunk_prep outputs, and the backward that takes them (and skips
+    // qk_norm and chunk_prep). A prep serves one backward, so each timed backward gets a fresh
+    // one from an untimed forward. Calls over the workspace limit keep nothing ("-").
+    GatedDeltaPrep prep;
+    const double t_fwd_keep = time_ms(a, [&] {
+      (void)gated_delta_rule_forward(q, k, v, g, b, cut, opts, MemCategory::activations, &prep);
+    });
+    const bool kept = prep.defined();
+    double t_bwd_kept = 0, t_both_kept = 0;
+    if (kept) {
+      t_bwd_kept = time_ms(
+          a,
+          [&] {
+            (void)gated_delta_rule_forward(q, k, v, g, b, cut, opts, MemCategory::activations,
+                                           &prep);
+          },
+          [&] { (void)gated_delta_rule_backward(d_o, q, k, v, g, b, cut, opts, &prep); });
+      t_both_kept = time_ms(a, [&] {
+        (void)gated_delta_rule_forward(q, k, v, g, b, cut, opts, MemCategory::activations, &prep);
+        (void)gated_delta_rule_backward(d_o, q, k, v, g, b, cut, opts, &prep);
+      });
+    }
+    prep = GatedDeltaPrep{};
     {  // a build that produces garbage must not report a time
       const Tensor o = gated_delta_rule_forward(q, k, v, g, b, cut, opts);
       const std::vector<float> head = o.narrow(0, std::min<int64_t>(T, 256)).to_floats();
@@ -271,6 +312,9 @@ int run(const Args& a) {
     const double ws_f = static_cast<double>(cuda::gdn_forward_workspace_bytes(dims, dt)) / T;
     const double ws_b =
         static_cast<double>(cuda::gdn_backward_workspace_bytes(dims, dt, do_dt)) / T;
+    const double ws_p = static_cast<double>(cuda::gdn_prep_bytes(dims, dt)) / T;
+    const double ws_bp =
+        static_cast<double>(cuda::gdn_backward_workspace_bytes(dims, dt, do_dt, true)) / T;
     const double heads_tokens = static_cast<double>(T) * a.hv;
     const double ff = fwd_flops_per_token_head(64, a.k, a.v) * heads_tokens;
     const double fb = bwd_flops_per_token_head(64, a.k, a.v) * heads_tokens;
@@ -280,9 +324,17 @@ int run(const Args& a) {
     else
       std::snprintf(shape, sizeof(shape), "%lld x %lld", static_cast<long long>(sh.count),
                     static_cast<long long>(sh.len));
-    std::printf("| %s | %lld | %.3f | %.3f | %.3f | %.1f | %.1f | %.1f | %.0f | %.0f |\n", shape,
-                static_cast<long long>(T), t_fwd, t_bwd, t_both, ff / (t_fwd * 1e-3) / 1e12,
-                fb / (t_bwd * 1e-3) / 1e12, (ff + fb) / (t_both * 1e-3) / 1e12, ws_f, ws_b);
+    char kept_cols[160];
+    if (kept)
+      std::snprintf(kept_cols, sizeof(kept_cols), "%.3f | %.3f | %.3f | %.0f | %.0f", t_fwd_keep,
+                    t_bwd_kept, t_both_kept, ws_p, ws_bp);
+    else
+      std::snprintf(kept_cols, sizeof(kept_cols), "%.3f | - | - | %.0f (over the limit) | -",
+                    t_fwd_keep, ws_p);
+    std::printf("| %s | %lld | %.3f | %.3f | %.3f | %.1f | %.1f | %.1f | %.0f | %.0f | %s |\n",
+                shape, static_cast<long long>(T), t_fwd, t_bwd, t_both,
+                ff / (t_fwd * 1e-3) / 1e12, fb / (t_bwd * 1e-3) / 1e12,
+                (ff + fb) / (t_both * 1e-3) / 1e12, ws_f, ws_b, kept_cols);
     std::fflush(stdout);
   }
   return 0;

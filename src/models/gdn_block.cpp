@@ -32,6 +32,7 @@ struct GdnBlock::Saved final : BlockSaved {
   Tensor a;        // [T, Hv] decay projection (g is recomputed from it in the gates' backward)
   Tensor g, beta;  // [T, Hv] f32 gates
   Tensor o;        // [T, Hv, Dv] gated delta rule output (activation dtype)
+  GatedDeltaPrep prep;  // the rule's chunk_prep outputs for its backward (CUDA; see forward)
   Tensor y;        // [T, Hv Dv] gated-norm output in the weight dtype: out_proj's input
 };
 
@@ -146,8 +147,14 @@ Tensor GdnBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) 
   opts.scale = 1.0 / std::sqrt(static_cast<double>(Dk));
   opts.l2norm = true;
   opts.eps = 1e-6;
+  // A forward whose state the backward takes keeps the rule's chunk_prep outputs (32.1 KiB per
+  // token at Qwen3.5's shapes), so the backward skips that pass; selective recompute of `gdn`
+  // drops them with the conv outputs. Under full recompute this is the recompute pass, right
+  // before the backward, whose workspace would hold the same buffers anyway.
+  const bool keep_prep = saved != nullptr && !ctx.recompute_drop.has(RecomputePart::gdn);
   S.o = gated_delta_rule_forward(S.act[0].view({T, hk, Dk}), S.act[1].view({T, hk, Dk}),
-                                 S.act[2].view({T, hv, Dv}), S.g, S.beta, xchg_.cu_seqlens(mb), opts);
+                                 S.act[2].view({T, hv, Dv}), S.g, S.beta, xchg_.cu_seqlens(mb), opts,
+                                 MemCategory::activations, keep_prep ? &S.prep : nullptr);
   const Tensor y = gated_rmsnorm_forward(S.o.view({T * hv, Dv}), S.z.view({T * hv, Dv}),
                                          norm_->value, cfg_.rms_norm_eps);
   S.y = xchg_.from_heads(block::as_dtype(y.view({T, hv * Dv}), w_out_->value.dtype()), Hv, mb, kAct);
@@ -185,7 +192,8 @@ Tensor GdnBlock::backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved&
   opts.eps = 1e-6;
   GatedDeltaGrads gg = gated_delta_rule_backward(d_o.view({T, hv, Dv}), S.act[0].view({T, hk, Dk}),
                                                  S.act[1].view({T, hk, Dk}),
-                                                 S.act[2].view({T, hv, Dv}), S.g, S.beta, cu, opts);
+                                                 S.act[2].view({T, hv, Dv}), S.g, S.beta, cu, opts,
+                                                 &S.prep);
   d_o = Tensor();
   // This rank's heads' slices of A_log and dt_bias (and of their gradients: the other ranks add
   // theirs, and the dense gradient reduction sums them).

@@ -235,5 +235,28 @@ TEST(GatedDelta, BadInputsAreClearErrors) {
       [&] { gated_delta_rule_forward(q.to_dtype(DType::bf16), q, v4, g4, g4, cu); }, "'q'");
 }
 
+// The CPU reference keeps no forward prep (GatedDeltaPrep is a CUDA fast path): the forward
+// leaves it empty, and a backward given the empty prep matches one given none.
+TEST(GatedDelta, CpuForwardKeepsNoPrep) {
+  const int64_t T = 5, Hk = 1, Hv = 2, K = 4;
+  const Tensor q = Tensor::from_floats(test::randn(T * Hk * K, 1), {T, Hk, K});
+  const Tensor k = Tensor::from_floats(test::randn(T * Hk * K, 2), {T, Hk, K});
+  const Tensor v = Tensor::from_floats(test::randn(T * Hv * K, 3), {T, Hv, K});
+  const Tensor g = Tensor::from_floats(test::randu(T * Hv, 4, -0.3f, -0.01f), {T, Hv});
+  const Tensor b = Tensor::from_floats(test::randu(T * Hv, 5, 0.1f, 0.9f), {T, Hv});
+  const Tensor d_o = Tensor::from_floats(test::randn(T * Hv * K, 6), {T, Hv, K});
+  const Tensor cu = Tensor::from_ints({0, 2, 5}, {3});
+  GatedDeltaPrep prep;
+  prep.cu = {1, 2, 3};  // stale content is reset
+  const Tensor o = gated_delta_rule_forward(q, k, v, g, b, cu, {}, MemCategory::activations, &prep);
+  EXPECT_FALSE(prep.defined());
+  EXPECT_TRUE(prep.cu.empty());
+  EXPECT_EQ(o.to_floats(), gated_delta_rule_forward(q, k, v, g, b, cu).to_floats());
+  const GatedDeltaGrads a = gated_delta_rule_backward(d_o, q, k, v, g, b, cu);
+  const GatedDeltaGrads c = gated_delta_rule_backward(d_o, q, k, v, g, b, cu, {}, &prep);
+  EXPECT_EQ(a.d_q.to_floats(), c.d_q.to_floats());
+  EXPECT_EQ(a.d_g.to_floats(), c.d_g.to_floats());
+}
+
 }  // namespace
 }  // namespace bb

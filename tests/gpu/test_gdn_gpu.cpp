@@ -291,7 +291,7 @@ TEST(GatedDeltaGpu, RepeatedCallsAreBitwiseEqual) {
 // on the current stream, bit for bit the same. Long enough (1000 + 3000 tokens) that the passes
 // really run side by side, and the outputs are read on the current stream right after the call,
 // so a missing join would read unfinished states.
-TEST(GatedDeltaGpu, BackwardSideStreamIsBitwiseEqualToOneStream) {
+TEST(GatedDeltaGpu, BackwardSideStreamAndKernelKnobsAreBitwiseEqual) {
   BB_REQUIRE_GPU();
   const std::vector<int32_t> cu = {0, 1000, 4000};
   const int64_t T = 4000, Hk = 2, Hv = 4, K = 128;
@@ -312,6 +312,36 @@ TEST(GatedDeltaGpu, BackwardSideStreamIsBitwiseEqualToOneStream) {
   EXPECT_EQ(two.d_v.to_floats(), one.d_v.to_floats());
   EXPECT_EQ(two.d_g.to_floats(), one.d_g.to_floats());
   EXPECT_EQ(two.d_beta.to_floats(), one.d_beta.to_floats());
+  // The block order of the per-(chunk, head) kernels (value heads fastest instead of chunks)
+  // changes only which block runs when.
+  const Tensor o = gated_delta_rule_forward(q, k, v, g, b, cut);
+  const char* prev = std::getenv("BB_GDN_BLOCK_ORDER");
+  const std::string flip = prev != nullptr && std::string(prev) == "head" ? "chunk" : "head";
+  const std::string keep_prev = prev != nullptr ? prev : "";
+  setenv("BB_GDN_BLOCK_ORDER", flip.c_str(), 1);
+  const Tensor o2 = gated_delta_rule_forward(q, k, v, g, b, cut);
+  const GatedDeltaGrads other = gated_delta_rule_backward(d_o, q, k, v, g, b, cut);
+  if (prev != nullptr)
+    setenv("BB_GDN_BLOCK_ORDER", keep_prev.c_str(), 1);
+  else
+    unsetenv("BB_GDN_BLOCK_ORDER");
+  EXPECT_EQ(o2.to_floats(), o.to_floats());
+  EXPECT_EQ(other.d_q.to_floats(), two.d_q.to_floats());
+  EXPECT_EQ(other.d_k.to_floats(), two.d_k.to_floats());
+  EXPECT_EQ(other.d_v.to_floats(), two.d_v.to_floats());
+  EXPECT_EQ(other.d_g.to_floats(), two.d_g.to_floats());
+  EXPECT_EQ(other.d_beta.to_floats(), two.d_beta.to_floats());
+  // chunk_prep with K^ resident (3 blocks an SM) instead of loaded again after the solve.
+  setenv("BB_GDN_PREP_RELOAD", "0", 1);
+  const Tensor o3 = gated_delta_rule_forward(q, k, v, g, b, cut);
+  const GatedDeltaGrads resident = gated_delta_rule_backward(d_o, q, k, v, g, b, cut);
+  unsetenv("BB_GDN_PREP_RELOAD");
+  EXPECT_EQ(o3.to_floats(), o.to_floats());
+  EXPECT_EQ(resident.d_q.to_floats(), two.d_q.to_floats());
+  EXPECT_EQ(resident.d_k.to_floats(), two.d_k.to_floats());
+  EXPECT_EQ(resident.d_v.to_floats(), two.d_v.to_floats());
+  EXPECT_EQ(resident.d_g.to_floats(), two.d_g.to_floats());
+  EXPECT_EQ(resident.d_beta.to_floats(), two.d_beta.to_floats());
 }
 
 // A workspace limit below what one call needs runs the key heads in groups (2 and 4 here: each
@@ -348,6 +378,72 @@ TEST(GatedDeltaGpu, HeadGroupsUnderAWorkspaceLimitAreBitwiseEqual) {
       EXPECT_EQ(c.d_g.to_floats(), a->d_g.to_floats());
       EXPECT_EQ(c.d_beta.to_floats(), a->d_beta.to_floats());
     }
+  }
+}
+
+// A forward given `keep` hands its chunk_prep outputs to the backward, which then skips qk_norm
+// and chunk_prep: the output and every gradient bitwise as without it (the same kernels make the
+// same buffers), for bf16 and f32 inputs, f32 and bf16 d_o, across chunk edges and a packed mix.
+// The backward consumes the prep (released: a second backward cannot reuse its overwritten U).
+// A prep over the workspace limit is not kept; a backward whose rest would exceed the limit drops
+// it and runs in head groups; a prep of other inputs is an error.
+TEST(GatedDeltaGpu, KeptForwardPrepGivesBitwiseEqualGradients) {
+  BB_REQUIRE_GPU();
+  const std::vector<int32_t> cu = {0, 1, 64, 65, 1065, 1128};
+  const int64_t T = 1128, Hk = 2, Hv = 4, K = 128;
+  const Tensor cut = Tensor::from_ints(cu, {6});
+  for (DType dt : {DType::bf16, DType::f32}) {
+    SCOPED_TRACE(dtype_name(dt));
+    auto in = [&](int64_t n, uint64_t seed, const Shape& sh, DType t) {
+      return Tensor::from_floats(test::randn(static_cast<size_t>(n), seed), sh, t).to(kGpu);
+    };
+    const Tensor q = in(T * Hk * K, 41, {T, Hk, K}, dt), k = in(T * Hk * K, 42, {T, Hk, K}, dt),
+                 v = in(T * Hv * K, 43, {T, Hv, K}, dt);
+    const Tensor g = Tensor::from_floats(test::randu(T * Hv, 44, -0.3f, -0.01f), {T, Hv}).to(kGpu);
+    const Tensor b = Tensor::from_floats(test::randu(T * Hv, 45, 0.1f, 0.9f), {T, Hv}).to(kGpu);
+    const Tensor o = gated_delta_rule_forward(q, k, v, g, b, cut);
+    for (DType do_dt : {DType::f32, dt}) {
+      SCOPED_TRACE(std::string("d_o ") + dtype_name(do_dt));
+      const Tensor d_o = in(T * Hv * K, 46, {T, Hv, K}, do_dt);
+      const GatedDeltaGrads a = gated_delta_rule_backward(d_o, q, k, v, g, b, cut);
+      GatedDeltaPrep prep;
+      const Tensor o_kept =
+          gated_delta_rule_forward(q, k, v, g, b, cut, {}, MemCategory::activations, &prep);
+      ASSERT_TRUE(prep.defined());
+      EXPECT_EQ(o_kept.to_floats(), o.to_floats());
+      const GatedDeltaGrads c = gated_delta_rule_backward(d_o, q, k, v, g, b, cut, {}, &prep);
+      EXPECT_FALSE(prep.defined()) << "the backward consumes the prep";
+      EXPECT_EQ(c.d_q.to_floats(), a.d_q.to_floats());
+      EXPECT_EQ(c.d_k.to_floats(), a.d_k.to_floats());
+      EXPECT_EQ(c.d_v.to_floats(), a.d_v.to_floats());
+      EXPECT_EQ(c.d_g.to_floats(), a.d_g.to_floats());
+      EXPECT_EQ(c.d_beta.to_floats(), a.d_beta.to_floats());
+    }
+    // Over the limit: the forward keeps nothing (and still computes o).
+    GatedDeltaOptions tight;
+    tight.max_workspace_bytes = 1;
+    GatedDeltaPrep none;
+    EXPECT_EQ(gated_delta_rule_forward(q, k, v, g, b, cut, tight, MemCategory::activations, &none)
+                  .to_floats(),
+              o.to_floats());
+    EXPECT_FALSE(none.defined());
+    // A prep kept under the default limit, a backward under a limit its rest exceeds: the prep is
+    // dropped and the head-group path runs, bitwise the same.
+    const Tensor d_o = in(T * Hv * K, 47, {T, Hv, K}, DType::f32);
+    const GatedDeltaGrads a = gated_delta_rule_backward(d_o, q, k, v, g, b, cut);
+    GatedDeltaPrep prep;
+    gated_delta_rule_forward(q, k, v, g, b, cut, {}, MemCategory::activations, &prep);
+    ASSERT_TRUE(prep.defined());
+    const GatedDeltaGrads c = gated_delta_rule_backward(d_o, q, k, v, g, b, cut, tight, &prep);
+    EXPECT_FALSE(prep.defined());
+    EXPECT_EQ(c.d_q.to_floats(), a.d_q.to_floats());
+    EXPECT_EQ(c.d_g.to_floats(), a.d_g.to_floats());
+    // A prep of other inputs: a clear error, not wrong gradients.
+    gated_delta_rule_forward(q, k, v, g, b, cut, {}, MemCategory::activations, &prep);
+    const Tensor cu2 = Tensor::from_ints({0, 564, 1128}, {3});
+    test::expect_error_contains(
+        [&] { gated_delta_rule_backward(d_o, q, k, v, g, b, cu2, {}, &prep); },
+        "kept forward prep was made for other inputs");
   }
 }
 

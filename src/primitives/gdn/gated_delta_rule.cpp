@@ -86,7 +86,8 @@ struct CudaPlan {
   cuda::GdnDims dims;
   Tensor table;
 };
-CudaPlan cuda_plan(const ref::GdnShape& s, const Tensor& cu, Device dev) {
+// table: the device chunk table of an earlier plan for the same cu_seqlens (not uploaded again).
+CudaPlan cuda_plan(const ref::GdnShape& s, const Tensor& cu, Device dev, const Tensor* table_on_device = nullptr) {
   CudaPlan p;
   p.dims.T = s.T;
   p.dims.Hk = static_cast<int>(s.Hk);
@@ -98,6 +99,10 @@ CudaPlan cuda_plan(const ref::GdnShape& s, const Tensor& cu, Device dev) {
   p.dims.l2norm = s.l2norm;
   const std::vector<int32_t> table =
       cuda::gdn_chunk_table(cu.data<int32_t>(), cu.numel() - 1, p.dims);
+  if (table_on_device != nullptr) {
+    p.table = *table_on_device;
+    return p;
+  }
   p.table = Tensor::from_ints(table.empty() ? std::vector<int32_t>{0} : table,
                               {static_cast<int64_t>(std::max<size_t>(1, table.size()))})
                 .to(dev, MemCategory::workspace);
@@ -141,14 +146,33 @@ void put_heads(Tensor& dst, const Tensor& part, int64_t first) {
 
 Tensor gated_delta_rule_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                 const Tensor& beta, const Tensor& cu_seqlens,
-                                const GatedDeltaOptions& opts, MemCategory out_cat) {
+                                const GatedDeltaOptions& opts, MemCategory out_cat,
+                                GatedDeltaPrep* keep) {
   BB_RANGE("gated_delta_rule_forward");
   const ref::GdnShape s = check("gated_delta_rule_forward", q, k, v, g, beta, cu_seqlens, opts);
   Tensor o = Tensor::empty(v.shape(), v.dtype(), v.device(), out_cat);
+  if (keep != nullptr) *keep = GatedDeltaPrep{};
 #ifdef BB_WITH_CUDA
   if (q.device().is_cuda()) {
     if (s.T == 0) return o;
     const CudaPlan p = cuda_plan(s, cu_seqlens, q.device());
+    const size_t prep_bytes = cuda::gdn_prep_bytes(p.dims, q.dtype());
+    if (keep != nullptr && prep_bytes <= opts.max_workspace_bytes) {
+      // One call whose workspace is the prep the backward takes.
+      keep->buffer = Tensor::empty({static_cast<int64_t>(std::max<size_t>(prep_bytes, 1))}, DType::u8,
+                                   q.device(), MemCategory::activations);
+      cuda::gdn_forward(o.raw(), q.raw(), k.raw(), v.raw(), g.data<float>(), beta.data<float>(),
+                        p.table.data<int32_t>(), p.dims, q.dtype(), keep->buffer.raw(), /*keep_prep=*/true);
+      keep->table = p.table;
+      keep->cu = cu_seqlens.to_ints();
+      keep->q_shape = q.shape();
+      keep->v_shape = v.shape();
+      keep->dtype = q.dtype();
+      keep->scale = s.scale;
+      keep->eps = s.eps;
+      keep->l2norm = s.l2norm;
+      return o;
+    }
     const int64_t groups = head_groups(p, s.Hk, opts.max_workspace_bytes, [&](const cuda::GdnDims& d) {
       return cuda::gdn_forward_workspace_bytes(d, q.dtype());
     });
@@ -176,7 +200,8 @@ Tensor gated_delta_rule_forward(const Tensor& q, const Tensor& k, const Tensor& 
 
 GatedDeltaGrads gated_delta_rule_backward(const Tensor& d_o, const Tensor& q, const Tensor& k,
                                           const Tensor& v, const Tensor& g, const Tensor& beta,
-                                          const Tensor& cu_seqlens, const GatedDeltaOptions& opts) {
+                                          const Tensor& cu_seqlens, const GatedDeltaOptions& opts,
+                                          GatedDeltaPrep* prep) {
   BB_RANGE("gated_delta_rule_backward");
   const char* op = "gated_delta_rule_backward";
   const ref::GdnShape s = check(op, q, k, v, g, beta, cu_seqlens, opts);
@@ -193,11 +218,36 @@ GatedDeltaGrads gated_delta_rule_backward(const Tensor& d_o, const Tensor& q, co
   auto mk = [&](const Tensor& like) {
     return Tensor::empty(like.shape(), DType::f32, dev, MemCategory::activations);
   };
+  // A kept prep is released on return, whichever path runs.
+  GatedDeltaPrep kept;
+  if (prep != nullptr && prep->defined()) {
+    kept = std::move(*prep);
+    *prep = GatedDeltaPrep{};
+    BB_CHECK(dev.is_cuda() && kept.buffer.device() == dev && kept.q_shape == q.shape() &&
+                 kept.v_shape == v.shape() && kept.dtype == q.dtype() && kept.cu == cu_seqlens.to_ints() &&
+                 kept.scale == s.scale && kept.eps == s.eps && kept.l2norm == s.l2norm,
+             op, ": the kept forward prep was made for other inputs (q ", shape_str(kept.q_shape), ", v ",
+             shape_str(kept.v_shape), " ", dtype_name(kept.dtype), ", ", kept.cu.size() - 1,
+             " sequences) than this call's (", q.str(), ", ", v.str(), ", ", cu_seqlens.numel() - 1,
+             " sequences, or other options): pass the prep of the forward on these inputs, or none");
+  }
   GatedDeltaGrads r{mk(q), mk(k), mk(v), mk(g), mk(beta)};
 #ifdef BB_WITH_CUDA
   if (dev.is_cuda()) {
     if (s.T == 0) return r;
-    const CudaPlan p = cuda_plan(s, cu_seqlens, dev);
+    const CudaPlan p = cuda_plan(s, cu_seqlens, dev, kept.defined() ? &kept.table : nullptr);
+    if (kept.defined()) {
+      const size_t bytes = cuda::gdn_backward_workspace_bytes(p.dims, q.dtype(), d_o.dtype(), /*have_prep=*/true);
+      if (bytes <= opts.max_workspace_bytes) {
+        const Tensor ws = workspace(bytes, dev);
+        cuda::gdn_backward(r.d_q.data<float>(), r.d_k.data<float>(), r.d_v.data<float>(), r.d_g.data<float>(),
+                           r.d_beta.data<float>(), d_o.raw(), d_o.dtype(), q.raw(), k.raw(), v.raw(),
+                           g.data<float>(), beta.data<float>(), p.table.data<int32_t>(), p.dims, q.dtype(),
+                           ws.raw(), kept.buffer.raw());
+        return r;
+      }
+      kept = GatedDeltaPrep{};  // the rest does not fit one call: head groups, each with its own prep
+    }
     const int64_t groups = head_groups(p, s.Hk, opts.max_workspace_bytes, [&](const cuda::GdnDims& d) {
       return cuda::gdn_backward_workspace_bytes(d, q.dtype(), d_o.dtype());
     });

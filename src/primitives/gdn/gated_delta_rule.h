@@ -13,7 +13,8 @@
 //                                        sequences are allowed
 //   o           [T, Hv, V]  v's dtype    output, category `out_cat`
 // Backward: d_o [T, Hv, V] in f32 or v's dtype; every input's gradient written (=), f32, category
-// activations. Nothing is saved besides the inputs: the states are rebuilt in backward.
+// activations. The states are rebuilt in backward; a forward may keep chunk_prep's outputs for it
+// (GatedDeltaPrep below).
 // Devices (all tensors but cu_seqlens on one device):
 //   CPU   the reference (recurrent form), f32 only.
 //   CUDA  chunked kernels (gated_delta_rule_cuda.cu: chunk 64, fp32 state, bf16 tensor-core
@@ -24,6 +25,8 @@
 //         (+ 512 Hv). Qwen3.5 (Hk 16, Hv 32, bf16): 28.1 KiB forward, 112 KiB backward per token
 //         (skills/gated-delta-rule.md has the breakdown). Other dtypes are a clear error.
 #pragma once
+
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -47,14 +50,36 @@ struct GatedDeltaGrads {
   Tensor d_q, d_k, d_v, d_g, d_beta;
 };
 
+// What a CUDA forward can keep for its backward: chunk_prep's outputs (the normalised q and k;
+// W, U, P, T and the gamma cumsum; skills/gated-delta-rule.md), so that the backward skips
+// qk_norm and chunk_prep. Bytes per token for full chunks, bf16 inputs: 512 Hk + 772 Hv
+// (Qwen3.5: 32.1 KiB per GDN layer); f32 inputs: 1024 Hk + 1540 Hv. Made by a forward given
+// `keep`, consumed (released) by the backward given it; gradients are bitwise the same either
+// way. A CPU forward, or one whose prep would exceed max_workspace_bytes (it then runs in head
+// groups), leaves it empty, and the backward works as without it. Opaque to callers.
+struct GatedDeltaPrep {
+  Tensor buffer;  // device bytes, category activations
+  Tensor table;   // the chunk table on the device
+  std::vector<int32_t> cu;
+  Shape q_shape, v_shape;
+  DType dtype = DType::f32;
+  double scale = 0, eps = 0;
+  bool l2norm = true;
+  bool defined() const { return buffer.defined(); }
+};
+
 Tensor gated_delta_rule_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                 const Tensor& beta, const Tensor& cu_seqlens,
                                 const GatedDeltaOptions& opts = {},
-                                MemCategory out_cat = MemCategory::activations);
+                                MemCategory out_cat = MemCategory::activations,
+                                GatedDeltaPrep* keep = nullptr);
 
+// prep: what the forward on these inputs kept (or null / empty). A prep made for other inputs
+// (shapes, dtype, cu_seqlens, options) is an error; it is released when the call returns.
 GatedDeltaGrads gated_delta_rule_backward(const Tensor& d_o, const Tensor& q, const Tensor& k,
                                           const Tensor& v, const Tensor& g, const Tensor& beta,
                                           const Tensor& cu_seqlens,
-                                          const GatedDeltaOptions& opts = {});
+                                          const GatedDeltaOptions& opts = {},
+                                          GatedDeltaPrep* prep = nullptr);
 
 }  // namespace bb

@@ -44,6 +44,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -430,12 +431,27 @@ struct Dims {
   float scale, eps;
   int l2norm;
   int NC, NS;
+  // Block order of the per-(chunk, value head) kernels: 0 = chunks fastest (grid NC x Hv), 1 =
+  // value heads fastest (grid NC Hv), so the G value heads of a key head run side by side and
+  // its q / k tiles are read from L2 the second time (chunk_grid, chunk_head).
+  int head_fastest;
   const int32_t* tab;  // chunk table (gdn_chunk_table layout)
   __device__ __forceinline__ int chunk_start(int n) const { return tab[n]; }
   __device__ __forceinline__ int chunk_len(int n) const { return tab[NC + n]; }
   __device__ __forceinline__ int seq_first(int s) const { return tab[2 * NC + s]; }
   __device__ __forceinline__ int seq_count(int s) const { return tab[2 * NC + NS + s]; }
 };
+
+// This block's chunk n and value head h in a per-(chunk, value head) kernel.
+__device__ __forceinline__ void chunk_head(const Dims& d, int& n, int& h) {
+  if (d.head_fastest) {
+    n = static_cast<int>(blockIdx.x / static_cast<unsigned>(d.Hv));
+    h = static_cast<int>(blockIdx.x % static_cast<unsigned>(d.Hv));
+  } else {
+    n = static_cast<int>(blockIdx.x);
+    h = static_cast<int>(blockIdx.y);
+  }
+}
 
 // ---- 1. q, k -> normalised (q also scaled) operand planes [T, Hk, D] ---------------------------
 template <class Tin>
@@ -474,17 +490,21 @@ __global__ void __launch_bounds__(kThreads)
 // off-diagonal solve reads and writes 4 columns at a time.
 constexpr int kTs = 68, kXs = 20;
 
-template <int NPL>
+template <int NPL, bool kReload>
 struct PrepLayout {
-  // Shared memory decides how many blocks share an SM (3 for bf16, not 2), so buffers whose
-  // lives do not overlap share space: V is loaded over Q^ once P is done, and the bf16
-  // T diag(.) operands are written over L once T is solved.
-  static constexpr size_t kK = 0;                                         // K^
-  static constexpr size_t kQ = kK + align128(Tile<kC, kD, NPL>::kBytes);  // Q^, then V
-  static constexpr size_t kV = kQ;
+  // Shared memory decides how many blocks share an SM, so buffers whose lives do not overlap
+  // share space: V is loaded over Q^ once P is done, and the bf16 T diag(.) operands are
+  // written over L once T is solved. kReload: T is solved over K^ too (K^ is dead from P to the
+  // W product, and is loaded again for it), 54 KB for bf16: 4 blocks an SM instead of 3.
+  static constexpr size_t kKBytes = align128(Tile<kC, kD, NPL>::kBytes);
+  static constexpr size_t kTBytes = align128(kC * kTs * 4);
+  static constexpr size_t kK = 0;  // K^ (kReload: then T f32, then K^ again)
+  static constexpr size_t kQ = kReload ? (kKBytes > kTBytes ? kKBytes : kTBytes) : kKBytes;
+  static constexpr size_t kV = kQ;                                        // Q^, then V
   static constexpr size_t kL = kQ + align128(Tile<kC, kD, NPL>::kBytes);  // L f32 [64][65]
-  static constexpr size_t kTf = kL + align128(kC * kTs * 4);              // T f32 [64][kTs]
-  static constexpr size_t kX = kTf + align128(kC * kTs * 4);     // block scratch [3][16][kXs]
+  static constexpr size_t kTf = kReload ? kK : kL + align128(kC * 65 * 4);  // T f32 [64][kTs]
+  static constexpr size_t kX = kReload ? kL + align128(kC * 65 * 4)
+                                       : kTf + kTBytes;  // block scratch [3][16][kXs]
   static constexpr size_t kG = kX + align128(3 * 16 * kXs * 4);  // gamma, beta, scan
   static constexpr size_t kEnd = kG + align128(3 * kC * 4);
   static constexpr bool kTInL = 2 * align128(Tile<kC, kC, NPL>::kBytes) <= kC * 65 * 4;
@@ -493,13 +513,13 @@ struct PrepLayout {
   static constexpr size_t kBytes = kTInL ? kEnd : kTu + align128(Tile<kC, kC, NPL>::kBytes);
 };
 
-template <class Tin, bool kStoreT>
+template <class Tin, bool kStoreT, bool kReload>
 __global__ void __launch_bounds__(kThreads)
     chunk_prep_kernel(Dims d, const uint16_t* qh, const uint16_t* kh, const Tin* v, const float* g,
                       const float* beta, float* gcum, uint16_t* w, uint16_t* u, uint16_t* pm,
                       uint16_t* tm) {
   constexpr int NPL = planes_of<Tin>();
-  using L = PrepLayout<NPL>;
+  using L = PrepLayout<NPL, kReload>;
   unsigned char* sm = smem_base();
   const Tile<kC, kD, NPL> Kt{reinterpret_cast<uint16_t*>(sm + L::kK)};
   const Tile<kC, kD, NPL> Qt{reinterpret_cast<uint16_t*>(sm + L::kQ)};
@@ -514,7 +534,9 @@ __global__ void __launch_bounds__(kThreads)
   float* scan = bet + kC;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int n = blockIdx.x, h = blockIdx.y, hk = h / d.G;
+  int n, h;
+  chunk_head(d, n, h);
+  const int hk = h / d.G;
   const int c0 = d.chunk_start(n), C = d.chunk_len(n);
   const int64_t psk = d.T * d.Hk * kD, psv = d.T * d.Hv * kD, psc = d.T * d.Hv * kC;
 
@@ -638,9 +660,20 @@ __global__ void __launch_bounds__(kThreads)
   if (tid < C) gcum[(static_cast<int64_t>(c0) + tid) * d.Hv + h] = gam[tid];
   cp_async_wait_all();
   block_sync();
+  if constexpr (kReload) {  // T is in the operands now: K^ again over it, behind the U product
+    load_rows(Kt, kh, psk, (static_cast<int64_t>(c0) * d.Hk + hk) * kD,
+              static_cast<int64_t>(d.Hk) * kD, 0, C);
+    cp_async_commit();
+  }
 
+  // W = (T diag(beta Gamma)) K^, U = (T diag(beta)) V; U first when K^ is on its way again.
 #pragma unroll 1
-  for (int which = 0; which < 2; ++which) {  // W = (T diag(beta Gamma)) K^, U = (T diag(beta)) V
+  for (int it = 0; it < 2; ++it) {
+    const int which = kReload ? 1 - it : it;
+    if (kReload && which == 0) {
+      cp_async_wait_all();
+      block_sync();
+    }
     float acc[1][16][4];
     zero(acc);
     if (which == 0)
@@ -1048,7 +1081,9 @@ __global__ void __launch_bounds__(kThreads)
   float* red = colp + kWarps * kC;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int n = blockIdx.x, h = blockIdx.y, hk = h / d.G;
+  int n, h;
+  chunk_head(d, n, h);
+  const int hk = h / d.G;
   const int c0 = d.chunk_start(n), C = d.chunk_len(n);
   const int64_t psk = d.T * d.Hk * kD, psv = d.T * d.Hv * kD, psc = d.T * d.Hv * kC;
   const int64_t psh = static_cast<int64_t>(d.NC) * d.Hv * kD * kD;
@@ -1277,7 +1312,9 @@ __global__ void __launch_bounds__(kThreads)
   float* dge = dgr + kC;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int n = blockIdx.x, h = blockIdx.y, hk = h / d.G;
+  int n, h;
+  chunk_head(d, n, h);
+  const int hk = h / d.G;
   const int c0 = d.chunk_start(n), C = d.chunk_len(n);
   const int64_t psk = d.T * d.Hk * kD, psv = d.T * d.Hv * kD, psc = d.T * d.Hv * kC;
   const int64_t rv = static_cast<int64_t>(c0) * d.Hv + h, rk = static_cast<int64_t>(c0) * d.Hk + hk;
@@ -1547,7 +1584,18 @@ Dims make_dims(const GdnDims& g, const int32_t* table) {
   d.NC = g.num_chunks;
   d.NS = g.num_seqs;
   d.tab = table;
+  // Value heads fastest by default: the backward measured 6.38-6.42 against 6.50-6.52 ms at
+  // 1 x 32K and 8 x 4K (H200, Qwen3.5 shapes), the forward the same. BB_GDN_BLOCK_ORDER=chunk
+  // restores chunks fastest (kernel-lab knob; results are bitwise the same).
+  const char* e = std::getenv("BB_GDN_BLOCK_ORDER");
+  d.head_fastest = e != nullptr && std::string(e) == "chunk" ? 0 : 1;
+  if (static_cast<int64_t>(d.NC) * d.Hv > 0x7fffffff) d.head_fastest = 0;
   return d;
+}
+
+dim3 chunk_grid(const Dims& d) {
+  if (d.head_fastest) return dim3(static_cast<unsigned>(static_cast<int64_t>(d.NC) * d.Hv));
+  return dim3(static_cast<unsigned>(d.NC), static_cast<unsigned>(d.Hv));
 }
 
 // Value columns per state-pass block: 64 when there are enough (sequence, head) pairs to fill
@@ -1601,10 +1649,17 @@ void run_prep(const Dims& d, const FwdBuffers& b, const Tin* q, const Tin* k, co
   constexpr int NPL = planes_of<Tin>();
   launch(qk_norm_kernel<Tin>, dim3(blocks_for(2 * d.T * d.Hk, kWarps)), kThreads, 0, d, b.qh, b.kh,
          q, k);
-  launch(chunk_prep_kernel<Tin, kStoreT>,
-         dim3(static_cast<unsigned>(d.NC), static_cast<unsigned>(d.Hv)), kThreads,
-         PrepLayout<NPL>::kBytes, d, static_cast<const uint16_t*>(b.qh),
-         static_cast<const uint16_t*>(b.kh), v, g, beta, b.gcum, b.w, b.u, b.pm, b.tm);
+  // BB_GDN_PREP_RELOAD=0 keeps K^ resident (3 blocks an SM for bf16; kernel-lab knob, bitwise
+  // the same results).
+  const char* e = std::getenv("BB_GDN_PREP_RELOAD");
+  if (e != nullptr && e[0] == '0')
+    launch(chunk_prep_kernel<Tin, kStoreT, false>, chunk_grid(d), kThreads,
+           PrepLayout<NPL, false>::kBytes, d, static_cast<const uint16_t*>(b.qh),
+           static_cast<const uint16_t*>(b.kh), v, g, beta, b.gcum, b.w, b.u, b.pm, b.tm);
+  else
+    launch(chunk_prep_kernel<Tin, kStoreT, true>, chunk_grid(d), kThreads,
+           PrepLayout<NPL, true>::kBytes, d, static_cast<const uint16_t*>(b.qh),
+           static_cast<const uint16_t*>(b.kh), v, g, beta, b.gcum, b.w, b.u, b.pm, b.tm);
 }
 
 template <class Tin, bool kFwd, int NW, int VT>
@@ -1678,20 +1733,25 @@ void run_state_bwd(const Dims& d, int vt, const uint16_t* kh, const uint16_t* qh
            NW * 32, StateBwdLayout<NPL, 32>::kBytes, d, kh, qh, w, pm, dop, psdo, gcum, dhs, ddl);
 }
 
+// with_t: the prep a forward keeps for its backward (T included); without: a forward's workspace.
 template <class Tin>
-size_t forward_ws(const GdnDims& g) {
+size_t forward_ws(const GdnDims& g, bool with_t) {
   Carve c{nullptr};
-  carve_prep<planes_of<Tin>()>(c, g, false);
+  carve_prep<planes_of<Tin>()>(c, g, with_t);
   return c.used;
 }
 
 template <class Tin>
 void forward_impl(Tin* o, const Tin* q, const Tin* k, const Tin* v, const float* g,
-                  const float* beta, const int32_t* table, const GdnDims& gd, void* ws) {
+                  const float* beta, const int32_t* table, const GdnDims& gd, void* ws,
+                  bool keep_prep) {
   const Dims d = make_dims(gd, table);
   Carve c{static_cast<unsigned char*>(ws)};
-  const FwdBuffers b = carve_prep<planes_of<Tin>()>(c, gd, false);
-  run_prep<Tin, false>(d, b, q, k, v, g, beta);
+  const FwdBuffers b = carve_prep<planes_of<Tin>()>(c, gd, keep_prep);
+  if (keep_prep)
+    run_prep<Tin, true>(d, b, q, k, v, g, beta);
+  else
+    run_prep<Tin, false>(d, b, q, k, v, g, beta);
   run_state_fwd<Tin, true>(d, pick_vt(gd), pick_state_warps(true), b, o, nullptr, nullptr);
 }
 
@@ -1702,10 +1762,12 @@ struct BwdBuffers {
   bool own_do;
 };
 
+// prep: a carve over the buffer a forward kept (carve_prep with T), or null to carve the prep
+// from c.
 template <int NPL>
-BwdBuffers carve_bwd(Carve& c, const GdnDims& g, bool own_do) {
+BwdBuffers carve_bwd(Carve& c, const GdnDims& g, bool own_do, Carve* prep) {
   BwdBuffers b{};
-  b.f = carve_prep<NPL>(c, g, true);
+  b.f = carve_prep<NPL>(prep != nullptr ? *prep : c, g, true);
   const int64_t state = NPL * static_cast<int64_t>(g.num_chunks) * g.Hv * kD * kD;
   b.hs = c.take<uint16_t>(state);
   b.dl = c.take<uint16_t>(NPL * g.T * g.Hv * kD);
@@ -1713,7 +1775,8 @@ BwdBuffers carve_bwd(Carve& c, const GdnDims& g, bool own_do) {
   b.dop = own_do ? c.take<uint16_t>(NPL * g.T * g.Hv * kD) : nullptr;
   b.dhs = c.take<uint16_t>(state);
   b.ddl = c.take<uint16_t>(NPL * g.T * g.Hv * kD);
-  b.dwp = b.f.u;  // U is dead once the states are rebuilt; dW takes its place
+  b.dwp = b.f.u;  // U is dead once the states are rebuilt; dW takes its place (a kept prep is
+                  // consumed by the backward that takes it)
   b.dqp = c.take<float>(g.T * g.Hv * kD);
   b.dkp = c.take<float>(g.T * g.Hv * kD);
   b.dgp = c.take<float>(g.T * g.Hv);
@@ -1726,23 +1789,24 @@ bool do_needs_planes(const GdnDims& g, DType dt, DType do_dt) {
 }
 
 template <class Tin>
-size_t backward_ws(const GdnDims& g, bool own_do) {
-  Carve c{nullptr};
-  carve_bwd<planes_of<Tin>()>(c, g, own_do);
+size_t backward_ws(const GdnDims& g, bool own_do, bool have_prep) {
+  Carve c{nullptr}, kept{nullptr};
+  carve_bwd<planes_of<Tin>()>(c, g, own_do, have_prep ? &kept : nullptr);
   return c.used;
 }
 
 template <class Tin>
 void backward_impl(float* dq, float* dk, float* dv, float* dg, float* dbeta, const void* d_o,
                    DType do_dt, const Tin* q, const Tin* k, const Tin* v, const float* g,
-                   const float* beta, const int32_t* table, const GdnDims& gd, DType dt, void* ws) {
+                   const float* beta, const int32_t* table, const GdnDims& gd, DType dt, void* ws,
+                   void* prep) {
   constexpr int NPL = planes_of<Tin>();
   const Dims d = make_dims(gd, table);
   const bool own_do = do_needs_planes(gd, dt, do_dt);
-  Carve c{static_cast<unsigned char*>(ws)};
-  const BwdBuffers b = carve_bwd<NPL>(c, gd, own_do);
+  Carve c{static_cast<unsigned char*>(ws)}, kept{static_cast<unsigned char*>(prep)};
+  const BwdBuffers b = carve_bwd<NPL>(c, gd, own_do, prep != nullptr ? &kept : nullptr);
   const int vt = pick_vt(gd);
-  run_prep<Tin, true>(d, b.f, q, k, v, g, beta);
+  if (prep == nullptr) run_prep<Tin, true>(d, b.f, q, k, v, g, beta);
   const int nw = pick_state_warps(false);
   const cudaStream_t main_st = stream();
   SideStream* side = overlap_state_passes() ? &side_stream() : nullptr;
@@ -1775,7 +1839,7 @@ void backward_impl(float* dq, float* dk, float* dv, float* dg, float* dbeta, con
     BB_CHECK_CUDA(cudaEventRecord(side->join, side->s));
     BB_CHECK_CUDA(cudaStreamWaitEvent(main_st, side->join, 0));
   }
-  const dim3 chunks(static_cast<unsigned>(d.NC), static_cast<unsigned>(d.Hv));
+  const dim3 chunks = chunk_grid(d);
   launch(dqkw_kernel<NPL>, chunks, kThreads, DqkwLayout<NPL>::kBytes, d, kh, qh, pm, dop, psdo,
          static_cast<const uint16_t*>(b.dl), static_cast<const uint16_t*>(b.ddl),
          static_cast<const uint16_t*>(b.hs), static_cast<const uint16_t*>(b.dhs),
@@ -1819,40 +1883,46 @@ std::vector<int32_t> gdn_chunk_table(const int32_t* cu, int64_t nseq, GdnDims& d
 }
 
 size_t gdn_forward_workspace_bytes(const GdnDims& dims, DType dt) {
-  return dt == DType::f32 ? forward_ws<float>(dims) : forward_ws<uint16_t>(dims);
+  return dt == DType::f32 ? forward_ws<float>(dims, false) : forward_ws<uint16_t>(dims, false);
+}
+
+size_t gdn_prep_bytes(const GdnDims& dims, DType dt) {
+  return dt == DType::f32 ? forward_ws<float>(dims, true) : forward_ws<uint16_t>(dims, true);
 }
 
 void gdn_forward(void* o, const void* q, const void* k, const void* v, const float* g,
-                 const float* beta, const int32_t* table, const GdnDims& dims, DType dt, void* ws) {
+                 const float* beta, const int32_t* table, const GdnDims& dims, DType dt, void* ws,
+                 bool keep_prep) {
   if (dims.T == 0 || dims.num_chunks == 0) return;
   if (dt == DType::f32)
     forward_impl<float>(static_cast<float*>(o), static_cast<const float*>(q),
                         static_cast<const float*>(k), static_cast<const float*>(v), g, beta, table,
-                        dims, ws);
+                        dims, ws, keep_prep);
   else
     forward_impl<uint16_t>(static_cast<uint16_t*>(o), static_cast<const uint16_t*>(q),
                            static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), g,
-                           beta, table, dims, ws);
+                           beta, table, dims, ws, keep_prep);
 }
 
-size_t gdn_backward_workspace_bytes(const GdnDims& dims, DType dt, DType do_dt) {
+size_t gdn_backward_workspace_bytes(const GdnDims& dims, DType dt, DType do_dt, bool have_prep) {
   const bool own = do_needs_planes(dims, dt, do_dt);
-  return dt == DType::f32 ? backward_ws<float>(dims, own) : backward_ws<uint16_t>(dims, own);
+  return dt == DType::f32 ? backward_ws<float>(dims, own, have_prep)
+                          : backward_ws<uint16_t>(dims, own, have_prep);
 }
 
 void gdn_backward(float* dq, float* dk, float* dv, float* dg, float* dbeta, const void* d_o,
                   DType do_dt, const void* q, const void* k, const void* v, const float* g,
                   const float* beta, const int32_t* table, const GdnDims& dims, DType dt,
-                  void* ws) {
+                  void* ws, void* prep) {
   if (dims.T == 0 || dims.num_chunks == 0) return;
   if (dt == DType::f32)
     backward_impl<float>(dq, dk, dv, dg, dbeta, d_o, do_dt, static_cast<const float*>(q),
                          static_cast<const float*>(k), static_cast<const float*>(v), g, beta, table,
-                         dims, dt, ws);
+                         dims, dt, ws, prep);
   else
     backward_impl<uint16_t>(dq, dk, dv, dg, dbeta, d_o, do_dt, static_cast<const uint16_t*>(q),
                             static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), g,
-                            beta, table, dims, dt, ws);
+                            beta, table, dims, dt, ws, prep);
 }
 
 }  // namespace bb::cuda

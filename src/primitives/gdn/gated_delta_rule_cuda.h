@@ -35,13 +35,23 @@ struct GdnDims {
 // [chunk_start x C][chunk_len x C][seq_first_chunk x S][seq_num_chunks x S]. Sets the counts.
 std::vector<int32_t> gdn_chunk_table(const int32_t* cu, int64_t nseq, GdnDims& dims);
 
+// The forward. keep_prep = false: ws is gdn_forward_workspace_bytes() of scratch. keep_prep =
+// true: ws is a buffer of gdn_prep_bytes() that comes back holding chunk_prep's outputs (the
+// normalised q, k; W, U, P, T, gamma) for gdn_backward's `prep`.
 size_t gdn_forward_workspace_bytes(const GdnDims& dims, DType dt);
+size_t gdn_prep_bytes(const GdnDims& dims, DType dt);
 void gdn_forward(void* o, const void* q, const void* k, const void* v, const float* g,
-                 const float* beta, const int32_t* table, const GdnDims& dims, DType dt, void* ws);
+                 const float* beta, const int32_t* table, const GdnDims& dims, DType dt, void* ws,
+                 bool keep_prep = false);
 
-size_t gdn_backward_workspace_bytes(const GdnDims& dims, DType dt, DType do_dt);
+// The backward. prep: null (qk_norm and chunk_prep run here) or the buffer of a keep_prep
+// forward on the same inputs, dims and table; the backward then skips both and consumes it
+// (its U part is overwritten: a kept prep serves one backward). have_prep sizes ws for that.
+size_t gdn_backward_workspace_bytes(const GdnDims& dims, DType dt, DType do_dt,
+                                    bool have_prep = false);
 void gdn_backward(float* dq, float* dk, float* dv, float* dg, float* dbeta, const void* d_o,
                   DType do_dt, const void* q, const void* k, const void* v, const float* g,
-                  const float* beta, const int32_t* table, const GdnDims& dims, DType dt, void* ws);
+                  const float* beta, const int32_t* table, const GdnDims& dims, DType dt, void* ws,
+                  void* prep = nullptr);
 
 }  // namespace bb::cuda
