@@ -88,10 +88,10 @@ Tensor GdnBlock::conv_act(int i, const Tensor& pre, const MicroBatch& mb, const 
   // On a GPU the gated delta rule takes q, k, v in the activation dtype (bf16: its tensor-core
   // products run on bf16 operands; f32 inputs cost three products per multiply); its CPU
   // reference takes f32.
-  return block::as_dtype(
-      causal_conv1d_forward(pre, block::as_dtype(filters.narrow(row0, rows), DType::f32),
-                            xchg_.cu_seqlens(mb), /*silu=*/true),
-      x.device().is_cpu() ? DType::f32 : x.dtype());
+  // The conv writes that dtype itself (one pass over the activations, not a second cast).
+  return causal_conv1d_forward(pre, block::as_dtype(filters.narrow(row0, rows), DType::f32),
+                               xchg_.cu_seqlens(mb), /*silu=*/true, MemCategory::activations,
+                               x.device().is_cpu() ? DType::f32 : x.dtype());
 }
 
 std::pair<int64_t, int64_t> GdnBlock::qkv_rows(int i) const {

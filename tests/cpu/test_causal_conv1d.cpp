@@ -90,6 +90,25 @@ TEST(CausalConv1d, BadInputsAreClearErrors) {
                               "channels");
   test::expect_error_contains([&] { causal_conv1d_forward(x, Tensor::zeros({3, 4}, DType::f32, Device::cpu(), MemCategory::other), Tensor::from_ints({0, 2}, {2}), true); },
                               "end at T = 4");
+  test::expect_error_contains(
+      [&] {
+        causal_conv1d_forward(x, Tensor::zeros({3, 4}, DType::f32, Device::cpu(), MemCategory::other), cu, true,
+                              MemCategory::activations, DType::i32);
+      },
+      "output dtype must be f32 or bf16");
+}
+
+// A bf16 output is the f32 result rounded once.
+TEST(CausalConv1d, Bf16OutputIsTheF32ResultRounded) {
+  const int64_t C = 8, W = 4, T = kCu.back();
+  const Tensor x = Tensor::from_floats(test::randn(static_cast<size_t>(T * C), 16), {T, C});
+  const Tensor w = Tensor::from_floats(test::randn(static_cast<size_t>(C * W), 17, 0.5f), {C, W});
+  const Tensor cu = Tensor::from_ints(kCu, {5});
+  std::vector<float> y = causal_conv1d_forward(x, w, cu, true).to_floats();
+  for (float& v : y) v = round_bf16(v);
+  const Tensor yb = causal_conv1d_forward(x, w, cu, true, MemCategory::activations, DType::bf16);
+  EXPECT_EQ(yb.dtype(), DType::bf16);
+  EXPECT_EQ(yb.to_floats(), y);
 }
 
 }  // namespace

@@ -47,8 +47,9 @@ TEST(CausalConv1dGpu, ForwardAndBackwardMatchCpu) {
   };
   const std::vector<Case> cases = {
       {{1, 0, 2, 3, 40}, 7}, {{700, 1, 300}, 96}, {{5000}, 33}, {{1}, 1},
-      // sequence ends on and next to the backward's 256-token chunk edges; two channel blocks
-      {{256, 257, 0, 3}, 9}, {{255, 2, 300}, 300}};
+      // sequence ends on and next to the backward's 128-token and the forward's 64-token chunk
+      // edges and the 8-token prefetch groups; two channel blocks
+      {{256, 257, 0, 3}, 9}, {{255, 2, 300}, 300}, {{64, 65, 0, 63, 1, 7, 9}, 9}, {{127, 2, 128, 130}, 300}};
   for (const Case& k : cases) {
     int64_t T = 0;
     for (int32_t l : k.lens) T += l;
@@ -66,6 +67,13 @@ TEST(CausalConv1dGpu, ForwardAndBackwardMatchCpu) {
         const Tensor y = causal_conv1d_forward(x, w, cu, silu);
         const Tensor yg = causal_conv1d_forward(x.to(kGpu), w.to(kGpu), cu, silu);
         EXPECT_LT(test::rel_error(yg.to_floats(), y.to_floats()), test::kTolF32);
+        // bf16 out: the same f32 values rounded once (to nearest even), bit for bit.
+        const Tensor yb = causal_conv1d_forward(x.to(kGpu), w.to(kGpu), cu, silu,
+                                                MemCategory::activations, DType::bf16);
+        ASSERT_EQ(yb.dtype(), DType::bf16);
+        std::vector<float> yr = yg.to_floats();
+        for (float& e : yr) e = round_bf16(e);
+        EXPECT_EQ(yb.to_floats(), yr);
 
         const std::vector<float> dw0 = test::randn(static_cast<size_t>(k.C * W), 13);
         Tensor dw = Tensor::from_floats(dw0, {k.C, W});

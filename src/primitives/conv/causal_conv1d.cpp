@@ -33,21 +33,25 @@ void check(const char* op, const Tensor& x, const Tensor& w, const Tensor& cu) {
 
 }  // namespace
 
-Tensor causal_conv1d_forward(const Tensor& x, const Tensor& w, const Tensor& cu, bool silu, MemCategory out_cat) {
+Tensor causal_conv1d_forward(const Tensor& x, const Tensor& w, const Tensor& cu, bool silu, MemCategory out_cat,
+                             DType out_dtype) {
   BB_RANGE("causal_conv1d_forward");
   check("causal_conv1d_forward", x, w, cu);
-  Tensor y = Tensor::empty(x.shape(), DType::f32, x.device(), out_cat);
+  BB_CHECK(out_dtype == DType::f32 || out_dtype == DType::bf16,
+           "causal_conv1d_forward: the output dtype must be f32 or bf16, got ", dtype_name(out_dtype));
 #ifdef BB_WITH_CUDA
   if (x.device().is_cuda()) {
+    Tensor y = Tensor::empty(x.shape(), out_dtype, x.device(), out_cat);
     const Tensor cud = cu.to(x.device(), MemCategory::workspace);  // staged upload, no host wait
-    cuda::causal_conv1d_forward(y.data<float>(), x.data<float>(), w.data<float>(), cud.data<int32_t>(), cu.numel() - 1,
-                                x.size(0), x.size(1), w.size(1), silu);
+    cuda::causal_conv1d_forward(y.raw(), out_dtype == DType::bf16, x.data<float>(), w.data<float>(),
+                                cud.data<int32_t>(), cu.numel() - 1, x.size(0), x.size(1), w.size(1), silu);
     return y;
   }
 #endif
+  Tensor y = Tensor::empty(x.shape(), DType::f32, x.device(), out_dtype == DType::f32 ? out_cat : MemCategory::workspace);
   ref::causal_conv1d_forward<float>(y.data<float>(), x.data<float>(), w.data<float>(), cu.data<int32_t>(),
                                     cu.numel() - 1, x.size(1), w.size(1), silu);
-  return y;
+  return out_dtype == DType::f32 ? y : y.to_dtype(out_dtype, out_cat);
 }
 
 Tensor causal_conv1d_backward(const Tensor& d_y, const Tensor& x, const Tensor& w, const Tensor& cu, bool silu,

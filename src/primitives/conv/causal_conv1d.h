@@ -6,12 +6,14 @@
 //   w           [C, W]   f32          one filter per channel; w[:, W-1] weighs the current token
 //                                     (HF's conv1d.weight [C, 1, W] viewed as [C, W])
 //   cu_seqlens  [n + 1]  i32, host    no filter reaches across a sequence start
-//   y           [T, C]   f32          output, category `out_cat`
+//   y           [T, C]   out_dtype    output, category `out_cat`: f32, or bf16 (rounded once from
+//                                     the f32 result; what the gated delta rule takes on a GPU)
 // Backward: d_x written (f32, activations), d_w accumulated (+=, f32 [C, W]). Nothing is saved:
 // the pre-activation is recomputed from x.
-// Devices: CPU (the reference) and CUDA (causal_conv1d_cuda.cu: one thread per element, the
-// sequence start found by binary search in cu_seqlens, dw reduced deterministically per
-// 256-token chunk). x, w, d_y, d_w on one device; cu_seqlens always on the host.
+// Devices: CPU (the reference) and CUDA (causal_conv1d_cuda.cu: a thread walks one channel of a
+// chunk of tokens with the filter window in registers, the sequence found by binary search in
+// cu_seqlens, dw reduced deterministically per 128-token chunk). x, w, d_y, d_w on one device;
+// cu_seqlens always on the host.
 #pragma once
 
 #include "core/tensor.h"
@@ -19,7 +21,7 @@
 namespace bb {
 
 Tensor causal_conv1d_forward(const Tensor& x, const Tensor& w, const Tensor& cu_seqlens, bool silu,
-                             MemCategory out_cat = MemCategory::activations);
+                             MemCategory out_cat = MemCategory::activations, DType out_dtype = DType::f32);
 Tensor causal_conv1d_backward(const Tensor& d_y, const Tensor& x, const Tensor& w, const Tensor& cu_seqlens,
                               bool silu, Tensor& d_w);
 
