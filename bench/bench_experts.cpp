@@ -11,6 +11,8 @@
 //     fwd:   gate_up_e = x_e W_gu[e]^T                 y_e = a_e W_down[e]^T        (bf16 C)
 //     dgrad: d_a_e = d_y_e W_down[e]                   d_x_e = d_gu_e W_gu[e]       (bf16 C)
 //     wgrad: d_W_down[e] += d_y_e^T a_e                d_W_gu[e] += d_gu_e^T x_e    (f32 C)
+//     wgrad0: the same written (beta 0: the first wgrad of a step, the expert gradients being
+//             zeroed lazily)
 //   Algorithms: sequential (one cuda::gemm per expert, compute stream only), cublas (one
 //   cublasGemmGroupedBatchedEx; it refuses bf16 -> f32, so no wgrad row), multi_stream with
 //   S = 1, 2, 4, 8 side streams, wmma (wgrad only), our mma tile kernels (grouped_mma.h, every
@@ -174,7 +176,7 @@ Call project(const Tensor& rows, const std::vector<int64_t>& counts, const Tenso
 // dW[e] += A[rows of e]^T B[rows of e]: A [N, M], B [N, Nc], dW [E, M, Nc] f32 —
 // experts.cpp's weight_grad().
 Call weight_grad(const Tensor& A, const Tensor& B, const std::vector<int64_t>& counts,
-                 const Tensor& dW) {
+                 const Tensor& dW, float beta = 1.0f) {
   Call c;
   const int64_t M = A.size(1), Nc = B.size(1);
   c.ta = true;
@@ -182,7 +184,7 @@ Call weight_grad(const Tensor& A, const Tensor& B, const std::vector<int64_t>& c
   c.ldb = Nc;
   c.ldc = Nc;
   c.c_dt = dW.dtype();
-  c.beta = 1.0f;
+  c.beta = beta;
   c.out = dW;
   int64_t off = 0;
   for (size_t e = 0; e < counts.size(); off += counts[e], ++e) {
@@ -303,6 +305,7 @@ void bench_shape(const Args& args, int64_t T, double ceiling) {
       {"fwd", {project(x, counts, wgu, true, gate_up), project(a, counts, wd, true, y)}},
       {"dgrad", {project(d_y, counts, wd, false, d_a), project(d_gu, counts, wgu, false, d_x)}},
       {"wgrad", {weight_grad(d_y, a, counts, dwd), weight_grad(d_gu, x, counts, dwgu)}},
+      {"wgrad0", {weight_grad(d_y, a, counts, dwd, 0.0f), weight_grad(d_gu, x, counts, dwgu, 0.0f)}},
   };
   const double flop = 6.0 * static_cast<double>(N) * H * F;
 

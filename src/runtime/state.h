@@ -127,6 +127,8 @@ class ModelState final : public LayerHooks {
   void grads_begin(Unit& u);
   void grads_end(Unit& u);
   void drain();
+  void early_norm(Unit& u);   // the unit's sum of squares beside the backward (grad_norm reads it)
+  void join_early_norms();
   std::vector<Unit*> layer_units(int64_t layer);
   bool sharded(const Unit& u) const;
 
@@ -141,6 +143,11 @@ class ModelState final : public LayerHooks {
   Unit* embed_ = nullptr;
   Unit* head_ = nullptr;
   std::vector<Unit*> pending_;  // reductions started and not yet drained
+  // Units whose gradient's sum of squares was enqueued on the copy stream as soon as it was
+  // final (single-rank units, last micro-batch), into norm_slots_ (f64 bits, one per unit).
+  Tensor norm_slots_;
+  std::vector<char> norm_early_;
+  bool norm_pending_ = false;
 };
 
 }  // namespace bb

@@ -89,6 +89,14 @@ TEST(GradNorm, GlobalNormAndScale) {
   EXPECT_NEAR(global_grad_norm(gs), std::sqrt(ref16), 1e-9 * std::sqrt(ref));
   scale_inplace(gs[0], 0.5f);
   EXPECT_NEAR(sum_of_squares(gs[0]), 0.25 * sum_of_squares(Tensor::from_floats(a, {10})), 1e-9);
+  // Into a slot (f64 bits in i64 storage): the same double; a slot outside is an error.
+  Tensor slots = Tensor::zeros({3}, DType::i64, Device::cpu(), MemCategory::other);
+  sum_of_squares_to(gs[1], slots, 2);
+  double got = 0;
+  std::memcpy(&got, slots.data<int64_t>() + 2, sizeof(double));
+  EXPECT_EQ(got, sum_of_squares(gs[1]));
+  EXPECT_EQ(slots.data<int64_t>()[0], 0);
+  test::expect_error_contains([&] { sum_of_squares_to(gs[1], slots, 3); }, "outside the 3 slots");
 }
 
 TEST(AdamW, BadInput) {

@@ -748,7 +748,7 @@ TEST(GemmGroupedTma, WgradLayoutMatchesDoubleReference) {
 // The automatic choice takes the TMA kernel for the expert forward shape whatever its FLOPs (the
 // multi_stream FLOP line applies only to calls it does not take), and grouped_gemm_tma = false
 // sends the same call back to the FLOP line; both give the reference's result. The wgrad shape
-// stays on `widening` (multi_stream).
+// takes it when it writes (beta 0) and stays on `widening` (multi_stream) when it adds.
 TEST(GemmGroupedTma, AutomaticTakesItAndTheSwitchTurnsItOff) {
   BB_REQUIRE_GPU();
 #ifdef BB_WITH_CUDA
@@ -788,9 +788,24 @@ TEST(GemmGroupedTma, AutomaticTakesItAndTheSwitchTurnsItOff) {
       ps[e].C = wc.data<float>() + e * M * N;
     }
     ASSERT_EQ(cuda::grouped_tma_refusal(true, false, ps, DType::bf16, M, N, DType::f32, 0), "");
-    const int64_t calls = cuda::grouped_tma_calls();
+    // A writing wgrad (beta 0, the first of a step) takes the TMA kernel; one that adds (beta 1)
+    // stays on multi_stream. Both against a double reference: C, then 2 C.
+    std::vector<double> ref(static_cast<size_t>(2 * M * N), 0.0);
+    for (int64_t e = 0; e < 2; ++e)
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = 0; n < N; ++n)
+            ref[static_cast<size_t>((e * M + m) * N + n)] +=
+                double(av[static_cast<size_t>((e * K + k) * M + m)]) * bv[static_cast<size_t>((e * K + k) * N + n)];
+    int64_t calls = cuda::grouped_tma_calls();
+    cuda::gemm_grouped(true, false, ps, 1.0f, DType::bf16, M, N, 0.0f, DType::f32, N, 0);
+    EXPECT_EQ(cuda::grouped_tma_calls(), calls + 1) << "the automatic writing wgrad did not take the TMA kernel";
+    EXPECT_LT(test::rel_error(wc.to_floats(), ref), 1e-5);
+    calls = cuda::grouped_tma_calls();
     cuda::gemm_grouped(true, false, ps, 1.0f, DType::bf16, M, N, 1.0f, DType::f32, N, 0);
-    EXPECT_EQ(cuda::grouped_tma_calls(), calls) << "the automatic wgrad took the TMA kernel";
+    EXPECT_EQ(cuda::grouped_tma_calls(), calls) << "the automatic accumulating wgrad took the TMA kernel";
+    for (double& r : ref) r *= 2;
+    EXPECT_LT(test::rel_error(wc.to_floats(), ref), 1e-5);
   }
 #endif
 }

@@ -7,6 +7,7 @@
 
 #include "common/gpu.h"
 #include "common/testing.h"
+#include "primitives/optim/adamw.h"
 #include "runtime/trainer.h"
 
 namespace bb {
@@ -79,6 +80,31 @@ TEST(ModelGpu, RecomputeFullGivesTheSameGradientsOnGpu) {
     std::printf("step %d: loss %.6f vs %.6f, worst gradient rel. diff %.2e, host syncs %lld\n", i + 1,
                 x.loss, y.loss, worst, static_cast<long long>(x.host_syncs));
   }
+}
+
+// On one rank each unit's sum of squares runs on the copy stream as soon as its layer's backward
+// is done (ModelState::early_norm): the step's grad norm must be bitwise the norm of the
+// gradients the step left, summed unit by unit with the same kernels, and so with
+// BB_EARLY_GRAD_NORM=0 (every unit summed after the backward).
+TEST(ModelGpu, EarlyGradNormIsTheNormOfTheStepsGradients) {
+  BB_REQUIRE_GPU();
+  char tmpl[] = "/tmp/bb_model_gpu_XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  const std::string run = tiny_run(dir);
+  for (const char* early : {"1", "0"}) {
+    SCOPED_TRACE(std::string("BB_EARLY_GRAD_NORM=") + early);
+    setenv("BB_EARLY_GRAD_NORM", early, 1);
+    Trainer t(load_run_config(run, {"parallel.device=\"cuda\"", "train.steps=3"}), nullptr);
+    for (int i = 0; i < 3; ++i) {
+      const StepMetrics m = t.train_step();
+      double s = 0;
+      for (ParamUnit* u : t.model().units())
+        if (u->grad.defined() && u->numel > 0) s += sum_of_squares(u->grad.narrow(0, u->numel));
+      EXPECT_EQ(m.grad_norm, std::sqrt(s)) << "step " << i + 1;
+      EXPECT_TRUE(std::isfinite(m.grad_norm) && m.grad_norm > 0);
+    }
+  }
+  unsetenv("BB_EARLY_GRAD_NORM");
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "common/gpu.h"
@@ -604,6 +605,16 @@ TEST(AdamWGpu, GradNormSumOfSquaresAndScale) {
   EXPECT_EQ(global_grad_norm(gpu_grads), ng) << "the norm must be bitwise reproducible";
   EXPECT_NEAR(sum_of_squares(gpu_grads[2]), sum_of_squares(cpu_grads[2]),
               1e-9 * sum_of_squares(cpu_grads[2]));
+  {  // into a device slot on the current stream: bitwise what sum_of_squares returns
+    Tensor slots = Tensor::zeros({4}, DType::i64, gpu_grads[3].device(), MemCategory::other);
+    for (int64_t i : {0, 3}) sum_of_squares_to(gpu_grads[static_cast<size_t>(i)], slots, i);
+    const Tensor h = slots.to(Device::cpu());
+    double s0 = 0, s3 = 0;
+    std::memcpy(&s0, h.data<int64_t>(), sizeof(double));
+    std::memcpy(&s3, h.data<int64_t>() + 3, sizeof(double));
+    EXPECT_EQ(s0, sum_of_squares(gpu_grads[0]));
+    EXPECT_EQ(s3, sum_of_squares(gpu_grads[3]));
+  }
   // Mixed host and device tensors are summed together.
   std::vector<Tensor> mixed = {cpu_grads[0], gpu_grads[1], gpu_grads[2], cpu_grads[3]};
   EXPECT_NEAR(global_grad_norm(mixed), nc, 1e-9 * nc);

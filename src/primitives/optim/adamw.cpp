@@ -5,6 +5,7 @@
 #include "core/trace.h"
 
 #include <cmath>
+#include <cstring>
 
 #include "backend/cpu/util.h"
 #include "primitives/optim/adamw_cuda.h"
@@ -212,6 +213,27 @@ double sum_of_squares(const Tensor& g) {
   double s = 0;
   for (int64_t i = 0; i < g.numel(); ++i) s += static_cast<double>(p[i]) * p[i];
   return s;
+}
+
+void sum_of_squares_to(const Tensor& g, Tensor& slots, int64_t i) {
+  check_float(g, "sum_of_squares_to", "g");
+  check_dtype(slots, DType::i64, "sum_of_squares_to", "slots");
+  BB_CHECK(i >= 0 && i < slots.numel(), "sum_of_squares_to: slot ", i, " is outside the ", slots.numel(),
+           " slots");
+  check_same_device(g, slots, "sum_of_squares_to");
+  if (g.device().is_cuda()) {
+    require_cuda_build("sum_of_squares_to", g);
+    check_cuda_float(g, "sum_of_squares_to", "g");
+#ifdef BB_WITH_CUDA
+    Tensor partial = Tensor::empty({cuda::kSumSquaresSlots}, DType::i64, g.device(), MemCategory::workspace);
+    auto* pp = reinterpret_cast<double*>(partial.data<int64_t>());
+    cuda::sum_squares_partial(pp, g.raw(), g.dtype(), g.numel());
+    cuda::sum_squares_finish(reinterpret_cast<double*>(slots.data<int64_t>()) + i, pp, 1);
+    return;
+#endif
+  }
+  const double s = sum_of_squares(g);
+  std::memcpy(slots.data<int64_t>() + i, &s, sizeof(double));
 }
 
 double global_grad_norm(const std::vector<Tensor>& grads) {

@@ -49,6 +49,11 @@ void mark_nonfinite(const std::vector<Tensor>& ts, Tensor& flags);
 
 // sum of squares of a float tensor, accumulated in double.
 double sum_of_squares(const Tensor& g);
+// The same sum, enqueued on the current stream into slot i of `slots` (i64 storage holding f64
+// bits, on g's device) without reading it back: the caller reads the slots later, once, after
+// ordering that stream before the read. Bitwise the value sum_of_squares(g) returns. (The
+// training state uses it to sum a layer's finished gradients beside the next layer's backward.)
+void sum_of_squares_to(const Tensor& g, Tensor& slots, int64_t i);
 // sqrt(sum over tensors of sum of squares).
 double global_grad_norm(const std::vector<Tensor>& grads);
 // g *= s (f32 tensors).
