@@ -100,6 +100,15 @@ TEST(CausalConv1dGpu, MixedDevicesAreAnError) {
 
 // ---- gated delta rule -------------------------------------------------------------------------
 
+// All five gradients bit for bit.
+void expect_bitwise_equal(const GatedDeltaGrads& x, const GatedDeltaGrads& y) {
+  EXPECT_EQ(x.d_q.to_floats(), y.d_q.to_floats()) << "d_q";
+  EXPECT_EQ(x.d_k.to_floats(), y.d_k.to_floats()) << "d_k";
+  EXPECT_EQ(x.d_v.to_floats(), y.d_v.to_floats()) << "d_v";
+  EXPECT_EQ(x.d_g.to_floats(), y.d_g.to_floats()) << "d_g";
+  EXPECT_EQ(x.d_beta.to_floats(), y.d_beta.to_floats()) << "d_beta";
+}
+
 // Relative L2 error allowed against the fp64 reference, by input dtype. f32 inputs go through
 // split-bf16 (3-product) tensor-core matmuls, about 2^-16 relative per product: measured ~1e-5.
 // bf16 inputs round every matmul operand to bf16 once (2^-9): measured ~4e-3.
@@ -287,11 +296,7 @@ TEST(GatedDeltaGpu, RepeatedCallsAreBitwiseEqual) {
   EXPECT_EQ(o1.to_floats(), o2.to_floats());
   const GatedDeltaGrads a = gated_delta_rule_backward(d_o, q, k, v, g, b, cut);
   const GatedDeltaGrads c = gated_delta_rule_backward(d_o, q, k, v, g, b, cut);
-  EXPECT_EQ(a.d_q.to_floats(), c.d_q.to_floats());
-  EXPECT_EQ(a.d_k.to_floats(), c.d_k.to_floats());
-  EXPECT_EQ(a.d_v.to_floats(), c.d_v.to_floats());
-  EXPECT_EQ(a.d_g.to_floats(), c.d_g.to_floats());
-  EXPECT_EQ(a.d_beta.to_floats(), c.d_beta.to_floats());
+  expect_bitwise_equal(a, c);
 }
 
 // The backward runs its two state passes on two streams (the rebuild on a side stream that forks
@@ -315,11 +320,7 @@ TEST(GatedDeltaGpu, BackwardSideStreamAndKernelKnobsAreBitwiseEqual) {
   setenv("BB_GDN_OVERLAP", "0", 1);
   const GatedDeltaGrads one = gated_delta_rule_backward(d_o, q, k, v, g, b, cut);
   unsetenv("BB_GDN_OVERLAP");
-  EXPECT_EQ(two.d_q.to_floats(), one.d_q.to_floats());
-  EXPECT_EQ(two.d_k.to_floats(), one.d_k.to_floats());
-  EXPECT_EQ(two.d_v.to_floats(), one.d_v.to_floats());
-  EXPECT_EQ(two.d_g.to_floats(), one.d_g.to_floats());
-  EXPECT_EQ(two.d_beta.to_floats(), one.d_beta.to_floats());
+  expect_bitwise_equal(two, one);
   // The block order of the per-(chunk, head) kernels (value heads fastest instead of chunks)
   // changes only which block runs when.
   const Tensor o = gated_delta_rule_forward(q, k, v, g, b, cut);
@@ -334,22 +335,14 @@ TEST(GatedDeltaGpu, BackwardSideStreamAndKernelKnobsAreBitwiseEqual) {
   else
     unsetenv("BB_GDN_BLOCK_ORDER");
   EXPECT_EQ(o2.to_floats(), o.to_floats());
-  EXPECT_EQ(other.d_q.to_floats(), two.d_q.to_floats());
-  EXPECT_EQ(other.d_k.to_floats(), two.d_k.to_floats());
-  EXPECT_EQ(other.d_v.to_floats(), two.d_v.to_floats());
-  EXPECT_EQ(other.d_g.to_floats(), two.d_g.to_floats());
-  EXPECT_EQ(other.d_beta.to_floats(), two.d_beta.to_floats());
+  expect_bitwise_equal(other, two);
   // chunk_prep with K^ resident (3 blocks an SM) instead of loaded again after the solve.
   setenv("BB_GDN_PREP_RELOAD", "0", 1);
   const Tensor o3 = gated_delta_rule_forward(q, k, v, g, b, cut);
   const GatedDeltaGrads resident = gated_delta_rule_backward(d_o, q, k, v, g, b, cut);
   unsetenv("BB_GDN_PREP_RELOAD");
   EXPECT_EQ(o3.to_floats(), o.to_floats());
-  EXPECT_EQ(resident.d_q.to_floats(), two.d_q.to_floats());
-  EXPECT_EQ(resident.d_k.to_floats(), two.d_k.to_floats());
-  EXPECT_EQ(resident.d_v.to_floats(), two.d_v.to_floats());
-  EXPECT_EQ(resident.d_g.to_floats(), two.d_g.to_floats());
-  EXPECT_EQ(resident.d_beta.to_floats(), two.d_beta.to_floats());
+  expect_bitwise_equal(resident, two);
 }
 
 // A workspace limit below what one call needs runs the key heads in groups (2 and 4 here: each
@@ -380,11 +373,7 @@ TEST(GatedDeltaGpu, HeadGroupsUnderAWorkspaceLimitAreBitwiseEqual) {
     EXPECT_EQ(gated_delta_rule_forward(q, k, v, g, b, cut, split).to_floats(), o.to_floats());
     for (const auto& [d_o, a] : {std::pair{&d_o32, &a32}, std::pair{&d_o16, &a16}}) {
       const GatedDeltaGrads c = gated_delta_rule_backward(*d_o, q, k, v, g, b, cut, split);
-      EXPECT_EQ(c.d_q.to_floats(), a->d_q.to_floats());
-      EXPECT_EQ(c.d_k.to_floats(), a->d_k.to_floats());
-      EXPECT_EQ(c.d_v.to_floats(), a->d_v.to_floats());
-      EXPECT_EQ(c.d_g.to_floats(), a->d_g.to_floats());
-      EXPECT_EQ(c.d_beta.to_floats(), a->d_beta.to_floats());
+      expect_bitwise_equal(c, *a);
     }
   }
 }
@@ -421,11 +410,7 @@ TEST(GatedDeltaGpu, KeptForwardPrepGivesBitwiseEqualGradients) {
       EXPECT_EQ(o_kept.to_floats(), o.to_floats());
       const GatedDeltaGrads c = gated_delta_rule_backward(d_o, q, k, v, g, b, cut, {}, &prep);
       EXPECT_FALSE(prep.defined()) << "the backward consumes the prep";
-      EXPECT_EQ(c.d_q.to_floats(), a.d_q.to_floats());
-      EXPECT_EQ(c.d_k.to_floats(), a.d_k.to_floats());
-      EXPECT_EQ(c.d_v.to_floats(), a.d_v.to_floats());
-      EXPECT_EQ(c.d_g.to_floats(), a.d_g.to_floats());
-      EXPECT_EQ(c.d_beta.to_floats(), a.d_beta.to_floats());
+      expect_bitwise_equal(c, a);
     }
     // Over the limit: the forward keeps nothing (and still computes o).
     GatedDeltaOptions tight;

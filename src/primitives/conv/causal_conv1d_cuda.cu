@@ -49,6 +49,68 @@ __device__ __forceinline__ float silu_grad(float p) {
   return s * (1.f + p * (1.f - s));
 }
 
+// The sequence a thread's walk is in: [start, end). step(t) moves it to the sequence holding
+// token t (skipping empty ones) and says whether a new sequence begins at t.
+struct SeqCursor {
+  int q;
+  int64_t start, end;
+  __device__ __forceinline__ SeqCursor(const int32_t* cu, int64_t nseq, int64_t t0) {
+    q = seq_of(cu, nseq, t0);
+    start = cu[q];
+    end = cu[q + 1];
+  }
+  __device__ __forceinline__ bool step(const int32_t* cu, int64_t t) {
+    if (t < end) return false;
+    while (t >= end) {
+      ++q;
+      start = cu[q];
+      end = cu[q + 1];
+    }
+    return true;
+  }
+};
+
+// Channel c's filter, and the window xw[j] = x[t0 - (W-1) + j] for j < W - 1 (0 before the
+// sequence start; xw[W-1] is filled per token).
+template <int W>
+__device__ __forceinline__ void start_window(float (&wc)[W], float (&xw)[W], const float* w, const float* x,
+                                             int64_t t0, int64_t start, int64_t C, int64_t c) {
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    wc[j] = w[c * W + j];
+    const int64_t src = t0 - (W - 1) + j;
+    xw[j] = (j < W - 1 && src >= start) ? x[src * C + c] : 0.f;
+  }
+}
+
+// r[u] = src[(tb + u) C + c] for tb + u < tend (else 0): kPre independent loads issued together.
+__device__ __forceinline__ void prefetch(float (&r)[kPre], const float* src, int64_t tb, int64_t tend, int64_t C,
+                                         int64_t c) {
+#pragma unroll
+  for (int u = 0; u < kPre; ++u) r[u] = tb + u < tend ? src[(tb + u) * C + c] : 0.f;
+}
+
+// Token t enters the window with input xt; at a sequence start (returned true) the window
+// restarts from zeros, so nothing reaches across.
+template <int W>
+__device__ __forceinline__ bool enter(SeqCursor& seq, const int32_t* cu, int64_t t, float (&xw)[W], float xt) {
+  const bool fresh = seq.step(cu, t);
+  if (fresh) {
+#pragma unroll
+    for (int j = 0; j < W - 1; ++j) xw[j] = 0.f;
+  }
+  xw[W - 1] = xt;
+  return fresh;
+}
+
+template <int W>
+__device__ __forceinline__ float window_dot(const float (&wc)[W], const float (&xw)[W]) {
+  float p = 0.f;
+#pragma unroll
+  for (int j = 0; j < W; ++j) p = fmaf(wc[j], xw[j], p);
+  return p;
+}
+
 __device__ __forceinline__ void store_y(float* y, int64_t i, float v) { y[i] = v; }
 __device__ __forceinline__ void store_y(__nv_bfloat16* y, int64_t i, float v) { y[i] = __float2bfloat16_rn(v); }
 
@@ -60,38 +122,18 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   if (c >= C) return;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kChunkF, t1 = t0 + kChunkF < T ? t0 + kChunkF : T;
-  float wc[W];
-#pragma unroll
-  for (int j = 0; j < W; ++j) wc[j] = w[c * W + j];
-  int q = seq_of(cu, nseq, t0);
-  int64_t start = cu[q], end = cu[q + 1];
-  float xw[W];  // xw[j] = x[t - (W-1) + j] for the token t being processed (0 before start)
-#pragma unroll
-  for (int j = 0; j < W; ++j) {
-    const int64_t src = t0 - (W - 1) + j;
-    xw[j] = (j < W - 1 && src >= start) ? x[src * C + c] : 0.f;
-  }
+  SeqCursor seq(cu, nseq, t0);
+  float wc[W], xw[W];  // xw[j] = x[t - (W-1) + j] for the token t being processed (0 before start)
+  start_window(wc, xw, w, x, t0, seq.start, C, c);
   for (int64_t tb = t0; tb < t1; tb += kPre) {
     float xr[kPre];
-#pragma unroll
-    for (int u = 0; u < kPre; ++u) xr[u] = tb + u < t1 ? x[(tb + u) * C + c] : 0.f;
+    prefetch(xr, x, tb, t1, C, c);
 #pragma unroll
     for (int u = 0; u < kPre; ++u) {
       const int64_t t = tb + u;
       if (t >= t1) break;
-      if (t >= end) {  // the next non-empty sequence starts at t: nothing reaches across
-        while (t >= end) {
-          ++q;
-          start = cu[q];
-          end = cu[q + 1];
-        }
-#pragma unroll
-        for (int j = 0; j < W; ++j) xw[j] = 0.f;
-      }
-      xw[W - 1] = xr[u];
-      float p = 0.f;
-#pragma unroll
-      for (int j = 0; j < W; ++j) p = fmaf(wc[j], xw[j], p);
+      enter(seq, cu, t, xw, xr[u]);
+      const float p = window_dot(wc, xw);
       store_y(y, t * C + c, silu ? p / (1.f + __expf(-p)) : p);
 #pragma unroll
       for (int k = 0; k + 1 < W; ++k) xw[k] = xw[k + 1];
@@ -129,46 +171,26 @@ __global__ void __launch_bounds__(kThreads)
   if (c >= C) return;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kChunk, t1 = t0 + kChunk < T ? t0 + kChunk : T;
   const int64_t tend = t1 + (W - 1) < T ? t1 + (W - 1) : T;
-  float wc[W];
-#pragma unroll
-  for (int j = 0; j < W; ++j) wc[j] = w[c * W + j];
-  int q = seq_of(cu, nseq, t0);
-  int64_t start = cu[q], end = cu[q + 1];
-  float xw[W];  // xw[j] = x[t - (W-1) + j] for the token t being processed (0 before start)
+  SeqCursor seq(cu, nseq, t0);
+  float wc[W], xw[W];  // xw[j] = x[t - (W-1) + j] for the token t being processed (0 before start)
+  start_window(wc, xw, w, x, t0, seq.start, C, c);
   float da[W];  // da[k] = pending dx sum of s = t - (W-1) + k
   float dwa[W];
 #pragma unroll
-  for (int j = 0; j < W; ++j) {
-    const int64_t src = t0 - (W - 1) + j;
-    xw[j] = (j < W - 1 && src >= start) ? x[src * C + c] : 0.f;
-    da[j] = 0.f;
-    dwa[j] = 0.f;
-  }
+  for (int j = 0; j < W; ++j) da[j] = dwa[j] = 0.f;
   for (int64_t tb = t0; tb < tend; tb += kPre) {
     float xr[kPre], dr[kPre];
-#pragma unroll
-    for (int u = 0; u < kPre; ++u) {
-      const bool in = tb + u < tend;
-      xr[u] = in ? x[(tb + u) * C + c] : 0.f;
-      dr[u] = in ? dy[(tb + u) * C + c] : 0.f;
-    }
+    prefetch(xr, x, tb, tend, C, c);
+    prefetch(dr, dy, tb, tend, C, c);
 #pragma unroll
     for (int u = 0; u < kPre; ++u) {
       const int64_t t = tb + u;
       if (t >= tend) break;
-      if (t >= end) {  // the next non-empty sequence starts at t: nothing reaches across
-        while (t >= end) {
-          ++q;
-          start = cu[q];
-          end = cu[q + 1];
-        }
+      if (enter(seq, cu, t, xw, xr[u])) {  // a new sequence: no pending sum reaches back into it
 #pragma unroll
-        for (int j = 0; j < W; ++j) xw[j] = da[j] = 0.f;
+        for (int j = 0; j < W; ++j) da[j] = 0.f;
       }
-      xw[W - 1] = xr[u];
-      float pre = 0.f;
-#pragma unroll
-      for (int j = 0; j < W; ++j) pre = fmaf(wc[j], xw[j], pre);
+      const float pre = window_dot(wc, xw);
       float d = dr[u];
       if (silu) d *= silu_grad(pre);
       if (t < t1) {
@@ -178,12 +200,12 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int k = 0; k < W; ++k) da[k] = fmaf(wc[k], d, da[k]);
       const int64_t s = t - (W - 1);
-      if (s >= t0 && s >= start) dx[s * C + c] = da[0];  // s < t1 holds: t < t1 + W - 1
-      if (t + 1 == end) {  // the sequence ends: its pending sums s = t - W + 2 .. t are complete
+      if (s >= t0 && s >= seq.start) dx[s * C + c] = da[0];  // s < t1 holds: t < t1 + W - 1
+      if (t + 1 == seq.end) {  // the sequence ends: its pending sums s = t - W + 2 .. t are complete
 #pragma unroll
         for (int k = 1; k < W; ++k) {
           const int64_t sk = s + k;
-          if (sk >= t0 && sk >= start && sk < t1) dx[sk * C + c] = da[k];
+          if (sk >= t0 && sk >= seq.start && sk < t1) dx[sk * C + c] = da[k];
         }
       }
 #pragma unroll
