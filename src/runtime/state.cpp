@@ -1,6 +1,7 @@
 // state.cpp — replicated / zero1 / fsdp state and the AdamW step on owned elements (state.h).
 #include "runtime/state.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -79,7 +80,14 @@ StateBytes state_bytes(StateKind kind, const std::vector<ParamUnit*>& units,
   return b;
 }
 
-ModelState::~ModelState() = default;
+ModelState::~ModelState() {
+  // Gradient memory freed after this is reused in the compute stream's order: make that order
+  // pass the sums still reading it on the copy stream (no host wait; never throws on the CPU).
+  try {
+    join_early_norms();
+  } catch (...) {
+  }
+}
 
 ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, const std::vector<Tensor>* masters,
                        OptimizerKind opt, uint64_t seed)
@@ -159,6 +167,7 @@ std::vector<ModelState::Unit*> ModelState::layer_units(int64_t layer) {
 
 void ModelState::begin_step() {
   join_early_norms();  // nothing writes a gradient that an early norm may still be reading
+  std::fill(norm_early_.begin(), norm_early_.end(), 0);
   model_.zero_grad();  // whole and zero1 units (fsdp units have no whole gradient now)
   for (auto& u : units_)
     if (u->mode == Mode::fsdp) u->grad_shard.zero_();
