@@ -156,37 +156,30 @@ Tensor gated_delta_rule_forward(const Tensor& q, const Tensor& k, const Tensor& 
   if (q.device().is_cuda()) {
     if (s.T == 0) return o;
     const CudaPlan p = cuda_plan(s, cu_seqlens, q.device());
-    const size_t prep_bytes = cuda::gdn_prep_bytes(p.dims, q.dtype());
-    if (keep != nullptr && prep_bytes <= opts.max_workspace_bytes) {
-      // One call whose workspace is the prep the backward takes.
-      keep->buffer = Tensor::empty({static_cast<int64_t>(std::max<size_t>(prep_bytes, 1))}, DType::u8,
-                                   q.device(), MemCategory::activations);
-      cuda::gdn_forward(o.raw(), q.raw(), k.raw(), v.raw(), g.data<float>(), beta.data<float>(),
-                        p.table.data<int32_t>(), p.dims, q.dtype(), keep->buffer.raw(), /*keep_prep=*/true);
-      keep->table = p.table;
-      keep->cu = cu_seqlens.to_ints();
-      keep->q_shape = q.shape();
-      keep->v_shape = v.shape();
-      keep->dtype = q.dtype();
-      keep->scale = s.scale;
-      keep->eps = s.eps;
-      keep->l2norm = s.l2norm;
-      return o;
-    }
-    const int64_t groups = head_groups(p, s.Hk, opts.max_workspace_bytes, [&](const cuda::GdnDims& d) {
+    // Kept: one call whose workspace is the prep the backward takes (only when it fits one call).
+    const bool keeping = keep != nullptr && cuda::gdn_prep_bytes(p.dims, q.dtype()) <= opts.max_workspace_bytes;
+    const int64_t groups = keeping ? 1 : head_groups(p, s.Hk, opts.max_workspace_bytes, [&](const cuda::GdnDims& d) {
       return cuda::gdn_forward_workspace_bytes(d, q.dtype());
     });
     const int64_t hk = s.Hk / groups, hv = s.Hv / groups;
     cuda::GdnDims d = p.dims;
     d.Hk = static_cast<int>(hk);
     d.Hv = static_cast<int>(hv);
-    const Tensor ws = workspace(cuda::gdn_forward_workspace_bytes(d, q.dtype()), q.device());
+    Tensor ws;
+    if (keeping) {
+      ws = Tensor::empty({static_cast<int64_t>(std::max<size_t>(cuda::gdn_prep_bytes(d, q.dtype()), 1))}, DType::u8,
+                         q.device(), MemCategory::activations);
+      *keep = GatedDeltaPrep{ws, p.table, cu_seqlens.to_ints(), q.shape(), v.shape(), q.dtype(), s.scale, s.eps,
+                             s.l2norm};
+    } else {
+      ws = workspace(cuda::gdn_forward_workspace_bytes(d, q.dtype()), q.device());
+    }
     for (int64_t gi = 0; gi < groups; ++gi) {
       const Tensor qg = heads_of(q, gi * hk, hk), kg = heads_of(k, gi * hk, hk), vg = heads_of(v, gi * hv, hv);
       const Tensor gg = heads_of(g, gi * hv, hv), bg = heads_of(beta, gi * hv, hv);
       Tensor og = groups == 1 ? o : Tensor::empty({s.T, hv, s.V}, v.dtype(), v.device(), MemCategory::workspace);
       cuda::gdn_forward(og.raw(), qg.raw(), kg.raw(), vg.raw(), gg.data<float>(), bg.data<float>(),
-                        p.table.data<int32_t>(), d, q.dtype(), ws.raw());
+                        p.table.data<int32_t>(), d, q.dtype(), ws.raw(), keeping);
       if (groups > 1) put_heads(o, og, gi * hv);
     }
     return o;
@@ -236,26 +229,19 @@ GatedDeltaGrads gated_delta_rule_backward(const Tensor& d_o, const Tensor& q, co
   if (dev.is_cuda()) {
     if (s.T == 0) return r;
     const CudaPlan p = cuda_plan(s, cu_seqlens, dev, kept.defined() ? &kept.table : nullptr);
-    if (kept.defined()) {
-      const size_t bytes = cuda::gdn_backward_workspace_bytes(p.dims, q.dtype(), d_o.dtype(), /*have_prep=*/true);
-      if (bytes <= opts.max_workspace_bytes) {
-        const Tensor ws = workspace(bytes, dev);
-        cuda::gdn_backward(r.d_q.data<float>(), r.d_k.data<float>(), r.d_v.data<float>(), r.d_g.data<float>(),
-                           r.d_beta.data<float>(), d_o.raw(), d_o.dtype(), q.raw(), k.raw(), v.raw(),
-                           g.data<float>(), beta.data<float>(), p.table.data<int32_t>(), p.dims, q.dtype(),
-                           ws.raw(), kept.buffer.raw());
-        return r;
-      }
-      kept = GatedDeltaPrep{};  // the rest does not fit one call: head groups, each with its own prep
-    }
-    const int64_t groups = head_groups(p, s.Hk, opts.max_workspace_bytes, [&](const cuda::GdnDims& d) {
+    // A kept prep serves one call; when the rest of the workspace does not fit one, it is dropped
+    // and the head groups make their own.
+    if (kept.defined() &&
+        cuda::gdn_backward_workspace_bytes(p.dims, q.dtype(), d_o.dtype(), /*have_prep=*/true) > opts.max_workspace_bytes)
+      kept = GatedDeltaPrep{};
+    const int64_t groups = kept.defined() ? 1 : head_groups(p, s.Hk, opts.max_workspace_bytes, [&](const cuda::GdnDims& d) {
       return cuda::gdn_backward_workspace_bytes(d, q.dtype(), d_o.dtype());
     });
     const int64_t hk = s.Hk / groups, hv = s.Hv / groups;
     cuda::GdnDims d = p.dims;
     d.Hk = static_cast<int>(hk);
     d.Hv = static_cast<int>(hv);
-    const Tensor ws = workspace(cuda::gdn_backward_workspace_bytes(d, q.dtype(), d_o.dtype()), dev);
+    const Tensor ws = workspace(cuda::gdn_backward_workspace_bytes(d, q.dtype(), d_o.dtype(), kept.defined()), dev);
     for (int64_t gi = 0; gi < groups; ++gi) {
       const int64_t k0 = gi * hk, v0 = gi * hv;
       const Tensor qg = heads_of(q, k0, hk), kg = heads_of(k, k0, hk), vg = heads_of(v, v0, hv);
@@ -269,7 +255,7 @@ GatedDeltaGrads gated_delta_rule_backward(const Tensor& d_o, const Tensor& q, co
       cuda::gdn_backward(part.d_q.data<float>(), part.d_k.data<float>(), part.d_v.data<float>(),
                          part.d_g.data<float>(), part.d_beta.data<float>(), dog.raw(), d_o.dtype(), qg.raw(),
                          kg.raw(), vg.raw(), gg.data<float>(), bg.data<float>(), p.table.data<int32_t>(), d,
-                         q.dtype(), ws.raw());
+                         q.dtype(), ws.raw(), kept.defined() ? kept.buffer.raw() : nullptr);
       if (groups > 1) {
         put_heads(r.d_q, part.d_q, k0);
         put_heads(r.d_k, part.d_k, k0);

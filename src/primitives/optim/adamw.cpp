@@ -33,17 +33,23 @@ void check_cuda_float(const Tensor& t, const char* op, const char* arg) {
 // device-to-host copy at the end: a deliberate sync, counted by cuda::memcpy through
 // cuda::note_host_sync(). Partials live in i64 tensors used as 8-byte doubles (there is no
 // f64 dtype).
-std::vector<double> device_sums_of_squares(const std::vector<const Tensor*>& ts) {
-  const Device dev = ts.front()->device();
+// Enqueues the sums on the current stream: out[i] = sum of squares of ts[i] (device doubles).
+void enqueue_sums_of_squares(const std::vector<const Tensor*>& ts, double* out) {
   const auto k = static_cast<int64_t>(ts.size());
-  Tensor partial = Tensor::empty({k * cuda::kSumSquaresSlots}, DType::i64, dev,
+  Tensor partial = Tensor::empty({k * cuda::kSumSquaresSlots}, DType::i64, ts.front()->device(),
                                  MemCategory::workspace);
-  Tensor out = Tensor::empty({k}, DType::i64, dev, MemCategory::workspace);
   auto* pp = reinterpret_cast<double*>(partial.data<int64_t>());
   for (int64_t i = 0; i < k; ++i)
     cuda::sum_squares_partial(pp + i * cuda::kSumSquaresSlots, ts[i]->raw(), ts[i]->dtype(),
                               ts[i]->numel());
-  cuda::sum_squares_finish(reinterpret_cast<double*>(out.data<int64_t>()), pp, k);
+  cuda::sum_squares_finish(out, pp, k);
+}
+
+std::vector<double> device_sums_of_squares(const std::vector<const Tensor*>& ts) {
+  const Device dev = ts.front()->device();
+  const auto k = static_cast<int64_t>(ts.size());
+  Tensor out = Tensor::empty({k}, DType::i64, dev, MemCategory::workspace);
+  enqueue_sums_of_squares(ts, reinterpret_cast<double*>(out.data<int64_t>()));
   std::vector<double> sums(static_cast<size_t>(k));
   cuda::memcpy(sums.data(), Device::cpu(), out.raw(), dev, sums.size() * sizeof(double));
   return sums;
@@ -225,10 +231,7 @@ void sum_of_squares_to(const Tensor& g, Tensor& slots, int64_t i) {
     require_cuda_build("sum_of_squares_to", g);
     check_cuda_float(g, "sum_of_squares_to", "g");
 #ifdef BB_WITH_CUDA
-    Tensor partial = Tensor::empty({cuda::kSumSquaresSlots}, DType::i64, g.device(), MemCategory::workspace);
-    auto* pp = reinterpret_cast<double*>(partial.data<int64_t>());
-    cuda::sum_squares_partial(pp, g.raw(), g.dtype(), g.numel());
-    cuda::sum_squares_finish(reinterpret_cast<double*>(slots.data<int64_t>()) + i, pp, 1);
+    enqueue_sums_of_squares({&g}, reinterpret_cast<double*>(slots.data<int64_t>()) + i);
     return;
 #endif
   }
