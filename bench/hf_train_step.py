@@ -17,6 +17,9 @@ prints which one ran.
   --compile           torch.compile each decoder layer (the usual way to compile an HF model
                       for training; the embedding, head and loss stay eager)
   --no-checkpointing  keep every activation (no gradient checkpointing): faster, more memory
+  --grad-clip X       clip the gradient norm to X before the update
+                      (torch.nn.utils.clip_grad_norm_, foreach); 0 (default) = no clipping,
+                      like bumblebee's train.grad_clip = 0
   --fsdp              launched by torchrun: one process per GPU, PyTorch FSDP2
                       (torch.distributed.fsdp.fully_shard on every decoder layer, then on the
                       root), each rank training on its own sequence of S tokens; reports
@@ -89,6 +92,8 @@ def main():
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     ap.add_argument("--no-checkpointing", action="store_true",
                     help="no gradient checkpointing (every activation kept)")
+    ap.add_argument("--grad-clip", type=float, default=0.0,
+                    help="clip the gradient norm to this before the update (0 = off)")
     ap.add_argument("--fsdp", action="store_true",
                     help="under torchrun: FSDP2 fully_shard per decoder layer and the root")
     args = ap.parse_args()
@@ -175,6 +180,8 @@ def main():
                 # HF shifts the labels inside the loss: labels are the inputs themselves.
                 out = model(input_ids=ids[:, :-1], labels=ids[:, :-1])
                 out.loss.backward()
+                if args.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip, foreach=True)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 torch.cuda.synchronize()
@@ -198,7 +205,8 @@ def main():
         if rank == 0:
             print(rows[-1], flush=True)
     mode = ("no checkpointing" if args.no_checkpointing else "activation checkpointing") + \
-        (", torch.compile per decoder layer" if args.compile else ", eager")
+        (", torch.compile per decoder layer" if args.compile else ", eager") + \
+        (f", grad norm clipped to {args.grad_clip}" if args.grad_clip > 0 else ", no clipping")
     if args.fsdp:
         mode += f", FSDP2 fully_shard per decoder layer + root over {world} GPUs (no EP)"
     if rank == 0:

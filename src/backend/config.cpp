@@ -44,6 +44,7 @@ std::string BackendConfig::summary() const {
      << " grouped_gemm_threaded_enqueue=" << (grouped_gemm_threaded_enqueue ? "true" : "false")
      << " grouped_gemm_tma=" << (grouped_gemm_tma ? "true" : "false")
      << " gemm_heuristics=" << gemm_heuristics
+     << " optimizer_in_backward=" << (optimizer_in_backward ? "true" : "false")
      << " cudnn_library=" << (cudnn_library.empty() ? "(default)" : cudnn_library);
   return os.str();
 }
@@ -56,6 +57,7 @@ void to_json(nlohmann::json& j, const BackendConfig& c) {
                      {"grouped_gemm_threaded_enqueue", c.grouped_gemm_threaded_enqueue},
                      {"grouped_gemm_tma", c.grouped_gemm_tma},
                      {"gemm_heuristics", c.gemm_heuristics},
+                     {"optimizer_in_backward", c.optimizer_in_backward},
                      {"cudnn_library", c.cudnn_library}};
 }
 
@@ -73,6 +75,7 @@ void from_json(const nlohmann::json& j, BackendConfig& c) {
       else if (k == "grouped_gemm_threaded_enqueue") c.grouped_gemm_threaded_enqueue = it->get<bool>();
       else if (k == "grouped_gemm_tma") c.grouped_gemm_tma = it->get<bool>();
       else if (k == "gemm_heuristics") c.gemm_heuristics = it->get<std::string>();
+      else if (k == "optimizer_in_backward") c.optimizer_in_backward = it->get<bool>();
       else if (k == "cudnn_library") c.cudnn_library = it->get<std::string>();
       else BB_FAIL("unknown backend setting '", k, "'");
     }

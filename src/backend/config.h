@@ -31,6 +31,10 @@ struct BackendConfig {
   // cuBLASLt algorithm choice: bucketed (one heuristic query per size bucket, checked per size)
   // or exact (one query per new shape).
   std::string gemm_heuristics = "bucketed";
+  // With train.grad_clip = 0 (nothing global needed before an update), units that one rank
+  // holds whole get their AdamW step as soon as their gradient is final, on the copy stream
+  // beside the backward of the layers below (the same bits as the update after the backward).
+  bool optimizer_in_backward = true;
   // The cuDNN library file for the attention path; "" = libcudnn.so.9 from the library path.
   std::string cudnn_library;
 

@@ -165,9 +165,17 @@ std::vector<ModelState::Unit*> ModelState::layer_units(int64_t layer) {
   return by_layer_[static_cast<size_t>(layer)];
 }
 
-void ModelState::begin_step() {
-  join_early_norms();  // nothing writes a gradient that an early norm may still be reading
+void ModelState::begin_step(const EarlyUpdate* early) {
+  join_early_norms();  // nothing writes a gradient (or reads a value) that the copy stream may still use
   std::fill(norm_early_.begin(), norm_early_.end(), 0);
+  early_on_ = early != nullptr;
+  if (early) {
+    BB_CHECK(early->cfg.grad_scale == 1.0, "ModelState::begin_step: an update during the backward cannot scale the "
+             "gradients (clipping needs the global norm first); got grad_scale ", early->cfg.grad_scale);
+    early_ = *early;
+  }
+  updated_.assign(units_.size(), 0);
+  early_count_ = 0;
   model_.zero_grad();  // whole and zero1 units (fsdp units have no whole gradient now)
   for (auto& u : units_)
     if (u->mode == Mode::fsdp) u->grad_shard.zero_();
@@ -247,21 +255,51 @@ void ModelState::early_norm(Unit& u) {
     norm_early_.assign(units_.size(), 0);
   }
   // After everything that wrote the gradient (the compute stream, and delayed wgrads).
-  Event::record(g.device(), Stream::compute).wait(Stream::copy);
-  Event::record(g.device(), Stream::wgrad).wait(Stream::copy);
+  copy_after_grads(g.device());
   {
     StreamScope scope(Stream::copy);
     sum_of_squares_to(g.narrow(0, u.u->numel), norm_slots_, static_cast<int64_t>(u.index));
   }
   norm_early_[u.index] = 1;
+}
+
+// The copy stream waits for everything issued so far that may write a gradient (the compute
+// stream, delayed wgrads); the compute stream joins it again in join_early_norms().
+void ModelState::copy_after_grads(const Device& dev) {
+  Event::record(dev, Stream::compute).wait(Stream::copy);
+  Event::record(dev, Stream::wgrad).wait(Stream::copy);
+  copy_dev_ = dev;
   norm_pending_ = true;
 }
 
-// The compute stream waits for the early sums (before it reads them or writes a gradient again).
+// The compute stream waits for the copy stream's sums and updates (before it reads a sum or a
+// value, or writes a gradient again).
 void ModelState::join_early_norms() {
   if (!norm_pending_) return;
-  Event::record(norm_slots_.device(), Stream::copy).wait(Stream::compute);
+  Event::record(copy_dev_, Stream::copy).wait(Stream::compute);
   norm_pending_ = false;
+}
+
+// The unit's gradient is final for this step (its last backward of the last micro-batch is
+// issued, and nothing reduces it further): its early sum of squares and, with an early update,
+// its AdamW step. On a GPU both go on the copy stream behind the backward issued so far; the
+// update's short blocks leave SMs to the backward kernels between them. A unit's values are not
+// read again in this step's backward once its own backward is issued (the layers below read
+// their own; a tied head is final only after the embedding backward).
+void ModelState::unit_final(Unit& u) {
+  early_norm(u);
+  if (!early_on_ || !last_micro_ || u.N != 1 || u.mode != Mode::whole || updated_[u.index]) return;
+  model_.param_store().materialize_grads(u.u);
+  const Tensor& g = u.u->grad;
+  if (g.defined() && g.device().is_cuda()) {
+    if (!(u.index < norm_early_.size() && norm_early_[u.index])) copy_after_grads(g.device());
+    StreamScope scope(Stream::copy);
+    update_unit(u, early_.step, early_.lr, early_.weight_decay, early_.cfg, early_.nonfinite, true);
+  } else {
+    update_unit(u, early_.step, early_.lr, early_.weight_decay, early_.cfg, early_.nonfinite, false);
+  }
+  updated_[u.index] = 1;
+  ++early_count_;
 }
 
 void ModelState::drain() {
@@ -313,7 +351,7 @@ void ModelState::after_end(ModelEnd e, Pass p) {
         grads_end(*head_);
         if (last_micro_ && head_->mode != Mode::fsdp) {
           reduce_grads(*head_);
-          if (!tied_) early_norm(*head_);  // a tied head's gradient gets the embedding's too
+          if (!tied_) unit_final(*head_);  // a tied head's gradient gets the embedding's too
         }
       }
       release(*head_);
@@ -321,7 +359,10 @@ void ModelState::after_end(ModelEnd e, Pass p) {
       break;
     case ModelEnd::embed_backward:
       grads_end(*embed_);
-      if (last_micro_ && embed_->mode != Mode::fsdp) reduce_grads(*embed_);
+      if (last_micro_ && embed_->mode != Mode::fsdp) {
+        reduce_grads(*embed_);
+        if (early_on_) unit_final(*embed_);  // the last unit: only its update gains from going early
+      }
       release(*embed_);
       drain();  // fsdp: every unit's gradient of this micro-batch is in its shard now
       break;
@@ -363,7 +404,7 @@ void ModelState::after_backward(const Layer& l) {
       release(*u);
     } else if (last_micro_) {
       reduce_grads(*u);
-      early_norm(*u);
+      unit_final(*u);
     }
   }
 }
@@ -461,39 +502,48 @@ size_t ModelState::num_units() const { return units_.size(); }
 
 const std::string& ModelState::unit_name(size_t i) const { return units_[i]->u->name; }
 
+void ModelState::update_unit(Unit& u, int64_t step, double lr, double weight_decay, const AdamWConfig& cfg,
+                             Tensor* nonfinite, bool yield_sms) {
+  const ParamUnit& pu = *u.u;
+  // Owned range [a, b) of the unit; master index = element - a.
+  const int64_t a = u.mode == Mode::whole ? 0 : u.lo, b = u.mode == Mode::whole ? pu.numel : u.lo + u.len;
+  Tensor grad = u.mode == Mode::fsdp ? u.grad_shard : pu.grad;
+  Tensor value = u.mode == Mode::fsdp ? u.value_shard : pu.value;
+  const int64_t goff = u.mode == Mode::fsdp ? a : 0;  // grad/value index = element - goff
+  // Two buckets: the weight-decayed elements [0, decay_numel), then the rest. bf16 moments
+  // round with the unit's stream at the bucket's unit element index: the same bits for an
+  // element whatever shard or bucket holds it.
+  const int64_t cuts[3] = {a, std::clamp(pu.decay_numel, a, b), b};
+  AdamWConfig bucket_cfg = cfg;
+  bucket_cfg.seed = seed_;
+  bucket_cfg.stream = u.stream;
+  bucket_cfg.yield_sms = yield_sms;
+  for (int k = 0; k < 2; ++k) {
+    const int64_t n = cuts[k + 1] - cuts[k];
+    if (n <= 0) continue;
+    Tensor master = u.master.narrow(cuts[k] - a, n), m1 = u.exp_avg.narrow(cuts[k] - a, n),
+           m2 = u.exp_avg_sq.narrow(cuts[k] - a, n), v = value.narrow(cuts[k] - goff, n);
+    Tensor flag = nonfinite ? nonfinite->narrow(static_cast<int64_t>(u.index), 1) : Tensor();
+    bucket_cfg.first_element = cuts[k];
+    adamw_step(master, grad.narrow(cuts[k] - goff, n), m1, m2, step, lr, k == 0 ? weight_decay : 0.0, bucket_cfg,
+               &v, nonfinite ? &flag : nullptr);
+  }
+}
+
 void ModelState::step(int64_t step, double lr, double weight_decay, const AdamWConfig& cfg, Tensor* nonfinite) {
   BB_RANGE("optimizer_step");
   model_.param_store().materialize_grads();
   std::vector<comm::WorkPtr> gathers;
   for (auto& up : units_) {
     Unit& u = *up;
-    const ParamUnit& pu = *u.u;
-    // Owned range [a, b) of the unit; master index = element - a.
-    const int64_t a = u.mode == Mode::whole ? 0 : u.lo, b = u.mode == Mode::whole ? pu.numel : u.lo + u.len;
-    Tensor grad = u.mode == Mode::fsdp ? u.grad_shard : pu.grad;
-    Tensor value = u.mode == Mode::fsdp ? u.value_shard : pu.value;
-    const int64_t goff = u.mode == Mode::fsdp ? a : 0;  // grad/value index = element - goff
-    // Two buckets: the weight-decayed elements [0, decay_numel), then the rest. bf16 moments
-    // round with the unit's stream at the bucket's unit element index: the same bits for an
-    // element whatever shard or bucket holds it.
-    const int64_t cuts[3] = {a, std::clamp(pu.decay_numel, a, b), b};
-    AdamWConfig bucket_cfg = cfg;
-    bucket_cfg.seed = seed_;
-    bucket_cfg.stream = u.stream;
-    for (int k = 0; k < 2; ++k) {
-      const int64_t n = cuts[k + 1] - cuts[k];
-      if (n <= 0) continue;
-      Tensor master = u.master.narrow(cuts[k] - a, n), m1 = u.exp_avg.narrow(cuts[k] - a, n),
-             m2 = u.exp_avg_sq.narrow(cuts[k] - a, n), v = value.narrow(cuts[k] - goff, n);
-      Tensor flag = nonfinite ? nonfinite->narrow(static_cast<int64_t>(u.index), 1) : Tensor();
-      bucket_cfg.first_element = cuts[k];
-      adamw_step(master, grad.narrow(cuts[k] - goff, n), m1, m2, step, lr, k == 0 ? weight_decay : 0.0, bucket_cfg,
-                 &v, nonfinite ? &flag : nullptr);
-    }
+    if (u.index < updated_.size() && updated_[u.index]) continue;  // done during the backward
+    update_unit(u, step, lr, weight_decay, cfg, nonfinite, false);
     if (u.mode == Mode::zero1)
       gathers.push_back(u.g->all_gather(u.value_buf.narrow(u.r * u.S, u.S), u.value_buf));
   }
   for (auto& w : gathers) w->wait();
+  std::fill(updated_.begin(), updated_.end(), 0);
+  early_on_ = false;
 }
 
 void ModelState::values_from_masters() {

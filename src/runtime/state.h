@@ -71,7 +71,23 @@ class ModelState final : public LayerHooks {
 
   // One optimizer step: begin_step(), then per micro-batch begin_micro_batch(last) + the
   // schedule's forward_backward, then end_backward(), grad_norm(), step().
-  void begin_step();
+  //
+  // The update during the backward: given `early`, a unit that nothing reduces (one rank holds
+  // it whole) is updated with these arguments as soon as its gradient is final (after its last
+  // backward of the step), on the copy stream beside the backward of the layers below, instead
+  // of in step(). Only for steps whose update needs no global quantity first: the caller passes
+  // it when clipping is off (grad_scale 1). The same kernels on the same tensors: the new
+  // masters, moments and values are bitwise those of the update in step(). step() then updates
+  // the rest (units held by several ranks). `early->nonfinite` must outlive the step.
+  struct EarlyUpdate {
+    int64_t step = 0;
+    double lr = 0, weight_decay = 0;
+    AdamWConfig cfg;
+    Tensor* nonfinite = nullptr;
+  };
+  void begin_step(const EarlyUpdate* early = nullptr);
+  // Units updated during this step's backward so far (0 without an early update).
+  size_t early_updates() const { return early_count_; }
   void begin_micro_batch(bool last);
   void end_backward();
   // The global gradient norm (before clipping), the same on every rank.
@@ -129,6 +145,10 @@ class ModelState final : public LayerHooks {
   void drain();
   void early_norm(Unit& u);   // the unit's sum of squares beside the backward (grad_norm reads it)
   void join_early_norms();
+  void copy_after_grads(const Device& dev);
+  void unit_final(Unit& u);    // the unit's gradient is final: early norm, then early update
+  void update_unit(Unit& u, int64_t step, double lr, double weight_decay, const AdamWConfig& cfg,
+                   Tensor* nonfinite, bool yield_sms);
   std::vector<Unit*> layer_units(int64_t layer);
   bool sharded(const Unit& u) const;
 
@@ -147,7 +167,13 @@ class ModelState final : public LayerHooks {
   // final (single-rank units, last micro-batch), into norm_slots_ (f64 bits, one per unit).
   Tensor norm_slots_;
   std::vector<char> norm_early_;
-  bool norm_pending_ = false;
+  bool norm_pending_ = false;  // the copy stream has sums or updates the compute stream must join
+  Device copy_dev_ = Device::cpu();
+  // The update during the backward (begin_step(early)): its arguments, and which units it did.
+  bool early_on_ = false;
+  EarlyUpdate early_;
+  std::vector<char> updated_;
+  size_t early_count_ = 0;
 };
 
 }  // namespace bb

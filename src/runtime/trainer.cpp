@@ -452,9 +452,28 @@ StepMetrics Trainer::train_step() {
     return m;
   }
 
+  // The update during the backward ([backend] optimizer_in_backward): with clipping off nothing
+  // global is needed before a unit's update, so the state runs it as soon as the unit's gradient
+  // is final. The flags and (skip_step) the backup exist before the first update.
+  const bool early_update = cfg_.backend.optimizer_in_backward && cfg_.grad_clip == 0;
+  Tensor flags;
+  if (early_update) {
+    flags = Tensor::zeros({static_cast<int64_t>(state_->num_units())}, DType::i32, device_, MemCategory::workspace);
+    if (cfg_.on_nonfinite == "skip_step") state_->save_backup();
+  }
   {
     BB_RANGE("zero_grad");
-    state_->begin_step();
+    if (early_update) {
+      ModelState::EarlyUpdate eu;
+      eu.step = m.step;
+      eu.lr = lr_at(m.step);
+      eu.weight_decay = cfg_.weight_decay;
+      eu.cfg = AdamWConfig{cfg_.beta1, cfg_.beta2, cfg_.adam_eps};
+      eu.nonfinite = &flags;
+      state_->begin_step(&eu);
+    } else {
+      state_->begin_step();
+    }
   }
   double sums[6] = {0, 0, 0, 0, 0, 0};  // loss_sum, aux, z, tokens, flops, expert rows received
   const float loss_scale = 1.0f / static_cast<float>(valid);
@@ -502,9 +521,14 @@ StepMetrics Trainer::train_step() {
                              : !std::isfinite(m.z_loss)    ? "the z loss"
                                                            : nullptr;
   if (bad_quantity) {
+    const bool applied = state_->early_updates() > 0;  // updates made during the backward
     BB_CHECK(cfg_.on_nonfinite == "skip_step", "step ", m.step, ": ", bad_quantity, " is not finite (loss ", m.loss,
-             ", grad norm ", m.grad_norm, "); no update was applied and nothing was saved. Lower train.lr, check the "
-             "data, or set train.on_nonfinite = \"skip_step\" to skip such steps");
+             ", grad norm ", m.grad_norm, "); ",
+             applied ? "the run stops before saving the update made during the backward"
+                     : "no update was applied",
+             " and nothing was saved. Lower train.lr, check the data, or set train.on_nonfinite = \"skip_step\" to "
+             "skip such steps");
+    if (applied) state_->restore_backup();  // taken before the step's first update
     m.skipped = "nonfinite";
   }
   const bool guard_update = !bad_quantity;
@@ -513,13 +537,13 @@ StepMetrics Trainer::train_step() {
     // Clipping is folded into the update (one pass over the gradients instead of two).
     if (cfg_.grad_clip > 0 && m.grad_norm > cfg_.grad_clip)
       ac.grad_scale = static_cast<float>(cfg_.grad_clip / (m.grad_norm + 1e-6));
-    if (cfg_.on_nonfinite == "skip_step") state_->save_backup();
+    if (cfg_.on_nonfinite == "skip_step" && !early_update) state_->save_backup();
     // Part 2: one flag per unit, set by the update kernels themselves when a new master or
     // moment is Inf/NaN; read back with the step's end-of-step sync (GPU) and or-ed over ranks
     // in the all-reduce of the memory peaks below.
     const int64_t nu = static_cast<int64_t>(state_->num_units());
-    Tensor flags = Tensor::zeros({nu}, DType::i32, device_, MemCategory::workspace);
-    state_->step(m.step, m.lr, cfg_.weight_decay, ac, &flags);
+    if (!early_update) flags = Tensor::zeros({nu}, DType::i32, device_, MemCategory::workspace);
+    state_->step(m.step, m.lr, cfg_.weight_decay, ac, &flags);  // the units not updated yet
 #ifdef BB_WITH_CUDA
     if (device_.is_cuda()) {
       if (!pinned_flags_ || pinned_flags_n_ < nu) {

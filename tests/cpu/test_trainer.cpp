@@ -164,14 +164,17 @@ TEST(RunConfig, BackendTableIsParsedCheckedAndSavedInStateJson) {
   RunConfig c = load_run_config(run, {"backend.grouped_gemm_same_dtype=multi_stream",
                                       "backend.grouped_gemm_multi_stream_min_flops=5e8",
                                       "backend.grouped_gemm_threaded_enqueue=false",
-                                      "backend.grouped_gemm_tma=false", "train.steps=1"});
+                                      "backend.grouped_gemm_tma=false", "backend.optimizer_in_backward=false",
+                                      "train.steps=1"});
   EXPECT_EQ(c.backend.grouped_gemm_streams, 2);
   EXPECT_EQ(c.backend.gemm_heuristics, "exact");
   EXPECT_EQ(c.backend.grouped_gemm_same_dtype, "multi_stream");
   EXPECT_DOUBLE_EQ(c.backend.grouped_gemm_multi_stream_min_flops, 5e8);
   EXPECT_FALSE(c.backend.grouped_gemm_threaded_enqueue);
   EXPECT_FALSE(c.backend.grouped_gemm_tma);
+  EXPECT_FALSE(c.backend.optimizer_in_backward);
   EXPECT_NE(c.backend.summary().find("grouped_gemm_tma=false"), std::string::npos);
+  EXPECT_NE(c.backend.summary().find("optimizer_in_backward=false"), std::string::npos);
   EXPECT_NE(c.backend.summary().find("grouped_gemm_streams=2"), std::string::npos);
   // Saved with the checkpoint, read back equal.
   Trainer t(c, nullptr);
@@ -297,6 +300,63 @@ TEST(Optimizer, CheckpointOfAnotherOptimizerIsAClearErrorAndChangesNothing) {
   st["optimizer"] = 3;
   std::ofstream(sj) << st.dump(2);
   test::expect_error_contains([&] { u.load_checkpoint(f32_ck); }, "field 'optimizer' must be a string");
+}
+
+// [backend] optimizer_in_backward: with clipping off every unit is updated as soon as its
+// gradient is final (during the backward), with the bits of the update after the backward: the
+// same losses and masters over steps, for both optimizers. With clipping on nothing moves early.
+TEST(Optimizer, UpdateDuringTheBackwardIsBitwiseTheUpdateAfterIt) {
+  const std::string dir = make_tmpdir();
+  const std::string run = write_run(dir, small_model());
+  for (const std::string& opt : {std::string("primitives.optimizer=\"adamw\""), kBf16Moments}) {
+    size_t units = 0;
+    auto go = [&](const char* in_backward, const char* clip, size_t* early) {
+      Trainer t(load_run_config(run, {opt, in_backward, clip, "checkpoint.dir=\"\"", "train.steps=6"}), nullptr);
+      std::vector<double> l;
+      for (int i = 0; i < 6; ++i) {
+        l.push_back(t.train_step().loss);
+        if (i == 0) *early = t.state().early_updates();
+      }
+      units = t.model().units().size();
+      std::vector<std::vector<float>> ms;
+      for (size_t i = 0; i < t.model().units().size(); ++i) {
+        ms.push_back(t.state().owned(i).master.to_floats());
+        ms.push_back(t.state().owned(i).exp_avg_sq.to_floats());
+      }
+      for (Param* p : t.model().params()) ms.push_back(p->value.to_floats());
+      return std::make_pair(l, ms);
+    };
+    size_t e_on = 0, e_off = 0, e_clip = 0;
+    const auto on = go("backend.optimizer_in_backward=true", "train.grad_clip=0", &e_on);
+    const auto off = go("backend.optimizer_in_backward=false", "train.grad_clip=0", &e_off);
+    const auto clip = go("backend.optimizer_in_backward=true", "train.grad_clip=1.0", &e_clip);
+    EXPECT_EQ(e_on, units) << opt;  // every unit: one rank holds them all whole
+    EXPECT_EQ(e_off, 0u) << opt;
+    EXPECT_EQ(e_clip, 0u) << opt;
+    EXPECT_EQ(on.first, off.first) << opt;
+    EXPECT_EQ(on.second, off.second) << opt;
+    EXPECT_NE(on.first, clip.first) << opt << ": the clip setting had no effect";
+    EXPECT_LT(on.first.back(), on.first.front()) << opt;
+  }
+}
+
+// skip_step with updates during the backward: the backup is taken before the first one, so a
+// step whose update goes non-finite is undone bit for bit as without them.
+TEST(Optimizer, SkipStepUndoesUpdatesMadeDuringTheBackward) {
+  const std::string dir = make_tmpdir();
+  Trainer t(load_run_config(write_run(dir, small_model()),
+                            {"checkpoint.dir=\"\"", "train.on_nonfinite=\"skip_step\"", "train.lr=1e39",
+                             "train.min_lr=1e39", "train.warmup_steps=0", "train.steps=2", "train.grad_clip=0"}),
+            nullptr);
+  std::vector<std::vector<float>> before;
+  for (size_t i = 0; i < t.model().units().size(); ++i) before.push_back(t.state().owned(i).master.to_floats());
+  const std::vector<StepMetrics> ms = t.run();
+  ASSERT_EQ(ms.size(), 2u);
+  for (const StepMetrics& m : ms) EXPECT_EQ(m.skipped, "nonfinite") << "step " << m.step;
+  EXPECT_GT(t.state().early_updates(), 0u);
+  for (size_t i = 0; i < t.model().units().size(); ++i) EXPECT_EQ(t.state().owned(i).master.to_floats(), before[i]);
+  for (Param* p : t.model().params())
+    for (float v : p->value.to_floats()) ASSERT_TRUE(std::isfinite(v)) << p->name;
 }
 
 TEST(Optimizer, RunConfigNamesTheValidOptimizers) {

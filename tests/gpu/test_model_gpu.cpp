@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <tuple>
 
 #include "common/gpu.h"
 #include "common/testing.h"
@@ -105,6 +106,52 @@ TEST(ModelGpu, EarlyGradNormIsTheNormOfTheStepsGradients) {
     }
   }
   unsetenv("BB_EARLY_GRAD_NORM");
+}
+
+// [backend] optimizer_in_backward on the GPU: the updates run on the copy stream beside the
+// backward (short blocks, lower priority). Bitwise the same losses, gradient norms, masters,
+// moments and values as the update after the backward, over steps, for both optimizers; and the
+// units really were updated early.
+TEST(ModelGpu, UpdateDuringTheBackwardIsBitwiseTheUpdateAfterIt) {
+  BB_REQUIRE_GPU();
+  char tmpl[] = "/tmp/bb_model_gpu_XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  const std::string run = tiny_run(dir);
+  for (const char* opt : {"primitives.optimizer=\"adamw\"", "primitives.optimizer=\"adamw_bf16_moments\""}) {
+    SCOPED_TRACE(opt);
+    auto go = [&](const char* in_backward) {
+      Trainer t(load_run_config(run, {"parallel.device=\"cuda\"", "train.steps=4", "train.grad_clip=0", opt,
+                                      in_backward}),
+                nullptr);
+      std::vector<double> out;
+      for (int i = 0; i < 4; ++i) {
+        const StepMetrics m = t.train_step();
+        out.push_back(m.loss);
+        out.push_back(m.grad_norm);
+        out.push_back(static_cast<double>(t.state().early_updates()));
+      }
+      std::vector<std::vector<float>> st;
+      for (size_t i = 0; i < t.model().units().size(); ++i) {
+        const ModelState::Owned o = t.state().owned(i);
+        st.push_back(o.master.to_floats());
+        st.push_back(o.exp_avg.to_floats());
+        st.push_back(o.exp_avg_sq.to_floats());
+      }
+      for (Param* p : t.model().params()) st.push_back(p->value.to_floats());
+      return std::make_tuple(out, st, t.model().units().size());
+    };
+    const auto [a, sa, units] = go("backend.optimizer_in_backward=true");
+    const auto [b, sb, units_b] = go("backend.optimizer_in_backward=false");
+    for (size_t i = 0; i < a.size(); i += 3) {
+      EXPECT_EQ(a[i], b[i]) << "loss, step " << i / 3 + 1;
+      EXPECT_EQ(a[i + 1], b[i + 1]) << "grad norm, step " << i / 3 + 1;
+      EXPECT_EQ(a[i + 2], static_cast<double>(units)) << "units updated early, step " << i / 3 + 1;
+      EXPECT_EQ(b[i + 2], 0.0);
+    }
+    EXPECT_LT(a[9], a[0]);
+    ASSERT_EQ(sa.size(), sb.size());
+    for (size_t i = 0; i < sa.size(); ++i) EXPECT_EQ(sa[i], sb[i]) << "state tensor " << i;
+  }
 }
 
 }  // namespace

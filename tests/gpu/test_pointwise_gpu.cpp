@@ -530,6 +530,39 @@ TEST(AdamWGpu, ThreeStepsMatchCpu) {
   }
 }
 
+// AdamWConfig::yield_sms (the update beside the backward) only changes the launch: many short
+// blocks instead of a resident grid-stride grid. The same bits for both optimizers, with a size
+// past one grid-stride pass (several accesses per thread) and the unaligned (scalar) path.
+TEST(AdamWGpu, ShortBlocksGiveTheSameBits) {
+  BB_REQUIRE_GPU();
+  const int64_t n = 5'000'003;
+  for (DType md : {DType::f32, DType::bf16}) {
+    for (int64_t skew : {0, 1}) {
+      SCOPED_TRACE(testing::Message() << "moments " << dtype_name(md) << " skew " << skew);
+      auto run = [&](bool yield) {
+        Tensor p = on_gpu(host(randn(n, 211), {n}, DType::f32, MemCategory::optimizer), skew);
+        Tensor m = on_gpu(host(randn(n, 212, 0.1f), {n}, md, MemCategory::optimizer), skew);
+        Tensor v = on_gpu(host(test::randu(n, 213, 0.0f, 0.01f), {n}, md, MemCategory::optimizer), skew);
+        Tensor model = on_gpu(Tensor::zeros({n}, DType::bf16, Device::cpu(), MemCategory::params), skew);
+        Tensor flag = Tensor::zeros({1}, DType::i32, kGpu, MemCategory::workspace);
+        AdamWConfig cfg{0.9, 0.95, 1e-8};
+        cfg.seed = 3;
+        cfg.stream = 9;
+        cfg.yield_sms = yield;
+        for (int64_t step = 1; step <= 2; ++step) {
+          Tensor g = on_gpu(host(randn(n, 220 + static_cast<uint64_t>(step)), {n}, DType::f32, MemCategory::grads), skew);
+          adamw_step(p, g, m, v, step, 1e-2, 0.1, cfg, &model, &flag);
+        }
+        return std::vector<std::vector<float>>{p.to_floats(), m.to_floats(), v.to_floats(), model.to_floats(),
+                                               {static_cast<float>(flag.to_ints()[0])}};
+      };
+      const auto a = run(false), b = run(true);
+      for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], b[i]) << "tensor " << i;
+      EXPECT_EQ(a[4][0], 0.0f);
+    }
+  }
+}
+
 // bf16 moments (adamw_bf16_moments): three steps, one clipped, from the same state on the GPU
 // and on the CPU. Both draw the same random words (moment_rounding.h), so the stored moments are
 // equal bit for bit except where the kernel's fp32 value (FMA-contracted) and the CPU's straddle

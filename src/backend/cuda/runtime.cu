@@ -51,6 +51,14 @@ struct DeviceState {
   std::vector<cudaEvent_t> free_events;
 };
 
+// Stream priorities (lower number = higher priority): comm highest (NCCL kernels must not wait
+// behind compute blocks), then compute and wgrad, then copy lowest, so that the block scheduler
+// hands SMs to the step's kernels before the copy stream's (the training state's early sums
+// and updates beside the backward). With a one-level range they are all the same.
+int work_priority(const DeviceState& st) {
+  return st.priority_low > st.priority_high ? st.priority_low - 1 : st.priority_low;
+}
+
 std::atomic<DeviceState*> g_states[kMaxDevices] = {};
 std::mutex g_states_mu;
 
@@ -76,7 +84,7 @@ DeviceState& state(int dev) {
   BB_CHECK_CUDA(cudaSetDevice(dev));
   BB_CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&s->priority_low, &s->priority_high));
   cudaStream_t compute = nullptr;
-  BB_CHECK_CUDA(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking));
+  BB_CHECK_CUDA(cudaStreamCreateWithPriority(&compute, cudaStreamNonBlocking, work_priority(*s)));
   s->streams[0].store(compute);
   BB_CHECK_CUDA(cudaDeviceGetDefaultMemPool(&s->pool, dev));
   uint64_t keep = UINT64_MAX;  // never give memory back to the driver between steps
@@ -100,7 +108,9 @@ cudaStream_t named_stream(DeviceState& st, int dev, Stream which) {
   if (cudaStream_t s = st.streams[i].load(std::memory_order_acquire)) return s;
   set_device(dev);
   cudaStream_t s = nullptr;
-  const int prio = which == Stream::comm ? st.priority_high : st.priority_low;
+  const int prio = which == Stream::comm   ? st.priority_high
+                   : which == Stream::copy ? st.priority_low
+                                           : work_priority(st);
   BB_CHECK_CUDA(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, prio));
   st.streams[i].store(s, std::memory_order_release);
   return s;

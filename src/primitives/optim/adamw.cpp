@@ -104,7 +104,7 @@ void adamw_step(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp
     require_cuda_build(op, master);
     if (model) check_cuda_float(*model, op, "model");
 #ifdef BB_WITH_CUDA
-    const cuda::AdamWScalars s{step_size, inv_sqrt_bc2, decay, b1, b2, eps, gs};
+    const cuda::AdamWScalars s{step_size, inv_sqrt_bc2, decay, b1, b2, eps, gs, cfg.yield_sms};
     if (bf16_moments)
       cuda::adamw_step_bf16_moments(master.data<float>(), grad.data<float>(), exp_avg.data<uint16_t>(),
                                     exp_avg_sq.data<uint16_t>(), model ? model->raw() : nullptr,

@@ -33,6 +33,10 @@ struct AdamWConfig {
   // step they give its random bits (moment_rounding.h). Ignored for f32 moments.
   uint64_t seed = 0, stream = 0;
   int64_t first_element = 0;
+  // GPU launch shape only (the results are the same bits): many short blocks instead of a grid
+  // that stays resident for the whole call, so that kernels of other streams get SMs between
+  // them (the training state's update beside the backward).
+  bool yield_sms = false;
 };
 
 // step is 1-based. lr and weight_decay are per call (schedules and no-decay groups).

@@ -190,16 +190,25 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t i = nv * 4 + gid; i < n; i += stride) g[i] *= s;
 }
 
+// Blocks of an update over `work` accesses: a grid-stride grid (16 blocks an SM at most), or
+// with short_blocks one block per kShortAccesses accesses of each thread (about 4K elements,
+// ~120 KB of traffic), which leaves an SM within microseconds.
+constexpr int64_t kShortAccesses = 4;
+unsigned update_blocks(int64_t work, bool short_blocks) {
+  if (!short_blocks) return grid_stride_blocks(work, kThreads);
+  return static_cast<unsigned>(std::clamp<int64_t>(ceil_div(work, kThreads * kShortAccesses), 1, 0x7fffffff));
+}
+
 template <class TM>
 void launch_adamw(float* p, const float* g, float* m, float* v, TM* model, int64_t n,
                   const AdamWScalars& s, int32_t* nonfinite) {
   const bool vec = aligned(p, 16) && aligned(g, 16) && aligned(m, 16) && aligned(v, 16) &&
                    (model == nullptr || aligned(model, 4 * sizeof(TM)));
   if (vec)
-    adamw_kernel<TM, 4><<<grid_stride_blocks(ceil_div(n, 4), kThreads), kThreads, 0, stream()>>>(p, g, m, v, model, n,
+    adamw_kernel<TM, 4><<<update_blocks(ceil_div(n, 4), s.short_blocks), kThreads, 0, stream()>>>(p, g, m, v, model, n,
                                                                             s, nonfinite);
   else
-    adamw_kernel<TM, 1><<<grid_stride_blocks(n, kThreads), kThreads, 0, stream()>>>(p, g, m, v, model, n, s, nonfinite);
+    adamw_kernel<TM, 1><<<update_blocks(n, s.short_blocks), kThreads, 0, stream()>>>(p, g, m, v, model, n, s, nonfinite);
   BB_CHECK_LAUNCH();
 }
 
@@ -210,10 +219,10 @@ void launch_adamw_bf16m(float* p, const float* g, bf16_t* m, bf16_t* v, TM* mode
   const bool vec = aligned(p, 16) && aligned(g, 16) && aligned(m, 4 * sizeof(bf16_t)) &&
                    aligned(v, 4 * sizeof(bf16_t)) && (model == nullptr || aligned(model, 4 * sizeof(TM)));
   if (vec)
-    adamw_bf16m_kernel<TM, 4><<<grid_stride_blocks(ceil_div(n, 4), kThreads), kThreads, 0, stream()>>>(
+    adamw_bf16m_kernel<TM, 4><<<update_blocks(ceil_div(n, 4), s.short_blocks), kThreads, 0, stream()>>>(
         p, g, m, v, model, n, s, key, first, nonfinite);
   else
-    adamw_bf16m_kernel<TM, 1><<<grid_stride_blocks(n, kThreads), kThreads, 0, stream()>>>(p, g, m, v, model, n, s,
+    adamw_bf16m_kernel<TM, 1><<<update_blocks(n, s.short_blocks), kThreads, 0, stream()>>>(p, g, m, v, model, n, s,
                                                                                          key, first, nonfinite);
   BB_CHECK_LAUNCH();
 }

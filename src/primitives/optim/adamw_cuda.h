@@ -17,6 +17,10 @@ struct AdamWScalars {
   float decay;         // 1 - lr * weight_decay
   float beta1, beta2, eps;
   float grad_scale;    // g is read as grad_scale * grad
+  // Launch shape, not a kernel argument's meaning: many short blocks (each thread a few
+  // accesses) instead of a resident grid-stride grid, so that other streams' kernels get SMs
+  // between them. The update is element-wise: the same bits either way.
+  bool short_blocks = false;
 };
 
 // master, grad, exp_avg, exp_avg_sq [n] f32; model [n] (model_dtype f32 or bf16) or null.
