@@ -440,6 +440,46 @@ TEST(GatedDeltaGpu, KeptForwardPrepGivesBitwiseEqualGradients) {
   }
 }
 
+// The bf16 forward runs chunk_prep of the later chunks beside the state pass (flags per chunk
+// and value head, the state pass on a higher-priority stream). Bitwise the plain order
+// (BB_GDN_FWD_SPLIT=100) at several splits, for one long sequence and a packed batch whose
+// sequences straddle the split, with and without a kept prep (whose backward must match too);
+// the output is read on the current stream right after the call, so a missing join or a chunk
+// loaded before its flag would show.
+TEST(GatedDeltaGpu, ForwardBesideChunkPrepIsBitwiseThePlainOrder) {
+  BB_REQUIRE_GPU();
+  const int64_t Hk = 2, Hv = 4, K = 128;
+  std::vector<int32_t> many{0};  // 60 sequences: more state blocks than SMs (must not hang)
+  for (int i = 0; i < 60; ++i) many.push_back(many.back() + 150);
+  for (const std::vector<int32_t>& cu :
+       {std::vector<int32_t>{0, 9000}, std::vector<int32_t>{0, 1000, 1001, 6000, 9000}, many}) {
+    const int64_t T = cu.back();
+    SCOPED_TRACE(testing::Message() << cu.size() - 1 << " sequences");
+    const Tensor cut = Tensor::from_ints(cu, {static_cast<int64_t>(cu.size())});
+    auto bf = [&](int64_t n, uint64_t seed, const Shape& sh) {
+      return Tensor::from_floats(test::randn(static_cast<size_t>(n), seed), sh, DType::bf16).to(kGpu);
+    };
+    const Tensor q = bf(T * Hk * K, 51, {T, Hk, K}), k = bf(T * Hk * K, 52, {T, Hk, K}),
+                 v = bf(T * Hv * K, 53, {T, Hv, K}), d_o = bf(T * Hv * K, 56, {T, Hv, K});
+    const Tensor g = Tensor::from_floats(test::randu(T * Hv, 54, -0.3f, -0.01f), {T, Hv}).to(kGpu);
+    const Tensor b = Tensor::from_floats(test::randu(T * Hv, 55, 0.1f, 0.9f), {T, Hv}).to(kGpu);
+    setenv("BB_GDN_FWD_SPLIT", "100", 1);
+    const std::vector<float> plain = gated_delta_rule_forward(q, k, v, g, b, cut).to_floats();
+    const GatedDeltaGrads ref = gated_delta_rule_backward(d_o, q, k, v, g, b, cut);
+    for (const char* split : {"1", "30", "50", "90"}) {
+      SCOPED_TRACE(std::string("BB_GDN_FWD_SPLIT=") + split);
+      setenv("BB_GDN_FWD_SPLIT", split, 1);
+      for (int rep = 0; rep < 2; ++rep) EXPECT_EQ(gated_delta_rule_forward(q, k, v, g, b, cut).to_floats(), plain);
+      GatedDeltaPrep prep;
+      EXPECT_EQ(gated_delta_rule_forward(q, k, v, g, b, cut, {}, MemCategory::activations, &prep).to_floats(), plain);
+      ASSERT_TRUE(prep.defined());
+      expect_bitwise_equal(gated_delta_rule_backward(d_o, q, k, v, g, b, cut, {}, &prep), ref);
+    }
+    unsetenv("BB_GDN_FWD_SPLIT");
+    EXPECT_EQ(gated_delta_rule_forward(q, k, v, g, b, cut).to_floats(), plain);  // the default split
+  }
+}
+
 TEST(GatedDeltaGpu, EmptyBatchesAndBadInputs) {
   BB_REQUIRE_GPU();
   auto gpu = [](const Shape& s, DType dt = DType::f32) {

@@ -105,6 +105,15 @@ __device__ __forceinline__ void cp_async_commit() {
 __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
+// Readiness flags between chunk_prep and the forward state pass running beside it (gpu scope).
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release(int* p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
 // exp of a log-decay difference (<= 0 in practice): ex2.approx, relative error about 2^-22 plus
 // |x| 2^-24 from scaling the argument, far below the bf16 operand rounding and the f32 path's 1e-4.
 __device__ __forceinline__ float fexp(float x) {
@@ -435,6 +444,7 @@ struct Dims {
   // value heads fastest (grid NC Hv), so the G value heads of a key head run side by side and
   // its q / k tiles are read from L2 the second time (chunk_grid, chunk_head).
   int head_fastest;
+  int n0;  // first chunk of a per-(chunk, value head) launch (a forward's chunk_prep runs in two)
   const int32_t* tab;  // chunk table (gdn_chunk_table layout)
   __device__ __forceinline__ int chunk_start(int n) const { return tab[n]; }
   __device__ __forceinline__ int chunk_len(int n) const { return tab[NC + n]; }
@@ -445,10 +455,10 @@ struct Dims {
 // This block's chunk n and value head h in a per-(chunk, value head) kernel.
 __device__ __forceinline__ void chunk_head(const Dims& d, int& n, int& h) {
   if (d.head_fastest) {
-    n = static_cast<int>(blockIdx.x / static_cast<unsigned>(d.Hv));
+    n = d.n0 + static_cast<int>(blockIdx.x / static_cast<unsigned>(d.Hv));
     h = static_cast<int>(blockIdx.x % static_cast<unsigned>(d.Hv));
   } else {
-    n = static_cast<int>(blockIdx.x);
+    n = d.n0 + static_cast<int>(blockIdx.x);
     h = static_cast<int>(blockIdx.y);
   }
 }
@@ -517,7 +527,7 @@ template <class Tin, bool kStoreT, bool kReload>
 __global__ void __launch_bounds__(kThreads)
     chunk_prep_kernel(Dims d, const uint16_t* qh, const uint16_t* kh, const Tin* v, const float* g,
                       const float* beta, float* gcum, uint16_t* w, uint16_t* u, uint16_t* pm,
-                      uint16_t* tm) {
+                      uint16_t* tm, int* ready) {
   constexpr int NPL = planes_of<Tin>();
   using L = PrepLayout<NPL, kReload>;
   unsigned char* sm = smem_base();
@@ -691,7 +701,21 @@ __global__ void __launch_bounds__(kThreads)
                        acc[0][nt][2 * hf], acc[0][nt][2 * hf + 1]);
       }
   }
+  if (ready != nullptr) {  // the state pass running beside this launch may read the chunk now
+    __threadfence();
+    block_sync();
+    if (tid == 0) st_release(ready + static_cast<int64_t>(n) * d.Hv + h, 1);
+  }
 }
+
+// Warp 0 of a state-pass block waits until chunk_prep has marked chunks [n, n + cnt) of value
+// head h ready (cnt <= 32; one acquire load a lane). A block_sync follows before anyone loads.
+__device__ __forceinline__ void wait_ready(const int* ready, int Hv, int h, int n, int cnt) {
+  const int lane = threadIdx.x & 31;
+  const int* p = ready + static_cast<int64_t>(n + (lane < cnt ? lane : cnt - 1)) * Hv + h;
+  while (!__all_sync(0xffffffffu, ld_acquire(p) != 0)) __nanosleep(200);
+}
+constexpr int kReadyAhead = 8;  // chunks checked per wait
 
 // ---- 3. sequential state pass over the chunks of one sequence, one value head, VT columns -------
 // kFwd: O = diag(Gamma) Q S0 + P Delta written (nothing else). !kFwd (backward's recompute):
@@ -720,7 +744,7 @@ template <class Tin, int VT, bool kFwd, int NW>
 __global__ void __launch_bounds__(NW * 32, kFwd ? 1 : 2)
     state_fwd_kernel(Dims d, const uint16_t* kh, const uint16_t* qh, const uint16_t* w,
                      const uint16_t* u, const uint16_t* pm, const float* gcum, Tin* o, uint16_t* hs,
-                     uint16_t* dl) {
+                     uint16_t* dl, const int* ready, int ready_from) {
   static_assert(NW == 4 || NW == 8, "state pass warps");
   constexpr int NPL = planes_of<Tin>(), NT = VT / 8, NT2 = VT / 8 / (NW / 4), NTH = NW * 32;
   constexpr int MS = kD / NW / 16;  // 16-row tiles of the state per warp
@@ -772,13 +796,30 @@ __global__ void __launch_bounds__(NW * 32, kFwd ? 1 : 2)
     cp_async_commit();
   };
 
+  // ready: chunk_prep of the chunks from ready_from on runs beside this pass (forward_impl);
+  // each is loaded only after its flag is set. Chunks below ready_upto are known ready.
+  int ready_upto = ready != nullptr ? (first > ready_from ? first : ready_from) : first + count;
+  auto await = [&](int n) {  // before the block_sync that precedes loading chunk n
+    if (n < ready_upto) return;
+    const int cnt = first + count - n < kReadyAhead ? first + count - n : kReadyAhead;
+    if (warp == 0) wait_ready(ready, d.Hv, h, n, cnt);
+    ready_upto = n + cnt;
+  };
+
   float S[MS][NT][4];  // rows rs + [0, 16 MS), cols v0 + [0, VT)
   zero(S);
-  if (count > 0) issue(0, 0);
+  if (count > 0) {
+    if (ready != nullptr) {
+      await(first);
+      block_sync();
+    }
+    issue(0, 0);
+  }
   for (int idx = 0; idx < count; ++idx) {
     const int s = L::kStages == 2 ? (idx & 1) : 0;
     const int n = first + idx, c0 = d.chunk_start(n), C = d.chunk_len(n);
     if (L::kStages == 1 && idx > 0) {
+      await(n);
       block_sync();
       issue(idx, 0);
     }
@@ -795,6 +836,7 @@ __global__ void __launch_bounds__(NW * 32, kFwd ? 1 : 2)
                          S[mt][nt][2 * hf], S[mt][nt][2 * hf + 1]);
         }
     cp_async_wait_all();
+    if (L::kStages == 2 && idx + 1 < count) await(n + 1);
     block_sync();
     if (L::kStages == 2 && idx + 1 < count) issue(idx + 1, s ^ 1);
 
@@ -1593,9 +1635,11 @@ Dims make_dims(const GdnDims& g, const int32_t* table) {
   return d;
 }
 
-dim3 chunk_grid(const Dims& d) {
-  if (d.head_fastest) return dim3(static_cast<unsigned>(static_cast<int64_t>(d.NC) * d.Hv));
-  return dim3(static_cast<unsigned>(d.NC), static_cast<unsigned>(d.Hv));
+// The grid of a per-(chunk, value head) kernel over chunks [d.n0, d.n0 + count) (all by default).
+dim3 chunk_grid(const Dims& d, int count = -1) {
+  const int nc = count < 0 ? d.NC - d.n0 : count;
+  if (d.head_fastest) return dim3(static_cast<unsigned>(static_cast<int64_t>(nc) * d.Hv));
+  return dim3(static_cast<unsigned>(nc), static_cast<unsigned>(d.Hv));
 }
 
 // Value columns per state-pass block: 64 when there are enough (sequence, head) pairs to fill
@@ -1643,48 +1687,180 @@ FwdBuffers carve_prep(Carve& c, const GdnDims& g, bool with_t) {
   return b;
 }
 
-template <class Tin, bool kStoreT>
-void run_prep(const Dims& d, const FwdBuffers& b, const Tin* q, const Tin* k, const Tin* v,
-              const float* g, const float* beta) {
-  constexpr int NPL = planes_of<Tin>();
+template <class Tin>
+void run_qk_norm(const Dims& d, const FwdBuffers& b, const Tin* q, const Tin* k) {
   launch(qk_norm_kernel<Tin>, dim3(blocks_for(2 * d.T * d.Hk, kWarps)), kThreads, 0, d, b.qh, b.kh,
          q, k);
+}
+
+// chunk_prep over chunks [n0, n1) of every value head; `ready`, if given, gets each block's flag.
+template <class Tin, bool kStoreT>
+void run_chunk_prep(const Dims& dims, const FwdBuffers& b, const Tin* v, const float* g,
+                    const float* beta, int n0, int n1, int* ready) {
+  constexpr int NPL = planes_of<Tin>();
+  if (n1 <= n0) return;
+  Dims d = dims;
+  d.n0 = n0;
   // BB_GDN_PREP_RELOAD=0 keeps K^ resident (3 blocks an SM for bf16; kernel-lab knob, bitwise
   // the same results).
   const char* e = std::getenv("BB_GDN_PREP_RELOAD");
   if (e != nullptr && e[0] == '0')
-    launch(chunk_prep_kernel<Tin, kStoreT, false>, chunk_grid(d), kThreads,
+    launch(chunk_prep_kernel<Tin, kStoreT, false>, chunk_grid(d, n1 - n0), kThreads,
            PrepLayout<NPL, false>::kBytes, d, static_cast<const uint16_t*>(b.qh),
-           static_cast<const uint16_t*>(b.kh), v, g, beta, b.gcum, b.w, b.u, b.pm, b.tm);
+           static_cast<const uint16_t*>(b.kh), v, g, beta, b.gcum, b.w, b.u, b.pm, b.tm, ready);
   else
-    launch(chunk_prep_kernel<Tin, kStoreT, true>, chunk_grid(d), kThreads,
+    launch(chunk_prep_kernel<Tin, kStoreT, true>, chunk_grid(d, n1 - n0), kThreads,
            PrepLayout<NPL, true>::kBytes, d, static_cast<const uint16_t*>(b.qh),
-           static_cast<const uint16_t*>(b.kh), v, g, beta, b.gcum, b.w, b.u, b.pm, b.tm);
+           static_cast<const uint16_t*>(b.kh), v, g, beta, b.gcum, b.w, b.u, b.pm, b.tm, ready);
+}
+
+template <class Tin, bool kStoreT>
+void run_prep(const Dims& d, const FwdBuffers& b, const Tin* q, const Tin* k, const Tin* v,
+              const float* g, const float* beta) {
+  run_qk_norm(d, b, q, k);
+  run_chunk_prep<Tin, kStoreT>(d, b, v, g, beta, 0, d.NC, nullptr);
 }
 
 template <class Tin, bool kFwd, int NW, int VT>
 void run_state_fwd_nw(cudaStream_t st, const Dims& d, const FwdBuffers& b, Tin* o, uint16_t* hs,
-                      uint16_t* dl) {
+                      uint16_t* dl, const int* ready, int ready_from) {
   constexpr int NPL = planes_of<Tin>();
   launch_on(st, state_fwd_kernel<Tin, VT, kFwd, NW>,
             dim3(static_cast<unsigned>(d.Hv * (kD / VT)), static_cast<unsigned>(d.NS)), NW * 32,
             StateFwdLayout<NPL, VT, kFwd>::kBytes, d, static_cast<const uint16_t*>(b.kh),
             static_cast<const uint16_t*>(b.qh), static_cast<const uint16_t*>(b.w),
             static_cast<const uint16_t*>(b.u), static_cast<const uint16_t*>(b.pm),
-            static_cast<const float*>(b.gcum), o, hs, dl);
+            static_cast<const float*>(b.gcum), o, hs, dl, ready, ready_from);
 }
 
 template <class Tin, bool kFwd>
 void run_state_fwd(const Dims& d, int vt, int nw, const FwdBuffers& b, Tin* o, uint16_t* hs,
-                   uint16_t* dl, cudaStream_t st = stream()) {
+                   uint16_t* dl, cudaStream_t st = stream(), const int* ready = nullptr,
+                   int ready_from = 0) {
   if (nw == 4 && vt == 64)
-    run_state_fwd_nw<Tin, kFwd, 4, 64>(st, d, b, o, hs, dl);
+    run_state_fwd_nw<Tin, kFwd, 4, 64>(st, d, b, o, hs, dl, ready, ready_from);
   else if (nw == 4)
-    run_state_fwd_nw<Tin, kFwd, 4, 32>(st, d, b, o, hs, dl);
+    run_state_fwd_nw<Tin, kFwd, 4, 32>(st, d, b, o, hs, dl, ready, ready_from);
   else if (vt == 64)
-    run_state_fwd_nw<Tin, kFwd, 8, 64>(st, d, b, o, hs, dl);
+    run_state_fwd_nw<Tin, kFwd, 8, 64>(st, d, b, o, hs, dl, ready, ready_from);
   else
-    run_state_fwd_nw<Tin, kFwd, 8, 32>(st, d, b, o, hs, dl);
+    run_state_fwd_nw<Tin, kFwd, 8, 32>(st, d, b, o, hs, dl, ready, ready_from);
+}
+
+// The forward's state pass beside the second part of chunk_prep. Both are latency bound and the
+// state pass runs one block per (sequence, value head, VT columns): at 1 x 32K that is 128
+// blocks with one SM each and the rest of the SM idle. So the forward runs chunk_prep over the
+// first chunks, then launches the state pass (on a higher-priority stream, so its blocks take
+// the SMs first) while chunk_prep of the remaining chunks runs beside it; each of those blocks
+// sets a flag for its (chunk, value head) after its stores, and the state pass waits for the
+// flags of the chunks it is about to load (kReadyAhead at a time). Results are bitwise those of
+// the plain order: the same kernels compute the same values.
+//
+// No deadlock: the state pass only waits on chunk_prep blocks, which wait on nothing;
+// fwd_overlap_ok() checks that an SM holding as many state blocks as fit still has room for a
+// chunk_prep block; and the state pass must fit on the GPU at once (blocks <= SMs x blocks an
+// SM): the block scheduler gives no SM to a lower-priority kernel while a higher-priority one
+// still has blocks waiting, so state blocks left waiting (packed batches: one block per sequence,
+// head and column slice) would keep chunk_prep out while the resident ones wait for it (measured:
+// 8 x 4K hung). chunk_prep of the later chunks is enqueued (host order) before the state pass, so
+// a device that serializes kernels (a debugger, CUDA_LAUNCH_BLOCKING=1) runs it first.
+//
+// BB_GDN_FWD_SPLIT = percent of the chunks whose chunk_prep runs before the state pass starts
+// (kernel-lab knob; 100 = the plain order).
+struct FwdStream {
+  cudaStream_t s = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
+};
+FwdStream& fwd_stream() {
+  constexpr int kMaxDevices = 64;
+  thread_local FwdStream per_device[kMaxDevices];
+  int dev = 0;
+  BB_CHECK_CUDA(cudaGetDevice(&dev));
+  BB_CHECK(dev >= 0 && dev < kMaxDevices, "gated_delta_rule (CUDA): device ", dev,
+           " is beyond the ", kMaxDevices, " this backend supports");
+  FwdStream& fs = per_device[dev];
+  if (fs.s == nullptr) {
+    int lo = 0, hi = 0;
+    BB_CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&lo, &hi));
+    BB_CHECK_CUDA(cudaStreamCreateWithPriority(&fs.s, cudaStreamNonBlocking, hi));
+    BB_CHECK_CUDA(cudaEventCreateWithFlags(&fs.fork, cudaEventDisableTiming));
+    BB_CHECK_CUDA(cudaEventCreateWithFlags(&fs.join, cudaEventDisableTiming));
+  }
+  return fs;
+}
+
+int fwd_split_percent() {
+  if (const char* e = std::getenv("BB_GDN_FWD_SPLIT")) {
+    const int v = std::atoi(e);
+    if (v >= 0 && v <= 100) return v;
+  }
+  return 50;
+}
+
+// Registers of a block of kernel f, as the SM allocates them (per warp, 256 at a time).
+template <class K>
+int64_t block_regs(K f, int threads) {
+  cudaFuncAttributes a{};
+  BB_CHECK_CUDA(cudaFuncGetAttributes(&a, f));
+  const int64_t per_warp = (static_cast<int64_t>(a.numRegs) * 32 + 255) / 256 * 256;
+  return per_warp * ((threads + 31) / 32);
+}
+
+// How many state-pass blocks the GPU holds at once, or 0 when an SM full of them (as many as
+// fit) has no room left for a chunk_prep block.
+template <class SK, class PK>
+int64_t fwd_overlap_capacity(SK state_kernel, size_t state_smem, int state_threads, PK prep_kernel,
+                             size_t prep_smem) {
+  int dev = 0, smem_sm = 0, regs_sm = 0, threads_sm = 0, reserved = 0;
+  BB_CHECK_CUDA(cudaGetDevice(&dev));
+  BB_CHECK_CUDA(cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+  BB_CHECK_CUDA(cudaDeviceGetAttribute(&regs_sm, cudaDevAttrMaxRegistersPerMultiprocessor, dev));
+  BB_CHECK_CUDA(cudaDeviceGetAttribute(&threads_sm, cudaDevAttrMaxThreadsPerMultiProcessor, dev));
+  BB_CHECK_CUDA(cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev));
+  for (auto [f, smem] : {std::pair<const void*, size_t>{reinterpret_cast<const void*>(state_kernel), state_smem},
+                         {reinterpret_cast<const void*>(prep_kernel), prep_smem}}) {
+    BB_CHECK_CUDA(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    BB_CHECK_CUDA(cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                       cudaSharedmemCarveoutMaxShared));
+  }
+  int k = 0;
+  BB_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, state_kernel, state_threads, state_smem));
+  if (k < 1) return 0;
+  const int64_t smem = k * static_cast<int64_t>(state_smem + reserved) + static_cast<int64_t>(prep_smem + reserved);
+  const int64_t regs = k * block_regs(state_kernel, state_threads) + block_regs(prep_kernel, kThreads);
+  const int64_t threads = int64_t{k} * state_threads + kThreads;
+  return smem <= smem_sm && regs <= regs_sm && threads <= threads_sm ? int64_t{k} * num_sms() : 0;
+}
+
+// The first chunk whose chunk_prep runs beside the forward's state pass, or NC for the plain
+// order (f32 inputs: the state pass leaves no room; a split of 100; too few chunks to gain).
+template <class Tin, bool kStoreT>
+int fwd_split_chunk(const Dims& d, int vt, int nw) {
+  if constexpr (planes_of<Tin>() != 1) {
+    return d.NC;
+  } else {
+    const int pct = fwd_split_percent();
+    if (pct >= 100 || d.NC < 16) return d.NC;
+    constexpr int NPL = 1;
+    auto prep = chunk_prep_kernel<Tin, kStoreT, true>;
+    static thread_local int64_t cap[2][2] = {{-1, -1}, {-1, -1}};  // [vt 32|64][nw 4|8]
+    int64_t& c = cap[vt == 64][nw == 8];
+    if (c < 0) {
+      const size_t ps = PrepLayout<NPL, true>::kBytes;
+      if (nw == 4 && vt == 64)
+        c = fwd_overlap_capacity(state_fwd_kernel<Tin, 64, true, 4>, StateFwdLayout<NPL, 64, true>::kBytes, 128, prep, ps);
+      else if (nw == 4)
+        c = fwd_overlap_capacity(state_fwd_kernel<Tin, 32, true, 4>, StateFwdLayout<NPL, 32, true>::kBytes, 128, prep, ps);
+      else if (vt == 64)
+        c = fwd_overlap_capacity(state_fwd_kernel<Tin, 64, true, 8>, StateFwdLayout<NPL, 64, true>::kBytes, 256, prep, ps);
+      else
+        c = fwd_overlap_capacity(state_fwd_kernel<Tin, 32, true, 8>, StateFwdLayout<NPL, 32, true>::kBytes, 256, prep, ps);
+    }
+    // Every state block resident at once (see above).
+    if (static_cast<int64_t>(d.Hv) * (kD / vt) * d.NS > c) return d.NC;
+    const int split = static_cast<int>(static_cast<int64_t>(d.NC) * pct / 100);
+    return split < 1 ? 1 : split;
+  }
 }
 
 // The backward's two state passes are independent: the rebuild (chunk-start states, Delta) and
@@ -1734,11 +1910,39 @@ void run_state_bwd(const Dims& d, int vt, const uint16_t* kh, const uint16_t* qh
 }
 
 // with_t: the prep a forward keeps for its backward (T included); without: a forward's workspace.
+// The forward's workspace: chunk_prep's outputs (with T when kept for the backward), then the
+// per-(chunk, value head) readiness flags of the overlapped order (4 bytes each).
 template <class Tin>
 size_t forward_ws(const GdnDims& g, bool with_t) {
   Carve c{nullptr};
   carve_prep<planes_of<Tin>()>(c, g, with_t);
+  c.take<int>(static_cast<int64_t>(g.num_chunks) * g.Hv);
   return c.used;
+}
+
+template <class Tin, bool kStoreT>
+void forward_run(Tin* o, const Tin* q, const Tin* k, const Tin* v, const float* g,
+                 const float* beta, const Dims& d, const GdnDims& gd, const FwdBuffers& b,
+                 int* flags) {
+  const int vt = pick_vt(gd), nw = pick_state_warps(true);
+  const int split = fwd_split_chunk<Tin, kStoreT>(d, vt, nw);
+  run_qk_norm(d, b, q, k);
+  if (split >= d.NC) {
+    run_chunk_prep<Tin, kStoreT>(d, b, v, g, beta, 0, d.NC, nullptr);
+    run_state_fwd<Tin, true>(d, vt, nw, b, o, nullptr, nullptr);
+    return;
+  }
+  cudaStream_t st = stream();
+  FwdStream& fs = fwd_stream();
+  BB_CHECK_CUDA(cudaMemsetAsync(flags + static_cast<int64_t>(split) * d.Hv, 0,
+                                static_cast<size_t>(d.NC - split) * d.Hv * sizeof(int), st));
+  run_chunk_prep<Tin, kStoreT>(d, b, v, g, beta, 0, split, nullptr);
+  BB_CHECK_CUDA(cudaEventRecord(fs.fork, st));
+  run_chunk_prep<Tin, kStoreT>(d, b, v, g, beta, split, d.NC, flags);  // enqueued first (see above)
+  BB_CHECK_CUDA(cudaStreamWaitEvent(fs.s, fs.fork, 0));
+  run_state_fwd<Tin, true>(d, vt, nw, b, o, nullptr, nullptr, fs.s, flags, split);
+  BB_CHECK_CUDA(cudaEventRecord(fs.join, fs.s));
+  BB_CHECK_CUDA(cudaStreamWaitEvent(st, fs.join, 0));
 }
 
 template <class Tin>
@@ -1748,11 +1952,11 @@ void forward_impl(Tin* o, const Tin* q, const Tin* k, const Tin* v, const float*
   const Dims d = make_dims(gd, table);
   Carve c{static_cast<unsigned char*>(ws)};
   const FwdBuffers b = carve_prep<planes_of<Tin>()>(c, gd, keep_prep);
+  int* flags = c.take<int>(static_cast<int64_t>(gd.num_chunks) * gd.Hv);
   if (keep_prep)
-    run_prep<Tin, true>(d, b, q, k, v, g, beta);
+    forward_run<Tin, true>(o, q, k, v, g, beta, d, gd, b, flags);
   else
-    run_prep<Tin, false>(d, b, q, k, v, g, beta);
-  run_state_fwd<Tin, true>(d, pick_vt(gd), pick_state_warps(true), b, o, nullptr, nullptr);
+    forward_run<Tin, false>(o, q, k, v, g, beta, d, gd, b, flags);
 }
 
 struct BwdBuffers {
