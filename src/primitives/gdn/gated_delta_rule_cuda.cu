@@ -1767,26 +1767,28 @@ void run_state_fwd(const Dims& d, int vt, int nw, const FwdBuffers& b, Tin* o, u
 //
 // BB_GDN_FWD_SPLIT = percent of the chunks whose chunk_prep runs before the state pass starts
 // (kernel-lab knob; 100 = the plain order).
-struct FwdStream {
+// Side streams, one per thread, device and kind, non-blocking, created on first use: kind 0 at
+// the default priority (the backward's rebuild), kind 1 at the highest (the forward's state pass).
+struct SideStream {
   cudaStream_t s = nullptr;
   cudaEvent_t fork = nullptr, join = nullptr;
 };
-FwdStream& fwd_stream() {
+SideStream& side_stream(int kind = 0) {
   constexpr int kMaxDevices = 64;
-  thread_local FwdStream per_device[kMaxDevices];
+  thread_local SideStream per_device[2][kMaxDevices];
   int dev = 0;
   BB_CHECK_CUDA(cudaGetDevice(&dev));
   BB_CHECK(dev >= 0 && dev < kMaxDevices, "gated_delta_rule (CUDA): device ", dev,
            " is beyond the ", kMaxDevices, " this backend supports");
-  FwdStream& fs = per_device[dev];
-  if (fs.s == nullptr) {
+  SideStream& ss = per_device[kind][dev];
+  if (ss.s == nullptr) {
     int lo = 0, hi = 0;
     BB_CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&lo, &hi));
-    BB_CHECK_CUDA(cudaStreamCreateWithPriority(&fs.s, cudaStreamNonBlocking, hi));
-    BB_CHECK_CUDA(cudaEventCreateWithFlags(&fs.fork, cudaEventDisableTiming));
-    BB_CHECK_CUDA(cudaEventCreateWithFlags(&fs.join, cudaEventDisableTiming));
+    BB_CHECK_CUDA(cudaStreamCreateWithPriority(&ss.s, cudaStreamNonBlocking, kind == 1 ? hi : 0));
+    BB_CHECK_CUDA(cudaEventCreateWithFlags(&ss.fork, cudaEventDisableTiming));
+    BB_CHECK_CUDA(cudaEventCreateWithFlags(&ss.join, cudaEventDisableTiming));
   }
-  return fs;
+  return ss;
 }
 
 int fwd_split_percent() {
@@ -1872,28 +1874,9 @@ int fwd_split_chunk(const Dims& d, int vt, int nw) {
 // stream after chunk_prep and joins it before dqkw, so callers see one stream-ordered call and
 // the workspace is released in the current stream's order. BB_GDN_OVERLAP=0 runs both on the
 // current stream (kernel-lab knob, bench_gdn --no-overlap).
-struct SideStream {
-  cudaStream_t s = nullptr;
-  cudaEvent_t fork = nullptr, join = nullptr;
-};
 bool overlap_state_passes() {
   const char* e = std::getenv("BB_GDN_OVERLAP");
   return !(e != nullptr && e[0] == '0');
-}
-SideStream& side_stream() {
-  constexpr int kMaxDevices = 64;
-  thread_local SideStream per_device[kMaxDevices];
-  int dev = 0;
-  BB_CHECK_CUDA(cudaGetDevice(&dev));
-  BB_CHECK(dev >= 0 && dev < kMaxDevices, "gated_delta_rule (CUDA): device ", dev,
-           " is beyond the ", kMaxDevices, " this backend supports");
-  SideStream& ss = per_device[dev];
-  if (ss.s == nullptr) {
-    BB_CHECK_CUDA(cudaStreamCreateWithFlags(&ss.s, cudaStreamNonBlocking));
-    BB_CHECK_CUDA(cudaEventCreateWithFlags(&ss.fork, cudaEventDisableTiming));
-    BB_CHECK_CUDA(cudaEventCreateWithFlags(&ss.join, cudaEventDisableTiming));
-  }
-  return ss;
 }
 
 template <int NPL, int NW>
@@ -1933,7 +1916,7 @@ void forward_run(Tin* o, const Tin* q, const Tin* k, const Tin* v, const float* 
     return;
   }
   cudaStream_t st = stream();
-  FwdStream& fs = fwd_stream();
+  SideStream& fs = side_stream(1);
   BB_CHECK_CUDA(cudaMemsetAsync(flags + static_cast<int64_t>(split) * d.Hv, 0,
                                 static_cast<size_t>(d.NC - split) * d.Hv * sizeof(int), st));
   run_chunk_prep<Tin, kStoreT>(d, b, v, g, beta, 0, split, nullptr);
