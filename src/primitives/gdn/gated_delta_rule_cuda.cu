@@ -1757,7 +1757,7 @@ void run_state_fwd(const Dims& d, int vt, int nw, const FwdBuffers& b, Tin* o, u
 // the plain order: the same kernels compute the same values.
 //
 // No deadlock: the state pass only waits on chunk_prep blocks, which wait on nothing;
-// fwd_overlap_ok() checks that an SM holding as many state blocks as fit still has room for a
+// fwd_overlap_capacity() checks that an SM holding as many state blocks as fit still has room for a
 // chunk_prep block; and the state pass must fit on the GPU at once (blocks <= SMs x blocks an
 // SM): the block scheduler gives no SM to a lower-priority kernel while a higher-priority one
 // still has blocks waiting, so state blocks left waiting (packed batches: one block per sequence,
@@ -1766,7 +1766,8 @@ void run_state_fwd(const Dims& d, int vt, int nw, const FwdBuffers& b, Tin* o, u
 // a device that serializes kernels (a debugger, CUDA_LAUNCH_BLOCKING=1) runs it first.
 //
 // BB_GDN_FWD_SPLIT = percent of the chunks whose chunk_prep runs before the state pass starts
-// (kernel-lab knob; 100, the default for now, = the plain order).
+// (kernel-lab knob; 100, the default for now, = the plain order). forward_run() below.
+
 // Side streams, one per thread, device and kind, non-blocking, created on first use: kind 0 at
 // the default priority (the backward's rebuild), kind 1 at the highest (the forward's state pass).
 struct SideStream {
@@ -1894,9 +1895,8 @@ void run_state_bwd(const Dims& d, int vt, const uint16_t* kh, const uint16_t* qh
            NW * 32, StateBwdLayout<NPL, 32>::kBytes, d, kh, qh, w, pm, dop, psdo, gcum, dhs, ddl);
 }
 
-// with_t: the prep a forward keeps for its backward (T included); without: a forward's workspace.
-// The forward's workspace: chunk_prep's outputs (with T when kept for the backward), then the
-// per-(chunk, value head) readiness flags of the overlapped order (4 bytes each).
+// The forward's workspace: chunk_prep's outputs (with_t: T too, the prep a forward keeps for its
+// backward), then the per-(chunk, value head) readiness flags of the overlapped order (4 bytes each).
 template <class Tin>
 size_t forward_ws(const GdnDims& g, bool with_t) {
   Carve c{nullptr};
