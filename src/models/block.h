@@ -105,6 +105,10 @@ class Block {
   virtual Tensor backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved& saved) = 0;
   // Runs the queued weight gradients (none unless ctx.defer_wgrad was set) and drops them.
   virtual void backward_weight(BatchContext& ctx, BlockSaved& saved);
+  // The parameter units whose gradients this block writes (set by the model that builds it).
+  // A unit no earlier block of the layer writes has its final gradient once this block's
+  // backward_weight is issued (the training state then starts its reduce and update).
+  std::vector<const ParamUnit*> units;
 };
 
 struct Layer {

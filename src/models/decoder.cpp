@@ -76,11 +76,13 @@ DecoderModel::DecoderModel(const ModelConfig& cfg, const ModelOptions& opts, uin
       case LayerType::full_attention:
         L.blocks.push_back(std::make_unique<AttentionBlock>(
             store_, dense, prefix, ac, opts_.prims.attention.value(SelfAttentionConfig{opts_.cp_group})));
+        L.blocks.back()->units = {&dense};
         break;
       case LayerType::linear_attention: {
         // A_log and dt_bias stay fp32 whatever the parameter dtype: their own unit.
         ParamUnit& f32 = store_.add_unit(unit + "dense_f32", UnitKind::dense, l, /*f32_values=*/true);
         L.blocks.push_back(std::make_unique<GdnBlock>(store_, dense, f32, prefix, gc, HeadExchange(opts_.cp_group)));
+        L.blocks.back()->units = {&dense, &f32};
         break;
       }
     }
@@ -106,9 +108,11 @@ DecoderModel::DecoderModel(const ModelConfig& cfg, const ModelOptions& opts, uin
       dc.num_chunks = std::max<int64_t>(1, opts_.prims.moe_dispatch.count);
       L.blocks.push_back(std::make_unique<MoeBlock>(store_, dense, experts, prefix, mc,
                                                     opts_.prims.moe_dispatch.value(dc)));
+      L.blocks.back()->units = {&dense, &experts};
     } else {
       L.blocks.push_back(std::make_unique<MlpBlock>(store_, dense, prefix, H,
                                                     cfg.intermediate_size, cfg.rms_norm_eps));
+      L.blocks.back()->units = {&dense};
     }
   }
   ParamUnit& head = store_.add_unit("head", UnitKind::head);

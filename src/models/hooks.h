@@ -19,6 +19,9 @@ class LayerHooks {
   virtual void before_forward(const Layer&, Pass) {}
   virtual void after_forward(const Layer&, Pass) {}
   virtual void before_backward(const Layer&) {}
+  // After block b's backward_weight has been issued (blocks in reverse order; with delayed
+  // wgrads, after the layer's data gradients and then each block's weights).
+  virtual void after_block_backward(const Layer&, size_t /*b*/) {}
   virtual void after_backward(const Layer&) {}
 };
 

@@ -108,12 +108,16 @@ ForwardStats Schedule::forward_backward(const MicroBatch& mb, float loss_scale, 
         (*h)->after_forward(L, Pass::recompute);
       ctx.pass = Pass::train;
     }
+    auto weights = [&](size_t b) {
+      L.blocks[b]->backward_weight(ctx, *state[i].blocks[b]);
+      for (auto h = hooks_.rbegin(); h != hooks_.rend(); ++h) (*h)->after_block_backward(L, b);
+    };
     for (size_t b = L.blocks.size(); b-- > 0;) {
       d = L.blocks[b]->backward_data(d, ctx, *state[i].blocks[b]);
-      if (!opts_.delay_wgrad) L.blocks[b]->backward_weight(ctx, *state[i].blocks[b]);
+      if (!opts_.delay_wgrad) weights(b);
     }
     if (opts_.delay_wgrad)
-      for (size_t b = L.blocks.size(); b-- > 0;) L.blocks[b]->backward_weight(ctx, *state[i].blocks[b]);
+      for (size_t b = L.blocks.size(); b-- > 0;) weights(b);
     state[i] = LayerState{};  // free this layer's activations before the next one
     for (auto h = hooks_.rbegin(); h != hooks_.rend(); ++h) (*h)->after_backward(L);
   }

@@ -18,7 +18,7 @@
 // the next, free after use, reduce-scatter after backward). Order of calls per micro-batch:
 //   before_forward(l, train), after_forward(l, train)          l = 0 .. L-1
 //   before_backward(l) [, before_forward(l, recompute), after_forward(l, recompute)],
-//   after_backward(l)                                           l = L-1 .. 0
+//   after_block_backward(l, b) b = last .. 0, after_backward(l)  l = L-1 .. 0
 // and around the model's ends, which use the embedding and head units outside any layer:
 //   before_end(embed, pass) / after_end   the embedding lookup (before layer 0)
 //   before_end(head, pass) / after_end    final norm + loss head (+ its backward when training)

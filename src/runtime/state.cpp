@@ -245,11 +245,17 @@ void ModelState::reduce_grads(Unit& u) {
 // below, instead of in grad_norm() after the whole backward (a pass over every gradient: 3-4 ms
 // at 8K tokens of the 4-layer Qwen3 slices on an H200). The same kernels on the same tensor:
 // grad_norm() returns bitwise the same value. BB_EARLY_GRAD_NORM=0 turns it off.
-void ModelState::early_norm(Unit& u) {
+bool ModelState::early_norm_applies(const Unit& u) const {
   const char* off = std::getenv("BB_EARLY_GRAD_NORM");
-  if ((off != nullptr && off[0] == '0') || !last_micro_ || u.N != 1 || u.mode != Mode::whole || u.u->numel == 0) return;
+  if ((off != nullptr && off[0] == '0') || !last_micro_ || u.N != 1 || u.mode != Mode::whole || u.u->numel == 0)
+    return false;
   const Tensor& g = u.u->grad;
-  if (!g.defined() || !g.device().is_cuda()) return;
+  return g.defined() && g.device().is_cuda();
+}
+
+void ModelState::early_norm(Unit& u) {
+  if (!early_norm_applies(u)) return;
+  const Tensor& g = u.u->grad;
   if (!norm_slots_.defined()) {
     norm_slots_ = Tensor::zeros({static_cast<int64_t>(units_.size())}, DType::i64, g.device(), MemCategory::optimizer);
     norm_early_.assign(units_.size(), 0);
@@ -286,10 +292,31 @@ void ModelState::join_early_norms() {
 // update's short blocks leave SMs to the backward kernels between them. A unit's values are not
 // read again in this step's backward once its own backward is issued (the layers below read
 // their own; a tied head is final only after the embedding backward).
+//
+// When both run on a GPU they are one pass over the gradient (adamw_step_sum_squares: the same
+// bits as the sum, then the update), which saves a read of every gradient (4 bytes a parameter
+// of the ~32 the update moves).
 void ModelState::unit_final(Unit& u) {
+  const bool update = early_on_ && last_micro_ && u.N == 1 && u.mode == Mode::whole && !updated_[u.index];
+  if (update) model_.param_store().materialize_grads(u.u);
+  if (update && early_norm_applies(u)) {
+    const Tensor& g = u.u->grad;
+    if (!norm_slots_.defined()) {
+      norm_slots_ = Tensor::zeros({static_cast<int64_t>(units_.size())}, DType::i64, g.device(), MemCategory::optimizer);
+      norm_early_.assign(units_.size(), 0);
+    }
+    copy_after_grads(g.device());
+    {
+      StreamScope scope(Stream::copy);
+      update_unit(u, early_.step, early_.lr, early_.weight_decay, early_.cfg, early_.nonfinite, true, &norm_slots_);
+    }
+    norm_early_[u.index] = 1;
+    updated_[u.index] = 1;
+    ++early_count_;
+    return;
+  }
   early_norm(u);
-  if (!early_on_ || !last_micro_ || u.N != 1 || u.mode != Mode::whole || updated_[u.index]) return;
-  model_.param_store().materialize_grads(u.u);
+  if (!update) return;
   const Tensor& g = u.u->grad;
   if (g.defined() && g.device().is_cuda()) {
     if (!(u.index < norm_early_.size() && norm_early_[u.index])) copy_after_grads(g.device());
@@ -393,9 +420,36 @@ void ModelState::before_backward(const Layer& l) {
   for (Unit* u : layer_units(l.index - 1)) gather(*u, false);  // prefetch the layer below
 }
 
+// A unit that only block b (and blocks after it) writes is final once b's weight gradients are
+// issued: its reduce and early update start then, beside the backward of the blocks before b
+// (the experts beside the attention block's backward) instead of after the whole layer. FSDP
+// units keep the per-layer order (their shards are reduced as the layer ends).
+void ModelState::after_block_backward(const Layer& l, size_t b) {
+  if (!last_micro_ || b == 0 || b >= l.blocks.size()) return;
+  auto writes = [&](size_t j, const ParamUnit* pu) {
+    const auto& us = l.blocks[j]->units;
+    return std::find(us.begin(), us.end(), pu) != us.end();
+  };
+  for (Unit* u : layer_units(l.index)) {
+    if (u->mode == Mode::fsdp || !writes(b, u->u)) continue;
+    bool earlier = false;  // a block whose backward is still to come writes it too
+    for (size_t j = 0; j < b && !earlier; ++j) earlier = writes(j, u->u);
+    if (earlier) continue;
+    if (final_early_.size() < units_.size()) final_early_.assign(units_.size(), 0);
+    model_.param_store().materialize_grads(u->u);
+    reduce_grads(*u);
+    unit_final(*u);
+    final_early_[u->index] = 1;
+  }
+}
+
 void ModelState::after_backward(const Layer& l) {
   drain();  // the layer above's reduce-scatters: at most one layer's whole gradients in flight
   for (Unit* u : layer_units(l.index)) {
+    if (u->index < final_early_.size() && final_early_[u->index]) {  // after_block_backward did it
+      final_early_[u->index] = 0;
+      continue;
+    }
     // A lazily zeroed gradient the layer's backward did not write (no rows reached its experts)
     // is zeroed before it is reduced.
     model_.param_store().materialize_grads(u->u);
@@ -503,8 +557,24 @@ size_t ModelState::num_units() const { return units_.size(); }
 const std::string& ModelState::unit_name(size_t i) const { return units_[i]->u->name; }
 
 void ModelState::update_unit(Unit& u, int64_t step, double lr, double weight_decay, const AdamWConfig& cfg,
-                             Tensor* nonfinite, bool yield_sms) {
+                             Tensor* nonfinite, bool yield_sms, Tensor* norm_slots) {
   const ParamUnit& pu = *u.u;
+  if (norm_slots) {  // a whole unit: one call, its sum of squares into slot u.index
+    BB_CHECK(u.mode == Mode::whole, "ModelState: a fused update and norm needs a whole unit");
+    const int64_t n = pu.numel;
+    AdamWConfig c = cfg;
+    c.seed = seed_;
+    c.stream = u.stream;
+    c.yield_sms = yield_sms;
+    c.first_element = 0;
+    Tensor master = u.master.narrow(0, n), m1 = u.exp_avg.narrow(0, n), m2 = u.exp_avg_sq.narrow(0, n);
+    Tensor v = pu.value.narrow(0, n);
+    Tensor flag = nonfinite ? nonfinite->narrow(static_cast<int64_t>(u.index), 1) : Tensor();
+    adamw_step_sum_squares(master, pu.grad.narrow(0, n), m1, m2, step, lr, weight_decay,
+                           std::clamp<int64_t>(pu.decay_numel, 0, n), c, &v, nonfinite ? &flag : nullptr,
+                           *norm_slots, static_cast<int64_t>(u.index));
+    return;
+  }
   // Owned range [a, b) of the unit; master index = element - a.
   const int64_t a = u.mode == Mode::whole ? 0 : u.lo, b = u.mode == Mode::whole ? pu.numel : u.lo + u.len;
   Tensor grad = u.mode == Mode::fsdp ? u.grad_shard : pu.grad;

@@ -132,6 +132,7 @@ class ModelState final : public LayerHooks {
   void before_forward(const Layer& l, Pass p) override;
   void after_forward(const Layer& l, Pass p) override;
   void before_backward(const Layer& l) override;
+  void after_block_backward(const Layer& l, size_t b) override;
   void after_backward(const Layer& l) override;
 
  private:
@@ -143,12 +144,15 @@ class ModelState final : public LayerHooks {
   void grads_begin(Unit& u);
   void grads_end(Unit& u);
   void drain();
+  bool early_norm_applies(const Unit& u) const;
   void early_norm(Unit& u);   // the unit's sum of squares beside the backward (grad_norm reads it)
   void join_early_norms();
   void copy_after_grads(const Device& dev);
   void unit_final(Unit& u);    // the unit's gradient is final: early norm, then early update
+  // norm_slots: also the unit's gradient sum of squares into (*norm_slots)[u.index], in the
+  // same pass (whole units).
   void update_unit(Unit& u, int64_t step, double lr, double weight_decay, const AdamWConfig& cfg,
-                   Tensor* nonfinite, bool yield_sms);
+                   Tensor* nonfinite, bool yield_sms, Tensor* norm_slots = nullptr);
   std::vector<Unit*> layer_units(int64_t layer);
   bool sharded(const Unit& u) const;
 
@@ -173,6 +177,9 @@ class ModelState final : public LayerHooks {
   bool early_on_ = false;
   EarlyUpdate early_;
   std::vector<char> updated_;
+  // Units of the layer in backward whose gradient became final before the layer's end (a
+  // block's own units, e.g. the experts; after_block_backward) and that were reduced then.
+  std::vector<char> final_early_;
   size_t early_count_ = 0;
 };
 

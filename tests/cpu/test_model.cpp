@@ -331,6 +331,9 @@ TEST(Schedule, HooksRunAroundEveryLayerInOrder) {
     void before_forward(const Layer& L, Pass p) override { add(p == Pass::recompute ? "Rf" : "f", L); }
     void after_forward(const Layer& L, Pass p) override { add(p == Pass::recompute ? "R/f" : "/f", L); }
     void before_backward(const Layer& L) override { add("b", L); }
+    void after_block_backward(const Layer& L, size_t b) override {
+      log->push_back(tag + "w" + std::to_string(L.index) + "." + std::to_string(b));
+    }
     void after_backward(const Layer& L) override { add("/b", L); }
     void before_end(ModelEnd e, Pass) override { log->push_back(tag + "E" + end_name(e)); }
     void after_end(ModelEnd e, Pass) override { log->push_back(tag + "/E" + end_name(e)); }
@@ -351,8 +354,10 @@ TEST(Schedule, HooksRunAroundEveryLayerInOrder) {
       "1Ee", "2Ee", "2/Ee", "1/Ee",                                    // embedding
       "1f0", "2f0", "2/f0", "1/f0", "1f1", "2f1", "2/f1", "1/f1",      // forward
       "1Eh", "2Eh", "2/Eh", "1/Eh",                                    // head (+ its backward)
-      "1b1", "2b1", "1Rf1", "2Rf1", "2R/f1", "1R/f1", "2/b1", "1/b1",  // layer 1 backward
-      "1b0", "2b0", "1Rf0", "2Rf0", "2R/f0", "1R/f0", "2/b0", "1/b0",  // layer 0 backward
+      "1b1", "2b1", "1Rf1", "2Rf1", "2R/f1", "1R/f1",                  // layer 1 backward:
+      "2w1.1", "1w1.1", "2w1.0", "1w1.0", "2/b1", "1/b1",              // each block's weights
+      "1b0", "2b0", "1Rf0", "2Rf0", "2R/f0", "1R/f0",                  // layer 0 backward
+      "2w0.1", "1w0.1", "2w0.0", "1w0.0", "2/b0", "1/b0",
       "1Eg", "2Eg", "2/Eg", "1/Eg"};                                   // embedding gradient
   EXPECT_EQ(log, want);
 }

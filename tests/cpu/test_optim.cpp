@@ -106,6 +106,49 @@ TEST(AdamW, BadInput) {
   test::expect_error_contains([&] { adamw_step(p, p, p, p, 0, 0.1, 0, {}, nullptr); }, "step is 1-based");
 }
 
+// The update with its gradient's sum of squares (one pass on a GPU): the sum is what
+// sum_of_squares_to writes, and the update is adamw_step with weight decay on [0, decay_numel)
+// only (the bf16 moments' random bits follow the element index across the cut).
+TEST(AdamW, StepWithSumOfSquaresIsTheTwoCalls) {
+  const int64_t n = 37, cut = 21;
+  for (DType md : {DType::f32, DType::bf16}) {
+    auto state = [&](uint64_t seed) {
+      return std::vector<Tensor>{Tensor::from_floats(test::randn(n, seed), {n}, DType::f32, MemCategory::optimizer),
+                                 Tensor::from_floats(test::randn(n, seed + 1, 0.1f), {n}, md, MemCategory::optimizer),
+                                 Tensor::from_floats(test::randu(n, seed + 2, 0.f, 0.01f), {n}, md,
+                                                     MemCategory::optimizer),
+                                 Tensor::zeros({n}, DType::bf16, Device::cpu(), MemCategory::params)};
+    };
+    std::vector<Tensor> a = state(40), b = state(40);
+    const Tensor g = Tensor::from_floats(test::randn(n, 50), {n}, DType::f32, MemCategory::grads);
+    AdamWConfig cfg{0.9, 0.95, 1e-8};
+    cfg.seed = 7;
+    cfg.stream = 3;
+    Tensor slots = Tensor::zeros({2}, DType::i64, Device::cpu(), MemCategory::other);
+    adamw_step_sum_squares(a[0], g, a[1], a[2], 2, 1e-2, 0.1, cut, cfg, &a[3], nullptr, slots, 1);
+    // The reference: each element alone, with its own decay and random-bit index.
+    for (int64_t i = 0; i < n; ++i) {
+      Tensor p = b[0].narrow(i, 1), m = b[1].narrow(i, 1), v = b[2].narrow(i, 1), w = b[3].narrow(i, 1);
+      AdamWConfig c = cfg;
+      c.first_element = i;
+      adamw_step(p, g.narrow(i, 1), m, v, 2, 1e-2, i < cut ? 0.1 : 0.0, c, &w);
+    }
+    for (size_t k = 0; k < a.size(); ++k) EXPECT_EQ(a[k].to_floats(), b[k].to_floats()) << "tensor " << k;
+    double got = 0;
+    std::memcpy(&got, slots.data<int64_t>() + 1, sizeof(double));
+    EXPECT_EQ(got, sum_of_squares(g));
+    EXPECT_NE(a[0].to_floats(), state(40)[0].to_floats());  // it did update
+  }
+  std::vector<Tensor> t = {Tensor::zeros({4}, DType::f32, Device::cpu(), MemCategory::optimizer)};
+  Tensor slots = Tensor::zeros({2}, DType::i64, Device::cpu(), MemCategory::other);
+  test::expect_error_contains(
+      [&] { adamw_step_sum_squares(t[0], t[0], t[0], t[0], 1, 0.1, 0, 5, {}, nullptr, nullptr, slots, 0); },
+      "decay_numel 5 is outside [0, 4]");
+  test::expect_error_contains(
+      [&] { adamw_step_sum_squares(t[0], t[0], t[0], t[0], 1, 0.1, 0, 4, {}, nullptr, nullptr, slots, 2); },
+      "outside the 2 slots");
+}
+
 // The non-finite flag of the AdamW pass: set when an update overflows f32, left alone otherwise
 // (and never cleared); mark_nonfinite flags exactly the tensors holding Inf or NaN.
 TEST(AdamW, NonFiniteFlagIsSetByTheUpdateOnly) {

@@ -563,6 +563,74 @@ TEST(AdamWGpu, ShortBlocksGiveTheSameBits) {
   }
 }
 
+// The update and the gradient's sum of squares in one pass (adamw_step_sum_squares): bitwise the
+// two separate calls (sum_of_squares_to, then adamw_step over the decayed elements and over the
+// rest), for both moment dtypes, bf16 and f32 models, short blocks or not, sizes with a scalar
+// tail and decay cuts inside a vector; skew 1 takes the two-pass fallback (same bits again).
+TEST(AdamWGpu, FusedSumOfSquaresIsBitwiseTheTwoPasses) {
+  BB_REQUIRE_GPU();
+  struct Case {
+    int64_t n, decay;
+  };
+  for (Case c : {Case{1, 1}, Case{4097, 4093}, Case{1'000'003, 999'001}, Case{3 * 4096, 0}, Case{8191, 8191}}) {
+    for (DType md : {DType::f32, DType::bf16}) {
+      for (DType model_dt : {DType::bf16, DType::f32}) {
+        for (int64_t skew : {0, 1}) {
+          for (bool yield : {false, true}) {
+            const int64_t n = c.n;
+            SCOPED_TRACE(testing::Message() << "n " << n << " decay " << c.decay << " moments " << dtype_name(md)
+                                            << " model " << dtype_name(model_dt) << " skew " << skew << " yield "
+                                            << yield);
+            auto run = [&](bool fused) {
+              Tensor p = on_gpu(host(randn(n, 311), {n}, DType::f32, MemCategory::optimizer), skew);
+              Tensor m = on_gpu(host(randn(n, 312, 0.1f), {n}, md, MemCategory::optimizer), skew);
+              Tensor v = on_gpu(host(test::randu(n, 313, 0.0f, 0.01f), {n}, md, MemCategory::optimizer), skew);
+              Tensor model = on_gpu(Tensor::zeros({n}, model_dt, Device::cpu(), MemCategory::params), skew);
+              Tensor flag = Tensor::zeros({1}, DType::i32, kGpu, MemCategory::workspace);
+              Tensor slots = Tensor::zeros({3}, DType::i64, kGpu, MemCategory::other);
+              AdamWConfig cfg{0.9, 0.95, 1e-8};
+              cfg.seed = 5;
+              cfg.stream = 11;
+              cfg.yield_sms = yield;
+              for (int64_t step = 1; step <= 2; ++step) {
+                Tensor g = on_gpu(host(randn(n, 320 + static_cast<uint64_t>(step)), {n}, DType::f32,
+                                       MemCategory::grads), skew);
+                if (fused) {
+                  adamw_step_sum_squares(p, g, m, v, step, 1e-2, 0.1, c.decay, cfg, &model, &flag, slots, step);
+                } else {
+                  sum_of_squares_to(g, slots, step);
+                  const int64_t cuts[3] = {0, c.decay, n};
+                  for (int b = 0; b < 2; ++b) {
+                    const int64_t len = cuts[b + 1] - cuts[b];
+                    if (len == 0) continue;
+                    Tensor pb = p.narrow(cuts[b], len), mb = m.narrow(cuts[b], len), vb = v.narrow(cuts[b], len),
+                           modb = model.narrow(cuts[b], len);
+                    AdamWConfig cb = cfg;
+                    cb.first_element = cuts[b];
+                    adamw_step(pb, g.narrow(cuts[b], len), mb, vb, step, 1e-2, b == 0 ? 0.1 : 0.0, cb, &modb, &flag);
+                  }
+                }
+              }
+              const Tensor h = slots.to(Device::cpu());
+              std::vector<float> sums(4);  // the two sums' doubles as four floats of bits
+              std::memcpy(sums.data(), h.data<int64_t>() + 1, 2 * sizeof(double));
+              return std::vector<std::vector<float>>{p.to_floats(), m.to_floats(), v.to_floats(),
+                                                     model.to_floats(), sums,
+                                                     {static_cast<float>(flag.to_ints()[0])}};
+            };
+            const auto a = run(false), b = run(true);
+            for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], b[i]) << "tensor " << i;
+            EXPECT_EQ(a[5][0], 0.0f);
+            double s2 = 0;
+            std::memcpy(&s2, a[4].data() + 2, sizeof(double));
+            EXPECT_GT(s2, n > 1000 ? 0.5 * static_cast<double>(n) : 0.0);  // ~n for N(0, 1) values
+          }
+        }
+      }
+    }
+  }
+}
+
 // bf16 moments (adamw_bf16_moments): three steps, one clipped, from the same state on the GPU
 // and on the CPU. Both draw the same random words (moment_rounding.h), so the stored moments are
 // equal bit for bit except where the kernel's fp32 value (FMA-contracted) and the CPU's straddle

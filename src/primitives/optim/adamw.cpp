@@ -35,14 +35,15 @@ void check_cuda_float(const Tensor& t, const char* op, const char* arg) {
 // f64 dtype).
 // Enqueues the sums on the current stream: out[i] = sum of squares of ts[i] (device doubles).
 void enqueue_sums_of_squares(const std::vector<const Tensor*>& ts, double* out) {
-  const auto k = static_cast<int64_t>(ts.size());
-  Tensor partial = Tensor::empty({k * cuda::kSumSquaresSlots}, DType::i64, ts.front()->device(),
-                                 MemCategory::workspace);
+  int64_t total = 0;
+  for (const Tensor* t : ts) total += cuda::sum_squares_max_slots(t->numel());
+  Tensor partial = Tensor::empty({total}, DType::i64, ts.front()->device(), MemCategory::workspace);
   auto* pp = reinterpret_cast<double*>(partial.data<int64_t>());
-  for (int64_t i = 0; i < k; ++i)
-    cuda::sum_squares_partial(pp + i * cuda::kSumSquaresSlots, ts[i]->raw(), ts[i]->dtype(),
-                              ts[i]->numel());
-  cuda::sum_squares_finish(out, pp, k);
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const int64_t slots = cuda::sum_squares_partial(pp, ts[i]->raw(), ts[i]->dtype(), ts[i]->numel());
+    cuda::sum_squares_finish(out + i, pp, slots);
+    pp += cuda::sum_squares_max_slots(ts[i]->numel());
+  }
 }
 
 std::vector<double> device_sums_of_squares(const std::vector<const Tensor*>& ts) {
@@ -57,11 +58,16 @@ std::vector<double> device_sums_of_squares(const std::vector<const Tensor*>& ts)
 #endif
 }  // namespace
 
-void adamw_step(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
-                int64_t step, double lr, double weight_decay, const AdamWConfig& cfg,
-                Tensor* model, Tensor* nonfinite) {
-  BB_RANGE("adamw_step");
-  const char* op = "adamw_step";
+namespace {
+// The per-call scalars, computed once on the host for the CPU loops and the kernels alike.
+struct Scalars {
+  float step_size, inv_sqrt_bc2, decay, b1, b2, eps, gs;
+  bool bf16_moments;
+};
+
+Scalars check_adamw(const char* op, const Tensor& master, const Tensor& grad, const Tensor& exp_avg,
+                    const Tensor& exp_avg_sq, int64_t step, double lr, double weight_decay, const AdamWConfig& cfg,
+                    const Tensor* model, const Tensor* nonfinite) {
   check_dtype(master, DType::f32, op, "master");
   check_dtype(grad, DType::f32, op, "grad");
   BB_CHECK(exp_avg.dtype() == DType::f32 || exp_avg.dtype() == DType::bf16, op,
@@ -103,6 +109,20 @@ void adamw_step(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp
   if (master.device().is_cuda()) {
     require_cuda_build(op, master);
     if (model) check_cuda_float(*model, op, "model");
+  }
+  return {step_size, inv_sqrt_bc2, decay, b1, b2, eps, gs, bf16_moments};
+}
+}  // namespace
+
+void adamw_step(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
+                int64_t step, double lr, double weight_decay, const AdamWConfig& cfg,
+                Tensor* model, Tensor* nonfinite) {
+  BB_RANGE("adamw_step");
+  const Scalars sc = check_adamw("adamw_step", master, grad, exp_avg, exp_avg_sq, step, lr, weight_decay, cfg,
+                                 model, nonfinite);
+  const auto [step_size, inv_sqrt_bc2, decay, b1, b2, eps, gs, bf16_moments] = sc;
+  const int64_t n = master.numel();
+  if (master.device().is_cuda()) {
 #ifdef BB_WITH_CUDA
     const cuda::AdamWScalars s{step_size, inv_sqrt_bc2, decay, b1, b2, eps, gs, cfg.yield_sms};
     if (bf16_moments)
@@ -168,6 +188,53 @@ void adamw_step(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp
     if (bad) nonfinite->data<int32_t>()[0] = 1;
   }
   if (model) cpu::store_f32(*model, master);
+}
+
+void adamw_step_sum_squares(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
+                            int64_t step, double lr, double weight_decay, int64_t decay_numel,
+                            const AdamWConfig& cfg, Tensor* model, Tensor* nonfinite, Tensor& slots,
+                            int64_t slot) {
+  const char* op = "adamw_step_sum_squares";
+  const int64_t n = master.numel();
+  BB_CHECK(decay_numel >= 0 && decay_numel <= n, op, ": decay_numel ", decay_numel, " is outside [0, ", n, "]");
+  check_dtype(slots, DType::i64, op, "slots");
+  BB_CHECK(slot >= 0 && slot < slots.numel(), op, ": slot ", slot, " is outside the ", slots.numel(), " slots");
+  check_same_device(master, slots, op);
+#ifdef BB_WITH_CUDA
+  if (master.device().is_cuda()) {
+    BB_RANGE("adamw_step");
+    const Scalars sc = check_adamw(op, master, grad, exp_avg, exp_avg_sq, step, lr, weight_decay, cfg, model,
+                                   nonfinite);
+    cuda::AdamWScalars s{sc.step_size, sc.inv_sqrt_bc2, sc.decay, sc.b1, sc.b2, sc.eps, sc.gs, cfg.yield_sms};
+    s.decay_end = decay_numel;
+    Tensor partial = Tensor::empty({cuda::sum_squares_max_slots(n)}, DType::i64, master.device(),
+                                   MemCategory::workspace);
+    auto* pp = reinterpret_cast<double*>(partial.data<int64_t>());
+    const int64_t k = cuda::adamw_step_sum_squares(
+        master.data<float>(), grad.data<float>(), exp_avg.raw(), exp_avg_sq.raw(), sc.bf16_moments,
+        model ? model->raw() : nullptr, model ? model->dtype() : DType::f32, n, s,
+        moment_rounding_key(cfg.seed, cfg.stream, step), cfg.first_element,
+        nonfinite ? nonfinite->data<int32_t>() : nullptr, pp);
+    if (k >= 0) {
+      cuda::sum_squares_finish(reinterpret_cast<double*>(slots.data<int64_t>()) + slot, pp, k);
+      return;
+    }
+  }
+#endif
+  // Two passes (the CPU; unaligned tensors): the sum, then the update of each decay bucket.
+  sum_of_squares_to(grad, slots, slot);
+  const int64_t cuts[3] = {0, decay_numel, n};
+  for (int b = 0; b < 2; ++b) {
+    const int64_t len = cuts[b + 1] - cuts[b];
+    if (len == 0) continue;
+    Tensor p = master.narrow(cuts[b], len), m = exp_avg.narrow(cuts[b], len),
+           v = exp_avg_sq.narrow(cuts[b], len), mv;
+    if (model) mv = model->narrow(cuts[b], len);
+    AdamWConfig c = cfg;
+    c.first_element = cfg.first_element + cuts[b];
+    adamw_step(p, grad.narrow(cuts[b], len), m, v, step, lr, b == 0 ? weight_decay : 0.0, c,
+               model ? &mv : nullptr, nonfinite);
+  }
 }
 
 void mark_nonfinite(const std::vector<Tensor>& ts, Tensor& flags) {

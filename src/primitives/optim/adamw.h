@@ -47,6 +47,17 @@ void adamw_step(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp
                 int64_t step, double lr, double weight_decay, const AdamWConfig& cfg,
                 Tensor* model /* may be null */, Tensor* nonfinite = nullptr);
 
+// adamw_step and sum_of_squares_to(grad, slots, slot) in one pass over the gradient (a whole
+// flat unit: weight_decay applies to elements [0, decay_numel), none to the rest). The same
+// bits as the separate calls (the sum as sum_of_squares_to gives it; the update as adamw_step
+// over [0, decay_numel) and over the rest with first_element advanced), with one read of grad
+// instead of two on a GPU (the training state's update during the backward, clipping off). On
+// the CPU, or with tensors a GPU cannot read 16 bytes at a time, it makes those calls.
+void adamw_step_sum_squares(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
+                            int64_t step, double lr, double weight_decay, int64_t decay_numel,
+                            const AdamWConfig& cfg, Tensor* model, Tensor* nonfinite, Tensor& slots,
+                            int64_t slot);
+
 // flags[i] (i32, on the tensors' device) is set to 1 when tensor i (f32 or bf16) holds an Inf
 // or NaN; flags are never cleared here. One launch per tensor on a GPU, no host sync.
 void mark_nonfinite(const std::vector<Tensor>& ts, Tensor& flags);

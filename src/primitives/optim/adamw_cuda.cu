@@ -2,15 +2,20 @@
 // weights written in the same pass; f32 moments, or bf16 moments stochastically rounded with the
 // CPU path's random bits) and deterministic sums of squares for gradient norms.
 //
-// Sums of squares: stage 1 gives each block a fixed share of the tensor (the grid depends on n
-// only) and writes one double per block into a fixed slot; stage 2 adds a tensor's slots in a
-// fixed order. No float atomics, so a norm is bitwise reproducible run to run. Squares are
-// accumulated in double (the FP64 rate is far above what memory bandwidth feeds).
+// Sums of squares: stage 1 cuts the tensor into slices of kSliceAccesses vector accesses per
+// thread (slice j: vector accesses [j, j + 1) * kThreads * kSliceAccesses, thread t takes
+// accesses t, t + kThreads, ...; the scalar tail goes to thread 0 of the last slice) and writes
+// one double per slice; stage 2 adds the slices in a fixed order. The partition depends on n
+// (and the vector width) only, not on the grid, so the update can add the squares of the
+// gradient it reads anyway (adamw_step_sum_squares) and give bitwise the standalone sum. No
+// float atomics, so a norm is bitwise reproducible run to run. Squares are accumulated in
+// double (the FP64 rate is far above what memory bandwidth feeds).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "backend/cuda/check.cuh"
 #include "backend/cuda/vec.cuh"
@@ -22,18 +27,28 @@ namespace {
 
 constexpr int kThreads = 256;
 
-template <int M, class TM>
+// Weight decay applies to the call's elements [0, decay_end) (a whole unit in one call: its
+// weight-decayed elements come first); the factor 1 of the others is exact.
+__device__ __forceinline__ float decay_of(const AdamWScalars& s, int64_t i) {
+  return i < s.decay_end ? s.decay : 1.0f;
+}
+
+template <int M, bool kSq = false, class TM>
 __device__ __forceinline__ void adamw_elems(float* p, const float* g, float* m, float* v, TM* model,
-                                            int64_t i, const AdamWScalars& s, bool& bad) {
+                                            int64_t i, const AdamWScalars& s, bool& bad, double& sq) {
   float pv[M], gv[M], mv[M], vv[M];
   load<float, M>(p + i, pv);
   load<float, M>(g + i, gv);
   load<float, M>(m + i, mv);
   load<float, M>(v + i, vv);
+  if constexpr (kSq) {
+#pragma unroll
+    for (int k = 0; k < M; ++k) sq += static_cast<double>(gv[k]) * gv[k];
+  }
 #pragma unroll
   for (int k = 0; k < M; ++k) {
     gv[k] *= s.grad_scale;
-    pv[k] *= s.decay;
+    pv[k] *= decay_of(s, i + k);
     mv[k] = s.beta1 * mv[k] + (1.0f - s.beta1) * gv[k];
     vv[k] = s.beta2 * vv[k] + (1.0f - s.beta2) * gv[k] * gv[k];
     pv[k] -= s.step_size * mv[k] / (sqrtf(vv[k]) * s.inv_sqrt_bc2 + s.eps);
@@ -54,8 +69,9 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t gid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t nv = n / V;
   bool bad = false;
-  for (int64_t i = gid; i < nv; i += stride) adamw_elems<V>(p, g, m, v, model, i * V, s, bad);
-  for (int64_t i = nv * V + gid; i < n; i += stride) adamw_elems<1>(p, g, m, v, model, i, s, bad);
+  double unused = 0;
+  for (int64_t i = gid; i < nv; i += stride) adamw_elems<V>(p, g, m, v, model, i * V, s, bad, unused);
+  for (int64_t i = nv * V + gid; i < n; i += stride) adamw_elems<1>(p, g, m, v, model, i, s, bad, unused);
   // Every writer stores the same value, so the race is benign; no atomics, no extra pass.
   if (bad && nonfinite) *nonfinite = 1;
 }
@@ -64,13 +80,17 @@ __global__ void __launch_bounds__(kThreads)
 // then are stored stochastically rounded with element (first + i)'s random word (low half m,
 // high half v). When the M elements start a Philox block (first + i divisible by 4), one block
 // gives all four words; otherwise each element computes its own block (same words).
-template <int M, class TM>
+template <int M, bool kSq = false, class TM>
 __device__ __forceinline__ void adamw_bf16m_elems(float* p, const float* g, bf16_t* m, bf16_t* v, TM* model,
                                                   int64_t i, const AdamWScalars& s, uint64_t key,
-                                                  int64_t first, bool& bad) {
+                                                  int64_t first, bool& bad, double& sq) {
   float pv[M], gv[M], mv[M], vv[M];
   load<float, M>(p + i, pv);
   load<float, M>(g + i, gv);
+  if constexpr (kSq) {
+#pragma unroll
+    for (int k = 0; k < M; ++k) sq += static_cast<double>(gv[k]) * gv[k];
+  }
   load<bf16_t, M>(m + i, mv);
   load<bf16_t, M>(v + i, vv);
   const auto e0 = static_cast<uint64_t>(first + i);
@@ -87,7 +107,7 @@ __device__ __forceinline__ void adamw_bf16m_elems(float* p, const float* g, bf16
 #pragma unroll
   for (int k = 0; k < M; ++k) {
     gv[k] *= s.grad_scale;
-    pv[k] *= s.decay;
+    pv[k] *= decay_of(s, i + k);
     mv[k] = s.beta1 * mv[k] + (1.0f - s.beta1) * gv[k];
     vv[k] = s.beta2 * vv[k] + (1.0f - s.beta2) * gv[k] * gv[k];
     pv[k] -= s.step_size * mv[k] / (sqrtf(vv[k]) * s.inv_sqrt_bc2 + s.eps);
@@ -110,8 +130,11 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t gid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t nv = n / V;
   bool bad = false;
-  for (int64_t i = gid; i < nv; i += stride) adamw_bf16m_elems<V>(p, g, m, v, model, i * V, s, key, first, bad);
-  for (int64_t i = nv * V + gid; i < n; i += stride) adamw_bf16m_elems<1>(p, g, m, v, model, i, s, key, first, bad);
+  double unused = 0;
+  for (int64_t i = gid; i < nv; i += stride)
+    adamw_bf16m_elems<V>(p, g, m, v, model, i * V, s, key, first, bad, unused);
+  for (int64_t i = nv * V + gid; i < n; i += stride)
+    adamw_bf16m_elems<1>(p, g, m, v, model, i, s, key, first, bad, unused);
   if (bad && nonfinite) *nonfinite = 1;  // benign race: every writer stores 1
 }
 
@@ -144,36 +167,100 @@ __device__ __forceinline__ double block_sum(double x) {
   return s;  // valid in thread 0
 }
 
+constexpr int kSliceAccesses = 4;  // vector accesses per thread in one slice
+constexpr int64_t kSliceVecs = int64_t{kThreads} * kSliceAccesses;
+
+// Slices of n elements read V at a time (at least one: an empty or tiny tensor has one).
+__host__ __device__ __forceinline__ int64_t slices_of(int64_t n, int V) {
+  const int64_t s = (n / V + kSliceVecs - 1) / kSliceVecs;
+  return s > 0 ? s : 1;
+}
+
+// Slice j's sum of squares in thread 0 (every thread of the block calls it). visit(e, M, acc)
+// handles elements [e, e + M) (M = V, or 1 for the tail) and adds their squares to acc.
+template <int V, class Visit>
+__device__ __forceinline__ double slice_sum(int64_t j, int64_t n, int64_t slices, Visit&& visit) {
+  const int64_t nv = n / V;
+  double acc = 0;
+#pragma unroll
+  for (int r = 0; r < kSliceAccesses; ++r) {
+    const int64_t i = j * kSliceVecs + r * kThreads + threadIdx.x;
+    if (i < nv) visit(i * V, std::integral_constant<int, V>{}, acc);
+  }
+  if (j == slices - 1 && threadIdx.x == 0)
+    for (int64_t e = nv * V; e < n; ++e) visit(e, std::integral_constant<int, 1>{}, acc);
+  const double s = block_sum(acc);
+  __syncthreads();  // block_sum's shared words are reused by the next slice
+  return s;
+}
+
+// partial[j] = slice j's sum; slices j = blockIdx.x, blockIdx.x + gridDim.x, ...
 template <class T, int V>
 __global__ void __launch_bounds__(kThreads)
     sum_squares_kernel(double* __restrict__ partial, const T* __restrict__ x, int64_t n) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t gid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  const int64_t nv = n / V;
-  double acc = 0;
-  for (int64_t i = gid; i < nv; i += stride) {
-    float xv[V];
-    load<T, V>(x + i * V, xv);
+  const int64_t slices = slices_of(n, V);
+  for (int64_t j = blockIdx.x; j < slices; j += gridDim.x) {
+    const double s = slice_sum<V>(j, n, slices, [&](int64_t e, auto m, double& acc) {
+      constexpr int M = decltype(m)::value;
+      float xv[M];
+      load<T, M>(x + e, xv);
 #pragma unroll
-    for (int k = 0; k < V; ++k) acc += static_cast<double>(xv[k]) * xv[k];
+      for (int k = 0; k < M; ++k) acc += static_cast<double>(xv[k]) * xv[k];
+    });
+    if (threadIdx.x == 0) partial[j] = s;
   }
-  for (int64_t i = nv * V + gid; i < n; i += stride) {
-    const double e = to_f32(x[i]);
-    acc += e * e;
-  }
-  const double s = block_sum(acc);
-  if (threadIdx.x == 0) partial[blockIdx.x] = s;
-  if (blockIdx.x == 0)
-    for (int j = gridDim.x + threadIdx.x; j < kSumSquaresSlots; j += blockDim.x) partial[j] = 0;
 }
 
+// out[0] = the sum of partial[0, slices) in a fixed order (one block of kFinishThreads). A big
+// unit has ~10^5 slices: each thread keeps 8 loads in flight (8 partial sums), so the block
+// reads them in a few round trips rather than one per slice it owns.
+constexpr int kFinishThreads = 1024;
+__global__ void __launch_bounds__(kFinishThreads)
+    sum_squares_finish_kernel(double* __restrict__ out, const double* __restrict__ partial, int64_t slices) {
+  constexpr int U = 8;
+  double acc[U] = {};
+  int64_t j = threadIdx.x;
+  for (; j + (U - 1) * int64_t{kFinishThreads} < slices; j += U * int64_t{kFinishThreads}) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) acc[u] += partial[j + u * int64_t{kFinishThreads}];
+  }
+  for (; j < slices; j += kFinishThreads) acc[0] += partial[j];
+  double x = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  __shared__ double red[kFinishThreads / 32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = x;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double s = 0;
+    for (int i = 0; i < kFinishThreads / 32; ++i) s += red[i];
+    out[0] = s;
+  }
+}
+
+// The update (f32 or bf16 moments) and the gradient's sum of squares in one pass: each slice
+// of the sum is one block's share of the update, with the squares of the gradient values the
+// update loads. Vector width 4 (the caller checks the alignment, as launch_sum_squares<float>
+// would pick width 4 for the same gradient).
+template <class TM, bool kBf16M>
 __global__ void __launch_bounds__(kThreads)
-    sum_squares_finish_kernel(double* __restrict__ out, const double* __restrict__ partial) {
-  const double* p = partial + static_cast<int64_t>(blockIdx.x) * kSumSquaresSlots;
-  double acc = 0;
-  for (int j = threadIdx.x; j < kSumSquaresSlots; j += blockDim.x) acc += p[j];
-  const double s = block_sum(acc);
-  if (threadIdx.x == 0) out[blockIdx.x] = s;
+    adamw_sq_kernel(float* __restrict__ p, const float* __restrict__ g, void* __restrict__ m,
+                    void* __restrict__ v, TM* __restrict__ model, int64_t n, AdamWScalars s, uint64_t key,
+                    int64_t first, int32_t* __restrict__ nonfinite, double* __restrict__ partial) {
+  const int64_t slices = slices_of(n, 4);
+  bool bad = false;
+  for (int64_t j = blockIdx.x; j < slices; j += gridDim.x) {
+    const double sum = slice_sum<4>(j, n, slices, [&](int64_t e, auto mw, double& acc) {
+      constexpr int M = decltype(mw)::value;
+      if constexpr (kBf16M)
+        adamw_bf16m_elems<M, true>(p, g, static_cast<bf16_t*>(m), static_cast<bf16_t*>(v), model, e, s, key,
+                                   first, bad, acc);
+      else
+        adamw_elems<M, true>(p, g, static_cast<float*>(m), static_cast<float*>(v), model, e, s, bad, acc);
+    });
+    if (threadIdx.x == 0) partial[j] = sum;
+  }
+  if (bad && nonfinite) *nonfinite = 1;  // benign race: every writer stores 1
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -227,18 +314,27 @@ void launch_adamw_bf16m(float* p, const float* g, bf16_t* m, bf16_t* v, TM* mode
   BB_CHECK_LAUNCH();
 }
 
+// Grid of a pass over `slices` slices: one block each (short blocks), or at most a grid-stride
+// grid's worth looping over them. The results do not depend on it.
+unsigned slice_blocks(int64_t slices, bool short_blocks) {
+  const int64_t cap = short_blocks ? 0x7fffffff : int64_t{grid_stride_blocks(slices * kThreads, kThreads)};
+  return static_cast<unsigned>(std::min<int64_t>(slices, cap));
+}
+
 template <class T>
-void launch_sum_squares(double* partial, const void* x, int64_t n) {
+int64_t launch_sum_squares(double* partial, const void* x, int64_t n) {
   constexpr int V = 16 / sizeof(T);
-  // Depends on n only, so a tensor's sum is the same on every call (and every device).
-  const auto blocks = static_cast<unsigned>(
-      std::clamp<int64_t>(ceil_div(n, int64_t{kThreads} * V * 4), 1, kSumSquaresSlots));
+  // The partition depends on n and the width only, so a tensor's sum is the same on every call
+  // (and every device).
+  const int w = aligned(x, 16) ? V : 1;
+  const int64_t slices = slices_of(n, w);
   const auto* xt = static_cast<const T*>(x);
-  if (aligned(x, 16))
-    sum_squares_kernel<T, V><<<blocks, kThreads, 0, stream()>>>(partial, xt, n);
+  if (w == V)
+    sum_squares_kernel<T, V><<<slice_blocks(slices, false), kThreads, 0, stream()>>>(partial, xt, n);
   else
-    sum_squares_kernel<T, 1><<<blocks, kThreads, 0, stream()>>>(partial, xt, n);
+    sum_squares_kernel<T, 1><<<slice_blocks(slices, false), kThreads, 0, stream()>>>(partial, xt, n);
   BB_CHECK_LAUNCH();
+  return slices;
 }
 
 }  // namespace
@@ -279,18 +375,43 @@ void mark_nonfinite(int32_t* flag, const void* x, DType dtype, int64_t n) {
   BB_CHECK_LAUNCH();
 }
 
-void sum_squares_partial(double* partial, const void* x, DType dtype, int64_t n) {
-  if (dtype == DType::bf16)
-    launch_sum_squares<bf16_t>(partial, x, n);
-  else
-    launch_sum_squares<float>(partial, x, n);
+int64_t sum_squares_max_slots(int64_t n) { return slices_of(n, 1); }
+
+int64_t sum_squares_partial(double* partial, const void* x, DType dtype, int64_t n) {
+  if (dtype == DType::bf16) return launch_sum_squares<bf16_t>(partial, x, n);
+  return launch_sum_squares<float>(partial, x, n);
 }
 
-void sum_squares_finish(double* out, const double* partial, int64_t num_tensors) {
-  if (num_tensors == 0) return;
-  sum_squares_finish_kernel<<<static_cast<unsigned>(num_tensors), kThreads, 0, stream()>>>(
-      out, partial);
+void sum_squares_finish(double* out, const double* partial, int64_t slots) {
+  sum_squares_finish_kernel<<<1, kFinishThreads, 0, stream()>>>(out, partial, slots);
   BB_CHECK_LAUNCH();
+}
+
+int64_t adamw_step_sum_squares(float* master, const float* grad, void* exp_avg, void* exp_avg_sq, bool bf16_moments,
+                               void* model, DType model_dtype, int64_t n, const AdamWScalars& s, uint64_t key,
+                               int64_t first_element, int32_t* nonfinite, double* partial) {
+  const size_t model_align = model_dtype == DType::bf16 ? 8 : 16;
+  const size_t moment_align = bf16_moments ? 8 : 16;
+  if (!(aligned(master, 16) && aligned(grad, 16) && aligned(exp_avg, moment_align) &&
+        aligned(exp_avg_sq, moment_align) && (model == nullptr || aligned(model, model_align))))
+    return -1;
+  const int64_t slices = slices_of(n, 4);
+  const unsigned blocks = slice_blocks(slices, s.short_blocks);
+  const bool bf16_model = model && model_dtype == DType::bf16;
+  if (bf16_moments && bf16_model)
+    adamw_sq_kernel<bf16_t, true><<<blocks, kThreads, 0, stream()>>>(master, grad, exp_avg, exp_avg_sq,
+        static_cast<bf16_t*>(model), n, s, key, first_element, nonfinite, partial);
+  else if (bf16_moments)
+    adamw_sq_kernel<float, true><<<blocks, kThreads, 0, stream()>>>(master, grad, exp_avg, exp_avg_sq,
+        static_cast<float*>(model), n, s, key, first_element, nonfinite, partial);
+  else if (bf16_model)
+    adamw_sq_kernel<bf16_t, false><<<blocks, kThreads, 0, stream()>>>(master, grad, exp_avg, exp_avg_sq,
+        static_cast<bf16_t*>(model), n, s, key, first_element, nonfinite, partial);
+  else
+    adamw_sq_kernel<float, false><<<blocks, kThreads, 0, stream()>>>(master, grad, exp_avg, exp_avg_sq,
+        static_cast<float*>(model), n, s, key, first_element, nonfinite, partial);
+  BB_CHECK_LAUNCH();
+  return slices;
 }
 
 void scale_inplace(float* g, float s, int64_t n) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <climits>
 
 #include "core/dtype.h"
 
@@ -21,6 +22,9 @@ struct AdamWScalars {
   // accesses) instead of a resident grid-stride grid, so that other streams' kernels get SMs
   // between them. The update is element-wise: the same bits either way.
   bool short_blocks = false;
+  // Weight decay (the factor `decay`) applies to the call's elements [0, decay_end), the others
+  // keep factor 1: a whole unit in one call (its weight-decayed elements come first).
+  int64_t decay_end = INT64_MAX;
 };
 
 // master, grad, exp_avg, exp_avg_sq [n] f32; model [n] (model_dtype f32 or bf16) or null.
@@ -42,14 +46,23 @@ void adamw_step_bf16_moments(float* master, const float* grad, uint16_t* exp_avg
 // *flag (device i32) = 1 when x [n] (f32 or bf16) holds an Inf or NaN; untouched otherwise.
 void mark_nonfinite(int32_t* flag, const void* x, DType dtype, int64_t n);
 
-// Slots per tensor in the partial-sum buffer below.
-constexpr int kSumSquaresSlots = 1024;
+// Sums of squares in two stages. The most slots stage 1 writes for n elements (about one per
+// 1024 to 8192 elements).
+int64_t sum_squares_max_slots(int64_t n);
+// partial [slots] doubles (device) <- sums of x^2 over fixed slices of x [n] (f32 or bf16);
+// returns slots. The slices depend on n and x's alignment only: deterministic.
+int64_t sum_squares_partial(double* partial, const void* x, DType dtype, int64_t n);
+// out[0] (device) = the sum of partial[0, slots) in a fixed order.
+void sum_squares_finish(double* out, const double* partial, int64_t slots);
 
-// partial [kSumSquaresSlots] doubles (device) <- per-block sums of x^2 over x [n] (f32 or bf16);
-// unused slots are written as 0. Fixed grid for a given n: deterministic.
-void sum_squares_partial(double* partial, const void* x, DType dtype, int64_t n);
-// out[k] = sum of partial[k * kSumSquaresSlots + j], j in a fixed order, for k < num_tensors.
-void sum_squares_finish(double* out, const double* partial, int64_t num_tensors);
+// adamw_step (bf16_moments false: f32 exp_avg / exp_avg_sq) or adamw_step_bf16_moments (true),
+// and in the same pass over grad the stage-1 partial sums of its squares, bitwise what
+// sum_squares_partial(partial, grad, f32, n) writes; returns the slot count. Needs master, grad
+// and f32 moments 16-byte aligned, bf16 moments and a bf16 model 8-byte aligned (an f32 model
+// 16): returns -1 without doing anything when they are not (the caller makes the two passes).
+int64_t adamw_step_sum_squares(float* master, const float* grad, void* exp_avg, void* exp_avg_sq, bool bf16_moments,
+                               void* model, DType model_dtype, int64_t n, const AdamWScalars& s, uint64_t key,
+                               int64_t first_element, int32_t* nonfinite, double* partial);
 
 // g [n] f32 *= s.
 void scale_inplace(float* g, float s, int64_t n);
