@@ -464,28 +464,16 @@ __device__ __forceinline__ void chunk_head(const Dims& d, int& n, int& h) {
 }
 
 // ---- 1. q, k -> normalised (q also scaled) operand planes [T, Hk, D] ---------------------------
-// kChunks: only the tokens of chunks [n0, n1) (kC row slots a chunk and key head, the slots past
-// a partial chunk's end idle), so that the forward can normalise the chunks it prepares late
-// beside the state pass; otherwise every token. A row's result does not depend on the launch.
-template <class Tin, bool kChunks>
+template <class Tin>
 __global__ void __launch_bounds__(kThreads)
-    qk_norm_kernel(Dims d, int n0, int n1, uint16_t* qh, uint16_t* kh, const Tin* q, const Tin* k) {
+    qk_norm_kernel(Dims d, uint16_t* qh, uint16_t* kh, const Tin* q, const Tin* k) {
   constexpr int NPL = planes_of<Tin>();
   const int lane = threadIdx.x & 31;
   const int64_t rows = d.T * d.Hk, ps = rows * kD;
-  const int64_t items = kChunks ? static_cast<int64_t>(n1 - n0) * kC * d.Hk : rows;
-  for (int64_t w = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5; w < 2 * items;
+  for (int64_t w = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5; w < 2 * rows;
        w += static_cast<int64_t>(gridDim.x) * kWarps) {
-    const bool is_q = w < items;
-    int64_t r = is_q ? w : w - items;
-    if constexpr (kChunks) {  // slot -> (chunk, token in chunk, key head) -> row
-      const int64_t per_chunk = static_cast<int64_t>(kC) * d.Hk;
-      const int n = n0 + static_cast<int>(r / per_chunk);
-      const int64_t j = r % per_chunk;
-      const int i = static_cast<int>(j / d.Hk);
-      if (i >= d.chunk_len(n)) continue;  // the whole warp: one row a warp
-      r = (static_cast<int64_t>(d.chunk_start(n)) + i) * d.Hk + j % d.Hk;
-    }
+    const bool is_q = w < rows;
+    const int64_t r = is_q ? w : w - rows;
     const int c = lane * 4;
     float x[4] = {0.f, 0.f, 0.f, 0.f};
     if (c < d.K) ld4((is_q ? q : k) + r * d.K + c, x);
@@ -1701,16 +1689,8 @@ FwdBuffers carve_prep(Carve& c, const GdnDims& g, bool with_t) {
 
 template <class Tin>
 void run_qk_norm(const Dims& d, const FwdBuffers& b, const Tin* q, const Tin* k) {
-  launch(qk_norm_kernel<Tin, false>, dim3(blocks_for(2 * d.T * d.Hk, kWarps)), kThreads, 0, d, 0, d.NC,
-         b.qh, b.kh, q, k);
-}
-
-// q / k norm of the tokens of chunks [n0, n1) only.
-template <class Tin>
-void run_qk_norm_chunks(const Dims& d, const FwdBuffers& b, const Tin* q, const Tin* k, int n0, int n1) {
-  if (n1 <= n0) return;
-  launch(qk_norm_kernel<Tin, true>, dim3(blocks_for(2 * static_cast<int64_t>(n1 - n0) * kC * d.Hk, kWarps)),
-         kThreads, 0, d, n0, n1, b.qh, b.kh, q, k);
+  launch(qk_norm_kernel<Tin>, dim3(blocks_for(2 * d.T * d.Hk, kWarps)), kThreads, 0, d, b.qh, b.kh,
+         q, k);
 }
 
 // chunk_prep over chunks [n0, n1) of every value head; `ready`, if given, gets each block's flag.
@@ -1786,7 +1766,9 @@ void run_state_fwd(const Dims& d, int vt, int nw, const FwdBuffers& b, Tin* o, u
 // a device that serializes kernels (a debugger, CUDA_LAUNCH_BLOCKING=1) runs it first.
 //
 // BB_GDN_FWD_SPLIT = percent of the chunks whose chunk_prep runs before the state pass starts
-// (default 60; 100 = the plain order). forward_run() below.
+// (default 60; 100 = the plain order). forward_run() below. q / k are normalised for all
+// chunks first: normalising the later chunks beside the state pass measured slower (2.02-2.03
+// against 1.88-1.91 ms at 1 x 32K), as it delays their chunk_prep, which the state pass waits for.
 
 // Side streams, one per thread, device and kind, non-blocking, created on first use: kind 0 at
 // the default priority (the backward's rebuild), kind 1 at the highest (the forward's state pass).
@@ -1817,8 +1799,8 @@ int fwd_split_percent() {
     const int v = std::atoi(e);
     if (v >= 0 && v <= 100) return v;
   }
-  // Measured at 1 x 32K on an H200 (bench/results/2026-12-03-h200-gdn-split.md): 60 % gave
-  // 1.88-1.91 ms against 1.97-1.99 for the plain order; 50-90 % lie between, 30 % is slower.
+  // Measured at 1 x 32K on an H200 (bench/results/2026-12-03-h200.md): 60 % gave 1.88-1.91 ms
+  // against 1.97-2.02 for the plain order; 50-90 % lie between, 30 % is slower.
   return 60;
 }
 
@@ -1931,8 +1913,8 @@ void forward_run(Tin* o, const Tin* q, const Tin* k, const Tin* v, const float* 
                  int* flags) {
   const int vt = pick_vt(gd), nw = pick_state_warps(true);
   const int split = fwd_split_chunk<Tin, kStoreT>(d, vt, nw);
+  run_qk_norm(d, b, q, k);
   if (split >= d.NC) {
-    run_qk_norm(d, b, q, k);
     run_chunk_prep<Tin, kStoreT>(d, b, v, g, beta, 0, d.NC, nullptr);
     run_state_fwd<Tin, true>(d, vt, nw, b, o, nullptr, nullptr);
     return;
@@ -1941,12 +1923,8 @@ void forward_run(Tin* o, const Tin* q, const Tin* k, const Tin* v, const float* 
   SideStream& fs = side_stream(1);
   BB_CHECK_CUDA(cudaMemsetAsync(flags + static_cast<int64_t>(split) * d.Hv, 0,
                                 static_cast<size_t>(d.NC - split) * d.Hv * sizeof(int), st));
-  run_qk_norm_chunks(d, b, q, k, 0, split);
   run_chunk_prep<Tin, kStoreT>(d, b, v, g, beta, 0, split, nullptr);
   BB_CHECK_CUDA(cudaEventRecord(fs.fork, st));
-  // The later chunks' q / k norm too runs beside the state pass; it precedes their chunk_prep,
-  // whose flags the state pass waits for before it loads a chunk.
-  run_qk_norm_chunks(d, b, q, k, split, d.NC);
   run_chunk_prep<Tin, kStoreT>(d, b, v, g, beta, split, d.NC, flags);  // enqueued first (see above)
   BB_CHECK_CUDA(cudaStreamWaitEvent(fs.s, fs.fork, 0));
   run_state_fwd<Tin, true>(d, vt, nw, b, o, nullptr, nullptr, fs.s, flags, split);
