@@ -253,8 +253,8 @@ bool ModelState::early_norm_applies(const Unit& u) const {
   return g.defined() && g.device().is_cuda();
 }
 
-void ModelState::early_norm(Unit& u) {
-  if (!early_norm_applies(u)) return;
+bool ModelState::early_norm(Unit& u, bool with_update) {
+  if (!early_norm_applies(u)) return false;
   const Tensor& g = u.u->grad;
   if (!norm_slots_.defined()) {
     norm_slots_ = Tensor::zeros({static_cast<int64_t>(units_.size())}, DType::i64, g.device(), MemCategory::optimizer);
@@ -264,9 +264,13 @@ void ModelState::early_norm(Unit& u) {
   copy_after_grads(g.device());
   {
     StreamScope scope(Stream::copy);
-    sum_of_squares_to(g.narrow(0, u.u->numel), norm_slots_, static_cast<int64_t>(u.index));
+    if (with_update)  // one pass: the update adds the squares of the gradient it reads
+      update_unit(u, early_.step, early_.lr, early_.weight_decay, early_.cfg, early_.nonfinite, true, &norm_slots_);
+    else
+      sum_of_squares_to(g.narrow(0, u.u->numel), norm_slots_, static_cast<int64_t>(u.index));
   }
   norm_early_[u.index] = 1;
+  return true;
 }
 
 // The copy stream waits for everything issued so far that may write a gradient (the compute
@@ -299,27 +303,17 @@ void ModelState::join_early_norms() {
 void ModelState::unit_final(Unit& u) {
   const bool update = early_on_ && last_micro_ && u.N == 1 && u.mode == Mode::whole && !updated_[u.index];
   if (update) model_.param_store().materialize_grads(u.u);
-  if (update && early_norm_applies(u)) {
-    const Tensor& g = u.u->grad;
-    if (!norm_slots_.defined()) {
-      norm_slots_ = Tensor::zeros({static_cast<int64_t>(units_.size())}, DType::i64, g.device(), MemCategory::optimizer);
-      norm_early_.assign(units_.size(), 0);
+  if (early_norm(u, update)) {
+    if (update) {
+      updated_[u.index] = 1;
+      ++early_count_;
     }
-    copy_after_grads(g.device());
-    {
-      StreamScope scope(Stream::copy);
-      update_unit(u, early_.step, early_.lr, early_.weight_decay, early_.cfg, early_.nonfinite, true, &norm_slots_);
-    }
-    norm_early_[u.index] = 1;
-    updated_[u.index] = 1;
-    ++early_count_;
     return;
   }
-  early_norm(u);
   if (!update) return;
   const Tensor& g = u.u->grad;
   if (g.defined() && g.device().is_cuda()) {
-    if (!(u.index < norm_early_.size() && norm_early_[u.index])) copy_after_grads(g.device());
+    copy_after_grads(g.device());  // no early sum went first (BB_EARLY_GRAD_NORM=0)
     StreamScope scope(Stream::copy);
     update_unit(u, early_.step, early_.lr, early_.weight_decay, early_.cfg, early_.nonfinite, true);
   } else {

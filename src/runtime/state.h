@@ -145,7 +145,9 @@ class ModelState final : public LayerHooks {
   void grads_end(Unit& u);
   void drain();
   bool early_norm_applies(const Unit& u) const;
-  void early_norm(Unit& u);   // the unit's sum of squares beside the backward (grad_norm reads it)
+  // The unit's sum of squares beside the backward (grad_norm reads it), fused with its update
+  // when with_update; false when it does not apply (nothing enqueued).
+  bool early_norm(Unit& u, bool with_update);
   void join_early_norms();
   void copy_after_grads(const Device& dev);
   void unit_final(Unit& u);    // the unit's gradient is final: early norm, then early update
