@@ -147,6 +147,10 @@ TEST(AdamW, StepWithSumOfSquaresIsTheTwoCalls) {
   test::expect_error_contains(
       [&] { adamw_step_sum_squares(t[0], t[0], t[0], t[0], 1, 0.1, 0, 4, {}, nullptr, nullptr, slots, 2); },
       "outside the 2 slots");
+  Tensor g5 = Tensor::zeros({5}, DType::f32, Device::cpu(), MemCategory::grads);
+  test::expect_error_contains(
+      [&] { adamw_step_sum_squares(t[0], g5, t[0], t[0], 1, 0.1, 0, 4, {}, nullptr, nullptr, slots, 0); },
+      "sizes differ: master 4, grad 5");
 }
 
 // The non-finite flag of the AdamW pass: set when an update overflows f32, left alone otherwise

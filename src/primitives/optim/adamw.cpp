@@ -196,6 +196,9 @@ void adamw_step_sum_squares(Tensor& master, const Tensor& grad, Tensor& exp_avg,
                             int64_t slot) {
   const char* op = "adamw_step_sum_squares";
   const int64_t n = master.numel();
+  BB_CHECK(grad.numel() == n && exp_avg.numel() == n && exp_avg_sq.numel() == n && (!model || model->numel() == n),
+           op, ": sizes differ: master ", n, ", grad ", grad.numel(), ", exp_avg ", exp_avg.numel(), ", exp_avg_sq ",
+           exp_avg_sq.numel(), model ? ", model " + std::to_string(model->numel()) : std::string());
   BB_CHECK(decay_numel >= 0 && decay_numel <= n, op, ": decay_numel ", decay_numel, " is outside [0, ", n, "]");
   check_dtype(slots, DType::i64, op, "slots");
   BB_CHECK(slot >= 0 && slot < slots.numel(), op, ": slot ", slot, " is outside the ", slots.numel(), " slots");
