@@ -14,6 +14,9 @@ enum class ModelEnd : uint8_t { embed, head, embed_backward };
 class LayerHooks {
  public:
   virtual ~LayerHooks() = default;
+  // Train pass, before the embedding's forward: the micro-batch's token ids (i32 [T]), i.e. the
+  // rows of the embedding table its backward will write (the other rows get no gradient).
+  virtual void embedding_rows(const Tensor& /*ids*/) {}
   virtual void before_end(ModelEnd, Pass) {}
   virtual void after_end(ModelEnd, Pass) {}
   virtual void before_forward(const Layer&, Pass) {}

@@ -62,6 +62,7 @@ ForwardStats Schedule::forward_backward(const MicroBatch& mb, float loss_scale, 
   std::vector<Layer>& layers = model_.layers();
   std::vector<LayerState> state(layers.size());
 
+  for (LayerHooks* h : hooks_) h->embedding_rows(mb.tokens);
   before_end(ModelEnd::embed, Pass::train);
   Tensor x = model_.embed_forward(mb);
   after_end(ModelEnd::embed, Pass::train);

@@ -20,6 +20,7 @@
 //   before_backward(l) [, before_forward(l, recompute), after_forward(l, recompute)],
 //   after_block_backward(l, b) b = last .. 0, after_backward(l)  l = L-1 .. 0
 // and around the model's ends, which use the embedding and head units outside any layer:
+//   embedding_rows(ids)                   train pass, before the lookup: the rows its backward writes
 //   before_end(embed, pass) / after_end   the embedding lookup (before layer 0)
 //   before_end(head, pass) / after_end    final norm + loss head (+ its backward when training)
 //   before_end(embed_backward) / after_end  the embedding gradient (after layer 0's backward)

@@ -2,6 +2,7 @@
 #include "runtime/state.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -176,6 +177,9 @@ void ModelState::begin_step(const EarlyUpdate* early) {
   }
   updated_.assign(units_.size(), 0);
   early_count_ = 0;
+  embed_rows_done_ = false;
+  embed_rows_known_ = embed_rows_apply();
+  if (embed_rows_known_) embed_rows_.assign(static_cast<size_t>(embed_->u->params[0]->shape[0]), 0);
   model_.zero_grad();  // whole and zero1 units (fsdp units have no whole gradient now)
   for (auto& u : units_)
     if (u->mode == Mode::fsdp) u->grad_shard.zero_();
@@ -302,6 +306,15 @@ void ModelState::join_early_norms() {
 // of the ~32 the update moves).
 void ModelState::unit_final(Unit& u) {
   const bool update = early_on_ && last_micro_ && u.N == 1 && u.mode == Mode::whole && !updated_[u.index];
+  if (update && &u == embed_ && embed_rows_done_) {  // the untouched rows went after the lookup
+    early_norm(u, false);                               // the whole gradient's sum, as without the split
+    update_embed_rows(embed_row_list(true));
+    embed_rows_done_ = false;
+    updated_[u.index] = 1;
+    ++early_count_;
+    ++embed_split_steps_;
+    return;
+  }
   if (update) model_.param_store().materialize_grads(u.u);
   if (early_norm(u, update)) {
     if (update) {
@@ -338,6 +351,75 @@ void ModelState::drain() {
   pending_.clear();
 }
 
+// ---- the embedding's update split by rows ------------------------------------------------------
+
+// The split needs the update during the backward, an untied embedding (a tied one gets the
+// head's dense gradient) that one rank holds whole, laid out as the table alone [V, H] from
+// element 0, with an eagerly zeroed gradient (the untouched rows' zeros are read).
+bool ModelState::embed_rows_apply() const {
+  const char* off = std::getenv("BB_EMBED_ROWS_EARLY");
+  if ((off != nullptr && off[0] == '0') || !early_on_ || tied_ || !embed_ || embed_->N != 1 ||
+      embed_->mode != Mode::whole)
+    return false;
+  const ParamUnit& pu = *embed_->u;
+  if (pu.params.size() != 1 || !pu.grad.defined() || !pu.value.defined()) return false;
+  const Param& p = *pu.params[0];
+  return p.offset == 0 && p.shape.size() == 2 && p.shape[1] > 0 && !p.lazy_zero_grad &&
+         p.shape[0] * p.shape[1] <= pu.numel && p.shape[0] <= INT32_MAX;
+}
+
+void ModelState::embedding_rows(const Tensor& ids) {
+  if (!embed_rows_known_) return;
+  if (!ids.defined() || !ids.device().is_cpu() || ids.dtype() != DType::i32) {
+    embed_rows_known_ = false;  // rows unknown without a device read: no split this step
+    return;
+  }
+  const int32_t* id = ids.data<int32_t>();
+  const auto V = static_cast<int64_t>(embed_rows_.size());
+  for (int64_t t = 0; t < ids.numel(); ++t)
+    if (id[t] >= 0 && id[t] < V) embed_rows_[static_cast<size_t>(id[t])] = 1;  // a bad id fails in the lookup
+}
+
+// The rows of the embedding unit the step's lookups touched (touched) or did not (the rest,
+// with the alignment padding as a last, shorter row), increasing.
+std::vector<int32_t> ModelState::embed_row_list(bool touched) const {
+  const ParamUnit& pu = *embed_->u;
+  const int64_t H = pu.params[0]->shape[1], rows = ceil_div(pu.numel, H);
+  const auto V = static_cast<int64_t>(embed_rows_.size());
+  std::vector<int32_t> list;
+  for (int64_t r = 0; r < rows; ++r) {
+    const bool hit = r < V && embed_rows_[static_cast<size_t>(r)] != 0;
+    if (hit == touched) list.push_back(static_cast<int32_t>(r));
+  }
+  return list;
+}
+
+void ModelState::update_embed_rows(const std::vector<int32_t>& rows) {
+  Unit& u = *embed_;
+  const ParamUnit& pu = *u.u;
+  const int64_t n = pu.numel;
+  AdamWConfig c = early_.cfg;
+  c.seed = seed_;
+  c.stream = u.stream;
+  c.first_element = 0;
+  Tensor master = u.master.narrow(0, n), m1 = u.exp_avg.narrow(0, n), m2 = u.exp_avg_sq.narrow(0, n);
+  Tensor v = pu.value.narrow(0, n);
+  Tensor flag = early_.nonfinite ? early_.nonfinite->narrow(static_cast<int64_t>(u.index), 1) : Tensor();
+  auto run = [&] {
+    adamw_step_rows(master, pu.grad.narrow(0, n), m1, m2, early_.step, early_.lr, early_.weight_decay,
+                    std::clamp<int64_t>(pu.decay_numel, 0, n), c, &v, early_.nonfinite ? &flag : nullptr, rows,
+                    pu.params[0]->shape[1]);
+  };
+  if (!pu.grad.device().is_cuda()) {
+    run();
+    return;
+  }
+  c.yield_sms = true;
+  copy_after_grads(pu.grad.device());  // after the zeroing and the lookup (or the backward)
+  StreamScope scope(Stream::copy);
+  run();
+}
+
 // ---- hooks ---------------------------------------------------------------------------------------
 
 void ModelState::before_end(ModelEnd e, Pass p) {
@@ -366,6 +448,12 @@ void ModelState::after_end(ModelEnd e, Pass p) {
   switch (e) {
     case ModelEnd::embed:
       release(*embed_);
+      // The rows no lookup of the step touches have a zero gradient: their update needs nothing
+      // from the backward. It runs now, beside the forward, instead of in the step's tail.
+      if (p == Pass::train && last_micro_ && embed_rows_known_ && !embed_rows_done_) {
+        update_embed_rows(embed_row_list(false));
+        embed_rows_done_ = true;
+      }
       break;
     case ModelEnd::head:
       if (p == Pass::train) {

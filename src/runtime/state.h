@@ -88,6 +88,13 @@ class ModelState final : public LayerHooks {
   void begin_step(const EarlyUpdate* early = nullptr);
   // Units updated during this step's backward so far (0 without an early update).
   size_t early_updates() const { return early_count_; }
+  // Steps whose embedding update was split by rows (with an early update, an untied embedding
+  // held whole by one rank): the rows no lookup of the step touched (zero gradient, so their
+  // update does not wait for the backward) right after the lookup, on the copy stream beside
+  // the forward; the touched rows once the embedding's gradient is final. Bitwise the update
+  // of the whole table; it takes the table's update out of the step's tail.
+  // BB_EMBED_ROWS_EARLY=0 turns it off.
+  size_t embedding_split_updates() const { return embed_split_steps_; }
   void begin_micro_batch(bool last);
   void end_backward();
   // The global gradient norm (before clipping), the same on every rank.
@@ -127,6 +134,7 @@ class ModelState final : public LayerHooks {
   Tensor gather_grad(size_t unit);
 
   // LayerHooks (fsdp gathers and frees; replicated and zero1 reduce after the last backward).
+  void embedding_rows(const Tensor& ids) override;
   void before_end(ModelEnd e, Pass p) override;
   void after_end(ModelEnd e, Pass p) override;
   void before_forward(const Layer& l, Pass p) override;
@@ -155,6 +163,11 @@ class ModelState final : public LayerHooks {
   // same pass (whole units).
   void update_unit(Unit& u, int64_t step, double lr, double weight_decay, const AdamWConfig& cfg,
                    Tensor* nonfinite, bool yield_sms, Tensor* norm_slots = nullptr);
+  bool embed_rows_apply() const;
+  // The embedding's update for the listed rows (adamw_step_rows with the early update's
+  // arguments); on the copy stream when the state is on a GPU.
+  void update_embed_rows(const std::vector<int32_t>& rows);
+  std::vector<int32_t> embed_row_list(bool touched) const;
   std::vector<Unit*> layer_units(int64_t layer);
   bool sharded(const Unit& u) const;
 
@@ -183,6 +196,12 @@ class ModelState final : public LayerHooks {
   // block's own units, e.g. the experts; after_block_backward) and that were reduced then.
   std::vector<char> final_early_;
   size_t early_count_ = 0;
+  // The split embedding update: rows the step's lookups touched (host, one byte a row), whether
+  // every micro-batch's ids were seen (host ids), whether the untouched rows are done.
+  std::vector<uint8_t> embed_rows_;
+  bool embed_rows_known_ = false;
+  bool embed_rows_done_ = false;
+  size_t embed_split_steps_ = 0;
 };
 
 }  // namespace bb

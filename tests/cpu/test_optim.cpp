@@ -3,6 +3,7 @@
 // double reference that rounds the same way, layout independence, and why not round-to-nearest.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "common/testing.h"
@@ -151,6 +152,59 @@ TEST(AdamW, StepWithSumOfSquaresIsTheTwoCalls) {
   test::expect_error_contains(
       [&] { adamw_step_sum_squares(t[0], g5, t[0], t[0], 1, 0.1, 0, 4, {}, nullptr, nullptr, slots, 0); },
       "sizes differ: master 4, grad 5");
+}
+
+// The update of chosen rows (the embedding's rows a step did not touch, then the ones it did):
+// two calls over complementary row sets are bitwise the whole-unit update (weight decay cut
+// inside a row, the padding as a last, shorter row, bf16 moments' random bits by element
+// index); a call reads and writes nothing outside its rows (NaN gradients there change nothing).
+TEST(AdamW, StepRowsIsTheWholeUpdateOnThoseRows) {
+  const int64_t row_len = 6, n = 7 * row_len + 5, cut = 20;  // 8 rows, the last one 5 elements
+  for (DType md : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(md));
+    auto state = [&] {
+      return std::vector<Tensor>{Tensor::from_floats(test::randn(n, 60), {n}, DType::f32, MemCategory::optimizer),
+                                 Tensor::from_floats(test::randn(n, 61, 0.1f), {n}, md, MemCategory::optimizer),
+                                 Tensor::from_floats(test::randu(n, 62, 0.f, 0.01f), {n}, md, MemCategory::optimizer),
+                                 Tensor::zeros({n}, DType::bf16, Device::cpu(), MemCategory::params)};
+    };
+    const Tensor g = Tensor::from_floats(test::randn(n, 63), {n}, DType::f32, MemCategory::grads);
+    AdamWConfig cfg{0.9, 0.95, 1e-8};
+    cfg.seed = 9;
+    cfg.stream = 4;
+    std::vector<Tensor> whole = state(), split = state(), init = state();
+    Tensor slots = Tensor::zeros({1}, DType::i64, Device::cpu(), MemCategory::other);
+    adamw_step_sum_squares(whole[0], g, whole[1], whole[2], 3, 1e-2, 0.1, cut, cfg, &whole[3], nullptr, slots, 0);
+    // First the rows {1, 4, 5, 6} with NaN gradients everywhere else: nothing else may move.
+    Tensor g_nan = g.clone();
+    const std::vector<int32_t> first = {1, 4, 5, 6}, second = {0, 2, 3, 7};
+    for (int32_t r : second)
+      for (int64_t e = r * row_len; e < std::min(n, (r + 1) * row_len); ++e) g_nan.data<float>()[e] = NAN;
+    Tensor flag = Tensor::zeros({1}, DType::i32, Device::cpu(), MemCategory::workspace);
+    adamw_step_rows(split[0], g_nan, split[1], split[2], 3, 1e-2, 0.1, cut, cfg, &split[3], &flag, first, row_len);
+    EXPECT_EQ(flag.to_ints()[0], 0);
+    for (size_t k = 0; k < split.size(); ++k) {
+      const std::vector<float> got = split[k].to_floats(), before = init[k].to_floats(), want = whole[k].to_floats();
+      for (int64_t e = 0; e < n; ++e) {
+        const bool listed = std::find(first.begin(), first.end(), e / row_len) != first.end();
+        EXPECT_EQ(got[e], listed ? want[e] : before[e]) << "tensor " << k << " element " << e;
+      }
+    }
+    adamw_step_rows(split[0], g, split[1], split[2], 3, 1e-2, 0.1, cut, cfg, &split[3], &flag, second, row_len);
+    for (size_t k = 0; k < split.size(); ++k) EXPECT_EQ(split[k].to_floats(), whole[k].to_floats()) << "tensor " << k;
+    EXPECT_NE(whole[0].to_floats(), init[0].to_floats());
+  }
+  Tensor t = Tensor::zeros({10}, DType::f32, Device::cpu(), MemCategory::optimizer);
+  auto call = [&](const std::vector<int32_t>& rows, int64_t row_len) {
+    adamw_step_rows(t, t, t, t, 1, 0.1, 0, 10, {}, nullptr, nullptr, rows, row_len);
+  };
+  test::expect_error_contains([&] { call({0, 4}, 3); }, "row 4 (entry 1) is outside the unit's 4 rows of 3 elements");
+  test::expect_error_contains([&] { call({2, 1}, 3); }, "rows must be strictly increasing");
+  test::expect_error_contains([&] { call({1, 1}, 3); }, "entry 1 is 1 after 1");
+  test::expect_error_contains([&] { call({-1}, 3); }, "row -1 (entry 0)");
+  test::expect_error_contains([&] { call({0}, 0); }, "row_len must be > 0");
+  test::expect_error_contains([&] { adamw_step_rows(t, t, t, t, 1, 0.1, 0, 11, {}, nullptr, nullptr, {0}, 5); },
+                              "decay_numel 11 is outside [0, 10]");
 }
 
 // The non-finite flag of the AdamW pass: set when an update overflows f32, left alone otherwise

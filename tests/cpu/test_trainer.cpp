@@ -309,7 +309,7 @@ TEST(Optimizer, UpdateDuringTheBackwardIsBitwiseTheUpdateAfterIt) {
   const std::string dir = make_tmpdir();
   const std::string run = write_run(dir, small_model());
   for (const std::string& opt : {std::string("primitives.optimizer=\"adamw\""), kBf16Moments}) {
-    size_t units = 0;
+    size_t units = 0, split = 0;
     auto go = [&](const char* in_backward, const char* clip, size_t* early) {
       Trainer t(load_run_config(run, {opt, in_backward, clip, "checkpoint.dir=\"\"", "train.steps=6"}), nullptr);
       std::vector<double> l;
@@ -318,6 +318,7 @@ TEST(Optimizer, UpdateDuringTheBackwardIsBitwiseTheUpdateAfterIt) {
         if (i == 0) *early = t.state().early_updates();
       }
       units = t.model().units().size();
+      split = t.state().embedding_split_updates();
       std::vector<std::vector<float>> ms;
       for (size_t i = 0; i < t.model().units().size(); ++i) {
         ms.push_back(t.state().owned(i).master.to_floats());
@@ -328,6 +329,8 @@ TEST(Optimizer, UpdateDuringTheBackwardIsBitwiseTheUpdateAfterIt) {
     };
     size_t e_on = 0, e_off = 0, e_clip = 0;
     const auto on = go("backend.optimizer_in_backward=true", "train.grad_clip=0", &e_on);
+    // The untied embedding's update was split by rows in every step (untouched rows first).
+    EXPECT_EQ(split, 6u) << opt;
     const auto off = go("backend.optimizer_in_backward=false", "train.grad_clip=0", &e_off);
     const auto clip = go("backend.optimizer_in_backward=true", "train.grad_clip=1.0", &e_clip);
     EXPECT_EQ(e_on, units) << opt;  // every unit: one rank holds them all whole

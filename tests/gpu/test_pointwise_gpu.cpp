@@ -631,6 +631,61 @@ TEST(AdamWGpu, FusedSumOfSquaresIsBitwiseTheTwoPasses) {
   }
 }
 
+// The update of chosen rows (adamw_step_rows): the rows a lookup did not touch, then the ones it
+// did, are bitwise the fused whole-unit update, for both moment dtypes and model dtypes, rows of
+// a multiple of 4 elements (vector path) or not, aligned or not (skew), the padding as a
+// shorter last row; NaN gradients in the rows of the other call are never read.
+TEST(AdamWGpu, StepRowsIsBitwiseTheWholeUpdate) {
+  BB_REQUIRE_GPU();
+  struct Case {
+    int64_t rows, row_len, pad, decay;
+  };
+  for (Case c : {Case{300, 64, 40, 300 * 64 - 10}, Case{97, 30, 0, 1000}, Case{5, 2048, 128, 5 * 2048}}) {
+    for (DType md : {DType::f32, DType::bf16}) {
+      for (DType model_dt : {DType::bf16, DType::f32}) {
+        for (int64_t skew : {0, 1}) {
+          const int64_t n = c.rows * c.row_len + c.pad, R = (n + c.row_len - 1) / c.row_len;
+          SCOPED_TRACE(testing::Message() << "rows " << c.rows << " x " << c.row_len << " + " << c.pad << " moments "
+                                          << dtype_name(md) << " model " << dtype_name(model_dt) << " skew " << skew);
+          std::vector<int32_t> touched, untouched;
+          for (int64_t r = 0; r < R; ++r) (r % 3 == 1 && r < c.rows ? touched : untouched).push_back(static_cast<int32_t>(r));
+          auto run = [&](bool split) {
+            Tensor p = on_gpu(host(randn(n, 411), {n}, DType::f32, MemCategory::optimizer), skew);
+            Tensor m = on_gpu(host(randn(n, 412, 0.1f), {n}, md, MemCategory::optimizer), skew);
+            Tensor v = on_gpu(host(test::randu(n, 413, 0.0f, 0.01f), {n}, md, MemCategory::optimizer), skew);
+            Tensor model = on_gpu(Tensor::zeros({n}, model_dt, Device::cpu(), MemCategory::params), skew);
+            Tensor flag = Tensor::zeros({1}, DType::i32, kGpu, MemCategory::workspace);
+            Tensor slots = Tensor::zeros({1}, DType::i64, kGpu, MemCategory::other);
+            AdamWConfig cfg{0.9, 0.95, 1e-8};
+            cfg.seed = 6;
+            cfg.stream = 12;
+            cfg.yield_sms = true;
+            std::vector<float> g = randn(n, 420);
+            for (int64_t e = 0; e < n; ++e)
+              if (e / c.row_len < c.rows && (e / c.row_len) % 3 != 1) g[static_cast<size_t>(e)] = 0.0f;  // untouched
+            Tensor gg = on_gpu(host(g, {n}, DType::f32, MemCategory::grads), skew);
+            if (!split) {
+              adamw_step_sum_squares(p, gg, m, v, 2, 1e-2, 0.1, c.decay, cfg, &model, &flag, slots, 0);
+            } else {
+              std::vector<float> g_nan = g;  // the touched rows are unknown while the untouched go
+              for (int32_t r : touched)
+                for (int64_t e = r * c.row_len; e < std::min(n, (r + 1) * c.row_len); ++e) g_nan[e] = NAN;
+              Tensor gn = on_gpu(host(g_nan, {n}, DType::f32, MemCategory::grads), skew);
+              adamw_step_rows(p, gn, m, v, 2, 1e-2, 0.1, c.decay, cfg, &model, &flag, untouched, c.row_len);
+              adamw_step_rows(p, gg, m, v, 2, 1e-2, 0.1, c.decay, cfg, &model, &flag, touched, c.row_len);
+            }
+            return std::vector<std::vector<float>>{p.to_floats(), m.to_floats(), v.to_floats(), model.to_floats(),
+                                                   {static_cast<float>(flag.to_ints()[0])}};
+          };
+          const auto a = run(false), b = run(true);
+          for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], b[i]) << "tensor " << i;
+          EXPECT_EQ(b[4][0], 0.0f);
+        }
+      }
+    }
+  }
+}
+
 // bf16 moments (adamw_bf16_moments): three steps, one clipped, from the same state on the GPU
 // and on the CPU. Both draw the same random words (moment_rounding.h), so the stored moments are
 // equal bit for bit except where the kernel's fp32 value (FMA-contracted) and the CPU's straddle

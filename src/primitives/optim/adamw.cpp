@@ -4,6 +4,7 @@
 
 #include "core/trace.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -235,6 +236,59 @@ void adamw_step_sum_squares(Tensor& master, const Tensor& grad, Tensor& exp_avg,
     c.first_element = cfg.first_element + cuts[b];
     adamw_step(p, grad.narrow(cuts[b], len), m, v, step, lr, b == 0 ? weight_decay : 0.0, c,
                model ? &mv : nullptr, nonfinite);
+  }
+}
+
+void adamw_step_rows(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, int64_t step,
+                     double lr, double weight_decay, int64_t decay_numel, const AdamWConfig& cfg, Tensor* model,
+                     Tensor* nonfinite, const std::vector<int32_t>& rows, int64_t row_len) {
+  const char* op = "adamw_step_rows";
+  const int64_t n = master.numel();
+  [[maybe_unused]] const Scalars sc =
+      check_adamw(op, master, grad, exp_avg, exp_avg_sq, step, lr, weight_decay, cfg, model, nonfinite);
+  BB_CHECK(decay_numel >= 0 && decay_numel <= n, op, ": decay_numel ", decay_numel, " is outside [0, ", n, "]");
+  BB_CHECK(row_len > 0, op, ": row_len must be > 0, got ", row_len);
+  const int64_t num_rows = (n + row_len - 1) / row_len;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    BB_CHECK(rows[i] >= 0 && rows[i] < num_rows, op, ": row ", rows[i], " (entry ", i, ") is outside the unit's ",
+             num_rows, " rows of ", row_len, " elements");
+    BB_CHECK(i == 0 || rows[i] > rows[i - 1], op, ": rows must be strictly increasing (an element updated twice "
+             "would take two steps); entry ", i, " is ", rows[i], " after ", rows[i - 1]);
+  }
+  if (rows.empty()) return;
+  if (master.device().is_cuda()) {
+#ifdef BB_WITH_CUDA
+    BB_RANGE("adamw_step");
+    cuda::AdamWScalars s{sc.step_size, sc.inv_sqrt_bc2, sc.decay, sc.b1, sc.b2, sc.eps, sc.gs, cfg.yield_sms};
+    s.decay_end = decay_numel;
+    const auto k = static_cast<int64_t>(rows.size());
+    Tensor list = Tensor::empty({k}, DType::i32, master.device(), MemCategory::workspace);
+    cuda::memcpy(list.raw(), master.device(), rows.data(), Device::cpu(), rows.size() * sizeof(int32_t));
+    cuda::adamw_step_rows(master.data<float>(), grad.data<float>(), exp_avg.raw(), exp_avg_sq.raw(), sc.bf16_moments,
+                          model ? model->raw() : nullptr, model ? model->dtype() : DType::f32, n,
+                          list.data<int32_t>(), k, row_len, s, moment_rounding_key(cfg.seed, cfg.stream, step),
+                          cfg.first_element, nonfinite ? nonfinite->data<int32_t>() : nullptr);
+#endif
+    return;
+  }
+  // The CPU: adamw_step over each run of consecutive rows, cut at decay_numel.
+  for (size_t i = 0; i < rows.size();) {
+    size_t j = i + 1;
+    while (j < rows.size() && rows[j] == rows[j - 1] + 1) ++j;
+    const int64_t a = rows[i] * row_len, b = std::min(n, (static_cast<int64_t>(rows[j - 1]) + 1) * row_len);
+    const int64_t cuts[3] = {a, std::clamp(decay_numel, a, b), b};
+    for (int k = 0; k < 2; ++k) {
+      const int64_t len = cuts[k + 1] - cuts[k];
+      if (len == 0) continue;
+      Tensor p = master.narrow(cuts[k], len), m = exp_avg.narrow(cuts[k], len), v = exp_avg_sq.narrow(cuts[k], len),
+             mv;
+      if (model) mv = model->narrow(cuts[k], len);
+      AdamWConfig c = cfg;
+      c.first_element = cfg.first_element + cuts[k];
+      adamw_step(p, grad.narrow(cuts[k], len), m, v, step, lr, cuts[k] < decay_numel ? weight_decay : 0.0, c,
+                 model ? &mv : nullptr, nonfinite);
+    }
+    i = j;
   }
 }
 

@@ -58,6 +58,20 @@ void adamw_step_sum_squares(Tensor& master, const Tensor& grad, Tensor& exp_avg,
                             const AdamWConfig& cfg, Tensor* model, Tensor* nonfinite, Tensor& slots,
                             int64_t slot);
 
+// The update of chosen rows of a unit laid out as rows of `row_len` elements from element 0 (an
+// embedding table [V, H] and its alignment padding: row r is elements [r row_len, min((r + 1)
+// row_len, n)), so the padding is a last, shorter row). `rows` (host, strictly increasing, each
+// in [0, ceil(n / row_len))) lists the rows to update; every element of them gets bitwise what
+// adamw_step_sum_squares's update gives it over the whole unit (weight decay on [0, decay_numel),
+// bf16-moment rounding at element first_element + e), and no other element is read or written.
+// So the rows a step's lookup never touched (zero gradient) can be updated before the backward
+// writes the others, and those after it: two calls over complementary row sets are the whole
+// update. One launch per call on a GPU (one short block a row; the list is uploaded without a
+// host sync), adamw_step over each run of consecutive rows on the CPU.
+void adamw_step_rows(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, int64_t step,
+                     double lr, double weight_decay, int64_t decay_numel, const AdamWConfig& cfg, Tensor* model,
+                     Tensor* nonfinite, const std::vector<int32_t>& rows, int64_t row_len);
+
 // flags[i] (i32, on the tensors' device) is set to 1 when tensor i (f32 or bf16) holds an Inf
 // or NaN; flags are never cleared here. One launch per tensor on a GPU, no host sync.
 void mark_nonfinite(const std::vector<Tensor>& ts, Tensor& flags);

@@ -263,6 +263,33 @@ __global__ void __launch_bounds__(kThreads)
   if (bad && nonfinite) *nonfinite = 1;  // benign race: every writer stores 1
 }
 
+// One block per listed row of row_len elements (the unit's last row may be shorter): the
+// row's elements through the same element code as the whole-unit kernels, at their unit
+// element index (decay and rounding words as there).
+template <class TM, int V, bool kBf16M>
+__global__ void __launch_bounds__(kThreads)
+    adamw_rows_kernel(float* __restrict__ p, const float* __restrict__ g, void* __restrict__ m,
+                      void* __restrict__ v, TM* __restrict__ model, int64_t n, const int32_t* __restrict__ rows,
+                      int64_t row_len, AdamWScalars s, uint64_t key, int64_t first,
+                      int32_t* __restrict__ nonfinite) {
+  const int64_t base = static_cast<int64_t>(rows[blockIdx.x]) * row_len;
+  const int64_t len = n - base < row_len ? n - base : row_len;
+  bool bad = false;
+  double unused = 0;
+  auto visit = [&](int64_t e, auto mw) {
+    constexpr int M = decltype(mw)::value;
+    if constexpr (kBf16M)
+      adamw_bf16m_elems<M>(p, g, static_cast<bf16_t*>(m), static_cast<bf16_t*>(v), model, e, s, key, first, bad,
+                           unused);
+    else
+      adamw_elems<M>(p, g, static_cast<float*>(m), static_cast<float*>(v), model, e, s, bad, unused);
+  };
+  const int64_t nv = len / V;
+  for (int64_t c = threadIdx.x; c < nv; c += kThreads) visit(base + c * V, std::integral_constant<int, V>{});
+  for (int64_t c = nv * V + threadIdx.x; c < len; c += kThreads) visit(base + c, std::integral_constant<int, 1>{});
+  if (bad && nonfinite) *nonfinite = 1;  // benign race: every writer stores 1
+}
+
 __global__ void __launch_bounds__(kThreads)
     scale_kernel(float* __restrict__ g, float s, int64_t n) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -412,6 +439,39 @@ int64_t adamw_step_sum_squares(float* master, const float* grad, void* exp_avg, 
         static_cast<float*>(model), n, s, key, first_element, nonfinite, partial);
   BB_CHECK_LAUNCH();
   return slices;
+}
+
+void adamw_step_rows(float* master, const float* grad, void* exp_avg, void* exp_avg_sq, bool bf16_moments,
+                     void* model, DType model_dtype, int64_t n, const int32_t* rows, int64_t num_rows,
+                     int64_t row_len, const AdamWScalars& s, uint64_t key, int64_t first_element,
+                     int32_t* nonfinite) {
+  if (num_rows == 0) return;
+  const bool bf16_model = model && model_dtype == DType::bf16;
+  // Four elements an access when every row starts on a 16-byte boundary of every tensor.
+  const size_t mom = bf16_moments ? 8 : 16, mod = bf16_model ? 8 : 16;
+  const bool vec = row_len % 4 == 0 && aligned(master, 16) && aligned(grad, 16) && aligned(exp_avg, mom) &&
+                   aligned(exp_avg_sq, mom) && (model == nullptr || aligned(model, mod));
+  const auto blocks = static_cast<unsigned>(num_rows);
+  auto go = [&](auto tm, auto v, auto b16) {
+    using TM = decltype(tm);
+    constexpr int V = decltype(v)::value;
+    constexpr bool B = decltype(b16)::value;
+    adamw_rows_kernel<TM, V, B><<<blocks, kThreads, 0, stream()>>>(master, grad, exp_avg, exp_avg_sq,
+                                                                    static_cast<TM*>(model), n, rows, row_len, s,
+                                                                    key, first_element, nonfinite);
+  };
+  using I4 = std::integral_constant<int, 4>;
+  using I1 = std::integral_constant<int, 1>;
+  using T = std::true_type;
+  using F = std::false_type;
+  if (bf16_model) {
+    if (bf16_moments) vec ? go(bf16_t{}, I4{}, T{}) : go(bf16_t{}, I1{}, T{});
+    else vec ? go(bf16_t{}, I4{}, F{}) : go(bf16_t{}, I1{}, F{});
+  } else {
+    if (bf16_moments) vec ? go(float{}, I4{}, T{}) : go(float{}, I1{}, T{});
+    else vec ? go(float{}, I4{}, F{}) : go(float{}, I1{}, F{});
+  }
+  BB_CHECK_LAUNCH();
 }
 
 void scale_inplace(float* g, float s, int64_t n) {

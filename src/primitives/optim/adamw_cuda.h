@@ -64,6 +64,15 @@ int64_t adamw_step_sum_squares(float* master, const float* grad, void* exp_avg, 
                                void* model, DType model_dtype, int64_t n, const AdamWScalars& s, uint64_t key,
                                int64_t first_element, int32_t* nonfinite, double* partial);
 
+// The update of whole rows (adamw_step_rows): rows [num_rows] (device i32) index rows of
+// row_len elements of a unit of n elements (the last row may be shorter); each element e of a
+// listed row is updated as adamw_step(_bf16_moments) over the whole unit updates it (s.decay_end,
+// first_element + e for the rounding). One block per listed row.
+void adamw_step_rows(float* master, const float* grad, void* exp_avg, void* exp_avg_sq, bool bf16_moments,
+                     void* model, DType model_dtype, int64_t n, const int32_t* rows, int64_t num_rows,
+                     int64_t row_len, const AdamWScalars& s, uint64_t key, int64_t first_element,
+                     int32_t* nonfinite);
+
 // g [n] f32 *= s.
 void scale_inplace(float* g, float s, int64_t n);
 
