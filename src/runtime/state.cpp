@@ -507,7 +507,11 @@ void ModelState::before_backward(const Layer& l) {
 // (the experts beside the attention block's backward) instead of after the whole layer. FSDP
 // units keep the per-layer order (their shards are reduced as the layer ends).
 void ModelState::after_block_backward(const Layer& l, size_t b) {
-  if (!last_micro_ || b == 0 || b >= l.blocks.size()) return;
+  static const bool off = [] {
+    const char* e = std::getenv("BB_EARLY_AT_BLOCK");  // kernel-lab knob: 0 = at the layer's end
+    return e != nullptr && e[0] == '0';
+  }();
+  if (off || !last_micro_ || b == 0 || b >= l.blocks.size()) return;
   auto writes = [&](size_t j, const ParamUnit* pu) {
     const auto& us = l.blocks[j]->units;
     return std::find(us.begin(), us.end(), pu) != us.end();

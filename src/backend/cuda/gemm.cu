@@ -811,8 +811,9 @@ void ensure_side_streams(DeviceGemm& st, int n, int dev) {
     void* ws = new_workspace(dev);
     cudaStream_t s = nullptr;
     cudaEvent_t e = nullptr;
-    // Non-blocking like the compute stream: no implicit ordering with the legacy stream.
-    BB_CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    // Non-blocking like the compute stream (no implicit ordering with the legacy stream) and at
+    // its priority (the default is the lowest, the copy stream's).
+    BB_CHECK_CUDA(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, work_stream_priority(dev)));
     BB_CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     st.side_ws.push_back(ws);
     st.side.push_back(s);

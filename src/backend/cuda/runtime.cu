@@ -101,6 +101,11 @@ DeviceState& state(int dev) {
   return *s;
 }
 
+}  // namespace
+
+int work_stream_priority(int dev) { return work_priority(state(dev)); }
+
+namespace {
 cudaStream_t named_stream(DeviceState& st, int dev, Stream which) {
   const int i = static_cast<int>(which);
   if (cudaStream_t s = st.streams[i].load(std::memory_order_acquire)) return s;

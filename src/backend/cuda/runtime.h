@@ -33,6 +33,12 @@ int current_device();
 // core/stream.h tells the runtime that this thread's current stream changed.
 void current_stream_changed();
 
+// The priority of `dev`'s compute and wgrad streams (CUDA's number: lower is higher). A
+// primitive's own side streams take it: a stream created without a priority gets the lowest,
+// the copy stream's, whose queued short blocks (the update beside the backward) it would then
+// share SMs with as an equal instead of going first.
+int work_stream_priority(int dev);
+
 // Copies between any combination of host and device memory, ordered on the current stream.
 //   host -> device: the bytes are first copied into a pinned staging buffer, so the call
 //     returns at once and `src` may change right after (no host sync); copies over 64 MiB
