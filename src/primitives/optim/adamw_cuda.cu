@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "backend/cuda/check.cuh"
@@ -313,6 +314,23 @@ unsigned update_blocks(int64_t work, bool short_blocks) {
   return static_cast<unsigned>(std::clamp<int64_t>(ceil_div(work, kThreads * kShortAccesses), 1, 0x7fffffff));
 }
 
+// Kernel-lab knob BB_UPDATE_SMEM_KB: an update launched in short blocks (the one beside the
+// backward) reserves that much dynamic shared memory per block, unused, so that its blocks
+// cannot share an SM with a kernel that holds most of the SM's shared memory (cuDNN attention,
+// the GEMMs) and run only on SMs the step's kernels leave free. Unset or 0: no reservation.
+template <class K>
+size_t yield_smem(K* kernel, bool short_blocks) {
+  static const size_t bytes = [] {
+    const char* e = std::getenv("BB_UPDATE_SMEM_KB");
+    const long kb = e != nullptr ? std::atol(e) : 0;
+    return kb > 0 && kb <= 227 ? static_cast<size_t>(kb) * 1024 : size_t{0};
+  }();
+  if (!short_blocks || bytes == 0) return 0;
+  if (bytes > 48 * 1024)
+    BB_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  return bytes;
+}
+
 template <class TM>
 void launch_adamw(float* p, const float* g, float* m, float* v, TM* model, int64_t n,
                   const AdamWScalars& s, int32_t* nonfinite) {
@@ -426,16 +444,16 @@ int64_t adamw_step_sum_squares(float* master, const float* grad, void* exp_avg, 
   const unsigned blocks = slice_blocks(slices, s.short_blocks);
   const bool bf16_model = model && model_dtype == DType::bf16;
   if (bf16_moments && bf16_model)
-    adamw_sq_kernel<bf16_t, true><<<blocks, kThreads, 0, stream()>>>(master, grad, exp_avg, exp_avg_sq,
+    adamw_sq_kernel<bf16_t, true><<<blocks, kThreads, yield_smem(adamw_sq_kernel<bf16_t, true>, s.short_blocks), stream()>>>(master, grad, exp_avg, exp_avg_sq,
         static_cast<bf16_t*>(model), n, s, key, first_element, nonfinite, partial);
   else if (bf16_moments)
-    adamw_sq_kernel<float, true><<<blocks, kThreads, 0, stream()>>>(master, grad, exp_avg, exp_avg_sq,
+    adamw_sq_kernel<float, true><<<blocks, kThreads, yield_smem(adamw_sq_kernel<float, true>, s.short_blocks), stream()>>>(master, grad, exp_avg, exp_avg_sq,
         static_cast<float*>(model), n, s, key, first_element, nonfinite, partial);
   else if (bf16_model)
-    adamw_sq_kernel<bf16_t, false><<<blocks, kThreads, 0, stream()>>>(master, grad, exp_avg, exp_avg_sq,
+    adamw_sq_kernel<bf16_t, false><<<blocks, kThreads, yield_smem(adamw_sq_kernel<bf16_t, false>, s.short_blocks), stream()>>>(master, grad, exp_avg, exp_avg_sq,
         static_cast<bf16_t*>(model), n, s, key, first_element, nonfinite, partial);
   else
-    adamw_sq_kernel<float, false><<<blocks, kThreads, 0, stream()>>>(master, grad, exp_avg, exp_avg_sq,
+    adamw_sq_kernel<float, false><<<blocks, kThreads, yield_smem(adamw_sq_kernel<float, false>, s.short_blocks), stream()>>>(master, grad, exp_avg, exp_avg_sq,
         static_cast<float*>(model), n, s, key, first_element, nonfinite, partial);
   BB_CHECK_LAUNCH();
   return slices;
@@ -456,7 +474,7 @@ void adamw_step_rows(float* master, const float* grad, void* exp_avg, void* exp_
     using TM = decltype(tm);
     constexpr int V = decltype(v)::value;
     constexpr bool B = decltype(b16)::value;
-    adamw_rows_kernel<TM, V, B><<<blocks, kThreads, 0, stream()>>>(master, grad, exp_avg, exp_avg_sq,
+    adamw_rows_kernel<TM, V, B><<<blocks, kThreads, yield_smem(adamw_rows_kernel<TM, V, B>, s.short_blocks), stream()>>>(master, grad, exp_avg, exp_avg_sq,
                                                                     static_cast<TM*>(model), n, rows, row_len, s,
                                                                     key, first_element, nonfinite);
   };
