@@ -20,6 +20,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <string>
 #include <cstring>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -113,9 +114,15 @@ cudaStream_t named_stream(DeviceState& st, int dev, Stream which) {
   if (cudaStream_t s = st.streams[i].load(std::memory_order_acquire)) return s;
   set_device(dev);
   cudaStream_t s = nullptr;
-  const int prio = which == Stream::comm   ? st.priority_high
-                   : which == Stream::copy ? st.priority_low
-                                           : work_priority(st);
+  // Kernel-lab knob BB_COPY_STREAM_PRIORITY=work: the copy stream at the compute stream's
+  // priority (A/B runs: an update-bound step may gain when the update competes as an equal).
+  static const bool copy_as_work = [] {
+    const char* e = std::getenv("BB_COPY_STREAM_PRIORITY");
+    return e != nullptr && std::string(e) == "work";
+  }();
+  const int prio = which == Stream::comm                   ? st.priority_high
+                   : which == Stream::copy && !copy_as_work ? st.priority_low
+                                                            : work_priority(st);
   BB_CHECK_CUDA(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, prio));
   st.streams[i].store(s, std::memory_order_release);
   return s;
