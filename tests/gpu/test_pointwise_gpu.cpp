@@ -563,6 +563,28 @@ TEST(AdamWGpu, ShortBlocksGiveTheSameBits) {
   }
 }
 
+// AdamW state on the GPU for the bitwise update tests: masters N(0, 1), first moments N(0, 0.1)
+// and second moments U(0, 0.01) in `md` (random streams seed, seed + 1, seed + 2), a zero model
+// copy, a non-finite flag and `slots` norm slots; `skew` elements off 16-byte alignment. The
+// config: betas 0.9 / 0.95, eps 1e-8, the given rounding seed and stream, short blocks or not.
+struct GpuAdamW {
+  Tensor p, m, v, model, flag, slots;
+  AdamWConfig cfg;
+};
+GpuAdamW gpu_adamw_state(int64_t n, DType md, DType model_dt, int64_t skew, uint64_t seed, int64_t slots,
+                         uint64_t cfg_seed, uint64_t cfg_stream, bool yield) {
+  AdamWConfig cfg{0.9, 0.95, 1e-8};
+  cfg.seed = cfg_seed;
+  cfg.stream = cfg_stream;
+  cfg.yield_sms = yield;
+  return {on_gpu(host(randn(n, seed), {n}, DType::f32, MemCategory::optimizer), skew),
+          on_gpu(host(randn(n, seed + 1, 0.1f), {n}, md, MemCategory::optimizer), skew),
+          on_gpu(host(test::randu(n, seed + 2, 0.0f, 0.01f), {n}, md, MemCategory::optimizer), skew),
+          on_gpu(Tensor::zeros({n}, model_dt, Device::cpu(), MemCategory::params), skew),
+          Tensor::zeros({1}, DType::i32, kGpu, MemCategory::workspace),
+          Tensor::zeros({slots}, DType::i64, kGpu, MemCategory::other), cfg};
+}
+
 // The update and the gradient's sum of squares in one pass (adamw_step_sum_squares): bitwise the
 // two separate calls (sum_of_squares_to, then adamw_step over the decayed elements and over the
 // rest), for both moment dtypes, bf16 and f32 models, short blocks or not, sizes with a scalar
@@ -582,16 +604,7 @@ TEST(AdamWGpu, FusedSumOfSquaresIsBitwiseTheTwoPasses) {
                                             << " model " << dtype_name(model_dt) << " skew " << skew << " yield "
                                             << yield);
             auto run = [&](bool fused) {
-              Tensor p = on_gpu(host(randn(n, 311), {n}, DType::f32, MemCategory::optimizer), skew);
-              Tensor m = on_gpu(host(randn(n, 312, 0.1f), {n}, md, MemCategory::optimizer), skew);
-              Tensor v = on_gpu(host(test::randu(n, 313, 0.0f, 0.01f), {n}, md, MemCategory::optimizer), skew);
-              Tensor model = on_gpu(Tensor::zeros({n}, model_dt, Device::cpu(), MemCategory::params), skew);
-              Tensor flag = Tensor::zeros({1}, DType::i32, kGpu, MemCategory::workspace);
-              Tensor slots = Tensor::zeros({3}, DType::i64, kGpu, MemCategory::other);
-              AdamWConfig cfg{0.9, 0.95, 1e-8};
-              cfg.seed = 5;
-              cfg.stream = 11;
-              cfg.yield_sms = yield;
+              auto [p, m, v, model, flag, slots, cfg] = gpu_adamw_state(n, md, model_dt, skew, 311, 3, 5, 11, yield);
               for (int64_t step = 1; step <= 2; ++step) {
                 Tensor g = on_gpu(host(randn(n, 320 + static_cast<uint64_t>(step)), {n}, DType::f32,
                                        MemCategory::grads), skew);
@@ -650,16 +663,7 @@ TEST(AdamWGpu, StepRowsIsBitwiseTheWholeUpdate) {
           std::vector<int32_t> touched, untouched;
           for (int64_t r = 0; r < R; ++r) (r % 3 == 1 && r < c.rows ? touched : untouched).push_back(static_cast<int32_t>(r));
           auto run = [&](bool split) {
-            Tensor p = on_gpu(host(randn(n, 411), {n}, DType::f32, MemCategory::optimizer), skew);
-            Tensor m = on_gpu(host(randn(n, 412, 0.1f), {n}, md, MemCategory::optimizer), skew);
-            Tensor v = on_gpu(host(test::randu(n, 413, 0.0f, 0.01f), {n}, md, MemCategory::optimizer), skew);
-            Tensor model = on_gpu(Tensor::zeros({n}, model_dt, Device::cpu(), MemCategory::params), skew);
-            Tensor flag = Tensor::zeros({1}, DType::i32, kGpu, MemCategory::workspace);
-            Tensor slots = Tensor::zeros({1}, DType::i64, kGpu, MemCategory::other);
-            AdamWConfig cfg{0.9, 0.95, 1e-8};
-            cfg.seed = 6;
-            cfg.stream = 12;
-            cfg.yield_sms = true;
+            auto [p, m, v, model, flag, slots, cfg] = gpu_adamw_state(n, md, model_dt, skew, 411, 1, 6, 12, true);
             std::vector<float> g = randn(n, 420);
             for (int64_t e = 0; e < n; ++e)
               if (e / c.row_len < c.rows && (e / c.row_len) % 3 != 1) g[static_cast<size_t>(e)] = 0.0f;  // untouched
