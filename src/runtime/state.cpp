@@ -396,28 +396,13 @@ std::vector<int32_t> ModelState::embed_row_list(bool touched) const {
 
 void ModelState::update_embed_rows(const std::vector<int32_t>& rows) {
   Unit& u = *embed_;
-  const ParamUnit& pu = *u.u;
-  const int64_t n = pu.numel;
-  AdamWConfig c = early_.cfg;
-  c.seed = seed_;
-  c.stream = u.stream;
-  c.first_element = 0;
-  Tensor master = u.master.narrow(0, n), m1 = u.exp_avg.narrow(0, n), m2 = u.exp_avg_sq.narrow(0, n);
-  Tensor v = pu.value.narrow(0, n);
-  Tensor flag = early_.nonfinite ? early_.nonfinite->narrow(static_cast<int64_t>(u.index), 1) : Tensor();
-  auto run = [&] {
-    adamw_step_rows(master, pu.grad.narrow(0, n), m1, m2, early_.step, early_.lr, early_.weight_decay,
-                    std::clamp<int64_t>(pu.decay_numel, 0, n), c, &v, early_.nonfinite ? &flag : nullptr, rows,
-                    pu.params[0]->shape[1]);
-  };
-  if (!pu.grad.device().is_cuda()) {
-    run();
+  if (!u.u->grad.device().is_cuda()) {
+    update_unit(u, early_.step, early_.lr, early_.weight_decay, early_.cfg, early_.nonfinite, false, nullptr, &rows);
     return;
   }
-  c.yield_sms = true;
-  copy_after_grads(pu.grad.device());  // after the zeroing and the lookup (or the backward)
+  copy_after_grads(u.u->grad.device());  // after the zeroing and the lookup (or the backward)
   StreamScope scope(Stream::copy);
-  run();
+  update_unit(u, early_.step, early_.lr, early_.weight_decay, early_.cfg, early_.nonfinite, true, nullptr, &rows);
 }
 
 // ---- hooks ---------------------------------------------------------------------------------------
@@ -643,10 +628,11 @@ size_t ModelState::num_units() const { return units_.size(); }
 const std::string& ModelState::unit_name(size_t i) const { return units_[i]->u->name; }
 
 void ModelState::update_unit(Unit& u, int64_t step, double lr, double weight_decay, const AdamWConfig& cfg,
-                             Tensor* nonfinite, bool yield_sms, Tensor* norm_slots) {
+                             Tensor* nonfinite, bool yield_sms, Tensor* norm_slots,
+                             const std::vector<int32_t>* rows) {
   const ParamUnit& pu = *u.u;
-  if (norm_slots) {  // a whole unit: one call, its sum of squares into slot u.index
-    BB_CHECK(u.mode == Mode::whole, "ModelState: a fused update and norm needs a whole unit");
+  if (norm_slots || rows) {  // a whole unit in one call: with its sum of squares, or some rows
+    BB_CHECK(u.mode == Mode::whole, "ModelState: a fused update and norm, or an update of rows, needs a whole unit");
     const int64_t n = pu.numel;
     AdamWConfig c = cfg;
     c.seed = seed_;
@@ -656,6 +642,12 @@ void ModelState::update_unit(Unit& u, int64_t step, double lr, double weight_dec
     Tensor master = u.master.narrow(0, n), m1 = u.exp_avg.narrow(0, n), m2 = u.exp_avg_sq.narrow(0, n);
     Tensor v = pu.value.narrow(0, n);
     Tensor flag = nonfinite ? nonfinite->narrow(static_cast<int64_t>(u.index), 1) : Tensor();
+    if (rows) {  // rows of the embedding table (its row length: the hidden size)
+      adamw_step_rows(master, pu.grad.narrow(0, n), m1, m2, step, lr, weight_decay,
+                      std::clamp<int64_t>(pu.decay_numel, 0, n), c, &v, nonfinite ? &flag : nullptr, *rows,
+                      pu.params[0]->shape[1]);
+      return;
+    }
     adamw_step_sum_squares(master, pu.grad.narrow(0, n), m1, m2, step, lr, weight_decay,
                            std::clamp<int64_t>(pu.decay_numel, 0, n), c, &v, nonfinite ? &flag : nullptr,
                            *norm_slots, static_cast<int64_t>(u.index));

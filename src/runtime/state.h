@@ -160,11 +160,12 @@ class ModelState final : public LayerHooks {
   void copy_after_grads(const Device& dev);
   void unit_final(Unit& u);    // the unit's gradient is final: early norm, then early update
   // norm_slots: also the unit's gradient sum of squares into (*norm_slots)[u.index], in the
-  // same pass (whole units).
+  // same pass (whole units). rows: only these rows of the embedding table (adamw_step_rows).
   void update_unit(Unit& u, int64_t step, double lr, double weight_decay, const AdamWConfig& cfg,
-                   Tensor* nonfinite, bool yield_sms, Tensor* norm_slots = nullptr);
+                   Tensor* nonfinite, bool yield_sms, Tensor* norm_slots = nullptr,
+                   const std::vector<int32_t>* rows = nullptr);
   bool embed_rows_apply() const;
-  // The embedding's update for the listed rows (adamw_step_rows with the early update's
+  // The embedding's update for the listed rows (update_unit with the early update's
   // arguments); on the copy stream when the state is on a GPU.
   void update_embed_rows(const std::vector<int32_t>& rows);
   std::vector<int32_t> embed_row_list(bool touched) const;

@@ -20,11 +20,11 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
-#include <string>
 #include <cstring>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "backend/cuda/check.cuh"

@@ -444,16 +444,20 @@ int64_t adamw_step_sum_squares(float* master, const float* grad, void* exp_avg, 
   const unsigned blocks = slice_blocks(slices, s.short_blocks);
   const bool bf16_model = model && model_dtype == DType::bf16;
   if (bf16_moments && bf16_model)
-    adamw_sq_kernel<bf16_t, true><<<blocks, kThreads, yield_smem(adamw_sq_kernel<bf16_t, true>, s.short_blocks), stream()>>>(master, grad, exp_avg, exp_avg_sq,
+    adamw_sq_kernel<bf16_t, true><<<blocks, kThreads, yield_smem(adamw_sq_kernel<bf16_t, true>, s.short_blocks),
+                                     stream()>>>(master, grad, exp_avg, exp_avg_sq,
         static_cast<bf16_t*>(model), n, s, key, first_element, nonfinite, partial);
   else if (bf16_moments)
-    adamw_sq_kernel<float, true><<<blocks, kThreads, yield_smem(adamw_sq_kernel<float, true>, s.short_blocks), stream()>>>(master, grad, exp_avg, exp_avg_sq,
+    adamw_sq_kernel<float, true><<<blocks, kThreads, yield_smem(adamw_sq_kernel<float, true>, s.short_blocks),
+                                     stream()>>>(master, grad, exp_avg, exp_avg_sq,
         static_cast<float*>(model), n, s, key, first_element, nonfinite, partial);
   else if (bf16_model)
-    adamw_sq_kernel<bf16_t, false><<<blocks, kThreads, yield_smem(adamw_sq_kernel<bf16_t, false>, s.short_blocks), stream()>>>(master, grad, exp_avg, exp_avg_sq,
+    adamw_sq_kernel<bf16_t, false><<<blocks, kThreads, yield_smem(adamw_sq_kernel<bf16_t, false>, s.short_blocks),
+                                     stream()>>>(master, grad, exp_avg, exp_avg_sq,
         static_cast<bf16_t*>(model), n, s, key, first_element, nonfinite, partial);
   else
-    adamw_sq_kernel<float, false><<<blocks, kThreads, yield_smem(adamw_sq_kernel<float, false>, s.short_blocks), stream()>>>(master, grad, exp_avg, exp_avg_sq,
+    adamw_sq_kernel<float, false><<<blocks, kThreads, yield_smem(adamw_sq_kernel<float, false>, s.short_blocks),
+                                     stream()>>>(master, grad, exp_avg, exp_avg_sq,
         static_cast<float*>(model), n, s, key, first_element, nonfinite, partial);
   BB_CHECK_LAUNCH();
   return slices;
@@ -474,9 +478,10 @@ void adamw_step_rows(float* master, const float* grad, void* exp_avg, void* exp_
     using TM = decltype(tm);
     constexpr int V = decltype(v)::value;
     constexpr bool B = decltype(b16)::value;
-    adamw_rows_kernel<TM, V, B><<<blocks, kThreads, yield_smem(adamw_rows_kernel<TM, V, B>, s.short_blocks), stream()>>>(master, grad, exp_avg, exp_avg_sq,
-                                                                    static_cast<TM*>(model), n, rows, row_len, s,
-                                                                    key, first_element, nonfinite);
+    const size_t smem = yield_smem(adamw_rows_kernel<TM, V, B>, s.short_blocks);
+    adamw_rows_kernel<TM, V, B><<<blocks, kThreads, smem, stream()>>>(master, grad, exp_avg, exp_avg_sq,
+                                                                       static_cast<TM*>(model), n, rows, row_len,
+                                                                       s, key, first_element, nonfinite);
   };
   using I4 = std::integral_constant<int, 4>;
   using I1 = std::integral_constant<int, 1>;
