@@ -3,21 +3,30 @@
 // category (DESIGN.md sec. 6: timings after warm-up, median of several steps).
 //
 //   bench_train_step [--config PATH] [--seq 8192,32768,65536,131072] [--steps 5] [--warmup 2]
-//                    [--set table.key=value ...] [--profile]
+//                    [--set table.key=value ...] [--profile] [--gpu-idle]
 // --profile: the last step of each size runs under the built-in range profiler (core/trace.h)
 // and its GPU time per BB_RANGE name is printed (CUDA builds), then per category (dense GEMMs,
 // expert GEMMs, attention, Gated DeltaNet, loss head, optimizer, elementwise and other kernels,
 // and the step time outside any range: idle / launch) with each category's achieved rate against
-// its ceiling (category_table below).
+// its ceiling (category_table below). That last row is the step minus the ranges' GPU time, which
+// is 0 whenever side streams overlap the compute stream; --gpu-idle measures the idle time itself.
+// --gpu-idle: one more step of each size (not in the median) runs under CUPTI's activity
+// records (bench/gpu_activity.h; libcupti.so.13 on the library path): the GPU's busy time (the
+// union of every kernel, copy and memset on any stream), its idle time over the step (waiting
+// for the host: launches, host syncs, host work between steps) and the longest idle gaps.
 // Default model: the 4-layer slice of Qwen3-30B-A3B with recompute=full, loss=linear_ce,
 // experts=grouped, on cuda:0 (falls back to a tiny CPU run if no GPU is visible).
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#ifdef BB_WITH_CUDA
+#include "gpu_activity.h"
+#endif
 #include "core/rng.h"
 #include "core/trace.h"
 #include "runtime/trainer.h"
@@ -131,7 +140,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> seqs = {8192, 32768, 65536, 131072};
   int64_t steps = 5, warmup = 2;
   std::vector<std::string> sets;
-  bool profile = false;
+  bool profile = false, gpu_idle = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -144,13 +153,25 @@ int main(int argc, char** argv) {
     else if (a == "--warmup") warmup = std::stoll(next());
     else if (a == "--set") sets.push_back(next());
     else if (a == "--profile") profile = true;
+    else if (a == "--gpu-idle") gpu_idle = true;
     else { std::fprintf(stderr, "unknown argument %s (see the header of bench_train_step.cpp)\n", a.c_str()); return 2; }
   }
-  struct Row { int64_t S; double tok_s, model_tf, hw_tf, step_ms; MemoryStats mem; int64_t syncs; std::string err; };
+  struct Row {
+    int64_t S;
+    double tok_s, model_tf, hw_tf, step_ms;
+    MemoryStats mem;
+    int64_t syncs;
+    std::string err;
+    std::string idle;  // --gpu-idle: the traced step's line
+  };
+#ifdef BB_WITH_CUDA
+  std::unique_ptr<bench::GpuActivity> activity;
+  if (gpu_idle) activity = std::make_unique<bench::GpuActivity>();
+#endif
   std::vector<Row> rows;
   std::string summary;
   for (int64_t S : seqs) {
-    Row r{S, 0, 0, 0, 0, {}, 0, ""};
+    Row r{S, 0, 0, 0, 0, {}, 0, "", ""};
     try {
       std::ostringstream toml;
       toml << "[model]\nconfig = \"" << config << "\"\n"
@@ -174,6 +195,29 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "[bench] S=%lld step %lld: %.3fs loss %.4f\n", static_cast<long long>(S),
                      static_cast<long long>(i + 1), m.step_time_s, m.loss);
         if (i >= warmup) ms.push_back(m);
+      }
+      if (gpu_idle) {
+#ifdef BB_WITH_CUDA
+        if (!activity->usable()) {
+          r.idle = "not measured: " + activity->error;
+        } else {
+          activity->begin();
+          const StepMetrics m = tr.train_step();  // ends with a device sync
+          const bench::GpuActivity::Result a = activity->end();
+          char buf[512];
+          int n = std::snprintf(buf, sizeof buf,
+                                "step %.1f ms (traced), GPU busy %.2f ms, idle %.2f ms (%.1f %%) in %zu gaps >= 10 us; "
+                                "longest:", m.step_time_s * 1e3, a.busy_ms, a.idle_ms,
+                                a.window_ms > 0 ? 100 * a.idle_ms / a.window_ms : 0.0, a.gaps.size());
+          for (size_t i = 0; i < a.gaps.size() && i < 5 && n > 0 && n < static_cast<int>(sizeof buf); ++i)
+            n += std::snprintf(buf + n, sizeof buf - static_cast<size_t>(n), " %.3f", a.gaps[i]);
+          if (a.gaps.empty()) n += std::snprintf(buf + n, sizeof buf - static_cast<size_t>(n), " -");
+          r.idle = a.window_ms > 0 ? std::string(buf) + " ms; " + std::to_string(a.records) + " records"
+                                   : "not measured: CUPTI gave no timestamps (is the run on a GPU?)";
+        }
+#else
+        r.idle = "not measured: a CPU build";
+#endif
       }
       std::sort(ms.begin(), ms.end(), [](const StepMetrics& a, const StepMetrics& b) { return a.step_time_s < b.step_time_s; });
       // The median; with an even count the lower middle (2 steps: the faster, since a second step
@@ -208,5 +252,7 @@ int main(int argc, char** argv) {
                 static_cast<long long>(r.S), r.step_ms, r.tok_s, r.model_tf, r.hw_tf, static_cast<long long>(r.syncs),
                 g(p[0]), g(p[1]), g(p[2]), g(p[3]), g(p[4]), g(p[5]), g(p[7]), g(r.mem.reserved_peak));
   }
+  for (const Row& r : rows)
+    if (!r.idle.empty()) std::printf("GPU idle at %lld tokens: %s\n", static_cast<long long>(r.S), r.idle.c_str());
   return 0;
 }

@@ -1,0 +1,174 @@
+// gpu_activity.h — how busy the GPU was over a stretch of host time, from CUPTI's activity
+// records (kernels, copies and memsets on every stream), for the benches. CUPTI is loaded at
+// run time (libcupti.so.13 from the library path): without it, nothing is measured and
+// `error` says why. One tracer at a time in a process.
+//
+//   GpuActivity a;            // loads CUPTI, enables the records
+//   a.begin(); ...work that ends with a device sync...; GpuActivity::Result r = a.end();
+//   r.busy_ms  union of the intervals in which any kernel, copy or memset ran, within the window
+//   r.idle_ms  window - busy: the GPU had nothing to run (waiting for the host: launches, syncs)
+//   r.gaps     idle stretches >= 10 us, longest first
+#pragma once
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <cupti_activity.h>
+
+namespace bb::bench {
+
+class GpuActivity {
+ public:
+  struct Result {
+    bool ok = false;
+    double window_ms = 0, busy_ms = 0, idle_ms = 0;
+    int64_t records = 0;
+    std::vector<double> gaps;  // ms, >= 10 us, longest first
+  };
+
+  GpuActivity() {
+    for (const char* name : {"libcupti.so.13", "libcupti.so"}) {
+      lib_ = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+      if (lib_) break;
+    }
+    if (!lib_) {
+      error = "CUPTI not found (libcupti.so.13 on the library path)";
+      return;
+    }
+    auto sym = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib_, name));
+      if (!fn && error.empty()) error = std::string("CUPTI has no ") + name;
+    };
+    sym(enable_, "cuptiActivityEnable");
+    sym(disable_, "cuptiActivityDisable");
+    sym(register_, "cuptiActivityRegisterCallbacks");
+    sym(next_, "cuptiActivityGetNextRecord");
+    sym(flush_, "cuptiActivityFlushAll");
+    sym(timestamp_, "cuptiGetTimestamp");
+    if (!error.empty()) return;
+    self() = this;
+    if (register_(&requested, &completed) != CUPTI_SUCCESS) error = "cuptiActivityRegisterCallbacks failed";
+  }
+  ~GpuActivity() {
+    if (self() == this) self() = nullptr;
+  }
+  GpuActivity(const GpuActivity&) = delete;
+  GpuActivity& operator=(const GpuActivity&) = delete;
+
+  bool usable() const { return error.empty(); }
+
+  void begin() {
+    if (!usable()) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      intervals_.clear();
+    }
+    for (CUpti_ActivityKind k : kKinds)
+      if (enable_(k) != CUPTI_SUCCESS) error = "cuptiActivityEnable failed (kind " + std::to_string(k) + ")";
+    timestamp_(&t0_);
+  }
+
+  // Call after the work ended with a device sync.
+  Result end() {
+    Result r;
+    if (!usable()) return r;
+    uint64_t t1 = 0;
+    timestamp_(&t1);
+    flush_(1);  // CUPTI_ACTIVITY_FLAG_FLUSH_FORCED
+    for (CUpti_ActivityKind k : kKinds) disable_(k);
+    std::vector<std::pair<uint64_t, uint64_t>> iv;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      iv.swap(intervals_);
+    }
+    r.records = static_cast<int64_t>(iv.size());
+    std::sort(iv.begin(), iv.end());
+    uint64_t busy = 0, cur = t0_;  // cur: the end of the busy time merged so far
+    auto gap = [&](uint64_t from, uint64_t to) {
+      if (to > from && to - from >= 10000) r.gaps.push_back(static_cast<double>(to - from) * 1e-6);
+    };
+    for (auto [s, e] : iv) {
+      s = std::max(s, t0_);
+      e = std::min(e, t1);
+      if (e <= s || e <= cur) continue;
+      if (s > cur) gap(cur, s);
+      busy += e - std::max(s, cur);
+      cur = e;
+    }
+    gap(cur, t1);
+    std::sort(r.gaps.rbegin(), r.gaps.rend());
+    r.ok = true;
+    r.window_ms = static_cast<double>(t1 - t0_) * 1e-6;
+    r.busy_ms = static_cast<double>(busy) * 1e-6;
+    r.idle_ms = r.window_ms - r.busy_ms;
+    return r;
+  }
+
+  std::string error;
+
+ private:
+  static constexpr CUpti_ActivityKind kKinds[3] = {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, CUPTI_ACTIVITY_KIND_MEMCPY,
+                                                    CUPTI_ACTIVITY_KIND_MEMSET};
+  static constexpr size_t kBufferBytes = 8u << 20;
+
+  static GpuActivity*& self() {
+    static GpuActivity* s = nullptr;
+    return s;
+  }
+  static void CUPTIAPI requested(uint8_t** buffer, size_t* size, size_t* max_records) {
+    *buffer = static_cast<uint8_t*>(std::aligned_alloc(8, kBufferBytes));
+    *size = kBufferBytes;
+    *max_records = 0;
+  }
+  static void CUPTIAPI completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t valid) {
+    GpuActivity* a = self();
+    if (a && valid > 0) {
+      std::vector<std::pair<uint64_t, uint64_t>> got;
+      CUpti_Activity* rec = nullptr;
+      while (a->next_(buffer, valid, &rec) == CUPTI_SUCCESS) {
+        switch (rec->kind) {
+          case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL:
+          case CUPTI_ACTIVITY_KIND_KERNEL: {
+            const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(rec);
+            got.emplace_back(k->start, k->end);
+            break;
+          }
+          case CUPTI_ACTIVITY_KIND_MEMCPY: {
+            const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(rec);
+            got.emplace_back(m->start, m->end);
+            break;
+          }
+          case CUPTI_ACTIVITY_KIND_MEMSET: {
+            const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(rec);
+            got.emplace_back(m->start, m->end);
+            break;
+          }
+          default: break;
+        }
+      }
+      std::lock_guard<std::mutex> lock(a->mu_);
+      a->intervals_.insert(a->intervals_.end(), got.begin(), got.end());
+    }
+    std::free(buffer);
+  }
+
+  void* lib_ = nullptr;
+  CUptiResult(CUPTIAPI* enable_)(CUpti_ActivityKind) = nullptr;
+  CUptiResult(CUPTIAPI* disable_)(CUpti_ActivityKind) = nullptr;
+  CUptiResult(CUPTIAPI* register_)(CUpti_BuffersCallbackRequestFunc, CUpti_BuffersCallbackCompleteFunc) = nullptr;
+  CUptiResult(CUPTIAPI* next_)(uint8_t*, size_t, CUpti_Activity**) = nullptr;
+  CUptiResult(CUPTIAPI* flush_)(uint32_t) = nullptr;
+  CUptiResult(CUPTIAPI* timestamp_)(uint64_t*) = nullptr;
+  uint64_t t0_ = 0;
+  std::mutex mu_;
+  std::vector<std::pair<uint64_t, uint64_t>> intervals_;
+};
+
+}  // namespace bb::bench
