@@ -10,10 +10,11 @@
 // and the step time outside any range: idle / launch) with each category's achieved rate against
 // its ceiling (category_table below). That last row is the step minus the ranges' GPU time, which
 // is 0 whenever side streams overlap the compute stream; --gpu-idle measures the idle time itself.
-// --gpu-idle: one more step of each size (not in the median) runs under CUPTI's activity
+// --gpu-idle: two more steps of each size (not in the median) run under CUPTI's activity
 // records (bench/gpu_activity.h; libcupti.so.13 on the library path): the GPU's busy time (the
 // union of every kernel, copy and memset on any stream), its idle time over the step (waiting
-// for the host: launches, host syncs, host work between steps) and the longest idle gaps.
+// for the host: launches, host syncs, host work between steps) and the longest idle gaps, of the
+// second one (turning the records on costs the first one's early launches a few ms).
 // Default model: the 4-layer slice of Qwen3-30B-A3B with recompute=full, loss=linear_ce,
 // experts=grouped, on cuda:0 (falls back to a tiny CPU run if no GPU is visible).
 #include <algorithm>
@@ -201,16 +202,20 @@ int main(int argc, char** argv) {
         if (!activity->usable()) {
           r.idle = "not measured: " + activity->error;
         } else {
+          activity->begin();  // a first traced step absorbs CUPTI's setup
+          tr.train_step();
+          activity->end();
           activity->begin();
           const StepMetrics m = tr.train_step();  // ends with a device sync
           const bench::GpuActivity::Result a = activity->end();
           char buf[512];
           int n = std::snprintf(buf, sizeof buf,
-                                "step %.1f ms (traced), GPU busy %.2f ms, idle %.2f ms (%.1f %%) in %zu gaps >= 10 us; "
-                                "longest:", m.step_time_s * 1e3, a.busy_ms, a.idle_ms,
+                                "step %.1f ms (traced; window %.1f ms), GPU busy %.2f ms, idle %.2f ms (%.1f %%) in %zu gaps >= 10 us; "
+                                "longest (length @ start):", m.step_time_s * 1e3, a.window_ms, a.busy_ms, a.idle_ms,
                                 a.window_ms > 0 ? 100 * a.idle_ms / a.window_ms : 0.0, a.gaps.size());
           for (size_t i = 0; i < a.gaps.size() && i < 5 && n > 0 && n < static_cast<int>(sizeof buf); ++i)
-            n += std::snprintf(buf + n, sizeof buf - static_cast<size_t>(n), " %.3f", a.gaps[i]);
+            n += std::snprintf(buf + n, sizeof buf - static_cast<size_t>(n), " %.3f @ %.1f", a.gaps[i].second,
+                               a.gaps[i].first);
           if (a.gaps.empty()) n += std::snprintf(buf + n, sizeof buf - static_cast<size_t>(n), " -");
           r.idle = a.window_ms > 0 ? std::string(buf) + " ms; " + std::to_string(a.records) + " records"
                                    : "not measured: CUPTI gave no timestamps (is the run on a GPU?)";

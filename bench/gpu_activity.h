@@ -3,11 +3,13 @@
 // run time (libcupti.so.13 from the library path): without it, nothing is measured and
 // `error` says why. One tracer at a time in a process.
 //
-//   GpuActivity a;            // loads CUPTI, enables the records
+//   GpuActivity a;            // loads CUPTI
 //   a.begin(); ...work that ends with a device sync...; GpuActivity::Result r = a.end();
+// The first begin() turns the records on, which costs the launches right after it a few
+// milliseconds of setup (measured 1-5 ms on an H200): measure a second stretch, not the first.
 //   r.busy_ms  union of the intervals in which any kernel, copy or memset ran, within the window
 //   r.idle_ms  window - busy: the GPU had nothing to run (waiting for the host: launches, syncs)
-//   r.gaps     idle stretches >= 10 us, longest first
+//   r.gaps     idle stretches >= 10 us, longest first: {start (ms after begin()), length ms}
 #pragma once
 
 #include <dlfcn.h>
@@ -30,7 +32,7 @@ class GpuActivity {
     bool ok = false;
     double window_ms = 0, busy_ms = 0, idle_ms = 0;
     int64_t records = 0;
-    std::vector<double> gaps;  // ms, >= 10 us, longest first
+    std::vector<std::pair<double, double>> gaps;  // {start, length} ms, >= 10 us, longest first
   };
 
   GpuActivity() {
@@ -57,6 +59,8 @@ class GpuActivity {
     if (register_(&requested, &completed) != CUPTI_SUCCESS) error = "cuptiActivityRegisterCallbacks failed";
   }
   ~GpuActivity() {
+    if (enabled_)
+      for (CUpti_ActivityKind k : kKinds) disable_(k);
     if (self() == this) self() = nullptr;
   }
   GpuActivity(const GpuActivity&) = delete;
@@ -70,8 +74,13 @@ class GpuActivity {
       std::lock_guard<std::mutex> lock(mu_);
       intervals_.clear();
     }
-    for (CUpti_ActivityKind k : kKinds)
-      if (enable_(k) != CUPTI_SUCCESS) error = "cuptiActivityEnable failed (kind " + std::to_string(k) + ")";
+    // Records stay on from the first begin() (enabling them costs the next launches some
+    // milliseconds: trace a step before the one that counts).
+    if (!enabled_) {
+      for (CUpti_ActivityKind k : kKinds)
+        if (enable_(k) != CUPTI_SUCCESS) error = "cuptiActivityEnable failed (kind " + std::to_string(k) + ")";
+      enabled_ = true;
+    }
     timestamp_(&t0_);
   }
 
@@ -82,7 +91,6 @@ class GpuActivity {
     uint64_t t1 = 0;
     timestamp_(&t1);
     flush_(1);  // CUPTI_ACTIVITY_FLAG_FLUSH_FORCED
-    for (CUpti_ActivityKind k : kKinds) disable_(k);
     std::vector<std::pair<uint64_t, uint64_t>> iv;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -92,7 +100,8 @@ class GpuActivity {
     std::sort(iv.begin(), iv.end());
     uint64_t busy = 0, cur = t0_;  // cur: the end of the busy time merged so far
     auto gap = [&](uint64_t from, uint64_t to) {
-      if (to > from && to - from >= 10000) r.gaps.push_back(static_cast<double>(to - from) * 1e-6);
+      if (to > from && to - from >= 10000)
+        r.gaps.emplace_back(static_cast<double>(from - t0_) * 1e-6, static_cast<double>(to - from) * 1e-6);
     };
     for (auto [s, e] : iv) {
       s = std::max(s, t0_);
@@ -103,7 +112,7 @@ class GpuActivity {
       cur = e;
     }
     gap(cur, t1);
-    std::sort(r.gaps.rbegin(), r.gaps.rend());
+    std::sort(r.gaps.begin(), r.gaps.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
     r.ok = true;
     r.window_ms = static_cast<double>(t1 - t0_) * 1e-6;
     r.busy_ms = static_cast<double>(busy) * 1e-6;
@@ -167,6 +176,7 @@ class GpuActivity {
   CUptiResult(CUPTIAPI* flush_)(uint32_t) = nullptr;
   CUptiResult(CUPTIAPI* timestamp_)(uint64_t*) = nullptr;
   uint64_t t0_ = 0;
+  bool enabled_ = false;
   std::mutex mu_;
   std::vector<std::pair<uint64_t, uint64_t>> intervals_;
 };
