@@ -216,7 +216,7 @@ int main(int argc, char** argv) {
           for (size_t i = 0; i < a.gaps.size() && i < 5 && n > 0 && n < static_cast<int>(sizeof buf); ++i)
             n += std::snprintf(buf + n, sizeof buf - static_cast<size_t>(n), " %.3f @ %.1f", a.gaps[i].second,
                                a.gaps[i].first);
-          if (a.gaps.empty()) n += std::snprintf(buf + n, sizeof buf - static_cast<size_t>(n), " -");
+          if (a.gaps.empty() && n > 0 && n < static_cast<int>(sizeof buf)) n += std::snprintf(buf + n, sizeof buf - static_cast<size_t>(n), " -");
           r.idle = a.window_ms > 0 ? std::string(buf) + " ms; " + std::to_string(a.records) + " records"
                                    : "not measured: CUPTI gave no timestamps (is the run on a GPU?)";
         }
