@@ -30,7 +30,6 @@ namespace bb::bench {
 class GpuActivity {
  public:
   struct Result {
-    bool ok = false;
     double window_ms = 0, busy_ms = 0, idle_ms = 0;
     int64_t records = 0;
     std::vector<std::pair<double, double>> gaps;  // {start, length} ms, >= 10 us, longest first
@@ -114,7 +113,6 @@ class GpuActivity {
     }
     gap(cur, t1);
     std::sort(r.gaps.begin(), r.gaps.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
-    r.ok = true;
     r.window_ms = static_cast<double>(t1 - t0_) * 1e-6;
     r.busy_ms = static_cast<double>(busy) * 1e-6;
     r.idle_ms = r.window_ms - r.busy_ms;
