@@ -3,7 +3,7 @@
 // category (DESIGN.md sec. 6: timings after warm-up, median of several steps).
 //
 //   bench_train_step [--config PATH] [--seq 8192,32768,65536,131072] [--steps 5] [--warmup 2]
-//                    [--set table.key=value ...] [--profile] [--gpu-idle]
+//                    [--set table.key=value ...] [--profile] [--gpu-idle] [--kernels N]
 // --profile: the last step of each size runs under the built-in range profiler (core/trace.h)
 // and its GPU time per BB_RANGE name is printed (CUDA builds), then per category (dense GEMMs,
 // expert GEMMs, attention, Gated DeltaNet, loss head, optimizer, elementwise and other kernels,
@@ -15,6 +15,8 @@
 // union of every kernel, copy and memset on any stream), its idle time over the step (waiting
 // for the host: launches, host syncs, host work between steps) and the longest idle gaps, of the
 // second one (turning the records on costs the first one's early launches a few ms).
+// --kernels N: --gpu-idle, and the N kernels of the traced step with the most GPU time (name,
+// launches, summed ms; kernels on side streams overlap others, so the sums exceed the busy time).
 // Default model: the 4-layer slice of Qwen3-30B-A3B with recompute=full, loss=linear_ce,
 // experts=grouped, on cuda:0 (falls back to a tiny CPU run if no GPU is visible).
 #include <algorithm>
@@ -142,6 +144,7 @@ int main(int argc, char** argv) {
   int64_t steps = 5, warmup = 2;
   std::vector<std::string> sets;
   bool profile = false, gpu_idle = false;
+  int64_t top_kernels = 0;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -155,6 +158,11 @@ int main(int argc, char** argv) {
     else if (a == "--set") sets.push_back(next());
     else if (a == "--profile") profile = true;
     else if (a == "--gpu-idle") gpu_idle = true;
+    else if (a == "--kernels") {
+      top_kernels = std::stoll(next());
+      if (top_kernels < 1) { std::fprintf(stderr, "--kernels needs a count >= 1\n"); return 2; }
+      gpu_idle = true;
+    }
     else { std::fprintf(stderr, "unknown argument %s (see the header of bench_train_step.cpp)\n", a.c_str()); return 2; }
   }
   struct Row {
@@ -163,7 +171,8 @@ int main(int argc, char** argv) {
     MemoryStats mem;
     int64_t syncs;
     std::string err;
-    std::string idle;  // --gpu-idle: the traced step's line
+    std::string idle;     // --gpu-idle: the traced step's line
+    std::string kernels;  // --kernels: its table
   };
 #ifdef BB_WITH_CUDA
   std::unique_ptr<bench::GpuActivity> activity;
@@ -172,7 +181,7 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   std::string summary;
   for (int64_t S : seqs) {
-    Row r{S, 0, 0, 0, 0, {}, 0, "", ""};
+    Row r{S, 0, 0, 0, 0, {}, 0, "", "", ""};
     try {
       std::ostringstream toml;
       toml << "[model]\nconfig = \"" << config << "\"\n"
@@ -219,6 +228,23 @@ int main(int argc, char** argv) {
           if (a.gaps.empty() && n > 0 && n < static_cast<int>(sizeof buf)) n += std::snprintf(buf + n, sizeof buf - static_cast<size_t>(n), " -");
           r.idle = a.window_ms > 0 ? std::string(buf) + " ms; " + std::to_string(a.records) + " records"
                                    : "not measured: CUPTI gave no timestamps (is the run on a GPU?)";
+          if (top_kernels > 0 && a.window_ms > 0) {
+            double all = 0;
+            for (const auto& k : a.kernels) all += k.ms;
+            std::ostringstream t;
+            char line[256];
+            std::snprintf(line, sizeof line, "kernels of the traced step at %lld tokens (%zu names, %.1f kernel-ms in all), most GPU time first:\n",
+                          static_cast<long long>(S), a.kernels.size(), all);
+            t << line;
+            for (size_t i = 0; i < a.kernels.size() && static_cast<int64_t>(i) < top_kernels; ++i) {
+              const auto& k = a.kernels[i];
+              std::snprintf(line, sizeof line, "  %9.3f ms %6lld x %8.1f us  %s\n", k.ms,
+                            static_cast<long long>(k.launches), 1e3 * k.ms / static_cast<double>(k.launches),
+                            k.name.c_str());
+              t << line;
+            }
+            r.kernels = t.str();
+          }
         }
 #else
         r.idle = "not measured: a CPU build";
@@ -259,5 +285,7 @@ int main(int argc, char** argv) {
   }
   for (const Row& r : rows)
     if (!r.idle.empty()) std::printf("GPU idle at %lld tokens: %s\n", static_cast<long long>(r.S), r.idle.c_str());
+  for (const Row& r : rows)
+    if (!r.kernels.empty()) std::printf("\n%s", r.kernels.c_str());
   return 0;
 }

@@ -10,13 +10,19 @@
 //   r.busy_ms  union of the intervals in which any kernel, copy or memset ran, within the window
 //   r.idle_ms  window - busy: the GPU had nothing to run (waiting for the host: launches, syncs)
 //   r.gaps     idle stretches >= 10 us, longest first: {start (ms after begin()), length ms}
+//   r.kernels  per kernel name (demangled, without its arguments): launches and summed GPU
+//              time within the window, most time first; kernels on different streams overlap,
+//              so the sums add up to more than busy_ms when streams run side by side
 #pragma once
 
+#include <cxxabi.h>
 #include <dlfcn.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
+#include <map>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -33,6 +39,12 @@ class GpuActivity {
     double window_ms = 0, busy_ms = 0, idle_ms = 0;
     int64_t records = 0;
     std::vector<std::pair<double, double>> gaps;  // {start, length} ms, >= 10 us, longest first
+    struct Kernel {
+      std::string name;
+      int64_t launches = 0;
+      double ms = 0;
+    };
+    std::vector<Kernel> kernels;  // most GPU time first
   };
 
   GpuActivity() {
@@ -73,6 +85,7 @@ class GpuActivity {
     {
       std::lock_guard<std::mutex> lock(mu_);
       intervals_.clear();
+      kernels_.clear();
     }
     // Records stay on from the first begin() (enabling them costs the next launches some
     // milliseconds: trace a step before the one that counts).
@@ -92,10 +105,26 @@ class GpuActivity {
     timestamp_(&t1);
     flush_(1);  // CUPTI_ACTIVITY_FLAG_FLUSH_FORCED
     std::vector<std::pair<uint64_t, uint64_t>> iv;
+    std::vector<KernelRecord> ks;
     {
       std::lock_guard<std::mutex> lock(mu_);
       iv.swap(intervals_);
+      ks.swap(kernels_);
     }
+    std::map<const char*, std::string> short_names;
+    std::map<std::string, Result::Kernel> by_name;
+    for (const KernelRecord& k : ks) {
+      const uint64_t s = std::max(k.start, t0_), e = std::min(k.end, t1);
+      if (e <= s) continue;
+      auto it = short_names.find(k.name);
+      if (it == short_names.end()) it = short_names.emplace(k.name, short_name(k.name)).first;
+      Result::Kernel& acc = by_name[it->second];
+      acc.name = it->second;
+      acc.launches += 1;
+      acc.ms += static_cast<double>(e - s) * 1e-6;
+    }
+    for (auto& [name, k] : by_name) r.kernels.push_back(std::move(k));
+    std::sort(r.kernels.begin(), r.kernels.end(), [](const auto& a, const auto& b) { return a.ms > b.ms; });
     r.records = static_cast<int64_t>(iv.size());
     std::sort(iv.begin(), iv.end());
     uint64_t busy = 0, cur = t0_;  // cur: the end of the busy time merged so far
@@ -126,6 +155,34 @@ class GpuActivity {
                                                     CUPTI_ACTIVITY_KIND_MEMSET};
   static constexpr size_t kBufferBytes = 8u << 20;
 
+  struct KernelRecord {
+    const char* name = nullptr;  // shared by every record of the kernel, owned by CUPTI
+    uint64_t start = 0, end = 0;
+  };
+
+  // "void ns::kernel<T>(args)" -> "ns::kernel<T>", at most 100 characters.
+  static std::string short_name(const char* mangled) {
+    if (!mangled) return "?";
+    int status = 0;
+    char* d = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
+    std::string n = (status == 0 && d) ? std::string(d) : std::string(mangled);
+    std::free(d);
+    if (n.rfind("void ", 0) == 0) n.erase(0, 5);
+    int depth = 0;  // cut at the argument list: the first '(' outside template brackets
+    for (size_t i = 0; i < n.size(); ++i) {
+      if (n[i] == '<') ++depth;
+      else if (n[i] == '>') --depth;
+      else if (n[i] == '(' && depth == 0 && i > 0 && n.compare(i, 20, "(anonymous namespace") != 0) {
+        n.resize(i);
+        break;
+      }
+    }
+    for (const char* drop : {"(anonymous namespace)::", "bb::cuda::"})
+      for (size_t p; (p = n.find(drop)) != std::string::npos;) n.erase(p, std::strlen(drop));
+    if (n.size() > 100) n = n.substr(0, 97) + "...";
+    return n;
+  }
+
   static GpuActivity*& self() {
     static GpuActivity* s = nullptr;
     return s;
@@ -139,6 +196,7 @@ class GpuActivity {
     GpuActivity* a = self();
     if (a && valid > 0) {
       std::vector<std::pair<uint64_t, uint64_t>> got;
+      std::vector<KernelRecord> kernels;
       CUpti_Activity* rec = nullptr;
       while (a->next_(buffer, valid, &rec) == CUPTI_SUCCESS) {
         switch (rec->kind) {
@@ -146,6 +204,7 @@ class GpuActivity {
           case CUPTI_ACTIVITY_KIND_KERNEL: {
             const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(rec);
             got.emplace_back(k->start, k->end);
+            kernels.push_back({k->name, k->start, k->end});  // CUPTI keeps the name string
             break;
           }
           case CUPTI_ACTIVITY_KIND_MEMCPY: {
@@ -163,6 +222,8 @@ class GpuActivity {
       }
       std::lock_guard<std::mutex> lock(a->mu_);
       a->intervals_.insert(a->intervals_.end(), got.begin(), got.end());
+      a->kernels_.insert(a->kernels_.end(), std::make_move_iterator(kernels.begin()),
+                         std::make_move_iterator(kernels.end()));
     }
     std::free(buffer);
   }
@@ -178,6 +239,7 @@ class GpuActivity {
   bool enabled_ = false;
   std::mutex mu_;
   std::vector<std::pair<uint64_t, uint64_t>> intervals_;
+  std::vector<KernelRecord> kernels_;
 };
 
 }  // namespace bb::bench

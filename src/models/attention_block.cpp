@@ -165,11 +165,9 @@ Tensor AttentionBlock::backward_data(const Tensor& d_y, BatchContext& ctx, Block
     S.h1 =
         rmsnorm_forward(S.x, ln_->value, cfg_.rms_norm_eps, nullptr, MemCategory::activations, zc);
   Tensor d_h1 = block::linear_backward(ctx, S, block::flat(d_q), S.h1, wq_, bq_);
-  add_inplace(d_h1, block::linear_backward(ctx, S, block::flat(d_k), S.h1, wk_, bk_));
-  add_inplace(d_h1, block::linear_backward(ctx, S, block::flat(ag.dv), S.h1, wv_, bv_));
-  Tensor d_x = rmsnorm_backward(d_h1, S.x, ln_->value, S.rms, ln_->grad, zc);
-  add_inplace(d_x, d_y);
-  return d_x;
+  block::linear_backward_acc(ctx, S, block::flat(d_k), S.h1, wk_, bk_, d_h1);
+  block::linear_backward_acc(ctx, S, block::flat(ag.dv), S.h1, wv_, bv_, d_h1);
+  return block::norm_backward_with_skip(d_h1, S.x, ln_, S.rms, zc, d_y);
 }
 
 }  // namespace bb

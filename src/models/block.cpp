@@ -1,6 +1,7 @@
 // block.cpp — shared pieces of the blocks: the weight-gradient queue and the linear backward.
 #include "models/block.h"
 
+#include "primitives/elementwise/elementwise.h"
 #include "primitives/linear/linear.h"
 
 namespace bb {
@@ -30,6 +31,24 @@ Tensor linear_backward(BatchContext& ctx, BlockSaved& saved, const Tensor& d_y, 
     linear_backward_weight(g, x, w->grad, b ? &b->grad : nullptr);
   });
   return linear_backward_data(g, w->value);
+}
+
+void linear_backward_acc(BatchContext& ctx, BlockSaved& saved, const Tensor& d_y, const Tensor& x,
+                         Param* w, Param* b, Tensor& d_x) {
+  const Tensor g = as_dtype(d_y, w->value.dtype());
+  weight_grad(ctx, saved, [g, x, w, b] {
+    linear_backward_weight(g, x, w->grad, b ? &b->grad : nullptr);
+  });
+  linear_backward_data_acc(g, w->value, d_x);
+}
+
+Tensor norm_backward_with_skip(const Tensor& d_h, const Tensor& x, Param* ln,
+                               const RMSNormSaved& rms, bool zero_centered, const Tensor& d_y) {
+  if (d_y.dtype() == DType::f32)
+    return rmsnorm_backward(d_h, x, ln->value, rms, ln->grad, zero_centered, &d_y);
+  Tensor d_x = rmsnorm_backward(d_h, x, ln->value, rms, ln->grad, zero_centered);
+  add_inplace(d_x, d_y);
+  return d_x;
 }
 
 }  // namespace block

@@ -27,6 +27,7 @@
 #include "core/tensor.h"
 #include "models/config.h"
 #include "models/params.h"
+#include "primitives/norm/rmsnorm.h"
 #include "primitives/recompute/recompute.h"
 
 namespace bb {
@@ -129,6 +130,15 @@ void weight_grad(BatchContext& ctx, BlockSaved& saved, std::function<void()> fn)
 // w.grad += d_y^T x and b.grad += sum d_y. d_y is taken in the weight's dtype.
 Tensor linear_backward(BatchContext& ctx, BlockSaved& saved, const Tensor& d_y, const Tensor& x,
                        Param* w, Param* b);
+// The same, with the data gradient added into d_x (f32, [T, in]) by the GEMM itself
+// (beta = 1) instead of a separate addition pass: the branches of one input (q, k, v from one
+// norm output; a layer's several projections) sum their gradients this way.
+void linear_backward_acc(BatchContext& ctx, BlockSaved& saved, const Tensor& d_y, const Tensor& x,
+                         Param* w, Param* b, Tensor& d_x);
+// A pre-norm block's input gradient: the norm's backward of d_h plus the skip connection's
+// d_y, in one pass when d_y is f32 (rmsnorm_backward's residual), else added after it.
+Tensor norm_backward_with_skip(const Tensor& d_h, const Tensor& x, Param* ln,
+                               const RMSNormSaved& rms, bool zero_centered, const Tensor& d_y);
 }  // namespace block
 
 }  // namespace bb

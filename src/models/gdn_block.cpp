@@ -41,14 +41,17 @@ namespace {
 // The backward of y = x w_rows^T for a row block [row0, row0 + rows) of parameter w: d_x =
 // d_y w_rows (f32); w.grad[rows] += d_y^T x, now or queued (the views are taken when it runs,
 // so a rebound gradient buffer is honoured).
+// acc: add the data gradient into *acc (the GEMM's beta = 1) and return it; else a new one.
 Tensor row_linear_backward(BatchContext& ctx, BlockSaved& saved, const Tensor& d_y, const Tensor& x,
-                           Param* w, int64_t row0, int64_t rows) {
+                           Param* w, int64_t row0, int64_t rows, Tensor* acc) {
   const Tensor g = block::as_dtype(d_y, w->value.dtype());
   block::weight_grad(ctx, saved, [g, x, w, row0, rows] {
     Tensor d_w = w->grad.narrow(row0, rows);
     linear_backward_weight(g, x, d_w, nullptr);
   });
-  return linear_backward_data(g, w->value.narrow(row0, rows));
+  if (!acc) return linear_backward_data(g, w->value.narrow(row0, rows));
+  linear_backward_data_acc(g, w->value.narrow(row0, rows), *acc);
+  return *acc;
 }
 
 }  // namespace
@@ -216,20 +219,17 @@ Tensor GdnBlock::backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved&
         causal_conv1d_backward(d_act[i]->view({T, crows}), S.pre[i],
                                block::as_dtype(filters.narrow(c0, crows), DType::f32), cu, /*silu=*/true, d_w),
         qkv_heads(i).first, mb, kAct);
-    Tensor d = row_linear_backward(ctx, S, d_pre, S.h, w_qkv_, row0, rows);
     if (i == 0)
-      d_h = d;
+      d_h = row_linear_backward(ctx, S, d_pre, S.h, w_qkv_, row0, rows, nullptr);
     else
-      add_inplace(d_h, d);
+      row_linear_backward(ctx, S, d_pre, S.h, w_qkv_, row0, rows, &d_h);
   }
   gg = GatedDeltaGrads{};
-  add_inplace(d_h, block::linear_backward(ctx, S, xchg_.from_heads(d_z.view({T, hv * Dv}), Hv, mb, kAct), S.h,
-                                          w_z_, nullptr));
-  add_inplace(d_h, block::linear_backward(ctx, S, xchg_.from_heads(d_b, Hv, mb, kAct), S.h, w_b_, nullptr));
-  add_inplace(d_h, block::linear_backward(ctx, S, xchg_.from_heads(d_a, Hv, mb, kAct), S.h, w_a_, nullptr));
-  Tensor d_x = rmsnorm_backward(d_h, S.x, ln_->value, S.rms, ln_->grad, cfg_.zero_centered_norm);
-  add_inplace(d_x, d_y);
-  return d_x;
+  block::linear_backward_acc(ctx, S, xchg_.from_heads(d_z.view({T, hv * Dv}), Hv, mb, kAct), S.h, w_z_,
+                             nullptr, d_h);
+  block::linear_backward_acc(ctx, S, xchg_.from_heads(d_b, Hv, mb, kAct), S.h, w_b_, nullptr, d_h);
+  block::linear_backward_acc(ctx, S, xchg_.from_heads(d_a, Hv, mb, kAct), S.h, w_a_, nullptr, d_h);
+  return block::norm_backward_with_skip(d_h, S.x, ln_, S.rms, cfg_.zero_centered_norm, d_y);
 }
 
 }  // namespace bb

@@ -57,9 +57,7 @@ Tensor MlpBlock::backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved&
   Tensor d_act = block::linear_backward(ctx, S, d_y, S.act, down_, nullptr);
   Tensor d_gu = swiglu_backward(d_act, S.gate_up);
   Tensor d_h = block::linear_backward(ctx, S, d_gu, S.h, gate_up_, nullptr);
-  Tensor d_x = rmsnorm_backward(d_h, S.x, ln_->value, S.rms, ln_->grad);
-  add_inplace(d_x, d_y);
-  return d_x;
+  return block::norm_backward_with_skip(d_h, S.x, ln_, S.rms, /*zero_centered=*/false, d_y);
 }
 
 }  // namespace bb

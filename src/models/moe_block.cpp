@@ -219,20 +219,18 @@ Tensor MoeBlock::backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved&
   // Route: the combine weights' gradient, the z-loss and the pooled aux loss.
   Tensor d_logits = router_backward(d_topk_prob, 0.0, ctx.z_grad, S.logits, rc, S.router);
   if (ctx.aux) ctx.aux->add_grad(d_logits, S.router.scores, ctx.aux_grad);
-  add_inplace(d_h, block::linear_backward(ctx, S, d_logits, S.h, router_, nullptr));
+  block::linear_backward_acc(ctx, S, d_logits, S.h, router_, nullptr, d_h);
 
   if (shared_gate_up_) {
     // out += g * s_out, g = sigmoid(h . w_gate)
     Tensor d_sout = scale_rows(d_y, S.s_gate, MemCategory::activations);
     Tensor dgl = sigmoid_gate_backward(d_y, S.s_out, S.s_gate, MemCategory::activations);
-    add_inplace(d_h, block::linear_backward(ctx, S, dgl, S.h, shared_gate_, nullptr));
+    block::linear_backward_acc(ctx, S, dgl, S.h, shared_gate_, nullptr, d_h);
     Tensor d_sact = block::linear_backward(ctx, S, d_sout, S.s_act, shared_down_, nullptr);
     Tensor d_sgu = swiglu_backward(d_sact, S.s_gate_up);
-    add_inplace(d_h, block::linear_backward(ctx, S, d_sgu, S.h, shared_gate_up_, nullptr));
+    block::linear_backward_acc(ctx, S, d_sgu, S.h, shared_gate_up_, nullptr, d_h);
   }
-  Tensor d_x = rmsnorm_backward(d_h, S.x, ln_->value, S.rms, ln_->grad, cfg_.zero_centered_norm);
-  add_inplace(d_x, d_y);
-  return d_x;
+  return block::norm_backward_with_skip(d_h, S.x, ln_, S.rms, cfg_.zero_centered_norm, d_y);
 }
 
 }  // namespace bb

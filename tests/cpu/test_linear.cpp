@@ -67,6 +67,13 @@ TEST(Linear, BackwardMatchesFiniteDifferences) {
   EXPECT_LT(test::rel_error(dx.to_floats(), gx), test::kGradTol);
   EXPECT_LT(test::rel_error(dw.to_floats(), gw), test::kGradTol);
   EXPECT_LT(test::rel_error(db.to_floats(), gb), test::kGradTol);
+  // The accumulating data gradient adds d_y w onto what is there: onto d_x it doubles it.
+  linear_backward_data_acc(dy, w, dx);
+  auto gx2 = gx;
+  for (double& g : gx2) g *= 2;
+  EXPECT_LT(test::rel_error(dx.to_floats(), gx2), test::kGradTol);
+  Tensor wrong = Tensor::zeros({T, in + 1}, DType::f32, Device::cpu(), MemCategory::other);
+  test::expect_error_contains([&] { linear_backward_data_acc(dy, w, wrong); }, "d_x");
   // Weight gradients accumulate: a second call doubles them.
   linear_backward_weight(dy, x, dw, &db);
   auto gw2 = gw;

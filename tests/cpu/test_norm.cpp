@@ -37,6 +37,29 @@ TEST(RMSNorm, ForwardMatchesDoubleAndBackwardMatchesFD) {
   EXPECT_LT(test::rel_error(dw.to_floats(), gw), test::kGradTol);
 }
 
+// The skip connection's gradient added by the backward itself (the blocks' one-pass form):
+// the same bits as adding it afterwards, d_w unchanged; a wrong-shaped residual is refused.
+TEST(RMSNorm, ResidualIsAddingItAfterwards) {
+  const int64_t T = 7, H = 12;
+  Tensor x = Tensor::from_floats(randn(T * H, 11), {T, H});
+  Tensor w = Tensor::from_floats(test::randu(H, 12, 0.5f, 1.5f), {H});
+  Tensor dy = Tensor::from_floats(randn(T * H, 13), {T, H});
+  Tensor res = Tensor::from_floats(randn(T * H, 14, 2.0f), {T, H});
+  RMSNormSaved saved;
+  rmsnorm_forward(x, w, 1e-6, &saved);
+  Tensor dw1 = Tensor::zeros({H}, DType::f32, Device::cpu(), MemCategory::grads);
+  Tensor dw2 = Tensor::zeros({H}, DType::f32, Device::cpu(), MemCategory::grads);
+  Tensor plain = rmsnorm_backward(dy, x, w, saved, dw1);
+  auto expect = plain.to_floats();
+  const auto r = res.to_floats();
+  for (size_t i = 0; i < expect.size(); ++i) expect[i] += r[i];
+  Tensor fused = rmsnorm_backward(dy, x, w, saved, dw2, false, &res);
+  EXPECT_EQ(fused.to_floats(), expect);
+  EXPECT_EQ(dw2.to_floats(), dw1.to_floats());
+  Tensor bad = Tensor::from_floats(randn(T * (H - 1), 15), {T, H - 1});
+  EXPECT_THROW(rmsnorm_backward(dy, x, w, saved, dw2, false, &bad), Error);
+}
+
 // Zero-centred (Qwen3.5): y = (1 + w) x / rms(x). Equal to the classic norm with weight 1 + w,
 // forward and backward; d_w is the same sum (d(1 + w)/dw = 1); and a w of zeros is the plain
 // normalisation. The classic path is checked against finite differences above, so this pins

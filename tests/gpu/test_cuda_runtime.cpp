@@ -37,6 +37,18 @@ TEST(CudaRuntime, ConversionsMatchHost) {
     EXPECT_EQ(c.to_floats(), host_ref.to_floats()) << dtype_name(dt);  // same rounding as the host
     EXPECT_EQ(c.to_dtype(DType::f32).to_floats(), host_ref.to_floats());
   }
+  // The vectorised path (16-byte aligned ends, 8 elements a thread) and its scalar tail, the
+  // scalar path (an unaligned view), and bf16 <-> f16, against the host conversion.
+  for (int64_t off : {0, 1, 3, 8})
+    for (int64_t n : {1, 7, 8, 9, 4000}) {
+      for (DType from : {DType::f32, DType::bf16, DType::f16})
+        for (DType to : {DType::f32, DType::bf16, DType::f16}) {
+          Tensor src = d.to_dtype(from).narrow(off, n);
+          Tensor host = Tensor::from_floats(v, {4097}).to_dtype(from).narrow(off, n).to_dtype(to);
+          EXPECT_EQ(src.to_dtype(to).to_floats(), host.to_floats())
+              << dtype_name(from) << " -> " << dtype_name(to) << " offset " << off << " n " << n;
+        }
+    }
   Tensor z = Tensor::zeros({33}, DType::f32, Device::cuda(0), MemCategory::other);
   EXPECT_EQ(z.to_floats(), std::vector<float>(33, 0.0f));
   z.fill_(2.5);

@@ -1085,6 +1085,16 @@ TEST_P(LinearGpu, ForwardBackwardMatchCpu) {
   const Tensor dx_gpu = linear_backward_data(dy.to(kGpu), w.to(kGpu));
   EXPECT_EQ(dx_gpu.dtype(), DType::f32);
   EXPECT_LT(test::rel_error(dx_gpu.to_floats(), dx_cpu.to_floats()), test::kTolF32);
+  // Accumulating onto an existing gradient (the GEMM's beta = 1) is computing it and adding it.
+  {
+    const auto base = test::randn(T * in, 56);
+    Tensor acc = Tensor::from_floats(base, {T, in}).to(kGpu, MemCategory::grads);
+    linear_backward_data_acc(dy.to(kGpu), w.to(kGpu), acc);
+    auto expect = base;
+    const auto d = dx_gpu.to_floats();
+    for (size_t i = 0; i < expect.size(); ++i) expect[i] += d[i];
+    EXPECT_LT(test::rel_error(acc.to_floats(), expect), test::kTolF32);
+  }
 
   // Gradients start random (accumulation) and get two calls.
   Tensor dw_cpu = Tensor::from_floats(w0, {out, in}), db_cpu = Tensor::from_floats(b0, {out});

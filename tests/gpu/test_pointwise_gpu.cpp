@@ -182,6 +182,41 @@ TEST(RMSNormGpu, BackwardMatchesCpuAndIsDeterministic) {
   }
 }
 
+TEST(RMSNormGpu, ResidualIsBitwiseAddingItAfterwards) {
+  BB_REQUIRE_GPU();
+  // The fused skip-connection add (one pass) against the backward then add_inplace, on the
+  // vectorised path (aligned rows) and the scalar one (a view starting one row in, H odd).
+  for (int64_t off : {0, 1})
+    for (int64_t H : {256, 2048, 37})
+      for (DType dt : {DType::f32, DType::bf16}) {
+        SCOPED_TRACE(testing::Message() << "offset " << off << " H " << H << " " << dtype_name(dt));
+        const int64_t rows = 41;
+        Tensor x = on_gpu(host(randn((rows + 1) * H, 61), {rows + 1, H}, dt)).narrow(off, rows);
+        Tensor w = on_gpu(host(test::randu(H, 62, 0.5f, 1.5f), {H}, dt));
+        Tensor dy = on_gpu(host(randn((rows + 1) * H, 63), {rows + 1, H})).narrow(off, rows);
+        Tensor res = on_gpu(host(randn((rows + 1) * H, 64, 3.0f), {rows + 1, H})).narrow(off, rows);
+        RMSNormSaved sg;
+        rmsnorm_forward(x, w, 1e-6, &sg);
+        Tensor dw1 = Tensor::zeros({H}, DType::f32, kGpu, MemCategory::grads);
+        Tensor dw2 = Tensor::zeros({H}, DType::f32, kGpu, MemCategory::grads);
+        Tensor plain = rmsnorm_backward(dy, x, w, sg, dw1);
+        add_inplace(plain, res);
+        Tensor fused = rmsnorm_backward(dy, x, w, sg, dw2, false, &res);
+        EXPECT_EQ(fused.to_floats(), plain.to_floats());
+        EXPECT_EQ(dw2.to_floats(), dw1.to_floats());
+      }
+  // A residual of the wrong shape or dtype is refused, naming it.
+  Tensor x = on_gpu(host(randn(8 * 16, 65), {8, 16}));
+  Tensor w = on_gpu(host(test::randu(16, 66, 0.5f, 1.5f), {16}));
+  RMSNormSaved sg;
+  rmsnorm_forward(x, w, 1e-6, &sg);
+  Tensor dw = Tensor::zeros({16}, DType::f32, kGpu, MemCategory::grads);
+  Tensor bad_shape = Tensor::zeros({8, 8}, DType::f32, kGpu, MemCategory::other);
+  Tensor bad_dtype = Tensor::zeros({8, 16}, DType::bf16, kGpu, MemCategory::other);
+  EXPECT_THROW(rmsnorm_backward(x, x, w, sg, dw, false, &bad_shape), Error);
+  EXPECT_THROW(rmsnorm_backward(x, x, w, sg, dw, false, &bad_dtype), Error);
+}
+
 TEST(RMSNormGpu, UnalignedViewsAndMixedWeightDtype) {
   BB_REQUIRE_GPU();
   const int64_t rows = 37, H = 256;

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "backend/cuda/check.cuh"
+#include "backend/cuda/vec.cuh"
 #include "backend/cuda/runtime.h"
 
 namespace bb {
@@ -218,18 +219,36 @@ template <> __device__ __forceinline__ __half convert_one<__half, __nv_bfloat16>
 template <> __device__ __forceinline__ __nv_bfloat16 convert_one<__nv_bfloat16, __nv_bfloat16>(__nv_bfloat16 x) { return x; }
 template <> __device__ __forceinline__ __half convert_one<__half, __half>(__half x) { return x; }
 
-template <class D, class S>
+// kVec elements a thread and step: one 16-byte access (or two, for 4-byte sources) when both
+// pointers are 16-byte aligned (the launcher checks), so the conversion streams at the copy
+// rate; elements past the last whole vector go one by one. kVec = 1 is the scalar fallback.
+template <class D, class S, int kVec>
 __global__ void convert_kernel(D* dst, const S* src, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    dst[i] = convert_one<D, S>(src[i]);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t nv = n / kVec;
+  for (int64_t i = first; i < nv; i += stride) {
+    const Pack<S, kVec> in = reinterpret_cast<const Pack<S, kVec>*>(src)[i];
+    Pack<D, kVec> out;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) out.v[k] = convert_one<D, S>(in.v[k]);
+    reinterpret_cast<Pack<D, kVec>*>(dst)[i] = out;
+  }
+  for (int64_t i = nv * kVec + first; i < n; i += stride) dst[i] = convert_one<D, S>(src[i]);
 }
 
 template <class D, class S>
 void launch_convert(void* dst, const void* src, int64_t n) {
   const int threads = 256;
-  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(n, threads), 65535));
-  convert_kernel<D, S><<<blocks, threads, 0, stream()>>>(static_cast<D*>(dst), static_cast<const S*>(src), n);
+  const bool aligned = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0;
+  if (aligned) {
+    constexpr int kVec = 8;  // 16 bytes of 2-byte types, 32 of f32
+    const int blocks = static_cast<int>(std::min<int64_t>(std::max<int64_t>(ceil_div(n / kVec, threads), 1), 65535));
+    convert_kernel<D, S, kVec><<<blocks, threads, 0, stream()>>>(static_cast<D*>(dst), static_cast<const S*>(src), n);
+  } else {
+    const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(n, threads), 65535));
+    convert_kernel<D, S, 1><<<blocks, threads, 0, stream()>>>(static_cast<D*>(dst), static_cast<const S*>(src), n);
+  }
   BB_CHECK_LAUNCH();
 }
 

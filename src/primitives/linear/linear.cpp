@@ -117,6 +117,18 @@ Tensor linear_backward_data(const Tensor& d_y, const Tensor& w) {
   return dx;
 }
 
+void linear_backward_data_acc(const Tensor& d_y, const Tensor& w, Tensor& d_x) {
+  BB_RANGE("linear_backward_data");
+  BB_CHECK(d_y.dim() == 2 && w.dim() == 2 && d_y.size(1) == w.size(0),
+           "linear_backward_data_acc: d_y ", shape_str(d_y.shape()), " does not match w ",
+           shape_str(w.shape()));
+  check_same_device(d_y, w, "linear_backward_data_acc");
+  check_same_device(d_y, d_x, "linear_backward_data_acc");
+  check_shape(d_x, {d_y.size(0), w.size(1)}, "linear_backward_data_acc", "d_x");
+  check_dtype(d_x, DType::f32, "linear_backward_data_acc", "d_x");
+  matmul(d_y, false, w, false, d_x, 1.0f, 1.0f);  // dispatches on the device
+}
+
 void linear_backward_weight(const Tensor& d_y, const Tensor& x, Tensor& d_w, Tensor* d_bias) {
   BB_RANGE("linear_backward_weight");
   BB_CHECK(d_y.dim() == 2 && x.dim() == 2 && d_y.size(0) == x.size(0),

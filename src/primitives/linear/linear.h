@@ -5,7 +5,7 @@
 //   b   [out]     optional bias (Qwen2 q/k/v projections)
 //   y   [T, out]  x's dtype, category `out_cat`:   y = x @ w^T (+ b)
 // Backward is split so the runtime can delay wgrad:
-//   linear_backward_data:   d_x = d_y @ w            (written, f32)
+//   linear_backward_data:   d_x = d_y @ w            (written, f32; _acc: added, d_x += d_y @ w)
 //   linear_backward_weight: d_w += d_y^T @ x ; d_b += sum_t d_y   (accumulated, f32)
 // `matmul` is the general form used by other primitives: all transpose combinations,
 // C = alpha * op(A) @ op(B) + beta * C, fp32 accumulation.
@@ -22,6 +22,8 @@ void matmul(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor
 Tensor linear_forward(const Tensor& x, const Tensor& w, const Tensor& bias /* may be undefined */,
                       MemCategory out_cat = MemCategory::activations);
 Tensor linear_backward_data(const Tensor& d_y, const Tensor& w);
+// d_x += d_y @ w into an existing f32 [T, in] gradient, in the GEMM (beta = 1).
+void linear_backward_data_acc(const Tensor& d_y, const Tensor& w, Tensor& d_x);
 void linear_backward_weight(const Tensor& d_y, const Tensor& x, Tensor& d_w,
                             Tensor* d_bias /* may be null */);
 

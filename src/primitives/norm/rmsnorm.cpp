@@ -72,7 +72,8 @@ Tensor rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, RMSNormSave
 }
 
 Tensor rmsnorm_backward(const Tensor& d_y, const Tensor& x, const Tensor& w,
-                        const RMSNormSaved& saved, Tensor& d_w, bool zero_centered) {
+                        const RMSNormSaved& saved, Tensor& d_w, bool zero_centered,
+                        const Tensor* residual) {
   BB_RANGE("rmsnorm_backward");
   check_float(d_y, "rmsnorm_backward", "d_y");
   BB_CHECK(x.dim() == 2, "rmsnorm_backward: x must be [T, H], got ", shape_str(x.shape()));
@@ -87,6 +88,11 @@ Tensor rmsnorm_backward(const Tensor& d_y, const Tensor& x, const Tensor& w,
   check_dtype(saved.rstd, DType::f32, "rmsnorm_backward", "saved.rstd");
   for (const Tensor* t : {&d_y, &w, &saved.rstd, static_cast<const Tensor*>(&d_w)})
     check_same_device(x, *t, "rmsnorm_backward");
+  if (residual) {
+    check_shape(*residual, x.shape(), "rmsnorm_backward", "residual");
+    check_dtype(*residual, DType::f32, "rmsnorm_backward", "residual");
+    check_same_device(x, *residual, "rmsnorm_backward");
+  }
   if (x.device().is_cuda()) {
     require_cuda_build("rmsnorm_backward", x);
     check_cuda_dtype(x, "rmsnorm_backward", "x");
@@ -98,7 +104,8 @@ Tensor rmsnorm_backward(const Tensor& d_y, const Tensor& x, const Tensor& w,
                               MemCategory::workspace);
     cuda::rmsnorm_backward(dx.data<float>(), d_w.data<float>(), ws.data<float>(), d_y.raw(),
                            d_y.dtype(), x.raw(), x.dtype(), w.raw(), w.dtype(),
-                           zero_centered ? 1.0f : 0.0f, saved.rstd.data<float>(), rows, H);
+                           zero_centered ? 1.0f : 0.0f, saved.rstd.data<float>(), rows, H,
+                           residual ? residual->data<float>() : nullptr);
 #endif
     return dx;
   }
@@ -106,6 +113,11 @@ Tensor rmsnorm_backward(const Tensor& d_y, const Tensor& x, const Tensor& w,
   Tensor dx = Tensor::empty(x.shape(), DType::f32, x.device(), MemCategory::activations);
   ref::rmsnorm_backward<float>(dx.data<float>(), d_w.data<float>(), dyf.data<float>(),
                                xf.data<float>(), wf.data<float>(), saved.rstd.data<float>(), rows, H);
+  if (residual) {
+    float* o = dx.data<float>();
+    const float* r = residual->data<float>();
+    for (int64_t i = 0; i < rows * H; ++i) o[i] += r[i];
+  }
   return dx;
 }
 

@@ -21,9 +21,12 @@ struct RMSNormSaved {
 
 Tensor rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, RMSNormSaved* saved,
                        MemCategory out_cat = MemCategory::activations, bool zero_centered = false);
-// Returns d_x [rows, H] f32; accumulates into d_w ([H] f32).
+// Returns d_x [rows, H] f32; accumulates into d_w ([H] f32). residual (optional, f32 [rows, H],
+// e.g. the gradient arriving on a pre-norm block's skip connection): returned d_x + residual,
+// with the bits of adding it afterwards, in the same pass over the rows.
 Tensor rmsnorm_backward(const Tensor& d_y, const Tensor& x, const Tensor& w,
-                        const RMSNormSaved& saved, Tensor& d_w, bool zero_centered = false);
+                        const RMSNormSaved& saved, Tensor& d_w, bool zero_centered = false,
+                        const Tensor* residual = nullptr);
 
 // Per-head norm: x [T, n, D], w [D]. Same contract as above on the [T*n, D] view.
 Tensor qk_norm_forward(const Tensor& x, const Tensor& w, double eps, RMSNormSaved* saved,

@@ -137,9 +137,12 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // One row element block of the backward: d_x written, d_y * xhat added to acc.
+// resr (may be null): the residual's gradient row, added to d_x as a separate rounding (the
+// bits of adding it afterwards).
 template <class TX, class TD, int N>
 __device__ __forceinline__ void bwd_vec(float* dxr, const TX* xr, const TD* dyr, const float* w_s,
-                                        int v, float r, float mean, float (&acc)[N]) {
+                                        const float* resr, int v, float r, float mean,
+                                        float (&acc)[N]) {
   float xv[N], dv[N], wv[N], out[N];
   load<TX, N>(xr + v * N, xv);
   load<TD, N>(dyr + v * N, dv);
@@ -149,6 +152,12 @@ __device__ __forceinline__ void bwd_vec(float* dxr, const TX* xr, const TD* dyr,
     const float xhat = xv[k] * r;
     out[k] = r * (dv[k] * wv[k] - xhat * mean);
     acc[k] += dv[k] * xhat;
+  }
+  if (resr != nullptr) {
+    float rv[N];
+    load<float, N>(resr + v * N, rv);
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = __fadd_rn(out[k], rv[k]);  // never fused into an FMA
   }
   store<float, N>(dxr + v * N, out);
 }
@@ -172,6 +181,7 @@ template <class TX, class TD, int N, bool kRegs>
 __global__ void __launch_bounds__(kThreads)
     rmsnorm_bwd_kernel(float* __restrict__ dx, float* __restrict__ partial,
                        const TD* __restrict__ dy, const TX* __restrict__ x,
+                       const float* __restrict__ res,
                        const void* __restrict__ w, bool w_bf16, float w_offset,
                        const float* __restrict__ rstd, int64_t rows, int H, int rt) {
   extern __shared__ float4 smem4[];
@@ -190,6 +200,7 @@ __global__ void __launch_bounds__(kThreads)
     const TX* xr = x + row * H;
     const TD* dyr = dy + row * H;
     float* dxr = dx + row * H;
+    const float* resr = res != nullptr ? res + row * H : nullptr;
     const float r = active ? rstd[row] : 0.f;
     float dot = 0.f;
     if (active) {
@@ -209,12 +220,12 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int j = 0; j < kRegVecs; ++j)
           if (lane + j * rt < nv)
-            bwd_vec<TX, TD, N>(dxr, xr, dyr, w_s, lane + j * rt, r, mean, acc[j]);
+            bwd_vec<TX, TD, N>(dxr, xr, dyr, w_s, resr, lane + j * rt, r, mean, acc[j]);
       } else {
         for (int v = lane; v < nv; v += rt) {
           float a[N];
           load<float, N>(my_dw + v * N, a);
-          bwd_vec<TX, TD, N>(dxr, xr, dyr, w_s, v, r, mean, a);
+          bwd_vec<TX, TD, N>(dxr, xr, dyr, w_s, resr, v, r, mean, a);
           store<float, N>(my_dw + v * N, a);
         }
       }
@@ -339,16 +350,16 @@ void dispatch_fwd(void* y, float* rstd, const void* x, const void* w, bool w_bf1
 
 template <class TX, class TD, int N, bool kRegs>
 void launch_bwd(float* dx, float* dw, float* workspace, const void* dy, const void* x,
-                const void* w, bool w_bf16, float w_offset, const float* rstd, int64_t rows, int64_t H,
-                int rt) {
+                const float* res, const void* w, bool w_bf16, float w_offset, const float* rstd,
+                int64_t rows, int64_t H, int rt) {
   auto kernel = rmsnorm_bwd_kernel<TX, TD, N, kRegs>;
   const int groups = kThreads / rt;
   const size_t smem = static_cast<size_t>(H) * (kRegs ? 2 : 1 + groups) * sizeof(float);
   allow_smem(kernel, smem, "rmsnorm_backward", H);
   const int64_t blocks = wave_blocks(kernel, smem, rows, groups);
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream()>>>(
-      dx, workspace, static_cast<const TD*>(dy), static_cast<const TX*>(x), w, w_bf16, w_offset, rstd, rows,
-      static_cast<int>(H), rt);
+      dx, workspace, static_cast<const TD*>(dy), static_cast<const TX*>(x), res, w, w_bf16, w_offset, rstd,
+      rows, static_cast<int>(H), rt);
   BB_CHECK_LAUNCH();
   dw_reduce_kernel<<<static_cast<unsigned>(ceil_div(H, 32)), dim3(32, 16), 0, stream()>>>(
       dw, workspace, static_cast<int>(blocks), static_cast<int>(H));
@@ -356,24 +367,27 @@ void launch_bwd(float* dx, float* dw, float* workspace, const void* dy, const vo
 }
 
 template <class TX, class TD, int N>
-void dispatch_bwd_n(float* dx, float* dw, float* ws, const void* dy, const void* x, const void* w,
-                    bool w_bf16, float w_offset, const float* rstd, int64_t rows, int64_t H) {
+void dispatch_bwd_n(float* dx, float* dw, float* ws, const void* dy, const void* x, const float* res,
+                    const void* w, bool w_bf16, float w_offset, const float* rstd, int64_t rows,
+                    int64_t H) {
   const int rt = row_threads_bwd(H / N);
   if (H / N <= static_cast<int64_t>(rt) * kRegVecs)
-    launch_bwd<TX, TD, N, true>(dx, dw, ws, dy, x, w, w_bf16, w_offset, rstd, rows, H, rt);
+    launch_bwd<TX, TD, N, true>(dx, dw, ws, dy, x, res, w, w_bf16, w_offset, rstd, rows, H, rt);
   else
-    launch_bwd<TX, TD, N, false>(dx, dw, ws, dy, x, w, w_bf16, w_offset, rstd, rows, H, rt);
+    launch_bwd<TX, TD, N, false>(dx, dw, ws, dy, x, res, w, w_bf16, w_offset, rstd, rows, H, rt);
 }
 
 template <class TX, class TD>
-void dispatch_bwd(float* dx, float* dw, float* ws, const void* dy, const void* x, const void* w,
-                  bool w_bf16, float w_offset, const float* rstd, int64_t rows, int64_t H) {
+void dispatch_bwd(float* dx, float* dw, float* ws, const void* dy, const void* x, const float* res,
+                  const void* w, bool w_bf16, float w_offset, const float* rstd, int64_t rows,
+                  int64_t H) {
   constexpr int N = 16 / sizeof(TX);
-  const bool vec = H % N == 0 && aligned(x, 16) && aligned(dy, 16) && aligned(dx, 16);
+  const bool vec = H % N == 0 && aligned(x, 16) && aligned(dy, 16) && aligned(dx, 16) &&
+                   (res == nullptr || aligned(res, 16));
   if (vec)
-    dispatch_bwd_n<TX, TD, N>(dx, dw, ws, dy, x, w, w_bf16, w_offset, rstd, rows, H);
+    dispatch_bwd_n<TX, TD, N>(dx, dw, ws, dy, x, res, w, w_bf16, w_offset, rstd, rows, H);
   else
-    dispatch_bwd_n<TX, TD, 1>(dx, dw, ws, dy, x, w, w_bf16, w_offset, rstd, rows, H);
+    dispatch_bwd_n<TX, TD, 1>(dx, dw, ws, dy, x, res, w, w_bf16, w_offset, rstd, rows, H);
 }
 
 }  // namespace
@@ -401,18 +415,20 @@ int64_t rmsnorm_backward_workspace(int64_t rows, int64_t H) {
 
 void rmsnorm_backward(float* dx, float* dw, float* workspace, const void* dy, DType dy_dtype,
                       const void* x, DType x_dtype, const void* w, DType w_dtype,
-                      float w_offset, const float* rstd, int64_t rows, int64_t H) {
+                      float w_offset, const float* rstd, int64_t rows, int64_t H,
+                      const float* residual) {
   if (rows == 0) return;
   const bool w_bf16 = w_dtype == DType::bf16;
   const bool xb = x_dtype == DType::bf16, db = dy_dtype == DType::bf16;
+  const float* res = residual;
   if (xb && db)
-    dispatch_bwd<bf16_t, bf16_t>(dx, dw, workspace, dy, x, w, w_bf16, w_offset, rstd, rows, H);
+    dispatch_bwd<bf16_t, bf16_t>(dx, dw, workspace, dy, x, res, w, w_bf16, w_offset, rstd, rows, H);
   else if (xb)
-    dispatch_bwd<bf16_t, float>(dx, dw, workspace, dy, x, w, w_bf16, w_offset, rstd, rows, H);
+    dispatch_bwd<bf16_t, float>(dx, dw, workspace, dy, x, res, w, w_bf16, w_offset, rstd, rows, H);
   else if (db)
-    dispatch_bwd<float, bf16_t>(dx, dw, workspace, dy, x, w, w_bf16, w_offset, rstd, rows, H);
+    dispatch_bwd<float, bf16_t>(dx, dw, workspace, dy, x, res, w, w_bf16, w_offset, rstd, rows, H);
   else
-    dispatch_bwd<float, float>(dx, dw, workspace, dy, x, w, w_bf16, w_offset, rstd, rows, H);
+    dispatch_bwd<float, float>(dx, dw, workspace, dy, x, res, w, w_bf16, w_offset, rstd, rows, H);
 }
 
 }  // namespace bb::cuda

@@ -28,9 +28,12 @@ int64_t rmsnorm_backward_workspace(int64_t rows, int64_t H);
 //   d_x = rstd * (d_y w' - xhat * mean_h(d_y w' xhat)),  d_w += sum_t d_y * xhat,
 // w' = w_offset + w.
 // d_w is summed in a fixed order (per-block partials, then one reduce): deterministic.
+// residual (optional, f32 [rows, H], not dx): added to d_x in the same pass, rounded as adding
+// it afterwards would (the residual stream's gradient without its own read-modify-write pass).
 void rmsnorm_backward(float* dx, float* dw, float* workspace, const void* dy, DType dy_dtype,
                       const void* x, DType x_dtype, const void* w, DType w_dtype,
-                      float w_offset, const float* rstd, int64_t rows, int64_t H);
+                      float w_offset, const float* rstd, int64_t rows, int64_t H,
+                      const float* residual = nullptr);
 
 }  // namespace bb::cuda
 #endif
