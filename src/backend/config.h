@@ -25,8 +25,8 @@ struct BackendConfig {
   double grouped_gemm_multi_stream_min_flops = 1.2e9;
   // multi_stream: enqueue the side streams from a pool of host threads (false: one thread).
   bool grouped_gemm_threaded_enqueue = true;
-  // Forward, dgrad and writing (beta 0) wgrad grouped calls the TMA kernel takes (sm_90, bf16,
-  // the expert layouts) run on it, before grouped_gemm_same_dtype and the FLOP line apply.
+  // Forward, dgrad and wgrad grouped calls the TMA kernel takes (sm_90, bf16, the expert
+  // layouts) run on it, before grouped_gemm_same_dtype / _widening and the FLOP line apply.
   bool grouped_gemm_tma = true;
   // cuBLASLt algorithm choice: bucketed (one heuristic query per size bucket, checked per size)
   // or exact (one query per new shape).

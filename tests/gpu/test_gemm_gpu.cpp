@@ -671,8 +671,10 @@ TEST(GemmGroupedTma, ExpertLayoutsMatchDoubleReference) {
 // The wgrad shape: d_W[e] (+)= A_e^T B_e with A_e, B_e the expert's rows of one [rows][M] and one
 // [rows][N] matrix, K = the expert's row count (ragged: 0, 1, 63, 64, 65, 200, 513 rows; the
 // last K step of each expert holds the next expert's rows, which the kernel must zero), M = 136
-// and N = 264 (partial tiles), C f32 (the gradients) or bf16, beta 0 and 1. A K = 0 problem
-// gives C = beta C.
+// and N = 264 (partial tiles), C f32 (the gradients) or bf16, beta 0, 1 and 0.5. A K = 0 problem
+// gives C = beta C. f32 C goes out through the half-tile staging buffer when beta != 0 and K is
+// short (as here) and from the consumers' registers otherwise; forcing the other path
+// (BB_TMA_F32_HALVES) must give the same bits.
 TEST(GemmGroupedTma, WgradLayoutMatchesDoubleReference) {
   BB_REQUIRE_GPU();
 #ifdef BB_WITH_CUDA
@@ -685,7 +687,7 @@ TEST(GemmGroupedTma, WgradLayoutMatchesDoubleReference) {
   const int64_t E = static_cast<int64_t>(counts.size());
   int cases = 0;
   for (DType out : {DType::f32, DType::bf16})
-    for (float beta : {0.0f, 1.0f}) {
+    for (float beta : {0.0f, 1.0f, 0.5f}) {
       const uint64_t seed = 9100 + 10 * static_cast<uint64_t>(cases);
       const auto av = stored(test::randn(rows * lda, seed), DType::bf16);
       const auto bv = stored(test::randn(rows * ldb, seed + 1), DType::bf16);
@@ -713,6 +715,15 @@ TEST(GemmGroupedTma, WgradLayoutMatchesDoubleReference) {
       EXPECT_EQ(cuda::grouped_tma_calls(), calls + 1) << "the call did not take the TMA kernel";
       const std::vector<float> got_all = C.to_floats();
       const std::string what = std::string("wgrad ") + dtype_name(out) + " beta " + std::to_string(beta);
+      if (out == DType::f32) {
+        Tensor C2 = on_gpu(cv, {E * M, ldc}, out);
+        for (cuda::GemmProblem& p : ps)
+          p.C = static_cast<char*>(C2.raw()) + (static_cast<char*>(p.C) - static_cast<char*>(C.raw()));
+        setenv("BB_TMA_F32_HALVES", beta != 0.0f ? "0" : "1", 1);
+        cuda::gemm_grouped(true, false, ps, alpha, DType::bf16, lda, ldb, beta, out, ldc, 0, cfg);
+        unsetenv("BB_TMA_F32_HALVES");
+        EXPECT_EQ(C2.to_floats(), got_all) << what << ": the other f32 store path gives other bits";
+      }
       off = 0;
       for (int64_t e = 0; e < E; off += counts[e], ++e) {
         const int64_t K = counts[e];
@@ -741,14 +752,14 @@ TEST(GemmGroupedTma, WgradLayoutMatchesDoubleReference) {
       }
       ++cases;
     }
-  EXPECT_EQ(cases, 4);
+  EXPECT_EQ(cases, 6);
 #endif
 }
 
 // The automatic choice takes the TMA kernel for the expert forward shape whatever its FLOPs (the
 // multi_stream FLOP line applies only to calls it does not take), and grouped_gemm_tma = false
 // sends the same call back to the FLOP line; both give the reference's result. The wgrad shape
-// takes it when it writes (beta 0) and stays on `widening` (multi_stream) when it adds.
+// takes it whether it writes (beta 0) or adds (beta 1).
 TEST(GemmGroupedTma, AutomaticTakesItAndTheSwitchTurnsItOff) {
   BB_REQUIRE_GPU();
 #ifdef BB_WITH_CUDA
@@ -771,7 +782,7 @@ TEST(GemmGroupedTma, AutomaticTakesItAndTheSwitchTurnsItOff) {
     EXPECT_EQ(cuda::grouped_tma_calls(), calls + (on ? 1 : 0)) << "tma " << on;
     L.expect_matches(C.to_floats(), 1.0f, 0.0f, on ? "automatic, tma on" : "automatic, tma off");
   }
-  // The wgrad shape through automatic: widening (multi_stream), not the TMA kernel.
+  // The wgrad shape through automatic: the TMA kernel, writing and adding.
   {
     cuda::set_grouped_defaults(d0);
     const int64_t M = 64, N = 128, K = 100;
@@ -788,8 +799,8 @@ TEST(GemmGroupedTma, AutomaticTakesItAndTheSwitchTurnsItOff) {
       ps[e].C = wc.data<float>() + e * M * N;
     }
     ASSERT_EQ(cuda::grouped_tma_refusal(true, false, ps, DType::bf16, M, N, DType::f32, 0), "");
-    // A writing wgrad (beta 0, the first of a step) takes the TMA kernel; one that adds (beta 1)
-    // stays on multi_stream. Both against a double reference: C, then 2 C.
+    // A writing wgrad (beta 0, the first of a step) and one that adds (beta 1, later
+    // micro-batches) take the TMA kernel. Both against a double reference: C, then 2 C.
     std::vector<double> ref(static_cast<size_t>(2 * M * N), 0.0);
     for (int64_t e = 0; e < 2; ++e)
       for (int64_t k = 0; k < K; ++k)
@@ -803,7 +814,7 @@ TEST(GemmGroupedTma, AutomaticTakesItAndTheSwitchTurnsItOff) {
     EXPECT_LT(test::rel_error(wc.to_floats(), ref), 1e-5);
     calls = cuda::grouped_tma_calls();
     cuda::gemm_grouped(true, false, ps, 1.0f, DType::bf16, M, N, 1.0f, DType::f32, N, 0);
-    EXPECT_EQ(cuda::grouped_tma_calls(), calls) << "the automatic accumulating wgrad took the TMA kernel";
+    EXPECT_EQ(cuda::grouped_tma_calls(), calls + 1) << "the automatic accumulating wgrad did not take the TMA kernel";
     for (double& r : ref) r *= 2;
     EXPECT_LT(test::rel_error(wc.to_floats(), ref), 1e-5);
   }

@@ -1050,17 +1050,16 @@ void gemm_grouped(bool ta, bool tb, const std::vector<GemmProblem>& problems, fl
   const bool same = ab == cdt;
   GroupedAlgo algo = cfg.algo;
   const bool tma = cfg.tma && defaults.tma;
-  // Automatic: the TMA kernel first for the forward and dgrad calls it takes and for the wgrad
-  // calls that write (beta 0: the first wgrad of a step, expert gradients being zeroed lazily),
-  // faster than every other algorithm at 256-2048 rows per expert (skills/experts.md); then the
-  // dtype defaults and the FLOP line. A wgrad that adds (beta 1: later micro-batches) stays with
-  // `widening`: multi_stream is faster there. BB_GROUPED_TMA_WGRAD=0 sends every wgrad there
-  // (kernel-lab knob).
+  // Automatic: the TMA kernel first for every forward, dgrad and wgrad call it takes, faster
+  // than the other algorithms at 256-2048 rows per expert (skills/experts.md; the wgrad that adds,
+  // beta 1 on later micro-batches, level with multi_stream at 512-1024 rows and 3-18 % faster
+  // elsewhere, without multi_stream's 1-2 ms of host enqueue); then the dtype defaults and the
+  // FLOP line. BB_GROUPED_TMA_WGRAD=0 sends every wgrad to `widening` (kernel-lab knob).
   static const bool tma_wgrad = [] {
     const char* e = std::getenv("BB_GROUPED_TMA_WGRAD");
     return !(e != nullptr && e[0] == '0');
   }();
-  const bool tma_first = algo == GroupedAlgo::automatic && tma && (!ta || (tma_wgrad && beta == 0.0f)) &&
+  const bool tma_first = algo == GroupedAlgo::automatic && tma && (!ta || tma_wgrad) &&
                          grouped_tma_refusal(ta, tb, problems, ab, lda, ldb, cdt, dev).empty();
   if (tma_first) {
     algo = GroupedAlgo::mma;

@@ -96,11 +96,10 @@ struct GroupedDefaults {
   // multi_stream: side streams 1..S-1 are enqueued by a pool of host threads while the calling
   // thread enqueues stream 0 (false: one thread, launches interleaved across the streams).
   bool threaded_enqueue = true;
-  // Automatic forward and dgrad calls (!trans_a) that the TMA kernel takes (sm_90, bf16, the
-  // expert layouts: grouped_mma.h) run on it, before same_dtype and the FLOP line apply: on an
-  // H200 it is faster than every other algorithm at 256-2048 rows per expert (bench_experts,
-  // skills/experts.md). The wgrad shape keeps `widening` (mma with tile_m 0 runs it on the TMA
-  // kernel, slower than multi_stream there). [backend] grouped_gemm_tma.
+  // Automatic forward, dgrad and wgrad calls that the TMA kernel takes (sm_90, bf16, the expert
+  // layouts: grouped_mma.h) run on it, before same_dtype, widening and the FLOP line apply: on
+  // an H200 it is faster than or level with every other algorithm at 256-2048 rows per expert
+  // (bench_experts, skills/experts.md). [backend] grouped_gemm_tma.
   bool tma = true;
 };
 GroupedDefaults grouped_defaults();

@@ -58,6 +58,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -174,18 +175,29 @@ __device__ __forceinline__ TmaTile tile_at(const TmaProblem* probs, const int32_
 }
 
 // Shared-memory plan of a kernel instance. bf16 outputs go through a staging tile that three
-// epilogue warps write out while the consumers multiply the next tile (3 stages then fit); f32
-// outputs (read-modify-write with beta) are stored by the consumers themselves (4 stages).
-template <class TC>
+// epilogue warps write out while the consumers multiply the next tile (3 stages then fit). f32
+// outputs: with kHalves, through a half-tile staging buffer ([64][256] f32, 64 KiB) that the two
+// consumer warpgroups fill in turn and the epilogue warps write out (3 stages); without, stored
+// by the consumers themselves from registers (4 stages). launch() takes kHalves when C is added
+// to (beta != 0) and the problems' mean K is below 1024, where the stores weigh most against
+// the products. Measured on an H200 (bench_experts, the expert wgrad, both projections, ms from
+// the staging rows / from registers): adding, 2.27 / 2.56 at 512 rows per expert (E 128, F
+// 768), 2.61 / 3.42 at 256 (E 256, F 512), but 2.85 / 2.70 at 1024 and 4.27 / 4.02 at 2048; a
+// plain write (beta 0, the first wgrad of a step) is faster from registers at every size (1.55
+// / 1.85 ms at 512 rows): the second warpgroup waits for the first half's rows to leave shared
+// memory, where register stores are absorbed by L2 at once.
+template <class TC, bool kHalves>
 struct SmemPlan {
-  static constexpr bool kStaged = sizeof(TC) == 2;
+  static constexpr bool kF32Halves = kHalves && sizeof(TC) == 4;
+  static constexpr bool kStaged = sizeof(TC) == 2 || kF32Halves;
   static constexpr int kStages = kStaged ? 3 : 4;
   static constexpr int kRing = 4;  // tile descriptors the producer may publish ahead
   static constexpr int kStaging = kStages * kStageBytes;
-  static constexpr int kRingAt = kStaging + (kStaged ? kBM * kBN * 2 : 0);
+  static constexpr int kStagingBytes = sizeof(TC) == 2 ? kBM * kBN * 2 : (kF32Halves ? 64 * kBN * 4 : 0);
+  static constexpr int kRingAt = kStaging + kStagingBytes;
   static constexpr int kMetaAt = kRingAt + kRing * 32;
   static constexpr int kBarsAt = kMetaAt + 32;
-  static constexpr int kBars = 2 * kStages + 2 * kRing + 2;
+  static constexpr int kBars = 2 * kStages + 2 * kRing + 4;
   static constexpr int kBytes = kBarsAt + kBars * 8 + 1024;  // + room to align the base to 1024
 };
 
@@ -201,14 +213,15 @@ struct alignas(16) TileInfo {
 // (bf16 outputs); warps 4-11: the two consumer warpgroups.
 // mbarriers: full/empty per stage (TMA bytes / 8 consumer warps), tile_full/tile_empty per ring
 // slot (the producer / 256 consumer threads), staged/drained for the staging tile (256
-// consumer threads / 96 epilogue threads).
-template <bool kTA, bool kBMN, class TC>
+// consumer threads / 96 epilogue threads); f32 halves: staged/drained per half (the 128 threads
+// of its warpgroup / 96 epilogue threads).
+template <bool kTA, bool kBMN, class TC, bool kHalves>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_tma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                        const TmaProblem* __restrict__ probs, const int32_t* __restrict__ starts, int num_probs,
                        int tiles, int64_t ldc, float alpha, float beta) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using P = SmemPlan<TC>;
+  using P = SmemPlan<TC, kHalves>;
   constexpr int S = P::kStages, R = P::kRing;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -221,6 +234,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto tile_full = [&](int r) { return bars + 8 * (2 * S + r); };
   auto tile_empty = [&](int r) { return bars + 8 * (2 * S + R + r); };
   const uint32_t staged = bars + 8 * (2 * S + 2 * R), drained = staged + 8;
+  const uint32_t staged1 = staged + 16, drained1 = staged + 24;  // f32 halves: the second half's
   auto a_stage = [&](int s) { return base + s * kStageBytes; };
   auto b_stage = [&](int s) { return base + s * kStageBytes + kABytes; };
   const uint32_t staging = base + P::kStaging;
@@ -235,8 +249,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(tile_full(r), 1);
       mbar_init(tile_empty(r), 256);
     }
-    mbar_init(staged, 256);
+    mbar_init(staged, P::kF32Halves ? 128 : 256);
     mbar_init(drained, 96);
+    mbar_init(staged1, 128);
+    mbar_init(drained1, 96);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -262,6 +278,48 @@ __global__ void __launch_bounds__(kThreads, 1)
           mbar_arrive_expect_tx(full(s), kStageBytes);
           load_k_step<kTA, kBM>(a_stage(s), &map_a, full(s), at.m0, a_row, k * kBK);
           load_k_step<kBMN, kBN>(b_stage(s), &map_b, full(s), at.n0, b_row, k * kBK);
+        }
+      }
+    } else if (P::kF32Halves && warp >= 1) {
+      // The f32 epilogue: for each tile, half 0 (rows 0-63, warpgroup 1's) then half 1. Warp
+      // w - 1 of 3 writes rows w - 1, w + 2, ... of the half, 2 x 16 bytes (4 columns each) a
+      // lane, a whole 256-column row a warp (coalesced); beta 1 adds in L2 (red.global.add).
+      const int ew = warp - 1;
+      uint32_t i = 0;
+      for (int t = blockIdx.x; t < tiles; t += gridDim.x, ++i) {
+#pragma unroll 1
+        for (int h = 0; h < 2; ++h) {
+          mbar_wait(h == 0 ? staged : staged1, i & 1);
+          const TileInfo at = *meta;
+          float* C = reinterpret_cast<float*>(at.C);
+          for (int r = ew; r < 64 && at.m0 + 64 * h + r < at.M; r += 3) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const int c = lane + 32 * half;  // 16-byte chunk of the row: columns 4c .. 4c + 3
+              const int col = at.n0 + 4 * c;
+              if (col >= at.N) continue;
+              float4 v;
+              asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                           : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                           : "r"(staging + r * (kBN * 4) + ((c ^ (r & 7)) << 4)));
+              float* out = C + static_cast<int64_t>(at.m0 + 64 * h + r) * ldc + col;
+              if (beta == 1.0f) {
+                asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(out), "f"(v.x), "f"(v.y), "f"(v.z),
+                             "f"(v.w)
+                             : "memory");
+                continue;
+              }
+              if (beta != 0.0f) {
+                const float4 o = *reinterpret_cast<const float4*>(out);
+                v.x += beta * o.x;
+                v.y += beta * o.y;
+                v.z += beta * o.z;
+                v.w += beta * o.w;
+              }
+              *reinterpret_cast<float4*>(out) = v;
+            }
+          }
+          mbar_arrive(h == 0 ? drained : drained1);
         }
       }
     } else if (P::kStaged && warp >= 1) {
@@ -353,7 +411,26 @@ __global__ void __launch_bounds__(kThreads, 1)
       // Accumulators: warp q holds rows 16 q + lane / 4 (+ 8) of the warpgroup's 64; n8 block j
       // in acc[4 j .. 4 j + 3] as in mma.sync's m16n8 fragment.
       const int rt = cw * 64 + q * 16 + (lane >> 2);  // tile row of acc[.. 0, 1]; + 8 for [.. 2, 3]
-      if constexpr (P::kStaged) {
+      if constexpr (P::kF32Halves) {
+        // alpha acc into the half-tile staging buffer ([64][256] f32, the 16-byte chunks of row
+        // r XOR-swizzled by r & 7), warpgroup 1 first: it waits until the epilogue has written
+        // out the previous tile's second half, warpgroup 2 until it has written this tile's first.
+        if (cw == 0) mbar_wait(drained1, (i & 1) ^ 1);
+        else mbar_wait(drained, i & 1);
+        const int rl = q * 16 + (lane >> 2);  // row within the half
+#pragma unroll
+        for (int j = 0; j < kBN / 8; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = rl + 8 * h, chunk = 2 * j + ((lane & 3) >> 1);
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(staging + row * (kBN * 4) + ((chunk ^ (row & 7)) << 4) +
+                                                                    (lane & 1) * 8),
+                         "f"(alpha * acc[4 * j + 2 * h]), "f"(alpha * acc[4 * j + 2 * h + 1])
+                         : "memory");
+          }
+        if (cw == 0 && ct == 0) *meta = at;
+        mbar_arrive(cw == 0 ? staged : staged1);
+      } else if constexpr (P::kStaged) {
         // alpha acc in bf16 into the staging tile ([128][256], the 16-byte chunks of row r
         // XOR-swizzled by r & 7: conflict-free writes of these fragments and reads of whole rows).
         mbar_wait(drained, (i & 1) ^ 1);  // the epilogue warps are done with the previous tile
@@ -487,15 +564,36 @@ RowMap row_map(const std::vector<const void*>& ptrs, const std::vector<int64_t>&
 
 std::atomic<int64_t> g_tma_calls{0};
 
-template <bool kTA, bool kBMN, class TC>
-void launch(const CUtensorMap& ma, const CUtensorMap& mb, const TmaProblem* probs, const int32_t* starts, int n,
-            int tiles, int64_t ldc, float alpha, float beta) {
-  auto* kernel = grouped_tma_kernel<kTA, kBMN, TC>;
-  constexpr int kSmem = SmemPlan<TC>::kBytes;
+// f32 C through the half-tile staging buffer when C is added to and K is short (SmemPlan says
+// why). BB_TMA_F32_HALVES=0 / 1 forces the register stores / the staging buffer for every call
+// (kernel-lab knob for comparisons; the same bits either way).
+bool f32_halves(float beta, int64_t mean_k) {
+  const char* e = std::getenv("BB_TMA_F32_HALVES");
+  if (e != nullptr && (e[0] == '0' || e[0] == '1')) return e[0] == '1';
+  return beta != 0.0f && mean_k < 1024;
+}
+
+template <bool kTA, bool kBMN, class TC, bool kHalves>
+void launch_as(const CUtensorMap& ma, const CUtensorMap& mb, const TmaProblem* probs, const int32_t* starts, int n,
+               int tiles, int64_t ldc, float alpha, float beta) {
+  auto* kernel = grouped_tma_kernel<kTA, kBMN, TC, kHalves>;
+  constexpr int kSmem = SmemPlan<TC, kHalves>::kBytes;
   BB_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   const int grid = std::min(tiles, sm_count());
   kernel<<<static_cast<unsigned>(grid), kThreads, kSmem, stream()>>>(ma, mb, probs, starts, n, tiles, ldc, alpha, beta);
   BB_CHECK_LAUNCH();
+}
+
+template <bool kTA, bool kBMN, class TC>
+void launch(const CUtensorMap& ma, const CUtensorMap& mb, const TmaProblem* probs, const int32_t* starts, int n,
+            int tiles, int64_t ldc, float alpha, float beta, int64_t mean_k) {
+  if constexpr (sizeof(TC) == 4) {
+    if (f32_halves(beta, mean_k)) {
+      launch_as<kTA, kBMN, TC, true>(ma, mb, probs, starts, n, tiles, ldc, alpha, beta);
+      return;
+    }
+  }
+  launch_as<kTA, kBMN, TC, false>(ma, mb, probs, starts, n, tiles, ldc, alpha, beta);
 }
 
 // The two maps' rows, or why the call does not suit them. ps: the problems with M, N > 0.
@@ -609,15 +707,18 @@ bool grouped_tma(bool ta, bool tb, const std::vector<GemmProblem>& ps, float alp
   const auto* dstarts = reinterpret_cast<const int32_t*>(static_cast<const unsigned char*>(meta.raw()) + pb);
   const int n = static_cast<int>(tp.size()), nt = static_cast<int>(tiles);
   const bool f32 = cdt == DType::f32;
+  int64_t sum_k = 0;
+  for (const GemmProblem& p : live) sum_k += p.K;
+  const int64_t mk = sum_k / static_cast<int64_t>(live.size());
   if (ta) {
-    if (f32) launch<true, true, float>(ma, mb, dprobs, dstarts, n, nt, ldc, alpha, beta);
-    else launch<true, true, __nv_bfloat16>(ma, mb, dprobs, dstarts, n, nt, ldc, alpha, beta);
+    if (f32) launch<true, true, float>(ma, mb, dprobs, dstarts, n, nt, ldc, alpha, beta, mk);
+    else launch<true, true, __nv_bfloat16>(ma, mb, dprobs, dstarts, n, nt, ldc, alpha, beta, mk);
   } else if (tb) {
-    if (f32) launch<false, false, float>(ma, mb, dprobs, dstarts, n, nt, ldc, alpha, beta);
-    else launch<false, false, __nv_bfloat16>(ma, mb, dprobs, dstarts, n, nt, ldc, alpha, beta);
+    if (f32) launch<false, false, float>(ma, mb, dprobs, dstarts, n, nt, ldc, alpha, beta, mk);
+    else launch<false, false, __nv_bfloat16>(ma, mb, dprobs, dstarts, n, nt, ldc, alpha, beta, mk);
   } else {
-    if (f32) launch<false, true, float>(ma, mb, dprobs, dstarts, n, nt, ldc, alpha, beta);
-    else launch<false, true, __nv_bfloat16>(ma, mb, dprobs, dstarts, n, nt, ldc, alpha, beta);
+    if (f32) launch<false, true, float>(ma, mb, dprobs, dstarts, n, nt, ldc, alpha, beta, mk);
+    else launch<false, true, __nv_bfloat16>(ma, mb, dprobs, dstarts, n, nt, ldc, alpha, beta, mk);
   }
   g_tma_calls.fetch_add(1, std::memory_order_relaxed);
   return true;
