@@ -22,7 +22,8 @@
 // the map's inner dimension, so its tail is zero-filled; for the dgrad the K rows of B are the
 // outer dimension, so K must be a multiple of the 64-row K step.
 //
-// Layout per CTA (one per SM, 384 threads; 193 KiB of shared memory for f32 C, 209 for bf16):
+// Layout per CTA (one per SM, 384 threads; 193 KiB of shared memory for f32 C from registers,
+// 209 for bf16 C and for f32 C through the staging buffer):
 //   warp 0, one thread: the producer. For each tile it finds the problem (binary search over the
 //     problems' first tiles), publishes the tile's descriptor in a 4-entry shared-memory ring,
 //     then for each K step waits for a free stage, arms the stage's "full" mbarrier with its
@@ -36,16 +37,19 @@
 //     flight and frees a stage (one arrival per warp on its "empty" mbarrier) once the products
 //     that read it are done. At the tile's end they hand it on: bf16 C as alpha acc into a
 //     swizzled staging tile, then straight on to the next tile; f32 C stored by themselves
-//     (beta 1: red.global.add, which waits for nothing).
-//   warps 1-3 (bf16 C): the epilogue. They write the staging tile out, one 512-byte row a warp
-//     (coalesced), adding beta C when beta is not 0, while the consumers multiply the next tile.
-// Shared memory: 3 stages (bf16 C, plus the 64 KiB staging tile) or 4 stages (f32 C) of A 16 KiB
-// + B 32 KiB, 128-byte swizzled as TMA writes it, which is wgmma's canonical layout: K-major for
-// an operand stored with K contiguous (rows of 64 K elements, 8-row atoms 1024 bytes apart, +32
-// bytes per k16 step); M/N-major for one stored with M or N contiguous (rows of 64 M or N
-// elements, one 8 KiB block per 64 of them: leading byte offset 8192 between the blocks, stride
-// byte offset 1024 between 8-row K groups, +2048 bytes per k16 step), read with wgmma's
-// transpose bit.
+//     (beta 1: red.global.add, which waits for nothing), or, when it is added to with a short
+//     K, as alpha acc into a [64][256] f32 staging half-tile, warpgroup 1 then warpgroup 2
+//     (SmemPlan says when and why).
+//   warps 1-3 (bf16 C, staged f32 C): the epilogue. They write the staging tile out, one 512-byte
+//     (bf16) or 1 KiB (f32) row a warp (coalesced), adding beta C when beta is not 0, while the
+//     consumers multiply the next tile.
+// Shared memory: 3 stages (bf16 C or staged f32 C, plus the 64 KiB staging tile) or 4 stages (f32 C
+// from registers) of A 16 KiB + B 32 KiB, 128-byte swizzled as TMA writes it, which is wgmma's
+// canonical layout: K-major for an operand stored with K contiguous (rows of 64 K elements, 8-row
+// atoms 1024 bytes apart, +32 bytes per k16 step); M/N-major for one stored with M or N contiguous
+// (rows of 64 M or N elements, one 8 KiB block per 64 of them: leading byte offset 8192 between the
+// blocks, stride byte offset 1024 between 8-row K groups, +2048 bytes per k16 step), read with
+// wgmma's transpose bit.
 // Tiles: problem after problem, M-fastest within a problem (the CTAs working at the same time
 // share B's rows in L2); CTA b takes tiles b, b + grid, ...
 // Measured on an H200 (skills/experts.md): 565-654 TFLOP/s on the expert forward and dgrad at
