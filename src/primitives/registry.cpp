@@ -162,11 +162,15 @@ void PrimitiveSet::validate(const std::string& where) const {
            loss_chunks.chunk_vocab);
   BB_CHECK(loss_chunks.fused_chunk_tokens > 0, "primitives.loss_fused_chunk_tokens must be > 0",
            in, ", got ", loss_chunks.fused_chunk_tokens);
+  BB_CHECK(!loss_chunks.bf16_logits || name_of("loss") == "linear_ce",
+           "primitives.loss_logits = \"bf16\" needs loss = \"linear_ce\"", in, " (loss is \"",
+           name_of("loss"), "\"; full_ce keeps f32 logits)");
 }
 
 std::string PrimitiveSet::summary() const {
   std::ostringstream os;
   for (const std::string& k : keys()) os << (k == keys().front() ? "" : " ") << k << "=" << name_of(k);
+  if (loss_chunks.bf16_logits) os << " loss_logits=bf16";
   return os.str();
 }
 

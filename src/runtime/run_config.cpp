@@ -237,6 +237,11 @@ RunConfig build(const toml::value& root, const std::string& src) {
   p.read("loss_chunk_tokens", pc.loss_chunks.chunk_tokens, 1, kMaxChunk);
   p.read("loss_chunk_vocab", pc.loss_chunks.chunk_vocab, 1, kMaxChunk);
   p.read("loss_fused_chunk_tokens", pc.loss_chunks.fused_chunk_tokens, 1, kMaxChunk);
+  std::string logits = pc.loss_chunks.bf16_logits ? "bf16" : "f32";
+  p.read("loss_logits", logits);
+  BB_CHECK(logits == "f32" || logits == "bf16", "primitives.loss_logits must be \"f32\" or \"bf16\" in ", src,
+           ", got \"", logits, "\"");
+  pc.loss_chunks.bf16_logits = logits == "bf16";
   p.finish();
   pc.validate(src);
 

@@ -511,6 +511,58 @@ TEST(LinearCeFused, Bf16InputsMatchFullCe) {
   }
 }
 
+// primitives.loss_logits = "bf16": every linear_ce path takes the logits at bf16 precision. The
+// reference is full_ce on explicitly bf16-rounded logits (the same softmax code, double sums), so
+// the one-pass, the two-pass forward / backward and that reference agree to fp32 rounding; and
+// the loss moves from the f32-logits one by about what rounding the logits does (|x| 2^-9), not
+// more.
+TEST(LinearCe, Bf16LogitsAreRoundedLogits) {
+  HeadCase c = make_case(23, 67, 12, 191, 4, 1.5f);  // logits of a few units: rounding matters
+  Tensor h = Tensor::from_floats(c.h, {c.T, c.H}), w = Tensor::from_floats(c.w, {c.V, c.H});
+  Tensor tg = Tensor::from_ints(c.targets, {c.T});
+  auto d_w0 = test::randn(c.V * c.H, 192, 0.1f);
+  const float scale = 1.0f / 17.0f;
+  LossHeadConfig bf = fused_cfg(6);
+  bf.chunk_tokens = 5;
+  bf.chunk_vocab = 16;
+  bf.bf16_logits = true;
+  // The reference: logits = round_bf16(h w^T), then cross_entropy_forward / backward on them.
+  Tensor logits = lm_head_logits(h, w);
+  std::vector<float> lr = logits.to_floats();
+  for (float& x : lr) x = round_bf16(x);
+  Tensor rl = Tensor::from_floats(lr, {c.T, c.V});
+  Tensor lse;
+  const LossResult ref = cross_entropy_forward(rl, tg, &lse);
+  Tensor d_logits = cross_entropy_backward(rl, tg, lse, scale);
+  std::vector<double> ref_dh(c.T * c.H, 0.0), ref_dw(c.V * c.H, 0.0);
+  const auto dl = d_logits.to_floats();
+  for (int64_t t = 0; t < c.T; ++t)
+    for (int64_t v = 0; v < c.V; ++v)
+      for (int64_t k = 0; k < c.H; ++k) {
+        ref_dh[t * c.H + k] += double(dl[t * c.V + v]) * c.w[v * c.H + k];
+        ref_dw[v * c.H + k] += double(dl[t * c.V + v]) * c.h[t * c.H + k];
+      }
+  HeadOut u = run_head(Head::fused, h, w, tg, scale, bf, d_w0);
+  HeadOut l = run_head(Head::linear, h, w, tg, scale, bf, d_w0);
+  HeadOut f32 = run_head(Head::fused, h, w, tg, scale, fused_cfg(6), d_w0);
+  for (const HeadOut* o : {&u, &l}) {
+    EXPECT_EQ(o->r.num_valid, ref.num_valid);
+    EXPECT_NEAR(o->r.loss_sum, ref.loss_sum, 1e-6 * std::fabs(ref.loss_sum));
+    EXPECT_LT(test::rel_error(o->d_h, ref_dh), 1e-5);
+    EXPECT_LT(test::rel_error(minus(o->d_w, d_w0), ref_dw), 1e-5);
+  }
+  // Against f32 logits: different (the option does something), within the rounding's reach.
+  const double dloss = std::fabs(u.r.loss_sum - f32.r.loss_sum) / std::fabs(f32.r.loss_sum);
+  EXPECT_GT(dloss, 1e-7);
+  EXPECT_LT(dloss, 1e-2);
+  EXPECT_LT(test::rel_error(u.d_h, f32.d_h), 5e-2);
+  // Memory: 2 bytes a logit only where the block really is bf16 (bf16 operands on CUDA).
+  EXPECT_EQ(linear_ce_fused_logits_bytes(c.T, c.V, bf, DType::bf16, true), 6 * c.V * 2);
+  EXPECT_EQ(linear_ce_fused_logits_bytes(c.T, c.V, bf, DType::f32, true), 6 * c.V * 4);
+  EXPECT_EQ(linear_ce_fused_logits_bytes(c.T, c.V, bf), 6 * c.V * 4);
+  EXPECT_EQ(linear_ce_logits_bytes(c.T, c.V, bf, DType::bf16, true), 5 * 16 * 2);
+}
+
 TEST(LinearCeFused, LargeLogitsStayFinite) {
   HeadCase c = make_case(11, 31, 6, 81, 4, 40.0f);
   Tensor h = Tensor::from_floats(c.h, {c.T, c.H}), w = Tensor::from_floats(c.w, {c.V, c.H});

@@ -211,6 +211,30 @@ TEST(RunConfig, LossChunksAreSetSeparatelyAndDefaultToTheLossHeadDefaults) {
   EXPECT_EQ(c.prim.loss_chunks.chunk_vocab, defaults.chunk_vocab);
   test::expect_error_contains([&] { load_run_config(run, {"primitives.loss_fused_chunk_tokens=0"}); },
                               "primitives.loss_fused_chunk_tokens (in");
+  // primitives.loss_logits: f32 by default; "bf16" for linear_ce only; other names refused.
+  EXPECT_FALSE(c.prim.loss_chunks.bf16_logits);
+  c = load_run_config(run, {"primitives.loss=\"linear_ce\"", "primitives.loss_logits=\"bf16\""});
+  EXPECT_TRUE(c.prim.loss_chunks.bf16_logits);
+  EXPECT_NE(c.primitives_summary().find("loss_logits=bf16"), std::string::npos);
+  test::expect_error_contains([&] { load_run_config(run, {"primitives.loss_logits=\"fp8\""}); },
+                              "primitives.loss_logits must be \"f32\" or \"bf16\"");
+  test::expect_error_contains(
+      [&] { load_run_config(run, {"primitives.loss=\"full_ce\"", "primitives.loss_logits=\"bf16\""}); },
+      "needs loss = \"linear_ce\"");
+}
+
+// bf16 logits train like f32 logits: the same run's losses within 1 % at every step, and not
+// bit-identical (the option takes effect in training, not only in evaluation).
+TEST(RunConfig, Bf16LogitsTrainLikeF32Logits) {
+  const std::string dir = make_tmpdir();
+  const std::string run = write_run(dir, small_model());
+  const std::string lin = "primitives.loss=\"linear_ce\"";
+  auto a = losses(Trainer(load_run_config(run, {lin}), nullptr).run());
+  auto b = losses(Trainer(load_run_config(run, {lin, "primitives.loss_logits=\"bf16\""}), nullptr).run());
+  ASSERT_EQ(a.size(), b.size());
+  ASSERT_GT(a.size(), 2u);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], 1e-2 * std::fabs(a[i])) << "step " << i;
+  EXPECT_NE(a, b);
 }
 
 // ---- primitives.optimizer = "adamw_bf16_moments" ----------------------------------------------

@@ -346,6 +346,57 @@ TEST(LossHeadGpuMemory, LinearCeFusedLogitsPeakIsOneChunk) {
   }
 }
 
+// primitives.loss_logits = "bf16": the GPU's bf16 block (bf16 GEMM output, softmax and gradient
+// in place at the same width) against the CPU path with the same option (f32 logits rounded to
+// bf16): loss and gradients within bf16 tolerance, for the 8-wide, 4-wide and scalar row kernels;
+// the GPU's two-pass forward (evaluation) gives the fused pass's loss; the block is half the f32
+// one; f32 operands keep an f32 block, rounded.
+TEST(LossHeadGpuMemory, LinearCeBf16LogitsMatchCpu) {
+  BB_REQUIRE_GPU();
+  Allocator& alloc = allocator_for(kGpu);
+  for (int64_t V : {20000, 4100, 4099}) {
+    for (DType dt : {DType::bf16, DType::f32}) {
+      SCOPED_TRACE(testing::Message() << "V " << V << " " << dtype_name(dt));
+      const int64_t T = 40, H = 64;
+      LossHeadConfig cfg;
+      cfg.fused_chunk_tokens = 16;
+      cfg.chunk_tokens = 24;
+      cfg.chunk_vocab = 3000;
+      cfg.bf16_logits = true;
+      Tensor h = Tensor::from_floats(test::randn(T * H, 71), {T, H}, dt);
+      Tensor w = Tensor::from_floats(test::randn(V * H, 72, 0.3f), {V, H}, dt);
+      Tensor targets = Tensor::from_ints(make_targets(T, V, 5, 73), {T});
+      const auto dw0 = test::randn(V * H, 74, 0.01f);
+      Tensor dh_c = Tensor::empty({T, H}, DType::f32, Device::cpu(), MemCategory::activations);
+      Tensor dw_c = Tensor::from_floats(dw0, {V, H});
+      const LossResult rc = linear_ce_fused(1.0f / T, h, w, targets, cfg, dh_c, dw_c);
+      Tensor hg = h.to(kGpu), wg = w.to(kGpu), tg = targets.to(kGpu);
+      Tensor dh_g = Tensor::empty({T, H}, DType::f32, kGpu, MemCategory::activations);
+      Tensor dw_g = Tensor::from_floats(dw0, {V, H}).to(kGpu, MemCategory::grads);
+      alloc.reset_peak();
+      const LossResult rg = linear_ce_fused(1.0f / T, hg, wg, tg, cfg, dh_g, dw_g);
+      EXPECT_EQ(alloc.stats().peak_of(MemCategory::logits), linear_ce_fused_logits_bytes(T, V, cfg, dt, true));
+      EXPECT_EQ(rg.num_valid, rc.num_valid);
+      EXPECT_LT(rel(rg.loss_sum, rc.loss_sum), tol(DType::bf16));
+      EXPECT_LT(test::rel_error(dh_g.to_floats(), dh_c.to_floats()), tol(DType::bf16));
+      const auto a = dw_g.to_floats(), b = dw_c.to_floats();
+      std::vector<double> ia(dw0.size()), ib(dw0.size());
+      for (size_t i = 0; i < dw0.size(); ++i) ia[i] = double(a[i]) - dw0[i], ib[i] = double(b[i]) - dw0[i];
+      EXPECT_LT(test::rel_error(ia, ib), tol(DType::bf16));
+      const LossResult re = linear_ce_forward(hg, wg, tg, cfg, nullptr);
+      EXPECT_LT(rel(re.loss_sum, rg.loss_sum), 1e-5);
+      // Not the f32-logits loss (the option took effect), but close to it.
+      LossHeadConfig f32cfg = cfg;
+      f32cfg.bf16_logits = false;
+      Tensor dh2 = Tensor::empty({T, H}, DType::f32, kGpu, MemCategory::activations);
+      Tensor dw2 = Tensor::from_floats(dw0, {V, H}).to(kGpu, MemCategory::grads);
+      const LossResult rf = linear_ce_fused(1.0f / T, hg, wg, tg, f32cfg, dh2, dw2);
+      EXPECT_NE(rf.loss_sum, rg.loss_sum);
+      EXPECT_LT(rel(rf.loss_sum, rg.loss_sum), 1e-2);
+    }
+  }
+}
+
 TEST(LossHeadGpuMemory, LinearCeFusedOneHostReadAndBadTargets) {
   BB_REQUIRE_GPU();
 #ifdef BB_WITH_CUDA

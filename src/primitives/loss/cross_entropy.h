@@ -43,10 +43,13 @@ Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const
 //     is min(fused_chunk_tokens, T) * V * 4 bytes (the gradient overwrites the block in place).
 //     2048 keeps that at 1.16 GiB for V = 151936 while the d_w GEMM (K = 2048) stays
 //     compute-bound; see skills/loss-linear-ce.md.
+//   bf16_logits (linear_ce): logits at bf16 precision instead of f32 (primitives.loss_logits);
+//     halves the fused block's bytes and traffic with bf16 h/w on CUDA; see linear_ce.h.
 struct LossHeadConfig {
   int64_t chunk_tokens = 4096;
   int64_t chunk_vocab = 32768;
   int64_t fused_chunk_tokens = 2048;
+  bool bf16_logits = false;
 };
 
 // What a loss head forward saves for its backward (owned by the caller).

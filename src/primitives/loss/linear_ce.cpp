@@ -50,6 +50,13 @@ void check_fused_config(const LossHeadConfig& cfg, const char* op) {
            cfg.fused_chunk_tokens);
 }
 
+// cfg.bf16_logits on a block of f32 logits: each value rounded to bf16 precision (what a GEMM
+// writing bf16 gives), so every path sees the same logits.
+void round_logits_cpu(float* x, int64_t n, const LossHeadConfig& cfg) {
+  if (!cfg.bf16_logits) return;
+  for (int64_t i = 0; i < n; ++i) x[i] = round_bf16(x[i]);
+}
+
 #ifdef BB_WITH_CUDA
 
 LossResult linear_ce_forward_cuda(const Tensor& h, const Tensor& w, const Tensor& targets,
@@ -65,7 +72,12 @@ LossResult linear_ce_forward_cuda(const Tensor& h, const Tensor& w, const Tensor
   float* run_max = run.data<float>();
   float* run_sum = run_max + T;
   float* target_logit = run_max + 2 * T;
-  Tensor block = Tensor::empty({ct * cv}, DType::f32, dev, MemCategory::logits);
+  // bf16 logits with bf16 operands: the GEMM writes bf16 (half the block); with f32 operands it
+  // writes f32, rounded to bf16 precision after.
+  const DType xdt = cfg.bf16_logits && h.dtype() == DType::bf16 && w.dtype() == DType::bf16
+                        ? DType::bf16
+                        : DType::f32;
+  Tensor block = Tensor::empty({ct * cv}, xdt, dev, MemCategory::logits);
 
   for (int64_t t0 = 0; t0 < T; t0 += ct) {
     const int64_t nt = std::min(ct, T - t0);
@@ -73,9 +85,16 @@ LossResult linear_ce_forward_cuda(const Tensor& h, const Tensor& w, const Tensor
     for (int64_t v0 = 0; v0 < V; v0 += cv) {
       const int64_t nv = std::min(cv, V - v0);
       Tensor x = block.narrow(0, nt * nv).view({nt, nv});
-      matmul(hc, false, w.narrow(v0, nv), true, x);
-      cuda::ce_online_update(run_max + t0, run_sum + t0, target_logit + t0, x.raw(), DType::f32,
-                             nv, tgp + t0, nt, v0, nv, v0 == 0);
+      if (xdt == DType::bf16) {
+        cuda::gemm(false, true, nt, nv, dims.hidden, 1.0f, hc.raw(), h.dtype(), dims.hidden,
+                   w.narrow(v0, nv).raw(), w.dtype(), dims.hidden, 0.0f, x.raw(), DType::bf16, nv,
+                   dev.index);
+      } else {
+        matmul(hc, false, w.narrow(v0, nv), true, x);
+        if (cfg.bf16_logits) cuda::round_to_bf16(x.data<float>(), nt * nv);
+      }
+      cuda::ce_online_update(run_max + t0, run_sum + t0, target_logit + t0, x.raw(), xdt, nv,
+                             tgp + t0, nt, v0, nv, v0 == 0);
     }
   }
   const LossResult r = detail::finish_ce_cuda(lse.data<float>(), run_max, run_sum, target_logit,
@@ -115,6 +134,7 @@ void linear_ce_backward_cuda(float scale, const Tensor& h, const Tensor& w, cons
       Tensor x = block.narrow(0, nt * nv).view({nt, nv});
       Tensor dx = dblock.narrow(0, nt * nv).view({nt, nv});
       matmul(hc, false, wc, true, x);
+      if (cfg.bf16_logits) cuda::round_to_bf16(x.data<float>(), nt * nv);
       cuda::ce_softmax_grad(dx.raw(), dx.dtype(), nv, x.raw(), DType::f32, nv, tgp + t0, lse + t0,
                             scale, nt, v0, nv);
       // d_h[chunk] = sum over vocab chunks of d_block @ w[vchunk]; the first chunk overwrites.
@@ -135,7 +155,10 @@ LossResult linear_ce_fused_cuda(float scale, const Tensor& h, const Tensor& w,
   const int64_t T = dims.num_tokens, V = dims.vocab, H = dims.hidden;
   const int64_t ct = std::min(cfg.fused_chunk_tokens, T);
   const DType dt = h.dtype();  // GEMM operand dtype of h, w and the gradient block
-  const int64_t ldd = cuda::ce_fused_grad_ld(V, dt);
+  // bf16 logits with bf16 operands: a bf16 block (the GEMM writes bf16, the gradient overwrites
+  // it in place at the same width); with f32 operands an f32 block rounded to bf16 precision.
+  const DType xdt = cfg.bf16_logits && dt == DType::bf16 ? DType::bf16 : DType::f32;
+  const int64_t ldd = cuda::ce_fused_grad_ld(V, xdt, dt);
   Tensor tg = detail::targets_on(targets, dev);
   const int32_t* tgp = tg.data<int32_t>();
   Tensor stats = Tensor::empty({4 * T}, DType::f32, dev, MemCategory::workspace);
@@ -143,7 +166,7 @@ LossResult linear_ce_fused_cuda(float scale, const Tensor& h, const Tensor& w,
   float* run_sum = run_max + T;
   float* target_logit = run_max + 2 * T;
   float* lse = run_max + 3 * T;  // formed by ce_finalize; not kept
-  Tensor block = Tensor::empty({ct * V}, DType::f32, dev, MemCategory::logits);
+  Tensor block = Tensor::empty({ct * V}, xdt, dev, MemCategory::logits);
   // cuBLASLt writes bf16 or f32 C from bf16 operands (and f32 from f32); anything else goes
   // through a [ct, H] f32 workspace and a conversion.
   const bool dh_direct = d_h.dtype() == DType::f32 || d_h.dtype() == dt;
@@ -153,12 +176,13 @@ LossResult linear_ce_fused_cuda(float scale, const Tensor& h, const Tensor& w,
   for (int64_t t0 = 0; t0 < T; t0 += ct) {
     const int64_t nt = std::min(ct, T - t0);
     const void* hc = h.narrow(t0, nt).raw();
-    // x [nt, V] f32 = h[tc] @ w^T
-    cuda::gemm(false, true, nt, V, H, 1.0f, hc, dt, H, w.raw(), dt, H, 0.0f, block.raw(),
-               DType::f32, V, idx);
+    // x [nt, V] (xdt) = h[tc] @ w^T
+    cuda::gemm(false, true, nt, V, H, 1.0f, hc, dt, H, w.raw(), dt, H, 0.0f, block.raw(), xdt, V,
+               idx);
+    if (cfg.bf16_logits && xdt == DType::f32) cuda::round_to_bf16(block.data<float>(), nt * V);
     // x -> scale * (softmax - onehot) in place, dtype dt, row stride ldd
-    cuda::ce_fused_rows(block.data<float>(), V, dt, tgp + t0, scale, nt, run_max + t0,
-                        run_sum + t0, target_logit + t0);
+    cuda::ce_fused_rows(block.raw(), xdt, V, dt, tgp + t0, scale, nt, run_max + t0, run_sum + t0,
+                        target_logit + t0);
     // d_h[tc] = d @ w   [nt, V] x [V, H]
     Tensor dh_dst = d_h.narrow(t0, nt);
     cuda::gemm(false, false, nt, H, V, 1.0f, block.raw(), dt, ldd, w.raw(), dt, H, 0.0f,
@@ -177,9 +201,11 @@ LossResult linear_ce_fused_cuda(float scale, const Tensor& h, const Tensor& w,
 
 }  // namespace
 
-int64_t linear_ce_logits_bytes(int64_t num_tokens, int64_t vocab, const LossHeadConfig& cfg) {
+int64_t linear_ce_logits_bytes(int64_t num_tokens, int64_t vocab, const LossHeadConfig& cfg,
+                               DType operands, bool on_cuda) {
   check_config(cfg, "linear_ce_logits_bytes");
-  return std::min(cfg.chunk_tokens, num_tokens) * std::min(cfg.chunk_vocab, vocab) * 4;
+  const int64_t b = cfg.bf16_logits && on_cuda && operands == DType::bf16 ? 2 : 4;
+  return std::min(cfg.chunk_tokens, num_tokens) * std::min(cfg.chunk_vocab, vocab) * b;
 }
 
 LossResult linear_ce_forward(const Tensor& h, const Tensor& w, const Tensor& targets,
@@ -211,6 +237,7 @@ LossResult linear_ce_forward(const Tensor& h, const Tensor& w, const Tensor& tar
       const int64_t nv = std::min(cv, V - v0);
       Tensor wc = cpu::as_f32(w.narrow(v0, nv));
       cpu::gemm<float>(false, true, nt, nv, H, 1.0f, hc.data<float>(), wc.data<float>(), 0.0f, x);
+      round_logits_cpu(x, nt * nv, cfg);
       ref::online_lse_update<float>(run_max.data(), run_sum.data(), target_logit.data(), x, nv,
                                     tg + t0, nt, v0, nv);
     }
@@ -264,6 +291,7 @@ void linear_ce_backward(float scale, const Tensor& h, const Tensor& w, const Ten
       const int64_t nv = std::min(cv, V - v0);
       Tensor wc = cpu::as_f32(w.narrow(v0, nv));
       cpu::gemm<float>(false, true, nt, nv, H, 1.0f, hc.data<float>(), wc.data<float>(), 0.0f, x);
+      round_logits_cpu(x, nt * nv, cfg);
       ref::softmax_grad_chunk<float>(x, x, nv, tg + t0, lse + t0, scale, nt, v0, nv);
       // d_h[chunk] = sum over vocab chunks of d_block @ w[vchunk]; the first chunk overwrites.
       cpu::gemm<float>(false, false, nt, H, nv, 1.0f, x, wc.data<float>(), v0 == 0 ? 0.0f : 1.0f,
@@ -277,10 +305,11 @@ void linear_ce_backward(float scale, const Tensor& h, const Tensor& w, const Ten
   }
 }
 
-int64_t linear_ce_fused_logits_bytes(int64_t num_tokens, int64_t vocab,
-                                     const LossHeadConfig& cfg) {
+int64_t linear_ce_fused_logits_bytes(int64_t num_tokens, int64_t vocab, const LossHeadConfig& cfg,
+                                     DType operands, bool on_cuda) {
   check_fused_config(cfg, "linear_ce_fused_logits_bytes");
-  return std::min(cfg.fused_chunk_tokens, num_tokens) * vocab * 4;
+  const int64_t b = cfg.bf16_logits && on_cuda && operands == DType::bf16 ? 2 : 4;
+  return std::min(cfg.fused_chunk_tokens, num_tokens) * vocab * b;
 }
 
 LossResult linear_ce_fused(float scale, const Tensor& h, const Tensor& w, const Tensor& targets,
@@ -312,6 +341,7 @@ LossResult linear_ce_fused(float scale, const Tensor& h, const Tensor& w, const 
     const int64_t nt = std::min(ct, T - t0);
     Tensor hc = cpu::as_f32(h.narrow(t0, nt));
     cpu::gemm<float>(false, true, nt, V, H, 1.0f, hc.data<float>(), wf.data<float>(), 0.0f, x);
+    round_logits_cpu(x, nt * V, cfg);
     // Whole rows: the same two-sweep reference as full_ce, then the gradient in place.
     double loss = 0;
     int64_t valid = 0;

@@ -20,6 +20,9 @@
 //            rows; bf16 for bf16 h/w, packed into the first half of each f32 row on CUDA)
 //   d_h[tc] (=) x @ w;  d_w (+=) x^T @ h[tc]
 // Logits peak: exactly ct * V * 4 bytes (linear_ce_fused_logits_bytes). FLOPs 6TVH as full_ce.
+// cfg.bf16_logits: the logits are taken at bf16 precision (as transformers and Megatron-Core
+// compute them: a bf16 lm_head GEMM, the softmax in fp32); on CUDA with bf16 h/w the block is
+// bf16 ([ct, V] x 2 bytes), the gradient written over it; elsewhere f32 values rounded to bf16.
 // The two-pass forward/backward stays for evaluation and whenever the scale is only known after
 // the forward.
 // Accumulation convention: d_w ACCUMULATED (+=, f32 [V, H]); d_h WRITTEN (=, any float dtype,
@@ -40,8 +43,10 @@ void linear_ce_backward(float scale, const Tensor& h, const Tensor& w, const Ten
                         const LossHeadConfig& cfg, const LossHeadSaved& saved, Tensor& d_h,
                         Tensor& d_w);
 
-// Bytes of the one logits block linear_ce keeps alive (what the memory estimator should add).
-int64_t linear_ce_logits_bytes(int64_t num_tokens, int64_t vocab, const LossHeadConfig& cfg);
+// Bytes of the one logits block linear_ce keeps alive (what the memory estimator should add):
+// 2 bytes a logit with cfg.bf16_logits, bf16 operands on CUDA; else 4.
+int64_t linear_ce_logits_bytes(int64_t num_tokens, int64_t vocab, const LossHeadConfig& cfg,
+                               DType operands = DType::f32, bool on_cuda = false);
 
 // Loss and gradients in one pass (training). Same result as linear_ce_forward followed by
 // linear_ce_backward(scale, ...); saves nothing (no lse, no logits).
@@ -55,7 +60,9 @@ int64_t linear_ce_logits_bytes(int64_t num_tokens, int64_t vocab, const LossHead
 LossResult linear_ce_fused(float scale, const Tensor& h, const Tensor& w, const Tensor& targets,
                            const LossHeadConfig& cfg, Tensor& d_h, Tensor& d_w);
 
-// Bytes of the logits block linear_ce_fused keeps alive: min(fused_chunk_tokens, T) * V * 4.
-int64_t linear_ce_fused_logits_bytes(int64_t num_tokens, int64_t vocab, const LossHeadConfig& cfg);
+// Bytes of the logits block linear_ce_fused keeps alive: min(fused_chunk_tokens, T) * V * 4 (2
+// with cfg.bf16_logits, bf16 operands on CUDA).
+int64_t linear_ce_fused_logits_bytes(int64_t num_tokens, int64_t vocab, const LossHeadConfig& cfg,
+                                     DType operands = DType::f32, bool on_cuda = false);
 
 }  // namespace bb

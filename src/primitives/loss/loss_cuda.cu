@@ -242,14 +242,14 @@ __device__ __forceinline__ void lse_fold(float& m, float& s, const float (&v)[kV
 // Sweep-1 step of ce_fused_rows_kernel at columns [base, base + tile). kChecked: the step may run
 // past the end of the row (the last, partial tile); the full tiles skip the bounds tests so the
 // compiler can issue the loads of unrolled steps together.
-template <int kVec, bool kChecked>
-__device__ __forceinline__ void lse_step(const float* __restrict__ xr, int64_t base,
+template <class TI, int kVec, bool kChecked>
+__device__ __forceinline__ void lse_step(const TI* __restrict__ xr, int64_t base,
                                          int64_t vocab, int64_t nthreads, float& m, float& s) {
   float v[kFusedGroups][kVec];
 #pragma unroll
   for (int g = 0; g < kFusedGroups; ++g) {
     const int64_t j = base + (g * nthreads + threadIdx.x) * kVec;
-    if (!kChecked || j < vocab) load<float, kVec>(xr + j, v[g]);
+    if (!kChecked || j < vocab) load<TI, kVec>(xr + j, v[g]);
   }
 #pragma unroll
   for (int g = 0; g < kFusedGroups; ++g) {
@@ -258,7 +258,7 @@ __device__ __forceinline__ void lse_step(const float* __restrict__ xr, int64_t b
   }
 }
 
-// One block per row r of x [rows, vocab] f32. Loop step `base` covers `tile` = blockDim * kVec *
+// One block per row r of x [rows, vocab] (f32, or bf16 logits). Loop step `base` covers `tile` = blockDim * kVec *
 // kFusedGroups columns; thread t's vector g starts at column base + (g * blockDim + t) * kVec, so every
 // group is one coalesced sweep of the block. kVec divides vocab (the launcher makes sure), so a
 // vector is either wholly inside the row or wholly past its end.
@@ -268,15 +268,16 @@ __device__ __forceinline__ void lse_step(const float* __restrict__ xr, int64_t b
 // are turned into values (exp evaluated) before the barrier and its writes come after it, and
 // the barrier also keeps any warp from running a step ahead of a lagging one; so no thread
 // overwrites a logit another thread has yet to read. Sweep 1 finishes (block_lse_merge's
-// barriers) before any write. For f32 output each thread rewrites only its own elements.
-template <class TO, int kVec>
+// barriers) before any write. When the gradient has the logits' width (f32 -> f32, bf16 ->
+// bf16) each thread rewrites only its own elements.
+template <class TI, class TO, int kVec>
 __global__ void __launch_bounds__(kFusedThreads)
-    ce_fused_rows_kernel(float* __restrict__ x, int64_t vocab, const int32_t* __restrict__ targets,
+    ce_fused_rows_kernel(TI* __restrict__ x, int64_t vocab, const int32_t* __restrict__ targets,
                          float scale, float* __restrict__ run_max, float* __restrict__ run_sum,
                          float* __restrict__ target_logit) {
-  constexpr bool kNarrow = sizeof(TO) < sizeof(float);
+  constexpr bool kNarrow = sizeof(TO) < sizeof(TI);
   const int64_t r = blockIdx.x;
-  float* xr = x + r * vocab;
+  TI* xr = x + r * vocab;
   TO* dr = reinterpret_cast<TO*>(xr);
   const int64_t tg = targets[r];
   const int64_t nthreads = blockDim.x;
@@ -297,7 +298,7 @@ __global__ void __launch_bounds__(kFusedThreads)
   }
   // The target logit is read (and stored, so the load has completed) before the barriers that
   // precede every write to the row.
-  if (threadIdx.x == 0) target_logit[r] = tg < vocab ? xr[tg] : 0.0f;
+  if (threadIdx.x == 0) target_logit[r] = tg < vocab ? to_f32(xr[tg]) : 0.0f;
 
   // Sweep 1: running (max, sum of exp) per thread, merged over the block.
   float m = -INFINITY, s = 0.0f;
@@ -305,8 +306,8 @@ __global__ void __launch_bounds__(kFusedThreads)
     const int64_t full_end = vocab - vocab % tile;
     int64_t base = 0;
 #pragma unroll 2
-    for (; base < full_end; base += tile) lse_step<kVec, false>(xr, base, vocab, nthreads, m, s);
-    if (base < vocab) lse_step<kVec, true>(xr, base, vocab, nthreads, m, s);
+    for (; base < full_end; base += tile) lse_step<TI, kVec, false>(xr, base, vocab, nthreads, m, s);
+    if (base < vocab) lse_step<TI, kVec, true>(xr, base, vocab, nthreads, m, s);
   }
   block_lse_merge(m, s);
   if (threadIdx.x == 0) {
@@ -324,7 +325,7 @@ __global__ void __launch_bounds__(kFusedThreads)
       const int64_t j = base + (g * nthreads + threadIdx.x) * kVec;
       in[g] = j < vocab;
       if (!in[g]) continue;
-      load<float, kVec>(xr + j, v[g]);
+      load<TI, kVec>(xr + j, v[g]);
 #pragma unroll
       for (int i = 0; i < kVec; ++i) {
         const float onehot = (j + i == tg) ? 1.0f : 0.0f;
@@ -340,9 +341,10 @@ __global__ void __launch_bounds__(kFusedThreads)
   }
 }
 
-template <class TO>
-void launch_fused(float* x, int64_t vocab, const int32_t* targets, float scale, int64_t rows,
+template <class TI, class TO>
+void launch_fused(void* xv, int64_t vocab, const int32_t* targets, float scale, int64_t rows,
                   float* run_max, float* run_sum, float* target_logit) {
+  TI* x = static_cast<TI*>(xv);
   const unsigned grid = static_cast<unsigned>(rows);
   auto threads = [&](int vec) {
     return std::min(kFusedThreads, row_threads(ceil_div(vocab, vec * kFusedGroups)));
@@ -350,13 +352,13 @@ void launch_fused(float* x, int64_t vocab, const int32_t* targets, float scale, 
   // Row starts are 16-byte aligned for f32 (and the bf16 rows, which start at the same bytes)
   // when vocab is a multiple of 4 and the block is.
   if (vocab % 8 == 0 && aligned(x, 16)) {
-    ce_fused_rows_kernel<TO, 8><<<grid, threads(8), 0, stream()>>>(
+    ce_fused_rows_kernel<TI, TO, 8><<<grid, threads(8), 0, stream()>>>(
         x, vocab, targets, scale, run_max, run_sum, target_logit);
   } else if (vocab % 4 == 0 && aligned(x, 16)) {
-    ce_fused_rows_kernel<TO, 4><<<grid, threads(4), 0, stream()>>>(
+    ce_fused_rows_kernel<TI, TO, 4><<<grid, threads(4), 0, stream()>>>(
         x, vocab, targets, scale, run_max, run_sum, target_logit);
   } else {
-    ce_fused_rows_kernel<TO, 1><<<grid, threads(1), 0, stream()>>>(
+    ce_fused_rows_kernel<TI, TO, 1><<<grid, threads(1), 0, stream()>>>(
         x, vocab, targets, scale, run_max, run_sum, target_logit);
   }
   BB_CHECK_LAUNCH();
@@ -364,20 +366,36 @@ void launch_fused(float* x, int64_t vocab, const int32_t* targets, float scale, 
 
 }  // namespace
 
-void ce_fused_rows(float* x, int64_t V, DType d_dt, const int32_t* targets, float scale,
+void ce_fused_rows(void* x, DType x_dt, int64_t V, DType d_dt, const int32_t* targets, float scale,
                    int64_t rows, float* run_max, float* run_sum, float* target_logit) {
   if (rows == 0) return;
-  switch (d_dt) {
-    case DType::f32:
-      launch_fused<float>(x, V, targets, scale, rows, run_max, run_sum, target_logit);
-      break;
-    case DType::bf16:
-      launch_fused<__nv_bfloat16>(x, V, targets, scale, rows, run_max, run_sum, target_logit);
-      break;
-    default:
-      BB_FAIL("linear_ce_fused on CUDA: gradient dtype ", dtype_name(d_dt),
-              " is not supported (f32 or bf16)");
-  }
+  BB_CHECK(d_dt == DType::f32 || d_dt == DType::bf16, "linear_ce_fused on CUDA: gradient dtype ",
+           dtype_name(d_dt), " is not supported (f32 or bf16)");
+  BB_CHECK(x_dt == DType::f32 || (x_dt == DType::bf16 && d_dt == DType::bf16),
+           "linear_ce_fused on CUDA: logits ", dtype_name(x_dt), " with gradient ", dtype_name(d_dt),
+           " is not supported (f32 logits, or bf16 logits and gradient)");
+  if (x_dt == DType::bf16)
+    launch_fused<__nv_bfloat16, __nv_bfloat16>(x, V, targets, scale, rows, run_max, run_sum, target_logit);
+  else if (d_dt == DType::f32)
+    launch_fused<float, float>(x, V, targets, scale, rows, run_max, run_sum, target_logit);
+  else
+    launch_fused<float, __nv_bfloat16>(x, V, targets, scale, rows, run_max, run_sum, target_logit);
+}
+
+namespace {
+__global__ void round_bf16_kernel(float* x, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    x[i] = __bfloat162float(__float2bfloat16_rn(x[i]));
+}
+}  // namespace
+
+void round_to_bf16(float* x, int64_t n) {
+  if (n == 0) return;
+  const int threads = 256;
+  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(n, threads), 65535));
+  round_bf16_kernel<<<blocks, threads, 0, stream()>>>(x, n);
+  BB_CHECK_LAUNCH();
 }
 
 void ce_online_update(float* run_max, float* run_sum, float* target_logit, const void* x,

@@ -47,23 +47,29 @@ void ce_softmax_grad(void* d, DType d_dt, int64_t ld_d, const void* x, DType x_d
                      int64_t v0, int64_t nv);
 
 // ---- linear_ce_fused ---------------------------------------------------------------------------
-// One row step of the fused loss head over a whole-vocabulary f32 logits block x [rows, V] (row
-// stride V), one thread block per row, two sweeps over the row:
+// One row step of the fused loss head over a whole-vocabulary logits block x [rows, V] (row
+// stride V; f32, or bf16 when the head keeps bf16 logits), one thread block per row, two sweeps
+// over the row:
 //   1. running max and sum of exp(x - max) over the row -> run_max, run_sum [rows] f32 (the state
 //      ce_finalize takes), and the target logit -> target_logit [rows] f32;
 //   2. d = scale * (exp(x - lse) - onehot(target)), lse = max + log(sum); 0 on masked rows
 //      (target < 0), no one-hot term for a target >= V (ce_finalize reports it).
-// d is written IN PLACE over x, in dtype d_dt, with row stride ce_fused_grad_ld(V, d_dt):
-//   f32:  d[r, v] replaces x[r, v];
-//   bf16: row r of d fills the first 2V bytes of x's row r (row stride 2V bf16 elements).
+// d is written IN PLACE over x, in dtype d_dt, with row stride ce_fused_grad_ld(V, x_dt, d_dt):
+//   f32 x, f32 d:   d[r, v] replaces x[r, v];
+//   f32 x, bf16 d:  row r of d fills the first 2V bytes of x's row r (row stride 2V bf16 elements);
+//   bf16 x, bf16 d: d[r, v] replaces x[r, v] (bf16 x with f32 d is refused).
 // Masked rows get run_max = 0, run_sum = 1 (lse 0) and are skipped by ce_finalize's loss.
-void ce_fused_rows(float* x, int64_t V, DType d_dt, const int32_t* targets, float scale,
+void ce_fused_rows(void* x, DType x_dt, int64_t V, DType d_dt, const int32_t* targets, float scale,
                    int64_t rows, float* run_max, float* run_sum, float* target_logit);
 
 // Row stride, in elements of d_dt, of the gradient ce_fused_rows leaves in the block.
-inline int64_t ce_fused_grad_ld(int64_t V, DType d_dt) {
-  return d_dt == DType::f32 ? V : 2 * V;
+inline int64_t ce_fused_grad_ld(int64_t V, DType x_dt, DType d_dt) {
+  return x_dt == d_dt ? V : 2 * V;
 }
+
+// x[i] = float(bf16(x[i])) (round to nearest even): f32 logits held at bf16 precision, for
+// loss heads with bf16 logits whose GEMM writes f32 (f32 operands, the two-pass paths).
+void round_to_bf16(float* x, int64_t n);
 
 }  // namespace bb::cuda
 
