@@ -201,11 +201,9 @@ LossResult linear_ce_fused_cuda(float scale, const Tensor& h, const Tensor& w,
 
 }  // namespace
 
-int64_t linear_ce_logits_bytes(int64_t num_tokens, int64_t vocab, const LossHeadConfig& cfg,
-                               DType operands, bool on_cuda) {
+int64_t linear_ce_logits_bytes(int64_t num_tokens, int64_t vocab, const LossHeadConfig& cfg) {
   check_config(cfg, "linear_ce_logits_bytes");
-  const int64_t b = cfg.bf16_logits && on_cuda && operands == DType::bf16 ? 2 : 4;
-  return std::min(cfg.chunk_tokens, num_tokens) * std::min(cfg.chunk_vocab, vocab) * b;
+  return std::min(cfg.chunk_tokens, num_tokens) * std::min(cfg.chunk_vocab, vocab) * 4;
 }
 
 LossResult linear_ce_forward(const Tensor& h, const Tensor& w, const Tensor& targets,

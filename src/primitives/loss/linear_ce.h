@@ -43,10 +43,10 @@ void linear_ce_backward(float scale, const Tensor& h, const Tensor& w, const Ten
                         const LossHeadConfig& cfg, const LossHeadSaved& saved, Tensor& d_h,
                         Tensor& d_w);
 
-// Bytes of the one logits block linear_ce keeps alive (what the memory estimator should add):
-// 2 bytes a logit with cfg.bf16_logits, bf16 operands on CUDA; else 4.
-int64_t linear_ce_logits_bytes(int64_t num_tokens, int64_t vocab, const LossHeadConfig& cfg,
-                               DType operands = DType::f32, bool on_cuda = false);
+// Bytes of the one logits block linear_ce keeps alive (what the memory estimator should add): 4
+// bytes a logit also with cfg.bf16_logits (the two-pass backward's block stays f32; only the
+// forward's block narrows to bf16 on CUDA).
+int64_t linear_ce_logits_bytes(int64_t num_tokens, int64_t vocab, const LossHeadConfig& cfg);
 
 // Loss and gradients in one pass (training). Same result as linear_ce_forward followed by
 // linear_ce_backward(scale, ...); saves nothing (no lse, no logits).
