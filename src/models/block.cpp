@@ -24,22 +24,26 @@ void weight_grad(BatchContext& ctx, BlockSaved& saved, std::function<void()> fn)
   else fn();
 }
 
-Tensor linear_backward(BatchContext& ctx, BlockSaved& saved, const Tensor& d_y, const Tensor& x,
-                       Param* w, Param* b) {
+namespace {
+// d_y in the weight's dtype, with w.grad += g^T x (and b.grad += sum g) run now or queued.
+Tensor weight_grad_of(BatchContext& ctx, BlockSaved& saved, const Tensor& d_y, const Tensor& x,
+                      Param* w, Param* b) {
   const Tensor g = as_dtype(d_y, w->value.dtype());
   weight_grad(ctx, saved, [g, x, w, b] {
     linear_backward_weight(g, x, w->grad, b ? &b->grad : nullptr);
   });
-  return linear_backward_data(g, w->value);
+  return g;
+}
+}  // namespace
+
+Tensor linear_backward(BatchContext& ctx, BlockSaved& saved, const Tensor& d_y, const Tensor& x,
+                       Param* w, Param* b) {
+  return linear_backward_data(weight_grad_of(ctx, saved, d_y, x, w, b), w->value);
 }
 
 void linear_backward_acc(BatchContext& ctx, BlockSaved& saved, const Tensor& d_y, const Tensor& x,
                          Param* w, Param* b, Tensor& d_x) {
-  const Tensor g = as_dtype(d_y, w->value.dtype());
-  weight_grad(ctx, saved, [g, x, w, b] {
-    linear_backward_weight(g, x, w->grad, b ? &b->grad : nullptr);
-  });
-  linear_backward_data_acc(g, w->value, d_x);
+  linear_backward_data_acc(weight_grad_of(ctx, saved, d_y, x, w, b), w->value, d_x);
 }
 
 Tensor norm_backward_with_skip(const Tensor& d_h, const Tensor& x, Param* ln,

@@ -258,9 +258,9 @@ __device__ __forceinline__ void lse_step(const TI* __restrict__ xr, int64_t base
   }
 }
 
-// One block per row r of x [rows, vocab] (f32, or bf16 logits). Loop step `base` covers `tile` = blockDim * kVec *
-// kFusedGroups columns; thread t's vector g starts at column base + (g * blockDim + t) * kVec, so every
-// group is one coalesced sweep of the block. kVec divides vocab (the launcher makes sure), so a
+// One block per row r of x [rows, vocab] (f32, or bf16 logits). Loop step `base` covers `tile` =
+// blockDim * kVec * kFusedGroups columns; thread t's vector g starts at column base + (g * blockDim
+// + t) * kVec, so every group is one coalesced sweep of the block. kVec divides vocab (the launcher makes sure), so a
 // vector is either wholly inside the row or wholly past its end.
 // NOTES (in place, bf16): row r of d is written over the first 2 * vocab bytes of x's row r.
 // Step k writes bf16 columns [k*tile, (k+1)*tile), i.e. the bytes of f32 columns
@@ -349,8 +349,9 @@ void launch_fused(void* xv, int64_t vocab, const int32_t* targets, float scale, 
   auto threads = [&](int vec) {
     return std::min(kFusedThreads, row_threads(ceil_div(vocab, vec * kFusedGroups)));
   };
-  // Row starts are 16-byte aligned for f32 (and the bf16 rows, which start at the same bytes)
-  // when vocab is a multiple of 4 and the block is.
+  // Row starts are aligned to the vector (f32 logits: their bf16 gradient rows start at the same
+  // bytes; bf16 logits: rows of 2 V bytes) when vocab is a multiple of the vector width and the
+  // block is 16-byte aligned.
   if (vocab % 8 == 0 && aligned(x, 16)) {
     ce_fused_rows_kernel<TI, TO, 8><<<grid, threads(8), 0, stream()>>>(
         x, vocab, targets, scale, run_max, run_sum, target_logit);
