@@ -26,6 +26,7 @@
 #include "backend/cuda/check.cuh"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/grouped_mma.h"
+#include "backend/cuda/runtime.h"
 #endif
 
 namespace bb {
@@ -199,6 +200,40 @@ TEST(GemmGpuEdge, PlansAreCachedByShape) {
   Tensor c2 = Tensor::empty({64, 64}, DType::f32, kGpu, MemCategory::other);
   gpu_gemm(false, true, 64, 64, 32, 1.0f, a, a, 0.0f, c2);  // another shape: a second plan
   EXPECT_EQ(cuda::gemm_cache_size(), 2);
+#endif
+}
+
+// [backend] update_sms: under an SM reserve cuBLASLt plans target the SMs left to the compute
+// stream, cached apart from the plans for the whole device; both give the reference's result.
+TEST(GemmGpuEdge, SmReservePlansAreCachedApartAndMatch) {
+  BB_REQUIRE_GPU();
+#ifdef BB_WITH_CUDA
+  cuda::gemm_clear_cache();
+  const int64_t M = 512, N = 384, K = 1024;
+  const auto av = stored(test::randn(M * K, 21), DType::bf16), bv = stored(test::randn(K * N, 22), DType::bf16);
+  const Tensor a = on_gpu(av, {M, K}, DType::bf16), b = on_gpu(bv, {K, N}, DType::bf16);
+  Tensor c = Tensor::empty({M, N}, DType::f32, kGpu, MemCategory::other);
+  Tensor c2 = Tensor::empty({M, N}, DType::f32, kGpu, MemCategory::other);
+  gpu_gemm(false, false, M, N, K, 1.0f, a, b, 0.0f, c);
+  EXPECT_EQ(cuda::gemm_cache_size(), 1);
+  {
+    cuda::SmReserve reserve(32);
+    EXPECT_EQ(cuda::sm_reserve(), 32);
+    EXPECT_EQ(cuda::compute_sm_count(), cuda::sm_count() - 32);
+    gpu_gemm(false, false, M, N, K, 1.0f, a, b, 0.0f, c2);
+    EXPECT_EQ(cuda::gemm_cache_size(), 2) << "the reserve's plan is its own";
+  }
+  EXPECT_EQ(cuda::sm_reserve(), 0);
+  gpu_gemm(false, false, M, N, K, 1.0f, a, b, 0.0f, c);
+  EXPECT_EQ(cuda::gemm_cache_size(), 2);
+  const auto ref = ref_gemm(false, false, M, N, K, 1.0f, av, bv, 0.0f, std::vector<float>(M * N, 0.0f));
+  EXPECT_LT(test::rel_error(c.to_floats(), ref), 1e-5);
+  EXPECT_LT(test::rel_error(c2.to_floats(), ref), 1e-5);
+  // A reserve larger than the device leaves one SM.
+  cuda::set_sm_reserve(100000);
+  EXPECT_EQ(cuda::compute_sm_count(), 1);
+  cuda::set_sm_reserve(0);
+  EXPECT_EQ(cuda::compute_sm_count(), cuda::sm_count());
 #endif
 }
 
@@ -724,6 +759,20 @@ TEST(GemmGroupedTma, WgradLayoutMatchesDoubleReference) {
         unsetenv("BB_TMA_F32_HALVES");
         EXPECT_EQ(C2.to_floats(), got_all) << what << ": the other f32 store path gives other bits";
       }
+      {
+        // Under an SM reserve the persistent grid is smaller (each CTA takes more tiles): the
+        // same tiles, the same bits.
+        Tensor C3 = on_gpu(cv, {E * M, ldc}, out);
+        for (int64_t e = 0; e < E; ++e)
+          ps[static_cast<size_t>(e)].C = static_cast<char*>(C3.raw()) + e * M * ldc * static_cast<int64_t>(dtype_size(out));
+        {
+          cuda::SmReserve reserve(cuda::sm_count() - 7);
+          EXPECT_EQ(cuda::compute_sm_count(), 7);
+          cuda::gemm_grouped(true, false, ps, alpha, DType::bf16, lda, ldb, beta, out, ldc, 0, cfg);
+        }
+        EXPECT_EQ(cuda::sm_reserve(), 0);
+        EXPECT_EQ(C3.to_floats(), got_all) << what << ": a 7-CTA grid gives other bits";
+      }
       off = 0;
       for (int64_t e = 0; e < E; off += counts[e], ++e) {
         const int64_t K = counts[e];
@@ -753,6 +802,77 @@ TEST(GemmGroupedTma, WgradLayoutMatchesDoubleReference) {
       ++cases;
     }
   EXPECT_EQ(cases, 6);
+#endif
+}
+
+// The wgrad's plain write (beta 0) when every problem is whole 128-row tiles goes out through TMA
+// stores of 32-column boxes (kStore): ragged K (0, 1, 63, 64, 65, 200, 513 rows), N = 264 (a
+// partial column tile: the map clips it, the columns past N keep their values), the C matrices
+// in reverse order of the problems with a gap of rows between them. The same bits as the
+// register stores (BB_TMA_F32_STORE=0), and the double reference.
+TEST(GemmGroupedTma, WgradTmaStoresMatchRegisterStores) {
+  BB_REQUIRE_GPU();
+#ifdef BB_WITH_CUDA
+  if (cuda::compute_capability(0) != 90) GTEST_SKIP() << "the TMA kernel runs on compute capability 9.0 only";
+  const int64_t M = 256, N = 264, lda = M, ldb = N + 16, ldc = N + 8;
+  std::vector<int64_t> counts;
+  for (int e = 0; e < 16; ++e) counts.push_back(std::vector<int64_t>{1, 63, 0, 64, 65, 200, 513, 130}[e % 8]);
+  int64_t rows = 0;
+  for (int64_t c : counts) rows += c;
+  const int64_t E = static_cast<int64_t>(counts.size()), slot = M + 3;  // C rows of one problem, and a gap
+  const auto av = stored(test::randn(rows * lda, 9301), DType::bf16);
+  const auto bv = stored(test::randn(rows * ldb, 9302), DType::bf16);
+  const auto cv = stored(test::randn(E * slot * ldc, 9303), DType::f32);
+  Tensor A = on_gpu(av, {rows, lda}, DType::bf16), B = on_gpu(bv, {rows, ldb}, DType::bf16);
+  auto run = [&](const char* store) {
+    Tensor C = on_gpu(cv, {E * slot, ldc}, DType::f32);
+    std::vector<cuda::GemmProblem> ps;
+    int64_t off = 0;
+    for (int64_t e = 0; e < E; off += counts[e], ++e) {
+      cuda::GemmProblem p;
+      p.M = M;
+      p.N = N;
+      p.K = counts[e];
+      p.A = static_cast<const uint16_t*>(A.raw()) + off * lda;
+      p.B = static_cast<const uint16_t*>(B.raw()) + off * ldb;
+      p.C = static_cast<float*>(C.raw()) + (E - 1 - e) * slot * ldc;
+      ps.push_back(p);
+    }
+    EXPECT_EQ(cuda::grouped_tma_refusal(true, false, ps, DType::bf16, lda, ldb, DType::f32, 0), "");
+    cuda::GroupedConfig cfg;
+    cfg.algo = cuda::GroupedAlgo::mma;
+    setenv("BB_TMA_F32_STORE", store, 1);
+    const int64_t calls = cuda::grouped_tma_calls();
+    cuda::gemm_grouped(true, false, ps, 0.75f, DType::bf16, lda, ldb, 0.0f, DType::f32, ldc, 0, cfg);
+    unsetenv("BB_TMA_F32_STORE");
+    EXPECT_EQ(cuda::grouped_tma_calls(), calls + 1) << "the call did not take the TMA kernel";
+    return C.to_floats();
+  };
+  const std::vector<float> got_all = run("1"), regs = run("0");
+  EXPECT_EQ(got_all, regs) << "TMA stores and register stores give other bits";
+  int64_t off = 0;
+  for (int64_t e = 0; e < E; off += counts[e], ++e) {
+    const int64_t K = counts[e], c0 = (E - 1 - e) * slot;
+    std::vector<float> ap(K * M), bp(K * N), got(M * N);
+    for (int64_t r = 0; r < K; ++r) {
+      for (int64_t m = 0; m < M; ++m) ap[r * M + m] = av[(off + r) * lda + m];
+      for (int64_t n = 0; n < N; ++n) bp[r * N + n] = bv[(off + r) * ldb + n];
+    }
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t c = 0; c < ldc; ++c) {
+        const float v = got_all[(c0 + m) * ldc + c];
+        if (c < N) got[m * N + c] = v;
+        else ASSERT_EQ(v, cv[(c0 + m) * ldc + c]) << "expert " << e << " wrote past N";
+      }
+    for (int64_t m = M; m < slot; ++m)  // the gap rows after each C are nobody's
+      for (int64_t c = 0; c < ldc; ++c) ASSERT_EQ(got_all[(c0 + m) * ldc + c], cv[(c0 + m) * ldc + c]) << "gap row";
+    const auto ref = ref_gemm(true, false, M, N, K, 0.75, ap, bp, 0.0, std::vector<float>(M * N, 0.0f));
+    if (K == 0) {
+      for (float v : got) ASSERT_EQ(v, 0.0f) << "expert " << e << " (K = 0)";
+      continue;
+    }
+    EXPECT_LT(test::rel_error(got, ref), 1e-5) << "expert " << e << " (K = " << K << ")";
+  }
 #endif
 }
 

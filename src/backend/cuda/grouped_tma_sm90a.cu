@@ -39,7 +39,9 @@
 //     swizzled staging tile, then straight on to the next tile; f32 C stored by themselves
 //     (beta 1: red.global.add, which waits for nothing), or, when it is added to with a short
 //     K, as alpha acc into a [64][256] f32 staging half-tile, warpgroup 1 then warpgroup 2
-//     (SmemPlan says when and why).
+//     (SmemPlan says when and why), or, when it is written (beta 0, the expert wgrad) and every
+//     problem is whole 128-row tiles, into 32-column boxes that one thread of each warpgroup
+//     hands to TMA stores (kStore: the consumers go on without waiting for the global writes).
 //   warps 1-3 (bf16 C, staged f32 C): the epilogue. They write the staging tile out, one 512-byte
 //     (bf16) or 1 KiB (f32) row a warp (coalesced), adding beta C when beta is not 0, while the
 //     consumers multiply the next tile.
@@ -219,9 +221,13 @@ struct alignas(16) TileInfo {
 // slot (the producer / 256 consumer threads), staged/drained for the staging tile (256
 // consumer threads / 96 epilogue threads); f32 halves: staged/drained per half (the 128 threads
 // of its warpgroup / 96 epilogue threads).
-template <bool kTA, bool kBMN, class TC, bool kHalves>
+// kStore (f32 C, beta 0, the halves plan's shared memory): the consumers write alpha acc into
+// 32-column boxes of the staging buffer and one thread per warpgroup stores them with TMA
+// (map_c over every problem's C rows, c_base its first byte), not waiting for the global writes.
+template <bool kTA, bool kBMN, class TC, bool kHalves, bool kStore = false>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_tma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                       const __grid_constant__ CUtensorMap map_c, const char* c_base,
                        const TmaProblem* __restrict__ probs, const int32_t* __restrict__ starts, int num_probs,
                        int tiles, int64_t ldc, float alpha, float beta) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -284,7 +290,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           load_k_step<kBMN, kBN>(b_stage(s), &map_b, full(s), at.n0, b_row, k * kBK);
         }
       }
-    } else if (P::kF32Halves && warp >= 1) {
+    } else if (P::kF32Halves && !kStore && warp >= 1) {
       // The f32 epilogue: for each tile, half 0 (rows 0-63, warpgroup 1's) then half 1. Warp
       // w - 1 of 3 writes rows w - 1, w + 2, ... of the half, 2 x 16 bytes (4 columns each) a
       // lane, a whole 256-column row a warp (coalesced); beta 1 adds in L2 (red.global.add).
@@ -326,7 +332,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           mbar_arrive(h == 0 ? drained : drained1);
         }
       }
-    } else if (P::kStaged && warp >= 1) {
+    } else if (P::kStaged && !P::kF32Halves && warp >= 1) {  // (kStore: warps 1-3 idle)
       // The epilogue: warp w - 1 of 3 writes rows w - 1, w + 2, ... of each staged tile, 16 bytes
       // (8 columns) a lane, a whole 256-column row a warp (coalesced).
       const int ew = warp - 1;
@@ -415,7 +421,52 @@ __global__ void __launch_bounds__(kThreads, 1)
       // Accumulators: warp q holds rows 16 q + lane / 4 (+ 8) of the warpgroup's 64; n8 block j
       // in acc[4 j .. 4 j + 3] as in mma.sync's m16n8 fragment.
       const int rt = cw * 64 + q * 16 + (lane >> 2);  // tile row of acc[.. 0, 1]; + 8 for [.. 2, 3]
-      if constexpr (P::kF32Halves) {
+      if constexpr (kStore) {
+        // Warpgroup cw's 64 rows go out as 8 boxes of 64 rows x 32 columns (8 KiB, 128-byte rows,
+        // 16-byte chunks XOR-swizzled by row & 7 as TMA's 128-byte swizzle reads them: the
+        // fragment writes are conflict-free), two boxes at a time, through its half of the
+        // staging buffer (two slots of two boxes). Before a pair's slot is written, the thread
+        // that issued the stores waits until the stores that read the slot last (two pairs ago,
+        // possibly of the previous tile) have read it; the global writes complete on their own.
+        const uint32_t wbuf = staging + cw * 32768;
+        const bool leader = (threadIdx.x & 127) == 0;
+        const int crow = static_cast<int>((static_cast<const char*>(at.C) - c_base) / (ldc * 4)) + at.m0 + 64 * cw;
+        const int rl = q * 16 + (lane >> 2);  // row within the warpgroup's 64
+#pragma unroll
+        for (int pr = 0; pr < 4; ++pr) {
+          const uint32_t slot = wbuf + (pr & 1) * 16384;
+          if (leader) asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
+          asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) {
+            const int j = 8 * pr + jj;  // n8 block of the tile
+            const uint32_t box = slot + (jj >> 2) * 8192;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int row = rl + 8 * h, chunk = (jj & 3) * 2 + ((lane & 3) >> 1);
+              asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(box + row * 128 + ((chunk ^ (row & 7)) << 4) +
+                                                                      (lane & 1) * 8),
+                           "f"(alpha * acc[4 * j + 2 * h]), "f"(alpha * acc[4 * j + 2 * h + 1])
+                           : "memory");
+            }
+          }
+          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic writes -> TMA reads
+          asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
+          if (leader) {
+#pragma unroll
+            for (int b = 0; b < 2; ++b) {
+              const int col = at.n0 + 32 * (2 * pr + b);
+              if (col < at.N)
+                asm volatile(
+                    "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+                        reinterpret_cast<uint64_t>(&map_c)),
+                    "r"(slot + b * 8192), "r"(col), "r"(crow)
+                    : "memory");
+            }
+            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+          }
+        }
+      } else if constexpr (P::kF32Halves) {
         // alpha acc into the half-tile staging buffer ([64][256] f32, the 16-byte chunks of row
         // r XOR-swizzled by r & 7), warpgroup 1 first: it waits until the epilogue has written
         // out the previous tile's second half, warpgroup 2 until it has written this tile's first.
@@ -478,6 +529,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
+    if constexpr (kStore) {
+      if ((threadIdx.x & 127) == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+    }
   }
 #else
   __trap();
@@ -511,6 +565,22 @@ CUtensorMap make_map(const void* base, int64_t rows, int64_t cols, int64_t ld, i
                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   BB_CHECK(r == CUDA_SUCCESS, "cuda::gemm_grouped: cuTensorMapEncodeTiled failed (error ", static_cast<int>(r),
            ") for a ", rows, " x ", cols, " bf16 map with leading dimension ", ld);
+  return m;
+}
+
+// A 2D f32 tensor map for TMA stores of C: `rows` rows of `cols` elements, `ld` elements apart,
+// boxes of 32 columns (128 bytes, the 128-byte swizzle's width) x 64 rows.
+CUtensorMap make_map_f32(const void* base, int64_t rows, int64_t cols, int64_t ld) {
+  CUtensorMap m;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld * 4)};
+  const cuuint32_t box[2] = {32, 64};
+  const cuuint32_t elem[2] = {1, 1};
+  const CUresult r = encode_fn()(&m, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<void*>(base), dims, strides, box,
+                                 elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                 CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  BB_CHECK(r == CUDA_SUCCESS, "cuda::gemm_grouped: cuTensorMapEncodeTiled failed (error ", static_cast<int>(r),
+           ") for a ", rows, " x ", cols, " f32 map with leading dimension ", ld);
   return m;
 }
 
@@ -577,27 +647,72 @@ bool f32_halves(float beta, int64_t mean_k) {
   return beta != 0.0f && mean_k < 1024;
 }
 
-template <bool kTA, bool kBMN, class TC, bool kHalves>
-void launch_as(const CUtensorMap& ma, const CUtensorMap& mb, const TmaProblem* probs, const int32_t* starts, int n,
-               int tiles, int64_t ldc, float alpha, float beta) {
-  auto* kernel = grouped_tma_kernel<kTA, kBMN, TC, kHalves>;
+// Where f32 C goes out through TMA stores: one map over every problem's C rows (its base and
+// row count), when the call writes (beta 0), every problem's M is whole 128-row tiles (a tile's
+// rows past M would be another problem's) and the C matrices sit whole rows apart from the
+// first. BB_TMA_F32_STORE=0 (kernel-lab knob) turns it off for comparisons.
+struct StoreMap {
+  bool ok = false;
+  const char* base = nullptr;
+  int64_t rows = 0;
+};
+
+template <bool kTA, bool kBMN, class TC, bool kHalves, bool kStore = false>
+void launch_as(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& mc, const char* c_base,
+               const TmaProblem* probs, const int32_t* starts, int n, int tiles, int64_t ldc, float alpha, float beta) {
+  auto* kernel = grouped_tma_kernel<kTA, kBMN, TC, kHalves, kStore>;
   constexpr int kSmem = SmemPlan<TC, kHalves>::kBytes;
   BB_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  const int grid = std::min(tiles, sm_count());
-  kernel<<<static_cast<unsigned>(grid), kThreads, kSmem, stream()>>>(ma, mb, probs, starts, n, tiles, ldc, alpha, beta);
+  const int grid = std::min(tiles, compute_sm_count());  // fewer under an SM reserve
+  kernel<<<static_cast<unsigned>(grid), kThreads, kSmem, stream()>>>(ma, mb, mc, c_base, probs, starts, n, tiles, ldc,
+                                                                     alpha, beta);
   BB_CHECK_LAUNCH();
 }
 
 template <bool kTA, bool kBMN, class TC>
-void launch(const CUtensorMap& ma, const CUtensorMap& mb, const TmaProblem* probs, const int32_t* starts, int n,
-            int tiles, int64_t ldc, float alpha, float beta, int64_t mean_k) {
-  if constexpr (sizeof(TC) == 4) {
-    if (f32_halves(beta, mean_k)) {
-      launch_as<kTA, kBMN, TC, true>(ma, mb, probs, starts, n, tiles, ldc, alpha, beta);
+void launch(const CUtensorMap& ma, const CUtensorMap& mb, const StoreMap& sm, const TmaProblem* probs,
+            const int32_t* starts, int n, int tiles, int64_t ldc, int64_t N, float alpha, float beta, int64_t mean_k) {
+  CUtensorMap mc{};
+  if constexpr (sizeof(TC) == 4 && kTA) {
+    // The expert wgrad's plain write: TMA stores of the staged boxes.
+    if (beta == 0.0f && sm.ok) {
+      mc = make_map_f32(sm.base, sm.rows, N, ldc);
+      launch_as<kTA, kBMN, TC, true, true>(ma, mb, mc, sm.base, probs, starts, n, tiles, ldc, alpha, beta);
       return;
     }
   }
-  launch_as<kTA, kBMN, TC, false>(ma, mb, probs, starts, n, tiles, ldc, alpha, beta);
+  if constexpr (sizeof(TC) == 4) {
+    if (f32_halves(beta, mean_k)) {
+      launch_as<kTA, kBMN, TC, true>(ma, mb, mc, nullptr, probs, starts, n, tiles, ldc, alpha, beta);
+      return;
+    }
+  }
+  launch_as<kTA, kBMN, TC, false>(ma, mb, mc, nullptr, probs, starts, n, tiles, ldc, alpha, beta);
+}
+
+StoreMap store_map(const std::vector<GemmProblem>& live, DType cdt, int64_t ldc, float beta) {
+  StoreMap sm;
+  const char* e = std::getenv("BB_TMA_F32_STORE");
+  if (e != nullptr && e[0] == '0') return sm;
+  if (cdt != DType::f32 || beta != 0.0f || ldc % 4 != 0) return sm;
+  const char* base = nullptr;
+  for (const GemmProblem& p : live) {
+    if (p.M % kBM != 0 || p.N != live.front().N) return sm;
+    const char* c = static_cast<const char*>(p.C);
+    if (base == nullptr || c < base) base = c;
+  }
+  if (reinterpret_cast<uintptr_t>(base) % 16 != 0) return sm;
+  int64_t rows = 0;
+  for (const GemmProblem& p : live) {
+    const int64_t off = static_cast<const char*>(p.C) - base;
+    if (off % (ldc * 4) != 0) return sm;
+    rows = std::max(rows, off / (ldc * 4) + p.M);
+  }
+  if (rows >= (int64_t{1} << 31)) return sm;
+  sm.ok = true;
+  sm.base = base;
+  sm.rows = rows;
+  return sm;
 }
 
 // The two maps' rows, or why the call does not suit them. ps: the problems with M, N > 0.
@@ -714,15 +829,17 @@ bool grouped_tma(bool ta, bool tb, const std::vector<GemmProblem>& ps, float alp
   int64_t sum_k = 0;
   for (const GemmProblem& p : live) sum_k += p.K;
   const int64_t mk = sum_k / static_cast<int64_t>(live.size());
+  const StoreMap sm = ta ? store_map(live, cdt, ldc, beta) : StoreMap{};
+  const int64_t N = p0.N;
   if (ta) {
-    if (f32) launch<true, true, float>(ma, mb, dprobs, dstarts, n, nt, ldc, alpha, beta, mk);
-    else launch<true, true, __nv_bfloat16>(ma, mb, dprobs, dstarts, n, nt, ldc, alpha, beta, mk);
+    if (f32) launch<true, true, float>(ma, mb, sm, dprobs, dstarts, n, nt, ldc, N, alpha, beta, mk);
+    else launch<true, true, __nv_bfloat16>(ma, mb, sm, dprobs, dstarts, n, nt, ldc, N, alpha, beta, mk);
   } else if (tb) {
-    if (f32) launch<false, false, float>(ma, mb, dprobs, dstarts, n, nt, ldc, alpha, beta, mk);
-    else launch<false, false, __nv_bfloat16>(ma, mb, dprobs, dstarts, n, nt, ldc, alpha, beta, mk);
+    if (f32) launch<false, false, float>(ma, mb, sm, dprobs, dstarts, n, nt, ldc, N, alpha, beta, mk);
+    else launch<false, false, __nv_bfloat16>(ma, mb, sm, dprobs, dstarts, n, nt, ldc, N, alpha, beta, mk);
   } else {
-    if (f32) launch<false, true, float>(ma, mb, dprobs, dstarts, n, nt, ldc, alpha, beta, mk);
-    else launch<false, true, __nv_bfloat16>(ma, mb, dprobs, dstarts, n, nt, ldc, alpha, beta, mk);
+    if (f32) launch<false, true, float>(ma, mb, sm, dprobs, dstarts, n, nt, ldc, N, alpha, beta, mk);
+    else launch<false, true, __nv_bfloat16>(ma, mb, sm, dprobs, dstarts, n, nt, ldc, N, alpha, beta, mk);
   }
   g_tma_calls.fetch_add(1, std::memory_order_relaxed);
   return true;
