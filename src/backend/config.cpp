@@ -33,8 +33,6 @@ void BackendConfig::validate(const std::string& where) const {
            "backend.grouped_gemm_multi_stream_min_flops = ", grouped_gemm_multi_stream_min_flops,
            in, " must be >= 0 (0 = every same-dtype grouped GEMM takes multi_stream)");
   check_one_of(where, "gemm_heuristics", gemm_heuristics, {"bucketed", "exact"});
-  BB_CHECK(update_sms >= 0 && update_sms <= 64, "backend.update_sms = ", update_sms, in,
-           " is not in [0, 64] (SMs left to the update beside the backward; 0 = none)");
 }
 
 std::string BackendConfig::summary() const {
@@ -47,7 +45,6 @@ std::string BackendConfig::summary() const {
      << " grouped_gemm_tma=" << (grouped_gemm_tma ? "true" : "false")
      << " gemm_heuristics=" << gemm_heuristics
      << " optimizer_in_backward=" << (optimizer_in_backward ? "true" : "false")
-     << " update_sms=" << update_sms
      << " cudnn_library=" << (cudnn_library.empty() ? "(default)" : cudnn_library);
   return os.str();
 }
@@ -61,7 +58,6 @@ void to_json(nlohmann::json& j, const BackendConfig& c) {
                      {"grouped_gemm_tma", c.grouped_gemm_tma},
                      {"gemm_heuristics", c.gemm_heuristics},
                      {"optimizer_in_backward", c.optimizer_in_backward},
-                     {"update_sms", c.update_sms},
                      {"cudnn_library", c.cudnn_library}};
 }
 
@@ -80,7 +76,6 @@ void from_json(const nlohmann::json& j, BackendConfig& c) {
       else if (k == "grouped_gemm_tma") c.grouped_gemm_tma = it->get<bool>();
       else if (k == "gemm_heuristics") c.gemm_heuristics = it->get<std::string>();
       else if (k == "optimizer_in_backward") c.optimizer_in_backward = it->get<bool>();
-      else if (k == "update_sms") c.update_sms = it->get<int64_t>();
       else if (k == "cudnn_library") c.cudnn_library = it->get<std::string>();
       else BB_FAIL("unknown backend setting '", k, "'");
     }

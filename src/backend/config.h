@@ -35,11 +35,6 @@ struct BackendConfig {
   // holds whole get their AdamW step as soon as their gradient is final, on the copy stream
   // beside the backward of the layers below (the same bits as the update after the backward).
   bool optimizer_in_backward = true;
-  // SMs left to that update while the step's forward and backward run: the compute stream's
-  // library plans (cuBLASLt, cuDNN attention) and persistent kernels target the others, so the
-  // memory-bound update runs beside the compute-bound kernels instead of between them. 0 =
-  // none; only in effect when the update runs during the backward (single GPU device).
-  int64_t update_sms = 0;
   // The cuDNN library file for the attention path; "" = libcudnn.so.9 from the library path.
   std::string cudnn_library;
 

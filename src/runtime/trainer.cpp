@@ -481,14 +481,6 @@ StepMetrics Trainer::train_step() {
   std::vector<int64_t> routing(record_routing_ ? static_cast<size_t>(dp * accum) : 0, 0);
   for (size_t i = 0; i < mbs.size(); ++i) {
     state_->begin_micro_batch(i + 1 == mbs.size());
-#ifdef BB_WITH_CUDA
-    // [backend] update_sms: while the last micro-batch's forward and backward run beside the
-    // update, the compute stream's plans and persistent kernels leave that many SMs to it.
-    const int reserve = early_update && device_.is_cuda() && i + 1 == mbs.size()
-                            ? static_cast<int>(cfg_.backend.update_sms)
-                            : 0;
-    cuda::SmReserve sm_reserve(reserve);
-#endif
     ForwardStats st = schedule_->forward_backward(mbs[i], loss_scale, aux_scale);
     sums[0] += st.loss_sum;
     // The pooled aux loss is the micro-batch's on each of its cp ranks (the pool is reduced over

@@ -165,7 +165,7 @@ TEST(RunConfig, BackendTableIsParsedCheckedAndSavedInStateJson) {
                                       "backend.grouped_gemm_multi_stream_min_flops=5e8",
                                       "backend.grouped_gemm_threaded_enqueue=false",
                                       "backend.grouped_gemm_tma=false", "backend.optimizer_in_backward=false",
-                                      "backend.update_sms=12", "train.steps=1"});
+                                      "train.steps=1"});
   EXPECT_EQ(c.backend.grouped_gemm_streams, 2);
   EXPECT_EQ(c.backend.gemm_heuristics, "exact");
   EXPECT_EQ(c.backend.grouped_gemm_same_dtype, "multi_stream");
@@ -173,8 +173,6 @@ TEST(RunConfig, BackendTableIsParsedCheckedAndSavedInStateJson) {
   EXPECT_FALSE(c.backend.grouped_gemm_threaded_enqueue);
   EXPECT_FALSE(c.backend.grouped_gemm_tma);
   EXPECT_FALSE(c.backend.optimizer_in_backward);
-  EXPECT_EQ(c.backend.update_sms, 12);
-  EXPECT_NE(c.backend.summary().find("update_sms=12"), std::string::npos);
   EXPECT_NE(c.backend.summary().find("grouped_gemm_tma=false"), std::string::npos);
   EXPECT_NE(c.backend.summary().find("optimizer_in_backward=false"), std::string::npos);
   EXPECT_NE(c.backend.summary().find("grouped_gemm_streams=2"), std::string::npos);
@@ -189,8 +187,6 @@ TEST(RunConfig, BackendTableIsParsedCheckedAndSavedInStateJson) {
   // Bad values name the key.
   test::expect_error_contains([&] { load_run_config(run, {"backend.grouped_gemm_streams=17"}); },
                               "backend.grouped_gemm_streams = 17");
-  test::expect_error_contains([&] { load_run_config(run, {"backend.update_sms=-1"}); },
-                              "backend.update_sms = -1");
   test::expect_error_contains([&] { load_run_config(run, {"backend.gemm_heuristics=fast"}); },
                               "backend.gemm_heuristics = 'fast'");
   test::expect_error_contains([&] { load_run_config(run, {"backend.grouped_gemm_widening=cublas"}); },

@@ -26,7 +26,6 @@
 #include "backend/cuda/check.cuh"
 #include "backend/cuda/gemm.h"
 #include "backend/cuda/grouped_mma.h"
-#include "backend/cuda/runtime.h"
 #endif
 
 namespace bb {
@@ -200,40 +199,6 @@ TEST(GemmGpuEdge, PlansAreCachedByShape) {
   Tensor c2 = Tensor::empty({64, 64}, DType::f32, kGpu, MemCategory::other);
   gpu_gemm(false, true, 64, 64, 32, 1.0f, a, a, 0.0f, c2);  // another shape: a second plan
   EXPECT_EQ(cuda::gemm_cache_size(), 2);
-#endif
-}
-
-// [backend] update_sms: under an SM reserve cuBLASLt plans target the SMs left to the compute
-// stream, cached apart from the plans for the whole device; both give the reference's result.
-TEST(GemmGpuEdge, SmReservePlansAreCachedApartAndMatch) {
-  BB_REQUIRE_GPU();
-#ifdef BB_WITH_CUDA
-  cuda::gemm_clear_cache();
-  const int64_t M = 512, N = 384, K = 1024;
-  const auto av = stored(test::randn(M * K, 21), DType::bf16), bv = stored(test::randn(K * N, 22), DType::bf16);
-  const Tensor a = on_gpu(av, {M, K}, DType::bf16), b = on_gpu(bv, {K, N}, DType::bf16);
-  Tensor c = Tensor::empty({M, N}, DType::f32, kGpu, MemCategory::other);
-  Tensor c2 = Tensor::empty({M, N}, DType::f32, kGpu, MemCategory::other);
-  gpu_gemm(false, false, M, N, K, 1.0f, a, b, 0.0f, c);
-  EXPECT_EQ(cuda::gemm_cache_size(), 1);
-  {
-    cuda::SmReserve reserve(32);
-    EXPECT_EQ(cuda::sm_reserve(), 32);
-    EXPECT_EQ(cuda::compute_sm_count(), cuda::sm_count() - 32);
-    gpu_gemm(false, false, M, N, K, 1.0f, a, b, 0.0f, c2);
-    EXPECT_EQ(cuda::gemm_cache_size(), 2) << "the reserve's plan is its own";
-  }
-  EXPECT_EQ(cuda::sm_reserve(), 0);
-  gpu_gemm(false, false, M, N, K, 1.0f, a, b, 0.0f, c);
-  EXPECT_EQ(cuda::gemm_cache_size(), 2);
-  const auto ref = ref_gemm(false, false, M, N, K, 1.0f, av, bv, 0.0f, std::vector<float>(M * N, 0.0f));
-  EXPECT_LT(test::rel_error(c.to_floats(), ref), 1e-5);
-  EXPECT_LT(test::rel_error(c2.to_floats(), ref), 1e-5);
-  // A reserve larger than the device leaves one SM.
-  cuda::set_sm_reserve(100000);
-  EXPECT_EQ(cuda::compute_sm_count(), 1);
-  cuda::set_sm_reserve(0);
-  EXPECT_EQ(cuda::compute_sm_count(), cuda::sm_count());
 #endif
 }
 
@@ -758,20 +723,6 @@ TEST(GemmGroupedTma, WgradLayoutMatchesDoubleReference) {
         cuda::gemm_grouped(true, false, ps, alpha, DType::bf16, lda, ldb, beta, out, ldc, 0, cfg);
         unsetenv("BB_TMA_F32_HALVES");
         EXPECT_EQ(C2.to_floats(), got_all) << what << ": the other f32 store path gives other bits";
-      }
-      {
-        // Under an SM reserve the persistent grid is smaller (each CTA takes more tiles): the
-        // same tiles, the same bits.
-        Tensor C3 = on_gpu(cv, {E * M, ldc}, out);
-        for (int64_t e = 0; e < E; ++e)
-          ps[static_cast<size_t>(e)].C = static_cast<char*>(C3.raw()) + e * M * ldc * static_cast<int64_t>(dtype_size(out));
-        {
-          cuda::SmReserve reserve(cuda::sm_count() - 7);
-          EXPECT_EQ(cuda::compute_sm_count(), 7);
-          cuda::gemm_grouped(true, false, ps, alpha, DType::bf16, lda, ldb, beta, out, ldc, 0, cfg);
-        }
-        EXPECT_EQ(cuda::sm_reserve(), 0);
-        EXPECT_EQ(C3.to_floats(), got_all) << what << ": a 7-CTA grid gives other bits";
       }
       off = 0;
       for (int64_t e = 0; e < E; off += counts[e], ++e) {

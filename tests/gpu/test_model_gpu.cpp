@@ -11,10 +11,6 @@
 #include "primitives/optim/adamw.h"
 #include "runtime/trainer.h"
 
-#ifdef BB_WITH_CUDA
-#include "backend/cuda/runtime.h"
-#endif
-
 namespace bb {
 namespace {
 
@@ -159,36 +155,6 @@ TEST(ModelGpu, UpdateDuringTheBackwardIsBitwiseTheUpdateAfterIt) {
     ASSERT_EQ(sa.size(), sb.size());
     for (size_t i = 0; i + 1 < sa.size(); ++i) EXPECT_EQ(sa[i], sb[i]) << "state tensor " << i;
   }
-}
-
-// [backend] update_sms: the compute stream's plans and persistent kernels leave SMs to the update
-// beside the backward. The step computes the same thing (library plans for the smaller target
-// may sum in another order: equal within f32 rounding, not bitwise), the reserve holds only
-// during the step, and it is not taken when the update runs after the backward.
-TEST(ModelGpu, SmReserveForTheUpdateTrainsLikeNoReserve) {
-  BB_REQUIRE_GPU();
-  char tmpl[] = "/tmp/bb_model_gpu_XXXXXX";
-  const std::string dir = mkdtemp(tmpl);
-  const std::string run = tiny_run(dir);
-  auto go = [&](const char* sms) {
-    Trainer t(load_run_config(run, {"parallel.device=\"cuda\"", "train.steps=4", "train.grad_clip=0", sms}),
-              nullptr);
-    std::vector<double> out;
-    for (int i = 0; i < 4; ++i) {
-      const StepMetrics m = t.train_step();
-      out.push_back(m.loss);
-#ifdef BB_WITH_CUDA
-      EXPECT_EQ(cuda::sm_reserve(), 0) << "the reserve outlived the step";
-#endif
-      EXPECT_EQ(t.state().early_updates(), t.model().units().size());
-    }
-    return out;
-  };
-  const std::vector<double> a = go("backend.update_sms=0");
-  const std::vector<double> b = go("backend.update_sms=24");
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-4 * std::abs(a[i])) << "step " << i + 1;
-  EXPECT_LT(b.back(), b.front());
 }
 
 }  // namespace

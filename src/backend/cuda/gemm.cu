@@ -71,10 +71,9 @@ cudaDataType_t cuda_type(DType dt) {
 struct PlanKey {
   int64_t M, N, K, lda, ldb, ldc, sa, sb, sc, batch;
   int ta, tb, a, b, c, align_a, align_b, align_c;
-  int sms = 0;  // the SM count target (compute_sm_count() under a reserve), 0: the device's
   auto tie() const {
     return std::tie(M, N, K, lda, ldb, ldc, sa, sb, sc, batch, ta, tb, a, b, c, align_a, align_b,
-                    align_c, sms);
+                    align_c);
   }
   bool operator<(const PlanKey& o) const { return tie() < o.tie(); }
 };
@@ -289,8 +288,6 @@ const Plan& get_plan(ThreadGemm& t, DeviceGemm& d, const PlanKey& k) {
            static_cast<int32_t>(k.tb ? CUBLAS_OP_T : CUBLAS_OP_N));
   set_attr(p.desc, CUBLASLT_MATMUL_DESC_TRANSB,
            static_cast<int32_t>(k.ta ? CUBLAS_OP_T : CUBLAS_OP_N));
-  // Under an SM reserve (set_sm_reserve) the plan targets the SMs left to the compute stream.
-  if (k.sms > 0) set_attr(p.desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, static_cast<int32_t>(k.sms));
   p.a = make_layout(bt, k.tb ? k.K : k.N, k.tb ? k.N : k.K, k.ldb, k.batch, k.sb);
   p.b = make_layout(at, k.ta ? k.M : k.K, k.ta ? k.K : k.M, k.lda, k.batch, k.sa);
   p.c = make_layout(ct, k.N, k.M, k.ldc, k.batch, k.sc);
@@ -433,7 +430,6 @@ PlanKey plan_key(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* 
             alignment_of(A, batch > 1 ? sa * ea : 0),
             alignment_of(B, batch > 1 ? sb * eb : 0),
             alignment_of(C, batch > 1 ? sc * ec : 0)};
-  k.sms = sm_reserve() > 0 ? compute_sm_count() : 0;
   return k;
 }
 

@@ -663,7 +663,7 @@ void launch_as(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& 
   auto* kernel = grouped_tma_kernel<kTA, kBMN, TC, kHalves, kStore>;
   constexpr int kSmem = SmemPlan<TC, kHalves>::kBytes;
   BB_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  const int grid = std::min(tiles, compute_sm_count());  // fewer under an SM reserve
+  const int grid = std::min(tiles, sm_count());
   kernel<<<static_cast<unsigned>(grid), kThreads, kSmem, stream()>>>(ma, mb, mc, c_base, probs, starts, n, tiles, ldc,
                                                                      alpha, beta);
   BB_CHECK_LAUNCH();

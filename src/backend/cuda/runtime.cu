@@ -302,23 +302,6 @@ int sm_count() {
   return t_cache.sms;
 }
 
-namespace {
-std::atomic<int> g_sm_reserve{0};
-}
-
-int sm_reserve() { return g_sm_reserve.load(std::memory_order_relaxed); }
-
-void set_sm_reserve(int n) {
-  BB_CHECK(n >= 0, "cuda::set_sm_reserve: a negative reserve (", n, ")");
-  g_sm_reserve.store(n, std::memory_order_relaxed);
-}
-
-int compute_sm_count() {
-  const int all = sm_count();
-  const int r = sm_reserve();
-  return r <= 0 ? all : (r < all ? all - r : 1);
-}
-
 int compute_capability(int dev) { return state(dev).cc; }
 
 int device_count() { return visible_devices(); }

@@ -39,31 +39,6 @@ void current_stream_changed();
 // share SMs with as an equal instead of going first.
 int work_stream_priority(int dev);
 
-// The multiprocessors the compute stream's persistent kernels and library plans size
-// themselves for: sm_count() less the reserve (set_sm_reserve) that leaves SMs to the update
-// running beside the backward on the copy stream; at least 1.
-int compute_sm_count();
-// The reserve in force (0: none).
-int sm_reserve();
-// Process-wide: leave `n` multiprocessors to other streams' kernels from now on (0: none).
-// cuBLASLt plans (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET), cuDNN attention plans
-// (CUDNN_ATTR_ENGINEHEUR_SM_COUNT_TARGET) and the persistent grouped GEMM then target
-// compute_sm_count(); each target keeps its own plans. Rounding is unchanged: the same
-// algorithms compute the same bits whatever grid they run on, except where a library picks
-// another algorithm for the smaller target (the run's choice, as a new shape's would be).
-void set_sm_reserve(int n);
-// Sets the reserve for a scope and puts the previous one back.
-class SmReserve {
- public:
-  explicit SmReserve(int n) : prev_(sm_reserve()) { set_sm_reserve(n); }
-  ~SmReserve() { set_sm_reserve(prev_); }
-  SmReserve(const SmReserve&) = delete;
-  SmReserve& operator=(const SmReserve&) = delete;
-
- private:
-  int prev_;
-};
-
 // Copies between any combination of host and device memory, ordered on the current stream.
 //   host -> device: the bytes are first copied into a pinned staging buffer, so the call
 //     returns at once and `src` may change right after (no host sync); copies over 64 MiB

@@ -115,10 +115,9 @@ struct GraphKey {
   int64_t b, s_q, s_kv, hq, hkv, d;
   DType dtype;
   AttentionMask mask;
-  int sms = 0;  // the SM count target under an SM reserve (cuda::set_sm_reserve), 0: all
   auto tie() const {
     return std::make_tuple(backward, device, b, s_q, s_kv, hq, hkv, d, static_cast<int>(dtype),
-                           static_cast<int>(mask), sms);
+                           static_cast<int>(mask));
   }
   bool operator<(const GraphKey& o) const { return tie() < o.tie(); }
 };
@@ -462,8 +461,9 @@ struct Graph {
   int64_t workspace_bytes = 0;
 };
 
-// One try of make_plan: the heuristics' engine configs for the SM count target `sms` (0: none).
-void make_plan_with(Graph& graph, GraphBuilder& g, cudnnHandle_t handle, int sms) {
+// Finalizes the operation graph and takes the first heuristics (mode A) engine config that
+// yields a plan. Throws with cuDNN's message when none does.
+void make_plan(Graph& graph, GraphBuilder& g, cudnnHandle_t handle) {
   std::vector<cudnnBackendDescriptor_t> ops;
   for (const DescPtr& op : g.ops()) ops.push_back(op->get());
   auto og = std::make_shared<Desc>(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);
@@ -476,9 +476,6 @@ void make_plan_with(Graph& graph, GraphBuilder& g, cudnnHandle_t handle, int sms
   heur.set_desc(CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, *og);
   cudnnBackendHeurMode_t mode = CUDNN_HEUR_MODE_A;
   heur.set(CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode);
-  // Under an SM reserve: engines that leave the other SMs to the update beside the backward.
-  const int32_t sm_target = sms;
-  if (sms > 0) heur.set(CUDNN_ATTR_ENGINEHEUR_SM_COUNT_TARGET, CUDNN_TYPE_INT32, 1, &sm_target);
   heur.finalize("engine heuristics");
   int64_t count = 0;
   BB_CHECK_CUDNN(cudnn::api().BackendGetAttribute(heur.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS,
@@ -521,21 +518,6 @@ void make_plan_with(Graph& graph, GraphBuilder& g, cudnnHandle_t handle, int sms
   BB_FAIL("none of cuDNN's ", returned, " engine configs could be finalized:", failures);
 }
 
-// Finalizes the operation graph and takes the first heuristics (mode A) engine config that
-// yields a plan. Throws with cuDNN's message when none does. With an SM count target (sms > 0)
-// the heuristics offer only engines that honour it; when none does (cuDNN 9's fused attention
-// engines do not), the plan is made without the target: the attention then takes every SM.
-void make_plan(Graph& graph, GraphBuilder& g, cudnnHandle_t handle, int sms) {
-  if (sms > 0) {
-    try {
-      make_plan_with(graph, g, handle, sms);
-      return;
-    } catch (const Error&) {
-    }
-  }
-  make_plan_with(graph, g, handle, 0);
-}
-
 std::mutex g_cache_mu;
 std::map<GraphKey, std::shared_ptr<Graph>> g_cache;
 int64_t g_graphs_built = 0;
@@ -562,7 +544,7 @@ std::shared_ptr<Graph> graph_for(const GraphKey& key, const char* op, int64_t Tq
     const Dims x{key.b, key.s_q, key.s_kv, key.hq, key.hkv, key.d};
     if (key.backward) build_backward_ops(g, x, cudnn_dtype(key.dtype), key.mask);
     else build_forward_ops(g, x, cudnn_dtype(key.dtype), key.mask);
-    make_plan(*graph, g, handle, key.sms);
+    make_plan(*graph, g, handle);
     graph->io_uids = g.io_uids();
     g.release_into(graph->keep);
   } catch (const Error& e) {
@@ -678,18 +660,16 @@ CallDims check_cuda_inputs(const char* op, const NamedTensors& ts, const Tensor&
 }
 
 GraphKey key_for(bool backward, const CallDims& c, DType dt, AttentionMask mask) {
-  GraphKey k{backward,
-             c.device,
-             attention_cudnn_batch_bucket(c.B),
-             attention_cudnn_token_bucket(c.Tq),
-             attention_cudnn_token_bucket(c.Tkv),
-             c.hq,
-             c.hkv,
-             c.d,
-             dt,
-             mask};
-  k.sms = cuda::sm_reserve() > 0 ? cuda::compute_sm_count() : 0;
-  return k;
+  return {backward,
+          c.device,
+          attention_cudnn_batch_bucket(c.B),
+          attention_cudnn_token_bucket(c.Tq),
+          attention_cudnn_token_bucket(c.Tkv),
+          c.hq,
+          c.hkv,
+          c.d,
+          dt,
+          mask};
 }
 
 Tensor workspace_bytes(int64_t bytes, int device) {
