@@ -19,6 +19,7 @@
 #include "primitives/loss/cross_entropy.h"
 #include "primitives/loss/cross_entropy_ref.h"
 #include "primitives/loss/linear_ce.h"
+#include "primitives/loss/loss_head.h"
 
 namespace bb {
 
@@ -516,6 +517,34 @@ TEST(LinearCeFused, Bf16InputsMatchFullCe) {
 // the one-pass, the two-pass forward / backward and that reference agree to fp32 rounding; and
 // the loss moves from the f32-logits one by about what rounding the logits does (|x| 2^-9), not
 // more.
+// overwrite_dw (the model's lazily zeroed lm_head gradient): d_w is written, whatever it held
+// (NaN here), bitwise what accumulating into zeros gives; through the LossHead interface too,
+// for both members.
+TEST(LossHead, OverwriteDwIgnoresWhatDwHeld) {
+  HeadCase c = make_case(23, 67, 12, 193);
+  Tensor h = Tensor::from_floats(c.h, {c.T, c.H}), w = Tensor::from_floats(c.w, {c.V, c.H});
+  Tensor tg = Tensor::from_ints(c.targets, {c.T});
+  const float scale = 1.0f / 17.0f;
+  LossHeadConfig cfg = fused_cfg(6);
+  const std::vector<float> zeros(c.V * c.H, 0.0f), nans(c.V * c.H, std::nanf(""));
+  const HeadOut ref = run_head(Head::fused, h, w, tg, scale, cfg, zeros);
+  Tensor d_h = Tensor::empty({c.T, c.H}, DType::f32, Device::cpu(), MemCategory::activations);
+  Tensor d_w = Tensor::from_floats(nans, {c.V, c.H});
+  const LossResult r = linear_ce_fused(scale, h, w, tg, cfg, d_h, d_w, /*overwrite_dw=*/true);
+  EXPECT_EQ(r.loss_sum, ref.r.loss_sum);
+  EXPECT_EQ(d_h.to_floats(), ref.d_h);
+  EXPECT_EQ(d_w.to_floats(), ref.d_w);
+  for (auto make : {make_linear_ce_head, make_full_ce_head}) {
+    const auto head = make(cfg);
+    Tensor dh1, dh2;
+    Tensor dw1 = Tensor::from_floats(zeros, {c.V, c.H}), dw2 = Tensor::from_floats(nans, {c.V, c.H});
+    head->train(scale, h, w, tg, dh1, dw1, false);
+    head->train(scale, h, w, tg, dh2, dw2, true);
+    EXPECT_EQ(dw2.to_floats(), dw1.to_floats());
+    EXPECT_EQ(dh2.to_floats(), dh1.to_floats());
+  }
+}
+
 TEST(LinearCe, Bf16LogitsAreRoundedLogits) {
   HeadCase c = make_case(23, 67, 12, 191, 4, 1.5f);  // logits of a few units: rounding matters
   Tensor h = Tensor::from_floats(c.h, {c.T, c.H}), w = Tensor::from_floats(c.w, {c.V, c.H});

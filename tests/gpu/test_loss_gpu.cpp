@@ -397,6 +397,30 @@ TEST(LossHeadGpuMemory, LinearCeBf16LogitsMatchCpu) {
   }
 }
 
+// overwrite_dw on the GPU: the first chunk's d_w GEMM writes (beta 0) instead of adding to a
+// cleared buffer. d_w starts as NaN: the same bits as accumulating into zeros (2 + 1 chunks).
+TEST(LossHeadGpuMemory, LinearCeFusedOverwriteDwIgnoresWhatDwHeld) {
+  BB_REQUIRE_GPU();
+  for (DType dt : {DType::bf16, DType::f32}) {
+    SCOPED_TRACE(dtype_name(dt));
+    const int64_t T = 40, H = 64, V = 5000;
+    LossHeadConfig cfg;
+    cfg.fused_chunk_tokens = 16;
+    Tensor hg = Tensor::from_floats(test::randn(T * H, 81), {T, H}, dt).to(kGpu);
+    Tensor wg = Tensor::from_floats(test::randn(V * H, 82, 0.3f), {V, H}, dt).to(kGpu);
+    Tensor tg = Tensor::from_ints(make_targets(T, V, 5, 83), {T}).to(kGpu);
+    Tensor dh1 = Tensor::empty({T, H}, DType::f32, kGpu, MemCategory::activations);
+    Tensor dh2 = Tensor::empty({T, H}, DType::f32, kGpu, MemCategory::activations);
+    Tensor dw1 = Tensor::from_floats(std::vector<float>(V * H, 0.0f), {V, H}).to(kGpu, MemCategory::grads);
+    Tensor dw2 = Tensor::from_floats(std::vector<float>(V * H, std::nanf("")), {V, H}).to(kGpu, MemCategory::grads);
+    const LossResult r1 = linear_ce_fused(1.0f / T, hg, wg, tg, cfg, dh1, dw1, false);
+    const LossResult r2 = linear_ce_fused(1.0f / T, hg, wg, tg, cfg, dh2, dw2, true);
+    EXPECT_EQ(r1.loss_sum, r2.loss_sum);
+    EXPECT_EQ(dh1.to_floats(), dh2.to_floats());
+    EXPECT_EQ(dw1.to_floats(), dw2.to_floats());
+  }
+}
+
 TEST(LossHeadGpuMemory, LinearCeFusedOneHostReadAndBadTargets) {
   BB_REQUIRE_GPU();
 #ifdef BB_WITH_CUDA

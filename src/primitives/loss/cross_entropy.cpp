@@ -326,7 +326,8 @@ namespace {
 class FullCeHead final : public LossHead {
  public:
   LossResult train(float scale, const Tensor& h, const Tensor& w, const Tensor& targets,
-                   Tensor& d_h, Tensor& d_w) const override {
+                   Tensor& d_h, Tensor& d_w, bool overwrite_dw) const override {
+    if (overwrite_dw) d_w.zero_();  // full_ce's backward adds
     LossHeadSaved saved;
     const LossResult r = full_ce_forward(h, w, targets, &saved);
     full_ce_backward(scale, h, w, targets, saved, d_h, d_w);

@@ -149,7 +149,8 @@ void linear_ce_backward_cuda(float scale, const Tensor& h, const Tensor& w, cons
 
 LossResult linear_ce_fused_cuda(float scale, const Tensor& h, const Tensor& w,
                                 const Tensor& targets, const LossHeadConfig& cfg, Tensor& d_h,
-                                Tensor& d_w, const detail::LossHeadDims& dims, const char* op) {
+                                Tensor& d_w, bool overwrite_dw, const detail::LossHeadDims& dims,
+                                const char* op) {
   const Device dev = h.device();
   const int idx = dev.index;
   const int64_t T = dims.num_tokens, V = dims.vocab, H = dims.hidden;
@@ -190,8 +191,10 @@ LossResult linear_ce_fused_cuda(float scale, const Tensor& h, const Tensor& w,
                idx);
     if (!dh_direct)
       cuda::convert(dh_dst.raw(), d_h.dtype(), dh_acc.raw(), DType::f32, nt * H);
-    // d_w += d^T @ h[tc]   [V, nt] x [nt, H]
-    cuda::gemm(true, false, V, H, nt, 1.0f, block.raw(), dt, ldd, hc, dt, H, 1.0f, d_w.raw(),
+    // d_w += d^T @ h[tc]   [V, nt] x [nt, H]; the first chunk writes when overwrite_dw (no
+    // memset of d_w before the step, no read of it here)
+    const float beta = overwrite_dw && t0 == 0 ? 0.0f : 1.0f;
+    cuda::gemm(true, false, V, H, nt, 1.0f, block.raw(), dt, ldd, hc, dt, H, beta, d_w.raw(),
                DType::f32, H, idx);
   }
   return detail::finish_ce_cuda(lse, run_max, run_sum, target_logit, tg, T, V, op,
@@ -311,7 +314,7 @@ int64_t linear_ce_fused_logits_bytes(int64_t num_tokens, int64_t vocab, const Lo
 }
 
 LossResult linear_ce_fused(float scale, const Tensor& h, const Tensor& w, const Tensor& targets,
-                           const LossHeadConfig& cfg, Tensor& d_h, Tensor& d_w) {
+                           const LossHeadConfig& cfg, Tensor& d_h, Tensor& d_w, bool overwrite_dw) {
   BB_RANGE("linear_ce_fused");
   const char* op = "linear_ce_fused";
   check_fused_config(cfg, op);
@@ -319,8 +322,9 @@ LossResult linear_ce_fused(float scale, const Tensor& h, const Tensor& w, const 
   detail::check_head_grad_args(dims, h, d_h, d_w, op);
 #ifdef BB_WITH_CUDA
   if (h.device().is_cuda())
-    return linear_ce_fused_cuda(scale, h, w, targets, cfg, d_h, d_w, dims, op);
+    return linear_ce_fused_cuda(scale, h, w, targets, cfg, d_h, d_w, overwrite_dw, dims, op);
 #endif
+  if (overwrite_dw) d_w.zero_();  // then every chunk adds (the CUDA path's first chunk writes)
   const int64_t T = dims.num_tokens, V = dims.vocab, H = dims.hidden;
   const int64_t ct = std::min(cfg.fused_chunk_tokens, T);
 
@@ -367,8 +371,8 @@ class LinearCeHead final : public LossHead {
  public:
   explicit LinearCeHead(const LossHeadConfig& cfg) : cfg_(cfg) {}
   LossResult train(float scale, const Tensor& h, const Tensor& w, const Tensor& targets,
-                   Tensor& d_h, Tensor& d_w) const override {
-    return linear_ce_fused(scale, h, w, targets, cfg_, d_h, d_w);
+                   Tensor& d_h, Tensor& d_w, bool overwrite_dw) const override {
+    return linear_ce_fused(scale, h, w, targets, cfg_, d_h, d_w, overwrite_dw);
   }
   LossResult evaluate(const Tensor& h, const Tensor& w, const Tensor& targets) const override {
     return linear_ce_forward(h, w, targets, cfg_, nullptr);

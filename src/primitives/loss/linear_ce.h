@@ -53,12 +53,12 @@ int64_t linear_ce_logits_bytes(int64_t num_tokens, int64_t vocab, const LossHead
 //   h [T, H], w [V, H]: f32 or bf16 (on CUDA: one dtype for both); targets [T] i32 (< 0 masked)
 //   scale: d(total loss) / d(loss_sum), known up front (e.g. 1 / valid tokens of the step)
 //   d_h [T, H] (=): any float dtype; if undefined on entry, allocated f32 under activations
-//   d_w [V, H] f32 (+=): must be defined
+//   d_w [V, H] f32 (+=, or = with overwrite_dw: its old contents are not read): must be defined
 // Uses cfg.fused_chunk_tokens only (> 0). Returns loss_sum and num_valid as linear_ce_forward.
 // Device targets are range-checked by the pass itself: a target >= V throws at the end, after
 // d_h and d_w were written (they are then meaningless); host targets are checked up front.
 LossResult linear_ce_fused(float scale, const Tensor& h, const Tensor& w, const Tensor& targets,
-                           const LossHeadConfig& cfg, Tensor& d_h, Tensor& d_w);
+                           const LossHeadConfig& cfg, Tensor& d_h, Tensor& d_w, bool overwrite_dw = false);
 
 // Bytes of the logits block linear_ce_fused keeps alive: min(fused_chunk_tokens, T) * V * 4 (2
 // with cfg.bf16_logits, bf16 operands on CUDA).

@@ -1,8 +1,10 @@
 // loss_head.h — the loss family's interface: what a model's head calls, whatever the member
 // (`full_ce`, `linear_ce`; registered in primitives/registry.cpp). Tensors and formulas as in
 // cross_entropy.h: h [T, H], w [V, H] (LM head), targets [T] i32 (< 0 = no loss).
-// Accumulation convention: d_w ACCUMULATED (+=, f32 [V, H]); d_h WRITTEN (=, allocated f32
-// under activations when undefined on entry).
+// Accumulation convention: d_w ACCUMULATED (+=, f32 [V, H]), or WRITTEN (=) when the caller says
+// so (overwrite_dw: the first write of a step into a lazily zeroed gradient; d_w's old contents
+// are then not read and may be anything); d_h WRITTEN (=, allocated f32 under activations when
+// undefined on entry).
 #pragma once
 
 #include <memory>
@@ -16,7 +18,7 @@ class LossHead {
   virtual ~LossHead() = default;
   // Training: the loss and both gradients, with scale = d(objective)/d(loss_sum) known up front.
   virtual LossResult train(float scale, const Tensor& h, const Tensor& w, const Tensor& targets,
-                           Tensor& d_h, Tensor& d_w) const = 0;
+                           Tensor& d_h, Tensor& d_w, bool overwrite_dw) const = 0;
   // Evaluation: the loss alone (no gradient, nothing kept).
   virtual LossResult evaluate(const Tensor& h, const Tensor& w, const Tensor& targets) const = 0;
 };
