@@ -668,6 +668,28 @@ TEST(GemmGroupedTma, ExpertLayoutsMatchDoubleReference) {
 #endif
 }
 
+#ifdef BB_WITH_CUDA
+// The wgrad problems of experts with counts[e] rows each: A_e, B_e the expert's rows of A [rows][lda]
+// and B [rows][ldb] (bf16), C_e = c_of(e).
+template <class CFn>
+std::vector<cuda::GemmProblem> wgrad_problems(const std::vector<int64_t>& counts, int64_t M, int64_t N, const Tensor& A,
+                                              int64_t lda, const Tensor& B, int64_t ldb, CFn c_of) {
+  std::vector<cuda::GemmProblem> ps;
+  int64_t off = 0;
+  for (size_t e = 0; e < counts.size(); off += counts[e], ++e) {
+    cuda::GemmProblem p;
+    p.M = M;
+    p.N = N;
+    p.K = counts[e];
+    p.A = static_cast<const uint16_t*>(A.raw()) + off * lda;
+    p.B = static_cast<const uint16_t*>(B.raw()) + off * ldb;
+    p.C = c_of(static_cast<int64_t>(e));
+    ps.push_back(p);
+  }
+  return ps;
+}
+#endif
+
 // The wgrad shape: d_W[e] (+)= A_e^T B_e with A_e, B_e the expert's rows of one [rows][M] and one
 // [rows][N] matrix, K = the expert's row count (ragged: 0, 1, 63, 64, 65, 200, 513 rows; the
 // last K step of each expert holds the next expert's rows, which the kernel must zero), M = 136
@@ -694,18 +716,9 @@ TEST(GemmGroupedTma, WgradLayoutMatchesDoubleReference) {
       const auto cv = stored(test::randn(E * M * ldc, seed + 2), out);
       Tensor A = on_gpu(av, {rows, lda}, DType::bf16), B = on_gpu(bv, {rows, ldb}, DType::bf16);
       Tensor C = on_gpu(cv, {E * M, ldc}, out);
-      std::vector<cuda::GemmProblem> ps;
-      int64_t off = 0;
-      for (int64_t e = 0; e < E; off += counts[e], ++e) {
-        cuda::GemmProblem p;
-        p.M = M;
-        p.N = N;
-        p.K = counts[e];
-        p.A = static_cast<const uint16_t*>(A.raw()) + off * lda;
-        p.B = static_cast<const uint16_t*>(B.raw()) + off * ldb;
-        p.C = static_cast<char*>(C.raw()) + e * M * ldc * static_cast<int64_t>(dtype_size(out));
-        ps.push_back(p);
-      }
+      std::vector<cuda::GemmProblem> ps = wgrad_problems(counts, M, N, A, lda, B, ldb, [&](int64_t e) {
+        return static_cast<char*>(C.raw()) + e * M * ldc * static_cast<int64_t>(dtype_size(out));
+      });
       ASSERT_EQ(cuda::grouped_tma_refusal(true, false, ps, DType::bf16, lda, ldb, out, 0), "");
       const int64_t calls = cuda::grouped_tma_calls();
       cuda::GroupedConfig cfg;
@@ -724,7 +737,7 @@ TEST(GemmGroupedTma, WgradLayoutMatchesDoubleReference) {
         unsetenv("BB_TMA_F32_HALVES");
         EXPECT_EQ(C2.to_floats(), got_all) << what << ": the other f32 store path gives other bits";
       }
-      off = 0;
+      int64_t off = 0;
       for (int64_t e = 0; e < E; off += counts[e], ++e) {
         const int64_t K = counts[e];
         std::vector<float> ap(K * M), bp(K * N), cp(M * N), got(M * N);
@@ -777,18 +790,8 @@ TEST(GemmGroupedTma, WgradTmaStoresMatchRegisterStores) {
   Tensor A = on_gpu(av, {rows, lda}, DType::bf16), B = on_gpu(bv, {rows, ldb}, DType::bf16);
   auto run = [&](const char* store) {
     Tensor C = on_gpu(cv, {E * slot, ldc}, DType::f32);
-    std::vector<cuda::GemmProblem> ps;
-    int64_t off = 0;
-    for (int64_t e = 0; e < E; off += counts[e], ++e) {
-      cuda::GemmProblem p;
-      p.M = M;
-      p.N = N;
-      p.K = counts[e];
-      p.A = static_cast<const uint16_t*>(A.raw()) + off * lda;
-      p.B = static_cast<const uint16_t*>(B.raw()) + off * ldb;
-      p.C = static_cast<float*>(C.raw()) + (E - 1 - e) * slot * ldc;
-      ps.push_back(p);
-    }
+    const std::vector<cuda::GemmProblem> ps = wgrad_problems(
+        counts, M, N, A, lda, B, ldb, [&](int64_t e) { return static_cast<float*>(C.raw()) + (E - 1 - e) * slot * ldc; });
     EXPECT_EQ(cuda::grouped_tma_refusal(true, false, ps, DType::bf16, lda, ldb, DType::f32, 0), "");
     cuda::GroupedConfig cfg;
     cfg.algo = cuda::GroupedAlgo::mma;

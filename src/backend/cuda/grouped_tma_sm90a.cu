@@ -552,35 +552,24 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
   return fn;
 }
 
-// A 2D bf16 tensor map: `rows` rows of `cols` elements, `ld` elements apart, boxes of
-// box_cols x box_rows, 128-byte swizzle, zero fill outside.
-CUtensorMap make_map(const void* base, int64_t rows, int64_t cols, int64_t ld, int box_cols, int box_rows) {
+// A 2D tensor map of bf16 (f32 false) or f32 elements: `rows` rows of `cols` elements, `ld`
+// elements apart, boxes of box_cols x box_rows, 128-byte swizzle, zero fill outside. The bf16
+// maps feed the products (L2 promotion of 256 bytes); the f32 one takes the wgrad's TMA stores
+// (32-column boxes: 128 bytes, the swizzle's width).
+CUtensorMap make_map(const void* base, int64_t rows, int64_t cols, int64_t ld, int box_cols, int box_rows,
+                     bool f32 = false) {
   CUtensorMap m;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld * 2)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld * (f32 ? 4 : 2))};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t elem[2] = {1, 1};
-  const CUresult r = encode_fn()(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
-                                 elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = encode_fn()(&m, f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
+                                 const_cast<void*>(base), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                 CU_TENSOR_MAP_SWIZZLE_128B,
+                                 f32 ? CU_TENSOR_MAP_L2_PROMOTION_NONE : CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   BB_CHECK(r == CUDA_SUCCESS, "cuda::gemm_grouped: cuTensorMapEncodeTiled failed (error ", static_cast<int>(r),
-           ") for a ", rows, " x ", cols, " bf16 map with leading dimension ", ld);
-  return m;
-}
-
-// A 2D f32 tensor map for TMA stores of C: `rows` rows of `cols` elements, `ld` elements apart,
-// boxes of 32 columns (128 bytes, the 128-byte swizzle's width) x 64 rows.
-CUtensorMap make_map_f32(const void* base, int64_t rows, int64_t cols, int64_t ld) {
-  CUtensorMap m;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld * 4)};
-  const cuuint32_t box[2] = {32, 64};
-  const cuuint32_t elem[2] = {1, 1};
-  const CUresult r = encode_fn()(&m, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<void*>(base), dims, strides, box,
-                                 elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                 CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  BB_CHECK(r == CUDA_SUCCESS, "cuda::gemm_grouped: cuTensorMapEncodeTiled failed (error ", static_cast<int>(r),
-           ") for a ", rows, " x ", cols, " f32 map with leading dimension ", ld);
+           ") for a ", rows, " x ", cols, f32 ? " f32" : " bf16", " map with leading dimension ", ld);
   return m;
 }
 
@@ -676,7 +665,7 @@ void launch(const CUtensorMap& ma, const CUtensorMap& mb, const StoreMap& sm, co
   if constexpr (sizeof(TC) == 4 && kTA) {
     // The expert wgrad's plain write: TMA stores of the staged boxes.
     if (beta == 0.0f && sm.ok) {
-      mc = make_map_f32(sm.base, sm.rows, N, ldc);
+      mc = make_map(sm.base, sm.rows, N, ldc, 32, 64, /*f32=*/true);
       launch_as<kTA, kBMN, TC, true, true>(ma, mb, mc, sm.base, probs, starts, n, tiles, ldc, alpha, beta);
       return;
     }
