@@ -155,6 +155,7 @@ LossResult linear_ce_fused_cuda(float scale, const Tensor& h, const Tensor& w,
   const int idx = dev.index;
   const int64_t T = dims.num_tokens, V = dims.vocab, H = dims.hidden;
   const int64_t ct = std::min(cfg.fused_chunk_tokens, T);
+  if (overwrite_dw && T == 0) d_w.zero_();  // no chunk writes it
   const DType dt = h.dtype();  // GEMM operand dtype of h, w and the gradient block
   // bf16 logits with bf16 operands: a bf16 block (the GEMM writes bf16, the gradient overwrites
   // it in place at the same width); with f32 operands an f32 block rounded to bf16 precision.
