@@ -512,11 +512,6 @@ TEST(LinearCeFused, Bf16InputsMatchFullCe) {
   }
 }
 
-// primitives.loss_logits = "bf16": every linear_ce path takes the logits at bf16 precision. The
-// reference is full_ce on explicitly bf16-rounded logits (the same softmax code, double sums), so
-// the one-pass, the two-pass forward / backward and that reference agree to fp32 rounding; and
-// the loss moves from the f32-logits one by about what rounding the logits does (|x| 2^-9), not
-// more.
 // overwrite_dw (the model's lazily zeroed lm_head gradient): d_w is written, whatever it held
 // (NaN here), bitwise what accumulating into zeros gives; through the LossHead interface too,
 // for both members.
@@ -545,6 +540,11 @@ TEST(LossHead, OverwriteDwIgnoresWhatDwHeld) {
   }
 }
 
+// primitives.loss_logits = "bf16": every linear_ce path takes the logits at bf16 precision. The
+// reference is full_ce on explicitly bf16-rounded logits (the same softmax code, double sums), so
+// the one-pass, the two-pass forward / backward and that reference agree to fp32 rounding; and
+// the loss moves from the f32-logits one by about what rounding the logits does (|x| 2^-9), not
+// more.
 TEST(LinearCe, Bf16LogitsAreRoundedLogits) {
   HeadCase c = make_case(23, 67, 12, 191, 4, 1.5f);  // logits of a few units: rounding matters
   Tensor h = Tensor::from_floats(c.h, {c.T, c.H}), w = Tensor::from_floats(c.w, {c.V, c.H});

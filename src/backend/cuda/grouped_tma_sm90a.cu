@@ -636,14 +636,14 @@ bool f32_halves(float beta, int64_t mean_k) {
   return beta != 0.0f && mean_k < 1024;
 }
 
-// Where f32 C goes out through TMA stores: one map over every problem's C rows (its base and
-// row count), when the call writes (beta 0), every problem's M is whole 128-row tiles (a tile's
+// Where f32 C goes out through TMA stores: one map over every problem's C rows (`base` its
+// first byte), when the call writes (beta 0), every problem's M is whole 128-row tiles (a tile's
 // rows past M would be another problem's) and the C matrices sit whole rows apart from the
 // first. BB_TMA_F32_STORE=0 (kernel-lab knob) turns it off for comparisons.
 struct StoreMap {
   bool ok = false;
   const char* base = nullptr;
-  int64_t rows = 0;
+  CUtensorMap map{};
 };
 
 template <bool kTA, bool kBMN, class TC, bool kHalves, bool kStore = false>
@@ -660,23 +660,21 @@ void launch_as(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& 
 
 template <bool kTA, bool kBMN, class TC>
 void launch(const CUtensorMap& ma, const CUtensorMap& mb, const StoreMap& sm, const TmaProblem* probs,
-            const int32_t* starts, int n, int tiles, int64_t ldc, int64_t N, float alpha, float beta, int64_t mean_k) {
-  CUtensorMap mc{};
+            const int32_t* starts, int n, int tiles, int64_t ldc, float alpha, float beta, int64_t mean_k) {
   if constexpr (sizeof(TC) == 4 && kTA) {
     // The expert wgrad's plain write: TMA stores of the staged boxes.
-    if (beta == 0.0f && sm.ok) {
-      mc = make_map(sm.base, sm.rows, N, ldc, 32, 64, /*f32=*/true);
-      launch_as<kTA, kBMN, TC, true, true>(ma, mb, mc, sm.base, probs, starts, n, tiles, ldc, alpha, beta);
+    if (sm.ok) {
+      launch_as<kTA, kBMN, TC, true, true>(ma, mb, sm.map, sm.base, probs, starts, n, tiles, ldc, alpha, beta);
       return;
     }
   }
   if constexpr (sizeof(TC) == 4) {
     if (f32_halves(beta, mean_k)) {
-      launch_as<kTA, kBMN, TC, true>(ma, mb, mc, nullptr, probs, starts, n, tiles, ldc, alpha, beta);
+      launch_as<kTA, kBMN, TC, true>(ma, mb, sm.map, nullptr, probs, starts, n, tiles, ldc, alpha, beta);
       return;
     }
   }
-  launch_as<kTA, kBMN, TC, false>(ma, mb, mc, nullptr, probs, starts, n, tiles, ldc, alpha, beta);
+  launch_as<kTA, kBMN, TC, false>(ma, mb, sm.map, nullptr, probs, starts, n, tiles, ldc, alpha, beta);
 }
 
 StoreMap store_map(const std::vector<GemmProblem>& live, DType cdt, int64_t ldc, float beta) {
@@ -700,7 +698,7 @@ StoreMap store_map(const std::vector<GemmProblem>& live, DType cdt, int64_t ldc,
   if (rows >= (int64_t{1} << 31)) return sm;
   sm.ok = true;
   sm.base = base;
-  sm.rows = rows;
+  sm.map = make_map(base, rows, live.front().N, ldc, 32, 64, /*f32=*/true);
   return sm;
 }
 
@@ -819,16 +817,15 @@ bool grouped_tma(bool ta, bool tb, const std::vector<GemmProblem>& ps, float alp
   for (const GemmProblem& p : live) sum_k += p.K;
   const int64_t mk = sum_k / static_cast<int64_t>(live.size());
   const StoreMap sm = ta ? store_map(live, cdt, ldc, beta) : StoreMap{};
-  const int64_t N = p0.N;
   if (ta) {
-    if (f32) launch<true, true, float>(ma, mb, sm, dprobs, dstarts, n, nt, ldc, N, alpha, beta, mk);
-    else launch<true, true, __nv_bfloat16>(ma, mb, sm, dprobs, dstarts, n, nt, ldc, N, alpha, beta, mk);
+    if (f32) launch<true, true, float>(ma, mb, sm, dprobs, dstarts, n, nt, ldc, alpha, beta, mk);
+    else launch<true, true, __nv_bfloat16>(ma, mb, sm, dprobs, dstarts, n, nt, ldc, alpha, beta, mk);
   } else if (tb) {
-    if (f32) launch<false, false, float>(ma, mb, sm, dprobs, dstarts, n, nt, ldc, N, alpha, beta, mk);
-    else launch<false, false, __nv_bfloat16>(ma, mb, sm, dprobs, dstarts, n, nt, ldc, N, alpha, beta, mk);
+    if (f32) launch<false, false, float>(ma, mb, sm, dprobs, dstarts, n, nt, ldc, alpha, beta, mk);
+    else launch<false, false, __nv_bfloat16>(ma, mb, sm, dprobs, dstarts, n, nt, ldc, alpha, beta, mk);
   } else {
-    if (f32) launch<false, true, float>(ma, mb, sm, dprobs, dstarts, n, nt, ldc, N, alpha, beta, mk);
-    else launch<false, true, __nv_bfloat16>(ma, mb, sm, dprobs, dstarts, n, nt, ldc, N, alpha, beta, mk);
+    if (f32) launch<false, true, float>(ma, mb, sm, dprobs, dstarts, n, nt, ldc, alpha, beta, mk);
+    else launch<false, true, __nv_bfloat16>(ma, mb, sm, dprobs, dstarts, n, nt, ldc, alpha, beta, mk);
   }
   g_tma_calls.fetch_add(1, std::memory_order_relaxed);
   return true;
