@@ -16,7 +16,9 @@
 // for the host: launches, host syncs, host work between steps) and the longest idle gaps, of the
 // second one (turning the records on costs the first one's early launches a few ms).
 // --kernels N: --gpu-idle, and the N kernels of the traced step with the most GPU time (name,
-// launches, summed ms; kernels on side streams overlap others, so the sums exceed the busy time).
+// launches, summed ms; kernels on side streams overlap others, so the sums exceed the busy time),
+// then its N longest idle gaps with what ran before and after each (a gap after a short kernel
+// whose result the host reads, before the next launch, is a host synchronisation).
 // Default model: the 4-layer slice of Qwen3-30B-A3B with recompute=full, loss=linear_ce,
 // experts=grouped, on cuda:0 (falls back to a tiny CPU run if no GPU is visible).
 #include <algorithm>
@@ -223,8 +225,8 @@ int main(int argc, char** argv) {
                                 "longest (length @ start):", m.step_time_s * 1e3, a.window_ms, a.busy_ms, a.idle_ms,
                                 a.window_ms > 0 ? 100 * a.idle_ms / a.window_ms : 0.0, a.gaps.size());
           for (size_t i = 0; i < a.gaps.size() && i < 5 && n > 0 && n < static_cast<int>(sizeof buf); ++i)
-            n += std::snprintf(buf + n, sizeof buf - static_cast<size_t>(n), " %.3f @ %.1f", a.gaps[i].second,
-                               a.gaps[i].first);
+            n += std::snprintf(buf + n, sizeof buf - static_cast<size_t>(n), " %.3f @ %.1f", a.gaps[i].ms,
+                               a.gaps[i].start);
           if (a.gaps.empty() && n > 0 && n < static_cast<int>(sizeof buf)) n += std::snprintf(buf + n, sizeof buf - static_cast<size_t>(n), " -");
           r.idle = a.window_ms > 0 ? std::string(buf) + " ms; " + std::to_string(a.records) + " records"
                                    : "not measured: CUPTI gave no timestamps (is the run on a GPU?)";
@@ -242,6 +244,16 @@ int main(int argc, char** argv) {
                             static_cast<long long>(k.launches), 1e3 * k.ms / static_cast<double>(k.launches),
                             k.name.c_str());
               t << line;
+            }
+            std::snprintf(line, sizeof line, "longest idle gaps of that step (at most %lld; ms after the step's start, length, what ran before and after):\n",
+                          static_cast<long long>(top_kernels));
+            t << line;
+            for (size_t i = 0; i < a.gaps.size() && static_cast<int64_t>(i) < top_kernels; ++i) {
+              const auto& g = a.gaps[i];
+              char gl[384];
+              std::snprintf(gl, sizeof gl, "  %8.2f ms  %7.1f us  after %s  before %s\n", g.start, 1e3 * g.ms,
+                            g.before.c_str(), g.after.c_str());
+              t << gl;
             }
             r.kernels = t.str();
           }

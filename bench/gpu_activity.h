@@ -9,7 +9,9 @@
 // milliseconds of setup (measured 1-5 ms on an H200): measure a second stretch, not the first.
 //   r.busy_ms  union of the intervals in which any kernel, copy or memset ran, within the window
 //   r.idle_ms  window - busy: the GPU had nothing to run (waiting for the host: launches, syncs)
-//   r.gaps     idle stretches >= 10 us, longest first: {start (ms after begin()), length ms}
+//   r.gaps     idle stretches >= 10 us, longest first: start (ms after begin()), length ms, and
+//              what ran last before it and first after it (a kernel's short name, "memcpy",
+//              "memset"; "-" at the window's ends): which launch or host sync it waited for
 //   r.kernels  per kernel name (demangled, without its arguments): launches and summed GPU
 //              time within the window, most time first; kernels on different streams overlap,
 //              so the sums add up to more than busy_ms when streams run side by side
@@ -38,7 +40,11 @@ class GpuActivity {
   struct Result {
     double window_ms = 0, busy_ms = 0, idle_ms = 0;
     int64_t records = 0;
-    std::vector<std::pair<double, double>> gaps;  // {start, length} ms, >= 10 us, longest first
+    struct Gap {
+      double start = 0, ms = 0;  // ms after begin(), length
+      std::string before, after;
+    };
+    std::vector<Gap> gaps;  // >= 10 us, longest first
     struct Kernel {
       std::string name;
       int64_t launches = 0;
@@ -104,8 +110,8 @@ class GpuActivity {
     uint64_t t1 = 0;
     timestamp_(&t1);
     flush_(1);  // CUPTI_ACTIVITY_FLAG_FLUSH_FORCED
-    std::vector<std::pair<uint64_t, uint64_t>> iv;
-    std::vector<KernelRecord> ks;
+    std::vector<Record> iv;
+    std::vector<Record> ks;
     {
       std::lock_guard<std::mutex> lock(mu_);
       iv.swap(intervals_);
@@ -113,7 +119,7 @@ class GpuActivity {
     }
     std::map<const char*, std::string> short_names;
     std::map<std::string, Result::Kernel> by_name;
-    for (const KernelRecord& k : ks) {
+    for (const Record& k : ks) {
       const uint64_t s = std::max(k.start, t0_), e = std::min(k.end, t1);
       if (e <= s) continue;
       auto it = short_names.find(k.name);
@@ -126,22 +132,32 @@ class GpuActivity {
     for (auto& [name, k] : by_name) r.kernels.push_back(std::move(k));
     std::sort(r.kernels.begin(), r.kernels.end(), [](const auto& a, const auto& b) { return a.ms > b.ms; });
     r.records = static_cast<int64_t>(iv.size());
-    std::sort(iv.begin(), iv.end());
-    uint64_t busy = 0, cur = t0_;  // cur: the end of the busy time merged so far
-    auto gap = [&](uint64_t from, uint64_t to) {
-      if (to > from && to - from >= 10000)
-        r.gaps.emplace_back(static_cast<double>(from - t0_) * 1e-6, static_cast<double>(to - from) * 1e-6);
+    std::sort(iv.begin(), iv.end(), [](const Record& a, const Record& b) { return a.start < b.start; });
+    auto label = [&](const Record* a) -> std::string {
+      if (!a) return "-";
+      if (a->kind == CUPTI_ACTIVITY_KIND_MEMCPY) return "memcpy";
+      if (a->kind == CUPTI_ACTIVITY_KIND_MEMSET) return "memset";
+      auto it = short_names.find(a->name);
+      if (it == short_names.end()) it = short_names.emplace(a->name, short_name(a->name)).first;
+      return it->second;
     };
-    for (auto [s, e] : iv) {
-      s = std::max(s, t0_);
-      e = std::min(e, t1);
+    uint64_t busy = 0, cur = t0_;  // cur: the end of the busy time merged so far
+    const Record* last = nullptr;  // the activity that ends at cur
+    auto gap = [&](uint64_t from, uint64_t to, const Record* next) {
+      if (to > from && to - from >= 10000)
+        r.gaps.push_back({static_cast<double>(from - t0_) * 1e-6, static_cast<double>(to - from) * 1e-6, label(last),
+                          label(next)});
+    };
+    for (const Record& a : iv) {
+      const uint64_t s = std::max(a.start, t0_), e = std::min(a.end, t1);
       if (e <= s || e <= cur) continue;
-      if (s > cur) gap(cur, s);
+      if (s > cur) gap(cur, s, &a);
       busy += e - std::max(s, cur);
       cur = e;
+      last = &a;
     }
-    gap(cur, t1);
-    std::sort(r.gaps.begin(), r.gaps.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+    gap(cur, t1, nullptr);
+    std::sort(r.gaps.begin(), r.gaps.end(), [](const auto& a, const auto& b) { return a.ms > b.ms; });
     r.window_ms = static_cast<double>(t1 - t0_) * 1e-6;
     r.busy_ms = static_cast<double>(busy) * 1e-6;
     r.idle_ms = r.window_ms - r.busy_ms;
@@ -155,9 +171,10 @@ class GpuActivity {
                                                     CUPTI_ACTIVITY_KIND_MEMSET};
   static constexpr size_t kBufferBytes = 8u << 20;
 
-  struct KernelRecord {
-    const char* name = nullptr;  // shared by every record of the kernel, owned by CUPTI
+  struct Record {
     uint64_t start = 0, end = 0;
+    CUpti_ActivityKind kind = CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL;
+    const char* name = nullptr;  // kernels: shared by every record of the kernel, owned by CUPTI
   };
 
   // "void ns::kernel<T>(args)" -> "ns::kernel<T>", at most 100 characters.
@@ -195,26 +212,25 @@ class GpuActivity {
   static void CUPTIAPI completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t valid) {
     GpuActivity* a = self();
     if (a && valid > 0) {
-      std::vector<std::pair<uint64_t, uint64_t>> got;
-      std::vector<KernelRecord> kernels;
+      std::vector<Record> got, kernels;
       CUpti_Activity* rec = nullptr;
       while (a->next_(buffer, valid, &rec) == CUPTI_SUCCESS) {
         switch (rec->kind) {
           case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL:
           case CUPTI_ACTIVITY_KIND_KERNEL: {
             const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(rec);
-            got.emplace_back(k->start, k->end);
-            kernels.push_back({k->name, k->start, k->end});  // CUPTI keeps the name string
+            got.push_back({k->start, k->end, CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, k->name});
+            kernels.push_back(got.back());  // CUPTI keeps the name string
             break;
           }
           case CUPTI_ACTIVITY_KIND_MEMCPY: {
             const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(rec);
-            got.emplace_back(m->start, m->end);
+            got.push_back({m->start, m->end, CUPTI_ACTIVITY_KIND_MEMCPY, nullptr});
             break;
           }
           case CUPTI_ACTIVITY_KIND_MEMSET: {
             const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(rec);
-            got.emplace_back(m->start, m->end);
+            got.push_back({m->start, m->end, CUPTI_ACTIVITY_KIND_MEMSET, nullptr});
             break;
           }
           default: break;
@@ -238,8 +254,8 @@ class GpuActivity {
   uint64_t t0_ = 0;
   bool enabled_ = false;
   std::mutex mu_;
-  std::vector<std::pair<uint64_t, uint64_t>> intervals_;
-  std::vector<KernelRecord> kernels_;
+  std::vector<Record> intervals_;  // every activity
+  std::vector<Record> kernels_;
 };
 
 }  // namespace bb::bench
