@@ -90,8 +90,8 @@ class ModelState final : public LayerHooks {
   size_t early_updates() const { return early_count_; }
   // Steps whose embedding update was split by rows (with an early update, an untied embedding
   // held whole by one rank): the rows no lookup of the step touched (zero gradient, so their
-  // update does not wait for the backward) right after the lookup, on the copy stream beside
-  // the forward; the touched rows once the embedding's gradient is final. Bitwise the update
+  // update does not wait for the backward) once the first layer's forward is enqueued, on the
+  // copy stream beside the forward; the touched rows once the embedding's gradient is final. Bitwise the update
   // of the whole table; it takes the table's update out of the step's tail.
   // BB_EMBED_ROWS_EARLY=0 turns it off.
   size_t embedding_split_updates() const { return embed_split_steps_; }
@@ -166,8 +166,10 @@ class ModelState final : public LayerHooks {
                    const std::vector<int32_t>* rows = nullptr);
   bool embed_rows_apply() const;
   // The embedding's update for the listed rows (update_unit with the early update's
-  // arguments); on the copy stream when the state is on a GPU.
-  void update_embed_rows(const std::vector<int32_t>& rows);
+  // arguments); on the copy stream when the state is on a GPU, behind a wait for the work
+  // enqueued on the compute streams so far (gate), or behind the copy stream's last wait.
+  void update_embed_rows(const std::vector<int32_t>& rows, bool gate = true);
+  void update_untouched_embed_rows();  // the embedding rows no lookup touched, if pending
   std::vector<int32_t> embed_row_list(bool touched) const;
   std::vector<Unit*> layer_units(int64_t layer);
   bool sharded(const Unit& u) const;
@@ -202,6 +204,7 @@ class ModelState final : public LayerHooks {
   std::vector<uint8_t> embed_rows_;
   bool embed_rows_known_ = false;
   bool embed_rows_done_ = false;
+  bool embed_rows_pending_ = false;  // the untouched rows' update waits for a layer's forward
   size_t embed_split_steps_ = 0;
 };
 
