@@ -91,8 +91,8 @@ class ModelState final : public LayerHooks {
   // Steps whose embedding update was split by rows (with an early update, an untied embedding
   // held whole by one rank): the rows no lookup of the step touched (zero gradient, so their
   // update does not wait for the backward) once the first layer's forward is enqueued, on the
-  // copy stream beside the forward; the touched rows once the embedding's gradient is final. Bitwise the update
-  // of the whole table; it takes the table's update out of the step's tail.
+  // copy stream beside the forward; the touched rows once the embedding's gradient is final.
+  // Bitwise the update of the whole table; it takes the table's update out of the step's tail.
   // BB_EMBED_ROWS_EARLY=0 turns it off.
   size_t embedding_split_updates() const { return embed_split_steps_; }
   void begin_micro_batch(bool last);
