@@ -382,12 +382,16 @@ void ModelState::embedding_rows(const Tensor& ids) {
 }
 
 // The rows of the embedding unit the step's lookups touched (touched) or did not (the rest,
-// with the alignment padding as a last, shorter row), increasing.
-std::vector<int32_t> ModelState::embed_row_list(bool touched) const {
+// with the alignment padding as a last, shorter row), increasing. Written into one buffer kept
+// across steps (its user copies it before the next call): a fresh list of V entries a step cost
+// page faults and regrowth, about 4x the listing itself.
+const std::vector<int32_t>& ModelState::embed_row_list(bool touched) {
   const ParamUnit& pu = *embed_->u;
   const int64_t H = pu.params[0]->shape[1], rows = ceil_div(pu.numel, H);
   const auto V = static_cast<int64_t>(embed_rows_.size());
-  std::vector<int32_t> list;
+  std::vector<int32_t>& list = embed_list_;
+  list.clear();
+  list.reserve(static_cast<size_t>(rows));
   for (int64_t r = 0; r < rows; ++r) {
     const bool hit = r < V && embed_rows_[static_cast<size_t>(r)] != 0;
     if (hit == touched) list.push_back(static_cast<int32_t>(r));

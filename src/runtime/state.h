@@ -170,7 +170,7 @@ class ModelState final : public LayerHooks {
   // enqueued on the compute streams so far (gate), or behind the copy stream's last wait.
   void update_embed_rows(const std::vector<int32_t>& rows, bool gate = true);
   void update_untouched_embed_rows();  // the embedding rows no lookup touched, if pending
-  std::vector<int32_t> embed_row_list(bool touched) const;
+  const std::vector<int32_t>& embed_row_list(bool touched);  // into embed_list_
   std::vector<Unit*> layer_units(int64_t layer);
   bool sharded(const Unit& u) const;
 
@@ -202,6 +202,7 @@ class ModelState final : public LayerHooks {
   // The split embedding update: rows the step's lookups touched (host, one byte a row), whether
   // every micro-batch's ids were seen (host ids), whether the untouched rows are done.
   std::vector<uint8_t> embed_rows_;
+  std::vector<int32_t> embed_list_;  // embed_row_list's buffer, reused
   bool embed_rows_known_ = false;
   bool embed_rows_done_ = false;
   bool embed_rows_pending_ = false;  // the untouched rows' update waits for a layer's forward
