@@ -91,7 +91,6 @@ class GpuActivity {
     {
       std::lock_guard<std::mutex> lock(mu_);
       intervals_.clear();
-      kernels_.clear();
     }
     // Records stay on from the first begin() (enabling them costs the next launches some
     // milliseconds: trace a step before the one that counts).
@@ -111,15 +110,14 @@ class GpuActivity {
     timestamp_(&t1);
     flush_(1);  // CUPTI_ACTIVITY_FLAG_FLUSH_FORCED
     std::vector<Record> iv;
-    std::vector<Record> ks;
     {
       std::lock_guard<std::mutex> lock(mu_);
       iv.swap(intervals_);
-      ks.swap(kernels_);
     }
     std::map<const char*, std::string> short_names;
     std::map<std::string, Result::Kernel> by_name;
-    for (const Record& k : ks) {
+    for (const Record& k : iv) {
+      if (k.kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) continue;
       const uint64_t s = std::max(k.start, t0_), e = std::min(k.end, t1);
       if (e <= s) continue;
       auto it = short_names.find(k.name);
@@ -212,15 +210,14 @@ class GpuActivity {
   static void CUPTIAPI completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t valid) {
     GpuActivity* a = self();
     if (a && valid > 0) {
-      std::vector<Record> got, kernels;
+      std::vector<Record> got;
       CUpti_Activity* rec = nullptr;
       while (a->next_(buffer, valid, &rec) == CUPTI_SUCCESS) {
         switch (rec->kind) {
           case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL:
           case CUPTI_ACTIVITY_KIND_KERNEL: {
             const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(rec);
-            got.push_back({k->start, k->end, CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, k->name});
-            kernels.push_back(got.back());  // CUPTI keeps the name string
+            got.push_back({k->start, k->end, CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, k->name});  // CUPTI keeps the name
             break;
           }
           case CUPTI_ACTIVITY_KIND_MEMCPY: {
@@ -238,8 +235,6 @@ class GpuActivity {
       }
       std::lock_guard<std::mutex> lock(a->mu_);
       a->intervals_.insert(a->intervals_.end(), got.begin(), got.end());
-      a->kernels_.insert(a->kernels_.end(), std::make_move_iterator(kernels.begin()),
-                         std::make_move_iterator(kernels.end()));
     }
     std::free(buffer);
   }
@@ -254,8 +249,7 @@ class GpuActivity {
   uint64_t t0_ = 0;
   bool enabled_ = false;
   std::mutex mu_;
-  std::vector<Record> intervals_;  // every activity
-  std::vector<Record> kernels_;
+  std::vector<Record> intervals_;  // every activity (kernels with their names)
 };
 
 }  // namespace bb::bench
