@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -82,27 +83,27 @@ struct Result {
   std::vector<float> o, lse, dq, dk, dv;
 };
 
-Result run_cpu(const Problem& p) {
+Result run_cpu(const Problem& p, const AttentionArgs& args) {
   Tensor q = p.host(p.q, p.Hq, DType::f32), k = p.host(p.k, p.Hkv, DType::f32);
   Tensor v = p.host(p.v, p.Hkv, DType::f32), d_o = p.host(p.d_o, p.Hq, DType::f32);
   AttentionSaved saved;
-  Tensor o = attention_forward(q, k, v, AttentionArgs::causal_self(p.cu, p.scale), &saved);
-  AttentionGrads g = attention_backward(d_o, q, k, v, o, AttentionArgs::causal_self(p.cu, p.scale), saved);
+  Tensor o = attention_forward(q, k, v, args, &saved);
+  AttentionGrads g = attention_backward(d_o, q, k, v, o, args, saved);
   return {o.to_floats(), saved.lse.to_floats(), g.dq.to_floats(), g.dk.to_floats(),
           g.dv.to_floats()};
 }
 
-Result run_gpu(const Problem& p) {
+Result run_gpu(const Problem& p, const AttentionArgs& args) {
   Tensor q = p.gpu(p.q, p.Hq), k = p.gpu(p.k, p.Hkv), v = p.gpu(p.v, p.Hkv);
   Tensor d_o = p.gpu(p.d_o, p.Hq);
   AttentionSaved saved;
-  Tensor o = attention_forward(q, k, v, AttentionArgs::causal_self(p.cu, p.scale), &saved);
+  Tensor o = attention_forward(q, k, v, args, &saved);
   EXPECT_EQ(o.dtype(), DType::bf16);
   EXPECT_EQ(o.category(), MemCategory::activations);
   EXPECT_EQ(saved.lse.shape(), (Shape{p.Hq, p.T}));
   EXPECT_EQ(saved.lse.dtype(), DType::f32);
   EXPECT_EQ(saved.lse.category(), MemCategory::activations);
-  AttentionGrads g = attention_backward(d_o, q, k, v, o, AttentionArgs::causal_self(p.cu, p.scale), saved);
+  AttentionGrads g = attention_backward(d_o, q, k, v, o, args, saved);
   for (const Tensor* t : {&g.dq, &g.dk, &g.dv}) {
     EXPECT_EQ(t->dtype(), DType::bf16);
     EXPECT_EQ(t->category(), MemCategory::activations);
@@ -111,6 +112,9 @@ Result run_gpu(const Problem& p) {
   return {o.to_floats(), saved.lse.to_floats(), g.dq.to_floats(), g.dk.to_floats(),
           g.dv.to_floats()};
 }
+
+Result run_cpu(const Problem& p) { return run_cpu(p, AttentionArgs::causal_self(p.cu, p.scale)); }
+Result run_gpu(const Problem& p) { return run_gpu(p, AttentionArgs::causal_self(p.cu, p.scale)); }
 
 bool all_finite(const std::vector<float>& x) {
   for (float v : x)
@@ -200,6 +204,36 @@ TEST(AttentionCudnnSingle, GraphCacheReusedWithinBucket) {
   EXPECT_EQ(attention_cudnn_graph_count(), built);
   fwd(Case{{100, 100, 100, 100, 100}, 8, 2, 128});  // B = 5 -> 8: a new graph
   EXPECT_EQ(attention_cudnn_graph_count(), built + 1);
+}
+
+// One sequence that fills its token bucket (1024 tokens) runs the dense graphs: no ragged
+// offsets, stats written and read in lse's [Hq, T] layout. The same tokens packed as a batch of
+// two (an empty second sequence) run the packed graphs. Both against the CPU path, for each mask
+// (with Tq == Tkv bottom-right is top-left) and both head dims; the dense calls are counted.
+TEST(AttentionCudnnSingle, OneWholeSequenceRunsDenseGraphs) {
+  BB_REQUIRE_GPU();
+  const char* knob = std::getenv("BB_ATTN_DENSE");
+  const bool dense_on = !(knob && std::string(knob) == "0");
+  for (int64_t d : {128, 256}) {
+    for (AttentionMask mask :
+         {AttentionMask::causal, AttentionMask::causal_bottom_right, AttentionMask::none}) {
+      const Problem whole(Case{{1024}, 8, 2, d}, 13);
+      const Problem packed(Case{{1024, 0}, 8, 2, d}, 13);  // the same values: same T and seed
+      ASSERT_EQ(whole.q, packed.q);
+      const std::string what = std::string(attention_mask_name(mask)) + "_D" + std::to_string(d);
+      const AttentionArgs whole_args{whole.cu, whole.cu, mask, whole.scale};
+      const AttentionArgs packed_args{packed.cu, packed.cu, mask, packed.scale};
+      const Result cpu = run_cpu(whole, whole_args);
+      const int64_t calls = attention_cudnn_dense_calls();
+      const Result dense = run_gpu(whole, whole_args);
+      EXPECT_EQ(attention_cudnn_dense_calls(), calls + (dense_on ? 2 : 0)) << what;
+      const Result ragged = run_gpu(packed, packed_args);
+      EXPECT_EQ(attention_cudnn_dense_calls(), calls + (dense_on ? 2 : 0)) << what;
+      expect_close(dense, cpu, "dense " + what);
+      expect_close(ragged, cpu, "packed " + what);
+      expect_close(dense, ragged, "dense vs packed " + what);
+    }
+  }
 }
 
 // Scratch goes under workspace and is released; only o and lse stay (activations).

@@ -17,13 +17,24 @@
 //   - seq_len_q = cq[b+1] - cq[b], seq_len_kv = ck[b+1] - ck[b] (0 for the padding sequences).
 // cuDNN's stats are max + log(sum exp(s - max)) in natural log: the CPU reference's lse, only
 // laid out [T, Hq]; two small transposes convert to and from AttentionSaved.lse [Hq, T].
+//
+// Dense graphs: one sequence whose length is exactly its token bucket, with as many keys as
+// queries (the single-sequence training step, T = 4096, 8192, 32768, ...), runs graphs without
+// ragged offsets, lengths or padding mask, with the stats in lse's own [Hq, T] layout. They skip
+// the two transposes and cuDNN's ragged dO.O row-sum kernel, which on an H200 (cuDNN 9.19) read
+// at ~250 GB/s (0.5 ms a layer at 8K tokens, 2 ms at 32K). When cuDNN refuses a dense graph the
+// call prints one line and runs the packed graph; BB_ATTN_DENSE=0 turns dense graphs off.
 #include "primitives/attention/attention_cudnn.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -115,9 +126,10 @@ struct GraphKey {
   int64_t b, s_q, s_kv, hq, hkv, d;
   DType dtype;
   AttentionMask mask;
+  bool dense = false;  // b == 1, s_q == s_kv == the sequence's exact length, no ragged offsets
   auto tie() const {
     return std::make_tuple(backward, device, b, s_q, s_kv, hq, hkv, d, static_cast<int>(dtype),
-                           static_cast<int>(mask));
+                           static_cast<int>(mask), dense);
   }
   bool operator<(const GraphKey& o) const { return tie() < o.tie(); }
 };
@@ -266,6 +278,11 @@ class GraphBuilder {
 //   scores [b, hq, sq, skv]; their transpose (P^T, dS^T) [b, hq, skv, sq] over the same memory.
 struct Dims {
   int64_t b, sq, skv, hq, hkv, d;
+  bool dense;  // one whole sequence: no ragged offsets, no lengths, stats laid out [Hq, T]
+  // The ragged-offset tensor of a packed graph; none for a dense one.
+  int64_t off(int64_t uid) const { return dense ? -1 : uid; }
+  // A per-sequence length override of a packed graph's matmul; none for a dense one.
+  int64_t len(int64_t uid) const { return dense ? -1 : uid; }
   Shape q_dims() const { return {b, hq, sq, d}; }
   Shape q_strides() const { return {sq * hq * d, d, hq * d, 1}; }
   Shape kv_dims() const { return {b, hkv, skv, d}; }
@@ -273,7 +290,8 @@ struct Dims {
   Shape kvt_dims() const { return {b, hkv, d, skv}; }
   Shape kvt_strides() const { return {skv * hkv * d, d, 1, hkv * d}; }
   Shape stats_dims() const { return {b, hq, sq, 1}; }
-  Shape stats_strides() const { return {hq * sq, 1, hq, 1}; }  // packed [Tq, Hq] with offsets
+  // Packed: [Tq, Hq] with offsets. Dense: [Hq, Tq], AttentionSaved.lse's own layout.
+  Shape stats_strides() const { return dense ? row_strides() : Shape{hq * sq, 1, hq, 1}; }
   Shape row_dims() const { return {b, hq, sq, 1}; }
   Shape row_strides() const { return {hq * sq, sq, 1, 1}; }
   Shape score_dims() const { return {b, hq, sq, skv}; }
@@ -287,15 +305,18 @@ struct Dims {
 };
 
 void add_offsets_and_lengths(GraphBuilder& g, const Dims& x) {
+  g.scalar(kScale);
+  if (x.dense) return;
   for (int64_t uid : {kOffQ, kOffK, kOffV, kOffO, kOffStats})
     g.tensor(uid, {x.b + 1, 1, 1, 1}, {1, 1, 1, 1}, CUDNN_DATA_INT64, false);
   g.tensor(kSeqQ, {x.b, 1, 1, 1}, {1, 1, 1, 1}, CUDNN_DATA_INT32, false);
   g.tensor(kSeqKV, {x.b, 1, 1, 1}, {1, 1, 1, 1}, CUDNN_DATA_INT32, false);
-  g.scalar(kScale);
 }
 
-// Scores outside [0, seq_len_q) x [0, seq_len_kv) of their sequence become -inf.
+// Scores outside [0, seq_len_q) x [0, seq_len_kv) of their sequence become -inf (packed graphs
+// only: a dense graph's one sequence fills its whole extent).
 int64_t padding_mask(GraphBuilder& g, const Dims& x, int64_t s) {
+  if (x.dense) return s;
   const Shape sd = x.score_dims(), ss = x.score_strides();
   const int64_t row = g.vt(sd, ss, CUDNN_DATA_INT32);
   g.pointwise(CUDNN_POINTWISE_GEN_INDEX, s, row, -1, -1, CUDNN_DATA_INT32, 2);
@@ -324,7 +345,8 @@ int64_t causal_mask(GraphBuilder& g, const Dims& x, int64_t s, AttentionMask mas
   g.pointwise(CUDNN_POINTWISE_GEN_INDEX, s, row, -1, -1, CUDNN_DATA_FLOAT, 2);
   const int64_t col = g.vt(sd, ss, CUDNN_DATA_INT32);
   g.pointwise(CUDNN_POINTWISE_GEN_INDEX, s, col, -1, -1, CUDNN_DATA_FLOAT, 3);
-  if (mask == AttentionMask::causal_bottom_right) {
+  // A dense graph is built only for Tq == Tkv, where bottom-right and top-left are one mask.
+  if (mask == AttentionMask::causal_bottom_right && !x.dense) {
     const int64_t plus_kv = g.vt(sd, ss, CUDNN_DATA_INT32);
     g.pointwise(CUDNN_POINTWISE_ADD, row, plus_kv, kSeqKV, -1, CUDNN_DATA_INT32);
     const int64_t shifted = g.vt(sd, ss, CUDNN_DATA_INT32);
@@ -342,15 +364,16 @@ int64_t causal_mask(GraphBuilder& g, const Dims& x, int64_t s, AttentionMask mas
 // O = softmax(mask(scale * Q K^T)) V and Stats = max + log(sum exp(. - max)) (natural log).
 void build_forward_ops(GraphBuilder& g, const Dims& x, cudnnDataType_t io, AttentionMask mask) {
   add_offsets_and_lengths(g, x);
-  g.tensor(kQ, x.q_dims(), x.q_strides(), io, false, kOffQ);
-  g.tensor(kK, x.kvt_dims(), x.kvt_strides(), io, false, kOffK);
-  g.tensor(kV, x.kv_dims(), x.kv_strides(), io, false, kOffV);
-  g.tensor(kO, x.q_dims(), x.q_strides(), io, false, kOffO);
-  g.tensor(kStats, x.stats_dims(), x.stats_strides(), CUDNN_DATA_FLOAT, false, kOffStats);
+  g.tensor(kQ, x.q_dims(), x.q_strides(), io, false, x.off(kOffQ));
+  g.tensor(kK, x.kvt_dims(), x.kvt_strides(), io, false, x.off(kOffK));
+  g.tensor(kV, x.kv_dims(), x.kv_strides(), io, false, x.off(kOffV));
+  g.tensor(kO, x.q_dims(), x.q_strides(), io, false, x.off(kOffO));
+  g.tensor(kStats, x.stats_dims(), x.stats_strides(), CUDNN_DATA_FLOAT, false,
+           x.off(kOffStats));
 
   const Shape sd = x.score_dims(), ss = x.score_strides();
   const int64_t s1 = g.vt(sd, ss, CUDNN_DATA_FLOAT);
-  g.matmul(kQ, kK, s1, kSeqQ, kSeqKV);
+  g.matmul(kQ, kK, s1, x.len(kSeqQ), x.len(kSeqKV));
   const int64_t s2 = g.vt(sd, ss, CUDNN_DATA_FLOAT);
   g.pointwise(CUDNN_POINTWISE_MUL, s1, s2, kScale);
   const int64_t s3 = padding_mask(g, x, s2);
@@ -370,7 +393,7 @@ void build_forward_ops(GraphBuilder& g, const Dims& x, cudnnDataType_t io, Atten
   g.pointwise(CUDNN_POINTWISE_ADD, mx, kStats, log_sum);
   const int64_t p = g.vt(sd, ss, io);  // P in the I/O type: the second matmul's A operand
   g.pointwise(CUDNN_POINTWISE_DIV, e, p, sum);
-  g.matmul(p, kV, kO, kSeqQ, -1, kSeqKV);
+  g.matmul(p, kV, kO, x.len(kSeqQ), -1, x.len(kSeqKV));
 }
 
 // dQ, dK, dV of the forward above (flash-attention backward: P rebuilt from the stats).
@@ -378,15 +401,16 @@ void build_forward_ops(GraphBuilder& g, const Dims& x, cudnnDataType_t io, Atten
 // packed layout with Hq heads) and then summed over each kv head's group.
 void build_backward_ops(GraphBuilder& g, const Dims& x, cudnnDataType_t io, AttentionMask mask) {
   add_offsets_and_lengths(g, x);
-  g.tensor(kQ, x.q_dims(), x.q_strides(), io, false, kOffQ);
-  g.tensor(kK, x.kvt_dims(), x.kvt_strides(), io, false, kOffK);
-  g.tensor(kV, x.kvt_dims(), x.kvt_strides(), io, false, kOffV);
-  g.tensor(kO, x.q_dims(), x.q_strides(), io, false, kOffO);
-  g.tensor(kDO, x.q_dims(), x.q_strides(), io, false, kOffO);
-  g.tensor(kStats, x.stats_dims(), x.stats_strides(), CUDNN_DATA_FLOAT, false, kOffStats);
-  g.tensor(kDQ, x.q_dims(), x.q_strides(), io, false, kOffQ);
-  g.tensor(kDK, x.kv_dims(), x.kv_strides(), io, false, kOffK);
-  g.tensor(kDV, x.kv_dims(), x.kv_strides(), io, false, kOffV);
+  g.tensor(kQ, x.q_dims(), x.q_strides(), io, false, x.off(kOffQ));
+  g.tensor(kK, x.kvt_dims(), x.kvt_strides(), io, false, x.off(kOffK));
+  g.tensor(kV, x.kvt_dims(), x.kvt_strides(), io, false, x.off(kOffV));
+  g.tensor(kO, x.q_dims(), x.q_strides(), io, false, x.off(kOffO));
+  g.tensor(kDO, x.q_dims(), x.q_strides(), io, false, x.off(kOffO));
+  g.tensor(kStats, x.stats_dims(), x.stats_strides(), CUDNN_DATA_FLOAT, false,
+           x.off(kOffStats));
+  g.tensor(kDQ, x.q_dims(), x.q_strides(), io, false, x.off(kOffQ));
+  g.tensor(kDK, x.kv_dims(), x.kv_strides(), io, false, x.off(kOffK));
+  g.tensor(kDV, x.kv_dims(), x.kv_strides(), io, false, x.off(kOffV));
   const bool gqa = x.hq != x.hkv;
 
   // softmax_sum_i = sum_d dO_id * O_id (f32 scratch in the packed stats layout).
@@ -396,13 +420,14 @@ void build_backward_ops(GraphBuilder& g, const Dims& x, cudnnDataType_t io, Atte
   const int64_t row_sum = g.vt(x.row_dims(), x.row_strides(), CUDNN_DATA_FLOAT);
   g.reduction(CUDNN_REDUCE_TENSOR_ADD, dodo, row_sum);
   g.scalar(kOne);
-  g.tensor(kSoftmaxSum, x.stats_dims(), x.stats_strides(), CUDNN_DATA_FLOAT, false, kOffStats);
+  g.tensor(kSoftmaxSum, x.stats_dims(), x.stats_strides(), CUDNN_DATA_FLOAT, false,
+           x.off(kOffStats));
   g.pointwise(CUDNN_POINTWISE_MUL, row_sum, kSoftmaxSum, kOne);
 
   // P = exp(mask(scale * Q K^T) - stats)
   const Shape sd = x.score_dims(), ss = x.score_strides();
   const int64_t s1 = g.vt(sd, ss, CUDNN_DATA_FLOAT);
-  g.matmul(kQ, kK, s1, kSeqQ, kSeqKV);
+  g.matmul(kQ, kK, s1, x.len(kSeqQ), x.len(kSeqKV));
   const int64_t s2 = g.vt(sd, ss, CUDNN_DATA_FLOAT);
   g.pointwise(CUDNN_POINTWISE_MUL, s1, s2, kScale);
   const int64_t s3 = padding_mask(g, x, s2);
@@ -416,16 +441,16 @@ void build_backward_ops(GraphBuilder& g, const Dims& x, cudnnDataType_t io, Atte
   const int64_t p_t = g.vt(x.score_t_dims(), x.score_t_strides(), io);
   g.reshape(p, p_t);
   if (!gqa) {
-    g.matmul(p_t, kDO, kDV, kSeqKV, -1, kSeqQ);
+    g.matmul(p_t, kDO, kDV, x.len(kSeqKV), -1, x.len(kSeqQ));
   } else {
-    g.tensor(kDVFull, x.kv_full_dims(), x.kv_full_strides(), io, false, kOffV);
-    g.matmul(p_t, kDO, kDVFull, kSeqKV, -1, kSeqQ);
+    g.tensor(kDVFull, x.kv_full_dims(), x.kv_full_strides(), io, false, x.off(kOffV));
+    g.matmul(p_t, kDO, kDVFull, x.len(kSeqKV), -1, x.len(kSeqQ));
     g.reduction(CUDNN_REDUCE_TENSOR_ADD, kDVFull, kDV);
   }
 
   // dS = scale * P * (dO V^T - softmax_sum)
   const int64_t dp = g.vt(sd, ss, CUDNN_DATA_FLOAT);
-  g.matmul(kDO, kV, dp, kSeqQ, kSeqKV);
+  g.matmul(kDO, kV, dp, x.len(kSeqQ), x.len(kSeqKV));
   const int64_t dp2 = g.vt(sd, ss, CUDNN_DATA_FLOAT);
   g.pointwise(CUDNN_POINTWISE_SUB, dp, dp2, kSoftmaxSum);
   const int64_t dp3 = g.vt(sd, ss, CUDNN_DATA_FLOAT);
@@ -437,20 +462,20 @@ void build_backward_ops(GraphBuilder& g, const Dims& x, cudnnDataType_t io, Atte
   const int64_t ds_t = g.vt(x.score_t_dims(), x.score_t_strides(), io);
   g.reshape(ds, ds_t);
   if (!gqa) {
-    g.matmul(ds_t, kQ, kDK, kSeqKV, -1, kSeqQ);
+    g.matmul(ds_t, kQ, kDK, x.len(kSeqKV), -1, x.len(kSeqQ));
   } else {
-    g.tensor(kDKFull, x.kv_full_dims(), x.kv_full_strides(), io, false, kOffK);
-    g.matmul(ds_t, kQ, kDKFull, kSeqKV, -1, kSeqQ);
+    g.tensor(kDKFull, x.kv_full_dims(), x.kv_full_strides(), io, false, x.off(kOffK));
+    g.matmul(ds_t, kQ, kDKFull, x.len(kSeqKV), -1, x.len(kSeqQ));
     g.reduction(CUDNN_REDUCE_TENSOR_ADD, kDKFull, kDK);
   }
 
   // dQ = dS K, accumulated in f32 scratch (packed like dq), then written in the I/O type.
   // cudnn-frontend leaves the reshaped K's type to the graph's intermediate type (f32).
   const int64_t k_view = g.tensor(kFirstVirtual - 1, x.kv_dims(), x.kv_strides(),
-                                  CUDNN_DATA_FLOAT, true, kOffK);
+                                  CUDNN_DATA_FLOAT, true, x.off(kOffK));
   g.reshape(kK, k_view);
-  g.tensor(kDQAccum, x.q_dims(), x.q_strides(), CUDNN_DATA_FLOAT, false, kOffQ);
-  g.matmul(ds, k_view, kDQAccum, kSeqQ, -1, kSeqKV);
+  g.tensor(kDQAccum, x.q_dims(), x.q_strides(), CUDNN_DATA_FLOAT, false, x.off(kOffQ));
+  g.matmul(ds, k_view, kDQAccum, x.len(kSeqQ), -1, x.len(kSeqKV));
   g.pointwise(CUDNN_POINTWISE_IDENTITY, kDQAccum, kDQ);
 }
 
@@ -519,8 +544,9 @@ void make_plan(Graph& graph, GraphBuilder& g, cudnnHandle_t handle) {
 }
 
 std::mutex g_cache_mu;
-std::map<GraphKey, std::shared_ptr<Graph>> g_cache;
+std::map<GraphKey, std::shared_ptr<Graph>> g_cache;  // a null entry: a dense graph cuDNN refused
 int64_t g_graphs_built = 0;
+std::atomic<int64_t> g_dense_calls{0};
 
 std::string shape_text(const char* op, const GraphKey& key, int64_t Tq, int64_t Tkv, int64_t B) {
   std::ostringstream os;
@@ -541,18 +567,34 @@ std::shared_ptr<Graph> graph_for(const GraphKey& key, const char* op, int64_t Tq
   try {
     cudnnHandle_t handle = handle_for(key.device);
     GraphBuilder g;
-    const Dims x{key.b, key.s_q, key.s_kv, key.hq, key.hkv, key.d};
+    const Dims x{key.b, key.s_q, key.s_kv, key.hq, key.hkv, key.d, key.dense};
     if (key.backward) build_backward_ops(g, x, cudnn_dtype(key.dtype), key.mask);
     else build_forward_ops(g, x, cudnn_dtype(key.dtype), key.mask);
     make_plan(*graph, g, handle);
     graph->io_uids = g.io_uids();
     g.release_into(graph->keep);
   } catch (const Error& e) {
-    BB_FAIL(shape_text(op, key, Tq, Tkv, B), ": ", e.what());
+    if (!key.dense) BB_FAIL(shape_text(op, key, Tq, Tkv, B), ": ", e.what());
+    // A dense graph is an optimisation: when cuDNN refuses it, say so once per shape and run
+    // the packed graph, which is built for every shape this path accepts.
+    std::fprintf(stderr, "[attention] %s: cuDNN refused the dense (one whole sequence) graph, "
+                 "using the packed one: %s\n", shape_text(op, key, Tq, Tkv, B).c_str(), e.what());
+    g_cache.emplace(key, nullptr);
+    return nullptr;
   }
   g_cache.emplace(key, graph);
   ++g_graphs_built;
   return graph;
+}
+
+// Dense graphs (BB_ATTN_DENSE=0 turns them off, for A/B measurements): the packed graphs of one
+// sequence spend their time in cuDNN's ragged dO.O row-sum kernel and two stats transposes.
+bool dense_graphs_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("BB_ATTN_DENSE");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
 }
 
 // Runs a plan with the pointers of every non-virtual tensor (missing ones are a bug here).
@@ -659,6 +701,20 @@ CallDims check_cuda_inputs(const char* op, const NamedTensors& ts, const Tensor&
   return c;
 }
 
+// The dense key for one sequence that exactly fills its token bucket with as many keys as
+// queries (the single-sequence training step); nullopt otherwise. Exact buckets keep the number
+// of distinct dense graphs as small as the packed ones'.
+std::optional<GraphKey> dense_key_for(bool backward, const CallDims& c, DType dt,
+                                      AttentionMask mask) {
+  if (!dense_graphs_enabled() || c.B != 1 || c.Tq != c.Tkv ||
+      c.Tq != attention_cudnn_token_bucket(c.Tq))
+    return std::nullopt;
+  GraphKey key{backward, c.device, 1, c.Tq, c.Tkv, c.hq, c.hkv, c.d, dt, mask, true};
+  // With Tq == Tkv bottom-right is top-left: one graph for both.
+  if (mask == AttentionMask::causal_bottom_right) key.mask = AttentionMask::causal;
+  return key;
+}
+
 GraphKey key_for(bool backward, const CallDims& c, DType dt, AttentionMask mask) {
   return {backward,
           c.device,
@@ -669,7 +725,8 @@ GraphKey key_for(bool backward, const CallDims& c, DType dt, AttentionMask mask)
           c.hkv,
           c.d,
           dt,
-          mask};
+          mask,
+          false};
 }
 
 Tensor workspace_bytes(int64_t bytes, int device) {
@@ -698,29 +755,46 @@ int64_t attention_cudnn_graph_count() {
   return g_graphs_built;
 }
 
+int64_t attention_cudnn_dense_calls() { return g_dense_calls.load(); }
+
 Tensor attention_forward_cudnn(const Tensor& q, const Tensor& k, const Tensor& v,
                                const AttentionArgs& args, AttentionSaved* saved) {
   const char* op = "attention_forward";
   const CallDims c = check_cuda_inputs(op, {{"q", &q}, {"k", &k}, {"v", &v}}, q, k, args);
-  const GraphKey key = key_for(false, c, q.dtype(), args.mask);
-  std::shared_ptr<Graph> graph = graph_for(key, op, c.Tq, c.Tkv, c.B);
-
   const Device dev = q.device();
   Tensor o = Tensor::empty(q.shape(), q.dtype(), dev, MemCategory::activations);
+  float scale = args.softmax_scale;
+  float neg_inf = -std::numeric_limits<float>::infinity();
+
+  if (auto dkey = dense_key_for(false, c, q.dtype(), args.mask)) {
+    if (std::shared_ptr<Graph> graph = graph_for(*dkey, op, c.Tq, c.Tkv, c.B)) {
+      // Stats straight into lse's [Hq, T] layout: no transpose.
+      Tensor lse = Tensor::empty({c.hq, c.Tq}, DType::f32, dev,
+                                 saved ? MemCategory::activations : MemCategory::workspace);
+      Tensor ws = workspace_bytes(graph->workspace_bytes, c.device);
+      const std::map<int64_t, void*> ptrs = {{kQ, q.raw()},     {kK, k.raw()},
+                                             {kV, v.raw()},     {kO, o.raw()},
+                                             {kStats, lse.raw()}, {kScale, &scale},
+                                             {kNegInfCausal, &neg_inf}};
+      execute(*graph, c.device, ptrs, ws.raw());
+      ++g_dense_calls;
+      if (saved) saved->lse = std::move(lse);
+      return o;
+    }
+  }
+
+  const GraphKey key = key_for(false, c, q.dtype(), args.mask);
+  std::shared_ptr<Graph> graph = graph_for(key, op, c.Tq, c.Tkv, c.B);
   // cuDNN writes stats packed [Tq, Hq]; sized for the token bucket like cudnn-frontend does.
   Tensor stats = Tensor::empty({key.s_q, c.hq}, DType::f32, dev, MemCategory::workspace);
   Ragged r = make_ragged(args, c.B, key);
   Tensor ws = workspace_bytes(graph->workspace_bytes, c.device);
-
-  float scale = args.softmax_scale;
-  float neg_inf = -std::numeric_limits<float>::infinity();
   std::map<int64_t, void*> ptrs = {
       {kQ, q.raw()}, {kK, k.raw()}, {kV, v.raw()}, {kO, o.raw()}, {kStats, stats.raw()},
       {kScale, &scale}, {kSeqQ, r.seq_len_q}, {kSeqKV, r.seq_len_kv}, {kOffQ, r.off_q},
       {kOffO, r.off_q}, {kOffK, r.off_kv}, {kOffV, r.off_kv}, {kOffStats, r.off_stats},
       {kNegInfPadding, &neg_inf}, {kNegInfCausal, &neg_inf}};
   execute(*graph, c.device, ptrs, ws.raw());
-
   if (saved) {
     saved->lse = Tensor::empty({c.hq, c.Tq}, DType::f32, dev, MemCategory::activations);
     transpose_f32(saved->lse.data<float>(), stats.data<float>(), c.Tq, c.hq);
@@ -734,13 +808,25 @@ AttentionGrads attention_backward_cudnn(const Tensor& d_o, const Tensor& q, cons
   const char* op = "attention_backward";
   const CallDims c = check_cuda_inputs(
       op, {{"d_o", &d_o}, {"q", &q}, {"k", &k}, {"v", &v}, {"o", &o}}, q, k, args);
-  const GraphKey key = key_for(true, c, q.dtype(), args.mask);
-  std::shared_ptr<Graph> graph = graph_for(key, op, c.Tq, c.Tkv, c.B);
-
   const Device dev = q.device();
   const bool gqa = c.hq != c.hkv;
-  // Scratch as cudnn-frontend sizes it for a packed graph of key.s_q x key.s_kv tokens (f32).
-  Tensor stats = Tensor::empty({key.s_q, c.hq}, DType::f32, dev, MemCategory::workspace);
+  AttentionGrads g;
+  g.dq = Tensor::empty(q.shape(), q.dtype(), dev, MemCategory::activations);
+  g.dk = Tensor::empty(k.shape(), k.dtype(), dev, MemCategory::activations);
+  g.dv = Tensor::empty(v.shape(), v.dtype(), dev, MemCategory::activations);
+  float scale = args.softmax_scale, one = 1.0f;
+  float neg_inf = -std::numeric_limits<float>::infinity();
+
+  std::shared_ptr<Graph> graph;
+  std::optional<GraphKey> dkey = dense_key_for(true, c, q.dtype(), args.mask);
+  if (dkey) graph = graph_for(*dkey, op, c.Tq, c.Tkv, c.B);
+  const bool dense = graph != nullptr;
+  const GraphKey key = dense ? *dkey : key_for(true, c, q.dtype(), args.mask);
+  if (!dense) graph = graph_for(key, op, c.Tq, c.Tkv, c.B);
+  // Scratch as cudnn-frontend sizes it for a graph of key.s_q x key.s_kv tokens (f32). A dense
+  // graph reads lse in place ([Hq, T]); a packed one a [T, Hq] transpose of it.
+  Tensor stats = dense ? Tensor() : Tensor::empty({key.s_q, c.hq}, DType::f32, dev,
+                                                  MemCategory::workspace);
   Tensor softmax_sum = Tensor::empty({key.s_q, c.hq}, DType::f32, dev, MemCategory::workspace);
   Tensor dq_accum = Tensor::empty({key.s_q, c.hq, c.d}, DType::f32, dev, MemCategory::workspace);
   Tensor dk_full, dv_full;
@@ -748,29 +834,31 @@ AttentionGrads attention_backward_cudnn(const Tensor& d_o, const Tensor& q, cons
     dk_full = Tensor::empty({key.s_kv, c.hq, c.d}, DType::f32, dev, MemCategory::workspace);
     dv_full = Tensor::empty({key.s_kv, c.hq, c.d}, DType::f32, dev, MemCategory::workspace);
   }
-  transpose_f32(stats.data<float>(), saved.lse.data<float>(), c.hq, c.Tq);
-  Ragged r = make_ragged(args, c.B, key);
   Tensor ws = workspace_bytes(graph->workspace_bytes, c.device);
-
-  AttentionGrads g;
-  g.dq = Tensor::empty(q.shape(), q.dtype(), dev, MemCategory::activations);
-  g.dk = Tensor::empty(k.shape(), k.dtype(), dev, MemCategory::activations);
-  g.dv = Tensor::empty(v.shape(), v.dtype(), dev, MemCategory::activations);
-
-  float scale = args.softmax_scale, one = 1.0f;
-  float neg_inf = -std::numeric_limits<float>::infinity();
   std::map<int64_t, void*> ptrs = {
       {kQ, q.raw()}, {kK, k.raw()}, {kV, v.raw()}, {kO, o.raw()}, {kDO, d_o.raw()},
-      {kStats, stats.raw()}, {kDQ, g.dq.raw()}, {kDK, g.dk.raw()}, {kDV, g.dv.raw()},
-      {kScale, &scale}, {kOne, &one}, {kSeqQ, r.seq_len_q}, {kSeqKV, r.seq_len_kv},
-      {kOffQ, r.off_q}, {kOffO, r.off_q}, {kOffK, r.off_kv}, {kOffV, r.off_kv},
-      {kOffStats, r.off_stats}, {kNegInfPadding, &neg_inf}, {kNegInfCausal, &neg_inf},
+      {kDQ, g.dq.raw()}, {kDK, g.dk.raw()}, {kDV, g.dv.raw()}, {kScale, &scale}, {kOne, &one},
+      {kNegInfPadding, &neg_inf}, {kNegInfCausal, &neg_inf},
       {kSoftmaxSum, softmax_sum.raw()}, {kDQAccum, dq_accum.raw()}};
   if (gqa) {
     ptrs[kDKFull] = dk_full.raw();
     ptrs[kDVFull] = dv_full.raw();
   }
+  Ragged r{};
+  if (dense) {
+    ptrs[kStats] = saved.lse.raw();  // read only
+  } else {
+    transpose_f32(stats.data<float>(), saved.lse.data<float>(), c.hq, c.Tq);
+    r = make_ragged(args, c.B, key);
+    ptrs[kStats] = stats.raw();
+    ptrs[kSeqQ] = r.seq_len_q;
+    ptrs[kSeqKV] = r.seq_len_kv;
+    ptrs[kOffQ] = ptrs[kOffO] = r.off_q;
+    ptrs[kOffK] = ptrs[kOffV] = r.off_kv;
+    ptrs[kOffStats] = r.off_stats;
+  }
   execute(*graph, c.device, ptrs, ws.raw());
+  if (dense) ++g_dense_calls;
   return g;
 }
 

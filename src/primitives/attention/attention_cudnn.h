@@ -24,7 +24,10 @@
 // once per (direction, device, batch bucket, query and key token buckets, Hq, Hkv, D, dtype,
 // mask) and cached for the life of the process; the plan is the first engine cuDNN's heuristics
 // (mode A) can finalize.
-// A configuration cuDNN cannot run throws bb::Error naming the shape; nothing falls back.
+// One sequence that fills its token bucket exactly (Tq == Tkv) runs dense graphs (no ragged
+// offsets, stats in [Hq, T], no transposes) when cuDNN accepts them, the packed ones otherwise
+// (one line on stderr per refused shape; BB_ATTN_DENSE=0 turns them off).
+// A configuration cuDNN cannot run packed throws bb::Error naming the shape.
 // f32 (or f16) inputs are rejected: cuDNN's fused attention has no f32 I/O.
 #pragma once
 
@@ -52,6 +55,8 @@ void set_cudnn_library(const std::string& file);
 int64_t cudnn_runtime_version();
 // Number of graphs (forward and backward) built so far in this process (tests check the cache).
 int64_t attention_cudnn_graph_count();
+// Number of forward and backward calls that ran a dense graph (tests check which graph ran).
+int64_t attention_cudnn_dense_calls();
 // The token count the graph of a batch of T tokens is built for (T rounded up to 1/8 of its
 // power-of-two octave, at least 64), and the batch bucket (B rounded up to a power of two).
 int64_t attention_cudnn_token_bucket(int64_t num_tokens);
