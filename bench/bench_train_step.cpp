@@ -47,7 +47,10 @@ std::vector<int64_t> parse_list(const std::string& s) {
   return out;
 }
 
-// One document of exactly `len` tokens per step (random ids; the model sees one sequence).
+// Documents of exactly `len` tokens, one per step when `len` is the step's token count: the model
+// sees one sequence of S tokens and trains S - 1 next-token targets, as the PyTorch reference
+// (bench/hf_train_step.py) does. (Documents of S + 1 tokens would leave a one-token remainder,
+// so every step after the first would be two sequences: 1 and S - 1 tokens.)
 Corpus one_long_document(int64_t len, int64_t vocab, int64_t copies) {
   Corpus c;
   for (int64_t d = 0; d < copies; ++d) {
@@ -193,7 +196,7 @@ int main(int argc, char** argv) {
            << "\nwarmup_steps = 1\nlr = 1e-4\nmin_lr = 1e-5\n";
       std::vector<std::string> ov = sets;
       RunConfig cfg = parse_run_config(toml.str(), "bench_train_step", ov);
-      Trainer tr(cfg, nullptr, one_long_document(S + 1, cfg.model.vocab_size, 2));
+      Trainer tr(cfg, nullptr, one_long_document(S, cfg.model.vocab_size, 2));
       std::vector<StepMetrics> ms;
       for (int64_t i = 0; i < steps + warmup; ++i) {
         const bool prof = profile && i + 1 == steps + warmup;
