@@ -148,15 +148,23 @@ Tensor AttentionBlock::backward_data(const Tensor& d_y, BatchContext& ctx, Block
     d_o = block::as_dtype(dx, act).view({T, Hq, D});
     d_gate = dz;
   } else {
-    d_o = block::as_dtype(block::linear_backward(ctx, S, d_y, block::flat(S.o), wo_, nullptr), act)
+    d_o = block::linear_backward(ctx, S, d_y, block::flat(S.o), wo_, nullptr, act)
               .view({T, Hq, D});
   }
   AttentionGrads ag = attn_->backward(d_o, S.q_rot, S.k_rot, S.v, S.o, mb, scale, S.attn);
   Tensor d_qn = rope_backward(ag.dq, mb.positions, rope);
   Tensor d_kn = rope_backward(ag.dk, mb.positions, rope);
   const bool zc = cfg_.zero_centered_norm;
-  Tensor d_q = q_norm_ ? qk_norm_backward(d_qn, S.q_pre, q_norm_->value, S.qn, q_norm_->grad, zc) : d_qn;
-  Tensor d_k = k_norm_ ? qk_norm_backward(d_kn, S.k_pre, k_norm_->value, S.kn, k_norm_->grad, zc) : d_kn;
+  // The projections take their data gradients in the weights' dtype: the norms write it directly
+  // (one rounding of the same f32 values). With the output gate the query joins the gate's
+  // gradient in f32 first.
+  const DType dq_dtype = cfg_.output_gate ? DType::f32 : wq_->value.dtype();
+  Tensor d_q = q_norm_ ? qk_norm_backward(d_qn, S.q_pre, q_norm_->value, S.qn, q_norm_->grad, zc,
+                                          dq_dtype)
+                       : d_qn;
+  Tensor d_k = k_norm_ ? qk_norm_backward(d_kn, S.k_pre, k_norm_->value, S.kn, k_norm_->grad, zc,
+                                          wk_->value.dtype())
+                       : d_kn;
   if (cfg_.output_gate)  // back to q_proj's [T, Hq * 2D] (query, gate per head)
     d_q = join_halves(d_q.view({T * Hq, D}), d_gate.view({T * Hq, D}), DType::f32,
                       MemCategory::activations)

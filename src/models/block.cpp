@@ -37,8 +37,8 @@ Tensor weight_grad_of(BatchContext& ctx, BlockSaved& saved, const Tensor& d_y, c
 }  // namespace
 
 Tensor linear_backward(BatchContext& ctx, BlockSaved& saved, const Tensor& d_y, const Tensor& x,
-                       Param* w, Param* b) {
-  return linear_backward_data(weight_grad_of(ctx, saved, d_y, x, w, b), w->value);
+                       Param* w, Param* b, DType out_dtype) {
+  return linear_backward_data(weight_grad_of(ctx, saved, d_y, x, w, b), w->value, out_dtype);
 }
 
 void linear_backward_acc(BatchContext& ctx, BlockSaved& saved, const Tensor& d_y, const Tensor& x,

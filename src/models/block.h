@@ -126,10 +126,11 @@ Tensor as_dtype(const Tensor& t, DType dt);
 Tensor flat(const Tensor& t);
 // Runs `fn` now, or queues it in `saved` for backward_weight when ctx.defer_wgrad.
 void weight_grad(BatchContext& ctx, BlockSaved& saved, std::function<void()> fn);
-// The backward of y = x w^T (+ b) for the data part: d_x = d_y w (f32); queues or runs
-// w.grad += d_y^T x and b.grad += sum d_y. d_y is taken in the weight's dtype.
+// The backward of y = x w^T (+ b) for the data part: d_x = d_y w (f32, or bf16 written by the
+// GEMM when the caller wants bf16); queues or runs w.grad += d_y^T x and b.grad += sum d_y. d_y
+// is taken in the weight's dtype.
 Tensor linear_backward(BatchContext& ctx, BlockSaved& saved, const Tensor& d_y, const Tensor& x,
-                       Param* w, Param* b);
+                       Param* w, Param* b, DType out_dtype = DType::f32);
 // The same, with the data gradient added into d_x (f32, [T, in]) by the GEMM itself
 // (beta = 1) instead of a separate addition pass: the branches of one input (q, k, v from one
 // norm output; a layer's several projections) sum their gradients this way.

@@ -204,8 +204,9 @@ Tensor MoeBlock::backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved&
   DispatchRows back = dispatcher_->backward(ug.d_y_perm, expert_calls(ctx, S), S.dispatch);
   S.dispatch = DispatchState{};
   Tensor d_topk_prob = mem_eff ? unpermute_probs_grad(back.row_prob, S.map) : ug.d_topk_prob;
-  Tensor d_h = permute_backward(back.rows, S.map);
-  if (d_h.dtype() != DType::f32) d_h = d_h.to_dtype(DType::f32, MemCategory::activations);
+  // d_h continues in f32 (the router's and shared expert's data gradients add into it): the
+  // gather writes the f32 sum itself instead of rounding it to the rows' dtype and widening.
+  Tensor d_h = permute_backward(back.rows, S.map, /*out_f32=*/true);
 
   // Selective recompute of `norms` / `shared_expert`, rebuilt where they are first needed.
   if (!S.h.defined())

@@ -67,6 +67,16 @@ TEST(Linear, BackwardMatchesFiniteDifferences) {
   EXPECT_LT(test::rel_error(dx.to_floats(), gx), test::kGradTol);
   EXPECT_LT(test::rel_error(dw.to_floats(), gw), test::kGradTol);
   EXPECT_LT(test::rel_error(db.to_floats(), gb), test::kGradTol);
+  // Asked for in bf16, d_x is the f32 one rounded once.
+  {
+    const Tensor dx16 = linear_backward_data(dy, w, DType::bf16);
+    EXPECT_EQ(dx16.dtype(), DType::bf16);
+    EXPECT_EQ(dx16.category(), MemCategory::activations);
+    auto a = dx.to_floats(), b = dx16.to_floats();
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(b[i], round_bf16(a[i]));
+    test::expect_error_contains([&] { linear_backward_data(dy, w, DType::i32); },
+                                "d_x can be f32 or bf16");
+  }
   // The accumulating data gradient adds d_y w onto what is there: onto d_x it doubles it.
   linear_backward_data_acc(dy, w, dx);
   auto gx2 = gx;

@@ -109,6 +109,35 @@ TEST(RMSNorm, Bf16StorageWithinTolerance) {
   EXPECT_LT(test::rel_error(y16.to_floats(), y32.to_floats()), 1e-2);
 }
 
+// d_x asked for in bf16 (the consumer's dtype) is the f32 d_x rounded once, with or without the
+// residual; d_w is the same.
+TEST(RMSNorm, Bf16GradIsTheF32GradRounded) {
+  const int64_t T = 7, H = 48;
+  Tensor x = Tensor::from_floats(randn(T * H, 11), {T, H}, DType::bf16);
+  Tensor w = Tensor::from_floats(test::randu(H, 12, 0.5f, 1.5f), {H}, DType::bf16);
+  Tensor dy = Tensor::from_floats(randn(T * H, 13), {T, H});
+  Tensor res = Tensor::from_floats(randn(T * H, 14), {T, H});
+  RMSNormSaved saved;
+  rmsnorm_forward(x, w, 1e-6, &saved);
+  for (const Tensor* r : std::vector<const Tensor*>{nullptr, &res}) {
+    Tensor dw1 = Tensor::zeros({H}, DType::f32, Device::cpu(), MemCategory::grads);
+    Tensor dw2 = Tensor::zeros({H}, DType::f32, Device::cpu(), MemCategory::grads);
+    Tensor f32 = rmsnorm_backward(dy, x, w, saved, dw1, false, r);
+    Tensor b16 = rmsnorm_backward(dy, x, w, saved, dw2, false, r, DType::bf16);
+    ASSERT_EQ(b16.dtype(), DType::bf16);
+    EXPECT_EQ(b16.category(), MemCategory::activations);
+    auto fv = f32.to_floats(), bv = b16.to_floats();
+    for (size_t i = 0; i < fv.size(); ++i) EXPECT_EQ(bv[i], round_bf16(fv[i]));
+    EXPECT_EQ(dw2.to_floats(), dw1.to_floats());
+  }
+  test::expect_error_contains(
+      [&] {
+        Tensor dw = Tensor::zeros({H}, DType::f32, Device::cpu(), MemCategory::grads);
+        rmsnorm_backward(dy, x, w, saved, dw, false, nullptr, DType::i32);
+      },
+      "rmsnorm_backward: d_x can be f32 or bf16, not i32");
+}
+
 TEST(QKNorm, IsRMSNormPerHead) {
   const int64_t T = 3, n = 4, D = 8;
   auto xv = randn(T * n * D, 7), wv = test::randu(D, 8, 0.5f, 1.5f), dyv = randn(T * n * D, 9);

@@ -205,6 +205,15 @@ TEST(Permute, Bf16StorageIsCopiedExactlyAndCombinedInF32) {
   Tensor dx = permute_backward(yp, m);
   EXPECT_EQ(dx.dtype(), DType::bf16);
   EXPECT_EQ(dx.shape(), (Shape{T, H}));
+  // The f32 form keeps the sum unrounded: the same sum over the bf16 rows, rounded only in dx.
+  Tensor dx32 = permute_backward(yp, m, /*out_f32=*/true);
+  EXPECT_EQ(dx32.dtype(), DType::f32);
+  EXPECT_EQ(dx32.category(), MemCategory::activations);
+  std::vector<float> sum(T * H);
+  ref::permute_backward(sum.data(), ypv.data(), slot_row.data(), T, K, H);
+  EXPECT_EQ(dx32.to_floats(), sum);
+  auto dxv = dx.to_floats();
+  for (int64_t i = 0; i < T * H; ++i) EXPECT_EQ(dxv[i], round_bf16(sum[i]));
 }
 
 TEST(Permute, ZeroTokenExperts) {

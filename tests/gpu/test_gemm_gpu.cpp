@@ -1170,6 +1170,13 @@ TEST_P(LinearGpu, ForwardBackwardMatchCpu) {
   const Tensor dx_gpu = linear_backward_data(dy.to(kGpu), w.to(kGpu));
   EXPECT_EQ(dx_gpu.dtype(), DType::f32);
   EXPECT_LT(test::rel_error(dx_gpu.to_floats(), dx_cpu.to_floats()), test::kTolF32);
+  // A bf16 d_x written by the GEMM (attention's d_o): within one bf16 rounding of the f32 one.
+  {
+    const Tensor dx16 = linear_backward_data(dy.to(kGpu), w.to(kGpu), DType::bf16);
+    EXPECT_EQ(dx16.dtype(), DType::bf16);
+    EXPECT_EQ(dx16.category(), MemCategory::activations);
+    EXPECT_LT(test::rel_error(dx16.to_floats(), dx_cpu.to_floats()), test::kTolBf16);
+  }
   // Accumulating onto an existing gradient (the GEMM's beta = 1) is computing it and adding it.
   {
     const auto base = test::randn(T * in, 56);

@@ -87,6 +87,15 @@ TEST_P(PermuteGpu, ForwardAndBackwardMatchCpu) {
   Tensor dx = permute_backward(ypg, mg);
   EXPECT_EQ(dx.category(), MemCategory::activations);
   EXPECT_LT(test::rel_error(dx.to_floats(), permute_backward(yp, mc).to_floats()), tol(c.dt));
+  // The unrounded f32 sum (what the MoE block continues with): against the CPU's f32 sum at f32
+  // tolerance whatever the rows' dtype (the same rounded inputs, summed in the same k order).
+  Tensor dx32 = permute_backward(ypg, mg, /*out_f32=*/true);
+  EXPECT_EQ(dx32.dtype(), DType::f32);
+  EXPECT_EQ(dx32.category(), MemCategory::activations);
+  const Tensor dx32_cpu = permute_backward(yp, mc, /*out_f32=*/true);
+  EXPECT_EQ(dx32_cpu.dtype(), DType::f32);
+  EXPECT_LT(test::rel_error(dx32.to_floats(), dx32_cpu.to_floats()), test::kTolF32);
+  EXPECT_EQ(dx.to_floats(), dx32.to_dtype(c.dt).to_floats()) << "the rows' dtype is the f32 sum rounded";
 
   for (bool with_prob : {true, false}) {
     SCOPED_TRACE(with_prob ? "standard (topk_prob)" : "memory_efficient (unit weights)");

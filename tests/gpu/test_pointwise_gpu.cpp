@@ -217,6 +217,50 @@ TEST(RMSNormGpu, ResidualIsBitwiseAddingItAfterwards) {
   EXPECT_THROW(rmsnorm_backward(x, x, w, sg, dw, false, &bad_dtype), Error);
 }
 
+// A bf16 d_x (what the projections after a QK norm take) is bitwise the f32 d_x rounded to
+// bf16, with and without the residual, on the vectorised and scalar paths, bf16 and f32 x, and
+// the d_w it accumulates is the f32 path's.
+TEST(RMSNormGpu, Bf16GradIsTheF32GradRounded) {
+  BB_REQUIRE_GPU();
+  for (int64_t off : {0, 1})
+    for (int64_t H : {128, 2048, 37})
+      for (DType dt : {DType::f32, DType::bf16})
+        for (bool with_res : {false, true}) {
+          SCOPED_TRACE(testing::Message() << "offset " << off << " H " << H << " "
+                                          << dtype_name(dt) << (with_res ? " residual" : ""));
+          const int64_t rows = 43;
+          Tensor x = on_gpu(host(randn((rows + 1) * H, 71), {rows + 1, H}, dt)).narrow(off, rows);
+          Tensor w = on_gpu(host(test::randu(H, 72, 0.5f, 1.5f), {H}, dt));
+          Tensor dy = on_gpu(host(randn((rows + 1) * H, 73), {rows + 1, H})).narrow(off, rows);
+          Tensor res = on_gpu(host(randn(rows * H, 74, 3.0f), {rows, H}));
+          RMSNormSaved sg;
+          rmsnorm_forward(x, w, 1e-6, &sg);
+          Tensor dw1 = Tensor::zeros({H}, DType::f32, kGpu, MemCategory::grads);
+          Tensor dw2 = Tensor::zeros({H}, DType::f32, kGpu, MemCategory::grads);
+          const Tensor* r = with_res ? &res : nullptr;
+          Tensor f32 = rmsnorm_backward(dy, x, w, sg, dw1, false, r);
+          Tensor b16 = rmsnorm_backward(dy, x, w, sg, dw2, false, r, DType::bf16);
+          ASSERT_EQ(b16.dtype(), DType::bf16);
+          EXPECT_EQ(b16.category(), MemCategory::activations);
+          EXPECT_EQ(b16.to_floats(), f32.to_dtype(DType::bf16).to_floats());
+          EXPECT_EQ(dw2.to_floats(), dw1.to_floats());
+        }
+  // The per-head form takes it too; other dtypes are refused, naming the argument.
+  Tensor q = on_gpu(host(randn(9 * 4 * 128, 75), {9, 4, 128}, DType::bf16));
+  Tensor wq = on_gpu(host(test::randu(128, 76, 0.5f, 1.5f), {128}, DType::bf16));
+  Tensor dq = on_gpu(host(randn(9 * 4 * 128, 77), {9, 4, 128}));
+  RMSNormSaved sq;
+  qk_norm_forward(q, wq, 1e-6, &sq);
+  Tensor dw1 = Tensor::zeros({128}, DType::f32, kGpu, MemCategory::grads);
+  Tensor dw2 = Tensor::zeros({128}, DType::f32, kGpu, MemCategory::grads);
+  Tensor f32 = qk_norm_backward(dq, q, wq, sq, dw1);
+  Tensor b16 = qk_norm_backward(dq, q, wq, sq, dw2, false, DType::bf16);
+  EXPECT_EQ(b16.shape(), q.shape());
+  EXPECT_EQ(b16.to_floats(), f32.to_dtype(DType::bf16).to_floats());
+  test::expect_error_contains([&] { qk_norm_backward(dq, q, wq, sq, dw2, false, DType::i32); },
+                              "rmsnorm_backward: d_x can be f32 or bf16");
+}
+
 TEST(RMSNormGpu, UnalignedViewsAndMixedWeightDtype) {
   BB_REQUIRE_GPU();
   const int64_t rows = 37, H = 256;

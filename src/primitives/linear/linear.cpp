@@ -103,18 +103,37 @@ Tensor linear_forward(const Tensor& x, const Tensor& w, const Tensor& bias, MemC
   return y;
 }
 
-Tensor linear_backward_data(const Tensor& d_y, const Tensor& w) {
+Tensor linear_backward_data(const Tensor& d_y, const Tensor& w, DType out_dtype) {
   BB_RANGE("linear_backward_data");
   BB_CHECK(d_y.dim() == 2 && w.dim() == 2 && d_y.size(1) == w.size(0),
            "linear_backward_data: d_y ", shape_str(d_y.shape()), " does not match w ",
            shape_str(w.shape()));
+  BB_CHECK(out_dtype == DType::f32 || out_dtype == DType::bf16,
+           "linear_backward_data: d_x can be f32 or bf16, not ", dtype_name(out_dtype));
   check_same_device(d_y, w, "linear_backward_data");
   const Shape shape{d_y.size(0), w.size(1)};
+  if (out_dtype == DType::bf16 && d_y.device().is_cuda()) {
+#ifdef BB_WITH_CUDA
+    check_float(d_y, "linear_backward_data", "d_y");
+    check_float(w, "linear_backward_data", "w");
+    Tensor dx = Tensor::empty(shape, DType::bf16, d_y.device(), MemCategory::activations);
+    cuda::gemm(false, false, shape[0], shape[1], d_y.size(1), 1.0f, d_y.raw(), d_y.dtype(),
+               ld(d_y), w.raw(), w.dtype(), ld(w), 0.0f, dx.raw(), DType::bf16, ld(dx),
+               d_y.device().index);
+    return dx;
+#else
+    no_cuda("linear_backward_data", d_y);
+#endif
+  }
+  const bool f32_out = out_dtype == DType::f32;
   Tensor dx = d_y.device().is_cpu()
-                  ? cpu::empty_f32(shape, MemCategory::activations)
+                  ? cpu::empty_f32(shape, f32_out ? MemCategory::activations : MemCategory::workspace)
                   : Tensor::empty(shape, DType::f32, d_y.device(), MemCategory::activations);
   matmul(d_y, false, w, false, dx);  // dispatches on the device
-  return dx;
+  if (f32_out) return dx;
+  Tensor out = Tensor::empty(shape, out_dtype, d_y.device(), MemCategory::activations);
+  cpu::store_f32(out, dx);
+  return out;
 }
 
 void linear_backward_data_acc(const Tensor& d_y, const Tensor& w, Tensor& d_x) {

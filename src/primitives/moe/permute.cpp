@@ -157,28 +157,28 @@ Tensor permute_forward(const Tensor& x, const PermuteMap& map) {
   return out;
 }
 
-Tensor permute_backward(const Tensor& d_x_perm, const PermuteMap& map) {
+Tensor permute_backward(const Tensor& d_x_perm, const PermuteMap& map, bool out_f32) {
   BB_RANGE("permute_backward");
   const char* op = "permute_backward";
   check_map(map, op);
   const int64_t H = check_rows(d_x_perm, map.num_rows(), op, "d_x_perm");
   const int64_t T = map.num_tokens;
   check_map_device(map, d_x_perm, op, "d_x_perm");
+  const DType out_dtype = out_f32 ? DType::f32 : d_x_perm.dtype();
 #ifdef BB_WITH_CUDA
   if (d_x_perm.device().is_cuda()) {
-    Tensor out = Tensor::empty({T, H}, d_x_perm.dtype(), d_x_perm.device(), MemCategory::activations);
+    Tensor out = Tensor::empty({T, H}, out_dtype, d_x_perm.device(), MemCategory::activations);
     cuda::gather_sum_rows(out.raw(), d_x_perm.raw(), d_x_perm.dtype(),
-                          map.slot_row.data<int32_t>(), nullptr, T, map.top_k, H);
+                          map.slot_row.data<int32_t>(), nullptr, T, map.top_k, H, out_f32);
     return out;
   }
 #endif
   Tensor src = cpu::as_f32(d_x_perm);
   const MemCategory cat = MemCategory::activations;
-  Tensor tmp =
-      cpu::empty_f32({T, H}, d_x_perm.dtype() == DType::f32 ? cat : MemCategory::workspace);
+  Tensor tmp = cpu::empty_f32({T, H}, out_dtype == DType::f32 ? cat : MemCategory::workspace);
   ref::permute_backward(tmp.data<float>(), src.data<float>(), map.slot_row.data<int32_t>(), T,
                         map.top_k, H);
-  return finish(tmp, d_x_perm.dtype(), cat);
+  return finish(tmp, out_dtype, cat);
 }
 
 Tensor unpermute_forward(const Tensor& y_perm, const PermuteMap& map, const Tensor& topk_prob,

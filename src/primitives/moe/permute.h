@@ -41,9 +41,10 @@ PermuteMap make_permute_map(const Tensor& topk_idx, int64_t num_experts,
 
 // x [T, H] float (in) -> x_perm [N, H], dtype of x, category moe: x_perm[n] = x[row_token[n]].
 Tensor permute_forward(const Tensor& x, const PermuteMap& map);
-// d_x_perm [N, H] float (in) -> d_x [T, H], its dtype, category activations:
+// d_x_perm [N, H] float (in) -> d_x [T, H], its dtype (f32 when out_f32: the fp32 sum
+// unrounded, for a caller that continues in f32), category activations:
 //   d_x[t] = sum_k d_x_perm[slot_row[t, k]].
-Tensor permute_backward(const Tensor& d_x_perm, const PermuteMap& map);
+Tensor permute_backward(const Tensor& d_x_perm, const PermuteMap& map, bool out_f32 = false);
 
 // y_perm [N, H] float (in), topk_prob [T, K] f32 (in) or undefined (= weights 1, the
 // memory_efficient variant) -> y [T, H], dtype of y_perm, category `out_cat`:

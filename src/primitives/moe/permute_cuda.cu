@@ -155,8 +155,8 @@ __host__ __device__ inline size_t gather_smem_bytes(int64_t K) {
 }
 
 // One block per token: out[t] = sum_k w[t, k] * in[slot_row[t, k]], V elements per access.
-template <class T, int V>
-__global__ void gather_sum_kernel(T* __restrict__ out, const T* __restrict__ in,
+template <class T, class TO, int V>
+__global__ void gather_sum_kernel(TO* __restrict__ out, const T* __restrict__ in,
                                   const int32_t* __restrict__ slot_row,
                                   const float* __restrict__ prob, int K, int64_t H) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -178,7 +178,7 @@ __global__ void gather_sum_kernel(T* __restrict__ out, const T* __restrict__ in,
 #pragma unroll
       for (int i = 0; i < V; ++i) acc[i] += w[k] * v[i];
     }
-    store<T, V>(out + t * H + j, acc);
+    store<TO, V>(out + t * H + j, acc);
   }
 }
 
@@ -232,7 +232,7 @@ __global__ void unpermute_probs_grad_kernel(float* __restrict__ d_prob,
     d_prob[i] = d_row_prob[slot_row[i]];
 }
 
-template <class T>
+template <class T, class TO>
 void launch_gather_sum(void* out, const void* in, const int32_t* slot_row, const float* prob,
                        int64_t T_, int64_t K, int64_t H) {
   constexpr int kVec = 16 / sizeof(T);
@@ -240,11 +240,11 @@ void launch_gather_sum(void* out, const void* in, const int32_t* slot_row, const
   const size_t smem = gather_smem_bytes(K);
   BB_CHECK(smem <= kSmemLimit, "gather_sum_rows on CUDA: K = ", K, " is too large");
   if (vec) {
-    gather_sum_kernel<T, kVec><<<static_cast<unsigned>(T_), row_threads(H / kVec), smem, stream()>>>(
-        static_cast<T*>(out), static_cast<const T*>(in), slot_row, prob, static_cast<int>(K), H);
+    gather_sum_kernel<T, TO, kVec><<<static_cast<unsigned>(T_), row_threads(H / kVec), smem, stream()>>>(
+        static_cast<TO*>(out), static_cast<const T*>(in), slot_row, prob, static_cast<int>(K), H);
   } else {
-    gather_sum_kernel<T, 1><<<static_cast<unsigned>(T_), row_threads(H), smem, stream()>>>(
-        static_cast<T*>(out), static_cast<const T*>(in), slot_row, prob, static_cast<int>(K), H);
+    gather_sum_kernel<T, TO, 1><<<static_cast<unsigned>(T_), row_threads(H), smem, stream()>>>(
+        static_cast<TO*>(out), static_cast<const T*>(in), slot_row, prob, static_cast<int>(K), H);
   }
   BB_CHECK_LAUNCH();
 }
@@ -324,12 +324,24 @@ void permute_rows(void* x_perm, const void* x, const int32_t* slot_row, int64_t 
 }
 
 void gather_sum_rows(void* out, const void* in, DType dt, const int32_t* slot_row,
-                     const float* prob, int64_t T, int64_t K, int64_t H) {
+                     const float* prob, int64_t T, int64_t K, int64_t H, bool out_f32) {
   if (T == 0 || H == 0) return;
+  if (out_f32) {
+    switch (dt) {
+      case DType::f32: launch_gather_sum<float, float>(out, in, slot_row, prob, T, K, H); return;
+      case DType::bf16:
+        launch_gather_sum<__nv_bfloat16, float>(out, in, slot_row, prob, T, K, H);
+        return;
+      case DType::f16: launch_gather_sum<__half, float>(out, in, slot_row, prob, T, K, H); return;
+      default: BB_FAIL("gather_sum_rows on CUDA: an f32 sum of ", dtype_name(dt), " rows");
+    }
+  }
   switch (dt) {
-    case DType::f32: launch_gather_sum<float>(out, in, slot_row, prob, T, K, H); break;
-    case DType::bf16: launch_gather_sum<__nv_bfloat16>(out, in, slot_row, prob, T, K, H); break;
-    case DType::f16: launch_gather_sum<__half>(out, in, slot_row, prob, T, K, H); break;
+    case DType::f32: launch_gather_sum<float, float>(out, in, slot_row, prob, T, K, H); break;
+    case DType::bf16:
+      launch_gather_sum<__nv_bfloat16, __nv_bfloat16>(out, in, slot_row, prob, T, K, H);
+      break;
+    case DType::f16: launch_gather_sum<__half, __half>(out, in, slot_row, prob, T, K, H); break;
     default: BB_FAIL("gather_sum_rows on CUDA: dtype ", dtype_name(dt), " is not a float type");
   }
 }

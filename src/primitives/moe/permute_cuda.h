@@ -35,10 +35,11 @@ void permute_rows(void* x_perm, const void* x, const int32_t* slot_row, int64_t 
                   int64_t row_bytes);
 
 // out [T, H] <- sum_k w[t, k] * in[slot_row[t, k]] with in [N, H], fp32 accumulation in k
-// order, stored in dtype dt (in and out share it). prob [T, K] f32 or null (w = 1).
+// order, stored in dtype dt (in and out share it), or in f32 when out_f32 (the sum unrounded;
+// any float rows). prob [T, K] f32 or null (w = 1).
 // Serves permute_backward (prob null) and unpermute_forward.
 void gather_sum_rows(void* out, const void* in, DType dt, const int32_t* slot_row,
-                     const float* prob, int64_t T, int64_t K, int64_t H);
+                     const float* prob, int64_t T, int64_t K, int64_t H, bool out_f32 = false);
 
 // d_y_perm [N, H] (dt) <- w[t, k] * d_y[t] at row slot_row[t, k]; d_prob [T, K] f32 <-
 // <d_y[t], y_perm[slot_row[t, k]]> when d_prob is non-null (then y_perm [N, H] dt and prob

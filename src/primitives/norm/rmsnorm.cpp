@@ -73,9 +73,11 @@ Tensor rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, RMSNormSave
 
 Tensor rmsnorm_backward(const Tensor& d_y, const Tensor& x, const Tensor& w,
                         const RMSNormSaved& saved, Tensor& d_w, bool zero_centered,
-                        const Tensor* residual) {
+                        const Tensor* residual, DType out_dtype) {
   BB_RANGE("rmsnorm_backward");
   check_float(d_y, "rmsnorm_backward", "d_y");
+  BB_CHECK(out_dtype == DType::f32 || out_dtype == DType::bf16,
+           "rmsnorm_backward: d_x can be f32 or bf16, not ", dtype_name(out_dtype));
   BB_CHECK(x.dim() == 2, "rmsnorm_backward: x must be [T, H], got ", shape_str(x.shape()));
   const int64_t rows = x.size(0), H = x.size(1);
   check_shape(d_y, x.shape(), "rmsnorm_backward", "d_y");
@@ -98,11 +100,11 @@ Tensor rmsnorm_backward(const Tensor& d_y, const Tensor& x, const Tensor& w,
     check_cuda_dtype(x, "rmsnorm_backward", "x");
     check_cuda_dtype(w, "rmsnorm_backward", "w");
     check_cuda_dtype(d_y, "rmsnorm_backward", "d_y");
-    Tensor dx = Tensor::empty(x.shape(), DType::f32, x.device(), MemCategory::activations);
+    Tensor dx = Tensor::empty(x.shape(), out_dtype, x.device(), MemCategory::activations);
 #ifdef BB_WITH_CUDA
     Tensor ws = Tensor::empty({cuda::rmsnorm_backward_workspace(rows, H)}, DType::f32, x.device(),
                               MemCategory::workspace);
-    cuda::rmsnorm_backward(dx.data<float>(), d_w.data<float>(), ws.data<float>(), d_y.raw(),
+    cuda::rmsnorm_backward(dx.raw(), out_dtype, d_w.data<float>(), ws.data<float>(), d_y.raw(),
                            d_y.dtype(), x.raw(), x.dtype(), w.raw(), w.dtype(),
                            zero_centered ? 1.0f : 0.0f, saved.rstd.data<float>(), rows, H,
                            residual ? residual->data<float>() : nullptr);
@@ -110,7 +112,9 @@ Tensor rmsnorm_backward(const Tensor& d_y, const Tensor& x, const Tensor& w,
     return dx;
   }
   Tensor xf = cpu::as_f32(x), wf = cpu_weight(w, zero_centered), dyf = cpu::as_f32(d_y);
-  Tensor dx = Tensor::empty(x.shape(), DType::f32, x.device(), MemCategory::activations);
+  Tensor dx = Tensor::empty(x.shape(), DType::f32, x.device(),
+                            out_dtype == DType::f32 ? MemCategory::activations
+                                                    : MemCategory::workspace);
   ref::rmsnorm_backward<float>(dx.data<float>(), d_w.data<float>(), dyf.data<float>(),
                                xf.data<float>(), wf.data<float>(), saved.rstd.data<float>(), rows, H);
   if (residual) {
@@ -118,7 +122,10 @@ Tensor rmsnorm_backward(const Tensor& d_y, const Tensor& x, const Tensor& w,
     const float* r = residual->data<float>();
     for (int64_t i = 0; i < rows * H; ++i) o[i] += r[i];
   }
-  return dx;
+  if (out_dtype == DType::f32) return dx;
+  Tensor out = Tensor::empty(x.shape(), out_dtype, x.device(), MemCategory::activations);
+  cpu::store_f32(out, dx);
+  return out;
 }
 
 Tensor qk_norm_forward(const Tensor& x, const Tensor& w, double eps, RMSNormSaved* saved,
@@ -129,12 +136,13 @@ Tensor qk_norm_forward(const Tensor& x, const Tensor& w, double eps, RMSNormSave
 }
 
 Tensor qk_norm_backward(const Tensor& d_y, const Tensor& x, const Tensor& w,
-                        const RMSNormSaved& saved, Tensor& d_w, bool zero_centered) {
+                        const RMSNormSaved& saved, Tensor& d_w, bool zero_centered,
+                        DType out_dtype) {
   BB_CHECK(x.dim() == 3, "qk_norm_backward: x must be [T, heads, D], got ", shape_str(x.shape()));
   const Shape s = x.shape();
   check_shape(d_y, s, "qk_norm_backward", "d_y");
   return rmsnorm_backward(d_y.view({s[0] * s[1], s[2]}), x.view({s[0] * s[1], s[2]}), w, saved, d_w,
-                          zero_centered)
+                          zero_centered, nullptr, out_dtype)
       .view(s);
 }
 

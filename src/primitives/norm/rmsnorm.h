@@ -7,7 +7,8 @@
 //   w      [H]     f32 or bf16                     weight
 //   y      [T, H]  x's dtype, category `out_cat`   output
 //   saved.rstd [T] f32, category activations       1/rms per row, for backward
-// Backward: d_x written (= ; f32), d_w accumulated (+= ; f32 [H]).
+// Backward: d_x written (= ; f32, or bf16 when the consumer takes bf16: rounded once from the
+// f32 value in the same pass), d_w accumulated (+= ; f32 [H]).
 // QK norm is RMSNorm over each head vector: x [T, n, D] is viewed as [T*n, D] with w [D].
 #pragma once
 
@@ -26,12 +27,13 @@ Tensor rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, RMSNormSave
 // with the bits of adding it afterwards, in the same pass over the rows.
 Tensor rmsnorm_backward(const Tensor& d_y, const Tensor& x, const Tensor& w,
                         const RMSNormSaved& saved, Tensor& d_w, bool zero_centered = false,
-                        const Tensor* residual = nullptr);
+                        const Tensor* residual = nullptr, DType out_dtype = DType::f32);
 
 // Per-head norm: x [T, n, D], w [D]. Same contract as above on the [T*n, D] view.
 Tensor qk_norm_forward(const Tensor& x, const Tensor& w, double eps, RMSNormSaved* saved,
                        MemCategory out_cat = MemCategory::activations, bool zero_centered = false);
 Tensor qk_norm_backward(const Tensor& d_y, const Tensor& x, const Tensor& w,
-                        const RMSNormSaved& saved, Tensor& d_w, bool zero_centered = false);
+                        const RMSNormSaved& saved, Tensor& d_w, bool zero_centered = false,
+                        DType out_dtype = DType::f32);
 
 }  // namespace bb

@@ -139,8 +139,8 @@ __global__ void __launch_bounds__(kThreads)
 // One row element block of the backward: d_x written, d_y * xhat added to acc.
 // resr (may be null): the residual's gradient row, added to d_x as a separate rounding (the
 // bits of adding it afterwards).
-template <class TX, class TD, int N>
-__device__ __forceinline__ void bwd_vec(float* dxr, const TX* xr, const TD* dyr, const float* w_s,
+template <class TX, class TD, class TO, int N>
+__device__ __forceinline__ void bwd_vec(TO* dxr, const TX* xr, const TD* dyr, const float* w_s,
                                         const float* resr, int v, float r, float mean,
                                         float (&acc)[N]) {
   float xv[N], dv[N], wv[N], out[N];
@@ -159,7 +159,7 @@ __device__ __forceinline__ void bwd_vec(float* dxr, const TX* xr, const TD* dyr,
 #pragma unroll
     for (int k = 0; k < N; ++k) out[k] = __fadd_rn(out[k], rv[k]);  // never fused into an FMA
   }
-  store<float, N>(dxr + v * N, out);
+  store<TO, N>(dxr + v * N, out);  // a bf16 d_x is rounded once, after the residual add
 }
 
 template <class TX, class TD, int N>
@@ -177,9 +177,9 @@ __device__ __forceinline__ float dot_vec(const TX* xr, const TD* dyr, const floa
 
 // dx [rows, H] f32 written; partial [gridDim.x, H] f32: this block's share of d_w.
 // kRegs: each lane's d_w columns live in registers; else in its group's shared-memory slice.
-template <class TX, class TD, int N, bool kRegs>
+template <class TX, class TD, class TO, int N, bool kRegs>
 __global__ void __launch_bounds__(kThreads)
-    rmsnorm_bwd_kernel(float* __restrict__ dx, float* __restrict__ partial,
+    rmsnorm_bwd_kernel(TO* __restrict__ dx, float* __restrict__ partial,
                        const TD* __restrict__ dy, const TX* __restrict__ x,
                        const float* __restrict__ res,
                        const void* __restrict__ w, bool w_bf16, float w_offset,
@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(kThreads)
   BB_FOR_ROWS(row, active) {
     const TX* xr = x + row * H;
     const TD* dyr = dy + row * H;
-    float* dxr = dx + row * H;
+    TO* dxr = dx + row * H;
     const float* resr = res != nullptr ? res + row * H : nullptr;
     const float r = active ? rstd[row] : 0.f;
     float dot = 0.f;
@@ -220,12 +220,12 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int j = 0; j < kRegVecs; ++j)
           if (lane + j * rt < nv)
-            bwd_vec<TX, TD, N>(dxr, xr, dyr, w_s, resr, lane + j * rt, r, mean, acc[j]);
+            bwd_vec<TX, TD, TO, N>(dxr, xr, dyr, w_s, resr, lane + j * rt, r, mean, acc[j]);
       } else {
         for (int v = lane; v < nv; v += rt) {
           float a[N];
           load<float, N>(my_dw + v * N, a);
-          bwd_vec<TX, TD, N>(dxr, xr, dyr, w_s, resr, v, r, mean, a);
+          bwd_vec<TX, TD, TO, N>(dxr, xr, dyr, w_s, resr, v, r, mean, a);
           store<float, N>(my_dw + v * N, a);
         }
       }
@@ -348,11 +348,11 @@ void dispatch_fwd(void* y, float* rstd, const void* x, const void* w, bool w_bf1
     launch_fwd<TX, N, false>(y, rstd, x, w, w_bf16, w_offset, rows, H, rt, eps);
 }
 
-template <class TX, class TD, int N, bool kRegs>
-void launch_bwd(float* dx, float* dw, float* workspace, const void* dy, const void* x,
+template <class TX, class TD, class TO, int N, bool kRegs>
+void launch_bwd(TO* dx, float* dw, float* workspace, const void* dy, const void* x,
                 const float* res, const void* w, bool w_bf16, float w_offset, const float* rstd,
                 int64_t rows, int64_t H, int rt) {
-  auto kernel = rmsnorm_bwd_kernel<TX, TD, N, kRegs>;
+  auto kernel = rmsnorm_bwd_kernel<TX, TD, TO, N, kRegs>;
   const int groups = kThreads / rt;
   const size_t smem = static_cast<size_t>(H) * (kRegs ? 2 : 1 + groups) * sizeof(float);
   allow_smem(kernel, smem, "rmsnorm_backward", H);
@@ -366,28 +366,39 @@ void launch_bwd(float* dx, float* dw, float* workspace, const void* dy, const vo
   BB_CHECK_LAUNCH();
 }
 
-template <class TX, class TD, int N>
-void dispatch_bwd_n(float* dx, float* dw, float* ws, const void* dy, const void* x, const float* res,
+template <class TX, class TD, class TO, int N>
+void dispatch_bwd_n(TO* dx, float* dw, float* ws, const void* dy, const void* x, const float* res,
                     const void* w, bool w_bf16, float w_offset, const float* rstd, int64_t rows,
                     int64_t H) {
   const int rt = row_threads_bwd(H / N);
   if (H / N <= static_cast<int64_t>(rt) * kRegVecs)
-    launch_bwd<TX, TD, N, true>(dx, dw, ws, dy, x, res, w, w_bf16, w_offset, rstd, rows, H, rt);
+    launch_bwd<TX, TD, TO, N, true>(dx, dw, ws, dy, x, res, w, w_bf16, w_offset, rstd, rows, H, rt);
   else
-    launch_bwd<TX, TD, N, false>(dx, dw, ws, dy, x, res, w, w_bf16, w_offset, rstd, rows, H, rt);
+    launch_bwd<TX, TD, TO, N, false>(dx, dw, ws, dy, x, res, w, w_bf16, w_offset, rstd, rows, H, rt);
 }
 
-template <class TX, class TD>
-void dispatch_bwd(float* dx, float* dw, float* ws, const void* dy, const void* x, const float* res,
-                  const void* w, bool w_bf16, float w_offset, const float* rstd, int64_t rows,
-                  int64_t H) {
+template <class TX, class TD, class TO>
+void dispatch_bwd_out(void* dx_raw, float* dw, float* ws, const void* dy, const void* x,
+                      const float* res, const void* w, bool w_bf16, float w_offset,
+                      const float* rstd, int64_t rows, int64_t H) {
   constexpr int N = 16 / sizeof(TX);
+  TO* dx = static_cast<TO*>(dx_raw);
   const bool vec = H % N == 0 && aligned(x, 16) && aligned(dy, 16) && aligned(dx, 16) &&
                    (res == nullptr || aligned(res, 16));
   if (vec)
-    dispatch_bwd_n<TX, TD, N>(dx, dw, ws, dy, x, res, w, w_bf16, w_offset, rstd, rows, H);
+    dispatch_bwd_n<TX, TD, TO, N>(dx, dw, ws, dy, x, res, w, w_bf16, w_offset, rstd, rows, H);
   else
-    dispatch_bwd_n<TX, TD, 1>(dx, dw, ws, dy, x, res, w, w_bf16, w_offset, rstd, rows, H);
+    dispatch_bwd_n<TX, TD, TO, 1>(dx, dw, ws, dy, x, res, w, w_bf16, w_offset, rstd, rows, H);
+}
+
+template <class TX, class TD>
+void dispatch_bwd(void* dx, bool dx_bf16, float* dw, float* ws, const void* dy, const void* x,
+                  const float* res, const void* w, bool w_bf16, float w_offset, const float* rstd,
+                  int64_t rows, int64_t H) {
+  if (dx_bf16)
+    dispatch_bwd_out<TX, TD, bf16_t>(dx, dw, ws, dy, x, res, w, w_bf16, w_offset, rstd, rows, H);
+  else
+    dispatch_bwd_out<TX, TD, float>(dx, dw, ws, dy, x, res, w, w_bf16, w_offset, rstd, rows, H);
 }
 
 }  // namespace
@@ -413,22 +424,22 @@ int64_t rmsnorm_backward_workspace(int64_t rows, int64_t H) {
   return std::min<int64_t>(rows, int64_t{kMaxBlocksPerSm} * sm_count()) * H;
 }
 
-void rmsnorm_backward(float* dx, float* dw, float* workspace, const void* dy, DType dy_dtype,
-                      const void* x, DType x_dtype, const void* w, DType w_dtype,
+void rmsnorm_backward(void* dx, DType dx_dtype, float* dw, float* workspace, const void* dy,
+                      DType dy_dtype, const void* x, DType x_dtype, const void* w, DType w_dtype,
                       float w_offset, const float* rstd, int64_t rows, int64_t H,
                       const float* residual) {
   if (rows == 0) return;
-  const bool w_bf16 = w_dtype == DType::bf16;
+  const bool w_bf16 = w_dtype == DType::bf16, ob = dx_dtype == DType::bf16;
   const bool xb = x_dtype == DType::bf16, db = dy_dtype == DType::bf16;
   const float* res = residual;
   if (xb && db)
-    dispatch_bwd<bf16_t, bf16_t>(dx, dw, workspace, dy, x, res, w, w_bf16, w_offset, rstd, rows, H);
+    dispatch_bwd<bf16_t, bf16_t>(dx, ob, dw, workspace, dy, x, res, w, w_bf16, w_offset, rstd, rows, H);
   else if (xb)
-    dispatch_bwd<bf16_t, float>(dx, dw, workspace, dy, x, res, w, w_bf16, w_offset, rstd, rows, H);
+    dispatch_bwd<bf16_t, float>(dx, ob, dw, workspace, dy, x, res, w, w_bf16, w_offset, rstd, rows, H);
   else if (db)
-    dispatch_bwd<float, bf16_t>(dx, dw, workspace, dy, x, res, w, w_bf16, w_offset, rstd, rows, H);
+    dispatch_bwd<float, bf16_t>(dx, ob, dw, workspace, dy, x, res, w, w_bf16, w_offset, rstd, rows, H);
   else
-    dispatch_bwd<float, float>(dx, dw, workspace, dy, x, res, w, w_bf16, w_offset, rstd, rows, H);
+    dispatch_bwd<float, float>(dx, ob, dw, workspace, dy, x, res, w, w_bf16, w_offset, rstd, rows, H);
 }
 
 }  // namespace bb::cuda

@@ -24,14 +24,15 @@ void rmsnorm_forward(void* y, float* rstd, const void* x, DType x_dtype, const v
 int64_t rmsnorm_backward_workspace(int64_t rows, int64_t H);
 
 // d_y [rows, H] (dy_dtype), x [rows, H] (x_dtype), w [H] (w_dtype), rstd [rows] f32 in;
-// d_x [rows, H] f32 written; d_w [H] f32 accumulated; workspace f32 of the size above.
+// d_x [rows, H] written in dx_dtype (f32, or bf16 rounded once from the f32 value); d_w [H] f32
+// accumulated; workspace f32 of the size above.
 //   d_x = rstd * (d_y w' - xhat * mean_h(d_y w' xhat)),  d_w += sum_t d_y * xhat,
 // w' = w_offset + w.
 // d_w is summed in a fixed order (per-block partials, then one reduce): deterministic.
 // residual (optional, f32 [rows, H], not dx): added to d_x in the same pass, rounded as adding
 // it afterwards would (the residual stream's gradient without its own read-modify-write pass).
-void rmsnorm_backward(float* dx, float* dw, float* workspace, const void* dy, DType dy_dtype,
-                      const void* x, DType x_dtype, const void* w, DType w_dtype,
+void rmsnorm_backward(void* dx, DType dx_dtype, float* dw, float* workspace, const void* dy,
+                      DType dy_dtype, const void* x, DType x_dtype, const void* w, DType w_dtype,
                       float w_offset, const float* rstd, int64_t rows, int64_t H,
                       const float* residual = nullptr);
 
