@@ -261,28 +261,55 @@ __global__ void router_fwd_kernel(const float* __restrict__ logits, const float*
 
 constexpr int kFinalThreads = 256;
 
-__global__ void router_finalize_kernel(const double* __restrict__ part_col,
-                                       const double* __restrict__ part_z, int64_t num_blocks,
-                                       int64_t T, int E, unsigned char* stats) {
+// Sum of v over threads in a fixed tree order (blockDim.x a power of two <= kFinalThreads).
+__device__ double block_tree_sum(double v, double* red) {
+  red[threadIdx.x] = v;
+  __syncthreads();
+  for (int h = blockDim.x / 2; h > 0; h >>= 1) {
+    if (threadIdx.x < h) red[threadIdx.x] += red[threadIdx.x + h];
+    __syncthreads();
+  }
+  const double out = red[0];
+  __syncthreads();
+  return out;
+}
+
+// Stage 1, one block per expert e (and block E for the z partials): the column sum of the
+// forward blocks' partials, each thread a fixed stride of them, then a fixed tree. (A single
+// block looping over all partials per expert took ~0.2 ms on an H200: a chain of dependent
+// loads.) Expert e's term (counts_e / T) (col_e / T) goes to terms[e], the z sum to terms[E].
+__global__ void router_finalize_cols_kernel(const double* __restrict__ part_col,
+                                            const double* __restrict__ part_z,
+                                            int64_t num_blocks, int64_t T, int E,
+                                            const unsigned char* __restrict__ stats,
+                                            double* __restrict__ terms) {
   __shared__ double red[kFinalThreads];
+  const int e = blockIdx.x;
+  double acc = 0.0;
+  for (int64_t b = threadIdx.x; b < num_blocks; b += blockDim.x)
+    acc += e < E ? part_col[b * E + e] : part_z[b];
+  const double sum = block_tree_sum(acc, red);
+  if (threadIdx.x != 0) return;
+  if (e == E) {
+    terms[E] = sum;
+    return;
+  }
   const int32_t* counts =
       reinterpret_cast<const int32_t*>(stats + RouterStatsLayout::kCountsOffset);
   const double nt = static_cast<double>(T);
+  terms[e] = (static_cast<double>(counts[e]) / nt) * (sum / nt);
+}
+
+// Stage 2, one block: aux = E * sum_e terms[e] (fixed order), z = terms[E] / T.
+__global__ void router_finalize_kernel(const double* __restrict__ terms, int64_t T, int E,
+                                       unsigned char* stats) {
+  __shared__ double red[kFinalThreads];
   double acc = 0.0;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    double col = 0.0;
-    for (int64_t b = 0; b < num_blocks; ++b) col += part_col[b * E + e];
-    acc += (static_cast<double>(counts[e]) / nt) * (col / nt);
-  }
-  red[threadIdx.x] = acc;
-  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) acc += terms[e];
+  const double s = block_tree_sum(acc, red);
   if (threadIdx.x == 0) {
-    double s = 0.0;
-    for (int i = 0; i < blockDim.x; ++i) s += red[i];
-    double z = 0.0;
-    for (int64_t b = 0; b < num_blocks; ++b) z += part_z[b];
     *reinterpret_cast<double*>(stats + RouterStatsLayout::kAuxOffset) = static_cast<double>(E) * s;
-    *reinterpret_cast<double*>(stats + RouterStatsLayout::kZOffset) = z / nt;
+    *reinterpret_cast<double*>(stats + RouterStatsLayout::kZOffset) = terms[E] / static_cast<double>(T);
   }
 }
 
@@ -380,7 +407,9 @@ int64_t router_num_blocks(int64_t T, const RouterConfig& cfg) {
 }
 
 size_t router_partials_bytes(int64_t T, const RouterConfig& cfg) {
-  return static_cast<size_t>(router_num_blocks(T, cfg)) * (cfg.num_experts + 1) * sizeof(double);
+  // Per forward block: E column partials and one z partial; then E + 1 finalize terms.
+  return (static_cast<size_t>(router_num_blocks(T, cfg)) + 1) * (cfg.num_experts + 1) *
+         sizeof(double);
 }
 
 void router_forward(const float* logits, const float* bias, float* scores, int32_t* topk_idx,
@@ -406,7 +435,12 @@ void router_forward(const float* logits, const float* bias, float* scores, int32
   router_fwd_kernel<<<static_cast<unsigned>(blocks), warps * 32, smem, stream()>>>(
       logits, bias, nullptr, scores, topk_idx, topk_prob, part_col, part_z, counts, T, p);
   BB_CHECK_LAUNCH();
-  router_finalize_kernel<<<1, kFinalThreads, 0, stream()>>>(part_col, part_z, blocks, T, p.E, st);
+  // The E + 1 terms go after the partials (router_partials_bytes counts them).
+  double* terms = part_z + blocks;
+  router_finalize_cols_kernel<<<static_cast<unsigned>(p.E + 1), kFinalThreads, 0, stream()>>>(
+      part_col, part_z, blocks, T, p.E, st, terms);
+  BB_CHECK_LAUNCH();
+  router_finalize_kernel<<<1, kFinalThreads, 0, stream()>>>(terms, T, p.E, st);
   BB_CHECK_LAUNCH();
 }
 
