@@ -98,6 +98,13 @@ TEST(GradNorm, GlobalNormAndScale) {
   EXPECT_EQ(got, sum_of_squares(gs[1]));
   EXPECT_EQ(slots.data<int64_t>()[0], 0);
   test::expect_error_contains([&] { sum_of_squares_to(gs[1], slots, 3); }, "outside the 3 slots");
+  // Over listed rows (a gradient zero elsewhere): on the CPU the full sum; bad lists are refused.
+  sum_of_squares_rows_to(gs[0], slots, 1, {0, 3}, 3);
+  std::memcpy(&got, slots.data<int64_t>() + 1, sizeof(double));
+  EXPECT_EQ(got, sum_of_squares(gs[0]));
+  test::expect_error_contains([&] { sum_of_squares_rows_to(gs[0], slots, 1, {1, 1}, 3); }, "strictly increasing");
+  test::expect_error_contains([&] { sum_of_squares_rows_to(gs[0], slots, 1, {4}, 3); }, "outside the 4 rows of 3");
+  test::expect_error_contains([&] { sum_of_squares_rows_to(gs[0], slots, 1, {0}, 0); }, "row_len must be > 0");
 }
 
 TEST(AdamW, BadInput) {

@@ -865,6 +865,46 @@ TEST(AdamWGpu, GradNormSumOfSquaresAndScale) {
   EXPECT_EQ(sg.to_floats(), s.to_floats());
 }
 
+// An embedding-like gradient, zero outside some rows: the sum over the listed rows' slices only is
+// bitwise the full sum, for wide rows (several rows a slice or slices a row), narrow odd rows,
+// the vectorised and the scalar (unaligned view) partition, a short last row and the scalar tail,
+// and no rows at all (+0.0).
+TEST(AdamWGpu, SumOfSquaresOverTouchedRowsIsTheFullSum) {
+  BB_REQUIRE_GPU();
+  struct C { int64_t rows, row_len, pad; };
+  for (C c : {C{600, 2048, 0}, C{3000, 37, 5}, C{257, 4096, 3}, C{40, 1, 2}})
+    for (int64_t off : {0, 1})
+      for (int64_t every : {7, 1000000}) {
+        SCOPED_TRACE(testing::Message() << c.rows << " rows of " << c.row_len << " + " << c.pad
+                                        << ", offset " << off << ", every " << every);
+        const int64_t n = c.rows * c.row_len + c.pad, num_rows = (n + c.row_len - 1) / c.row_len;
+        std::vector<float> v = randn(n + 1, 141);
+        std::vector<int32_t> touched;
+        for (int64_t r = 0; r < num_rows; ++r) {
+          const bool hit = r % every == 3 || (every < num_rows && r == num_rows - 1);
+          if (hit) touched.push_back(static_cast<int32_t>(r));
+          if (!hit)
+            for (int64_t e = r * c.row_len; e < std::min(n, (r + 1) * c.row_len); ++e) v[off + e] = 0.0f;
+        }
+        if (off == 1) v[0] = 5.0f;  // outside the view
+        Tensor g = on_gpu(host(v, {n + 1})).narrow(off, n);
+        Tensor slots = Tensor::zeros({2}, DType::i64, g.device(), MemCategory::other);
+        sum_of_squares_to(g, slots, 0);
+        sum_of_squares_rows_to(g, slots, 1, touched, c.row_len);
+        const Tensor h = slots.to(Device::cpu());
+        double full = 0, listed = 0;
+        std::memcpy(&full, h.data<int64_t>(), sizeof(double));
+        std::memcpy(&listed, h.data<int64_t>() + 1, sizeof(double));
+        EXPECT_EQ(listed, full);
+        if (touched.empty()) EXPECT_EQ(listed, 0.0);
+        else EXPECT_GT(listed, 0.0);
+      }
+  Tensor g = on_gpu(host(randn(64, 142), {64}));
+  Tensor slots = Tensor::zeros({1}, DType::i64, g.device(), MemCategory::other);
+  test::expect_error_contains([&] { sum_of_squares_rows_to(g, slots, 0, {3, 2}, 8); }, "strictly increasing");
+  test::expect_error_contains([&] { sum_of_squares_rows_to(g, slots, 0, {8}, 8); }, "outside the 8 rows");
+}
+
 // The non-finite flags: set by the AdamW pass itself when an update overflows (and only then), and
 // by mark_nonfinite for Inf/NaN anywhere in f32 or bf16 tensors, aligned or not; the same answers
 // as the CPU path.

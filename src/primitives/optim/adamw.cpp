@@ -361,6 +361,37 @@ void sum_of_squares_to(const Tensor& g, Tensor& slots, int64_t i) {
   std::memcpy(slots.data<int64_t>() + i, &s, sizeof(double));
 }
 
+void sum_of_squares_rows_to(const Tensor& g, Tensor& slots, int64_t i, const std::vector<int32_t>& rows,
+                            int64_t row_len) {
+  const char* op = "sum_of_squares_rows_to";
+  BB_CHECK(row_len > 0, op, ": row_len must be > 0, got ", row_len);
+  const int64_t n = g.numel(), num_rows = (n + row_len - 1) / row_len;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    BB_CHECK(rows[r] >= 0 && rows[r] < num_rows, op, ": row ", rows[r], " (entry ", r, ") is outside the ",
+             num_rows, " rows of ", row_len, " elements");
+    BB_CHECK(r == 0 || rows[r] > rows[r - 1], op, ": rows must be strictly increasing; entry ", r, " is ",
+             rows[r], " after ", rows[r - 1]);
+  }
+  if (!g.device().is_cuda() || g.dtype() != DType::f32) {
+    sum_of_squares_to(g, slots, i);
+    return;
+  }
+  check_dtype(slots, DType::i64, op, "slots");
+  BB_CHECK(i >= 0 && i < slots.numel(), op, ": slot ", i, " is outside the ", slots.numel(), " slots");
+  check_same_device(g, slots, op);
+#ifdef BB_WITH_CUDA
+  const std::vector<int32_t> list =
+      cuda::sum_squares_slices_of_rows(g.raw(), n, rows.data(), static_cast<int64_t>(rows.size()), row_len);
+  const auto k = static_cast<int64_t>(list.size());
+  Tensor dev_list = Tensor::empty({std::max<int64_t>(k, 1)}, DType::i32, g.device(), MemCategory::workspace);
+  if (k > 0) cuda::memcpy(dev_list.raw(), g.device(), list.data(), Device::cpu(), list.size() * sizeof(int32_t));
+  Tensor partial = Tensor::empty({cuda::sum_squares_max_slots(n)}, DType::i64, g.device(), MemCategory::workspace);
+  auto* pp = reinterpret_cast<double*>(partial.data<int64_t>());
+  const int64_t slices = cuda::sum_squares_partial_listed(pp, g.data<float>(), n, dev_list.data<int32_t>(), k);
+  cuda::sum_squares_finish(reinterpret_cast<double*>(slots.data<int64_t>()) + i, pp, slices);
+#endif
+}
+
 double global_grad_norm(const std::vector<Tensor>& grads) {
   BB_RANGE("global_grad_norm");
   double s = 0;

@@ -83,6 +83,13 @@ double sum_of_squares(const Tensor& g);
 // ordering that stream before the read. Bitwise the value sum_of_squares(g) returns. (The
 // training state uses it to sum a layer's finished gradients beside the next layer's backward.)
 void sum_of_squares_to(const Tensor& g, Tensor& slots, int64_t i);
+// sum_of_squares_to(g, slots, i) for a g that is ZERO outside the listed rows (an embedding's
+// gradient: only the rows a step's lookups touched are non-zero; rows host, strictly
+// increasing, of row_len elements from element 0, the last row may be shorter): bitwise the
+// same slot, but a GPU reads only the slices of the sum that hold a listed row (a slice of zeros
+// sums to +0.0). The CPU, or a bf16 g, makes the full sum.
+void sum_of_squares_rows_to(const Tensor& g, Tensor& slots, int64_t i, const std::vector<int32_t>& rows,
+                            int64_t row_len);
 // sqrt(sum over tensors of sum of squares).
 double global_grad_norm(const std::vector<Tensor>& grads);
 // g *= s (f32 tensors).

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <type_traits>
+#include <vector>
 
 #include "backend/cuda/check.cuh"
 #include "backend/cuda/vec.cuh"
@@ -201,6 +202,26 @@ __global__ void __launch_bounds__(kThreads)
     sum_squares_kernel(double* __restrict__ partial, const T* __restrict__ x, int64_t n) {
   const int64_t slices = slices_of(n, V);
   for (int64_t j = blockIdx.x; j < slices; j += gridDim.x) {
+    const double s = slice_sum<V>(j, n, slices, [&](int64_t e, auto m, double& acc) {
+      constexpr int M = decltype(m)::value;
+      float xv[M];
+      load<T, M>(x + e, xv);
+#pragma unroll
+      for (int k = 0; k < M; ++k) acc += static_cast<double>(xv[k]) * xv[k];
+    });
+    if (threadIdx.x == 0) partial[j] = s;
+  }
+}
+
+// partial[list[b]] for the listed slices only (the others are set to zero beforehand): the
+// same slice sums as sum_squares_kernel<T, V> over the same n.
+template <class T, int V>
+__global__ void __launch_bounds__(kThreads)
+    sum_squares_listed_kernel(double* __restrict__ partial, const T* __restrict__ x, int64_t n,
+                              const int32_t* __restrict__ list, int64_t num) {
+  const int64_t slices = slices_of(n, V);
+  for (int64_t b = blockIdx.x; b < num; b += gridDim.x) {
+    const int64_t j = list[b];
     const double s = slice_sum<V>(j, n, slices, [&](int64_t e, auto m, double& acc) {
       constexpr int M = decltype(m)::value;
       float xv[M];
@@ -425,6 +446,40 @@ int64_t sum_squares_max_slots(int64_t n) { return slices_of(n, 1); }
 int64_t sum_squares_partial(double* partial, const void* x, DType dtype, int64_t n) {
   if (dtype == DType::bf16) return launch_sum_squares<bf16_t>(partial, x, n);
   return launch_sum_squares<float>(partial, x, n);
+}
+
+std::vector<int32_t> sum_squares_slices_of_rows(const void* x, int64_t n, const int32_t* rows, int64_t num_rows,
+                                                int64_t row_len) {
+  const int V = aligned(x, 16) ? 4 : 1;  // launch_sum_squares<float>'s width for this address
+  const int64_t nv = n / V, slices = slices_of(n, V);
+  // Slice of element e: vector access e / V of slice (e / V) / kSliceVecs; the scalar tail
+  // belongs to the last slice.
+  auto slice_of = [&](int64_t e) { return e < nv * V ? (e / V) / kSliceVecs : slices - 1; };
+  std::vector<int32_t> out;
+  for (int64_t i = 0; i < num_rows; ++i) {
+    const int64_t a = rows[i] * row_len, b = std::min(n, (rows[i] + 1) * row_len);
+    if (a >= b) continue;
+    int64_t j = slice_of(a);
+    if (!out.empty() && out.back() >= j) j = out.back() + 1;
+    for (const int64_t last = slice_of(b - 1); j <= last; ++j) out.push_back(static_cast<int32_t>(j));
+  }
+  return out;
+}
+
+int64_t sum_squares_partial_listed(double* partial, const float* x, int64_t n, const int32_t* list,
+                                   int64_t num) {
+  const bool vec = aligned(x, 16);
+  const int64_t slices = slices_of(n, vec ? 4 : 1);
+  BB_CHECK_CUDA(cudaMemsetAsync(partial, 0, static_cast<size_t>(slices) * sizeof(double), stream()));
+  if (num > 0) {
+    const auto blocks = static_cast<unsigned>(std::min<int64_t>(num, slice_blocks(slices, false)));
+    if (vec)
+      sum_squares_listed_kernel<float, 4><<<blocks, kThreads, 0, stream()>>>(partial, x, n, list, num);
+    else
+      sum_squares_listed_kernel<float, 1><<<blocks, kThreads, 0, stream()>>>(partial, x, n, list, num);
+    BB_CHECK_LAUNCH();
+  }
+  return slices;
 }
 
 void sum_squares_finish(double* out, const double* partial, int64_t slots) {

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <climits>
+#include <vector>
 
 #include "core/dtype.h"
 
@@ -52,6 +53,16 @@ int64_t sum_squares_max_slots(int64_t n);
 // partial [slots] doubles (device) <- sums of x^2 over fixed slices of x [n] (f32 or bf16);
 // returns slots. The slices depend on n and x's alignment only: deterministic.
 int64_t sum_squares_partial(double* partial, const void* x, DType dtype, int64_t n);
+// For an f32 x [n] at address x (the address sets the vector width, as above): the stage-1
+// slices (increasing, each once) that hold an element of the listed rows of row_len elements
+// (rows increasing; a row past n is empty). Host only.
+std::vector<int32_t> sum_squares_slices_of_rows(const void* x, int64_t n, const int32_t* rows, int64_t num_rows,
+                                                int64_t row_len);
+// Stage 1 for an f32 x [n] that is zero outside the listed slices (list [num] on the device,
+// from sum_squares_slices_of_rows): partial[j] of a listed slice as sum_squares_partial writes
+// it, +0.0 (what a slice of zeros sums to) for the others; returns the slot count. Bitwise
+// sum_squares_partial on such an x, reading only the listed slices.
+int64_t sum_squares_partial_listed(double* partial, const float* x, int64_t n, const int32_t* list, int64_t num);
 // out[0] (device) = the sum of partial[0, slots) in a fixed order.
 void sum_squares_finish(double* out, const double* partial, int64_t slots);
 
