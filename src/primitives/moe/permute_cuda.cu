@@ -326,22 +326,16 @@ void permute_rows(void* x_perm, const void* x, const int32_t* slot_row, int64_t 
 void gather_sum_rows(void* out, const void* in, DType dt, const int32_t* slot_row,
                      const float* prob, int64_t T, int64_t K, int64_t H, bool out_f32) {
   if (T == 0 || H == 0) return;
-  if (out_f32) {
-    switch (dt) {
-      case DType::f32: launch_gather_sum<float, float>(out, in, slot_row, prob, T, K, H); return;
-      case DType::bf16:
-        launch_gather_sum<__nv_bfloat16, float>(out, in, slot_row, prob, T, K, H);
-        return;
-      case DType::f16: launch_gather_sum<__half, float>(out, in, slot_row, prob, T, K, H); return;
-      default: BB_FAIL("gather_sum_rows on CUDA: an f32 sum of ", dtype_name(dt), " rows");
-    }
-  }
+  // 16-bit rows: stored in their own dtype, or the f32 sum when out_f32.
+  auto sixteen_bit = [&](auto tag) {
+    using R = decltype(tag);
+    if (out_f32) launch_gather_sum<R, float>(out, in, slot_row, prob, T, K, H);
+    else launch_gather_sum<R, R>(out, in, slot_row, prob, T, K, H);
+  };
   switch (dt) {
     case DType::f32: launch_gather_sum<float, float>(out, in, slot_row, prob, T, K, H); break;
-    case DType::bf16:
-      launch_gather_sum<__nv_bfloat16, __nv_bfloat16>(out, in, slot_row, prob, T, K, H);
-      break;
-    case DType::f16: launch_gather_sum<__half, __half>(out, in, slot_row, prob, T, K, H); break;
+    case DType::bf16: sixteen_bit(__nv_bfloat16{}); break;
+    case DType::f16: sixteen_bit(__half{}); break;
     default: BB_FAIL("gather_sum_rows on CUDA: dtype ", dtype_name(dt), " is not a float type");
   }
 }

@@ -197,18 +197,24 @@ __device__ __forceinline__ double slice_sum(int64_t j, int64_t n, int64_t slices
 }
 
 // partial[j] = slice j's sum; slices j = blockIdx.x, blockIdx.x + gridDim.x, ...
+// Slice j's sum of the squares of x, in thread 0 (every thread of the block calls it).
+template <class T, int V>
+__device__ __forceinline__ double slice_squares(const T* x, int64_t j, int64_t n, int64_t slices) {
+  return slice_sum<V>(j, n, slices, [&](int64_t e, auto m, double& acc) {
+    constexpr int M = decltype(m)::value;
+    float xv[M];
+    load<T, M>(x + e, xv);
+#pragma unroll
+    for (int k = 0; k < M; ++k) acc += static_cast<double>(xv[k]) * xv[k];
+  });
+}
+
 template <class T, int V>
 __global__ void __launch_bounds__(kThreads)
     sum_squares_kernel(double* __restrict__ partial, const T* __restrict__ x, int64_t n) {
   const int64_t slices = slices_of(n, V);
   for (int64_t j = blockIdx.x; j < slices; j += gridDim.x) {
-    const double s = slice_sum<V>(j, n, slices, [&](int64_t e, auto m, double& acc) {
-      constexpr int M = decltype(m)::value;
-      float xv[M];
-      load<T, M>(x + e, xv);
-#pragma unroll
-      for (int k = 0; k < M; ++k) acc += static_cast<double>(xv[k]) * xv[k];
-    });
+    const double s = slice_squares<T, V>(x, j, n, slices);
     if (threadIdx.x == 0) partial[j] = s;
   }
 }
@@ -222,13 +228,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t slices = slices_of(n, V);
   for (int64_t b = blockIdx.x; b < num; b += gridDim.x) {
     const int64_t j = list[b];
-    const double s = slice_sum<V>(j, n, slices, [&](int64_t e, auto m, double& acc) {
-      constexpr int M = decltype(m)::value;
-      float xv[M];
-      load<T, M>(x + e, xv);
-#pragma unroll
-      for (int k = 0; k < M; ++k) acc += static_cast<double>(xv[k]) * xv[k];
-    });
+    const double s = slice_squares<T, V>(x, j, n, slices);
     if (threadIdx.x == 0) partial[j] = s;
   }
 }
