@@ -239,6 +239,23 @@ void adamw_step_sum_squares(Tensor& master, const Tensor& grad, Tensor& exp_avg,
   }
 }
 
+namespace {
+// The row list of a row-wise call: row_len > 0, every row in [0, ceil(n / row_len)), strictly
+// increasing. `rows_of` and `why` finish the messages for the caller ("the unit's ", an update's
+// reason for no repeats).
+void check_row_list(const char* op, const std::vector<int32_t>& rows, int64_t n, int64_t row_len,
+                    const char* rows_of, const char* why) {
+  BB_CHECK(row_len > 0, op, ": row_len must be > 0, got ", row_len);
+  const int64_t num_rows = (n + row_len - 1) / row_len;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    BB_CHECK(rows[i] >= 0 && rows[i] < num_rows, op, ": row ", rows[i], " (entry ", i, ") is outside ", rows_of,
+             num_rows, " rows of ", row_len, " elements");
+    BB_CHECK(i == 0 || rows[i] > rows[i - 1], op, ": rows must be strictly increasing", why, "; entry ", i, " is ",
+             rows[i], " after ", rows[i - 1]);
+  }
+}
+}  // namespace
+
 void adamw_step_rows(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, int64_t step,
                      double lr, double weight_decay, int64_t decay_numel, const AdamWConfig& cfg, Tensor* model,
                      Tensor* nonfinite, const std::vector<int32_t>& rows, int64_t row_len) {
@@ -247,14 +264,7 @@ void adamw_step_rows(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor
   [[maybe_unused]] const Scalars sc =
       check_adamw(op, master, grad, exp_avg, exp_avg_sq, step, lr, weight_decay, cfg, model, nonfinite);
   BB_CHECK(decay_numel >= 0 && decay_numel <= n, op, ": decay_numel ", decay_numel, " is outside [0, ", n, "]");
-  BB_CHECK(row_len > 0, op, ": row_len must be > 0, got ", row_len);
-  const int64_t num_rows = (n + row_len - 1) / row_len;
-  for (size_t i = 0; i < rows.size(); ++i) {
-    BB_CHECK(rows[i] >= 0 && rows[i] < num_rows, op, ": row ", rows[i], " (entry ", i, ") is outside the unit's ",
-             num_rows, " rows of ", row_len, " elements");
-    BB_CHECK(i == 0 || rows[i] > rows[i - 1], op, ": rows must be strictly increasing (an element updated twice "
-             "would take two steps); entry ", i, " is ", rows[i], " after ", rows[i - 1]);
-  }
+  check_row_list(op, rows, n, row_len, "the unit's ", " (an element updated twice would take two steps)");
   if (rows.empty()) return;
   if (master.device().is_cuda()) {
 #ifdef BB_WITH_CUDA
@@ -364,14 +374,8 @@ void sum_of_squares_to(const Tensor& g, Tensor& slots, int64_t i) {
 void sum_of_squares_rows_to(const Tensor& g, Tensor& slots, int64_t i, const std::vector<int32_t>& rows,
                             int64_t row_len) {
   const char* op = "sum_of_squares_rows_to";
-  BB_CHECK(row_len > 0, op, ": row_len must be > 0, got ", row_len);
-  const int64_t n = g.numel(), num_rows = (n + row_len - 1) / row_len;
-  for (size_t r = 0; r < rows.size(); ++r) {
-    BB_CHECK(rows[r] >= 0 && rows[r] < num_rows, op, ": row ", rows[r], " (entry ", r, ") is outside the ",
-             num_rows, " rows of ", row_len, " elements");
-    BB_CHECK(r == 0 || rows[r] > rows[r - 1], op, ": rows must be strictly increasing; entry ", r, " is ",
-             rows[r], " after ", rows[r - 1]);
-  }
+  const int64_t n = g.numel();
+  check_row_list(op, rows, n, row_len, "the ", "");
   if (!g.device().is_cuda() || g.dtype() != DType::f32) {
     sum_of_squares_to(g, slots, i);
     return;
