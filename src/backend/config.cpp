@@ -33,6 +33,7 @@ void BackendConfig::validate(const std::string& where) const {
            "backend.grouped_gemm_multi_stream_min_flops = ", grouped_gemm_multi_stream_min_flops,
            in, " must be >= 0 (0 = every same-dtype grouped GEMM takes multi_stream)");
   check_one_of(where, "gemm_heuristics", gemm_heuristics, {"bucketed", "exact"});
+  check_one_of(where, "master_storage", master_storage, {"split", "f32"});
 }
 
 std::string BackendConfig::summary() const {
@@ -45,6 +46,7 @@ std::string BackendConfig::summary() const {
      << " grouped_gemm_tma=" << (grouped_gemm_tma ? "true" : "false")
      << " gemm_heuristics=" << gemm_heuristics
      << " optimizer_in_backward=" << (optimizer_in_backward ? "true" : "false")
+     << " master_storage=" << master_storage
      << " cudnn_library=" << (cudnn_library.empty() ? "(default)" : cudnn_library);
   return os.str();
 }
@@ -58,6 +60,7 @@ void to_json(nlohmann::json& j, const BackendConfig& c) {
                      {"grouped_gemm_tma", c.grouped_gemm_tma},
                      {"gemm_heuristics", c.gemm_heuristics},
                      {"optimizer_in_backward", c.optimizer_in_backward},
+                     {"master_storage", c.master_storage},
                      {"cudnn_library", c.cudnn_library}};
 }
 
@@ -76,6 +79,7 @@ void from_json(const nlohmann::json& j, BackendConfig& c) {
       else if (k == "grouped_gemm_tma") c.grouped_gemm_tma = it->get<bool>();
       else if (k == "gemm_heuristics") c.gemm_heuristics = it->get<std::string>();
       else if (k == "optimizer_in_backward") c.optimizer_in_backward = it->get<bool>();
+      else if (k == "master_storage") c.master_storage = it->get<std::string>();
       else if (k == "cudnn_library") c.cudnn_library = it->get<std::string>();
       else BB_FAIL("unknown backend setting '", k, "'");
     }

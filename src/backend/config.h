@@ -35,6 +35,12 @@ struct BackendConfig {
   // holds whole get their AdamW step as soon as their gradient is final, on the copy stream
   // beside the backward of the layers below (the same bits as the update after the backward).
   bool optimizer_in_backward = true;
+  // How AdamW holds the fp32 master of bf16 parameters: split (the bf16 value is the master's
+  // upper half, rounded to nearest with ties away from zero, and a 16-bit remainder the rest: 2
+  // optimizer bytes an element and 2 fewer moved by each update) or f32 (a separate fp32 copy,
+  // the value rounded to nearest even). The same fp32 master either way; the values differ only
+  // where a master sits exactly on a bf16 tie. f32 parameters always keep an fp32 master copy.
+  std::string master_storage = "split";
   // The cuDNN library file for the attention path; "" = libcudnn.so.9 from the library path.
   std::string cudnn_library;
 

@@ -28,6 +28,7 @@ MPI_Datatype base_type(DType dt) {
     case DType::f16: return MPI_UINT16_T;
     case DType::i32: return MPI_INT32_T;
     case DType::i64: return MPI_INT64_T;
+    case DType::i16: return MPI_INT16_T;
     case DType::u8:
     case DType::boolean: return MPI_UINT8_T;
   }

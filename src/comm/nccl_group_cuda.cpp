@@ -40,6 +40,7 @@ ncclDataType_t nccl_type(DType dt) {
     case DType::f16: return ncclFloat16;
     case DType::i32: return ncclInt32;
     case DType::i64: return ncclInt64;
+    case DType::i16: return ncclFloat16;  // NCCL has no 16-bit integer: the bits move unchanged (no reductions)
     case DType::u8:
     case DType::boolean: return ncclUint8;
   }

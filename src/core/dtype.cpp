@@ -15,6 +15,7 @@ size_t dtype_size(DType dt) {
     case DType::i64: return 8;
     case DType::u8: return 1;
     case DType::boolean: return 1;
+    case DType::i16: return 2;
   }
   BB_FAIL("dtype_size: unknown dtype ", static_cast<int>(dt));
 }
@@ -28,6 +29,7 @@ const char* dtype_name(DType dt) {
     case DType::i64: return "i64";
     case DType::u8: return "u8";
     case DType::boolean: return "bool";
+    case DType::i16: return "i16";
   }
   return "?";
 }
@@ -40,7 +42,8 @@ DType dtype_from_name(const std::string& n) {
   if (n == "i64" || n == "int64" || n == "I64") return DType::i64;
   if (n == "u8" || n == "uint8" || n == "U8") return DType::u8;
   if (n == "bool" || n == "BOOL") return DType::boolean;
-  BB_FAIL("unknown dtype '", n, "': expected one of f32, bf16, f16, i32, i64, u8, bool");
+  if (n == "i16" || n == "int16" || n == "I16") return DType::i16;
+  BB_FAIL("unknown dtype '", n, "': expected one of f32, bf16, f16, i32, i64, u8, bool, i16");
 }
 
 float f16_to_f32(uint16_t h) {

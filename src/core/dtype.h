@@ -11,7 +11,8 @@
 
 namespace bb {
 
-enum class DType : uint8_t { f32, bf16, f16, i32, i64, u8, boolean };
+// i16: a 16-bit signed integer (the low half of a split fp32 master, optim/adamw.h).
+enum class DType : uint8_t { f32, bf16, f16, i32, i64, u8, boolean, i16 };
 
 size_t dtype_size(DType dt);
 const char* dtype_name(DType dt);

@@ -236,6 +236,7 @@ void Tensor::fill_(double value) {
     case DType::f16: { uint16_t h = f32_to_f16(static_cast<float>(value)); uint16_t* p = host.data<uint16_t>(); for (int64_t i = 0; i < n; ++i) p[i] = h; break; }
     case DType::i32: { int32_t* p = host.data<int32_t>(); for (int64_t i = 0; i < n; ++i) p[i] = static_cast<int32_t>(value); break; }
     case DType::i64: { int64_t* p = host.data<int64_t>(); for (int64_t i = 0; i < n; ++i) p[i] = static_cast<int64_t>(value); break; }
+    case DType::i16: { int16_t* p = host.data<int16_t>(); for (int64_t i = 0; i < n; ++i) p[i] = static_cast<int16_t>(value); break; }
     case DType::u8:
     case DType::boolean: { uint8_t* p = host.data<uint8_t>(); for (int64_t i = 0; i < n; ++i) p[i] = static_cast<uint8_t>(value); break; }
   }
@@ -266,6 +267,7 @@ std::vector<int32_t> Tensor::to_ints() const {
     case DType::i32: if (n) std::memcpy(v.data(), host.raw(), static_cast<size_t>(n) * 4); break;
     case DType::i64: { const int64_t* p = static_cast<const int64_t*>(host.raw()); for (int64_t i = 0; i < n; ++i) v[i] = static_cast<int32_t>(p[i]); break; }
     case DType::u8: case DType::boolean: { const uint8_t* p = static_cast<const uint8_t*>(host.raw()); for (int64_t i = 0; i < n; ++i) v[i] = p[i]; break; }
+    case DType::i16: { const int16_t* p = static_cast<const int16_t*>(host.raw()); for (int64_t i = 0; i < n; ++i) v[i] = p[i]; break; }
     default: BB_FAIL("to_ints: tensor ", str(), " is not an integer type");
   }
   return v;

@@ -56,6 +56,7 @@ constexpr bool dtype_matches(DType dt) {
   else if constexpr (std::is_same_v<T, uint16_t>) return dt == DType::bf16 || dt == DType::f16;
   else if constexpr (std::is_same_v<T, int32_t>) return dt == DType::i32;
   else if constexpr (std::is_same_v<T, int64_t>) return dt == DType::i64;
+  else if constexpr (std::is_same_v<T, int16_t>) return dt == DType::i16;
   else if constexpr (std::is_same_v<T, uint8_t>) return dt == DType::u8 || dt == DType::boolean;
   else return false;
 }

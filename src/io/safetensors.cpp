@@ -35,7 +35,7 @@ struct DTypeName {
 };
 constexpr DTypeName kDTypeNames[] = {
     {DType::f32, "F32"}, {DType::bf16, "BF16"}, {DType::f16, "F16"},     {DType::i32, "I32"},
-    {DType::i64, "I64"}, {DType::u8, "U8"},     {DType::boolean, "BOOL"},
+    {DType::i64, "I64"}, {DType::u8, "U8"},     {DType::boolean, "BOOL"}, {DType::i16, "I16"},
 };
 
 bool parse_dtype(const std::string& s, DType* out) {

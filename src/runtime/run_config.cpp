@@ -342,6 +342,7 @@ RunConfig build(const toml::value& root, const std::string& src) {
   be.read("grouped_gemm_tma", b.grouped_gemm_tma);
   be.read("gemm_heuristics", b.gemm_heuristics);
   be.read("optimizer_in_backward", b.optimizer_in_backward);
+  be.read("master_storage", b.master_storage);
   be.read("cudnn_library", b.cudnn_library);
   be.finish();
   b.validate(src);

@@ -28,16 +28,19 @@ struct ModelState::Unit {
   comm::Group* g = nullptr;
   Mode mode = Mode::whole;
   int64_t N = 1, r = 0, S = 0, lo = 0, len = 0;
-  Tensor master, exp_avg, exp_avg_sq;  // [numel] (whole) or [S] (sharded), optimizer: master f32,
-                                       // moments in the optimizer's moment dtype
+  Tensor master, exp_avg, exp_avg_sq;  // [numel] (whole) or [S] (sharded), optimizer: master f32
+                                       // (a split master: its i16 remainder, the upper half being
+                                       // the owned values), moments in the optimizer's moment dtype
+  bool split = false;                  // the master is split ([backend] master_storage)
   Tensor value_buf, grad_buf;          // zero1: [N S] values (params) and gradients (grads)
   Tensor value_shard, grad_shard;      // fsdp: [S] values (params) and gradients (grads)
   Tensor full_value, full_grad;        // fsdp: gathered values, whole gradient in backward (comm)
   comm::WorkPtr gather_work, reduce_work;
   Tensor reduce_out;  // [S] f32 (comm): a reduce-scatter's result until drained
-  // skip_step (optimizer): master [master size] f32 and both moments [2 x master size] in
-  // their dtype, as they were before the step.
-  Tensor backup_master, backup_moments;
+  // skip_step (optimizer): master [master size] in its dtype, both moments [2 x master size] in
+  // theirs, and a split master's upper half (the owned values [master size]), as they were
+  // before the step.
+  Tensor backup_master, backup_moments, backup_hi;
   uint64_t stream = 0;  // bf16 moments: the rounding stream of the unit (a hash of its name)
 };
 
@@ -49,17 +52,23 @@ DType moment_dtype(OptimizerKind opt) {
   BB_FAIL("moment_dtype: unknown optimizer kind ", static_cast<int>(opt));
 }
 
-int64_t optimizer_bytes_per_element(OptimizerKind opt) {
-  return 4 + 2 * static_cast<int64_t>(dtype_size(moment_dtype(opt)));
+int64_t optimizer_bytes_per_element(OptimizerKind opt, bool split_master) {
+  return (split_master ? 2 : 4) + 2 * static_cast<int64_t>(dtype_size(moment_dtype(opt)));
+}
+
+bool splits_master(const std::string& master_storage, DType param_dtype) {
+  return master_storage == "split" && param_dtype == DType::bf16;
 }
 
 StateBytes state_bytes(StateKind kind, const std::vector<ParamUnit*>& units,
-                       const std::vector<int64_t>& group_sizes, int64_t value_bytes, OptimizerKind opt) {
+                       const std::vector<int64_t>& group_sizes, int64_t value_bytes, OptimizerKind opt,
+                       bool split_master) {
   BB_CHECK(units.size() == group_sizes.size(), "state_bytes: one group size per unit");
-  const int64_t o = optimizer_bytes_per_element(opt);
   StateBytes b;
   for (size_t i = 0; i < units.size(); ++i) {
     const int64_t n = units[i]->numel, N = group_sizes[i], S = ceil_div(n, N);
+    // A unit whose values stay f32 (Qwen3.5's A_log, dt_bias) keeps a separate f32 master.
+    const int64_t o = optimizer_bytes_per_element(opt, split_master && value_bytes == 2 && !units[i]->f32_values);
     switch (kind) {
       case StateKind::replicated:
         b.params += value_bytes * n;
@@ -91,7 +100,7 @@ ModelState::~ModelState() {
 }
 
 ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, const std::vector<Tensor>* masters,
-                       OptimizerKind opt, uint64_t seed)
+                       OptimizerKind opt, uint64_t seed, bool split_master)
     : kind_(kind), opt_(opt), seed_(seed), model_(model), tied_(model.config().tie_word_embeddings) {
   const DType mdt = bb::moment_dtype(opt);
   std::vector<ParamUnit*> units = model.units();
@@ -117,6 +126,7 @@ ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, co
                                                        : Mode::fsdp;
     const Device dev = pu->value.device();
     const DType vdt = pu->value.dtype();
+    u.split = split_master && vdt == DType::bf16;  // units whose values stay f32 keep an f32 master
     // The f32 source of the masters: the given masters, else the values.
     const Tensor src = masters && (*masters)[i].defined() ? (*masters)[i] : Tensor();
     auto owned_f32 = [&](int64_t lo, int64_t len) {
@@ -127,15 +137,21 @@ ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, co
       }
       return m;
     };
+    // A split master: a zero remainder is exact for values that are bf16 already; given
+    // masters are split into the values (set_master) once the value buffers exist.
+    auto owned_master = [&](int64_t lo, int64_t len) {
+      if (!u.split) return owned_f32(lo, len);
+      return Tensor::zeros({u.mode == Mode::whole ? pu->numel : u.S}, DType::i16, dev, MemCategory::optimizer);
+    };
     switch (u.mode) {
       case Mode::whole:
-        u.master = owned_f32(0, pu->numel);
+        u.master = owned_master(0, pu->numel);
         break;
       case Mode::zero1: {
         u.value_buf = Tensor::zeros({u.N * u.S}, vdt, dev, MemCategory::params);
         u.value_buf.narrow(0, pu->numel).copy_from(pu->value);
         u.grad_buf = Tensor::zeros({u.N * u.S}, DType::f32, dev, MemCategory::grads);
-        u.master = owned_f32(u.lo, u.len);
+        u.master = owned_master(u.lo, u.len);
         store.rebind(*pu, u.value_buf, u.grad_buf);
         break;
       }
@@ -143,7 +159,7 @@ ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, co
         u.value_shard = Tensor::zeros({u.S}, vdt, dev, MemCategory::params);
         if (u.len > 0) u.value_shard.narrow(0, u.len).copy_from(pu->value.narrow(u.lo, u.len));
         u.grad_shard = Tensor::zeros({u.S}, DType::f32, dev, MemCategory::grads);
-        u.master = owned_f32(u.lo, u.len);
+        u.master = owned_master(u.lo, u.len);
         store.rebind(*pu, Tensor(), Tensor());  // the whole buffers are freed here
         break;
       }
@@ -151,15 +167,52 @@ ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, co
     u.exp_avg = Tensor::zeros(u.master.shape(), mdt, dev, MemCategory::optimizer);
     u.exp_avg_sq = Tensor::zeros(u.master.shape(), mdt, dev, MemCategory::optimizer);
     u.stream = moment_stream_id(pu->name.data(), pu->name.size());
+    if (u.split && src.defined() && u.len > 0) set_split_master(u, src.narrow(u.mode == Mode::whole ? 0 : u.lo,
+                                                                             u.mode == Mode::whole ? pu->numel : u.len));
     if (pu->layer >= 0) by_layer_[static_cast<size_t>(pu->layer)].push_back(&u);
     else if (pu->kind == UnitKind::embedding) embed_ = &u;
     else head_ = &u;
     units_.push_back(std::move(un));
   }
   BB_CHECK(embed_ && head_, "ModelState: the model has no embedding or head unit");
+  // Given masters split into the owned values: zero1 ranks hold every value, so they gather the
+  // others' (a value rounded ties-away may differ from the one the caller loaded).
+  if (split_master && masters) values_from_masters();
 }
 
 bool ModelState::sharded(const Unit& u) const { return u.mode == Mode::fsdp; }
+
+// The values of the elements the unit's master holds ([master size]; a split master's upper half).
+Tensor ModelState::owned_values(Unit& u) {
+  switch (u.mode) {
+    case Mode::whole: return u.u->value;
+    case Mode::zero1: return u.value_buf.narrow(u.r * u.S, u.S);
+    case Mode::fsdp: return u.value_shard;
+  }
+  BB_FAIL("owned_values: unknown mode");
+}
+
+// The f32 master of the owned elements [0, len) ([len], on the state's device): a view of an f32
+// master, or a split master joined on the host.
+Tensor ModelState::master_f32(Unit& u, int64_t len) {
+  if (!u.split) return u.master.narrow(0, len);
+  const Tensor hi = owned_values(u).narrow(0, len).to(Device::cpu(), MemCategory::other);
+  const Tensor lo = u.master.narrow(0, len).to(Device::cpu(), MemCategory::other);
+  Tensor full = Tensor::empty({len}, DType::f32, Device::cpu(), MemCategory::other);
+  join_master(hi, lo, full);
+  return u.master.device().is_cpu() ? full : full.to(u.master.device(), MemCategory::other);
+}
+
+// A split master's halves of the owned elements [0, m.numel()) from the f32 master m (any device).
+void ModelState::set_split_master(Unit& u, const Tensor& m) {
+  const int64_t len = m.numel();
+  const Tensor host = m.device().is_cpu() ? m : m.to(Device::cpu(), MemCategory::other);
+  Tensor hi = Tensor::empty({len}, DType::bf16, Device::cpu(), MemCategory::other);
+  Tensor lo = Tensor::empty({len}, DType::i16, Device::cpu(), MemCategory::other);
+  split_master(host, hi, lo);
+  owned_values(u).narrow(0, len).copy_from(hi);
+  u.master.narrow(0, len).copy_from(lo);
+}
 
 std::vector<ModelState::Unit*> ModelState::layer_units(int64_t layer) {
   if (layer < 0 || layer >= static_cast<int64_t>(by_layer_.size())) return {};
@@ -571,11 +624,21 @@ ModelState::Owned ModelState::owned(size_t i) {
     o.len = u.len;
   }
   if (o.len > 0) {
-    o.master = u.master.narrow(0, o.len);
+    o.master = master_f32(u, o.len);
     o.exp_avg = u.exp_avg.narrow(0, o.len);
     o.exp_avg_sq = u.exp_avg_sq.narrow(0, o.len);
   }
   return o;
+}
+
+void ModelState::set_master(size_t i, const Tensor& master) {
+  Unit& u = *units_[i];
+  const int64_t len = u.mode == Mode::whole ? u.u->numel : u.len;
+  BB_CHECK(master.dtype() == DType::f32 && master.numel() == len, "ModelState::set_master: unit ", u.u->name, " owns ",
+           len, " elements; got ", master.str());
+  if (len == 0) return;
+  if (u.split) set_split_master(u, master);
+  else u.master.narrow(0, len).copy_from(master);
 }
 
 double ModelState::grad_norm() {
@@ -617,10 +680,12 @@ void ModelState::save_backup() {
     const int64_t n = u.master.numel();
     if (n == 0) continue;
     if (!u.backup_master.defined()) {
-      u.backup_master = Tensor::empty({n}, DType::f32, u.master.device(), MemCategory::optimizer);
+      u.backup_master = Tensor::empty({n}, u.master.dtype(), u.master.device(), MemCategory::optimizer);
       u.backup_moments = Tensor::empty({2 * n}, u.exp_avg.dtype(), u.master.device(), MemCategory::optimizer);
+      if (u.split) u.backup_hi = Tensor::empty({n}, DType::bf16, u.master.device(), MemCategory::optimizer);
     }
     u.backup_master.copy_from(u.master);
+    if (u.split) u.backup_hi.copy_from(owned_values(u));
     u.backup_moments.narrow(0, n).copy_from(u.exp_avg);
     u.backup_moments.narrow(n, n).copy_from(u.exp_avg_sq);
   }
@@ -634,6 +699,7 @@ void ModelState::restore_backup() {
     if (n == 0) continue;
     BB_CHECK(u.backup_master.defined(), "ModelState::restore_backup: no backup was taken");
     u.master.copy_from(u.backup_master);
+    if (u.split) owned_values(u).copy_from(u.backup_hi);
     u.exp_avg.copy_from(u.backup_moments.narrow(0, n));
     u.exp_avg_sq.copy_from(u.backup_moments.narrow(n, n));
   }
@@ -716,7 +782,7 @@ void ModelState::values_from_masters() {
   for (auto& up : units_) {
     Unit& u = *up;
     const int64_t len = u.mode == Mode::whole ? u.u->numel : u.len;
-    if (len > 0) {
+    if (len > 0 && !u.split) {  // a split master's upper half is the values already
       Tensor dst = u.mode == Mode::whole ? u.u->value
                    : u.mode == Mode::zero1 ? u.value_buf.narrow(u.lo, len)
                                            : u.value_shard.narrow(0, len);
@@ -730,9 +796,9 @@ void ModelState::values_from_masters() {
 
 Tensor ModelState::gather_master(size_t i) {
   Unit& u = *units_[i];
-  if (u.mode == Mode::whole) return u.master.to(Device::cpu(), MemCategory::other);
+  if (u.mode == Mode::whole) return master_f32(u, u.u->numel).to(Device::cpu(), MemCategory::other);
   Tensor all = Tensor::empty({u.N * u.S}, DType::f32, u.master.device(), MemCategory::other);
-  u.g->all_gather(u.master, all)->wait();
+  u.g->all_gather(master_f32(u, u.S), all)->wait();
   return all.narrow(0, u.u->numel).to(Device::cpu(), MemCategory::other);
 }
 

@@ -15,7 +15,9 @@
 // shards of S = ceil(n / N) elements; rank r owns elements [r S, min((r + 1) S, n)). Bytes per
 // rank, b = bytes per parameter value (2 for bf16, 4 for f32), o = optimizer bytes per owned
 // element (primitives.optimizer: adamw 12 = 4 master + 2 x 4 moments, adamw_bf16_moments
-// 8 = 4 master + 2 x 2 moments), summed over units:
+// 8 = 4 master + 2 x 2 moments; 2 less with a split master, [backend] master_storage = "split",
+// the default for bf16 parameters: a 2-byte remainder, the master's upper half being the bf16
+// value, adamw.h), summed over units:
 //   replicated  params b n        grads 4 n        optimizer o n
 //   zero1       params b N S      grads 4 N S      optimizer o S       (buffers padded to N S)
 //   fsdp        params b S        grads 4 S        optimizer o S       + gathered units (comm)
@@ -43,17 +45,21 @@
 namespace bb {
 
 // The storage of the optimizer family: the moments' dtype (adamw f32, adamw_bf16_moments bf16)
-// and the optimizer bytes per owned element, 4 (fp32 master) + 2 x the moment size: 12 or 8.
+// and the optimizer bytes per owned element, the master's 4 (2 when split: an i16 remainder
+// beside the bf16 value) + 2 x the moment size: 12 or 8 (10 or 6 split).
 DType moment_dtype(OptimizerKind opt);
-int64_t optimizer_bytes_per_element(OptimizerKind opt);
+int64_t optimizer_bytes_per_element(OptimizerKind opt, bool split_master = false);
+// Whether a run splits its masters: [backend] master_storage = "split" and bf16 parameters.
+bool splits_master(const std::string& master_storage, DType param_dtype);
 
-// Closed-form bytes per rank of one category under a state family (the formulas above).
+// Closed-form bytes per rank of one category under a state family (the formulas above; with
+// split_master and 2-byte values, units whose values stay f32 keep a 4-byte master).
 struct StateBytes {
   int64_t params = 0, grads = 0, optimizer = 0;
 };
 StateBytes state_bytes(StateKind kind, const std::vector<ParamUnit*>& units,
                        const std::vector<int64_t>& group_sizes, int64_t value_bytes,
-                       OptimizerKind opt = OptimizerKind::adamw);
+                       OptimizerKind opt = OptimizerKind::adamw, bool split_master = false);
 
 class ModelState final : public LayerHooks {
  public:
@@ -61,8 +67,10 @@ class ModelState final : public LayerHooks {
   // are whole f32 values per unit (e.g. read from a checkpoint at full precision); otherwise the
   // masters start as the units' values. `opt` sets the moments' dtype; `seed` (the run's) keys
   // the stochastic rounding of bf16 moments (with the unit's name, the step and the element).
+  // `split_master`: the master of each unit with bf16 values is held split, its upper half being
+  // the values and an i16 remainder the rest (adamw.h); units with f32 values keep an f32 master.
   ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, const std::vector<Tensor>* masters = nullptr,
-             OptimizerKind opt = OptimizerKind::adamw, uint64_t seed = 0);
+             OptimizerKind opt = OptimizerKind::adamw, uint64_t seed = 0, bool split_master = false);
   ~ModelState() override;
 
   StateKind kind() const { return kind_; }
@@ -106,7 +114,8 @@ class ModelState final : public LayerHooks {
   size_t num_units() const;
   const std::string& unit_name(size_t unit) const;
   // A copy of the masters and moments this rank owns, so that a step can be undone
-  // (train.on_nonfinite = "skip_step"): optimizer_bytes_per_element (12 or 8) bytes per owned
+  // (train.on_nonfinite = "skip_step"): optimizer_bytes_per_element (12 or 8; a split master's
+  // 10 or 6 and its bf16 upper half, 2 more) bytes per owned
   // element (category optimizer, kept for the run; the moments in their own dtype) and one
   // device copy of them per step. restore_backup() puts them back and refreshes
   // the parameter values (values_from_masters; zero1 re-gathers).
@@ -116,9 +125,16 @@ class ModelState final : public LayerHooks {
   // Optimizer state of unit i this rank owns: elements [lo, lo + len) of the unit.
   struct Owned {
     int64_t lo = 0, len = 0;
-    Tensor master, exp_avg, exp_avg_sq;  // [len] views: master f32, moments in moment_dtype()
+    // [len] f32 master: a view of the state's master, or (split master) a copy joined from its
+    // halves, so writes to it are lost: load masters with set_master. Moments: [len] views in
+    // moment_dtype().
+    Tensor master, exp_avg, exp_avg_sq;
   };
   Owned owned(size_t unit);
+  // Sets the f32 master of the elements unit i owns ([len], any device); then
+  // values_from_masters() makes the parameter values follow (a split master sets its bf16 half,
+  // the value, here).
+  void set_master(size_t unit, const Tensor& master);
   // The elements a checkpoint takes from this rank: the owned ones, except under replicated
   // (everything owned everywhere), where rank r of N writes the r-th of N shards.
   std::pair<int64_t, int64_t> checkpoint_range(size_t unit) const;
@@ -173,6 +189,9 @@ class ModelState final : public LayerHooks {
   const std::vector<int32_t>& embed_row_list(bool touched);  // into embed_list_
   std::vector<Unit*> layer_units(int64_t layer);
   bool sharded(const Unit& u) const;
+  Tensor owned_values(Unit& u);              // the values of the master's elements
+  Tensor master_f32(Unit& u, int64_t len);   // the f32 master of owned elements [0, len)
+  void set_split_master(Unit& u, const Tensor& master);
 
   StateKind kind_;
   OptimizerKind opt_;

@@ -289,7 +289,8 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
   }
   // The state family takes the units over (fsdp frees the whole buffers here).
   state_ = std::make_unique<ModelState>(cfg.prim.state.value, *model_, *mesh_, masters.empty() ? nullptr : &masters,
-                                        cfg.prim.optimizer.value, cfg.seed);
+                                        cfg.prim.optimizer.value, cfg.seed,
+                                        splits_master(cfg.backend.master_storage, cfg.resolved_param_dtype()));
   masters.clear();
   schedule_->add_hooks(state_.get());
   if (layout.cp > 1) {
@@ -327,10 +328,12 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
   if (run_id_.empty()) run_id_ = new_run_id();
   world_broadcast_run_id();
   if (!cfg.ckpt_dir.empty()) check_foreign_checkpoints();
+  const bool split = splits_master(cfg.backend.master_storage, cfg.resolved_param_dtype());
+  const int64_t backup_bytes = optimizer_bytes_per_element(cfg.prim.optimizer.value, split) + (split ? 2 : 0);
   if (cfg.on_nonfinite == "skip_step" && log_)
     std::fprintf(log_, "%s[startup] train.on_nonfinite = skip_step: a copy of the optimizer state is kept to undo "
                  "a step (+%lld bytes per owned parameter)\n", log_prefix_.c_str(),
-                 static_cast<long long>(optimizer_bytes_per_element(cfg.prim.optimizer.value)));
+                 static_cast<long long>(backup_bytes));
   if (log_) {
     std::fprintf(log_, "%s[startup] ready in %.2fs: %s tokens in %lld documents, %lld tokens per micro-batch x %lld per rank x %lld data ranks\n",
                  log_prefix_.c_str(), now_s() - t0, human_count(static_cast<double>(data_->num_tokens())).c_str(),
@@ -933,7 +936,7 @@ void Trainer::load_checkpoint(const std::string& path) {
   for (size_t i = 0; i < units.size(); ++i) {
     ModelState::Owned o = state_->owned(i);
     if (o.len == 0) continue;
-    o.master.copy_from(staged[i][0]);
+    state_->set_master(i, staged[i][0]);
     o.exp_avg.copy_from(staged[i][1]);
     o.exp_avg_sq.copy_from(staged[i][2]);
   }

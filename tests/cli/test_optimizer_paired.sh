@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # primitives.optimizer: adamw vs adamw_bf16_moments, paired over 200 steps of the demo
-# (configs/demo.toml, its model and training settings) on the CPU.
+# (configs/demo.toml, its model and training settings) on the CPU; then, with bf16 parameters,
+# adamw's two master storages, [backend] master_storage = "f32" vs "split" (section 4).
 #
 # Per-step losses of two runs of this MoE model decorrelate after ~20 steps whatever the
 # perturbation (top-k routing flips), so the criterion has two parts (skills/optimizer-adamw.md):
@@ -94,5 +95,40 @@ read -r d_step d_window < <(compare "$TMP/a.txt" "$TMP/d.txt")
 echo "broken (moments without history): max per-step loss rel diff $d_step, max window $d_window (tol $tol_window)"
 awk -v x="$d_window" -v t="$tol_window" 'BEGIN { exit !(x > t) }' ||
   { echo "FAIL: the criterion does not reject moments without history ($d_window <= $tol_window)"; fail=1; }
-[ $fail -eq 0 ] && echo "PASS: adamw_bf16_moments within the derived tolerance; the broken variant outside it"
+
+# 4. The split master ([backend] master_storage = "split", the default for bf16 parameters),
+# paired with the separate f32 master on bf16 parameters (model.dtype = "bf16"; the split master
+# keeps its upper half in them). Its fp32 master follows the f32-master update bit for bit
+# given the same values, and the values differ only where a master is exactly on a bf16 tie
+# (2^-16 of the stores; one bf16 ulp, away from zero instead of to even): no systematic term,
+# SYS = 0, so the tolerance is 3 x a bf16-parameter control pair's floor. Step 1 is identical.
+BF=(--set 'model.dtype="bf16"')
+"$BB" paired "${COMMON[@]}" "${BF[@]}" --set 'backend.master_storage="f32"' --b train.adam_eps=1.0001e-8 --tol-loss 10 --tol-grad-norm 1000 \
+  > "$TMP/control16.txt" 2>&1 || { echo "FAIL: the bf16 control pair did not run"; cat "$TMP/control16.txt"; exit 1; }
+table_losses "$TMP/control16.txt" 3 > "$TMP/a16.txt"
+table_losses "$TMP/control16.txt" 4 > "$TMP/c16.txt"
+read -r c16_step c16_window < <(compare "$TMP/a16.txt" "$TMP/c16.txt")
+c16_gnorm=$(verdict_field "$TMP/control16.txt" grad-norm)
+tol16_step=$(awk -v c="$c16_step" 'BEGIN { printf "%.3g", 3 * c }')
+tol16_window=$(awk -v c="$c16_window" 'BEGIN { printf "%.3g", 3 * c }')
+tol16_gnorm=$(awk -v c="$c16_gnorm" 'BEGIN { printf "%.3g", 3 * c }')
+echo "bf16 control: max per-step loss rel diff $c16_step, window $c16_window, grad norm $c16_gnorm"
+"$BB" paired "${COMMON[@]}" "${BF[@]}" --a 'backend.master_storage="f32"' --b 'backend.master_storage="split"' \
+  --tol-loss "$tol16_step" --tol-grad-norm "$tol16_gnorm" --tol-logits 0 --tol-grad 0 > "$TMP/pair16.txt" 2>&1
+code=$?
+tail -n 1 "$TMP/pair16.txt"
+if [ $code -ne 0 ]; then echo "FAIL: paired f32 vs split master: exit $code"; cat "$TMP/pair16.txt"; fail=1; fi
+table_losses "$TMP/pair16.txt" 4 > "$TMP/s16.txt"
+read -r s_step s_window < <(compare "$TMP/a16.txt" "$TMP/s16.txt")
+echo "split master: max per-step loss rel diff $s_step (tol $tol16_step), max window $s_window (tol $tol16_window)"
+awk -v x="$s_window" -v t="$tol16_window" 'BEGIN { exit !(x <= t) }' ||
+  { echo "FAIL: the $WINDOW-step mean losses differ by $s_window > $tol16_window"; fail=1; }
+# 12 -> 10 optimizer bytes per parameter.
+grep -E "^optimizer +\|" "$TMP/pair16.txt"
+opt_a=$(awk '$1 == "optimizer" && $2 == "|" { print $3 }' "$TMP/pair16.txt")
+opt_b=$(awk '$1 == "optimizer" && $2 == "|" { print $5 }' "$TMP/pair16.txt")
+awk -v a="$opt_a" -v b="$opt_b" 'BEGIN { r = b / a; exit !(r > 0.833 && r < 0.834) }' ||
+  { echo "FAIL: optimizer peak B/A = $opt_b / $opt_a, expected 10/12"; fail=1; }
+
+[ $fail -eq 0 ] && echo "PASS: adamw_bf16_moments and the split master within the derived tolerances; the broken variant outside"
 exit $fail

@@ -1,9 +1,13 @@
 // AdamW against a double-precision transcription of torch.optim.AdamW; grad norm and clipping;
 // the bf16-moment variant (adamw_bf16_moments): its stochastic rounding, its step against a
-// double reference that rounds the same way, layout independence, and why not round-to-nearest.
+// double reference that rounds the same way, layout independence, and why not round-to-nearest;
+// the split master ([backend] master_storage = "split"): its halves, and the fp32 master it keeps
+// bit for bit.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
+#include <cmath>
 #include <cstring>
 
 #include "common/testing.h"
@@ -490,6 +494,150 @@ TEST(Bf16Moments, GradScaleNonFiniteFlagAndBadInput) {
   neg.first_element = -1;
   test::expect_error_contains([&] { adamw_step(s.master, g, s.m, s.v, 1, 0.1, 0, neg, nullptr); },
                               "first_element must be >= 0");
+}
+
+
+// ---- the split master ([backend] master_storage = "split") --------------------------------------
+
+uint32_t bits_of(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return b;
+}
+
+// Every fp32 bit pattern is (hi << 16) + lo exactly; hi is the value rounded to nearest bf16
+// with ties away from zero: round-to-nearest-even's except when the dropped half is 0x8000
+// and the kept half is even (then one ulp further from zero).
+TEST(SplitMaster, HalvesHoldEveryBitPatternAndRoundTiesAway) {
+  std::vector<uint32_t> pats = {0x3F808000u, 0x3F818000u, 0x3F807FFFu, 0x3F808001u, 0x80000000u, 0x00000000u,
+                                0x7F7FFFFFu, 0x7F7F8000u, 0xFF7F8000u, 0x7F800000u, 0xFF800000u, 0x7FC00000u,
+                                0xFFFF8000u, 0xFFFFFFFFu, 0x00008000u, 0x80018000u, 0xBF808000u, 0x0000FFFFu};
+  uint64_t x = 0x9E3779B97F4A7C15ull;
+  for (int i = 0; i < 200000; ++i) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    pats.push_back(static_cast<uint32_t>(x));
+    pats.push_back((static_cast<uint32_t>(x) & 0xFFFF0000u) | 0x8000u);  // ties
+  }
+  int ties_away = 0;
+  for (uint32_t b : pats) {
+    const uint16_t hi = split_master_hi(b);
+    const int16_t lo = split_master_lo(b, hi);
+    ASSERT_EQ(split_master_bits(hi, lo), b) << std::hex << b;
+    float f;
+    std::memcpy(&f, &b, 4);
+    if (std::isnan(f)) continue;
+    const uint16_t rne = f32_to_bf16(f);
+    if ((b & 0xFFFFu) == 0x8000u && ((b >> 16) & 1u) == 0) {
+      EXPECT_EQ(hi, static_cast<uint16_t>((b >> 16) + 1)) << std::hex << b;  // away from zero
+      ++ties_away;
+    } else {
+      EXPECT_EQ(hi, rne) << std::hex << b;
+    }
+  }
+  EXPECT_GT(ties_away, 1000);
+  // The tensor forms.
+  const int64_t n = 5;
+  Tensor m = Tensor::from_floats({1.0f, -2.5f, 3.14159f, 1e-30f, -0.0f}, {n}, DType::f32, MemCategory::other);
+  m.data<float>()[0] = std::bit_cast<float>(0x3F808000u);
+  Tensor hi = Tensor::empty({n}, DType::bf16, Device::cpu(), MemCategory::other);
+  Tensor lo = Tensor::empty({n}, DType::i16, Device::cpu(), MemCategory::other);
+  Tensor back = Tensor::empty({n}, DType::f32, Device::cpu(), MemCategory::other);
+  split_master(m, hi, lo);
+  join_master(hi, lo, back);
+  for (int64_t i = 0; i < n; ++i) EXPECT_EQ(bits_of(back.data<float>()[i]), bits_of(m.data<float>()[i]));
+  EXPECT_EQ(hi.data<uint16_t>()[0], 0x3F81);
+  test::expect_error_contains([&] { split_master(m, lo, hi); }, "argument 'value' has dtype i16");
+}
+
+// One split-master state and its f32-master twin from the same fp32 masters (a fifth of them
+// exactly on a bf16 tie): value (bf16), remainder (i16), moments, and the twin's master (f32)
+// and bf16 model (rounded to nearest even).
+struct Twins {
+  Tensor lo, value, m, v;         // split
+  Tensor master, model, m2, v2;   // f32 master
+};
+Twins make_twins(int64_t n, DType md, uint64_t seed) {
+  std::vector<float> p = test::randn(n, seed);
+  for (int64_t i = 0; i < n; i += 5) p[i] = std::bit_cast<float>((bits_of(p[i]) & 0xFFFF0000u) | 0x8000u);
+  Twins t;
+  t.master = Tensor::from_floats(p, {n}, DType::f32, MemCategory::optimizer);
+  t.model = Tensor::from_floats(p, {n}, DType::bf16, MemCategory::params);
+  t.value = Tensor::empty({n}, DType::bf16, Device::cpu(), MemCategory::params);
+  t.lo = Tensor::empty({n}, DType::i16, Device::cpu(), MemCategory::optimizer);
+  split_master(t.master, t.value, t.lo);
+  t.m = Tensor::from_floats(test::randn(n, seed + 1, 0.1f), {n}, md, MemCategory::optimizer);
+  t.v = Tensor::from_floats(test::randu(n, seed + 2, 0.f, 0.01f), {n}, md, MemCategory::optimizer);
+  t.m2 = t.m.clone();
+  t.v2 = t.v.clone();
+  return t;
+}
+
+// The fp32 master stays bitwise the f32-master update's, step after step (both moment dtypes,
+// clipping and weight decay on); the value is its ties-away rounding, which is the f32 path's
+// model wherever the master is not on a tie, and a tie was met.
+void expect_twins_agree(const Twins& t) {
+  Tensor joined = Tensor::empty({t.master.numel()}, DType::f32, Device::cpu(), MemCategory::other);
+  join_master(t.value, t.lo, joined);
+  const int64_t n = t.master.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t b = bits_of(t.master.data<float>()[i]);
+    ASSERT_EQ(bits_of(joined.data<float>()[i]), b) << "element " << i;
+    ASSERT_EQ(t.value.data<uint16_t>()[i], split_master_hi(b)) << "element " << i;
+    if ((b & 0xFFFFu) != 0x8000u) ASSERT_EQ(t.value.data<uint16_t>()[i], t.model.data<uint16_t>()[i]) << i;
+  }
+  EXPECT_EQ(t.m.to_floats(), t.m2.to_floats());
+  EXPECT_EQ(t.v.to_floats(), t.v2.to_floats());
+}
+
+TEST(SplitMaster, UpdateKeepsTheFp32MasterBitForBit) {
+  const int64_t n = 203, cut = 150, row_len = 10;
+  for (DType md : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(md));
+    Twins t = make_twins(n, md, 70);
+    int differ = 0;  // the ties of the start: the two roundings part on about half of them
+    for (int64_t i = 0; i < n; ++i) differ += t.value.data<uint16_t>()[i] != t.model.data<uint16_t>()[i];
+    EXPECT_GT(differ, 5);
+    expect_twins_agree(t);
+    AdamWConfig cfg{0.9, 0.95, 1e-8};
+    cfg.seed = 5;
+    cfg.stream = 2;
+    for (int step = 1; step <= 4; ++step) {
+      const Tensor g = Tensor::from_floats(test::randn(n, 80 + step), {n}, DType::f32, MemCategory::grads);
+      cfg.grad_scale = step == 2 ? 0.5 : 1.0;
+      Tensor f1 = Tensor::zeros({1}, DType::i32, Device::cpu(), MemCategory::workspace), f2 = f1.clone();
+      if (step == 1) {  // plain
+        adamw_step(t.lo, g, t.m, t.v, step, 1e-2, 0.1, cfg, &t.value, &f1);
+        adamw_step(t.master, g, t.m2, t.v2, step, 1e-2, 0.1, cfg, &t.model, &f2);
+      } else if (step == 2 || step == 3) {  // with the sum of squares
+        Tensor s1 = Tensor::zeros({1}, DType::i64, Device::cpu(), MemCategory::other), s2 = s1.clone();
+        adamw_step_sum_squares(t.lo, g, t.m, t.v, step, 1e-2, 0.1, cut, cfg, &t.value, &f1, s1, 0);
+        adamw_step_sum_squares(t.master, g, t.m2, t.v2, step, 1e-2, 0.1, cut, cfg, &t.model, &f2, s2, 0);
+        EXPECT_EQ(s1.to_ints(), s2.to_ints());
+      } else {  // by rows, in two calls
+        for (const std::vector<int32_t>& rows : {std::vector<int32_t>{0, 3, 4, 20}, std::vector<int32_t>{1, 2, 5, 6, 7,
+                                                 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19}}) {
+          adamw_step_rows(t.lo, g, t.m, t.v, step, 1e-2, 0.1, cut, cfg, &t.value, &f1, rows, row_len);
+          adamw_step_rows(t.master, g, t.m2, t.v2, step, 1e-2, 0.1, cut, cfg, &t.model, &f2, rows, row_len);
+        }
+      }
+      EXPECT_EQ(f1.to_ints(), f2.to_ints());
+      expect_twins_agree(t);
+    }
+  }
+}
+
+TEST(SplitMaster, BadInputNamesTheMissingHalf) {
+  Tensor lo = Tensor::zeros({4}, DType::i16, Device::cpu(), MemCategory::optimizer);
+  Tensor f = Tensor::zeros({4}, DType::f32, Device::cpu(), MemCategory::optimizer);
+  Tensor f2 = f.clone(), f3 = f.clone();
+  test::expect_error_contains([&] { adamw_step(lo, f, f2, f3, 1, 0.1, 0, {}, nullptr); },
+                              "a split master (i16 remainder) needs the bf16 model tensor that holds its upper half; "
+                              "got no model tensor");
+  Tensor m32 = f.clone();
+  test::expect_error_contains([&] { adamw_step(lo, f, f2, f3, 1, 0.1, 0, {}, &m32); }, "got f32");
+  Tensor i32 = Tensor::zeros({4}, DType::i32, Device::cpu(), MemCategory::optimizer);
+  test::expect_error_contains([&] { adamw_step(i32, f, f2, f3, 1, 0.1, 0, {}, nullptr); },
+                              "argument 'master' has dtype i32, expected f32 (an fp32 master) or i16");
 }
 
 }  // namespace

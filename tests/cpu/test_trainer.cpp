@@ -2,11 +2,13 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "common/run.h"
 #include "common/testing.h"
+#include "common/tiny_models.h"
 #include "io/fs.h"
 #include "io/safetensors.h"
 #include "models/hf_io.h"
@@ -165,7 +167,7 @@ TEST(RunConfig, BackendTableIsParsedCheckedAndSavedInStateJson) {
                                       "backend.grouped_gemm_multi_stream_min_flops=5e8",
                                       "backend.grouped_gemm_threaded_enqueue=false",
                                       "backend.grouped_gemm_tma=false", "backend.optimizer_in_backward=false",
-                                      "train.steps=1"});
+                                      "backend.master_storage=\"f32\"", "train.steps=1"});
   EXPECT_EQ(c.backend.grouped_gemm_streams, 2);
   EXPECT_EQ(c.backend.gemm_heuristics, "exact");
   EXPECT_EQ(c.backend.grouped_gemm_same_dtype, "multi_stream");
@@ -173,6 +175,8 @@ TEST(RunConfig, BackendTableIsParsedCheckedAndSavedInStateJson) {
   EXPECT_FALSE(c.backend.grouped_gemm_threaded_enqueue);
   EXPECT_FALSE(c.backend.grouped_gemm_tma);
   EXPECT_FALSE(c.backend.optimizer_in_backward);
+  EXPECT_EQ(c.backend.master_storage, "f32");
+  EXPECT_NE(c.backend.summary().find("master_storage=f32"), std::string::npos);
   EXPECT_NE(c.backend.summary().find("grouped_gemm_tma=false"), std::string::npos);
   EXPECT_NE(c.backend.summary().find("optimizer_in_backward=false"), std::string::npos);
   EXPECT_NE(c.backend.summary().find("grouped_gemm_streams=2"), std::string::npos);
@@ -191,6 +195,8 @@ TEST(RunConfig, BackendTableIsParsedCheckedAndSavedInStateJson) {
                               "backend.gemm_heuristics = 'fast'");
   test::expect_error_contains([&] { load_run_config(run, {"backend.grouped_gemm_widening=cublas"}); },
                               "is not one of: multi_stream, wmma");
+  test::expect_error_contains([&] { load_run_config(run, {"backend.master_storage=\"bf16\""}); },
+                              "is not one of: split, f32");
   test::expect_error_contains([&] { load_run_config(run, {"backend.streams=2"}); },
                               "unknown key 'backend.streams'");
   nlohmann::json bad = nlohmann::json{{"grouped_gemm_streams", 0}};
@@ -384,6 +390,141 @@ TEST(Optimizer, SkipStepUndoesUpdatesMadeDuringTheBackward) {
   for (size_t i = 0; i < t.model().units().size(); ++i) EXPECT_EQ(t.state().owned(i).master.to_floats(), before[i]);
   for (Param* p : t.model().params())
     for (float v : p->value.to_floats()) ASSERT_TRUE(std::isfinite(v)) << p->name;
+}
+
+// ---- [backend] master_storage = "split" (bf16 parameters) ------------------------------------------
+
+const std::string kSplitMaster = "backend.master_storage=\"split\"";
+const std::string kF32Master = "backend.master_storage=\"f32\"";
+const std::string kBf16Params = "model.dtype=\"bf16\"";
+
+// On bf16 parameters the split master trains as the separate f32 master does (its values differ
+// only where a master sits exactly on a bf16 tie); 10 steps, save, resume, 10 steps == 20
+// straight bit for bit; the shards hold the f32 masters (joined), so either storage resumes the
+// other's checkpoints, the masters bit for bit; the backup restores both halves; 10 optimizer
+// bytes per element; split is the default for bf16 parameters and f32 parameters keep an f32
+// master whatever the setting; an unknown storage is an error.
+TEST(Optimizer, SplitMasterTrainsAsTheF32MasterResumesAndSharesItsCheckpoints) {
+  const std::string dir = make_tmpdir();
+  const std::string run = write_run(dir, small_model());
+  auto l_split = losses(Trainer(load_run_config(run, {kSplitMaster, kBf16Params}), nullptr).run());
+  auto l_adamw = losses(Trainer(load_run_config(run, {kBf16Params, kF32Master, "checkpoint.dir=\"\""}), nullptr).run());
+  ASSERT_EQ(l_split.size(), 20u);
+  for (size_t i = 0; i < l_split.size(); ++i) EXPECT_NEAR(l_split[i], l_adamw[i], 2e-3 * l_adamw[i]) << "step " << i;
+  EXPECT_LT(l_split.back(), l_split.front() - 1.0);
+
+  std::vector<double> l_resumed;
+  std::string ck;
+  std::vector<std::vector<float>> masters;
+  {
+    Trainer first(load_run_config(run, {kSplitMaster, kBf16Params, "checkpoint.dir=\"\""}), nullptr);
+    for (int i = 0; i < 10; ++i) l_resumed.push_back(first.train_step().loss);
+    ck = first.save_checkpoint(dir + "/ck_split");
+    for (size_t i = 0; i < first.model().units().size(); ++i)
+      masters.push_back(first.state().gather_master(i).to_floats());
+    SafetensorsReader shard(ck + "/shards/rank_00000.safetensors");
+    for (const SafetensorsEntry& e : shard.entries()) EXPECT_EQ(e.dtype, DType::f32) << e.name;
+    // The values are the masters' upper halves: the masters round to them ties away.
+    for (Param* p : first.model().params()) {
+      const std::vector<float> v = p->value.to_floats(),
+                               m = unit_slice(first.state().gather_master(static_cast<size_t>(p->unit->index)), *p)
+                                       .to_floats();
+      for (size_t k = 0; k < v.size(); ++k) {
+        uint32_t b;
+        std::memcpy(&b, &m[k], 4);
+        ASSERT_EQ(f32_to_bf16(v[k]), split_master_hi(b)) << p->name << " " << k;
+      }
+    }
+  }
+  {
+    Trainer second(load_run_config(run, {kSplitMaster, kBf16Params, "checkpoint.dir=\"\""}), nullptr);
+    second.load_checkpoint(ck);
+    EXPECT_EQ(second.step(), 10);
+    for (int i = 0; i < 10; ++i) l_resumed.push_back(second.train_step().loss);
+    EXPECT_EQ(l_resumed, l_split);
+  }
+  {  // the f32 master resumes it with the same masters (its values the masters rounded to nearest even)
+    Trainer a(load_run_config(run, {kBf16Params, kF32Master, "checkpoint.dir=\"\""}), nullptr);
+    a.load_checkpoint(ck);
+    for (size_t i = 0; i < a.model().units().size(); ++i) EXPECT_EQ(a.state().gather_master(i).to_floats(), masters[i]);
+    const std::string ck_adamw = a.save_checkpoint(dir + "/ck_adamw");
+    Trainer b(load_run_config(run, {kSplitMaster, kBf16Params, "checkpoint.dir=\"\""}), nullptr);
+    b.load_checkpoint(ck_adamw);
+    for (size_t i = 0; i < b.model().units().size(); ++i) EXPECT_EQ(b.state().gather_master(i).to_floats(), masters[i]);
+  }
+
+  // Memory and the skip_step backup.
+  Allocator& alloc = allocator_for(Device::cpu());
+  Trainer t(load_run_config(run, {kSplitMaster, kBf16Params, "checkpoint.dir=\"\"", "train.on_nonfinite=\"skip_step\""}),
+            nullptr);
+  int64_t n = 0;
+  for (ParamUnit* u : t.model().units()) n += u->numel;
+  EXPECT_EQ(optimizer_bytes_per_element(OptimizerKind::adamw, true), 10);
+  EXPECT_EQ(optimizer_bytes_per_element(OptimizerKind::adamw_bf16_moments, true), 6);
+  EXPECT_EQ(alloc.stats().live_of(MemCategory::optimizer), 10 * n);
+  for (int i = 0; i < 2; ++i) t.train_step();
+  EXPECT_EQ(alloc.stats().live_of(MemCategory::optimizer), 2 * 10 * n + 2 * n);  // + the backup and its upper half
+  auto snapshot = [&] {
+    std::vector<std::vector<float>> v;
+    for (size_t i = 0; i < t.model().units().size(); ++i) {
+      const ModelState::Owned ow = t.state().owned(i);
+      v.push_back(ow.master.to_floats());
+      v.push_back(ow.exp_avg.to_floats());
+      v.push_back(ow.exp_avg_sq.to_floats());
+    }
+    for (Param* p : t.model().params()) v.push_back(p->value.to_floats());
+    return v;
+  };
+  const auto before = snapshot();
+  t.state().save_backup();
+  Tensor flags = Tensor::zeros({static_cast<int64_t>(t.state().num_units())}, DType::i32, Device::cpu(),
+                               MemCategory::workspace);
+  t.state().step(3, 1e39, 0.1, AdamWConfig{}, &flags);
+  EXPECT_EQ(flags.to_ints()[0], 1);
+  EXPECT_NE(snapshot(), before);
+  t.state().restore_backup();
+  EXPECT_EQ(snapshot(), before);
+
+  // The default for bf16 parameters; f32 parameters keep their f32 masters (12 bytes).
+  EXPECT_EQ(load_run_config(run).backend.master_storage, "split");
+  {
+    const MemoryStats before = alloc.stats();
+    Trainer d(load_run_config(run, {kBf16Params, "checkpoint.dir=\"\""}), nullptr);
+    EXPECT_EQ(alloc.stats().live_of(MemCategory::optimizer) - before.live_of(MemCategory::optimizer), 10 * n);
+  }
+  {
+    const MemoryStats before = alloc.stats();
+    Trainer f(load_run_config(run, {kSplitMaster, "checkpoint.dir=\"\""}), nullptr);
+    EXPECT_EQ(alloc.stats().live_of(MemCategory::optimizer) - before.live_of(MemCategory::optimizer), 12 * n);
+  }
+  test::expect_error_contains([&] { load_run_config(run, {"backend.master_storage=\"bf16\""}); },
+                              "master_storage");
+}
+
+// A model with units whose values stay f32 (Qwen3.5's A_log and dt_bias) and bf16 parameters:
+// the bf16 units split their masters (10 bytes an element), the f32 ones keep an f32 master
+// (12), the closed form says so, and it trains.
+TEST(Optimizer, SplitMasterLeavesF32ValueUnitsWithAnF32Master) {
+  const std::string dir = make_tmpdir();
+  test::Qwen35Dims d;
+  d.vocab = 264;  // the demo corpus's byte tokenizer
+  const std::string run = write_run(dir, test::qwen35_config(d));
+  Allocator& alloc = allocator_for(Device::cpu());
+  const MemoryStats before = alloc.stats();
+  Trainer t(load_run_config(run, {kBf16Params, "checkpoint.dir=\"\"", "train.steps=3"}), nullptr);
+  int64_t want = 0, f32_units = 0;
+  std::vector<int64_t> sizes;
+  for (ParamUnit* u : t.model().units()) {
+    want += (u->f32_values ? 12 : 10) * u->numel;
+    f32_units += u->f32_values;
+    sizes.push_back(1);
+  }
+  ASSERT_GT(f32_units, 0);
+  EXPECT_EQ(alloc.stats().live_of(MemCategory::optimizer) - before.live_of(MemCategory::optimizer), want);
+  EXPECT_EQ(state_bytes(StateKind::replicated, t.model().units(), sizes, 2, OptimizerKind::adamw, true).optimizer, want);
+  const auto l = losses(t.run());
+  ASSERT_EQ(l.size(), 3u);
+  for (double x : l) EXPECT_TRUE(std::isfinite(x));
 }
 
 TEST(Optimizer, RunConfigNamesTheValidOptimizers) {

@@ -110,14 +110,16 @@ TEST(ModelGpu, EarlyGradNormIsTheNormOfTheStepsGradients) {
 
 // [backend] optimizer_in_backward on the GPU: the updates run on the copy stream beside the
 // backward (short blocks, lower priority). Bitwise the same losses, gradient norms, masters,
-// moments and values as the update after the backward, over steps, for both optimizers; and the
-// units really were updated early.
+// moments and values as the update after the backward, over steps, for both optimizers (with
+// the default split master) and with the separate f32 master; and the units really were updated
+// early.
 TEST(ModelGpu, UpdateDuringTheBackwardIsBitwiseTheUpdateAfterIt) {
   BB_REQUIRE_GPU();
   char tmpl[] = "/tmp/bb_model_gpu_XXXXXX";
   const std::string dir = mkdtemp(tmpl);
   const std::string run = tiny_run(dir);
-  for (const char* opt : {"primitives.optimizer=\"adamw\"", "primitives.optimizer=\"adamw_bf16_moments\""}) {
+  for (const char* opt : {"primitives.optimizer=\"adamw\"", "primitives.optimizer=\"adamw_bf16_moments\"",
+                          "backend.master_storage=\"f32\""}) {
     SCOPED_TRACE(opt);
     auto go = [&](const char* in_backward) {
       Trainer t(load_run_config(run, {"parallel.device=\"cuda\"", "train.steps=4", "train.grad_clip=0", opt,

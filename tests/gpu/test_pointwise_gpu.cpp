@@ -769,6 +769,81 @@ TEST(AdamWGpu, StepRowsIsBitwiseTheWholeUpdate) {
   }
 }
 
+// The split master ([backend] master_storage = "split") on the GPU: from the same fp32 masters (every 7th on a
+// bf16 tie) the split update keeps the master bitwise the f32-master kernels' (joined from the
+// bf16 value and the i16 remainder), its value is the master's ties-away rounding, and moments,
+// flags and norm slots are those of the f32 master: the whole update, the fused update + sum of
+// squares, and the row-wise update in two calls; both moment dtypes, short blocks or not, the
+// vector and the unaligned (scalar) paths, a scalar tail.
+TEST(AdamWGpu, SplitMasterKeepsTheFp32MasterBitForBit) {
+  BB_REQUIRE_GPU();
+  const int64_t row_len = 64, n = 1601 * row_len + 37, cut = 1000 * row_len + 3;
+  std::vector<float> p0 = randn(n, 611);
+  for (int64_t i = 0; i < n; i += 7) {
+    uint32_t b;
+    std::memcpy(&b, &p0[static_cast<size_t>(i)], 4);
+    b = (b & 0xFFFF0000u) | 0x8000u;
+    std::memcpy(&p0[static_cast<size_t>(i)], &b, 4);
+  }
+  const Tensor master_h = host(p0, {n}, DType::f32, MemCategory::optimizer);
+  Tensor value_h = Tensor::empty({n}, DType::bf16, Device::cpu(), MemCategory::params);
+  Tensor lo_h = Tensor::empty({n}, DType::i16, Device::cpu(), MemCategory::optimizer);
+  split_master(master_h, value_h, lo_h);
+  std::vector<int32_t> rows_a, rows_b;
+  for (int32_t r = 0; r <= static_cast<int32_t>(n / row_len); ++r) (r % 3 == 1 ? rows_a : rows_b).push_back(r);
+  for (DType md : {DType::f32, DType::bf16}) {
+    for (int64_t skew : {0, 1}) {
+      for (bool yield : {false, true}) {
+        SCOPED_TRACE(testing::Message() << "moments " << dtype_name(md) << " skew " << skew << " short blocks " << yield);
+        Tensor lo = on_gpu(lo_h, skew), value = on_gpu(value_h, skew), master = on_gpu(master_h, skew);
+        Tensor model = on_gpu(host(p0, {n}, DType::bf16, MemCategory::params), skew);
+        Tensor m1 = on_gpu(host(randn(n, 612, 0.1f), {n}, md, MemCategory::optimizer), skew), m2 = m1.clone();
+        Tensor v1 = on_gpu(host(test::randu(n, 613, 0.0f, 0.01f), {n}, md, MemCategory::optimizer), skew), v2 = v1.clone();
+        Tensor f1 = Tensor::zeros({1}, DType::i32, kGpu, MemCategory::workspace), f2 = f1.clone();
+        Tensor s1 = Tensor::zeros({2}, DType::i64, kGpu, MemCategory::other), s2 = s1.clone();
+        AdamWConfig cfg{0.9, 0.95, 1e-8};
+        cfg.seed = 4;
+        cfg.stream = 8;
+        cfg.yield_sms = yield;
+        for (int64_t step = 1; step <= 3; ++step) {
+          cfg.grad_scale = step == 2 ? 0.6 : 1.0;
+          Tensor g = on_gpu(host(randn(n, 620 + static_cast<uint64_t>(step)), {n}, DType::f32, MemCategory::grads), skew);
+          if (step == 1) {
+            adamw_step(lo, g, m1, v1, step, 1e-2, 0.1, cfg, &value, &f1);
+            adamw_step(master, g, m2, v2, step, 1e-2, 0.1, cfg, &model, &f2);
+          } else if (step == 2) {
+            adamw_step_sum_squares(lo, g, m1, v1, step, 1e-2, 0.1, cut, cfg, &value, &f1, s1, 1);
+            adamw_step_sum_squares(master, g, m2, v2, step, 1e-2, 0.1, cut, cfg, &model, &f2, s2, 1);
+          } else {
+            for (const auto* rows : {&rows_a, &rows_b}) {
+              adamw_step_rows(lo, g, m1, v1, step, 1e-2, 0.1, cut, cfg, &value, &f1, *rows, row_len);
+              adamw_step_rows(master, g, m2, v2, step, 1e-2, 0.1, cut, cfg, &model, &f2, *rows, row_len);
+            }
+          }
+          const Tensor vh = value.to(Device::cpu()), lh = lo.to(Device::cpu()), mh = master.to(Device::cpu()),
+                       rh = model.to(Device::cpu());
+          Tensor joined = Tensor::empty({n}, DType::f32, Device::cpu(), MemCategory::other);
+          join_master(vh, lh, joined);
+          for (int64_t i = 0; i < n; ++i) {
+            uint32_t b, j;
+            std::memcpy(&b, mh.data<float>() + i, 4);
+            std::memcpy(&j, joined.data<float>() + i, 4);
+            ASSERT_EQ(j, b) << "step " << step << " element " << i;
+            ASSERT_EQ(vh.data<uint16_t>()[i], split_master_hi(b)) << "step " << step << " element " << i;
+            if ((b & 0xFFFFu) != 0x8000u)  // off a tie, ties-away and ties-to-even agree
+              ASSERT_EQ(vh.data<uint16_t>()[i], rh.data<uint16_t>()[i]) << "step " << step << " element " << i;
+          }
+          EXPECT_EQ(m1.to_floats(), m2.to_floats()) << "step " << step;
+          EXPECT_EQ(v1.to_floats(), v2.to_floats()) << "step " << step;
+          EXPECT_EQ(f1.to_ints(), f2.to_ints());
+          EXPECT_EQ(s1.to_ints(), s2.to_ints());
+        }
+        EXPECT_NE(lo.to(Device::cpu()).to_ints(), lo_h.to_ints());  // it did update
+      }
+    }
+  }
+}
+
 // bf16 moments (adamw_bf16_moments): three steps, one clipped, from the same state on the GPU
 // and on the CPU. Both draw the same random words (moment_rounding.h), so the stored moments are
 // equal bit for bit except where the kernel's fp32 value (FMA-contracted) and the CPU's straddle

@@ -1,8 +1,10 @@
 // Multi-rank: data parallelism with each state family (replicated / zero1 / fsdp) against the
 // single-rank run on the same data, the closed-form memory of each family, and distributed
 // checkpoints (same-layout resume bit-exact, resume on fewer ranks, export); the memory, resume
-// and data-parallel checks also with primitives.optimizer = "adamw_bf16_moments". Runs at any
-// world size; the 4 -> 2 resharding test needs 4 ranks.
+// and data-parallel checks also with primitives.optimizer = "adamw_bf16_moments", the memory and
+// resume checks and a sharded-vs-whole run with a split master ([backend] master_storage =
+// "split" on bf16 parameters; on a GPU every run's parameters are bf16 and split by default).
+// Runs at any world size; the 4 -> 2 resharding test needs 4 ranks.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -55,8 +57,16 @@ TestRun make_run(const char* tag, const ModelConfig& m = small_model()) {
   return r;
 }
 
+const std::string kSplitOverride = "backend.master_storage=\"split\"";
+
 // With --device=cuda the runs are on the GPU (bf16 weights) over the test's backend.
 RunConfig config(const TestRun& r, std::vector<std::string> ov) {
+  // The split master keeps its upper half in bf16 values: on the CPU its runs use bf16 parameters.
+  for (const std::string& o : ov)
+    if (o == kSplitOverride) {
+      ov.push_back("model.dtype=\"bf16\"");
+      break;
+    }
   if (on_gpu()) {
     ov.insert(ov.begin(), {"parallel.device=\"cuda\"",
                            std::string("parallel.comm=\"") + comm::backend_name(world()->backend()) + "\""});
@@ -78,9 +88,13 @@ double rel_norm(const Tensor& a, const Tensor& b) {
 }
 
 const char* kKinds[] = {"replicated", "zero1", "fsdp"};
-const char* kOptimizers[] = {"adamw", "adamw_bf16_moments"};
+// Optimizer settings: the two members, and "split" (adamw with a split master on bf16 parameters).
+const char* kOptimizers[] = {"adamw", "adamw_bf16_moments", "split"};
 
-std::string optimizer_override(const char* opt) { return std::string("primitives.optimizer=\"") + opt + "\""; }
+std::string optimizer_override(const char* opt) {
+  if (std::string(opt) == "split") return kSplitOverride;
+  return std::string("primitives.optimizer=\"") + opt + "\"";
+}
 
 // DP = R with grad_accum A equals DP = 1 with grad_accum R x A: losses and grad norms of the
 // first 10 steps to 1e-6, final parameters to 1e-5, for every state family.
@@ -174,7 +188,8 @@ TEST(State, Bf16MomentsDataParallelEqualsTheSingleRankRun) {
 
 // Per-rank bytes of params, grads and optimizer equal the closed forms of state.h exactly: after
 // construction (live) and as the step's peak; optimizer bytes per owned element o = 12 (adamw:
-// fp32 master + two fp32 moments) or 8 (adamw_bf16_moments: fp32 master + two bf16 moments).
+// fp32 master + two fp32 moments) or 8 (adamw_bf16_moments: fp32 master + two bf16 moments), 2
+// less with a split master (a 2-byte remainder instead of the fp32 copy; bf16 parameters).
 TEST(State, MemoryEqualsTheClosedForms) {
   const int64_t R = world()->size();
   TestRun run = make_run("mem");
@@ -189,7 +204,8 @@ TEST(State, MemoryEqualsTheClosedForms) {
     // The closed forms, written out: n per unit, S = ceil(n / R), b-byte values, o optimizer
     // bytes per owned element.
     const int64_t b = static_cast<int64_t>(dtype_size(t.config().resolved_param_dtype()));
-    const int64_t o = std::string(opt) == "adamw" ? 12 : 8;
+    const bool split = b == 2 && t.config().backend.master_storage == "split";
+    const int64_t o = (split ? 2 : 4) + (std::string(opt) == "adamw_bf16_moments" ? 4 : 8);
     int64_t params = 0, grads = 0, opt = 0;
     std::vector<int64_t> sizes;
     for (ParamUnit* u : t.model().units()) {
@@ -201,7 +217,7 @@ TEST(State, MemoryEqualsTheClosedForms) {
       sizes.push_back(R);
     }
     const StateBytes sb = state_bytes(t.config().prim.state.value, t.model().units(), sizes, b,
-                                      t.config().prim.optimizer.value);
+                                      t.config().prim.optimizer.value, split);
     EXPECT_EQ(sb.params, params);
     EXPECT_EQ(sb.grads, grads);
     EXPECT_EQ(sb.optimizer, opt);
@@ -268,11 +284,35 @@ TEST(State, SameLayoutResumeIsBitExact) {
         const ModelState::Owned oa = a.state().owned(i), ob = b.state().owned(i);
         ASSERT_EQ(oa.len, ob.len);
         if (oa.len == 0) continue;
-        EXPECT_EQ(ob.exp_avg.dtype(), std::string(opt) == "adamw" ? DType::f32 : DType::bf16);
+        EXPECT_EQ(ob.exp_avg.dtype(), std::string(opt) == "adamw_bf16_moments" ? DType::bf16 : DType::f32);
         EXPECT_EQ(ob.exp_avg.to_floats(), oa.exp_avg.to_floats()) << a.model().units()[i]->name;
         EXPECT_EQ(ob.exp_avg_sq.to_floats(), oa.exp_avg_sq.to_floats()) << a.model().units()[i]->name;
       }
     }
+  }
+}
+
+// The split master on shards: zero1 and fsdp on R ranks update their slices of the values and
+// remainders as the whole state on one rank does (both with bf16 values, so within the bf16
+// tolerances of a GPU run: a wrong slice would be off by O(1)).
+TEST(State, SplitMasterShardsTrainAsTheWholeState) {
+  const int R = world()->size();
+  TestRun run = make_run("split");
+  const std::string opt = kSplitOverride;
+  Trainer ref(config(run, {"train.grad_accum=" + std::to_string(R), opt}), nullptr, Corpus{}, comm::self_group());
+  std::vector<StepMetrics> want;
+  for (int s = 0; s < 6; ++s) want.push_back(ref.train_step());
+  for (const char* kind : {"zero1", "fsdp"}) {
+    SCOPED_TRACE(kind);
+    Trainer t(config(run, {std::string("primitives.state=\"") + kind + "\"", opt}), nullptr, Corpus{}, world());
+    for (int s = 0; s < 6; ++s) {
+      const StepMetrics m = t.train_step();
+      EXPECT_LE(rel(m.loss, want[static_cast<size_t>(s)].loss), 2e-3) << "step " << s + 1;
+      EXPECT_LE(rel(m.grad_norm, want[static_cast<size_t>(s)].grad_norm), 2e-2) << "step " << s + 1;
+    }
+    std::vector<ParamUnit*> units = t.model().units();
+    for (size_t i = 0; i < units.size(); ++i)
+      EXPECT_LE(rel_norm(t.state().gather_master(i), ref.state().gather_master(i)), 1e-2) << units[i]->name;
   }
 }
 

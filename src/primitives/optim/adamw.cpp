@@ -64,12 +64,18 @@ namespace {
 struct Scalars {
   float step_size, inv_sqrt_bc2, decay, b1, b2, eps, gs;
   bool bf16_moments;
+  bool split;  // an i16 master: the split master (adamw.h)
 };
 
 Scalars check_adamw(const char* op, const Tensor& master, const Tensor& grad, const Tensor& exp_avg,
                     const Tensor& exp_avg_sq, int64_t step, double lr, double weight_decay, const AdamWConfig& cfg,
                     const Tensor* model, const Tensor* nonfinite) {
-  check_dtype(master, DType::f32, op, "master");
+  BB_CHECK(master.dtype() == DType::f32 || master.dtype() == DType::i16, op, ": argument 'master' has dtype ",
+           dtype_name(master.dtype()), ", expected f32 (an fp32 master) or i16 (a split master's remainder)");
+  const bool split = master.dtype() == DType::i16;
+  BB_CHECK(!split || (model && model->dtype() == DType::bf16), op,
+           ": a split master (i16 remainder) needs the bf16 model tensor that holds its upper half; got ",
+           model ? dtype_name(model->dtype()) : "no model tensor");
   check_dtype(grad, DType::f32, op, "grad");
   BB_CHECK(exp_avg.dtype() == DType::f32 || exp_avg.dtype() == DType::bf16, op,
            ": argument 'exp_avg' has dtype ", dtype_name(exp_avg.dtype()),
@@ -111,9 +117,55 @@ Scalars check_adamw(const char* op, const Tensor& master, const Tensor& grad, co
     require_cuda_build(op, master);
     if (model) check_cuda_float(*model, op, "model");
   }
-  return {step_size, inv_sqrt_bc2, decay, b1, b2, eps, gs, bf16_moments};
+  return {step_size, inv_sqrt_bc2, decay, b1, b2, eps, gs, bf16_moments, split};
 }
+
+#ifdef BB_WITH_CUDA
+cuda::AdamWScalars cuda_scalars(const Scalars& sc, const AdamWConfig& cfg) {
+  cuda::AdamWScalars s{sc.step_size, sc.inv_sqrt_bc2, sc.decay, sc.b1, sc.b2, sc.eps, sc.gs, cfg.yield_sms};
+  s.split_master = sc.split;
+  return s;
+}
+#endif
 }  // namespace
+
+void split_master(const Tensor& master, Tensor& value, Tensor& lo) {
+  const char* op = "split_master";
+  check_dtype(master, DType::f32, op, "master");
+  check_dtype(value, DType::bf16, op, "value");
+  check_dtype(lo, DType::i16, op, "lo");
+  BB_CHECK(master.device().is_cpu() && value.device().is_cpu() && lo.device().is_cpu(), op, ": host tensors only");
+  const int64_t n = master.numel();
+  BB_CHECK(value.numel() == n && lo.numel() == n, op, ": sizes differ: master ", n, ", value ", value.numel(), ", lo ",
+           lo.numel());
+  const float* p = master.data<float>();
+  uint16_t* hi = value.data<uint16_t>();
+  int16_t* l = lo.data<int16_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t b;
+    std::memcpy(&b, p + i, 4);
+    hi[i] = split_master_hi(b);
+    l[i] = split_master_lo(b, hi[i]);
+  }
+}
+
+void join_master(const Tensor& value, const Tensor& lo, Tensor& master) {
+  const char* op = "join_master";
+  check_dtype(master, DType::f32, op, "master");
+  check_dtype(value, DType::bf16, op, "value");
+  check_dtype(lo, DType::i16, op, "lo");
+  BB_CHECK(master.device().is_cpu() && value.device().is_cpu() && lo.device().is_cpu(), op, ": host tensors only");
+  const int64_t n = master.numel();
+  BB_CHECK(value.numel() == n && lo.numel() == n, op, ": sizes differ: master ", n, ", value ", value.numel(), ", lo ",
+           lo.numel());
+  float* p = master.data<float>();
+  const uint16_t* hi = value.data<uint16_t>();
+  const int16_t* l = lo.data<int16_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t b = split_master_bits(hi[i], l[i]);
+    std::memcpy(p + i, &b, 4);
+  }
+}
 
 void adamw_step(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,
                 int64_t step, double lr, double weight_decay, const AdamWConfig& cfg,
@@ -121,23 +173,31 @@ void adamw_step(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp
   BB_RANGE("adamw_step");
   const Scalars sc = check_adamw("adamw_step", master, grad, exp_avg, exp_avg_sq, step, lr, weight_decay, cfg,
                                  model, nonfinite);
-  const auto [step_size, inv_sqrt_bc2, decay, b1, b2, eps, gs, bf16_moments] = sc;
+  const auto [step_size, inv_sqrt_bc2, decay, b1, b2, eps, gs, bf16_moments, split] = sc;
   const int64_t n = master.numel();
   if (master.device().is_cuda()) {
 #ifdef BB_WITH_CUDA
-    const cuda::AdamWScalars s{step_size, inv_sqrt_bc2, decay, b1, b2, eps, gs, cfg.yield_sms};
+    const cuda::AdamWScalars s = cuda_scalars(sc, cfg);
     if (bf16_moments)
-      cuda::adamw_step_bf16_moments(master.data<float>(), grad.data<float>(), exp_avg.data<uint16_t>(),
+      cuda::adamw_step_bf16_moments(master.raw(), grad.data<float>(), exp_avg.data<uint16_t>(),
                                     exp_avg_sq.data<uint16_t>(), model ? model->raw() : nullptr,
                                     model ? model->dtype() : DType::f32, n, s,
                                     moment_rounding_key(cfg.seed, cfg.stream, step), cfg.first_element,
                                     nonfinite ? nonfinite->data<int32_t>() : nullptr);
     else
-      cuda::adamw_step(master.data<float>(), grad.data<float>(), exp_avg.data<float>(),
+      cuda::adamw_step(master.raw(), grad.data<float>(), exp_avg.data<float>(),
                        exp_avg_sq.data<float>(), model ? model->raw() : nullptr,
                        model ? model->dtype() : DType::f32, n, s,
                        nonfinite ? nonfinite->data<int32_t>() : nullptr);
 #endif
+    return;
+  }
+  if (split) {
+    // The CPU reference of the split master: join, the fp32-master update, split.
+    Tensor full = Tensor::empty({n}, DType::f32, Device::cpu(), MemCategory::other);
+    join_master(*model, master, full);
+    adamw_step(full, grad, exp_avg, exp_avg_sq, step, lr, weight_decay, cfg, nullptr, nonfinite);
+    split_master(full, *model, master);
     return;
   }
   if (bf16_moments) {
@@ -207,13 +267,13 @@ void adamw_step_sum_squares(Tensor& master, const Tensor& grad, Tensor& exp_avg,
 #ifdef BB_WITH_CUDA
   if (master.device().is_cuda()) {
     BB_RANGE("adamw_step");
-    cuda::AdamWScalars s{sc.step_size, sc.inv_sqrt_bc2, sc.decay, sc.b1, sc.b2, sc.eps, sc.gs, cfg.yield_sms};
+    cuda::AdamWScalars s = cuda_scalars(sc, cfg);
     s.decay_end = decay_numel;
     Tensor partial = Tensor::empty({cuda::sum_squares_max_slots(n)}, DType::i64, master.device(),
                                    MemCategory::workspace);
     auto* pp = reinterpret_cast<double*>(partial.data<int64_t>());
     const int64_t k = cuda::adamw_step_sum_squares(
-        master.data<float>(), grad.data<float>(), exp_avg.raw(), exp_avg_sq.raw(), sc.bf16_moments,
+        master.raw(), grad.data<float>(), exp_avg.raw(), exp_avg_sq.raw(), sc.bf16_moments,
         model ? model->raw() : nullptr, model ? model->dtype() : DType::f32, n, s,
         moment_rounding_key(cfg.seed, cfg.stream, step), cfg.first_element,
         nonfinite ? nonfinite->data<int32_t>() : nullptr, pp);
@@ -269,12 +329,12 @@ void adamw_step_rows(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor
   if (master.device().is_cuda()) {
 #ifdef BB_WITH_CUDA
     BB_RANGE("adamw_step");
-    cuda::AdamWScalars s{sc.step_size, sc.inv_sqrt_bc2, sc.decay, sc.b1, sc.b2, sc.eps, sc.gs, cfg.yield_sms};
+    cuda::AdamWScalars s = cuda_scalars(sc, cfg);
     s.decay_end = decay_numel;
     const auto k = static_cast<int64_t>(rows.size());
     Tensor list = Tensor::empty({k}, DType::i32, master.device(), MemCategory::workspace);
     cuda::memcpy(list.raw(), master.device(), rows.data(), Device::cpu(), rows.size() * sizeof(int32_t));
-    cuda::adamw_step_rows(master.data<float>(), grad.data<float>(), exp_avg.raw(), exp_avg_sq.raw(), sc.bf16_moments,
+    cuda::adamw_step_rows(master.raw(), grad.data<float>(), exp_avg.raw(), exp_avg_sq.raw(), sc.bf16_moments,
                           model ? model->raw() : nullptr, model ? model->dtype() : DType::f32, n,
                           list.data<int32_t>(), k, row_len, s, moment_rounding_key(cfg.seed, cfg.stream, step),
                           cfg.first_element, nonfinite ? nonfinite->data<int32_t>() : nullptr);

@@ -14,8 +14,19 @@
 // (`adamw_bf16_moments`): m and v are loaded from bf16, updated in fp32, the weight update uses
 // those fp32 values, and they are stored stochastically rounded to bf16 (moment_rounding.h:
 // unbiased, random bits keyed on (seed, stream, step, first_element + i)).
+//
+// Split master ([backend] master_storage = "split", the default for bf16 parameters): `master`
+// is i16 and the fp32 master is held in two halves, the bf16 `model` tensor (required) its upper
+// half and `master` the remainder:
+//   bits(master fp32) = (bits(model) << 16) + lo     (32-bit wrap-around, lo a signed 16-bit int)
+// The update reads both, computes exactly as above on that fp32 value, and writes the new value
+// back split: model = the new master rounded to bf16 to nearest with ties AWAY from zero (the
+// one rounding whose remainder always fits 16 signed bits; round-to-nearest-even differs only
+// when the dropped half is exactly 0x8000), lo = the exact remainder. The fp32 master is kept
+// exactly (bitwise the f32-master update's), 2 bytes an element instead of 4 + the bf16 copy.
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "core/tensor.h"
@@ -38,6 +49,18 @@ struct AdamWConfig {
   // them (the training state's update beside the backward).
   bool yield_sms = false;
 };
+
+// The split master's halves (see above) and the fp32 bits they hold; exact for every bit pattern.
+inline uint16_t split_master_hi(uint32_t bits) { return static_cast<uint16_t>((bits + 0x8000u) >> 16); }
+inline int16_t split_master_lo(uint32_t bits, uint16_t hi) {
+  return static_cast<int16_t>(static_cast<uint16_t>(bits - (static_cast<uint32_t>(hi) << 16)));
+}
+inline uint32_t split_master_bits(uint16_t hi, int16_t lo) {
+  return (static_cast<uint32_t>(hi) << 16) + static_cast<uint32_t>(static_cast<int32_t>(lo));
+}
+// Host tensors: value [n] bf16 and lo [n] i16 <- the split of master [n] f32, and back.
+void split_master(const Tensor& master, Tensor& value, Tensor& lo);
+void join_master(const Tensor& value, const Tensor& lo, Tensor& master);
 
 // step is 1-based. lr and weight_decay are per call (schedules and no-decay groups).
 // `nonfinite`, if given, is an i32 [1] tensor on the master's device that the same pass sets to

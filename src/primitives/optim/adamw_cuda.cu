@@ -35,11 +35,51 @@ __device__ __forceinline__ float decay_of(const AdamWScalars& s, int64_t i) {
   return i < s.decay_end ? s.decay : 1.0f;
 }
 
-template <int M, bool kSq = false, class TM>
-__device__ __forceinline__ void adamw_elems(float* p, const float* g, float* m, float* v, TM* model,
+// The master's fp32 values of elements [i, i + M): f32 at p, or (kSplit) joined from the bf16
+// model (upper half) and the i16 remainder at p (adamw.h: bits = (hi << 16) + lo).
+template <int M, bool kSplit, class TM>
+__device__ __forceinline__ void load_master(const void* p, const TM* model, int64_t i, float (&pv)[M]) {
+  if constexpr (kSplit) {
+    static_assert(std::is_same_v<TM, bf16_t>, "a split master's upper half is the bf16 model");
+    const Pack<uint16_t, M> hi = *reinterpret_cast<const Pack<uint16_t, M>*>(model + i);
+    const Pack<int16_t, M> lo = *reinterpret_cast<const Pack<int16_t, M>*>(static_cast<const int16_t*>(p) + i);
+#pragma unroll
+    for (int k = 0; k < M; ++k)
+      pv[k] = __uint_as_float((static_cast<uint32_t>(hi.v[k]) << 16) +
+                              static_cast<uint32_t>(static_cast<int32_t>(lo.v[k])));
+  } else {
+    load<float, M>(static_cast<const float*>(p) + i, pv);
+  }
+}
+
+// The new master: f32 at p and, when there is one, the model rounded to its dtype (bf16: to
+// nearest even); or (kSplit) the model = the master rounded to nearest with ties away from zero
+// and the exact remainder at p.
+template <int M, bool kSplit, class TM>
+__device__ __forceinline__ void store_master(void* p, TM* model, int64_t i, const float (&pv)[M]) {
+  if constexpr (kSplit) {
+    Pack<uint16_t, M> hi;
+    Pack<int16_t, M> lo;
+#pragma unroll
+    for (int k = 0; k < M; ++k) {
+      const uint32_t b = __float_as_uint(pv[k]);
+      const uint32_t h = (b + 0x8000u) >> 16;
+      hi.v[k] = static_cast<uint16_t>(h);
+      lo.v[k] = static_cast<int16_t>(static_cast<uint16_t>(b - (h << 16)));
+    }
+    *reinterpret_cast<Pack<uint16_t, M>*>(model + i) = hi;
+    *reinterpret_cast<Pack<int16_t, M>*>(static_cast<int16_t*>(p) + i) = lo;
+  } else {
+    store<float, M>(static_cast<float*>(p) + i, pv);
+    if (model) store<TM, M>(model + i, pv);
+  }
+}
+
+template <int M, bool kSplit, bool kSq = false, class TM>
+__device__ __forceinline__ void adamw_elems(void* p, const float* g, float* m, float* v, TM* model,
                                             int64_t i, const AdamWScalars& s, bool& bad, double& sq) {
   float pv[M], gv[M], mv[M], vv[M];
-  load<float, M>(p + i, pv);
+  load_master<M, kSplit>(p, model, i, pv);
   load<float, M>(g + i, gv);
   load<float, M>(m + i, mv);
   load<float, M>(v + i, vv);
@@ -56,15 +96,14 @@ __device__ __forceinline__ void adamw_elems(float* p, const float* g, float* m, 
     pv[k] -= s.step_size * mv[k] / (sqrtf(vv[k]) * s.inv_sqrt_bc2 + s.eps);
     bad |= !isfinite(pv[k]) || !isfinite(mv[k]) || !isfinite(vv[k]);
   }
-  store<float, M>(p + i, pv);
+  store_master<M, kSplit>(p, model, i, pv);
   store<float, M>(m + i, mv);
   store<float, M>(v + i, vv);
-  if (model) store<TM, M>(model + i, pv);
 }
 
-template <class TM, int V>
+template <class TM, int V, bool kSplit>
 __global__ void __launch_bounds__(kThreads)
-    adamw_kernel(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
+    adamw_kernel(void* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
                  float* __restrict__ v, TM* __restrict__ model, int64_t n, AdamWScalars s,
                  int32_t* __restrict__ nonfinite) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -72,8 +111,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t nv = n / V;
   bool bad = false;
   double unused = 0;
-  for (int64_t i = gid; i < nv; i += stride) adamw_elems<V>(p, g, m, v, model, i * V, s, bad, unused);
-  for (int64_t i = nv * V + gid; i < n; i += stride) adamw_elems<1>(p, g, m, v, model, i, s, bad, unused);
+  for (int64_t i = gid; i < nv; i += stride) adamw_elems<V, kSplit>(p, g, m, v, model, i * V, s, bad, unused);
+  for (int64_t i = nv * V + gid; i < n; i += stride) adamw_elems<1, kSplit>(p, g, m, v, model, i, s, bad, unused);
   // Every writer stores the same value, so the race is benign; no atomics, no extra pass.
   if (bad && nonfinite) *nonfinite = 1;
 }
@@ -82,12 +121,12 @@ __global__ void __launch_bounds__(kThreads)
 // then are stored stochastically rounded with element (first + i)'s random word (low half m,
 // high half v). When the M elements start a Philox block (first + i divisible by 4), one block
 // gives all four words; otherwise each element computes its own block (same words).
-template <int M, bool kSq = false, class TM>
-__device__ __forceinline__ void adamw_bf16m_elems(float* p, const float* g, bf16_t* m, bf16_t* v, TM* model,
+template <int M, bool kSplit, bool kSq = false, class TM>
+__device__ __forceinline__ void adamw_bf16m_elems(void* p, const float* g, bf16_t* m, bf16_t* v, TM* model,
                                                   int64_t i, const AdamWScalars& s, uint64_t key,
                                                   int64_t first, bool& bad, double& sq) {
   float pv[M], gv[M], mv[M], vv[M];
-  load<float, M>(p + i, pv);
+  load_master<M, kSplit>(p, model, i, pv);
   load<float, M>(g + i, gv);
   if constexpr (kSq) {
 #pragma unroll
@@ -117,15 +156,14 @@ __device__ __forceinline__ void adamw_bf16m_elems(float* p, const float* g, bf16
     vo.v[k] = f32_to_bf16_stochastic(vv[k], w[k] >> 16);
     bad |= !isfinite(pv[k]) || bf16_bits_nonfinite(mo.v[k]) || bf16_bits_nonfinite(vo.v[k]);
   }
-  store<float, M>(p + i, pv);
+  store_master<M, kSplit>(p, model, i, pv);
   *reinterpret_cast<Pack<bf16_t, M>*>(m + i) = mo;
   *reinterpret_cast<Pack<bf16_t, M>*>(v + i) = vo;
-  if (model) store<TM, M>(model + i, pv);
 }
 
-template <class TM, int V>
+template <class TM, int V, bool kSplit>
 __global__ void __launch_bounds__(kThreads)
-    adamw_bf16m_kernel(float* __restrict__ p, const float* __restrict__ g, bf16_t* __restrict__ m,
+    adamw_bf16m_kernel(void* __restrict__ p, const float* __restrict__ g, bf16_t* __restrict__ m,
                        bf16_t* __restrict__ v, TM* __restrict__ model, int64_t n, AdamWScalars s, uint64_t key,
                        int64_t first, int32_t* __restrict__ nonfinite) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -134,9 +172,9 @@ __global__ void __launch_bounds__(kThreads)
   bool bad = false;
   double unused = 0;
   for (int64_t i = gid; i < nv; i += stride)
-    adamw_bf16m_elems<V>(p, g, m, v, model, i * V, s, key, first, bad, unused);
+    adamw_bf16m_elems<V, kSplit>(p, g, m, v, model, i * V, s, key, first, bad, unused);
   for (int64_t i = nv * V + gid; i < n; i += stride)
-    adamw_bf16m_elems<1>(p, g, m, v, model, i, s, key, first, bad, unused);
+    adamw_bf16m_elems<1, kSplit>(p, g, m, v, model, i, s, key, first, bad, unused);
   if (bad && nonfinite) *nonfinite = 1;  // benign race: every writer stores 1
 }
 
@@ -264,9 +302,9 @@ __global__ void __launch_bounds__(kFinishThreads)
 // of the sum is one block's share of the update, with the squares of the gradient values the
 // update loads. Vector width 4 (the caller checks the alignment, as launch_sum_squares<float>
 // would pick width 4 for the same gradient).
-template <class TM, bool kBf16M>
+template <class TM, bool kBf16M, bool kSplit>
 __global__ void __launch_bounds__(kThreads)
-    adamw_sq_kernel(float* __restrict__ p, const float* __restrict__ g, void* __restrict__ m,
+    adamw_sq_kernel(void* __restrict__ p, const float* __restrict__ g, void* __restrict__ m,
                     void* __restrict__ v, TM* __restrict__ model, int64_t n, AdamWScalars s, uint64_t key,
                     int64_t first, int32_t* __restrict__ nonfinite, double* __restrict__ partial) {
   const int64_t slices = slices_of(n, 4);
@@ -275,10 +313,10 @@ __global__ void __launch_bounds__(kThreads)
     const double sum = slice_sum<4>(j, n, slices, [&](int64_t e, auto mw, double& acc) {
       constexpr int M = decltype(mw)::value;
       if constexpr (kBf16M)
-        adamw_bf16m_elems<M, true>(p, g, static_cast<bf16_t*>(m), static_cast<bf16_t*>(v), model, e, s, key,
-                                   first, bad, acc);
+        adamw_bf16m_elems<M, kSplit, true>(p, g, static_cast<bf16_t*>(m), static_cast<bf16_t*>(v), model, e, s,
+                                           key, first, bad, acc);
       else
-        adamw_elems<M, true>(p, g, static_cast<float*>(m), static_cast<float*>(v), model, e, s, bad, acc);
+        adamw_elems<M, kSplit, true>(p, g, static_cast<float*>(m), static_cast<float*>(v), model, e, s, bad, acc);
     });
     if (threadIdx.x == 0) partial[j] = sum;
   }
@@ -288,9 +326,9 @@ __global__ void __launch_bounds__(kThreads)
 // One block per listed row of row_len elements (the unit's last row may be shorter): the
 // row's elements through the same element code as the whole-unit kernels, at their unit
 // element index (decay and rounding words as there).
-template <class TM, int V, bool kBf16M>
+template <class TM, int V, bool kBf16M, bool kSplit>
 __global__ void __launch_bounds__(kThreads)
-    adamw_rows_kernel(float* __restrict__ p, const float* __restrict__ g, void* __restrict__ m,
+    adamw_rows_kernel(void* __restrict__ p, const float* __restrict__ g, void* __restrict__ m,
                       void* __restrict__ v, TM* __restrict__ model, int64_t n, const int32_t* __restrict__ rows,
                       int64_t row_len, AdamWScalars s, uint64_t key, int64_t first,
                       int32_t* __restrict__ nonfinite) {
@@ -301,10 +339,10 @@ __global__ void __launch_bounds__(kThreads)
   auto visit = [&](int64_t e, auto mw) {
     constexpr int M = decltype(mw)::value;
     if constexpr (kBf16M)
-      adamw_bf16m_elems<M>(p, g, static_cast<bf16_t*>(m), static_cast<bf16_t*>(v), model, e, s, key, first, bad,
-                           unused);
+      adamw_bf16m_elems<M, kSplit>(p, g, static_cast<bf16_t*>(m), static_cast<bf16_t*>(v), model, e, s, key, first,
+                                   bad, unused);
     else
-      adamw_elems<M>(p, g, static_cast<float*>(m), static_cast<float*>(v), model, e, s, bad, unused);
+      adamw_elems<M, kSplit>(p, g, static_cast<float*>(m), static_cast<float*>(v), model, e, s, bad, unused);
   };
   const int64_t nv = len / V;
   for (int64_t c = threadIdx.x; c < nv; c += kThreads) visit(base + c * V, std::integral_constant<int, V>{});
@@ -352,31 +390,36 @@ size_t yield_smem(K* kernel, bool short_blocks) {
   return bytes;
 }
 
-template <class TM>
-void launch_adamw(float* p, const float* g, float* m, float* v, TM* model, int64_t n,
+// The master's 16-byte (f32) or 8-byte (a split master's remainder) alignment for 4-wide
+// accesses.
+size_t master_align(bool split) { return split ? 8 : 16; }
+
+template <class TM, bool kSplit>
+void launch_adamw(void* p, const float* g, float* m, float* v, TM* model, int64_t n,
                   const AdamWScalars& s, int32_t* nonfinite) {
-  const bool vec = aligned(p, 16) && aligned(g, 16) && aligned(m, 16) && aligned(v, 16) &&
+  const bool vec = aligned(p, master_align(kSplit)) && aligned(g, 16) && aligned(m, 16) && aligned(v, 16) &&
                    (model == nullptr || aligned(model, 4 * sizeof(TM)));
   if (vec)
-    adamw_kernel<TM, 4><<<update_blocks(ceil_div(n, 4), s.short_blocks), kThreads, 0, stream()>>>(p, g, m, v, model, n,
-                                                                            s, nonfinite);
+    adamw_kernel<TM, 4, kSplit><<<update_blocks(ceil_div(n, 4), s.short_blocks), kThreads, 0, stream()>>>(
+        p, g, m, v, model, n, s, nonfinite);
   else
-    adamw_kernel<TM, 1><<<update_blocks(n, s.short_blocks), kThreads, 0, stream()>>>(p, g, m, v, model, n, s, nonfinite);
+    adamw_kernel<TM, 1, kSplit><<<update_blocks(n, s.short_blocks), kThreads, 0, stream()>>>(p, g, m, v, model, n, s,
+                                                                                           nonfinite);
   BB_CHECK_LAUNCH();
 }
 
-template <class TM>
-void launch_adamw_bf16m(float* p, const float* g, bf16_t* m, bf16_t* v, TM* model, int64_t n,
+template <class TM, bool kSplit>
+void launch_adamw_bf16m(void* p, const float* g, bf16_t* m, bf16_t* v, TM* model, int64_t n,
                         const AdamWScalars& s, uint64_t key, int64_t first, int32_t* nonfinite) {
-  // Four elements per access: 16 bytes of p and g, 8 of each bf16 moment.
-  const bool vec = aligned(p, 16) && aligned(g, 16) && aligned(m, 4 * sizeof(bf16_t)) &&
+  // Four elements per access: 16 bytes of p (8 of a split remainder) and g, 8 of each bf16 moment.
+  const bool vec = aligned(p, master_align(kSplit)) && aligned(g, 16) && aligned(m, 4 * sizeof(bf16_t)) &&
                    aligned(v, 4 * sizeof(bf16_t)) && (model == nullptr || aligned(model, 4 * sizeof(TM)));
   if (vec)
-    adamw_bf16m_kernel<TM, 4><<<update_blocks(ceil_div(n, 4), s.short_blocks), kThreads, 0, stream()>>>(
+    adamw_bf16m_kernel<TM, 4, kSplit><<<update_blocks(ceil_div(n, 4), s.short_blocks), kThreads, 0, stream()>>>(
         p, g, m, v, model, n, s, key, first, nonfinite);
   else
-    adamw_bf16m_kernel<TM, 1><<<update_blocks(n, s.short_blocks), kThreads, 0, stream()>>>(p, g, m, v, model, n, s,
-                                                                                         key, first, nonfinite);
+    adamw_bf16m_kernel<TM, 1, kSplit><<<update_blocks(n, s.short_blocks), kThreads, 0, stream()>>>(
+        p, g, m, v, model, n, s, key, first, nonfinite);
   BB_CHECK_LAUNCH();
 }
 
@@ -405,25 +448,39 @@ int64_t launch_sum_squares(double* partial, const void* x, int64_t n) {
 
 }  // namespace
 
-void adamw_step(float* master, const float* grad, float* exp_avg, float* exp_avg_sq, void* model,
+namespace {
+void check_split(const AdamWScalars& s, const void* model, DType model_dtype) {
+  BB_CHECK(!s.split_master || (model && model_dtype == DType::bf16),
+           "adamw (CUDA): a split master needs the bf16 model tensor that holds its upper half");
+}
+}  // namespace
+
+void adamw_step(void* master, const float* grad, float* exp_avg, float* exp_avg_sq, void* model,
                 DType model_dtype, int64_t n, const AdamWScalars& s, int32_t* nonfinite) {
   if (n == 0) return;
-  if (model && model_dtype == DType::bf16)
-    launch_adamw<bf16_t>(master, grad, exp_avg, exp_avg_sq, static_cast<bf16_t*>(model), n, s, nonfinite);
+  check_split(s, model, model_dtype);
+  auto* mb = static_cast<bf16_t*>(model);
+  if (s.split_master)
+    launch_adamw<bf16_t, true>(master, grad, exp_avg, exp_avg_sq, mb, n, s, nonfinite);
+  else if (model && model_dtype == DType::bf16)
+    launch_adamw<bf16_t, false>(master, grad, exp_avg, exp_avg_sq, mb, n, s, nonfinite);
   else
-    launch_adamw<float>(master, grad, exp_avg, exp_avg_sq, static_cast<float*>(model), n, s, nonfinite);
+    launch_adamw<float, false>(master, grad, exp_avg, exp_avg_sq, static_cast<float*>(model), n, s, nonfinite);
 }
 
-void adamw_step_bf16_moments(float* master, const float* grad, uint16_t* exp_avg, uint16_t* exp_avg_sq,
+void adamw_step_bf16_moments(void* master, const float* grad, uint16_t* exp_avg, uint16_t* exp_avg_sq,
                              void* model, DType model_dtype, int64_t n, const AdamWScalars& s, uint64_t key,
                              int64_t first_element, int32_t* nonfinite) {
   if (n == 0) return;
-  if (model && model_dtype == DType::bf16)
-    launch_adamw_bf16m<bf16_t>(master, grad, exp_avg, exp_avg_sq, static_cast<bf16_t*>(model), n, s, key,
-                               first_element, nonfinite);
+  check_split(s, model, model_dtype);
+  auto* mb = static_cast<bf16_t*>(model);
+  if (s.split_master)
+    launch_adamw_bf16m<bf16_t, true>(master, grad, exp_avg, exp_avg_sq, mb, n, s, key, first_element, nonfinite);
+  else if (model && model_dtype == DType::bf16)
+    launch_adamw_bf16m<bf16_t, false>(master, grad, exp_avg, exp_avg_sq, mb, n, s, key, first_element, nonfinite);
   else
-    launch_adamw_bf16m<float>(master, grad, exp_avg, exp_avg_sq, static_cast<float*>(model), n, s, key,
-                              first_element, nonfinite);
+    launch_adamw_bf16m<float, false>(master, grad, exp_avg, exp_avg_sq, static_cast<float*>(model), n, s, key,
+                                     first_element, nonfinite);
 }
 
 void mark_nonfinite(int32_t* flag, const void* x, DType dtype, int64_t n) {
@@ -487,67 +544,67 @@ void sum_squares_finish(double* out, const double* partial, int64_t slots) {
   BB_CHECK_LAUNCH();
 }
 
-int64_t adamw_step_sum_squares(float* master, const float* grad, void* exp_avg, void* exp_avg_sq, bool bf16_moments,
+int64_t adamw_step_sum_squares(void* master, const float* grad, void* exp_avg, void* exp_avg_sq, bool bf16_moments,
                                void* model, DType model_dtype, int64_t n, const AdamWScalars& s, uint64_t key,
                                int64_t first_element, int32_t* nonfinite, double* partial) {
+  check_split(s, model, model_dtype);
   const size_t model_align = model_dtype == DType::bf16 ? 8 : 16;
   const size_t moment_align = bf16_moments ? 8 : 16;
-  if (!(aligned(master, 16) && aligned(grad, 16) && aligned(exp_avg, moment_align) &&
+  if (!(aligned(master, master_align(s.split_master)) && aligned(grad, 16) && aligned(exp_avg, moment_align) &&
         aligned(exp_avg_sq, moment_align) && (model == nullptr || aligned(model, model_align))))
     return -1;
   const int64_t slices = slices_of(n, 4);
   const unsigned blocks = slice_blocks(slices, s.short_blocks);
   const bool bf16_model = model && model_dtype == DType::bf16;
-  if (bf16_moments && bf16_model)
-    adamw_sq_kernel<bf16_t, true><<<blocks, kThreads, yield_smem(adamw_sq_kernel<bf16_t, true>, s.short_blocks),
-                                     stream()>>>(master, grad, exp_avg, exp_avg_sq,
-        static_cast<bf16_t*>(model), n, s, key, first_element, nonfinite, partial);
-  else if (bf16_moments)
-    adamw_sq_kernel<float, true><<<blocks, kThreads, yield_smem(adamw_sq_kernel<float, true>, s.short_blocks),
-                                     stream()>>>(master, grad, exp_avg, exp_avg_sq,
-        static_cast<float*>(model), n, s, key, first_element, nonfinite, partial);
-  else if (bf16_model)
-    adamw_sq_kernel<bf16_t, false><<<blocks, kThreads, yield_smem(adamw_sq_kernel<bf16_t, false>, s.short_blocks),
-                                     stream()>>>(master, grad, exp_avg, exp_avg_sq,
-        static_cast<bf16_t*>(model), n, s, key, first_element, nonfinite, partial);
-  else
-    adamw_sq_kernel<float, false><<<blocks, kThreads, yield_smem(adamw_sq_kernel<float, false>, s.short_blocks),
-                                     stream()>>>(master, grad, exp_avg, exp_avg_sq,
-        static_cast<float*>(model), n, s, key, first_element, nonfinite, partial);
+  auto go = [&](auto tm, auto b16, auto split) {
+    using TM = decltype(tm);
+    constexpr bool B = decltype(b16)::value, P = decltype(split)::value;
+    adamw_sq_kernel<TM, B, P><<<blocks, kThreads, yield_smem(adamw_sq_kernel<TM, B, P>, s.short_blocks), stream()>>>(
+        master, grad, exp_avg, exp_avg_sq, static_cast<TM*>(model), n, s, key, first_element, nonfinite, partial);
+  };
+  using T = std::true_type;
+  using F = std::false_type;
+  if (s.split_master) bf16_moments ? go(bf16_t{}, T{}, T{}) : go(bf16_t{}, F{}, T{});
+  else if (bf16_model) bf16_moments ? go(bf16_t{}, T{}, F{}) : go(bf16_t{}, F{}, F{});
+  else bf16_moments ? go(float{}, T{}, F{}) : go(float{}, F{}, F{});
   BB_CHECK_LAUNCH();
   return slices;
 }
 
-void adamw_step_rows(float* master, const float* grad, void* exp_avg, void* exp_avg_sq, bool bf16_moments,
+void adamw_step_rows(void* master, const float* grad, void* exp_avg, void* exp_avg_sq, bool bf16_moments,
                      void* model, DType model_dtype, int64_t n, const int32_t* rows, int64_t num_rows,
                      int64_t row_len, const AdamWScalars& s, uint64_t key, int64_t first_element,
                      int32_t* nonfinite) {
   if (num_rows == 0) return;
+  check_split(s, model, model_dtype);
   const bool bf16_model = model && model_dtype == DType::bf16;
   // Four elements an access when every row starts on a 16-byte boundary of every tensor.
   const size_t mom = bf16_moments ? 8 : 16, mod = bf16_model ? 8 : 16;
-  const bool vec = row_len % 4 == 0 && aligned(master, 16) && aligned(grad, 16) && aligned(exp_avg, mom) &&
+  const bool vec = row_len % 4 == 0 && aligned(master, master_align(s.split_master)) && aligned(grad, 16) && aligned(exp_avg, mom) &&
                    aligned(exp_avg_sq, mom) && (model == nullptr || aligned(model, mod));
   const auto blocks = static_cast<unsigned>(num_rows);
-  auto go = [&](auto tm, auto v, auto b16) {
+  auto go = [&](auto tm, auto v, auto b16, auto split) {
     using TM = decltype(tm);
     constexpr int V = decltype(v)::value;
-    constexpr bool B = decltype(b16)::value;
-    const size_t smem = yield_smem(adamw_rows_kernel<TM, V, B>, s.short_blocks);
-    adamw_rows_kernel<TM, V, B><<<blocks, kThreads, smem, stream()>>>(master, grad, exp_avg, exp_avg_sq,
-                                                                       static_cast<TM*>(model), n, rows, row_len,
-                                                                       s, key, first_element, nonfinite);
+    constexpr bool B = decltype(b16)::value, P = decltype(split)::value;
+    const size_t smem = yield_smem(adamw_rows_kernel<TM, V, B, P>, s.short_blocks);
+    adamw_rows_kernel<TM, V, B, P><<<blocks, kThreads, smem, stream()>>>(master, grad, exp_avg, exp_avg_sq,
+                                                                          static_cast<TM*>(model), n, rows, row_len,
+                                                                          s, key, first_element, nonfinite);
   };
   using I4 = std::integral_constant<int, 4>;
   using I1 = std::integral_constant<int, 1>;
   using T = std::true_type;
   using F = std::false_type;
-  if (bf16_model) {
-    if (bf16_moments) vec ? go(bf16_t{}, I4{}, T{}) : go(bf16_t{}, I1{}, T{});
-    else vec ? go(bf16_t{}, I4{}, F{}) : go(bf16_t{}, I1{}, F{});
+  if (s.split_master) {
+    if (bf16_moments) vec ? go(bf16_t{}, I4{}, T{}, T{}) : go(bf16_t{}, I1{}, T{}, T{});
+    else vec ? go(bf16_t{}, I4{}, F{}, T{}) : go(bf16_t{}, I1{}, F{}, T{});
+  } else if (bf16_model) {
+    if (bf16_moments) vec ? go(bf16_t{}, I4{}, T{}, F{}) : go(bf16_t{}, I1{}, T{}, F{});
+    else vec ? go(bf16_t{}, I4{}, F{}, F{}) : go(bf16_t{}, I1{}, F{}, F{});
   } else {
-    if (bf16_moments) vec ? go(float{}, I4{}, T{}) : go(float{}, I1{}, T{});
-    else vec ? go(float{}, I4{}, F{}) : go(float{}, I1{}, F{});
+    if (bf16_moments) vec ? go(float{}, I4{}, T{}, F{}) : go(float{}, I1{}, T{}, F{});
+    else vec ? go(float{}, I4{}, F{}, F{}) : go(float{}, I1{}, F{}, F{});
   }
   BB_CHECK_LAUNCH();
 }

@@ -26,13 +26,17 @@ struct AdamWScalars {
   // Weight decay (the factor `decay`) applies to the call's elements [0, decay_end), the others
   // keep factor 1: a whole unit in one call (its weight-decayed elements come first).
   int64_t decay_end = INT64_MAX;
+  // The split master (adamw.h): `master` is the i16 remainder and `model` (bf16, required) the
+  // upper half; both are read and written. Otherwise `master` is f32.
+  bool split_master = false;
 };
 
-// master, grad, exp_avg, exp_avg_sq [n] f32; model [n] (model_dtype f32 or bf16) or null.
+// master [n] f32 (or the split master's i16 remainder, s.split_master), grad, exp_avg,
+// exp_avg_sq [n] f32; model [n] (model_dtype f32 or bf16) or null.
 // One pass: g = grad_scale * grad; p *= decay; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
 // p -= step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps); model = p (rounded to model_dtype).
 // nonfinite (device i32, may be null) is set to 1 when any new p, m or v is Inf/NaN.
-void adamw_step(float* master, const float* grad, float* exp_avg, float* exp_avg_sq, void* model,
+void adamw_step(void* master, const float* grad, float* exp_avg, float* exp_avg_sq, void* model,
                 DType model_dtype, int64_t n, const AdamWScalars& s, int32_t* nonfinite = nullptr);
 
 // The same update with bf16 moments (adamw_bf16_moments): exp_avg, exp_avg_sq [n] bf16 bits,
@@ -40,7 +44,7 @@ void adamw_step(float* master, const float* grad, float* exp_avg, float* exp_avg
 // stochastically rounded with the random bits of elements first_element + i of `key`'s stream
 // (moment_rounding.h; bit for bit what the CPU path draws). nonfinite: set when a new p or a
 // stored m or v is Inf/NaN.
-void adamw_step_bf16_moments(float* master, const float* grad, uint16_t* exp_avg, uint16_t* exp_avg_sq,
+void adamw_step_bf16_moments(void* master, const float* grad, uint16_t* exp_avg, uint16_t* exp_avg_sq,
                              void* model, DType model_dtype, int64_t n, const AdamWScalars& s, uint64_t key,
                              int64_t first_element, int32_t* nonfinite = nullptr);
 
@@ -68,10 +72,10 @@ void sum_squares_finish(double* out, const double* partial, int64_t slots);
 
 // adamw_step (bf16_moments false: f32 exp_avg / exp_avg_sq) or adamw_step_bf16_moments (true),
 // and in the same pass over grad the stage-1 partial sums of its squares, bitwise what
-// sum_squares_partial(partial, grad, f32, n) writes; returns the slot count. Needs master, grad
-// and f32 moments 16-byte aligned, bf16 moments and a bf16 model 8-byte aligned (an f32 model
-// 16): returns -1 without doing anything when they are not (the caller makes the two passes).
-int64_t adamw_step_sum_squares(float* master, const float* grad, void* exp_avg, void* exp_avg_sq, bool bf16_moments,
+// sum_squares_partial(partial, grad, f32, n) writes; returns the slot count. Needs an f32 master,
+// grad and f32 moments 16-byte aligned, bf16 moments, a split master's remainder and a bf16
+// model 8-byte aligned (an f32 model 16): returns -1 without doing anything when they are not (the caller makes the two passes).
+int64_t adamw_step_sum_squares(void* master, const float* grad, void* exp_avg, void* exp_avg_sq, bool bf16_moments,
                                void* model, DType model_dtype, int64_t n, const AdamWScalars& s, uint64_t key,
                                int64_t first_element, int32_t* nonfinite, double* partial);
 
@@ -79,7 +83,7 @@ int64_t adamw_step_sum_squares(float* master, const float* grad, void* exp_avg, 
 // row_len elements of a unit of n elements (the last row may be shorter); each element e of a
 // listed row is updated as adamw_step(_bf16_moments) over the whole unit updates it (s.decay_end,
 // first_element + e for the rounding). One block per listed row.
-void adamw_step_rows(float* master, const float* grad, void* exp_avg, void* exp_avg_sq, bool bf16_moments,
+void adamw_step_rows(void* master, const float* grad, void* exp_avg, void* exp_avg_sq, bool bf16_moments,
                      void* model, DType model_dtype, int64_t n, const int32_t* rows, int64_t num_rows,
                      int64_t row_len, const AdamWScalars& s, uint64_t key, int64_t first_element,
                      int32_t* nonfinite);
