@@ -3,7 +3,7 @@
 // category (DESIGN.md sec. 6: timings after warm-up, median of several steps).
 //
 //   bench_train_step [--config PATH] [--seq 8192,32768,65536,131072] [--steps 5] [--warmup 2]
-//                    [--set table.key=value ...] [--profile] [--gpu-idle] [--kernels N]
+//                    [--set table.key=value ...] [--profile] [--gpu-idle] [--kernels N] [--host-calls]
 // --profile: the last step of each size runs under the built-in range profiler (core/trace.h)
 // and its GPU time per BB_RANGE name is printed (CUDA builds), then per category (dense GEMMs,
 // expert GEMMs, attention, Gated DeltaNet, loss head, optimizer, elementwise and other kernels,
@@ -19,6 +19,10 @@
 // launches, summed ms; kernels on side streams overlap others, so the sums exceed the busy time),
 // then its N longest idle gaps with what ran before and after each (a gap after a short kernel
 // whose result the host reads, before the next launch, is a host synchronisation).
+// --host-calls: --kernels (20 unless given), and the traced steps also record the host's CUDA runtime and driver
+// calls (each costs ~1 us more, so the traced step is a little slower) and each listed gap shows
+// them: the calls the host was in while the GPU waited, and the longest stretch without any
+// CUDA call (host code) with the calls around it.
 // Default model: the 4-layer slice of Qwen3-30B-A3B with recompute=full, loss=linear_ce,
 // experts=grouped, on cuda:0 (falls back to a tiny CPU run if no GPU is visible).
 #include <algorithm>
@@ -95,9 +99,11 @@ void category_table(const std::vector<trace::RangeTotal>& totals, const RunConfi
   const double attn = full * 4.0 * (T * T / 2) * static_cast<double>(m.num_heads) * static_cast<double>(m.head_dim);
   const double gdn = lin * 6.0 * static_cast<double>(m.linear_key_head_dim) * static_cast<double>(m.linear_value_head_dim) *
                      static_cast<double>(m.linear_num_value_heads) * T;
-  // AdamW per parameter: read grad f32, master, m, v; write master, m, v, the bf16 weight.
+  // AdamW per parameter: read grad f32, m, v and the master; write m, v and the master and the
+  // bf16 weight: an f32 master 4 + 4 + 2 bytes, a split one its two halves both ways, 2 x (2 + 2).
   const double moment_bytes = cfg.prim.optimizer.value == OptimizerKind::adamw_bf16_moments ? 2.0 : 4.0;
-  const double opt_bytes = static_cast<double>(m.num_params()) * (4 + 4 + 4 * moment_bytes + 4 + 2);
+  const bool split = splits_master(cfg.backend.master_storage, cfg.resolved_param_dtype());
+  const double opt_bytes = static_cast<double>(m.num_params()) * (4 + 4 * moment_bytes + (split ? 8 : 10));
   const double gemm = 769e12, hbm = 3.87e12;
   std::vector<Category> cats = {
       {"dense GEMMs", {"linear_forward", "linear_backward_data", "linear_backward_weight"}, dense * layer_passes, "TFLOP/s", gemm},
@@ -150,6 +156,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> sets;
   bool profile = false, gpu_idle = false;
   int64_t top_kernels = 0;
+  bool host_calls = false;  // --host-calls
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -167,9 +174,11 @@ int main(int argc, char** argv) {
       top_kernels = std::stoll(next());
       if (top_kernels < 1) { std::fprintf(stderr, "--kernels needs a count >= 1\n"); return 2; }
       gpu_idle = true;
-    }
-    else { std::fprintf(stderr, "unknown argument %s (see the header of bench_train_step.cpp)\n", a.c_str()); return 2; }
+    } else if (a == "--host-calls") {
+      host_calls = true;
+    } else { std::fprintf(stderr, "unknown argument %s (see the header of bench_train_step.cpp)\n", a.c_str()); return 2; }
   }
+  if (host_calls && top_kernels == 0) top_kernels = 20, gpu_idle = true;  // the gaps are listed with --kernels
   struct Row {
     int64_t S;
     double tok_s, model_tf, hw_tf, step_ms;
@@ -216,10 +225,10 @@ int main(int argc, char** argv) {
         if (!activity->usable()) {
           r.idle = "not measured: " + activity->error;
         } else {
-          activity->begin();  // a first traced step absorbs CUPTI's setup
+          activity->begin(host_calls);  // a first traced step absorbs CUPTI's setup
           tr.train_step();
           activity->end();
-          activity->begin();
+          activity->begin(host_calls);
           const StepMetrics m = tr.train_step();  // ends with a device sync
           const bench::GpuActivity::Result a = activity->end();
           char buf[512];
@@ -257,6 +266,7 @@ int main(int argc, char** argv) {
               std::snprintf(gl, sizeof gl, "  %8.2f ms  %7.1f us  after %s  before %s\n", g.start, 1e3 * g.ms,
                             g.before.c_str(), g.after.c_str());
               t << gl;
+              if (!g.host.empty()) t << "             host: " << g.host << "\n";
             }
             r.kernels = t.str();
           }

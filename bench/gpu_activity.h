@@ -15,6 +15,10 @@
 //   r.kernels  per kernel name (demangled, without its arguments): launches and summed GPU
 //              time within the window, most time first; kernels on different streams overlap,
 //              so the sums add up to more than busy_ms when streams run side by side
+// begin(/*host_calls=*/true) also records the CUDA runtime and driver calls of the host (each
+// call then costs ~1 us more): every gap gets `host`, what the host did while the GPU waited:
+// the calls that overlap the gap (name, ms into the gap, length) and the longest stretch of
+// the gap in which the host made no CUDA call at all (host code between two named calls).
 #pragma once
 
 #include <cxxabi.h>
@@ -32,6 +36,7 @@
 #include <vector>
 
 #include <cupti_activity.h>
+#include <cupti_callbacks.h>
 
 namespace bb::bench {
 
@@ -43,6 +48,7 @@ class GpuActivity {
     struct Gap {
       double start = 0, ms = 0;  // ms after begin(), length
       std::string before, after;
+      std::string host;  // begin(true) only: the host's CUDA calls during the gap (see above)
     };
     std::vector<Gap> gaps;  // >= 10 us, longest first
     struct Kernel {
@@ -72,6 +78,7 @@ class GpuActivity {
     sym(next_, "cuptiActivityGetNextRecord");
     sym(flush_, "cuptiActivityFlushAll");
     sym(timestamp_, "cuptiGetTimestamp");
+    callback_name_ = reinterpret_cast<decltype(callback_name_)>(dlsym(lib_, "cuptiGetCallbackName"));  // optional
     if (!error.empty()) return;
     self() = this;
     if (register_(&requested, &completed) != CUPTI_SUCCESS) error = "cuptiActivityRegisterCallbacks failed";
@@ -79,6 +86,8 @@ class GpuActivity {
   ~GpuActivity() {
     if (enabled_)
       for (CUpti_ActivityKind k : kKinds) disable_(k);
+    if (api_enabled_)
+      for (CUpti_ActivityKind k : {CUPTI_ACTIVITY_KIND_RUNTIME, CUPTI_ACTIVITY_KIND_DRIVER}) disable_(k);
     if (self() == this) self() = nullptr;
   }
   GpuActivity(const GpuActivity&) = delete;
@@ -86,11 +95,18 @@ class GpuActivity {
 
   bool usable() const { return error.empty(); }
 
-  void begin() {
+  void begin(bool host_calls = false) {
     if (!usable()) return;
     {
       std::lock_guard<std::mutex> lock(mu_);
       intervals_.clear();
+    }
+    if (host_calls != api_enabled_) {
+      for (CUpti_ActivityKind k : {CUPTI_ACTIVITY_KIND_RUNTIME, CUPTI_ACTIVITY_KIND_DRIVER})
+        if ((host_calls ? enable_(k) : disable_(k)) != CUPTI_SUCCESS)
+          error = "cuptiActivity" + std::string(host_calls ? "Enable" : "Disable") + " failed (kind " +
+                  std::to_string(k) + ")";
+      api_enabled_ = host_calls;
     }
     // Records stay on from the first begin() (enabling them costs the next launches some
     // milliseconds: trace a step before the one that counts).
@@ -113,6 +129,13 @@ class GpuActivity {
     {
       std::lock_guard<std::mutex> lock(mu_);
       iv.swap(intervals_);
+    }
+    std::vector<Record> api;  // host calls, kept apart from the device's activities
+    {
+      auto it = std::stable_partition(iv.begin(), iv.end(), [](const Record& a) { return !is_api(a.kind); });
+      api.assign(it, iv.end());
+      iv.erase(it, iv.end());
+      std::sort(api.begin(), api.end(), [](const Record& a, const Record& b) { return a.start < b.start; });
     }
     std::map<const char*, std::string> short_names;
     std::map<std::string, Result::Kernel> by_name;
@@ -144,7 +167,7 @@ class GpuActivity {
     auto gap = [&](uint64_t from, uint64_t to, const Record* next) {
       if (to > from && to - from >= 10000)
         r.gaps.push_back({static_cast<double>(from - t0_) * 1e-6, static_cast<double>(to - from) * 1e-6, label(last),
-                          label(next)});
+                          label(next), host_calls(api, from, to)});
     };
     for (const Record& a : iv) {
       const uint64_t s = std::max(a.start, t0_), e = std::min(a.end, t1);
@@ -165,6 +188,7 @@ class GpuActivity {
   std::string error;
 
  private:
+
   static constexpr CUpti_ActivityKind kKinds[3] = {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, CUPTI_ACTIVITY_KIND_MEMCPY,
                                                     CUPTI_ACTIVITY_KIND_MEMSET};
   static constexpr size_t kBufferBytes = 8u << 20;
@@ -173,7 +197,76 @@ class GpuActivity {
     uint64_t start = 0, end = 0;
     CUpti_ActivityKind kind = CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL;
     const char* name = nullptr;  // kernels: shared by every record of the kernel, owned by CUPTI
+    uint32_t cbid = 0;           // host calls: the runtime or driver callback id
+    uint32_t thread = 0;         // host calls: CUPTI's id of the calling thread
   };
+
+  static bool is_api(CUpti_ActivityKind k) {
+    return k == CUPTI_ACTIVITY_KIND_RUNTIME || k == CUPTI_ACTIVITY_KIND_DRIVER;
+  }
+
+  // The host calls (sorted by start) overlapping [from, to): at most 8, longest first, as
+  // "name +start/length us" ("[other thread]" for calls of a thread other than the one that made
+  // most calls in the window), then the longest stretch of the gap without a call of that main
+  // thread, with its calls around it.
+  std::string host_calls(const std::vector<Record>& api, uint64_t from, uint64_t to) const {
+    if (api.empty()) return "";
+    std::map<uint32_t, int64_t> per_thread;
+    for (const Record& a : api) ++per_thread[a.thread];
+    uint32_t main_thread = per_thread.begin()->first;
+    for (const auto& [t, n] : per_thread)
+      if (n > per_thread[main_thread]) main_thread = t;
+    struct Hit {
+      const Record* r;
+      uint64_t len;
+    };
+    std::vector<Hit> hits;
+    uint64_t cur = from, quiet = 0, quiet_at = from;
+    const Record *before = nullptr, *quiet_before = nullptr, *quiet_after = nullptr;
+    auto quiet_to = [&](uint64_t t, const Record* after) {
+      if (t > cur && t - cur > quiet) quiet = t - cur, quiet_at = cur, quiet_before = before, quiet_after = after;
+    };
+    for (const Record& a : api) {
+      if (a.start < to && a.end > from) hits.push_back({&a, std::min(a.end, to) - std::max(a.start, from)});
+      if (a.thread != main_thread) continue;
+      if (a.end <= from) {
+        before = &a;
+        continue;
+      }
+      if (a.start >= to) {
+        quiet_to(to, &a);
+        cur = to;
+        break;
+      }
+      quiet_to(a.start, &a);
+      cur = std::max(cur, a.end);
+      before = &a;
+    }
+    quiet_to(to, nullptr);
+    std::sort(hits.begin(), hits.end(), [](const Hit& a, const Hit& b) { return a.len > b.len; });
+    std::string out;
+    char buf[200];
+    for (size_t i = 0; i < hits.size() && i < 8; ++i) {
+      std::snprintf(buf, sizeof buf, "%s%s%s +%.0f/%.0f us", i ? ", " : "", api_name(*hits[i].r),
+                    hits[i].r->thread == main_thread ? "" : " [other thread]",
+                    (static_cast<double>(hits[i].r->start) - static_cast<double>(from)) * 1e-3,
+                    static_cast<double>(hits[i].len) * 1e-3);
+      out += buf;
+    }
+    if (hits.size() > 8) out += ", " + std::to_string(hits.size() - 8) + " more";
+    std::snprintf(buf, sizeof buf, "%sno CUDA call for %.0f us from +%.0f (after %s, before %s)", out.empty() ? "" : "; ",
+                  static_cast<double>(quiet) * 1e-3, static_cast<double>(quiet_at - from) * 1e-3,
+                  quiet_before ? api_name(*quiet_before) : "-", quiet_after ? api_name(*quiet_after) : "-");
+    return out + buf;
+  }
+
+  const char* api_name(const Record& a) const {
+    const char* n = nullptr;
+    if (callback_name_)
+      callback_name_(a.kind == CUPTI_ACTIVITY_KIND_RUNTIME ? CUPTI_CB_DOMAIN_RUNTIME_API : CUPTI_CB_DOMAIN_DRIVER_API,
+                     a.cbid, &n);
+    return n ? n : "?";
+  }
 
   // "void ns::kernel<T>(args)" -> "ns::kernel<T>", at most 100 characters.
   static std::string short_name(const char* mangled) {
@@ -230,6 +323,12 @@ class GpuActivity {
             got.push_back({m->start, m->end, CUPTI_ACTIVITY_KIND_MEMSET, nullptr});
             break;
           }
+          case CUPTI_ACTIVITY_KIND_RUNTIME:
+          case CUPTI_ACTIVITY_KIND_DRIVER: {
+            const auto* c = reinterpret_cast<const CUpti_ActivityAPI*>(rec);
+            got.push_back({c->start, c->end, rec->kind, nullptr, c->cbid, c->threadId});
+            break;
+          }
           default: break;
         }
       }
@@ -246,6 +345,8 @@ class GpuActivity {
   CUptiResult(CUPTIAPI* next_)(uint8_t*, size_t, CUpti_Activity**) = nullptr;
   CUptiResult(CUPTIAPI* flush_)(uint32_t) = nullptr;
   CUptiResult(CUPTIAPI* timestamp_)(uint64_t*) = nullptr;
+  CUptiResult(CUPTIAPI* callback_name_)(CUpti_CallbackDomain, uint32_t, const char**) = nullptr;
+  bool api_enabled_ = false;
   uint64_t t0_ = 0;
   bool enabled_ = false;
   std::mutex mu_;

@@ -93,7 +93,6 @@ void Allocator::reset_peak() {
   std::lock_guard<std::mutex> lock(mu_);
   stats_.peak = stats_.live;
   stats_.peak_total = stats_.live_total;
-  reset_reserved_peak();
 }
 
 Allocator& allocator_for(Device d) {

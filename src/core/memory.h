@@ -53,7 +53,9 @@ struct MemoryStats {
   std::array<int64_t, kNumMemCategories> peak{};
   int64_t live_total = 0;
   int64_t peak_total = 0;
-  // What the underlying allocator itself holds (for CUDA: the pool's reserved high-water mark).
+  // What the underlying allocator itself holds at most (for CUDA: the pool's reserved high-water
+  // mark since the process started; the pool never gives memory back, so that is what it holds
+  // now). reset_peak() does not reset it.
   int64_t reserved_peak = 0;
 
   int64_t live_of(MemCategory c) const { return live[static_cast<int>(c)]; }
@@ -73,14 +75,14 @@ class Allocator {
   void deallocate(void* p, size_t bytes, MemCategory cat, int stream, uint32_t used_streams);
 
   MemoryStats stats() const;
-  // Starts a new peak window: peaks are set to current live values.
+  // Starts a new peak window: peaks are set to current live values (reserved_peak stays: see
+  // MemoryStats).
   void reset_peak();
 
  protected:
   virtual void* raw_allocate(size_t bytes, int stream) = 0;
   virtual void raw_deallocate(void* p, size_t bytes, int stream, uint32_t used_streams) = 0;
   virtual int64_t reserved_peak() const { return 0; }
-  virtual void reset_reserved_peak() {}
 
  private:
   mutable std::mutex mu_;

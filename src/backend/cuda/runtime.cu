@@ -480,18 +480,15 @@ class CudaAllocator final : public Allocator {
     }
     cudaFreeAsync(p, st.release);
   }
+  // The pool never gives memory back (release threshold UINT64_MAX, no trim), so its reserved
+  // high-water mark is what it holds: it is not reset with the live peaks (a driver call at
+  // every step's start that could only give the same number).
   int64_t reserved_peak() const override {
     cudaMemPool_t pool;
     if (cudaDeviceGetDefaultMemPool(&pool, dev_) != cudaSuccess) return 0;
     uint64_t v = 0;
     cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &v);
     return static_cast<int64_t>(v);
-  }
-  void reset_reserved_peak() override {
-    cudaMemPool_t pool;
-    if (cudaDeviceGetDefaultMemPool(&pool, dev_) != cudaSuccess) return;
-    uint64_t zero = 0;
-    cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &zero);
   }
 
  private:
