@@ -9,7 +9,9 @@
 #   bench/vs_pytorch.sh BENCH_TRAIN_STEP OUT_DIR [SEQS=8192,16384,32768] [REPS=2]
 # Environment: CONFIG (model config.json, default the Qwen3-30B-A3B 4-layer slice), STEPS (timed
 # steps per size, default 4), WARMUP (default 2), PYTHON (default python3), BB_EXTRA (more
-# bench_train_step arguments, e.g. "--set primitives.optimizer=\"adamw_bf16_moments\"").
+# bench_train_step arguments, e.g. "--set primitives.optimizer=\"adamw_bf16_moments\""),
+# BB_VARIANTS (several bumblebee settings against the same PyTorch runs: "label:args;label:args",
+# each run every repetition, one table each; replaces BB_EXTRA).
 set -u
 BIN=${1:?usage: vs_pytorch.sh BENCH_TRAIN_STEP OUT_DIR [seqs] [reps]}
 OUT=${2:?usage: vs_pytorch.sh BENCH_TRAIN_STEP OUT_DIR [seqs] [reps]}
@@ -28,13 +30,19 @@ results="$OUT/vs_results.txt"
 collect() {  # collect <side> <rep> <log>
   awk -v side="$1" -v rep="$2" '$1 ~ /^[0-9]+$/ && $2 == "|" && $4 == "|" && $6 == "|" {print side, rep, $1, $5}' "$3" >> "$results"
 }
+if [ -n "${BB_VARIANTS:-}" ]; then IFS=';' read -ra VARIANTS <<< "$BB_VARIANTS"; else VARIANTS=("bumblebee:${BB_EXTRA:-}"); fi
 bumblebee() {
-  local log="$OUT/bumblebee_rep$1.log"
-  # shellcheck disable=SC2086
-  "$BIN" --config "$CONFIG" --seq "$SEQS" --steps "$STEPS" --warmup "$WARMUP" \
-    --set 'primitives.recompute="none"' --set train.grad_clip=0 ${BB_EXTRA:-} > "$log" 2>&1
-  echo "[vs] bumblebee rep $1: exit $? ($(grep -cE '^ +[0-9]+ \|' "$log") sizes)"
-  collect bumblebee "$1" "$log"
+  local v label args log
+  for v in "${VARIANTS[@]}"; do
+    label=${v%%:*}
+    args=${v#*:}
+    log="$OUT/${label}_rep$1.log"
+    # shellcheck disable=SC2086
+    "$BIN" --config "$CONFIG" --seq "$SEQS" --steps "$STEPS" --warmup "$WARMUP" \
+      --set 'primitives.recompute="none"' --set train.grad_clip=0 $args > "$log" 2>&1
+    echo "[vs] $label rep $1: exit $? ($(grep -cE '^ +[0-9]+ \|' "$log") sizes)"
+    collect "$label" "$1" "$log"
+  done
 }
 pytorch() {
   local log="$OUT/pytorch_rep$1.log"
@@ -47,9 +55,13 @@ for rep in $(seq 1 "$REPS"); do
   if [ $((rep % 2)) -eq 1 ]; then bumblebee "$rep"; pytorch "$rep"; else pytorch "$rep"; bumblebee "$rep"; fi
 done
 
+status=0
+for v in "${VARIANTS[@]}"; do
+label=${v%%:*}
 echo
 echo "tokens/s, $CONFIG, $REPS repetitions (bumblebee: recompute none, no clipping; PyTorch: compiled layers, no checkpointing)"
-awk '
+[ "${#VARIANTS[@]}" -gt 1 ] && echo "bumblebee variant '$label': ${v#*:}"
+awk -v bb="$label" '$1 == bb { $1 = "bumblebee"; print } $1 == "pytorch" { print }' "$results" | awk '
   { key = $3; v[$1, key] = v[$1, key] (v[$1, key] == "" ? "" : " / ") $4; s[$1, key] += $4; n[$1, key]++; seen[key] = 1 }
   END {
     printf "%8s | %-24s | %-24s | %s\n", "tokens", "bumblebee", "pytorch", "ratio of means"
@@ -68,4 +80,6 @@ awk '
     }
     if (cnt == 0) { print "no rows: both sides failed (see the logs)"; bad = 1 }
     exit bad
-  }' "$results"
+  }' || status=1
+done
+exit $status

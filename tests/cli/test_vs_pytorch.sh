@@ -41,5 +41,14 @@ rc=$?
 check "exit 1 when a size is missing on one side (got $rc)" '[ $rc -eq 1 ]'
 check "the missing size is named" 'grep -qE "^ +32768 \| 1000 .*missing" "$TMP/out.txt"'
 check "the logs are kept" '[ -s "$TMP/b/bumblebee_rep1.log" ] && [ -s "$TMP/b/pytorch_rep1.log" ]'
+# BB_VARIANTS: each variant runs every repetition against the same PyTorch runs, one table each.
+rm -f "$TMP/calls"
+FIT=all BB_VARIANTS='one:--set a=1;two:--set b=2' PYTHON="$TMP/python" bash bench/vs_pytorch.sh "$TMP/bench" "$TMP/c" \
+  8192,16384,32768 2 > "$TMP/out.txt" 2>&1
+rc=$?
+check "variants: exit 0 (got $rc)" '[ $rc -eq 0 ]'
+check "variants: one table each, named" '[ "$(grep -c "^bumblebee variant" "$TMP/out.txt")" -eq 2 ]'
+check "variants: each rep runs both, in order (one: calls 1 and 3, two: 2 and 4)" 'grep -qE "^ +8192 \| 1000 / 1200 +\| 800 / 800 " "$TMP/out.txt" && grep -qE "^ +8192 \| 1100 / 1300 +\| 800 / 800 " "$TMP/out.txt"'
+check "variants: the logs are named by label" '[ -s "$TMP/c/one_rep2.log" ] && [ -s "$TMP/c/two_rep1.log" ]'
 [ $fail -eq 0 ] && echo "vs_pytorch.sh: all checks passed"
 exit $fail
