@@ -315,7 +315,9 @@ bool ModelState::early_norm(Unit& u, bool with_update) {
   if (!early_norm_applies(u)) return false;
   const Tensor& g = u.u->grad;
   if (!norm_slots_.defined()) {
-    norm_slots_ = Tensor::zeros({static_cast<int64_t>(units_.size())}, DType::i64, g.device(), MemCategory::optimizer);
+    // One f64 sum per unit: scratch kept across steps, not optimizer state (category workspace,
+    // so the optimizer category stays at its closed form).
+    norm_slots_ = Tensor::zeros({static_cast<int64_t>(units_.size())}, DType::i64, g.device(), MemCategory::workspace);
     norm_early_.assign(units_.size(), 0);
   }
   // After everything that wrote the gradient (the compute stream, and delayed wgrads).
