@@ -46,6 +46,14 @@ compare() {  # compare FILE_A FILE_B -> "step_max window_max"
     END { for (i = 0; i < nw; ++i) { r = (sb[i] - sa[i]) / sa[i]; if (r < 0) r = -r; if (r > wm) wm = r }
           printf "%.6g %.6g\n", m, wm }'
 }
+check_optimizer_ratio() {  # check_optimizer_ratio PAIR_FILE B_BYTES A_BYTES: the optimizer peaks' ratio B/A
+  grep -E "^optimizer +\|" "$1"
+  local a b
+  a=$(awk '$1 == "optimizer" && $2 == "|" { print $3 }' "$1")
+  b=$(awk '$1 == "optimizer" && $2 == "|" { print $5 }' "$1")
+  awk -v a="$a" -v b="$b" -v w="$2" -v d="$3" 'BEGIN { q = b / a; e = w / d; exit !(q > e - 5e-4 && q < e + 5e-4) }' ||
+    { echo "FAIL: optimizer peak B/A = $b / $a, expected $2/$3"; fail=1; }
+}
 verdict_field() {  # the relative difference after "max $2 rel diff" in a paired verdict line
   tail -n 1 "$1" | sed -E "s/.*max $2 rel diff ([0-9.e+-]+).*/\1/"
 }
@@ -80,11 +88,7 @@ echo "adamw_bf16_moments: max per-step loss rel diff $b_step (tol $tol_step), ma
 awk -v x="$b_window" -v t="$tol_window" 'BEGIN { exit !(x <= t) }' ||
   { echo "FAIL: the $WINDOW-step mean losses differ by $b_window > $tol_window"; fail=1; }
 # The optimizer category shrinks from 12 to 8 bytes per parameter: 17.71 MiB -> 11.81 MiB here.
-grep -E "^optimizer +\|" "$TMP/pair.txt"
-opt_a=$(awk '$1 == "optimizer" && $2 == "|" { print $3 }' "$TMP/pair.txt")
-opt_b=$(awk '$1 == "optimizer" && $2 == "|" { print $5 }' "$TMP/pair.txt")
-awk -v a="$opt_a" -v b="$opt_b" 'BEGIN { r = b / a; exit !(r > 0.666 && r < 0.667) }' ||
-  { echo "FAIL: optimizer peak B/A = $opt_b / $opt_a, expected 8/12"; fail=1; }
+check_optimizer_ratio "$TMP/pair.txt" 8 12
 
 # 3. The broken variant must fail the same criterion.
 "$BB" train "${TRAIN[@]}" --set 'primitives.optimizer="adamw_bf16_moments"' --set train.beta1=0 --set train.beta2=0 \
@@ -124,11 +128,7 @@ echo "split master: max per-step loss rel diff $s_step (tol $tol16_step), max wi
 awk -v x="$s_window" -v t="$tol16_window" 'BEGIN { exit !(x <= t) }' ||
   { echo "FAIL: the $WINDOW-step mean losses differ by $s_window > $tol16_window"; fail=1; }
 # 12 -> 10 optimizer bytes per parameter.
-grep -E "^optimizer +\|" "$TMP/pair16.txt"
-opt_a=$(awk '$1 == "optimizer" && $2 == "|" { print $3 }' "$TMP/pair16.txt")
-opt_b=$(awk '$1 == "optimizer" && $2 == "|" { print $5 }' "$TMP/pair16.txt")
-awk -v a="$opt_a" -v b="$opt_b" 'BEGIN { r = b / a; exit !(r > 0.833 && r < 0.834) }' ||
-  { echo "FAIL: optimizer peak B/A = $opt_b / $opt_a, expected 10/12"; fail=1; }
+check_optimizer_ratio "$TMP/pair16.txt" 10 12
 
 [ $fail -eq 0 ] && echo "PASS: adamw_bf16_moments and the split master within the derived tolerances; the broken variant outside"
 exit $fail

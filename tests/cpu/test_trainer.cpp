@@ -392,6 +392,33 @@ TEST(Optimizer, SkipStepUndoesUpdatesMadeDuringTheBackward) {
     for (float v : p->value.to_floats()) ASSERT_TRUE(std::isfinite(v)) << p->name;
 }
 
+// Masters, moments and parameter values of a trainer's state: what skip_step's backup restores.
+std::vector<std::vector<float>> state_snapshot(Trainer& t) {
+  std::vector<std::vector<float>> v;
+  for (size_t i = 0; i < t.model().units().size(); ++i) {
+    const ModelState::Owned ow = t.state().owned(i);
+    v.push_back(ow.master.to_floats());
+    v.push_back(ow.exp_avg.to_floats());
+    v.push_back(ow.exp_avg_sq.to_floats());
+  }
+  for (Param* p : t.model().params()) v.push_back(p->value.to_floats());
+  return v;
+}
+
+// An overflowing step after save_backup flags a unit and changes the state; restore_backup puts
+// every bit of it back.
+void expect_backup_restores_the_state(Trainer& t) {
+  const auto before = state_snapshot(t);
+  t.state().save_backup();
+  Tensor flags = Tensor::zeros({static_cast<int64_t>(t.state().num_units())}, DType::i32, Device::cpu(),
+                               MemCategory::workspace);
+  t.state().step(3, 1e39, 0.1, AdamWConfig{}, &flags);
+  EXPECT_EQ(flags.to_ints()[0], 1);
+  EXPECT_NE(state_snapshot(t), before);
+  t.state().restore_backup();
+  EXPECT_EQ(state_snapshot(t), before);
+}
+
 // ---- [backend] master_storage = "split" (bf16 parameters) ------------------------------------------
 
 const std::string kSplitMaster = "backend.master_storage=\"split\"";
@@ -464,26 +491,7 @@ TEST(Optimizer, SplitMasterTrainsAsTheF32MasterResumesAndSharesItsCheckpoints) {
   EXPECT_EQ(alloc.stats().live_of(MemCategory::optimizer), 10 * n);
   for (int i = 0; i < 2; ++i) t.train_step();
   EXPECT_EQ(alloc.stats().live_of(MemCategory::optimizer), 2 * 10 * n + 2 * n);  // + the backup and its upper half
-  auto snapshot = [&] {
-    std::vector<std::vector<float>> v;
-    for (size_t i = 0; i < t.model().units().size(); ++i) {
-      const ModelState::Owned ow = t.state().owned(i);
-      v.push_back(ow.master.to_floats());
-      v.push_back(ow.exp_avg.to_floats());
-      v.push_back(ow.exp_avg_sq.to_floats());
-    }
-    for (Param* p : t.model().params()) v.push_back(p->value.to_floats());
-    return v;
-  };
-  const auto before = snapshot();
-  t.state().save_backup();
-  Tensor flags = Tensor::zeros({static_cast<int64_t>(t.state().num_units())}, DType::i32, Device::cpu(),
-                               MemCategory::workspace);
-  t.state().step(3, 1e39, 0.1, AdamWConfig{}, &flags);
-  EXPECT_EQ(flags.to_ints()[0], 1);
-  EXPECT_NE(snapshot(), before);
-  t.state().restore_backup();
-  EXPECT_EQ(snapshot(), before);
+  expect_backup_restores_the_state(t);
 
   // The default for bf16 parameters; f32 parameters keep their f32 masters (12 bytes).
   EXPECT_EQ(load_run_config(run).backend.master_storage, "split");
@@ -556,25 +564,7 @@ TEST(Optimizer, OptimizerBytesAndSkipStepBackupCoverTheMoments) {
     EXPECT_EQ(alloc.stats().live_of(MemCategory::optimizer), o * n);
     for (int i = 0; i < 2; ++i) t.train_step();
     EXPECT_EQ(alloc.stats().live_of(MemCategory::optimizer), 2 * o * n);  // + the backup
-    auto snapshot = [&] {
-      std::vector<std::vector<float>> v;
-      for (size_t i = 0; i < t.model().units().size(); ++i) {
-        const ModelState::Owned ow = t.state().owned(i);
-        v.push_back(ow.master.to_floats());
-        v.push_back(ow.exp_avg.to_floats());
-        v.push_back(ow.exp_avg_sq.to_floats());
-      }
-      return v;
-    };
-    const auto before = snapshot();
-    t.state().save_backup();
-    Tensor flags = Tensor::zeros({static_cast<int64_t>(t.state().num_units())}, DType::i32, Device::cpu(),
-                                 MemCategory::workspace);
-    t.state().step(3, 1e39, 0.1, AdamWConfig{}, &flags);
-    EXPECT_EQ(flags.to_ints()[0], 1);
-    EXPECT_NE(snapshot(), before);
-    t.state().restore_backup();
-    EXPECT_EQ(snapshot(), before);
+    expect_backup_restores_the_state(t);
     for (Param* p : t.model().params())
       EXPECT_EQ(p->value.to_floats(),
                 unit_slice(t.state().gather_master(static_cast<size_t>(p->unit->index)), *p).to_floats());

@@ -129,8 +129,9 @@ cuda::AdamWScalars cuda_scalars(const Scalars& sc, const AdamWConfig& cfg) {
 #endif
 }  // namespace
 
-void split_master(const Tensor& master, Tensor& value, Tensor& lo) {
-  const char* op = "split_master";
+namespace {
+// The three host tensors of a split or join: f32 master, bf16 value, i16 remainder, one size.
+int64_t check_split_tensors(const char* op, const Tensor& master, const Tensor& value, const Tensor& lo) {
   check_dtype(master, DType::f32, op, "master");
   check_dtype(value, DType::bf16, op, "value");
   check_dtype(lo, DType::i16, op, "lo");
@@ -138,6 +139,12 @@ void split_master(const Tensor& master, Tensor& value, Tensor& lo) {
   const int64_t n = master.numel();
   BB_CHECK(value.numel() == n && lo.numel() == n, op, ": sizes differ: master ", n, ", value ", value.numel(), ", lo ",
            lo.numel());
+  return n;
+}
+}  // namespace
+
+void split_master(const Tensor& master, Tensor& value, Tensor& lo) {
+  const int64_t n = check_split_tensors("split_master", master, value, lo);
   const float* p = master.data<float>();
   uint16_t* hi = value.data<uint16_t>();
   int16_t* l = lo.data<int16_t>();
@@ -150,14 +157,7 @@ void split_master(const Tensor& master, Tensor& value, Tensor& lo) {
 }
 
 void join_master(const Tensor& value, const Tensor& lo, Tensor& master) {
-  const char* op = "join_master";
-  check_dtype(master, DType::f32, op, "master");
-  check_dtype(value, DType::bf16, op, "value");
-  check_dtype(lo, DType::i16, op, "lo");
-  BB_CHECK(master.device().is_cpu() && value.device().is_cpu() && lo.device().is_cpu(), op, ": host tensors only");
-  const int64_t n = master.numel();
-  BB_CHECK(value.numel() == n && lo.numel() == n, op, ": sizes differ: master ", n, ", value ", value.numel(), ", lo ",
-           lo.numel());
+  const int64_t n = check_split_tensors("join_master", master, value, lo);
   float* p = master.data<float>();
   const uint16_t* hi = value.data<uint16_t>();
   const int16_t* l = lo.data<int16_t>();
