@@ -192,15 +192,23 @@ Tensor ModelState::owned_values(Unit& u) {
   BB_FAIL("owned_values: unknown mode");
 }
 
-// The f32 master of the owned elements [0, len) ([len], on the state's device): a view of an f32
-// master, or a split master joined on the host.
-Tensor ModelState::master_f32(Unit& u, int64_t len) {
-  if (!u.split) return u.master.narrow(0, len);
-  const Tensor hi = owned_values(u).narrow(0, len).to(Device::cpu(), MemCategory::other);
-  const Tensor lo = u.master.narrow(0, len).to(Device::cpu(), MemCategory::other);
+// The f32 master of the owned elements [from, from + len): a view of an f32 master, or a split
+// master's halves of those elements joined on the host.
+Tensor ModelState::master_f32(Unit& u, int64_t from, int64_t len) {
+  if (!u.split) return u.master.narrow(from, len);
+  const Tensor hi = owned_values(u).narrow(from, len).to(Device::cpu(), MemCategory::other);
+  const Tensor lo = u.master.narrow(from, len).to(Device::cpu(), MemCategory::other);
   Tensor full = Tensor::empty({len}, DType::f32, Device::cpu(), MemCategory::other);
   join_master(hi, lo, full);
-  return u.master.device().is_cpu() ? full : full.to(u.master.device(), MemCategory::other);
+  return full;
+}
+
+Tensor ModelState::master_f32(size_t i, int64_t from, int64_t len) {
+  Unit& u = *units_[i];
+  const int64_t owned_len = u.mode == Mode::whole ? u.u->numel : u.len;
+  BB_CHECK(from >= 0 && len >= 0 && from + len <= owned_len, "ModelState::master_f32: elements [", from, ", ",
+           from + len, ") are outside the ", owned_len, " unit ", u.u->name, " owns here");
+  return master_f32(u, from, len);
 }
 
 // A split master's halves of the owned elements [0, m.numel()) from the f32 master m (any device).
@@ -626,7 +634,7 @@ ModelState::Owned ModelState::owned(size_t i) {
     o.len = u.len;
   }
   if (o.len > 0) {
-    o.master = master_f32(u, o.len);
+    if (!u.split) o.master = u.master.narrow(0, o.len);
     o.exp_avg = u.exp_avg.narrow(0, o.len);
     o.exp_avg_sq = u.exp_avg_sq.narrow(0, o.len);
   }
@@ -798,9 +806,11 @@ void ModelState::values_from_masters() {
 
 Tensor ModelState::gather_master(size_t i) {
   Unit& u = *units_[i];
-  if (u.mode == Mode::whole) return master_f32(u, u.u->numel).to(Device::cpu(), MemCategory::other);
+  if (u.mode == Mode::whole)
+    return u.split ? master_f32(u, 0, u.u->numel) : u.master.to(Device::cpu(), MemCategory::other);
   Tensor all = Tensor::empty({u.N * u.S}, DType::f32, u.master.device(), MemCategory::other);
-  u.g->all_gather(master_f32(u, u.S), all)->wait();
+  const Tensor mine = master_f32(u, 0, u.S);  // a split master's on the host: the collective takes device memory
+  u.g->all_gather(mine.device() == all.device() ? mine : mine.to(all.device(), MemCategory::other), all)->wait();
   return all.narrow(0, u.u->numel).to(Device::cpu(), MemCategory::other);
 }
 

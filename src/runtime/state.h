@@ -125,12 +125,14 @@ class ModelState final : public LayerHooks {
   // Optimizer state of unit i this rank owns: elements [lo, lo + len) of the unit.
   struct Owned {
     int64_t lo = 0, len = 0;
-    // [len] f32 master: a view of the state's master, or (split master) a copy joined from its
-    // halves, so writes to it are lost: load masters with set_master. Moments: [len] views in
-    // moment_dtype().
+    // [len] views: the f32 master (undefined when the master is split: read it with master_f32,
+    // load it with set_master), the moments in moment_dtype().
     Tensor master, exp_avg, exp_avg_sq;
   };
   Owned owned(size_t unit);
+  // The f32 master of owned elements [from, from + len) of unit i (offsets within the owned
+  // range): a view of an f32 master, or a split master joined on the host (those elements only).
+  Tensor master_f32(size_t unit, int64_t from, int64_t len);
   // Sets the f32 master of the elements unit i owns ([len], any device); then
   // values_from_masters() makes the parameter values follow (a split master sets its bf16 half,
   // the value, here).
@@ -190,7 +192,7 @@ class ModelState final : public LayerHooks {
   std::vector<Unit*> layer_units(int64_t layer);
   bool sharded(const Unit& u) const;
   Tensor owned_values(Unit& u);              // the values of the master's elements
-  Tensor master_f32(Unit& u, int64_t len);   // the f32 master of owned elements [0, len)
+  Tensor master_f32(Unit& u, int64_t from, int64_t len);  // owned elements [from, from + len)
   void set_split_master(Unit& u, const Tensor& master);
 
   StateKind kind_;

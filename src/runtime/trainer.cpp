@@ -755,27 +755,73 @@ std::string Trainer::save_checkpoint(const std::string& root) {
     std::fflush(log_);
   }
   std::string err;
-  {
-    // Never write Inf/NaN: the step guard stops such values earlier; this is the last line.
+  // This rank's shard: what the state family owns (replicated: its 1/N of every unit), in
+  // global coordinates (checkpoint.h): an expert unit of an expert-parallel rank writes its
+  // experts' runs of the global unit; every other unit its range as it is.
+  std::map<std::string, std::string> meta = {{"format", "bumblebee-shard"},
+                                             {"rank", std::to_string(rank)},
+                                             {"world", std::to_string(world.size())}};
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  try {
     std::vector<ParamUnit*> units = model_->units();
-    std::vector<Tensor> ts;
-    std::vector<std::string> names;
     for (size_t i = 0; i < units.size(); ++i) {
+      const auto [lo, len] = state_->checkpoint_range(i);
       const ModelState::Owned o = state_->owned(i);
-      if (o.len == 0) continue;
-      for (const auto& [t, w] : {std::pair{o.master, "master"}, {o.exp_avg, "exp_avg"}, {o.exp_avg_sq, "exp_avg_sq"}}) {
-        ts.push_back(t);
-        names.push_back(units[i]->name + "." + w);
+      const GlobalUnit g = global_unit(*units[i], cfg_.model.num_experts);
+      const std::vector<GlobalUnit::Run> runs =
+          g.identity ? std::vector<GlobalUnit::Run>{{lo, lo, len}} : global_runs(g, lo, len);
+      std::string range;
+      int64_t total = 0;
+      for (const GlobalUnit::Run& r : runs) {
+        range += (range.empty() ? "" : " ") + std::to_string(r.global) + " " + std::to_string(r.n);
+        total += r.n;
       }
+      meta[units[i]->name] = range.empty() ? "0 0" : range;
+      if (total == 0) continue;
+      // The runs of a tensor of the owned elements; part(from, n): its elements [from, from + n)
+      // of the owned range (the master's joined on the host when it is split: only these).
+      auto take = [&](auto&& part) {
+        if (runs.size() == 1) return part(runs[0].local - o.lo, runs[0].n);
+        Tensor out;
+        int64_t at = 0;
+        for (const GlobalUnit::Run& r : runs) {
+          const Tensor piece = part(r.local - o.lo, r.n);
+          if (!out.defined()) out = Tensor::empty({total}, piece.dtype(), piece.device(), MemCategory::other);
+          out.narrow(at, r.n).copy_from(piece);
+          at += r.n;
+        }
+        return out;
+      };
+      tensors.emplace_back(units[i]->name + ".master",
+                           take([&](int64_t from, int64_t n) { return state_->master_f32(i, from, n); }));
+      tensors.emplace_back(units[i]->name + ".exp_avg",
+                           take([&](int64_t from, int64_t n) { return o.exp_avg.narrow(from, n); }));
+      tensors.emplace_back(units[i]->name + ".exp_avg_sq",
+                           take([&](int64_t from, int64_t n) { return o.exp_avg_sq.narrow(from, n); }));
     }
-    if (!ts.empty()) {
-      Tensor flags = Tensor::zeros({static_cast<int64_t>(ts.size())}, DType::i32, ts.front().device(), MemCategory::workspace);
+    // Never write Inf/NaN: the step guard stops such values earlier; this is the last line. Each
+    // tensor is checked where it lives (a split master's joined elements are on the host); the
+    // ranks' shards together hold every element.
+    std::vector<Device> devices = {device_};
+    if (!device_.is_cpu()) devices.push_back(Device::cpu());
+    for (const Device& d : devices) {
+      std::vector<Tensor> ts;
+      std::vector<const std::string*> names;
+      for (const auto& [n, t] : tensors) {
+        if (t.device() != d) continue;
+        ts.push_back(t);
+        names.push_back(&n);
+      }
+      if (ts.empty() || !err.empty()) continue;
+      Tensor flags = Tensor::zeros({static_cast<int64_t>(ts.size())}, DType::i32, d, MemCategory::workspace);
       mark_nonfinite(ts, flags);
       const std::vector<int32_t> f = flags.to_ints();
-      for (size_t i = 0; i < f.size() && err.empty(); ++i)
-        if (f[i]) err = "checkpoint: refusing to save step " + std::to_string(step_) + ": " + names[i] +
+      for (size_t k = 0; k < f.size() && err.empty(); ++k)
+        if (f[k]) err = "checkpoint: refusing to save step " + std::to_string(step_) + ": " + *names[k] +
                         " holds Inf/NaN values (the last good checkpoint stays the newest)";
     }
+  } catch (const std::exception& e) {
+    err = e.what();
   }
   agree(world, err, "checking the state for non-finite values");
   if (rank == 0) {
@@ -805,42 +851,6 @@ std::string Trainer::save_checkpoint(const std::string& root) {
   }
   agree(world, err, "creating the checkpoint directory");
   try {
-    // This rank's shard: what the state family owns (replicated: its 1/N of every unit).
-    std::vector<ParamUnit*> units = model_->units();
-    std::map<std::string, std::string> meta = {{"format", "bumblebee-shard"},
-                                               {"rank", std::to_string(rank)},
-                                               {"world", std::to_string(world.size())}};
-    std::vector<std::pair<std::string, Tensor>> tensors;
-    // In global coordinates (checkpoint.h): an expert unit of an expert-parallel rank writes its
-    // experts' runs of the global unit; every other unit its range as it is.
-    for (size_t i = 0; i < units.size(); ++i) {
-      const auto [lo, len] = state_->checkpoint_range(i);
-      const ModelState::Owned o = state_->owned(i);
-      const GlobalUnit g = global_unit(*units[i], cfg_.model.num_experts);
-      const std::vector<GlobalUnit::Run> runs =
-          g.identity ? std::vector<GlobalUnit::Run>{{lo, lo, len}} : global_runs(g, lo, len);
-      std::string range;
-      int64_t total = 0;
-      for (const GlobalUnit::Run& r : runs) {
-        range += (range.empty() ? "" : " ") + std::to_string(r.global) + " " + std::to_string(r.n);
-        total += r.n;
-      }
-      meta[units[i]->name] = range.empty() ? "0 0" : range;
-      if (total == 0) continue;
-      auto take = [&](const Tensor& t) {  // t: the owned elements [o.lo, o.lo + o.len)
-        if (runs.size() == 1) return t.narrow(runs[0].local - o.lo, runs[0].n);
-        Tensor out = Tensor::empty({total}, t.dtype(), t.device(), MemCategory::other);
-        int64_t at = 0;
-        for (const GlobalUnit::Run& r : runs) {
-          out.narrow(at, r.n).copy_from(t.narrow(r.local - o.lo, r.n));
-          at += r.n;
-        }
-        return out;
-      };
-      tensors.emplace_back(units[i]->name + ".master", take(o.master));
-      tensors.emplace_back(units[i]->name + ".exp_avg", take(o.exp_avg));
-      tensors.emplace_back(units[i]->name + ".exp_avg_sq", take(o.exp_avg_sq));
-    }
     write_safetensors(path_join(tmp_dir, shard_name(rank)), tensors, meta);
   } catch (const std::exception& e) {
     err = e.what();

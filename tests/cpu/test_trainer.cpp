@@ -397,7 +397,7 @@ std::vector<std::vector<float>> state_snapshot(Trainer& t) {
   std::vector<std::vector<float>> v;
   for (size_t i = 0; i < t.model().units().size(); ++i) {
     const ModelState::Owned ow = t.state().owned(i);
-    v.push_back(ow.master.to_floats());
+    v.push_back(t.state().master_f32(i, 0, ow.len).to_floats());
     v.push_back(ow.exp_avg.to_floats());
     v.push_back(ow.exp_avg_sq.to_floats());
   }

@@ -135,7 +135,7 @@ TEST(ModelGpu, UpdateDuringTheBackwardIsBitwiseTheUpdateAfterIt) {
       std::vector<std::vector<float>> st;
       for (size_t i = 0; i < t.model().units().size(); ++i) {
         const ModelState::Owned o = t.state().owned(i);
-        st.push_back(o.master.to_floats());
+        st.push_back(t.state().master_f32(i, 0, o.len).to_floats());
         st.push_back(o.exp_avg.to_floats());
         st.push_back(o.exp_avg_sq.to_floats());
       }

@@ -127,9 +127,7 @@ cuda::AdamWScalars cuda_scalars(const Scalars& sc, const AdamWConfig& cfg) {
   return s;
 }
 #endif
-}  // namespace
 
-namespace {
 // The three host tensors of a split or join: f32 master, bf16 value, i16 remainder, one size.
 int64_t check_split_tensors(const char* op, const Tensor& master, const Tensor& value, const Tensor& lo) {
   check_dtype(master, DType::f32, op, "master");

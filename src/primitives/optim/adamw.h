@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "primitives/optim/split_master.h"
 
 namespace bb {
 
@@ -50,15 +51,7 @@ struct AdamWConfig {
   bool yield_sms = false;
 };
 
-// The split master's halves (see above) and the fp32 bits they hold; exact for every bit pattern.
-inline uint16_t split_master_hi(uint32_t bits) { return static_cast<uint16_t>((bits + 0x8000u) >> 16); }
-inline int16_t split_master_lo(uint32_t bits, uint16_t hi) {
-  return static_cast<int16_t>(static_cast<uint16_t>(bits - (static_cast<uint32_t>(hi) << 16)));
-}
-inline uint32_t split_master_bits(uint16_t hi, int16_t lo) {
-  return (static_cast<uint32_t>(hi) << 16) + static_cast<uint32_t>(static_cast<int32_t>(lo));
-}
-// Host tensors: value [n] bf16 and lo [n] i16 <- the split of master [n] f32, and back.
+// Host tensors (split_master.h has the bit functions): value [n] bf16 and lo [n] i16 <- the split of master [n] f32, and back.
 void split_master(const Tensor& master, Tensor& value, Tensor& lo);
 void join_master(const Tensor& value, const Tensor& lo, Tensor& master);
 

@@ -23,6 +23,7 @@
 #include "backend/cuda/vec.cuh"
 #include "primitives/optim/adamw_cuda.h"
 #include "primitives/optim/moment_rounding.h"
+#include "primitives/optim/split_master.h"
 
 namespace bb::cuda {
 namespace {
@@ -44,9 +45,7 @@ __device__ __forceinline__ void load_master(const void* p, const TM* model, int6
     const Pack<uint16_t, M> hi = *reinterpret_cast<const Pack<uint16_t, M>*>(model + i);
     const Pack<int16_t, M> lo = *reinterpret_cast<const Pack<int16_t, M>*>(static_cast<const int16_t*>(p) + i);
 #pragma unroll
-    for (int k = 0; k < M; ++k)
-      pv[k] = __uint_as_float((static_cast<uint32_t>(hi.v[k]) << 16) +
-                              static_cast<uint32_t>(static_cast<int32_t>(lo.v[k])));
+    for (int k = 0; k < M; ++k) pv[k] = __uint_as_float(split_master_bits(hi.v[k], lo.v[k]));
   } else {
     load<float, M>(static_cast<const float*>(p) + i, pv);
   }
@@ -63,9 +62,8 @@ __device__ __forceinline__ void store_master(void* p, TM* model, int64_t i, cons
 #pragma unroll
     for (int k = 0; k < M; ++k) {
       const uint32_t b = __float_as_uint(pv[k]);
-      const uint32_t h = (b + 0x8000u) >> 16;
-      hi.v[k] = static_cast<uint16_t>(h);
-      lo.v[k] = static_cast<int16_t>(static_cast<uint16_t>(b - (h << 16)));
+      hi.v[k] = split_master_hi(b);
+      lo.v[k] = split_master_lo(b, hi.v[k]);
     }
     *reinterpret_cast<Pack<uint16_t, M>*>(model + i) = hi;
     *reinterpret_cast<Pack<int16_t, M>*>(static_cast<int16_t*>(p) + i) = lo;
@@ -446,13 +444,11 @@ int64_t launch_sum_squares(double* partial, const void* x, int64_t n) {
   return slices;
 }
 
-}  // namespace
-
-namespace {
 void check_split(const AdamWScalars& s, const void* model, DType model_dtype) {
   BB_CHECK(!s.split_master || (model && model_dtype == DType::bf16),
            "adamw (CUDA): a split master needs the bf16 model tensor that holds its upper half");
 }
+
 }  // namespace
 
 void adamw_step(void* master, const float* grad, float* exp_avg, float* exp_avg_sq, void* model,
