@@ -85,6 +85,37 @@ TEST(CpOpsGpu, MovesAndMergeMatchTheCpu) {
             cp::gather_cols(lse, rows, MemCategory::other).to_floats());
 }
 
+// The head split / join move whole rows in 16-byte words when the rows allow it (Gated DeltaNet
+// head groups, the context-parallel head exchange) and element by element otherwise: both paths
+// copy exactly what the CPU path copies, blocks in any head order.
+TEST(CpOpsGpu, HeadSplitAndJoinCopyExactlyOnEveryPath) {
+  BB_REQUIRE_GPU();
+  struct Case {
+    int64_t T, H, D, hc;
+    std::vector<int64_t> start;
+    DType dt;
+  };
+  const std::vector<Case> cases = {
+      {1000, 16, 128, 4, {0, 4, 8, 12}, DType::bf16},  // 16-byte words (Qwen3.5 q / k groups)
+      {257, 32, 128, 8, {24, 8}, DType::f32},          // 16-byte words, part of the heads
+      {50, 4, 8, 2, {2, 0}, DType::bf16},              // 16-byte heads, out of order
+      {131, 6, 36, 3, {0, 3}, DType::bf16},            // 72-byte heads: element by element
+      {77, 32, 1, 8, {0, 8, 16, 24}, DType::f32},      // [T, H] gates: element by element
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(testing::Message() << "T " << c.T << " H " << c.H << " D " << c.D << " hc " << c.hc << " "
+                                    << dtype_name(c.dt));
+    const Tensor x = rnd({c.T, c.H, c.D}, 11, c.dt);
+    const Tensor sp_c = cp::split_heads(x, c.start, c.hc, MemCategory::other);
+    const Tensor sp_g = cp::split_heads(x.to(kGpu), c.start, c.hc, MemCategory::other);
+    EXPECT_EQ(sp_g.to_floats(), sp_c.to_floats());
+    Tensor back_c = rnd({c.T, c.H, c.D}, 12, c.dt), back_g = back_c.to(kGpu);
+    cp::join_heads(back_c, sp_c, c.start, c.hc, false);
+    cp::join_heads(back_g, sp_g, c.start, c.hc, false);
+    EXPECT_EQ(back_g.to_floats(), back_c.to_floats());
+  }
+}
+
 // Thousands of short runs in shuffled order (as a chunked dispatch sorts rows), rows of f32, bf16
 // and i32 with widths that are and are not multiples of 16 bytes: every copied row equals the
 // CPU copy, every other row keeps its value.

@@ -1,6 +1,7 @@
 // cp_ops_cuda.cu — the context-parallel data movements (cp_ops.h) on the GPU: grid-stride
-// loops over the destination elements; copies move 2- or 4-byte words, the merge and the adds
-// compute in fp32.
+// loops over the destination elements; copies move 2- or 4-byte words (the head split / join:
+// 16-byte words, a warp a row, whenever rows and pointers allow), the merge and the adds compute
+// in fp32.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -73,6 +74,36 @@ __global__ void split_heads_kernel(W* out, const W* src, const int32_t* start, i
   }
 }
 
+// The same moves with a warp per (block, token) row of hc D elements, in 16-byte words: dv = D
+// in words, rv = hc D in words (both whole). One division a row instead of two an element: the
+// element kernels above run at about a third of the copy rate (measured on an H200 in the Gated
+// DeltaNet head groups).
+template <bool kJoin>
+__global__ void heads_rows_kernel(uint4* blocks, uint4* full, const int32_t* start, int64_t P,
+                                  int64_t T, int64_t H, int64_t rv, int64_t dv) {
+  const int lane = threadIdx.x & 31;
+  const int64_t rows = P * T, warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t row = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) >> 5; row < rows;
+       row += warps) {
+    const int64_t p = row / T, t = row - p * T;
+    uint4* b = blocks + row * rv;
+    uint4* f = full + (t * H + start[p]) * dv;
+    for (int64_t j = lane; j < rv; j += 32) {
+      if constexpr (kJoin)
+        f[j] = b[j];
+      else
+        b[j] = f[j];
+    }
+  }
+}
+
+// Whether the row kernel serves: rows and the head stride whole 16-byte words, pointers aligned.
+bool heads_rows_ok(const void* a, const void* b, int elem_bytes, int64_t hc, int64_t D) {
+  const int64_t row = hc * D * elem_bytes, head = D * elem_bytes;
+  return row % 16 == 0 && head % 16 == 0 && reinterpret_cast<uintptr_t>(a) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(b) % 16 == 0;
+}
+
 template <class W>
 __global__ void join_heads_kernel(W* dst, const W* src, const int32_t* start, int64_t P, int64_t T, int64_t H,
                                   int64_t hc, int64_t D) {
@@ -134,7 +165,11 @@ void merge_partial(float* o_acc, float* lse_acc, const void* o_p, DType p_dtype,
 void split_heads(void* out, const void* src, int elem_bytes, const int32_t* start, int64_t P, int64_t T, int64_t H,
                  int64_t hc, int64_t D) {
   const int64_t work = P * T * hc * D;
-  if (elem_bytes == 4)
+  if (heads_rows_ok(out, src, elem_bytes, hc, D)) {
+    const int64_t dv = D * elem_bytes / 16;
+    heads_rows_kernel<false><<<blocks(P * T * 32), kThreads, 0, stream()>>>(
+        static_cast<uint4*>(out), static_cast<uint4*>(const_cast<void*>(src)), start, P, T, H, hc * dv, dv);
+  } else if (elem_bytes == 4)
     split_heads_kernel<<<blocks(work), kThreads, 0, stream()>>>(static_cast<uint32_t*>(out),
                                                                 static_cast<const uint32_t*>(src), start, P, T, H, hc, D);
   else
@@ -146,7 +181,11 @@ void split_heads(void* out, const void* src, int elem_bytes, const int32_t* star
 void join_heads(void* dst, const void* src, int elem_bytes, const int32_t* start, int64_t P, int64_t T, int64_t H,
                 int64_t hc, int64_t D) {
   const int64_t work = P * T * hc * D;
-  if (elem_bytes == 4)
+  if (heads_rows_ok(dst, src, elem_bytes, hc, D)) {
+    const int64_t dv = D * elem_bytes / 16;
+    heads_rows_kernel<true><<<blocks(P * T * 32), kThreads, 0, stream()>>>(
+        static_cast<uint4*>(const_cast<void*>(src)), static_cast<uint4*>(dst), start, P, T, H, hc * dv, dv);
+  } else if (elem_bytes == 4)
     join_heads_kernel<<<blocks(work), kThreads, 0, stream()>>>(static_cast<uint32_t*>(dst),
                                                                static_cast<const uint32_t*>(src), start, P, T, H, hc, D);
   else
