@@ -345,37 +345,54 @@ TEST(GatedDeltaGpu, BackwardSideStreamAndKernelKnobsAreBitwiseEqual) {
   expect_bitwise_equal(resident, two);
 }
 
-// A workspace limit below what one call needs runs the key heads in groups (2 and 4 here: each
-// group's q, k, v, gates and d_o copied out, the results copied back): bit-identical to one call,
-// for f32 and bf16 d_o (the bf16 path reads d_o in place only when it is the whole tensor).
-TEST(GatedDeltaGpu, HeadGroupsUnderAWorkspaceLimitAreBitwiseEqual) {
+// A workspace limit below what one call needs runs the call in time segments (token ranges cut
+// at whole chunks, a cut sequence carrying its state and its state's gradient across the cut):
+// bit-identical to one call. Limits of one byte (64-token segments: a segment holding the end of
+// one sequence, a one-token sequence and the start of another, both carried), and about a half
+// and a third of one call's workspace; bf16 and f32 inputs, f32 and bf16 d_o (the bf16 path reads
+// d_o in place), a packed mix and one long sequence; the forward's state pass beside chunk_prep
+// (split 50) and in the plain order.
+TEST(GatedDeltaGpu, TimeSegmentsUnderAWorkspaceLimitAreBitwiseEqual) {
   BB_REQUIRE_GPU();
-  const std::vector<int32_t> cu = {0, 130, 131, 400};
-  const int64_t T = 400, Hk = 4, Hv = 8, K = 128;
-  const Tensor cut = Tensor::from_ints(cu, {4});
-  auto bf = [&](int64_t n, uint64_t seed, const Shape& sh) {
-    return Tensor::from_floats(test::randn(static_cast<size_t>(n), seed), sh, DType::bf16).to(kGpu);
-  };
-  const Tensor q = bf(T * Hk * K, 21, {T, Hk, K}), k = bf(T * Hk * K, 22, {T, Hk, K}), v = bf(T * Hv * K, 23, {T, Hv, K});
-  const Tensor g = Tensor::from_floats(test::randu(T * Hv, 24, -0.3f, -0.01f), {T, Hv}).to(kGpu);
-  const Tensor b = Tensor::from_floats(test::randu(T * Hv, 25, 0.1f, 0.9f), {T, Hv}).to(kGpu);
-  const Tensor d_o32 = Tensor::from_floats(test::randn(T * Hv * K, 26), {T, Hv, K}).to(kGpu);
-  const Tensor d_o16 = bf(T * Hv * K, 26, {T, Hv, K});
-  GatedDeltaOptions whole;
-  const Tensor o = gated_delta_rule_forward(q, k, v, g, b, cut, whole);
-  const GatedDeltaGrads a32 = gated_delta_rule_backward(d_o32, q, k, v, g, b, cut, whole);
-  const GatedDeltaGrads a16 = gated_delta_rule_backward(d_o16, q, k, v, g, b, cut, whole);
-  // 1 byte: one key head per call (4 groups); 1.5 x the 2-group workspace: 2 groups.
-  for (size_t limit : {size_t{1}, size_t{T * (512 * 2 + 3336 * 4 + 256 * 4) * 3 / 2}}) {
-    SCOPED_TRACE("limit " + std::to_string(limit));
-    GatedDeltaOptions split;
-    split.max_workspace_bytes = limit;
-    EXPECT_EQ(gated_delta_rule_forward(q, k, v, g, b, cut, split).to_floats(), o.to_floats());
-    for (const auto& [d_o, a] : {std::pair{&d_o32, &a32}, std::pair{&d_o16, &a16}}) {
-      const GatedDeltaGrads c = gated_delta_rule_backward(*d_o, q, k, v, g, b, cut, split);
-      expect_bitwise_equal(c, *a);
+  const int64_t Hk = 4, Hv = 8, K = 128;
+  for (const std::vector<int32_t>& cu : {std::vector<int32_t>{0, 130, 131, 400}, std::vector<int32_t>{0, 0, 2000},
+                                         std::vector<int32_t>{0, 700, 1400, 1401, 2100}})
+    for (DType dt : {DType::bf16, DType::f32}) {
+      const int64_t T = cu.back();
+      SCOPED_TRACE(testing::Message() << cu.size() - 1 << " sequences, T " << T << ", " << dtype_name(dt));
+      const Tensor cut = Tensor::from_ints(cu, {static_cast<int64_t>(cu.size())});
+      auto in = [&](int64_t n, uint64_t seed, const Shape& sh, DType t) {
+        return Tensor::from_floats(test::randn(static_cast<size_t>(n), seed), sh, t).to(kGpu);
+      };
+      const Tensor q = in(T * Hk * K, 21, {T, Hk, K}, dt), k = in(T * Hk * K, 22, {T, Hk, K}, dt),
+                   v = in(T * Hv * K, 23, {T, Hv, K}, dt);
+      const Tensor g = Tensor::from_floats(test::randu(T * Hv, 24, -0.3f, -0.01f), {T, Hv}).to(kGpu);
+      const Tensor b = Tensor::from_floats(test::randu(T * Hv, 25, 0.1f, 0.9f), {T, Hv}).to(kGpu);
+      const Tensor d_o32 = in(T * Hv * K, 26, {T, Hv, K}, DType::f32);
+      const Tensor d_oin = in(T * Hv * K, 26, {T, Hv, K}, dt);
+      const GatedDeltaOptions whole;
+      const Tensor o = gated_delta_rule_forward(q, k, v, g, b, cut, whole);
+      const GatedDeltaGrads a32 = gated_delta_rule_backward(d_o32, q, k, v, g, b, cut, whole);
+      const GatedDeltaGrads ain = gated_delta_rule_backward(d_oin, q, k, v, g, b, cut, whole);
+      const size_t bwd_bytes = T * (dt == DType::bf16 ? 512 * 4 + 3336 * 8 + 256 * 8 : 1024 * 4 + 5640 * 8 + 512 * 8);
+      for (size_t limit : {size_t{1}, bwd_bytes / 2, bwd_bytes / 3})
+        for (const char* split : {"50", "100"}) {
+          SCOPED_TRACE("limit " + std::to_string(limit) + ", BB_GDN_FWD_SPLIT=" + split);
+          setenv("BB_GDN_FWD_SPLIT", split, 1);
+          GatedDeltaOptions seg;
+          seg.max_workspace_bytes = limit;
+          EXPECT_EQ(gated_delta_rule_forward(q, k, v, g, b, cut, seg).to_floats(), o.to_floats());
+          // A prep is kept only when it fits the limit; the backward then drops it (its rest does
+          // not fit either) and segments.
+          GatedDeltaPrep prep;
+          EXPECT_EQ(gated_delta_rule_forward(q, k, v, g, b, cut, seg, MemCategory::activations, &prep).to_floats(),
+                    o.to_floats());
+          if (limit == 1) EXPECT_FALSE(prep.defined());
+          expect_bitwise_equal(gated_delta_rule_backward(d_o32, q, k, v, g, b, cut, seg, &prep), a32);
+          expect_bitwise_equal(gated_delta_rule_backward(d_oin, q, k, v, g, b, cut, seg), ain);
+        }
+      unsetenv("BB_GDN_FWD_SPLIT");
     }
-  }
 }
 
 // A forward given `keep` hands its chunk_prep outputs to the backward, which then skips qk_norm
@@ -383,7 +400,7 @@ TEST(GatedDeltaGpu, HeadGroupsUnderAWorkspaceLimitAreBitwiseEqual) {
 // same buffers), for bf16 and f32 inputs, f32 and bf16 d_o, across chunk edges and a packed mix.
 // The backward consumes the prep (released: a second backward cannot reuse its overwritten U).
 // A prep over the workspace limit is not kept; a backward whose rest would exceed the limit drops
-// it and runs in head groups; a prep of other inputs is an error.
+// it and runs in time segments; a prep of other inputs is an error.
 TEST(GatedDeltaGpu, KeptForwardPrepGivesBitwiseEqualGradients) {
   BB_REQUIRE_GPU();
   const std::vector<int32_t> cu = {0, 1, 64, 65, 1065, 1128};

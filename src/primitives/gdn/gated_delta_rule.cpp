@@ -6,7 +6,6 @@
 #include <functional>
 
 #include "core/trace.h"
-#include "primitives/attention/cp_ops.h"
 #include "primitives/gdn/gated_delta_rule_cuda.h"
 #include "primitives/gdn/gated_delta_rule_ref.h"
 
@@ -81,15 +80,18 @@ ref::GdnShape check(const char* op, const Tensor& q, const Tensor& k, const Tens
 
 #ifdef BB_WITH_CUDA
 // The CUDA kernels' dims and their chunk table, uploaded on the current stream (staged, no host
-// wait).
+// wait); the host copy stays for gdn_table_seq.
 struct CudaPlan {
   cuda::GdnDims dims;
+  std::vector<int32_t> host;
   Tensor table;
 };
-// table: the device chunk table of an earlier plan for the same cu_seqlens (not uploaded again).
-CudaPlan cuda_plan(const ref::GdnShape& s, const Tensor& cu, Device dev, const Tensor* table_on_device = nullptr) {
+// T tokens in sequences cu (host, starting at 0). table: the device chunk table of an earlier
+// plan for the same cu_seqlens (not uploaded again).
+CudaPlan cuda_plan(const ref::GdnShape& s, int64_t T, const std::vector<int32_t>& cu, Device dev,
+                   const Tensor* table_on_device = nullptr) {
   CudaPlan p;
-  p.dims.T = s.T;
+  p.dims.T = T;
   p.dims.Hk = static_cast<int>(s.Hk);
   p.dims.Hv = static_cast<int>(s.Hv);
   p.dims.K = static_cast<int>(s.K);
@@ -97,14 +99,13 @@ CudaPlan cuda_plan(const ref::GdnShape& s, const Tensor& cu, Device dev, const T
   p.dims.scale = static_cast<float>(s.scale);
   p.dims.eps = static_cast<float>(s.eps);
   p.dims.l2norm = s.l2norm;
-  const std::vector<int32_t> table =
-      cuda::gdn_chunk_table(cu.data<int32_t>(), cu.numel() - 1, p.dims);
+  p.host = cuda::gdn_chunk_table(cu.data(), static_cast<int64_t>(cu.size()) - 1, p.dims);
   if (table_on_device != nullptr) {
     p.table = *table_on_device;
     return p;
   }
-  p.table = Tensor::from_ints(table.empty() ? std::vector<int32_t>{0} : table,
-                              {static_cast<int64_t>(std::max<size_t>(1, table.size()))})
+  p.table = Tensor::from_ints(p.host.empty() ? std::vector<int32_t>{0} : p.host,
+                              {static_cast<int64_t>(std::max<size_t>(1, p.host.size()))})
                 .to(dev, MemCategory::workspace);
   return p;
 }
@@ -113,33 +114,86 @@ Tensor workspace(size_t bytes, Device dev) {
                        MemCategory::workspace);
 }
 
-// The fewest key-head groups (a divisor of Hk) whose per-call workspace fits `limit`; Hk when
-// none does (one key head per call is the least a call can take).
-int64_t head_groups(const CudaPlan& p, int64_t Hk, size_t limit, const std::function<size_t(const cuda::GdnDims&)>& ws) {
-  for (int64_t groups = 1; groups <= Hk; ++groups) {
-    if (Hk % groups != 0) continue;
-    cuda::GdnDims d = p.dims;
-    d.Hk = static_cast<int>(Hk / groups);
-    d.Hv = static_cast<int>(p.dims.Hv / groups);
-    if (ws(d) <= limit) return groups;
+// A call whose workspace would exceed the limit runs in time segments: token ranges [a, b) of
+// the batch, each a call of its own, cut at whole chunks of the sequence they cut (so every chunk
+// is the chunk one call would make). A sequence cut by a segment's end carries its state into
+// the next segment (GdnCarry): the results are bitwise those of one call.
+struct Segment {
+  int64_t a = 0, b = 0;
+  std::vector<int32_t> cu;  // the non-empty sequences within [a, b), relative to a
+  bool cont_in = false;     // its first sequence began before a
+  bool cont_out = false;    // its last sequence goes on past b
+};
+
+// Segments of at most `len` tokens (a multiple of the chunk, >= one chunk).
+std::vector<Segment> time_segments(const std::vector<int32_t>& cu, int64_t len) {
+  constexpr int64_t kChunk = 64;
+  const int64_t T = cu.back(), n = static_cast<int64_t>(cu.size()) - 1;
+  std::vector<Segment> segs;
+  int64_t a = 0, j = 0;  // j: the first sequence that ends after a
+  while (a < T) {
+    while (j < n && cu[static_cast<size_t>(j + 1)] <= a) ++j;
+    int64_t b = T;
+    if (a + len < T) {
+      const int64_t x = a + len;
+      int64_t m = j;  // the sequence holding token x
+      while (cu[static_cast<size_t>(m + 1)] <= x) ++m;
+      const int64_t s0 = cu[static_cast<size_t>(m)];
+      b = s0 + (x - s0) / kChunk * kChunk;  // > a: a is a sequence start or whole chunks into one
+    }
+    Segment seg;
+    seg.a = a;
+    seg.b = b;
+    seg.cu.push_back(0);
+    for (int64_t m = j; m < n && cu[static_cast<size_t>(m)] < b; ++m) {
+      const int64_t s0 = cu[static_cast<size_t>(m)], s1 = cu[static_cast<size_t>(m + 1)];
+      if (s1 <= s0) continue;  // empty
+      if (s0 < a) seg.cont_in = true;
+      if (s1 > b) seg.cont_out = true;
+      seg.cu.push_back(static_cast<int32_t>(std::min(s1, b) - a));
+    }
+    segs.push_back(std::move(seg));
+    a = b;
   }
-  return Hk;
+  return segs;
 }
 
-// Heads [first, first + count) of x [T, H, D] as a contiguous [T, count, D] copy (or x itself
-// when that is all of it); g and beta ([T, Hv]) are viewed [T, Hv, 1].
-Tensor heads_of(const Tensor& x, int64_t first, int64_t count) {
-  const Tensor x3 = x.dim() == 2 ? x.view({x.size(0), x.size(1), 1}) : x;
-  if (count == x3.size(1)) return x;
-  const Tensor h = cp::split_heads(x3, {first}, count, MemCategory::workspace);
-  return x.dim() == 2 ? h.view({x.size(0), count}) : h;
+// The segments whose calls fit `limit` (ws(plan) bytes each); one chunk per segment is the least
+// a call can take.
+std::vector<Segment> fitting_segments(const ref::GdnShape& s, const std::vector<int32_t>& cu,
+                                      size_t whole, size_t limit,
+                                      const std::function<size_t(const cuda::GdnDims&)>& ws) {
+  const double per_token = static_cast<double>(whole) / static_cast<double>(std::max<int64_t>(1, s.T));
+  int64_t len = std::max<int64_t>(64, static_cast<int64_t>(static_cast<double>(limit) / per_token) / 64 * 64);
+  for (;;) {
+    std::vector<Segment> segs = time_segments(cu, len);
+    bool fits = true;
+    for (const Segment& g : segs) {
+      cuda::GdnDims d;
+      d.T = g.b - g.a;
+      d.Hk = static_cast<int>(s.Hk);
+      d.Hv = static_cast<int>(s.Hv);
+      d.K = static_cast<int>(s.K);
+      d.V = static_cast<int>(s.V);
+      (void)cuda::gdn_chunk_table(g.cu.data(), static_cast<int64_t>(g.cu.size()) - 1, d);
+      if (ws(d) > limit) {
+        fits = false;
+        break;
+      }
+    }
+    if (fits || len == 64) return segs;
+    len = std::max<int64_t>(64, (len - std::max<int64_t>(64, len / 8)) / 64 * 64);
+  }
 }
-// Writes part [T, count, D] (or [T, count]) into heads [first, first + count) of dst.
-void put_heads(Tensor& dst, const Tensor& part, int64_t first) {
-  Tensor d3 = dst.dim() == 2 ? dst.view({dst.size(0), dst.size(1), 1}) : dst;
-  const int64_t count = part.numel() / std::max<int64_t>(1, dst.size(0) * d3.size(2));
-  cp::join_heads(d3, part.view({dst.size(0), count, d3.size(2)}), {first}, count, /*accumulate=*/false);
+
+// The carry of segment `seg` under plan p: its first / last sequence where they continue.
+cuda::GdnCarry carry_of(const Segment& seg, const CudaPlan& p) {
+  cuda::GdnCarry c;
+  if (seg.cont_in) c.seq_in = cuda::gdn_table_seq(p.host, p.dims, 0);
+  if (seg.cont_out) c.seq_out = cuda::gdn_table_seq(p.host, p.dims, seg.cu[seg.cu.size() - 2]);
+  return c;
 }
+Tensor rows(const Tensor& x, const Segment& seg) { return x.narrow(seg.a, seg.b - seg.a); }
 #endif
 
 }  // namespace
@@ -155,32 +209,42 @@ Tensor gated_delta_rule_forward(const Tensor& q, const Tensor& k, const Tensor& 
 #ifdef BB_WITH_CUDA
   if (q.device().is_cuda()) {
     if (s.T == 0) return o;
-    const CudaPlan p = cuda_plan(s, cu_seqlens, q.device());
+    const std::vector<int32_t> cu = cu_seqlens.to_ints();
+    const CudaPlan p = cuda_plan(s, s.T, cu, q.device());
+    const DType dt = q.dtype();
+    const size_t one_call = cuda::gdn_forward_workspace_bytes(p.dims, dt);
     // Kept: one call whose workspace is the prep the backward takes (only when it fits one call).
-    const bool keeping = keep != nullptr && cuda::gdn_prep_bytes(p.dims, q.dtype()) <= opts.max_workspace_bytes;
-    const int64_t groups = keeping ? 1 : head_groups(p, s.Hk, opts.max_workspace_bytes, [&](const cuda::GdnDims& d) {
-      return cuda::gdn_forward_workspace_bytes(d, q.dtype());
-    });
-    const int64_t hk = s.Hk / groups, hv = s.Hv / groups;
-    cuda::GdnDims d = p.dims;
-    d.Hk = static_cast<int>(hk);
-    d.Hv = static_cast<int>(hv);
-    Tensor ws;
-    if (keeping) {
-      ws = Tensor::empty({static_cast<int64_t>(std::max<size_t>(cuda::gdn_prep_bytes(d, q.dtype()), 1))}, DType::u8,
-                         q.device(), MemCategory::activations);
-      *keep = GatedDeltaPrep{ws, p.table, cu_seqlens.to_ints(), q.shape(), v.shape(), q.dtype(), s.scale, s.eps,
-                             s.l2norm};
-    } else {
-      ws = workspace(cuda::gdn_forward_workspace_bytes(d, q.dtype()), q.device());
+    const bool keeping = keep != nullptr && cuda::gdn_prep_bytes(p.dims, dt) <= opts.max_workspace_bytes;
+    if (keeping || one_call <= opts.max_workspace_bytes) {
+      Tensor ws;
+      if (keeping) {
+        ws = Tensor::empty({static_cast<int64_t>(std::max<size_t>(cuda::gdn_prep_bytes(p.dims, dt), 1))}, DType::u8,
+                           q.device(), MemCategory::activations);
+        *keep = GatedDeltaPrep{ws, p.table, cu, q.shape(), v.shape(), dt, s.scale, s.eps, s.l2norm};
+      } else {
+        ws = workspace(one_call, q.device());
+      }
+      cuda::gdn_forward(o.raw(), q.raw(), k.raw(), v.raw(), g.data<float>(), beta.data<float>(),
+                        p.table.data<int32_t>(), p.dims, dt, ws.raw(), keeping);
+      return o;
     }
-    for (int64_t gi = 0; gi < groups; ++gi) {
-      const Tensor qg = heads_of(q, gi * hk, hk), kg = heads_of(k, gi * hk, hk), vg = heads_of(v, gi * hv, hv);
-      const Tensor gg = heads_of(g, gi * hv, hv), bg = heads_of(beta, gi * hv, hv);
-      Tensor og = groups == 1 ? o : Tensor::empty({s.T, hv, s.V}, v.dtype(), v.device(), MemCategory::workspace);
-      cuda::gdn_forward(og.raw(), qg.raw(), kg.raw(), vg.raw(), gg.data<float>(), bg.data<float>(),
-                        p.table.data<int32_t>(), d, q.dtype(), ws.raw(), keeping);
-      if (groups > 1) put_heads(o, og, gi * hv);
+    auto fwd_ws = [&](const cuda::GdnDims& d) { return cuda::gdn_forward_workspace_bytes(d, dt); };
+    const std::vector<Segment> segs = fitting_segments(s, cu, one_call, opts.max_workspace_bytes, fwd_ws);
+    const Tensor states = Tensor::empty({2, s.Hv * cuda::kGdnCarryFloatsPerHead}, DType::f32, q.device(),
+                                        MemCategory::workspace);
+    Tensor ws;
+    for (size_t i = 0; i < segs.size(); ++i) {
+      const Segment& seg = segs[i];
+      const CudaPlan sp = cuda_plan(s, seg.b - seg.a, seg.cu, q.device());
+      const size_t need = fwd_ws(sp.dims);
+      if (!ws.defined() || static_cast<size_t>(ws.numel()) < need) ws = workspace(need, q.device());
+      cuda::GdnCarry c = carry_of(seg, sp);
+      c.s_in = states.data<float>() + static_cast<int64_t>((i + 1) % 2) * states.size(1);
+      c.s_out = states.data<float>() + static_cast<int64_t>(i % 2) * states.size(1);
+      Tensor os = rows(o, seg);
+      cuda::gdn_forward(os.raw(), rows(q, seg).raw(), rows(k, seg).raw(), rows(v, seg).raw(),
+                        rows(g, seg).data<float>(), rows(beta, seg).data<float>(), sp.table.data<int32_t>(),
+                        sp.dims, dt, ws.raw(), false, &c);
     }
     return o;
   }
@@ -228,41 +292,63 @@ GatedDeltaGrads gated_delta_rule_backward(const Tensor& d_o, const Tensor& q, co
 #ifdef BB_WITH_CUDA
   if (dev.is_cuda()) {
     if (s.T == 0) return r;
-    const CudaPlan p = cuda_plan(s, cu_seqlens, dev, kept.defined() ? &kept.table : nullptr);
+    const std::vector<int32_t> cu = cu_seqlens.to_ints();
+    const CudaPlan p = cuda_plan(s, s.T, cu, dev, kept.defined() ? &kept.table : nullptr);
+    const DType dt = q.dtype(), do_dt = d_o.dtype();
     // A kept prep serves one call; when the rest of the workspace does not fit one, it is dropped
-    // and the head groups make their own.
+    // and the time segments make their own.
     if (kept.defined() &&
-        cuda::gdn_backward_workspace_bytes(p.dims, q.dtype(), d_o.dtype(), /*have_prep=*/true) > opts.max_workspace_bytes)
+        cuda::gdn_backward_workspace_bytes(p.dims, dt, do_dt, /*have_prep=*/true) > opts.max_workspace_bytes)
       kept = GatedDeltaPrep{};
-    const int64_t groups = kept.defined() ? 1 : head_groups(p, s.Hk, opts.max_workspace_bytes, [&](const cuda::GdnDims& d) {
-      return cuda::gdn_backward_workspace_bytes(d, q.dtype(), d_o.dtype());
-    });
-    const int64_t hk = s.Hk / groups, hv = s.Hv / groups;
-    cuda::GdnDims d = p.dims;
-    d.Hk = static_cast<int>(hk);
-    d.Hv = static_cast<int>(hv);
-    const Tensor ws = workspace(cuda::gdn_backward_workspace_bytes(d, q.dtype(), d_o.dtype(), kept.defined()), dev);
-    for (int64_t gi = 0; gi < groups; ++gi) {
-      const int64_t k0 = gi * hk, v0 = gi * hv;
-      const Tensor qg = heads_of(q, k0, hk), kg = heads_of(k, k0, hk), vg = heads_of(v, v0, hv);
-      const Tensor gg = heads_of(g, v0, hv), bg = heads_of(beta, v0, hv), dog = heads_of(d_o, v0, hv);
-      GatedDeltaGrads part = r;
-      if (groups > 1) {
-        auto mk_part = [&](const Shape& shape) { return Tensor::empty(shape, DType::f32, dev, MemCategory::workspace); };
-        part = {mk_part({s.T, hk, s.K}), mk_part({s.T, hk, s.K}), mk_part({s.T, hv, s.V}), mk_part({s.T, hv}),
-                mk_part({s.T, hv})};
-      }
-      cuda::gdn_backward(part.d_q.data<float>(), part.d_k.data<float>(), part.d_v.data<float>(),
-                         part.d_g.data<float>(), part.d_beta.data<float>(), dog.raw(), d_o.dtype(), qg.raw(),
-                         kg.raw(), vg.raw(), gg.data<float>(), bg.data<float>(), p.table.data<int32_t>(), d,
-                         q.dtype(), ws.raw(), kept.defined() ? kept.buffer.raw() : nullptr);
-      if (groups > 1) {
-        put_heads(r.d_q, part.d_q, k0);
-        put_heads(r.d_k, part.d_k, k0);
-        put_heads(r.d_v, part.d_v, v0);
-        put_heads(r.d_g, part.d_g, v0);
-        put_heads(r.d_beta, part.d_beta, v0);
-      }
+    const size_t one_call = cuda::gdn_backward_workspace_bytes(p.dims, dt, do_dt, kept.defined());
+    if (kept.defined() || one_call <= opts.max_workspace_bytes) {
+      const Tensor ws = workspace(one_call, dev);
+      cuda::gdn_backward(r.d_q.data<float>(), r.d_k.data<float>(), r.d_v.data<float>(), r.d_g.data<float>(),
+                         r.d_beta.data<float>(), d_o.raw(), do_dt, q.raw(), k.raw(), v.raw(), g.data<float>(),
+                         beta.data<float>(), p.table.data<int32_t>(), p.dims, dt, ws.raw(),
+                         kept.defined() ? kept.buffer.raw() : nullptr);
+      return r;
+    }
+    // Segments, last to first: each needs the state its first sequence starts from (a sweep of
+    // end states first, one per segment boundary) and the gradient of its last sequence's end
+    // state (from the segment after it).
+    auto bwd_ws = [&](const cuda::GdnDims& d) { return cuda::gdn_backward_workspace_bytes(d, dt, do_dt); };
+    const std::vector<Segment> segs = fitting_segments(s, cu, one_call, opts.max_workspace_bytes, bwd_ws);
+    const int64_t per = s.Hv * cuda::kGdnCarryFloatsPerHead;
+    const auto nseg = static_cast<int64_t>(segs.size());
+    const Tensor starts = Tensor::empty({nseg, per}, DType::f32, dev, MemCategory::workspace);
+    const Tensor grads = Tensor::empty({2, per}, DType::f32, dev, MemCategory::workspace);
+    float* st = starts.data<float>();
+    float* gs = grads.data<float>();
+    Tensor ws;
+    auto ensure_ws = [&](size_t need) {
+      if (!ws.defined() || static_cast<size_t>(ws.numel()) < need) ws = workspace(need, dev);
+    };
+    for (int64_t i = 0; i + 1 < nseg; ++i) {
+      const Segment& seg = segs[static_cast<size_t>(i)];
+      if (!seg.cont_out) continue;
+      const CudaPlan sp = cuda_plan(s, seg.b - seg.a, seg.cu, dev);
+      ensure_ws(cuda::gdn_forward_workspace_bytes(sp.dims, dt));
+      cuda::GdnCarry c = carry_of(seg, sp);
+      c.s_in = st + i * per;
+      c.s_out = st + (i + 1) * per;
+      cuda::gdn_end_state(rows(q, seg).raw(), rows(k, seg).raw(), rows(v, seg).raw(), rows(g, seg).data<float>(),
+                          rows(beta, seg).data<float>(), sp.table.data<int32_t>(), sp.dims, dt, ws.raw(), c);
+    }
+    for (int64_t i = nseg - 1; i >= 0; --i) {
+      const Segment& seg = segs[static_cast<size_t>(i)];
+      const CudaPlan sp = cuda_plan(s, seg.b - seg.a, seg.cu, dev);
+      ensure_ws(bwd_ws(sp.dims));
+      cuda::GdnCarry c = carry_of(seg, sp);
+      c.s_in = st + i * per;
+      c.ds_in = gs + ((i + 1) % 2) * per;
+      c.ds_out = gs + (i % 2) * per;
+      Tensor dq = rows(r.d_q, seg), dk = rows(r.d_k, seg), dv = rows(r.d_v, seg), dg = rows(r.d_g, seg),
+             db = rows(r.d_beta, seg);
+      cuda::gdn_backward(dq.data<float>(), dk.data<float>(), dv.data<float>(), dg.data<float>(), db.data<float>(),
+                         rows(d_o, seg).raw(), do_dt, rows(q, seg).raw(), rows(k, seg).raw(), rows(v, seg).raw(),
+                         rows(g, seg).data<float>(), rows(beta, seg).data<float>(), sp.table.data<int32_t>(), sp.dims,
+                         dt, ws.raw(), nullptr, &c);
     }
     return r;
   }

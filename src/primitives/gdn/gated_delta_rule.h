@@ -36,13 +36,14 @@ struct GatedDeltaOptions {
   double scale = 0;   // multiplies q after the norm; 0 = 1 / sqrt(K)
   bool l2norm = true; // q and k scaled to unit L2 norm (x * rsqrt(|x|^2 + eps)) first
   double eps = 1e-6;
-  // CUDA: the most workspace one call takes. A call whose workspace would exceed it runs the
-  // key heads in groups (the fewest groups whose workspace fits, each group a divisor of Hk with
-  // its value heads; their q, k, v, gates and d_o are copied out and the results copied back),
-  // bit-identical to one call since the heads are independent. Long sequences then fit: 256K
-  // tokens of Qwen3.5 need 28 GiB of backward workspace in one call, 3.5 GiB in 8 groups. The
-  // state passes get 1/groups of the blocks, so each group costs about what the whole call did:
-  // only calls over the limit pay.
+  // CUDA: the most workspace one call takes. A call whose workspace would exceed it runs in
+  // time segments: token ranges of the batch, the longest that fit, cut at whole chunks of the
+  // sequence they cut; a cut sequence carries its K x V states (f32, 64 KiB a value head) from
+  // one segment to the next, and the backward first sweeps the segments' end states, then runs
+  // them last to first carrying the states' gradients. Bit-identical to one call, with every
+  // head in every segment. Long sequences then fit: 256K tokens of Qwen3.5 need 28 GiB of
+  // backward workspace in one call, under 4 GiB a segment. Cost: the backward's sweep (about a
+  // forward's prep and state pass over all but the last segment).
   size_t max_workspace_bytes = size_t{4} << 30;
 };
 

@@ -424,6 +424,38 @@ __device__ __forceinline__ int frag_col(int n0, int nt) {
   return n0 + nt * 8 + ((threadIdx.x & 3) << 1);
 }
 
+// A state pass's register tile (rows rs + [0, 16 MS), columns v0 + [0, 8 NT)) of value head h
+// from / to a carried f32 state [Hv][128][128] (GdnCarry).
+template <int MS, int NT>
+__device__ __forceinline__ void load_carry(float (&S)[MS][NT][4], const float* src, int h, int rs,
+                                           int v0) {
+#pragma unroll
+  for (int mt = 0; mt < MS; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int r = frag_row(rs, mt, hf), c = v0 + frag_col(0, nt);
+        const float2 x = *reinterpret_cast<const float2*>(src + (static_cast<int64_t>(h) * 128 + r) * 128 + c);
+        S[mt][nt][2 * hf] = x.x;
+        S[mt][nt][2 * hf + 1] = x.y;
+      }
+}
+template <int MS, int NT>
+__device__ __forceinline__ void store_carry(const float (&S)[MS][NT][4], float* dst, int h, int rs,
+                                            int v0) {
+#pragma unroll
+  for (int mt = 0; mt < MS; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int r = frag_row(rs, mt, hf), c = v0 + frag_col(0, nt);
+        *reinterpret_cast<float2*>(dst + (static_cast<int64_t>(h) * 128 + r) * 128 + c) =
+            make_float2(S[mt][nt][2 * hf], S[mt][nt][2 * hf + 1]);
+      }
+}
+
 // Sum over the 4 lanes that share an accumulator row.
 __device__ __forceinline__ float row_reduce4(float v) {
   v += shfl_xor(v, 1);
@@ -447,6 +479,15 @@ struct Dims {
   int head_fastest;
   int n0;  // first chunk of a per-(chunk, value head) launch (a forward's chunk_prep runs in two)
   const int32_t* tab;  // chunk table (gdn_chunk_table layout)
+  // A sequence continuing across calls (GdnCarry; f32 states [Hv][128][128]): sequence cin_seq
+  // (table order) starts from the state cin and its start-state gradient goes to dcout;
+  // sequence cout_seq leaves its end state in cout and its end-state gradient comes from dcin.
+  // Null pointers: zero start, nothing written.
+  const float* cin;
+  float* cout;
+  const float* dcin;
+  float* dcout;
+  int cin_seq, cout_seq;
   __device__ __forceinline__ int chunk_start(int n) const { return tab[n]; }
   __device__ __forceinline__ int chunk_len(int n) const { return tab[NC + n]; }
   __device__ __forceinline__ int seq_first(int s) const { return tab[2 * NC + s]; }
@@ -809,6 +850,8 @@ __global__ void __launch_bounds__(NW * 32, kFwd ? 1 : 2)
 
   float S[MS][NT][4];  // rows rs + [0, 16 MS), cols v0 + [0, VT)
   zero(S);
+  const int seq = static_cast<int>(blockIdx.y);
+  if (d.cin != nullptr && seq == d.cin_seq) load_carry(S, d.cin, h, rs, v0);
   if (count > 0) {
     if (ready != nullptr) {
       await(first);
@@ -832,9 +875,11 @@ __global__ void __launch_bounds__(NW * 32, kFwd ? 1 : 2)
         for (int hf = 0; hf < 2; ++hf) {
           const int r = frag_row(rs, mt, hf), c = frag_col(0, nt);
           St.put2(r, c, S[mt][nt][2 * hf], S[mt][nt][2 * hf + 1]);
-          if constexpr (!kFwd)
-            gstore2<NPL>(hs, psh, ((static_cast<int64_t>(n) * d.Hv + h) * kD + r) * kD + v0 + c,
-                         S[mt][nt][2 * hf], S[mt][nt][2 * hf + 1]);
+          if constexpr (!kFwd) {
+            if (hs != nullptr)  // null: the end state alone (gdn_end_state)
+              gstore2<NPL>(hs, psh, ((static_cast<int64_t>(n) * d.Hv + h) * kD + r) * kD + v0 + c,
+                           S[mt][nt][2 * hf], S[mt][nt][2 * hf + 1]);
+          }
         }
     cp_async_wait_all();
     if (L::kStages == 2 && idx + 1 < count) await(n + 1);
@@ -870,7 +915,7 @@ __global__ void __launch_bounds__(NW * 32, kFwd ? 1 : 2)
         if constexpr (kFwd) Dt.put2(t, c, d0, d1);
         Ct.put2(t, c, ct[hf] * d0, ct[hf] * d1);
         if constexpr (!kFwd)
-          if (ok)
+          if (ok && dl != nullptr)
             gstore2<NPL>(dl, psv, ((static_cast<int64_t>(c0) + t) * d.Hv + h) * kD + v0 + c, d0,
                          d1);
       }
@@ -902,6 +947,7 @@ __global__ void __launch_bounds__(NW * 32, kFwd ? 1 : 2)
         for (int e = 0; e < 4; ++e) S[mt][nt][e] *= dec;
     warp_mma<MS, NT, true, true, kC>(S, K_s(s), rs, Ct, 0);
   }
+  if (d.cout != nullptr && seq == d.cout_seq) store_carry(S, d.cout, h, rs, v0);
 }
 
 // ---- 4. d_o -> operand planes [T, Hv, D] --------------------------------------------------------
@@ -1000,6 +1046,8 @@ __global__ void __launch_bounds__(NW * 32, 2)
 
   float dS[MS][NT][4];  // rows rs + [0, 16 MS)
   zero(dS);
+  const int seq = static_cast<int>(blockIdx.y);
+  if (d.dcin != nullptr && seq == d.cout_seq) load_carry(dS, d.dcin, h, rs, v0);
   if (count > 0) issue(count - 1, 0);
   for (int it = 0; it < count; ++it) {
     const int idx = count - 1 - it;
@@ -1068,6 +1116,8 @@ __global__ void __launch_bounds__(NW * 32, 2)
     warp_mma<MS, NT, true, true, kC>(dS, Q_s(s), rs, GOt, 0);
     warp_mma<MS, NT, true, true, kC>(dS, W_s(s), rs, dDt, 0);
   }
+  // dS is now the gradient of the sequence's start state.
+  if (d.dcout != nullptr && seq == d.cin_seq) store_carry(dS, d.dcout, h, rs, v0);
 }
 
 // ---- 6. per chunk and value head: dq^, dk^ (intra and state parts), dW, dgamma parts ------------
@@ -1627,6 +1677,7 @@ Dims make_dims(const GdnDims& g, const int32_t* table) {
   d.NC = g.num_chunks;
   d.NS = g.num_seqs;
   d.tab = table;
+  d.cin_seq = d.cout_seq = -1;
   // Value heads fastest by default: the backward measured 6.38-6.42 against 6.50-6.52 ms at
   // 1 x 32K and 8 x 4K (H200, Qwen3.5 shapes), the forward the same. BB_GDN_BLOCK_ORDER=chunk
   // restores chunks fastest (kernel-lab knob; results are bitwise the same).
@@ -1939,11 +1990,25 @@ void forward_run(Tin* o, const Tin* q, const Tin* k, const Tin* v, const float* 
   BB_CHECK_CUDA(cudaStreamWaitEvent(st, fs.join, 0));
 }
 
+// The carried states of a call (GdnCarry), into its dims.
+void apply_carry(Dims& d, const GdnCarry* c) {
+  if (c == nullptr) return;
+  BB_CHECK(c->seq_in < d.NS && c->seq_out < d.NS, "gated_delta_rule (CUDA): carried sequence ",
+           std::max(c->seq_in, c->seq_out), " is beyond the call's ", d.NS, " sequences");
+  d.cin_seq = c->seq_in;
+  d.cout_seq = c->seq_out;
+  d.cin = c->seq_in >= 0 ? c->s_in : nullptr;
+  d.dcout = c->seq_in >= 0 ? c->ds_out : nullptr;
+  d.cout = c->seq_out >= 0 ? c->s_out : nullptr;
+  d.dcin = c->seq_out >= 0 ? c->ds_in : nullptr;
+}
+
 template <class Tin>
 void forward_impl(Tin* o, const Tin* q, const Tin* k, const Tin* v, const float* g,
                   const float* beta, const int32_t* table, const GdnDims& gd, void* ws,
-                  bool keep_prep) {
-  const Dims d = make_dims(gd, table);
+                  bool keep_prep, const GdnCarry* carry) {
+  Dims d = make_dims(gd, table);
+  apply_carry(d, carry);
   Carve c{static_cast<unsigned char*>(ws)};
   const FwdBuffers b = carve_prep<planes_of<Tin>()>(c, gd, keep_prep);
   int* flags = c.take<int>(static_cast<int64_t>(gd.num_chunks) * gd.Hv);
@@ -1997,9 +2062,10 @@ template <class Tin>
 void backward_impl(float* dq, float* dk, float* dv, float* dg, float* dbeta, const void* d_o,
                    DType do_dt, const Tin* q, const Tin* k, const Tin* v, const float* g,
                    const float* beta, const int32_t* table, const GdnDims& gd, DType dt, void* ws,
-                   void* prep) {
+                   void* prep, const GdnCarry* carry) {
   constexpr int NPL = planes_of<Tin>();
-  const Dims d = make_dims(gd, table);
+  Dims d = make_dims(gd, table);
+  apply_carry(d, carry);
   const bool own_do = do_needs_planes(gd, dt, do_dt);
   Carve c{static_cast<unsigned char*>(ws)}, kept{static_cast<unsigned char*>(prep)};
   const BwdBuffers b = carve_bwd<NPL>(c, gd, own_do, prep != nullptr ? &kept : nullptr);
@@ -2050,7 +2116,41 @@ void backward_impl(float* dq, float* dk, float* dv, float* dg, float* dbeta, con
          q, k, static_cast<const float*>(b.dqp), static_cast<const float*>(b.dkp));
 }
 
+// The end state of carry.seq_out alone: the prep, then the rebuild pass writing nothing else.
+template <class Tin>
+void end_state_impl(const Tin* q, const Tin* k, const Tin* v, const float* g, const float* beta,
+                    const int32_t* table, const GdnDims& gd, void* ws, const GdnCarry& carry) {
+  Dims d = make_dims(gd, table);
+  apply_carry(d, &carry);
+  Carve c{static_cast<unsigned char*>(ws)};
+  const FwdBuffers b = carve_prep<planes_of<Tin>()>(c, gd, false);
+  run_prep<Tin, false>(d, b, q, k, v, g, beta);
+  run_state_fwd<Tin, false>(d, pick_vt(gd), pick_state_warps(false), b, static_cast<Tin*>(nullptr),
+                            nullptr, nullptr);
+}
+
 }  // namespace
+
+int gdn_table_seq(const std::vector<int32_t>& table, const GdnDims& dims, int32_t token_start) {
+  const size_t nc = static_cast<size_t>(dims.num_chunks);
+  for (int j = 0; j < dims.num_seqs; ++j) {
+    const size_t first = static_cast<size_t>(table[2 * nc + static_cast<size_t>(j)]);
+    if (table[first] == token_start) return j;
+  }
+  return -1;
+}
+
+void gdn_end_state(const void* q, const void* k, const void* v, const float* g, const float* beta,
+                   const int32_t* table, const GdnDims& dims, DType dt, void* ws,
+                   const GdnCarry& carry) {
+  if (dims.T == 0 || dims.num_chunks == 0 || carry.seq_out < 0) return;
+  if (dt == DType::f32)
+    end_state_impl<float>(static_cast<const float*>(q), static_cast<const float*>(k),
+                          static_cast<const float*>(v), g, beta, table, dims, ws, carry);
+  else
+    end_state_impl<uint16_t>(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k),
+                             static_cast<const uint16_t*>(v), g, beta, table, dims, ws, carry);
+}
 
 std::vector<int32_t> gdn_chunk_table(const int32_t* cu, int64_t nseq, GdnDims& dims) {
   std::vector<int32_t> starts, lens, order;
@@ -2090,16 +2190,16 @@ size_t gdn_prep_bytes(const GdnDims& dims, DType dt) {
 
 void gdn_forward(void* o, const void* q, const void* k, const void* v, const float* g,
                  const float* beta, const int32_t* table, const GdnDims& dims, DType dt, void* ws,
-                 bool keep_prep) {
+                 bool keep_prep, const GdnCarry* carry) {
   if (dims.T == 0 || dims.num_chunks == 0) return;
   if (dt == DType::f32)
     forward_impl<float>(static_cast<float*>(o), static_cast<const float*>(q),
                         static_cast<const float*>(k), static_cast<const float*>(v), g, beta, table,
-                        dims, ws, keep_prep);
+                        dims, ws, keep_prep, carry);
   else
     forward_impl<uint16_t>(static_cast<uint16_t*>(o), static_cast<const uint16_t*>(q),
                            static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), g,
-                           beta, table, dims, ws, keep_prep);
+                           beta, table, dims, ws, keep_prep, carry);
 }
 
 size_t gdn_backward_workspace_bytes(const GdnDims& dims, DType dt, DType do_dt, bool have_prep) {
@@ -2111,16 +2211,16 @@ size_t gdn_backward_workspace_bytes(const GdnDims& dims, DType dt, DType do_dt, 
 void gdn_backward(float* dq, float* dk, float* dv, float* dg, float* dbeta, const void* d_o,
                   DType do_dt, const void* q, const void* k, const void* v, const float* g,
                   const float* beta, const int32_t* table, const GdnDims& dims, DType dt,
-                  void* ws, void* prep) {
+                  void* ws, void* prep, const GdnCarry* carry) {
   if (dims.T == 0 || dims.num_chunks == 0) return;
   if (dt == DType::f32)
     backward_impl<float>(dq, dk, dv, dg, dbeta, d_o, do_dt, static_cast<const float*>(q),
                          static_cast<const float*>(k), static_cast<const float*>(v), g, beta, table,
-                         dims, dt, ws, prep);
+                         dims, dt, ws, prep, carry);
   else
     backward_impl<uint16_t>(dq, dk, dv, dg, dbeta, d_o, do_dt, static_cast<const uint16_t*>(q),
                             static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), g,
-                            beta, table, dims, dt, ws, prep);
+                            beta, table, dims, dt, ws, prep, carry);
 }
 
 }  // namespace bb::cuda

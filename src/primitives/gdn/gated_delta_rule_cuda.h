@@ -29,6 +29,22 @@ struct GdnDims {
   int num_seqs = 0;    // non-empty sequences, filled by gdn_chunk_table
 };
 
+// A sequence that continues across calls: the time segments of one long call
+// (gated_delta_rule.cpp) carry its state. States are f32 [Hv][128][128] (K x V per value head,
+// padded to the kernels' 128). seq_in / seq_out are table positions (gdn_table_seq), -1 for none.
+//   forward:  sequence seq_in starts from s_in (else from zero); sequence seq_out leaves its end
+//             state in s_out.
+//   backward: the gradient of seq_out's end state starts from ds_in (else zero), and the gradient
+//             of seq_in's start state is written to ds_out; seq_in's states are rebuilt from s_in.
+struct GdnCarry {
+  int seq_in = -1, seq_out = -1;
+  const float* s_in = nullptr;
+  float* s_out = nullptr;
+  const float* ds_in = nullptr;
+  float* ds_out = nullptr;
+};
+constexpr int64_t kGdnCarryFloatsPerHead = 128 * 128;
+
 // Host: the chunk table for cu_seqlens (host, nseq + 1 entries): chunks of 64 tokens that never
 // cross a sequence boundary (the last of a sequence may be partial), and the non-empty sequences
 // longest first (the sequential state passes of long sequences start first). Layout, ints:
@@ -42,7 +58,17 @@ size_t gdn_forward_workspace_bytes(const GdnDims& dims, DType dt);
 size_t gdn_prep_bytes(const GdnDims& dims, DType dt);
 void gdn_forward(void* o, const void* q, const void* k, const void* v, const float* g,
                  const float* beta, const int32_t* table, const GdnDims& dims, DType dt, void* ws,
-                 bool keep_prep = false);
+                 bool keep_prep = false, const GdnCarry* carry = nullptr);
+
+// The position in `table` (gdn_chunk_table) of the sequence starting at token `token_start`, or
+// -1 when no non-empty sequence starts there.
+int gdn_table_seq(const std::vector<int32_t>& table, const GdnDims& dims, int32_t token_start);
+
+// The end state of carry.seq_out (into carry.s_out; its start from carry.s_in when it is
+// carry.seq_in) and nothing else: qk_norm, chunk_prep and the state pass. ws: forward workspace.
+void gdn_end_state(const void* q, const void* k, const void* v, const float* g, const float* beta,
+                   const int32_t* table, const GdnDims& dims, DType dt, void* ws,
+                   const GdnCarry& carry);
 
 // The backward. prep: null (qk_norm and chunk_prep run here) or the buffer of a keep_prep
 // forward on the same inputs, dims and table; the backward then skips both and consumes it
@@ -52,6 +78,6 @@ size_t gdn_backward_workspace_bytes(const GdnDims& dims, DType dt, DType do_dt,
 void gdn_backward(float* dq, float* dk, float* dv, float* dg, float* dbeta, const void* d_o,
                   DType do_dt, const void* q, const void* k, const void* v, const float* g,
                   const float* beta, const int32_t* table, const GdnDims& dims, DType dt, void* ws,
-                  void* prep = nullptr);
+                  void* prep = nullptr, const GdnCarry* carry = nullptr);
 
 }  // namespace bb::cuda
