@@ -3,14 +3,22 @@
 //
 //   bench_gdn [--seq LIST] [--hk 16] [--hv 32] [--k 128] [--v 128] [--dtype bf16|f32]
 //             [--do-dtype same|f32] [--no-l2norm] [--vt auto|32|64] [--state-warps auto|4|8]
-//             [--no-overlap] [--block-order auto|chunk|head]
+//             [--no-overlap] [--block-order auto|chunk|head] [--host-ahead] [--kernels]
 //             [--iters 10] [--warmup 2]
 //   LIST: comma-separated shapes, each N (one sequence of N tokens) or NxM (M packed sequences of
 //   N tokens); default 32768,4096x8,131072,262144.
 //
 // Timing: CUDA events on the compute stream around each call, median of --iters calls after
 // --warmup calls (the allocator's pool is warm then; the host-side chunk table and its upload
-// are inside the timed region, as in training). The last five columns: the forward that keeps
+// are inside the timed region). --host-ahead first queues a 1 ms spin kernel before the start
+// event, so the call's host work (chunk table, upload, launches) runs while the GPU is busy, as
+// in a training step where the host is ahead of the GPU: the times are then the GPU's alone
+// (the blocking-kernel method of NVBench). --kernels: after each shape's row, one more forward
+// and one backward, each traced with CUPTI (bench/gpu_activity.h; libcupti.so.13 on the library
+// path), list their kernels (launches, summed GPU ms; kernels on side streams overlap) and the
+// GPU's busy time. The tracer stays on once started, so the rows after the first traced shape
+// are timed with it on (a few percent slower): take times from a run without --kernels. The
+// last five columns: the forward that keeps
 // its chunk_prep outputs for the backward (GatedDeltaPrep), the backward that takes them (each
 // timed call gets a fresh prep from an untimed forward), the pair, and the bytes per token of
 // the kept prep and of the backward's remaining workspace.
@@ -38,6 +46,7 @@
 #include "core/tensor.h"
 #include "primitives/gdn/gated_delta_rule.h"
 #include "primitives/gdn/gated_delta_rule_cuda.h"
+#include "gpu_activity.h"
 #endif
 
 namespace {
@@ -51,7 +60,7 @@ struct Args {
   int64_t hk = 16, hv = 32, k = 128, v = 128;
   std::string dtype = "bf16", do_dtype = "same", vt = "auto", state_warps = "auto",
               block_order = "auto";
-  bool l2norm = true, overlap = true;
+  bool l2norm = true, overlap = true, host_ahead = false, kernels = false;
   int iters = 10, warmup = 2;
 };
 
@@ -62,7 +71,7 @@ struct Args {
       "usage: bench_gdn [--seq N|NxM[,...]] [--hk 16] [--hv 32] [--k 128] [--v 128]\n"
       "                 [--dtype bf16|f32] [--do-dtype same|f32] [--no-l2norm] [--vt auto|32|64]\n"
       "                 [--state-warps auto|4|8] [--no-overlap] [--block-order auto|chunk|head]\n"
-      "                 [--iters 10] [--warmup 2]\n",
+      "                 [--host-ahead] [--kernels] [--iters 10] [--warmup 2]\n",
       why.c_str());
   std::exit(2);
 }
@@ -107,6 +116,14 @@ Args parse(int argc, char** argv) {
     }
     if (k == "--no-l2norm") {
       a.l2norm = false;
+      continue;
+    }
+    if (k == "--host-ahead") {
+      a.host_ahead = true;
+      continue;
+    }
+    if (k == "--kernels") {
+      a.kernels = true;
       continue;
     }
     if (k == "--help" || k == "-h") usage("help");
@@ -195,6 +212,15 @@ Tensor random_tensor(const bb::Shape& s, DType dt, uint32_t seed, float lo, floa
   return t;
 }
 
+// Spins one thread for about `ns` nanoseconds of GPU time (--host-ahead).
+__global__ void spin_kernel(int64_t ns) {
+  int64_t t0 = 0, t = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
+
 // setup runs before each call, outside the timed region.
 template <class Setup, class Fn>
 double time_ms(const Args& a, Setup&& setup, Fn&& fn) {
@@ -208,6 +234,10 @@ double time_ms(const Args& a, Setup&& setup, Fn&& fn) {
   std::vector<double> ms;
   for (int i = 0; i < a.iters; ++i) {
     setup();
+    if (a.host_ahead) {
+      spin_kernel<<<1, 1, 0, cuda::stream()>>>(1000000);
+      BB_CHECK_LAUNCH();
+    }
     BB_CHECK_CUDA(cudaEventRecord(e0, cuda::stream()));
     fn();
     BB_CHECK_CUDA(cudaEventRecord(e1, cuda::stream()));
@@ -226,6 +256,24 @@ double time_ms(const Args& a, Fn&& fn) {
   return time_ms(a, [] {}, fn);
 }
 
+// --kernels: one call traced; its kernels, most GPU time first.
+template <class Fn>
+void print_kernels(bench::GpuActivity& act, const char* what, const char* shape, Fn&& fn) {
+  BB_CHECK_CUDA(cudaDeviceSynchronize());
+  act.begin();
+  fn();
+  BB_CHECK_CUDA(cudaDeviceSynchronize());
+  const bench::GpuActivity::Result r = act.end();
+  if (!act.error.empty()) {
+    std::printf("  (%s %s: no kernel trace: %s)\n", what, shape, act.error.c_str());
+    return;
+  }
+  std::printf("  %s %s: GPU busy %.3f ms of a %.3f ms window; kernels (launches, ms):", what,
+              shape, r.busy_ms, r.window_ms);
+  for (const auto& k : r.kernels) std::printf(" %s %lld %.3f;", k.name.c_str(), static_cast<long long>(k.launches), k.ms);
+  std::printf("\n");
+}
+
 int run(const Args& a) {
   if (a.vt != "auto") setenv("BB_GDN_VT", a.vt.c_str(), 1);
   if (a.state_warps != "auto") setenv("BB_GDN_STATE_WARPS", a.state_warps.c_str(), 1);
@@ -237,11 +285,12 @@ int run(const Args& a) {
   const DType do_dt = a.do_dtype == "same" ? dt : DType::f32;
   std::printf(
       "device: %s (%d SMs); Hk %lld, Hv %lld, K %lld, V %lld, %s q/k/v, d_o %s, l2norm %s, vt %s; "
-      "backward state passes %s; median of %d after %d warm-up\n\n",
+      "backward state passes %s; median of %d after %d warm-up%s\n\n",
       prop.name, prop.multiProcessorCount, static_cast<long long>(a.hk),
       static_cast<long long>(a.hv), static_cast<long long>(a.k), static_cast<long long>(a.v),
       a.dtype.c_str(), dtype_name(do_dt), a.l2norm ? "on" : "off", a.vt.c_str(),
-      a.overlap ? "overlapped" : "in sequence", a.iters, a.warmup);
+      a.overlap ? "overlapped" : "in sequence", a.iters, a.warmup,
+      a.host_ahead ? "; host ahead (GPU time alone)" : "; host work inside the timed region");
   std::printf(
       "| shape | tokens | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s | bwd TFLOP/s | fwd+bwd "
       "TFLOP/s | fwd ws B/token | bwd ws B/token | fwd keeping prep ms | bwd from kept prep ms | "
@@ -335,6 +384,19 @@ int run(const Args& a) {
                 shape, static_cast<long long>(T), t_fwd, t_bwd, t_both,
                 ff / (t_fwd * 1e-3) / 1e12, fb / (t_bwd * 1e-3) / 1e12,
                 (ff + fb) / (t_both * 1e-3) / 1e12, ws_f, ws_b, kept_cols);
+    if (a.kernels) {
+      static bench::GpuActivity act;
+      static bool primed = false;
+      if (!primed) {  // the first traced stretch pays the tracer's setup
+        print_kernels(act, "(tracer warm-up)", shape,
+                      [&] { (void)gated_delta_rule_forward(q, k, v, g, b, cut, opts); });
+        primed = true;
+      }
+      print_kernels(act, "forward", shape,
+                    [&] { (void)gated_delta_rule_forward(q, k, v, g, b, cut, opts); });
+      print_kernels(act, "backward", shape,
+                    [&] { (void)gated_delta_rule_backward(d_o, q, k, v, g, b, cut, opts); });
+    }
     std::fflush(stdout);
   }
   return 0;
