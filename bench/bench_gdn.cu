@@ -2,7 +2,7 @@
 // forward + backward through the public API, at Qwen3.5 shapes by default.
 //
 //   bench_gdn [--seq LIST] [--hk 16] [--hv 32] [--k 128] [--v 128] [--dtype bf16|f32]
-//             [--do-dtype same|f32] [--no-l2norm] [--vt auto|32|64] [--state-warps auto|4|8]
+//             [--do-dtype same|f32] [--no-l2norm] [--vt auto|16|32|64] [--state-warps auto|4|8]
 //             [--no-overlap] [--block-order auto|chunk|head] [--host-ahead] [--kernels]
 //             [--iters 10] [--warmup 2]
 //   LIST: comma-separated shapes, each N (one sequence of N tokens) or NxM (M packed sequences of
@@ -69,7 +69,7 @@ struct Args {
       stderr,
       "bench_gdn: %s\n"
       "usage: bench_gdn [--seq N|NxM[,...]] [--hk 16] [--hv 32] [--k 128] [--v 128]\n"
-      "                 [--dtype bf16|f32] [--do-dtype same|f32] [--no-l2norm] [--vt auto|32|64]\n"
+      "                 [--dtype bf16|f32] [--do-dtype same|f32] [--no-l2norm] [--vt auto|16|32|64]\n"
       "                 [--state-warps auto|4|8] [--no-overlap] [--block-order auto|chunk|head]\n"
       "                 [--host-ahead] [--kernels] [--iters 10] [--warmup 2]\n",
       why.c_str());
@@ -155,8 +155,8 @@ Args parse(int argc, char** argv) {
       if (v != "same" && v != "f32") usage("--do-dtype must be same or f32, got '" + v + "'");
       a.do_dtype = v;
     } else if (k == "--vt") {
-      if (v != "auto" && v != "32" && v != "64")
-        usage("--vt must be auto, 32 or 64, got '" + v + "'");
+      if (v != "auto" && v != "16" && v != "32" && v != "64")
+        usage("--vt must be auto, 16, 32 or 64, got '" + v + "'");
       a.vt = v;
     } else if (k == "--state-warps") {
       if (v != "auto" && v != "4" && v != "8")

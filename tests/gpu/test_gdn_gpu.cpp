@@ -301,7 +301,7 @@ TEST(GatedDeltaGpu, RepeatedCallsAreBitwiseEqual) {
 
 // The backward runs its two state passes on two streams (the rebuild on a side stream that forks
 // from and joins the current one). The result must not depend on it: BB_GDN_OVERLAP=0 runs both
-// on the current stream, bit for bit the same. Long enough (1000 + 3000 tokens) that the passes
+// on the current stream, bit for bit the same; so must the kernel-lab knobs below. Long enough (1000 + 3000 tokens) that the passes
 // really run side by side, and the outputs are read on the current stream right after the call,
 // so a missing join would read unfinished states.
 TEST(GatedDeltaGpu, BackwardSideStreamAndKernelKnobsAreBitwiseEqual) {
@@ -343,6 +343,20 @@ TEST(GatedDeltaGpu, BackwardSideStreamAndKernelKnobsAreBitwiseEqual) {
   unsetenv("BB_GDN_PREP_RELOAD");
   EXPECT_EQ(o3.to_floats(), o.to_floats());
   expect_bitwise_equal(resident, two);
+  // The state passes' column slices and warps (16 columns: 4 warps always; this shape's default
+  // is 16): which block and warp computes an element, not how.
+  for (const char* vt : {"16", "32", "64"})
+    for (const char* warps : {"4", "8"}) {
+      SCOPED_TRACE(std::string("BB_GDN_VT=") + vt + " BB_GDN_STATE_WARPS=" + warps);
+      setenv("BB_GDN_VT", vt, 1);
+      setenv("BB_GDN_STATE_WARPS", warps, 1);
+      const Tensor o4 = gated_delta_rule_forward(q, k, v, g, b, cut);
+      const GatedDeltaGrads sliced = gated_delta_rule_backward(d_o, q, k, v, g, b, cut);
+      EXPECT_EQ(o4.to_floats(), o.to_floats());
+      expect_bitwise_equal(sliced, two);
+    }
+  unsetenv("BB_GDN_VT");
+  unsetenv("BB_GDN_STATE_WARPS");
 }
 
 // A workspace limit below what one call needs runs the call in time segments (token ranges cut

@@ -211,12 +211,12 @@ __device__ __forceinline__ void gstore2(uint16_t* base, int64_t ps, int64_t off,
 // j ^ sw(r): any 8 consecutive rows of one logical chunk land in 8 different 16-byte bank groups.
 template <int R, int COLS, int NPL>
 struct Tile {
-  static_assert(COLS == 32 || COLS == 64 || COLS == 128, "tile width");
+  static_assert(COLS == 16 || COLS == 32 || COLS == 64 || COLS == 128, "tile width");
   static constexpr int kPlane = R * COLS;
   static constexpr int kBytes = NPL * kPlane * 2;
   uint16_t* p;
   __device__ __forceinline__ static int off(int r, int c) {
-    const int sw = COLS == 32 ? ((r >> 1) & 3) : (r & 7);
+    const int sw = COLS == 16 ? ((r >> 2) & 1) : COLS == 32 ? ((r >> 1) & 3) : (r & 7);
     return r * COLS + ((((c >> 3) ^ sw)) << 3) + (c & 7);
   }
   __device__ __forceinline__ uint16_t* at(int pl, int r, int c) const {
@@ -1695,20 +1695,27 @@ dim3 chunk_grid(const Dims& d, int count = -1) {
 }
 
 // Value columns per state-pass block: 64 when there are enough (sequence, head) pairs to fill
-// the GPU twice with them, else 32 (twice the blocks, each with half the work per chunk).
-// BB_GDN_VT=32|64 overrides (kernel-lab knob).
+// the GPU twice with them; 16 when even 32 columns would leave more than half of the SMs
+// without a block (few heads over long sequences: a context-parallel rank's share of the heads,
+// a call's heads at batch 1), so that the sequential passes get twice the blocks, each with half
+// the work per chunk; else 32. BB_GDN_VT=16|32|64 overrides (kernel-lab knob).
 int pick_vt(const GdnDims& g) {
   if (const char* e = std::getenv("BB_GDN_VT")) {
     const int v = std::atoi(e);
-    if (v == 32 || v == 64) return v;
+    if (v == 16 || v == 32 || v == 64) return v;
   }
-  return static_cast<int64_t>(g.num_seqs) * g.Hv * 2 >= 2LL * num_sms() ? 64 : 32;
+  const int64_t pairs = static_cast<int64_t>(g.num_seqs) * g.Hv;
+  if (pairs * 2 >= 2LL * num_sms()) return 64;
+  return pairs * (kD / 32) * 2 <= num_sms() ? 16 : 32;
 }
 
 // Warps per state-pass block. Measured on an H200 (1 x 32K, bf16): the forward pass (which also
 // forms O) is faster with 4 (0.90 against 0.96 ms), the backward's rebuild and reverse pass with
 // 8 (0.96 / 1.35 against 1.05 / 1.42 ms). BB_GDN_STATE_WARPS=4|8 sets all three (kernel-lab knob).
-int pick_state_warps(bool forward_output) {
+// At 16 columns a block always runs 4 warps (the products take their n tiles in pairs: 8 warps
+// would leave one 8-column tile each).
+int pick_state_warps(bool forward_output, int vt) {
+  if (vt == 16) return 4;
   if (const char* e = std::getenv("BB_GDN_STATE_WARPS")) {
     const int v = std::atoi(e);
     if (v == 4 || v == 8) return v;
@@ -1789,7 +1796,9 @@ template <class Tin, bool kFwd>
 void run_state_fwd(const Dims& d, int vt, int nw, const FwdBuffers& b, Tin* o, uint16_t* hs,
                    uint16_t* dl, cudaStream_t st = stream(), const int* ready = nullptr,
                    int ready_from = 0) {
-  if (nw == 4 && vt == 64)
+  if (vt == 16)
+    run_state_fwd_nw<Tin, kFwd, 4, 16>(st, d, b, o, hs, dl, ready, ready_from);
+  else if (nw == 4 && vt == 64)
     run_state_fwd_nw<Tin, kFwd, 4, 64>(st, d, b, o, hs, dl, ready, ready_from);
   else if (nw == 4)
     run_state_fwd_nw<Tin, kFwd, 4, 32>(st, d, b, o, hs, dl, ready, ready_from);
@@ -1908,11 +1917,13 @@ int fwd_split_chunk(const Dims& d, int vt, int nw) {
     if (pct >= 100 || d.NC < 16) return d.NC;
     constexpr int NPL = 1;
     auto prep = chunk_prep_kernel<Tin, kStoreT, true>;
-    static thread_local int64_t cap[2][2] = {{-1, -1}, {-1, -1}};  // [vt 32|64][nw 4|8]
-    int64_t& c = cap[vt == 64][nw == 8];
+    static thread_local int64_t cap[3][2] = {{-1, -1}, {-1, -1}, {-1, -1}};  // [vt 16|32|64][nw 4|8]
+    int64_t& c = cap[vt == 16 ? 0 : vt == 32 ? 1 : 2][nw == 8];
     if (c < 0) {
       const size_t ps = PrepLayout<NPL, true>::kBytes;
-      if (nw == 4 && vt == 64)
+      if (vt == 16)
+        c = fwd_overlap_capacity(state_fwd_kernel<Tin, 16, true, 4>, StateFwdLayout<NPL, 16, true>::kBytes, 128, prep, ps);
+      else if (nw == 4 && vt == 64)
         c = fwd_overlap_capacity(state_fwd_kernel<Tin, 64, true, 4>, StateFwdLayout<NPL, 64, true>::kBytes, 128, prep, ps);
       else if (nw == 4)
         c = fwd_overlap_capacity(state_fwd_kernel<Tin, 32, true, 4>, StateFwdLayout<NPL, 32, true>::kBytes, 128, prep, ps);
@@ -1947,6 +1958,13 @@ void run_state_bwd(const Dims& d, int vt, const uint16_t* kh, const uint16_t* qh
                    const uint16_t* pm, const uint16_t* dop, int64_t psdo, const float* gcum,
                    uint16_t* dhs, uint16_t* ddl) {
   const unsigned gy = static_cast<unsigned>(d.NS);
+  if constexpr (NW == 4) {
+    if (vt == 16) {
+      launch(state_bwd_kernel<NPL, 16, 4>, dim3(static_cast<unsigned>(d.Hv * (kD / 16)), gy), 4 * 32,
+             StateBwdLayout<NPL, 16>::kBytes, d, kh, qh, w, pm, dop, psdo, gcum, dhs, ddl);
+      return;
+    }
+  }
   if (vt == 64)
     launch(state_bwd_kernel<NPL, 64, NW>, dim3(static_cast<unsigned>(d.Hv * (kD / 64)), gy),
            NW * 32, StateBwdLayout<NPL, 64>::kBytes, d, kh, qh, w, pm, dop, psdo, gcum, dhs, ddl);
@@ -1969,7 +1987,7 @@ template <class Tin, bool kStoreT>
 void forward_run(Tin* o, const Tin* q, const Tin* k, const Tin* v, const float* g,
                  const float* beta, const Dims& d, const GdnDims& gd, const FwdBuffers& b,
                  int* flags) {
-  const int vt = pick_vt(gd), nw = pick_state_warps(true);
+  const int vt = pick_vt(gd), nw = pick_state_warps(true, vt);
   const int split = fwd_split_chunk<Tin, kStoreT>(d, vt, nw);
   run_qk_norm(d, b, q, k);
   if (split >= d.NC) {
@@ -2071,7 +2089,7 @@ void backward_impl(float* dq, float* dk, float* dv, float* dg, float* dbeta, con
   const BwdBuffers b = carve_bwd<NPL>(c, gd, own_do, prep != nullptr ? &kept : nullptr);
   const int vt = pick_vt(gd);
   if (prep == nullptr) run_prep<Tin, true>(d, b.f, q, k, v, g, beta);
-  const int nw = pick_state_warps(false);
+  const int nw = pick_state_warps(false, vt);
   const cudaStream_t main_st = stream();
   SideStream* side = overlap_state_passes() ? &side_stream() : nullptr;
   if (side != nullptr) {
@@ -2125,7 +2143,8 @@ void end_state_impl(const Tin* q, const Tin* k, const Tin* v, const float* g, co
   Carve c{static_cast<unsigned char*>(ws)};
   const FwdBuffers b = carve_prep<planes_of<Tin>()>(c, gd, false);
   run_prep<Tin, false>(d, b, q, k, v, g, beta);
-  run_state_fwd<Tin, false>(d, pick_vt(gd), pick_state_warps(false), b, static_cast<Tin*>(nullptr),
+  const int vt = pick_vt(gd);
+  run_state_fwd<Tin, false>(d, vt, pick_state_warps(false, vt), b, static_cast<Tin*>(nullptr),
                             nullptr, nullptr);
 }
 
