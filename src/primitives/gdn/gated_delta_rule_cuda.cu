@@ -425,9 +425,9 @@ __device__ __forceinline__ int frag_col(int n0, int nt) {
 }
 
 // A state pass's register tile (rows rs + [0, 16 MS), columns v0 + [0, 8 NT)) of value head h
-// from / to a carried f32 state [Hv][128][128] (GdnCarry).
-template <int MS, int NT>
-__device__ __forceinline__ void load_carry(float (&S)[MS][NT][4], const float* src, int h, int rs,
+// from (kStore false) or to a carried f32 state [Hv][128][128] (GdnCarry).
+template <bool kStore, int MS, int NT>
+__device__ __forceinline__ void carry_tile(float (&S)[MS][NT][4], float* mem, int h, int rs,
                                            int v0) {
 #pragma unroll
   for (int mt = 0; mt < MS; ++mt)
@@ -436,23 +436,14 @@ __device__ __forceinline__ void load_carry(float (&S)[MS][NT][4], const float* s
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int r = frag_row(rs, mt, hf), c = v0 + frag_col(0, nt);
-        const float2 x = *reinterpret_cast<const float2*>(src + (static_cast<int64_t>(h) * 128 + r) * 128 + c);
-        S[mt][nt][2 * hf] = x.x;
-        S[mt][nt][2 * hf + 1] = x.y;
-      }
-}
-template <int MS, int NT>
-__device__ __forceinline__ void store_carry(const float (&S)[MS][NT][4], float* dst, int h, int rs,
-                                            int v0) {
-#pragma unroll
-  for (int mt = 0; mt < MS; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int r = frag_row(rs, mt, hf), c = v0 + frag_col(0, nt);
-        *reinterpret_cast<float2*>(dst + (static_cast<int64_t>(h) * 128 + r) * 128 + c) =
-            make_float2(S[mt][nt][2 * hf], S[mt][nt][2 * hf + 1]);
+        float2* p = reinterpret_cast<float2*>(mem + (static_cast<int64_t>(h) * 128 + r) * 128 + c);
+        if constexpr (kStore) {
+          *p = make_float2(S[mt][nt][2 * hf], S[mt][nt][2 * hf + 1]);
+        } else {
+          const float2 x = *p;
+          S[mt][nt][2 * hf] = x.x;
+          S[mt][nt][2 * hf + 1] = x.y;
+        }
       }
 }
 
@@ -851,7 +842,7 @@ __global__ void __launch_bounds__(NW * 32, kFwd ? 1 : 2)
   float S[MS][NT][4];  // rows rs + [0, 16 MS), cols v0 + [0, VT)
   zero(S);
   const int seq = static_cast<int>(blockIdx.y);
-  if (d.cin != nullptr && seq == d.cin_seq) load_carry(S, d.cin, h, rs, v0);
+  if (d.cin != nullptr && seq == d.cin_seq) carry_tile<false>(S, const_cast<float*>(d.cin), h, rs, v0);
   if (count > 0) {
     if (ready != nullptr) {
       await(first);
@@ -947,7 +938,7 @@ __global__ void __launch_bounds__(NW * 32, kFwd ? 1 : 2)
         for (int e = 0; e < 4; ++e) S[mt][nt][e] *= dec;
     warp_mma<MS, NT, true, true, kC>(S, K_s(s), rs, Ct, 0);
   }
-  if (d.cout != nullptr && seq == d.cout_seq) store_carry(S, d.cout, h, rs, v0);
+  if (d.cout != nullptr && seq == d.cout_seq) carry_tile<true>(S, d.cout, h, rs, v0);
 }
 
 // ---- 4. d_o -> operand planes [T, Hv, D] --------------------------------------------------------
@@ -1047,7 +1038,7 @@ __global__ void __launch_bounds__(NW * 32, 2)
   float dS[MS][NT][4];  // rows rs + [0, 16 MS)
   zero(dS);
   const int seq = static_cast<int>(blockIdx.y);
-  if (d.dcin != nullptr && seq == d.cout_seq) load_carry(dS, d.dcin, h, rs, v0);
+  if (d.dcin != nullptr && seq == d.cout_seq) carry_tile<false>(dS, const_cast<float*>(d.dcin), h, rs, v0);
   if (count > 0) issue(count - 1, 0);
   for (int it = 0; it < count; ++it) {
     const int idx = count - 1 - it;
@@ -1117,7 +1108,7 @@ __global__ void __launch_bounds__(NW * 32, 2)
     warp_mma<MS, NT, true, true, kC>(dS, W_s(s), rs, dDt, 0);
   }
   // dS is now the gradient of the sequence's start state.
-  if (d.dcout != nullptr && seq == d.cin_seq) store_carry(dS, d.dcout, h, rs, v0);
+  if (d.dcout != nullptr && seq == d.cin_seq) carry_tile<true>(dS, d.dcout, h, rs, v0);
 }
 
 // ---- 6. per chunk and value head: dq^, dk^ (intra and state parts), dW, dgamma parts ------------
