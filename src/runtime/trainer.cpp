@@ -288,9 +288,9 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
     }
   }
   // The state family takes the units over (fsdp frees the whole buffers here).
+  const bool split = splits_master(cfg.backend.master_storage, cfg.resolved_param_dtype());
   state_ = std::make_unique<ModelState>(cfg.prim.state.value, *model_, *mesh_, masters.empty() ? nullptr : &masters,
-                                        cfg.prim.optimizer.value, cfg.seed,
-                                        splits_master(cfg.backend.master_storage, cfg.resolved_param_dtype()));
+                                        cfg.prim.optimizer.value, cfg.seed, split);
   masters.clear();
   schedule_->add_hooks(state_.get());
   if (layout.cp > 1) {
@@ -328,7 +328,6 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
   if (run_id_.empty()) run_id_ = new_run_id();
   world_broadcast_run_id();
   if (!cfg.ckpt_dir.empty()) check_foreign_checkpoints();
-  const bool split = splits_master(cfg.backend.master_storage, cfg.resolved_param_dtype());
   const int64_t backup_bytes = optimizer_bytes_per_element(cfg.prim.optimizer.value, split) + (split ? 2 : 0);
   if (cfg.on_nonfinite == "skip_step" && log_)
     std::fprintf(log_, "%s[startup] train.on_nonfinite = skip_step: a copy of the optimizer state is kept to undo "
