@@ -2,6 +2,7 @@
 // chunked CUDA kernels (gated_delta_rule_cuda.cu) by the device of the inputs.
 #include "primitives/gdn/gated_delta_rule.h"
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 
@@ -194,6 +195,13 @@ cuda::GdnCarry carry_of(const Segment& seg, const CudaPlan& p) {
   return c;
 }
 Tensor rows(const Tensor& x, const Segment& seg) { return x.narrow(seg.a, seg.b - seg.a); }
+// Each segment's plan (its chunk table built and uploaded once for the call's passes).
+std::vector<CudaPlan> segment_plans(const ref::GdnShape& s, const std::vector<Segment>& segs, Device dev) {
+  std::vector<CudaPlan> plans;
+  plans.reserve(segs.size());
+  for (const Segment& seg : segs) plans.push_back(cuda_plan(s, seg.b - seg.a, seg.cu, dev));
+  return plans;
+}
 #endif
 
 }  // namespace
@@ -230,14 +238,15 @@ Tensor gated_delta_rule_forward(const Tensor& q, const Tensor& k, const Tensor& 
     }
     auto fwd_ws = [&](const cuda::GdnDims& d) { return cuda::gdn_forward_workspace_bytes(d, dt); };
     const std::vector<Segment> segs = fitting_segments(s, cu, one_call, opts.max_workspace_bytes, fwd_ws);
+    const std::vector<CudaPlan> plans = segment_plans(s, segs, q.device());
+    size_t need = 0;
+    for (const CudaPlan& sp : plans) need = std::max(need, fwd_ws(sp.dims));
+    const Tensor ws = workspace(need, q.device());
     const Tensor states = Tensor::empty({2, s.Hv * cuda::kGdnCarryFloatsPerHead}, DType::f32, q.device(),
                                         MemCategory::workspace);
-    Tensor ws;
     for (size_t i = 0; i < segs.size(); ++i) {
       const Segment& seg = segs[i];
-      const CudaPlan sp = cuda_plan(s, seg.b - seg.a, seg.cu, q.device());
-      const size_t need = fwd_ws(sp.dims);
-      if (!ws.defined() || static_cast<size_t>(ws.numel()) < need) ws = workspace(need, q.device());
+      const CudaPlan& sp = plans[i];
       cuda::GdnCarry c = carry_of(seg, sp);
       c.s_in = states.data<float>() + static_cast<int64_t>((i + 1) % 2) * states.size(1);
       c.s_out = states.data<float>() + static_cast<int64_t>(i % 2) * states.size(1);
@@ -320,15 +329,15 @@ GatedDeltaGrads gated_delta_rule_backward(const Tensor& d_o, const Tensor& q, co
     const Tensor grads = Tensor::empty({2, per}, DType::f32, dev, MemCategory::workspace);
     float* st = starts.data<float>();
     float* gs = grads.data<float>();
-    Tensor ws;
-    auto ensure_ws = [&](size_t need) {
-      if (!ws.defined() || static_cast<size_t>(ws.numel()) < need) ws = workspace(need, dev);
-    };
+    const std::vector<CudaPlan> plans = segment_plans(s, segs, dev);
+    size_t need = 0;  // the sweep takes a forward's workspace, the rest a backward's
+    for (const CudaPlan& sp : plans)
+      need = std::max({need, bwd_ws(sp.dims), cuda::gdn_forward_workspace_bytes(sp.dims, dt)});
+    const Tensor ws = workspace(need, dev);
     for (int64_t i = 0; i + 1 < nseg; ++i) {
       const Segment& seg = segs[static_cast<size_t>(i)];
       if (!seg.cont_out) continue;
-      const CudaPlan sp = cuda_plan(s, seg.b - seg.a, seg.cu, dev);
-      ensure_ws(cuda::gdn_forward_workspace_bytes(sp.dims, dt));
+      const CudaPlan& sp = plans[static_cast<size_t>(i)];
       cuda::GdnCarry c = carry_of(seg, sp);
       c.s_in = st + i * per;
       c.s_out = st + (i + 1) * per;
@@ -337,8 +346,7 @@ GatedDeltaGrads gated_delta_rule_backward(const Tensor& d_o, const Tensor& q, co
     }
     for (int64_t i = nseg - 1; i >= 0; --i) {
       const Segment& seg = segs[static_cast<size_t>(i)];
-      const CudaPlan sp = cuda_plan(s, seg.b - seg.a, seg.cu, dev);
-      ensure_ws(bwd_ws(sp.dims));
+      const CudaPlan& sp = plans[static_cast<size_t>(i)];
       cuda::GdnCarry c = carry_of(seg, sp);
       c.s_in = st + i * per;
       c.ds_in = gs + ((i + 1) % 2) * per;
