@@ -110,6 +110,10 @@ class SelfGroup final : public Group {
     BB_CHECK(n >= 0, "all_to_all_host on group ", name(), ": negative count ", n);
     if (n > 0 && send != recv) std::memmove(recv, send, static_cast<size_t>(n) * sizeof(int64_t));
   }
+  void all_gather_host(const int64_t* mine, int64_t* all, int64_t n) override {
+    BB_CHECK(n >= 0, "all_gather_host on group ", name(), ": negative count ", n);
+    if (n > 0) std::memmove(all, mine, static_cast<size_t>(n) * sizeof(int64_t));
+  }
   GroupPtr split(int, int, const std::string& n) override { return std::make_shared<SelfGroup>(n); }
 };
 
@@ -125,6 +129,7 @@ const char* backend_name(Backend b) {
     case Backend::self: return "self";
     case Backend::mpi: return "mpi";
     case Backend::nccl: return "nccl";
+    case Backend::emulated: return "emulated";
   }
   return "?";
 }
@@ -253,6 +258,8 @@ GroupPtr world_group(Backend b) {
       return make_mpi_world();
     case Backend::nccl:
       return make_nccl_world();
+    case Backend::emulated:
+      BB_FAIL("the emulated world needs its [emulate] settings: comm::make_emulated_world");
   }
   BB_FAIL("unknown backend");
 }

@@ -15,6 +15,8 @@
 //         share one GPU and run every GPU path of the distributed layer (NCCL refuses that)
 //   nccl  GPU tensors on distinct GPUs; all-to-all-v as grouped send/recv, uneven all-gather as
 //         grouped broadcasts
+//   emulated  one process plays one rank of an N-rank job on one GPU: real streams, bytes and
+//         memory, modelled wire time (comm/emulated.h); a timing and memory tool
 //
 // Timeouts (set_timeout, default 50 s): every wait of the mpi backend, and on nccl the barrier,
 // the host operations and the trainer's end-of-step wait for the GPU, have a deadline. A wait
@@ -38,7 +40,7 @@
 namespace bb::comm {
 
 enum class ReduceOp : uint8_t { sum, max, min };
-enum class Backend : uint8_t { self, mpi, nccl };
+enum class Backend : uint8_t { self, mpi, nccl, emulated };
 const char* backend_name(Backend b);
 
 // How this process was started and where it sits.
@@ -120,6 +122,9 @@ class Group {
   // send holds n values for each peer in peer order ([size x n]); recv receives n from each
   // peer in peer order ([size x n]). The MoE dispatcher's per-expert counts.
   virtual void all_to_all_host(const int64_t* send, int64_t* recv, int64_t n) = 0;
+  // all [size x n] receives every member's n values of `mine`, in rank order (this rank's at
+  // rank() x n). `mine` and `all` must not overlap.
+  virtual void all_gather_host(const int64_t* mine, int64_t* all, int64_t n) = 0;
   double sum(double v) { all_reduce_host(&v, 1, ReduceOp::sum); return v; }
   int64_t sum(int64_t v) { all_reduce_host(&v, 1, ReduceOp::sum); return v; }
   int64_t max(int64_t v) { all_reduce_host(&v, 1, ReduceOp::max); return v; }
@@ -127,6 +132,15 @@ class Group {
   // A group of the members with the same `color`, ordered by `key` (ties by rank). Collective
   // over this group: every member calls it with the same name.
   virtual std::shared_ptr<Group> split(int color, int key, const std::string& name) = 0;
+  // split() for a caller that knows every member's color and key ([size] each, the same on every
+  // member; the mesh computes them from the layout). The emulated backend, whose peers do not
+  // exist to tell theirs, needs them; the others read their own and split as above.
+  virtual std::shared_ptr<Group> split_known(const std::vector<int>& colors, const std::vector<int>& keys,
+                                             const std::string& name) {
+    BB_CHECK(static_cast<int>(colors.size()) == size_ && static_cast<int>(keys.size()) == size_, "split_known of group ",
+             name_, " into '", name, "': ", colors.size(), " colors and ", keys.size(), " keys for ", size_, " ranks");
+    return split(colors[static_cast<size_t>(rank_)], keys[static_cast<size_t>(rank_)], name);
+  }
 
  protected:
   // Checks shared by the implementations (name the op and the argument on mismatch).
@@ -144,7 +158,8 @@ using GroupPtr = std::shared_ptr<Group>;
 // A group of one (this process).
 GroupPtr self_group(const std::string& name = "self");
 // Every rank of the job over `b`: mpi needs init() under a launcher; nccl needs a CUDA build and
-// this process's GPU selected; self is the world of a single process.
+// this process's GPU selected; self is the world of a single process. (emulated: its world
+// comes from make_emulated_world, comm/emulated.h.)
 GroupPtr world_group(Backend b);
 
 // Rows of the leading dimension (1 for a 0-d tensor) and elements per row.

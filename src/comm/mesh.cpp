@@ -1,6 +1,9 @@
 // mesh.cpp — layout checks and the process groups of a mesh (mesh.h).
 #include "comm/mesh.h"
 
+#include <utility>
+#include <vector>
+
 namespace bb {
 
 void ParallelLayout::validate(int64_t world_size, int64_t num_experts) const {
@@ -32,22 +35,38 @@ std::string ParallelLayout::str() const {
 Mesh::Mesh(comm::GroupPtr base, const ParallelLayout& layout) : layout_(layout), world_(std::move(base)) {
   BB_CHECK(world_ && world_->size() == layout.world(), "mesh: layout ", layout.str(), " needs ",
            layout.world(), " ranks, the communicator has ", world_ ? world_->size() : 0);
-  const int64_t r = world_->rank(), dpcp = layout.dp * layout.cp;
-  pp_rank_ = r / dpcp;
-  const int64_t local = r % dpcp;
-  dp_rank_ = local / layout.cp;
-  cp_rank_ = local % layout.cp;
-  ep_rank_ = local % layout.ep;
-  edp_rank_ = local / layout.ep;
-  const int64_t edp = layout.edp();
-  auto split = [&](int64_t color, int64_t key, const char* name) {
-    return world_->split(static_cast<int>(color), static_cast<int>(key), name);
+  const int64_t dpcp = layout.dp * layout.cp, edp = layout.edp();
+  // Every rank's coordinates, and from them every group's color and key on every rank: each
+  // rank computes the same lists, so a backend without peers (emulated) can split by them too.
+  struct Coords {
+    int64_t pp, local, dp, cp, ep, edp;
   };
-  dp_ = split(pp_rank_ * layout.cp + cp_rank_, dp_rank_, "dp");
-  cp_ = split(pp_rank_ * layout.dp + dp_rank_, cp_rank_, "cp");
-  dense_ = split(pp_rank_, local, "dense");
-  ep_ = split(pp_rank_ * edp + edp_rank_, ep_rank_, "ep");
-  edp_ = split(pp_rank_ * layout.ep + ep_rank_, edp_rank_, "edp");
+  auto coords = [&](int64_t r) {
+    const int64_t local = r % dpcp;
+    return Coords{r / dpcp, local, local / layout.cp, local % layout.cp, local % layout.ep, local / layout.ep};
+  };
+  const Coords me = coords(world_->rank());
+  pp_rank_ = me.pp;
+  dp_rank_ = me.dp;
+  cp_rank_ = me.cp;
+  ep_rank_ = me.ep;
+  edp_rank_ = me.edp;
+  const int n = world_->size();
+  auto split = [&](auto color_key, const char* name) {
+    std::vector<int> colors(static_cast<size_t>(n)), keys(static_cast<size_t>(n));
+    for (int r = 0; r < n; ++r) {
+      const auto [color, key] = color_key(coords(r));
+      colors[static_cast<size_t>(r)] = static_cast<int>(color);
+      keys[static_cast<size_t>(r)] = static_cast<int>(key);
+    }
+    return world_->split_known(colors, keys, name);
+  };
+  using P = std::pair<int64_t, int64_t>;
+  dp_ = split([&](const Coords& c) { return P{c.pp * layout.cp + c.cp, c.dp}; }, "dp");
+  cp_ = split([&](const Coords& c) { return P{c.pp * layout.dp + c.dp, c.cp}; }, "cp");
+  dense_ = split([&](const Coords& c) { return P{c.pp, c.local}; }, "dense");
+  ep_ = split([&](const Coords& c) { return P{c.pp * edp + c.edp, c.ep}; }, "ep");
+  edp_ = split([&](const Coords& c) { return P{c.pp * layout.ep + c.ep, c.edp}; }, "edp");
 }
 
 }  // namespace bb

@@ -254,6 +254,9 @@ class MpiGroup final : public Group {
   void all_to_all_host(const int64_t* send, int64_t* recv, int64_t n) override {
     mpi_host_all_to_all(comm_, name(), size(), seq_, send, recv, n);
   }
+  void all_gather_host(const int64_t* mine, int64_t* all, int64_t n) override {
+    mpi_host_all_gather(comm_, name(), size(), seq_, mine, all, n);
+  }
 
   GroupPtr split(int color, int key, const std::string& n) override {
     MPI_Comm c;
@@ -379,6 +382,18 @@ void mpi_host_all_to_all(MPI_Comm comm, const std::string& group, int size, uint
   const int c = mpi_count(n, "all_to_all_host", group);
   MPI_Ialltoall(send, c, MPI_INT64_T, recv, c, MPI_INT64_T, comm, &r);
   mpi_timed_wait(&r, group, size, "all_to_all_host", s);
+}
+
+void mpi_host_all_gather(MPI_Comm comm, const std::string& group, int size, uint64_t& seq, const int64_t* mine,
+                         int64_t* all, int64_t n) {
+  BB_CHECK(n >= 0, "all_gather_host on group ", group, ": negative count ", n);
+  if (n == 0) return;  // every rank passes the same n
+  const uint64_t s = ++seq;
+  set_current_op(group.c_str(), "all_gather_host", s);
+  MPI_Request r;
+  const int c = mpi_count(n, "all_gather_host", group);
+  MPI_Iallgather(mine, c, MPI_INT64_T, all, c, MPI_INT64_T, comm, &r);
+  mpi_timed_wait(&r, group, size, "all_gather_host", s);
 }
 
 GroupPtr make_mpi_group(MPI_Comm comm, const std::string& name) {

@@ -27,6 +27,9 @@ void mpi_host_all_reduce(MPI_Comm comm, const std::string& group, int size, uint
                          MPI_Datatype type, ReduceOp op);
 void mpi_host_broadcast(MPI_Comm comm, const std::string& group, int size, uint64_t& seq, std::string& bytes,
                         int root);
+// n int64 values from each rank into all [size x n] (rank order).
+void mpi_host_all_gather(MPI_Comm comm, const std::string& group, int size, uint64_t& seq, const int64_t* mine,
+                         int64_t* all, int64_t n);
 // n int64 values to and from each rank (send and recv [size x n], peer order).
 void mpi_host_all_to_all(MPI_Comm comm, const std::string& group, int size, uint64_t& seq, const int64_t* send,
                          int64_t* recv, int64_t n);

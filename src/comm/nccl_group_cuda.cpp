@@ -342,6 +342,15 @@ class NcclGroup final : public Group {
     }
   }
 
+  void all_gather_host(const int64_t* mine, int64_t* all, int64_t n) override {
+    if (mpi_ != MPI_COMM_NULL) {
+      mpi_host_all_gather(mpi_, name(), size(), seq_, mine, all, n);
+    } else {  // a single process: its own values
+      BB_CHECK(n >= 0, "all_gather_host on group ", name(), ": negative count ", n);
+      if (n > 0) std::copy(mine, mine + n, all);
+    }
+  }
+
   GroupPtr split(int color, int key, const std::string& n) override;
 
  private:

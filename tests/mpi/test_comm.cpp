@@ -4,6 +4,7 @@
 
 #include <numeric>
 
+#include "comm/emulated.h"
 #include "comm/mesh.h"
 #include "common/mpi_main.h"
 #include "common/testing.h"
@@ -256,6 +257,91 @@ TEST(Mesh, ImpossibleLayoutsAreClearErrors) {
   test::expect_error_contains([&] { ParallelLayout{R, 1, 2, 1}.validate(R, 0); }, "no routed experts");
   test::expect_error_contains([&] { ParallelLayout{R, 1, 2 * R, 1}.validate(R, 8 * R); },
                               "is more than the " + std::to_string(R) + " rank(s) of a pipeline stage");
+}
+
+// The emulated backend (comm/emulated.h) plays one rank of a job whose peers are copies of it.
+// Here the job is real: every rank holds the same data (for the all-to-alls, data that depends
+// only on the offset between sender and receiver), runs the real collective over this
+// communicator and the emulated one of the same size as its own rank, and the two must agree
+// element for element. At one rank both are the self case.
+TEST(Comm, EmulatedCollectivesAreThoseOfAJobOfIdenticalRanks) {
+  comm::Group& g = *world();
+  const int R = g.size(), r = g.rank();
+  comm::EmulateConfig ec;
+  ec.ranks = R;
+  ec.rank = r;
+  comm::GroupPtr emu = comm::make_emulated_world(ec);
+  auto same = [&](const char* what, const Tensor& real, const Tensor& emulated) {
+    ASSERT_EQ(real.to_floats(), emulated.to_floats()) << what << " on rank " << r << " of " << R;
+  };
+  const int64_t n = 6;
+  std::vector<float> v(static_cast<size_t>(R * n));
+  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(static_cast<int>(i % 7) - 3);  // small integers: exact sums
+  for (DType dt : {DType::f32, DType::bf16}) {
+    for (comm::ReduceOp op : {comm::ReduceOp::sum, comm::ReduceOp::max}) {
+      Tensor a = on_dev(Tensor::from_floats(v, {R * n}, dt)), b = on_dev(Tensor::from_floats(v, {R * n}, dt));
+      g.all_reduce(a, op)->wait();
+      emu->all_reduce(b, op)->wait();
+      same("all_reduce", a, b);
+      Tensor oa = zeros({n}, dt), ob = zeros({n}, dt);
+      g.reduce_scatter(on_dev(Tensor::from_floats(v, {R * n}, dt)), oa, op)->wait();
+      emu->reduce_scatter(on_dev(Tensor::from_floats(v, {R * n}, dt)), ob, op)->wait();
+      same("reduce_scatter", oa, ob);
+    }
+    const std::vector<float> mine(v.begin(), v.begin() + n);
+    Tensor ga = zeros({R * n}, dt), gb = zeros({R * n}, dt);
+    g.all_gather(on_dev(Tensor::from_floats(mine, {n}, dt)), ga)->wait();
+    emu->all_gather(on_dev(Tensor::from_floats(mine, {n}, dt)), gb)->wait();
+    same("all_gather", ga, gb);
+    const std::vector<int64_t> counts(static_cast<size_t>(R), 2);
+    Tensor va = zeros({2 * R, 3}, dt), vb = zeros({2 * R, 3}, dt);
+    g.all_gather_v(on_dev(Tensor::from_floats(mine, {2, 3}, dt)), va, counts)->wait();
+    emu->all_gather_v(on_dev(Tensor::from_floats(mine, {2, 3}, dt)), vb, counts)->wait();
+    same("all_gather_v", va, vb);
+    // All-to-all: rank x sends peer p rows that depend on d = (p - x) mod R only, c(d) of them.
+    auto c = [&](int d) { return static_cast<int64_t>(d % 3 + 1); };
+    std::vector<int64_t> sc, rc;
+    std::vector<float> in;
+    for (int p = 0; p < R; ++p) {
+      const int d = (p - r + R) % R;
+      sc.push_back(c(d));
+      rc.push_back(c((r - p + R) % R));
+      for (int64_t j = 0; j < c(d) * 2; ++j) in.push_back(static_cast<float>(d * 10 + j));
+    }
+    const int64_t ns = std::accumulate(sc.begin(), sc.end(), int64_t{0}), nr = std::accumulate(rc.begin(), rc.end(), int64_t{0});
+    Tensor aa = zeros({nr, 2}, dt), ab = zeros({nr, 2}, dt);
+    g.all_to_all_v(on_dev(Tensor::from_floats(in, {ns, 2}, dt)), sc, aa, rc)->wait();
+    emu->all_to_all_v(on_dev(Tensor::from_floats(in, {ns, 2}, dt)), sc, ab, rc)->wait();
+    same("all_to_all_v", aa, ab);
+  }
+  std::vector<int64_t> hs, ha(static_cast<size_t>(R * 2)), hb(static_cast<size_t>(R * 2));
+  for (int p = 0; p < R; ++p)
+    for (int64_t i = 0; i < 2; ++i) hs.push_back(((p - r + R) % R) * 100 + i);
+  g.all_to_all_host(hs.data(), ha.data(), 2);
+  emu->all_to_all_host(hs.data(), hb.data(), 2);
+  EXPECT_EQ(ha, hb);
+  const int64_t mine2[2] = {5, -7};
+  g.all_gather_host(mine2, ha.data(), 2);
+  emu->all_gather_host(mine2, hb.data(), 2);
+  EXPECT_EQ(ha, hb);
+  double d[2] = {1.5, -2}, e[2] = {1.5, -2};
+  g.all_reduce_host(d, 2, comm::ReduceOp::sum);
+  emu->all_reduce_host(e, 2, comm::ReduceOp::sum);
+  EXPECT_EQ(d[0], e[0]);
+  EXPECT_EQ(d[1], e[1]);
+}
+
+// The host all-gather (the allgather dispatcher's counts): every member's values in rank order.
+TEST(Comm, AllGatherOfHostValues) {
+  comm::Group& g = *world();
+  const int R = g.size(), r = g.rank();
+  for (int64_t n : {0, 1, 3}) {
+    std::vector<int64_t> mine, all(static_cast<size_t>(R * n), -1);
+    for (int64_t i = 0; i < n; ++i) mine.push_back(r * 1000 + i);
+    g.all_gather_host(mine.data(), all.data(), n);
+    for (int p = 0; p < R; ++p)
+      for (int64_t i = 0; i < n; ++i) ASSERT_EQ(all[static_cast<size_t>(p * n + i)], p * 1000 + i);
+  }
 }
 
 }  // namespace

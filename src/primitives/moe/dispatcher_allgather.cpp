@@ -133,10 +133,9 @@ class AllGatherDispatcher final : public Dispatcher {
   std::shared_ptr<AllGatherPlan> make_plan(const std::vector<int64_t>& c) const {
     const int64_t P = P_, E = num_experts_, El = El_, me = group_->rank();
     std::vector<int64_t> all(static_cast<size_t>(P * E), 0);  // [q * E + e]
-    std::copy(c.begin(), c.end(), all.begin() + me * E);
     {
       BB_RANGE("dispatch_counts");
-      group_->all_reduce_host(all.data(), P * E, comm::ReduceOp::sum);
+      group_->all_gather_host(c.data(), all.data(), E);
     }
     auto plan = std::make_shared<AllGatherPlan>();
     plan->rows_of_rank.assign(static_cast<size_t>(P), 0);
