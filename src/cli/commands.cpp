@@ -17,7 +17,8 @@ namespace {
 
 constexpr const char* kTrainHelp = R"(Train a model from a run config (TOML).
 
-The run config has tables [model] [primitives] [parallel] [train] [data] [checkpoint] [log];
+The run config has tables [model] [primitives] [parallel] [emulate] [train] [data] [checkpoint]
+[log] [backend];
 docs/config.md documents every key. Any key can be overridden on the command line:
   bumblebee train --config configs/demo.toml --set train.steps=50 --set primitives.loss=full_ce
 Each step prints one log line (loss, aux loss, grad norm, lr, tokens/s, model TFLOP/s, peak
@@ -28,7 +29,12 @@ from the newest one.
 Several processes: mpirun -np N bumblebee train ... (or srun). [parallel] sets the layout
 (dp, cp, ep, pp; dp = 0: all ranks data-parallel), comm (auto | mpi | nccl) and timeout_s;
 primitives.state picks replicated, zero1 or fsdp. Rank 0 prints the log; --log-all-ranks makes
-every rank print its own lines.)";
+every rank print its own lines.
+
+One rank of a larger job on one GPU: parallel.comm = "emulated" with [emulate] ranks = N (and
+the link's bandwidths and latencies) runs this process as one rank of N: real compute, memory
+and streams, modelled wire time. Every line it prints says EMULATED; its losses are not the
+real job's (skills/emulated-comm.md).)";
 
 constexpr const char* kPairedHelp = R"(Run the same model, data and seed twice (side A and side B) and compare them.
 
@@ -160,9 +166,10 @@ int run(int argc, char** argv) {
     RunConfig cfg = load_run_config(train_config, train_sets);
     Trainer trainer(cfg, stdout);
     auto metrics = trainer.run();
-    if (!metrics.empty() && trainer.mesh().rank() == 0)
-      std::printf("[done] %lld steps, final loss %.4f (first %.4f)\n",
-                  static_cast<long long>(metrics.back().step), metrics.back().loss, metrics.front().loss);
+    if (!metrics.empty() && trainer.writer())
+      std::printf("%s[done] %lld steps, final loss %.4f (first %.4f)%s\n", trainer.log_prefix().c_str(),
+                  static_cast<long long>(metrics.back().step), metrics.back().loss, metrics.front().loss,
+                  cfg.comm == "emulated" ? " (an emulated rank: the loss is not the real job's)" : "");
     return 0;
   }
   if (exp->parsed()) {

@@ -139,6 +139,15 @@ Tensor MoeBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) 
     const RouterReplay replay{slot->topk_idx, slot->tokens_per_expert};
     r = router_forward(S.logits, Tensor(), rc, &S.router, &replay);
     ++slot->replays;
+  } else if (slot && slot->given) {
+    // Routing given for this pass: the selection is replayed, the weights come from the logits
+    // (no z-loss: the replayed router does not compute it).
+    BB_CHECK(slot->valid && slot->topk_idx.defined() && slot->topk_idx.dim() == 2 && slot->topk_idx.size(0) == T,
+             "MoE block: the given routing of MoE layer ", cfg_.moe_index, " is ",
+             slot->topk_idx.defined() ? slot->topk_idx.str() : std::string("missing"), " for ", T, " tokens");
+    const RouterReplay replay{slot->topk_idx, slot->tokens_per_expert};
+    r = router_forward(S.logits, Tensor(), rc, &S.router, &replay);
+    if (ctx.aux) ctx.aux->add(S.router.scores, r.tokens_per_expert);
   } else {
     r = router_forward(S.logits, Tensor(), rc, &S.router);
     if (slot) *slot = {r.topk_idx, r.tokens_per_expert, true, 0};

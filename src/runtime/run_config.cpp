@@ -206,11 +206,11 @@ const toml::value* table_of(const toml::value& root, const std::string& name, co
 }
 
 RunConfig build(const toml::value& root, const std::string& src) {
-  static const std::set<std::string> kTables = {"model", "primitives", "parallel", "train",
+  static const std::set<std::string> kTables = {"model", "primitives", "parallel", "emulate", "train",
                                                 "data", "checkpoint", "log", "backend"};
   for (const auto& [k, v] : root.as_table())
     BB_CHECK(kTables.count(k), "unknown table '[", k, "]' in ", src,
-             ": expected model, primitives, parallel, train, data, checkpoint, log, backend");
+             ": expected model, primitives, parallel, emulate, train, data, checkpoint, log, backend");
   RunConfig c;
 
   TableReader m(table_of(root, "model", src), "model", src);
@@ -253,7 +253,7 @@ RunConfig build(const toml::value& root, const std::string& src) {
   par.read("ep", c.ep, 1, kMaxRanks);
   par.read("cp", c.cp, 1, kMaxRanks);
   par.read("dp", c.dp, 0, kMaxRanks);
-  par.read_choice("comm", c.comm, {"auto", "mpi", "nccl"});
+  par.read_choice("comm", c.comm, {"auto", "mpi", "nccl", "emulated"});
   par.read("timeout_s", c.comm_timeout_s);
   par.finish();
   Device::parse(c.device == "auto" ? "cpu" : c.device);  // validates the spelling
@@ -263,6 +263,23 @@ RunConfig build(const toml::value& root, const std::string& src) {
            "parallel.cp, ep, pp >= 1 in ", src);
   BB_CHECK(std::isfinite(c.comm_timeout_s) && c.comm_timeout_s > 0 && c.comm_timeout_s <= 86400,
            "parallel.timeout_s = ", c.comm_timeout_s, " in ", src, ": must be in (0, 86400] seconds");
+
+  // [emulate] configures parallel.comm = "emulated" (and is ignored otherwise, so that one file
+  // can switch between a real and an emulated run with that one key).
+  TableReader em(table_of(root, "emulate", src), "emulate", src);
+  comm::EmulateConfig& e = c.emulate;
+  em.read("ranks", e.ranks, 1, 65536);
+  em.read("rank", e.rank, 0, 65535);
+  em.read("gpus_per_node", e.link.gpus_per_node, 1, 1024);
+  em.read("intra_gbps", e.link.intra_gbps);
+  em.read("inter_gbps", e.link.inter_gbps);
+  em.read("intra_latency_us", e.link.intra_latency_us);
+  em.read("inter_latency_us", e.link.inter_latency_us);
+  em.read("comm_blocks", e.comm_blocks, 1, 1024);
+  em.read("wire_scale", e.wire_scale);
+  em.read("device_memory_gib", e.device_memory_gib);
+  em.finish();
+  if (c.comm == "emulated") e.validate();
 
   TableReader t(table_of(root, "train", src), "train", src);
   // Bounds: step counts fit every counter and file name; a micro-batch's offsets are int32
@@ -324,6 +341,14 @@ RunConfig build(const toml::value& root, const std::string& src) {
   // "auto" without a checkpoint root has nothing to continue from: a fresh run (so that
   // `--set checkpoint.dir=""` turns checkpoints off for a config that resumes by default).
   if (c.resume == "auto" && c.ckpt_dir.empty()) c.resume.clear();
+  if (c.comm == "emulated") {
+    // An emulated rank's weights are not a real job's (its peers are copies of it): nothing it
+    // trains is worth keeping, and one rank's shard could not be resumed by any job.
+    BB_CHECK(c.ckpt_dir.empty(), "parallel.comm = \"emulated\" in ", src, " times and sizes one rank of a job; it does ",
+             "not write checkpoints (checkpoint.dir = '", c.ckpt_dir, "'): set checkpoint.dir = \"\"");
+    BB_CHECK(c.resume.empty(), "parallel.comm = \"emulated\" in ", src, " does not resume checkpoints (checkpoint.resume = '",
+             c.resume, "'): set checkpoint.resume = \"\"");
+  }
 
   TableReader l(table_of(root, "log", src), "log", src);
   l.read("every", c.log_every, 1, kMaxSteps);

@@ -1,6 +1,6 @@
 // run_config.h — the run configuration (TOML) every command reads, validated strictly.
 //
-// Tables: [model] [primitives] [parallel] [train] [data] [checkpoint] [log] [backend]. Every key
+// Tables: [model] [primitives] [parallel] [emulate] [train] [data] [checkpoint] [log] [backend]. Every key
 // is documented in docs/config.md. Unknown tables or keys and bad values are errors naming the
 // key; `--set table.key=value` overrides apply before validation, with the same checks.
 #pragma once
@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "backend/config.h"
+#include "comm/emulated.h"
 #include "core/memory.h"
 #include "models/config.h"
 #include "primitives/registry.h"
@@ -29,8 +30,10 @@ struct RunConfig {
   std::string device = "cpu";  // cpu | cuda | cuda:N | auto (cuda:0 when a GPU is visible)
   int64_t tp = 1, pp = 1, ep = 1, cp = 1;
   int64_t dp = 0;               // 0 = ranks / (cp x pp)
-  std::string comm = "auto";    // auto | mpi | nccl (comm/comm.h)
+  std::string comm = "auto";    // auto | mpi | nccl | emulated (comm/comm.h)
   double comm_timeout_s = 50;   // a collective that takes longer aborts the job
+  // [emulate]: the job one process plays a rank of when comm = "emulated" (comm/emulated.h)
+  comm::EmulateConfig emulate;
   // [train]
   int64_t steps = 100;
   int64_t micro_batch_tokens = 2048;

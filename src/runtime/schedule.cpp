@@ -25,6 +25,16 @@ void Schedule::add_hooks(LayerHooks* hooks) {
 BatchContext Schedule::begin(const MicroBatch& mb, Pass pass, ForwardStats& st) {
   model_.check_batch(mb);
   routing_.layers.assign(static_cast<size_t>(model_.num_moe_layers()), RoutingStash::Entry{});
+  if (routing_source_ && !routing_.layers.empty()) {
+    routing_source_(mb, routing_.layers);
+    for (RoutingStash::Entry& e : routing_.layers) {
+      BB_CHECK(e.topk_idx.defined() && static_cast<int64_t>(e.tokens_per_expert.size()) == model_.config().num_experts,
+               "schedule: the routing source left a MoE layer without routing (topk_idx and ",
+               model_.config().num_experts, " expert counts are needed)");
+      e.valid = e.given = true;
+      e.replays = 0;
+    }
+  }
   if (model_.num_moe_layers() > 0)
     aux_.begin(model_.config().num_experts, model_.options().prims.router.value,
                model_.options().device);

@@ -27,6 +27,7 @@
 // Hooks run in the order they were added (after_* in reverse).
 #pragma once
 
+#include <functional>
 #include <vector>
 
 #include "core/batch.h"
@@ -36,6 +37,13 @@
 #include "primitives/registry.h"
 
 namespace bb {
+
+// Routing decided outside the model (router replay; the emulated backend's balanced routing).
+// Called at the start of every train and eval pass with the stash's entries, one per MoE layer
+// in layer order (cleared); it fills each with that layer's routing of `mb`: topk_idx [T, K] i32
+// on the model's device, tokens_per_expert [E] its counts (trusted). The MoE blocks replay it
+// (their routers compute the combine weights from the logits; no top-k search, no host read).
+using RoutingSource = std::function<void(const MicroBatch& mb, std::vector<RoutingStash::Entry>& layers)>;
 
 struct ScheduleOptions {
   RecomputePolicy recompute = RecomputePolicy::none;
@@ -51,6 +59,8 @@ class Schedule {
 
   // Not owned; must outlive the schedule's use.
   void add_hooks(LayerHooks* hooks);
+  // Routing for every later pass (an empty function: the routers decide, the default).
+  void set_routing_source(RoutingSource source) { routing_source_ = std::move(source); }
 
   // Forward + backward of one micro-batch. loss_scale = d(objective)/d(loss_sum), usually
   // 1 / (valid tokens in the whole optimizer step); aux_scale multiplies the aux/z-loss
@@ -92,6 +102,7 @@ class Schedule {
   std::vector<LayerHooks*> hooks_;
   AuxLossPool aux_;
   RoutingStash routing_;
+  RoutingSource routing_source_;
   std::vector<Tensor> last_routing_;
   std::vector<int64_t> last_replays_;
 };

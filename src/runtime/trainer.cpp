@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <dirent.h>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sys/stat.h>
 #include <thread>
@@ -17,6 +18,7 @@
 #include "io/fs.h"
 #include "io/safetensors.h"
 #include "models/hf_io.h"
+#include "primitives/moe/router.h"
 #include "primitives/optim/adamw.h"
 #include "runtime/checkpoint.h"
 #include "runtime/ckpt_root.h"
@@ -168,6 +170,11 @@ std::string resolve_checkpoint(const std::string& path) {
 
 comm::GroupPtr default_world(const RunConfig& cfg) {
   const comm::World& w = comm::world();
+  if (cfg.comm == "emulated") {
+    BB_CHECK(w.size == 1, "parallel.comm = \"emulated\": one process plays one rank of the job (emulate.ranks = ",
+             cfg.emulate.ranks, "); start it without mpirun / srun (", w.size, " processes were started)");
+    return comm::make_emulated_world(cfg.emulate);
+  }
   if (w.size == 1 && cfg.comm != "nccl") return comm::self_group("world");
   std::string b = cfg.comm;
   if (b == "auto") {
@@ -229,12 +236,25 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
   // The layout is checked before anything is allocated.
   const ParallelLayout layout = resolve_layout(cfg, base->size());
   const int rank = base->rank();
-  if (rank != 0 && !cfg.log_all_ranks) log_ = nullptr;
-  if (cfg.log_all_ranks && base->size() > 1) log_prefix_ = "[rank " + std::to_string(rank) + "] ";
+  // An emulated rank is the only process of its job: it logs and writes the metrics, whatever
+  // rank it plays.
+  const bool emulated = base->backend() == comm::Backend::emulated;
+  writer_ = rank == 0 || emulated;
+  if (!writer_ && !cfg.log_all_ranks) log_ = nullptr;
+  if (cfg.log_all_ranks && base->size() > 1 && !emulated) log_prefix_ = "[rank " + std::to_string(rank) + "] ";
   device_ = cfg.resolved_device();
+  if (emulated) log_prefix_ = cfg.emulate.tag();
 #ifdef BB_WITH_CUDA
   if (device_.is_cuda()) cuda::set_device(device_.index);
 #endif
+  if (emulated && cfg.emulate.device_memory_gib > 0) {
+    // Before the run allocates: the pool then fails where the emulated card would.
+    BB_CHECK(device_.is_cuda(), "emulate.device_memory_gib = ", cfg.emulate.device_memory_gib,
+             " caps GPU memory, but the run is on ", device_.str());
+#ifdef BB_WITH_CUDA
+    cuda::set_memory_limit(device_.index, static_cast<int64_t>(cfg.emulate.device_memory_gib * double(1 << 30)));
+#endif
+  }
   apply_backend_config(cfg.backend);
   mesh_ = std::make_unique<Mesh>(base, layout);
   // The checkpoint root is checked and locked before anything slow happens, so an unusable or
@@ -261,6 +281,10 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
     std::fprintf(log_, "%s[startup] parallel: %d rank(s) over %s (launcher %s), layout %s, state %s\n", p,
                  base->size(), comm::backend_name(base->backend()), comm::world().launcher.c_str(),
                  layout.str().c_str(), cfg.prim.state.name.c_str());
+    if (emulated)
+      std::fprintf(log_, "%s[startup] %s: compute, memory and streams are this rank's, the wire time is modelled; "
+                   "routing is balanced and every peer is a copy of this rank, so losses are not the real job's\n",
+                   p, cfg.emulate.str().c_str());
     std::fprintf(log_, "%s[startup] backend: %s\n", p, cfg.backend.summary().c_str());
     std::fflush(log_);
   }
@@ -271,6 +295,22 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
   schedule_ = std::make_unique<Schedule>(
       *model_,
       ScheduleOptions{cfg.prim.recompute.value, false, recompute_parts(cfg.prim.recompute)});
+  if (emulated && model_->num_moe_layers() > 0) {
+    // Balanced routing: the emulated rank's experts get the rows a balanced job would send them
+    // (one routing per token count, shared by every MoE layer).
+    const ModelConfig& mc = cfg.model;
+    const Device dev = device_;
+    auto cache = std::make_shared<std::map<int64_t, RouterReplay>>();
+    schedule_->set_routing_source([mc, dev, cache](const MicroBatch& mb, std::vector<RoutingStash::Entry>& layers) {
+      const int64_t T = mb.tokens.numel();
+      auto it = cache->find(T);
+      if (it == cache->end()) it = cache->emplace(T, balanced_routing(T, mc.num_experts, mc.top_k, dev)).first;
+      for (RoutingStash::Entry& e : layers) {
+        e.topk_idx = it->second.topk_idx;
+        e.tokens_per_expert = it->second.tokens_per_expert;
+      }
+    });
+  }
   std::vector<ParamUnit*> units = model_->units();
   std::vector<Tensor> masters;
   if (cfg.model_init.rfind("hf:", 0) == 0) {
@@ -666,7 +706,7 @@ std::vector<StepMetrics> Trainer::run() {
   std::vector<StepMetrics> out;
   std::unique_ptr<std::ofstream> metrics;
   const std::string& mpath = cfg_.metrics_path;
-  if (!mpath.empty() && mesh_->rank() == 0) {
+  if (!mpath.empty() && writer_) {
     const auto slash = mpath.find_last_of('/');
     if (slash != std::string::npos && slash > 0) make_dirs(mpath.substr(0, slash));
     if (step_ > 0 && path_exists(mpath)) {
@@ -723,6 +763,7 @@ std::vector<StepMetrics> Trainer::run() {
       j["peak_bytes"] = pk;  // maxima over ranks
       j["reserved_peak_bytes"] = m.mem_max.reserved_peak;
       j["ranks"] = mesh_->world()->size();
+      if (mesh_->world()->backend() == comm::Backend::emulated) j["emulated"] = cfg_.emulate.str();
       j["host_syncs"] = m.host_syncs;
       j["moe_rows_max"] = m.moe_rows_max;  // expert rows received per rank: max and mean
       j["moe_rows_mean"] = m.moe_rows_mean;

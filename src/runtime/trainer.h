@@ -90,6 +90,11 @@ class Trainer {
   // Fill StepMetrics::routing (a host copy of every layer's routing per micro-batch).
   void set_record_routing(bool on) { record_routing_ = on; }
   int64_t skipped_no_targets() const { return skipped_no_targets_; }
+  // What every log line of this rank starts with ("[rank 3] " with log.all_ranks, the emulated
+  // tag of an emulated run).
+  const std::string& log_prefix() const { return log_prefix_; }
+  // Whether this process prints the run's log and writes its metrics (rank 0; an emulated rank).
+  bool writer() const { return writer_; }
 
   // Writes <dir>/step_NNNNNNNN atomically (temp dir + rename) and points <dir>/latest at it
   // once every rank wrote its shard. Collective.
@@ -109,6 +114,7 @@ class Trainer {
   RunConfig cfg_;
   FILE* log_;
   std::string log_prefix_;
+  bool writer_ = true;
   std::unique_ptr<Mesh> mesh_;
   std::unique_ptr<DecoderModel> model_;
   std::unique_ptr<Schedule> schedule_;
@@ -129,7 +135,7 @@ class Trainer {
 
 // The communicator a run uses by default: the self group in a single process, else every rank
 // of the job over parallel.comm (auto: nccl for one GPU per process, mpi for CPU runs and for
-// processes sharing a GPU).
+// processes sharing a GPU); "emulated": the emulated world of [emulate] (one process).
 comm::GroupPtr default_world(const RunConfig& cfg);
 // The layout of cfg on `world_size` ranks (parallel.dp = 0 resolved), validated.
 ParallelLayout resolve_layout(const RunConfig& cfg, int64_t world_size);

@@ -46,7 +46,8 @@ struct DeviceState {
   std::atomic<cudaStream_t> streams[kNumStreams] = {};
   cudaStream_t release = nullptr;
   cudaEvent_t release_marks[kNumStreams] = {};
-  cudaMemPool_t pool = nullptr;
+  cudaMemPool_t pool = nullptr;  // the device's current pool (the default one unless capped)
+  int64_t pool_cap = 0;          // set_memory_limit's cap on the pool, 0: none
   int sms = 0;
   int cc = 0;  // compute capability, 10 major + minor
   int priority_low = 0, priority_high = 0;
@@ -420,6 +421,42 @@ void event_synchronize(void* event) {
   note_host_sync();
 }
 
+void set_memory_limit(int dev, int64_t bytes) {
+  DeviceState& st = state(dev);
+  set_device(dev);
+  BB_CHECK(st.pool_cap == 0, "cuda:", dev, ": the memory limit is set once per process (already ",
+           format_bytes(st.pool_cap), ")");
+  // What the process already holds outside the pool (context, module code, library handles)
+  // counts against the card's memory too.
+  size_t free_b = 0, total_b = 0;
+  BB_CHECK_CUDA(cudaMemGetInfo(&free_b, &total_b));
+  uint64_t pooled = 0;
+  BB_CHECK_CUDA(cudaMemPoolGetAttribute(st.pool, cudaMemPoolAttrReservedMemCurrent, &pooled));
+  const int64_t outside = static_cast<int64_t>(total_b - free_b) - static_cast<int64_t>(pooled);
+  const int64_t cap = bytes - std::max<int64_t>(outside, 0);
+  BB_CHECK(cap > 0, "cuda:", dev, ": a memory limit of ", format_bytes(bytes), " leaves nothing for the run (",
+           format_bytes(outside), " are in use outside the allocator)");
+  BB_CHECK(static_cast<size_t>(bytes) <= total_b, "cuda:", dev, ": a memory limit of ", format_bytes(bytes),
+           " is more than the card's ", format_bytes(static_cast<int64_t>(total_b)));
+  cudaMemPoolProps props{};
+  props.allocType = cudaMemAllocationTypePinned;
+  props.handleTypes = cudaMemHandleTypeNone;
+  props.location.type = cudaMemLocationTypeDevice;
+  props.location.id = dev;
+  props.maxSize = static_cast<size_t>(cap);
+  cudaMemPool_t pool = nullptr;
+  BB_CHECK_CUDA(cudaMemPoolCreate(&pool, &props));
+  uint64_t keep = UINT64_MAX;
+  BB_CHECK_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+  int no = 0;
+  BB_CHECK_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolReuseAllowInternalDependencies, &no));
+  BB_CHECK_CUDA(cudaDeviceSetMemPool(dev, pool));
+  st.pool = pool;
+  st.pool_cap = cap;
+}
+
+int64_t memory_limit(int dev) { return state(dev).pool_cap; }
+
 void set_poison_allocations(bool on) { g_poison.store(on); }
 
 void spin_then_copy(void* dst, const void* src, size_t bytes, double spin_ms) {
@@ -447,8 +484,13 @@ class CudaAllocator final : public Allocator {
     cudaStream_t s = cuda::stream_of(dev_, static_cast<Stream>(stream));
     void* p = nullptr;
     cudaError_t e = cudaMallocAsync(&p, bytes, s);
-    BB_CHECK(e == cudaSuccess, "out of GPU memory on cuda:", dev_, " allocating ", format_bytes(static_cast<int64_t>(bytes)),
-             " (", cudaGetErrorString(e), "); see the per-category peaks in the log");
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      const int64_t cap = cuda::memory_limit(dev_);
+      BB_FAIL("out of GPU memory on cuda:", dev_, " allocating ", format_bytes(static_cast<int64_t>(bytes)), " (",
+              cudaGetErrorString(e), cap > 0 ? "; the allocator is capped at " + format_bytes(cap) + " for this run" : "",
+              "); see the per-category peaks in the log");
+    }
     if (cuda::g_poison.load(std::memory_order_relaxed)) BB_CHECK_CUDA(cudaMemsetAsync(p, 0xFF, bytes, s));
     return p;
   }
@@ -485,7 +527,7 @@ class CudaAllocator final : public Allocator {
   // every step's start that could only give the same number).
   int64_t reserved_peak() const override {
     cudaMemPool_t pool;
-    if (cudaDeviceGetDefaultMemPool(&pool, dev_) != cudaSuccess) return 0;
+    if (cudaDeviceGetMemPool(&pool, dev_) != cudaSuccess) return 0;
     uint64_t v = 0;
     cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &v);
     return static_cast<int64_t>(v);

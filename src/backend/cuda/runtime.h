@@ -71,6 +71,14 @@ void stream_wait_event(int dev, Stream s, void* event);
 bool event_done(void* event);
 void event_synchronize(void* event);  // counts a host sync
 
+// Caps the memory the allocator may hold on `dev` so that the process as a whole stays within
+// `bytes` (what it holds outside the allocator now, the context and libraries, is subtracted):
+// a larger allocation then fails as on a card with that much memory. Once per device, before
+// the run allocates (later allocations come from a new pool; earlier ones stay where they are).
+void set_memory_limit(int dev, int64_t bytes);
+// The allocator's cap on `dev` (0: none).
+int64_t memory_limit(int dev);
+
 // Fresh device memory reads as NaN (0xFF bytes) while on, so that an output a kernel forgot to
 // write cannot pass as zeros. The GPU tests turn it on; off by default.
 void set_poison_allocations(bool on);

@@ -34,6 +34,25 @@ void RouterConfig::validate() const {
   BB_CHECK(routed_scaling > 0, "RouterConfig: routed_scaling must be > 0, got ", routed_scaling);
 }
 
+RouterReplay balanced_routing(int64_t tokens, int64_t num_experts, int64_t top_k, Device dev) {
+  BB_CHECK(tokens >= 0 && num_experts >= 1 && top_k >= 1 && top_k <= num_experts, "balanced_routing: ", tokens,
+           " tokens, ", num_experts, " experts, top-", top_k, " (needs 1 <= top_k <= experts)");
+  BB_CHECK(tokens * top_k < (int64_t{1} << 31), "balanced_routing: ", tokens, " x ", top_k, " rows exceed int32");
+  const int64_t stride = num_experts / top_k;
+  std::vector<int32_t> idx(static_cast<size_t>(tokens * top_k));
+  RouterReplay r;
+  r.tokens_per_expert.assign(static_cast<size_t>(num_experts), 0);
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t k = 0; k < top_k; ++k) {
+      const int64_t e = (t + k * stride) % num_experts;
+      idx[static_cast<size_t>(t * top_k + k)] = static_cast<int32_t>(e);
+      ++r.tokens_per_expert[static_cast<size_t>(e)];
+    }
+  r.topk_idx = Tensor::from_ints(idx, {tokens, top_k});
+  if (!dev.is_cpu()) r.topk_idx = r.topk_idx.to(dev, MemCategory::other);
+  return r;
+}
+
 namespace {
 // CPU always; CUDA when this build has the CUDA backend.
 void check_device(const Tensor& t, const char* op, const char* arg) {

@@ -62,6 +62,14 @@ struct RouterReplay {
   std::vector<int64_t> tokens_per_expert;
 };
 
+// A routing that loads every expert equally: token t's k-th choice is expert
+// (t + k * stride) mod E with stride = E / K (integer division), so each token's K experts are
+// distinct and spread over the expert range (over every rank of an expert-parallel group), and
+// every expert receives T K / E rows, +-K. topk_idx [T, K] i32 on `dev` (category other). The
+// emulated communication backend routes with it (comm/emulated.h), so that a rank's expert load
+// is that of a balanced job.
+RouterReplay balanced_routing(int64_t tokens, int64_t num_experts, int64_t top_k, Device dev);
+
 // logits [T, E] f32 (in). expert_bias [E] f32 (in) or undefined: added to the scores for
 // SELECTION only, never to the weights (aux-loss-free balancing; meant for sigmoid routing but
 // accepted for softmax too). With s = scores and S the selected set of token t:
