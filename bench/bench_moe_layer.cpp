@@ -38,7 +38,17 @@
 //                  ranks the communication is a small, noisy part of the layer: the column is
 //                  meaningful on GPUs; the CPU run checks that everything runs.
 // The table is printed by rank 0 at the end, in markdown.
+//
+// One rank of an EP = N job on one GPU, without N GPUs: --emulate N (comm/emulated.h; EP = N
+// emulated ranks on nodes of --gpus-per-node, default 8, with --intra-gbps / --inter-gbps /
+// --intra-latency-us / --inter-latency-us for the link model and --wire-scale to stretch or
+// drop its wire time). Routing is then balanced (every expert gets T x top-k / E rows per rank)
+// and every peer is a copy of this rank; the table is labelled EMULATED with the link model.
+// --timeline PREFIX (CUDA): one more forward + backward of each member is traced with CUPTI and
+// written as a Chrome trace PREFIX-<shape>-<tokens>-<member>.json, and the table gets each
+// direction's hidden share of the wire time read from that timeline (bench/timeline.h).
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -49,6 +59,7 @@
 #include <vector>
 
 #include "comm/comm.h"
+#include "comm/emulated.h"
 #include "comm/mesh.h"
 #include "core/rng.h"
 #include "core/stream.h"
@@ -59,6 +70,7 @@
 #ifdef BB_WITH_CUDA
 #include "backend/cuda/check.cuh"
 #include "backend/cuda/runtime.h"
+#include "timeline.h"
 #endif
 
 namespace bb {
@@ -84,6 +96,10 @@ struct Args {
   int steps = 5, warmup = 2;
   std::string device = "auto", experts = "grouped", permute = "standard", dtype = "auto";
   bool small = false;
+  int64_t emulate = 0;  // --emulate N: ranks of the emulated EP group (0: a real group)
+  comm::LinkModel link;
+  double wire_scale = 1;
+  std::string timeline;
 };
 
 std::vector<int64_t> parse_list(const std::string& s) {
@@ -165,6 +181,7 @@ struct Times {
   double fwd_experts = 0, bwd_experts = 0;  // the expert MLPs inside a dispatcher run
   int64_t rows = 0;                         // M, rows this rank's experts received
   std::string err;
+  std::string overlap_fwd, overlap_bwd;  // --timeline: hidden share of the wire, per direction
 };
 
 struct Setup {
@@ -174,6 +191,8 @@ struct Setup {
   ExpertsImpl experts;
   PermuteMode permute;
   int steps, warmup;
+  bool balanced = false;  // emulated: every rank routes with balanced_routing
+  std::string timeline;   // --timeline PREFIX
 };
 
 std::unique_ptr<Dispatcher> make_member(int64_t chunks, int64_t num_experts, const comm::GroupPtr& ep) {
@@ -281,6 +300,12 @@ Times run_member(const Setup& su, const Shape3& sh, int64_t T, int64_t chunks) {
 
   RoutingStash stash;
   stash.layers.resize(1);
+  if (su.balanced) {  // the routing a balanced job gives every rank, replayed by the block
+    const RouterReplay b = balanced_routing(T, sh.experts, sh.top_k, su.dev);
+    stash.layers[0].topk_idx = b.topk_idx;
+    stash.layers[0].tokens_per_expert = b.tokens_per_expert;
+    stash.layers[0].valid = stash.layers[0].given = true;
+  }
   BatchContext ctx;
   ctx.pass = Pass::train;
   ctx.routing = &stash;
@@ -307,6 +332,50 @@ Times run_member(const Setup& su, const Shape3& sh, int64_t T, int64_t chunks) {
   }
   out.fwd = median(fwd);
   out.bwd = median(bwd);
+#ifdef BB_WITH_CUDA
+  if (!su.timeline.empty() && su.dev.is_cuda()) {
+    // One more layer under CUPTI, its forward and backward windows apart (a first traced run
+    // absorbs CUPTI's setup).
+    static bench::GpuActivity activity;
+    if (!activity.usable()) {
+      out.overlap_fwd = out.overlap_bwd = "not traced: " + activity.error;
+    } else {
+      for (int pass = 0; pass < 2; ++pass) {
+        store.zero_grad();
+        align(su.ep, su.dev);
+        std::unique_ptr<BlockSaved> saved = blk.make_saved();
+        activity.begin();
+        bench::StreamMarker marker(su.dev);
+        Tensor y = blk.forward(x, ctx, saved.get());
+        synchronize_device(su.dev);
+        const bench::GpuActivity::Result f = activity.end();
+        activity.begin();
+        Tensor d_x = blk.backward_data(d_y, ctx, *saved);
+        blk.backward_weight(ctx, *saved);
+        synchronize_device(su.dev);
+        const bench::GpuActivity::Result b = activity.end();
+        if (pass == 0) continue;
+        auto hidden = [](const bench::GpuActivity::Result& r) {
+          const std::vector<bench::CommOverlap> o = bench::comm_overlap(r);
+          if (o.empty()) return std::string("-");
+          char buf[64];
+          std::snprintf(buf, sizeof buf, "%.0f %% of %.2f", 100 * o.back().hidden_ms / std::max(1e-9, o.back().wire_ms),
+                        o.back().wire_ms);
+          return std::string(buf);
+        };
+        out.overlap_fwd = hidden(f);
+        out.overlap_bwd = hidden(b);
+        const std::string member = blk.dispatcher().name() + std::string(chunks > 0 ? std::to_string(chunks) : "");
+        std::string shape = sh.name;
+        for (char& ch : shape)
+          if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '.') ch = '_';
+        const std::string base = su.timeline + "-" + shape + "-" + std::to_string(T) + "-" + member;
+        bench::write_chrome_trace(base + "-fwd.json", f, marker.names(f), base + " forward");
+        bench::write_chrome_trace(base + "-bwd.json", b, marker.names(f), base + " backward");
+      }
+    }
+  }
+#endif
 
   // The dispatcher alone on this rank's routed rows (the last step's counts).
   Dispatcher& d = blk.dispatcher();
@@ -436,6 +505,14 @@ int run(int argc, char** argv) {
     else if (a == "--permute") args.permute = next();
     else if (a == "--dtype") args.dtype = next();
     else if (a == "--small") args.small = true;
+    else if (a == "--emulate") args.emulate = std::stoll(next());
+    else if (a == "--gpus-per-node") args.link.gpus_per_node = std::stoll(next());
+    else if (a == "--intra-gbps") args.link.intra_gbps = std::stod(next());
+    else if (a == "--inter-gbps") args.link.inter_gbps = std::stod(next());
+    else if (a == "--intra-latency-us") args.link.intra_latency_us = std::stod(next());
+    else if (a == "--inter-latency-us") args.link.inter_latency_us = std::stod(next());
+    else if (a == "--wire-scale") args.wire_scale = std::stod(next());
+    else if (a == "--timeline") args.timeline = next();
     else return usage(("unknown argument " + a).c_str());
   }
   if (args.shape != "qwen3.5" && args.shape != "qwen3" && args.shape != "both")
@@ -470,6 +547,17 @@ int run(int argc, char** argv) {
   if (args.device != "auto" && args.device != "cpu" && args.device != "cuda")
     return usage("--device must be cpu or cuda");
   if (w.size == 1) backend = "self";
+  comm::EmulateConfig ec;
+  if (args.emulate > 0) {
+    if (w.size > 1) return usage("--emulate: one process plays one rank; start it without mpirun");
+    backend = "emulated";
+    ec.ranks = args.emulate;
+    ec.link = args.link;
+    ec.wire_scale = args.wire_scale;
+    ec.validate();
+  }
+  su.balanced = args.emulate > 0;
+  su.timeline = args.timeline;
   su.dt = args.dtype == "auto" ? (su.dev.is_cuda() ? DType::bf16 : DType::f32)
           : args.dtype == "bf16" ? DType::bf16
           : args.dtype == "f32"  ? DType::f32
@@ -480,9 +568,10 @@ int run(int argc, char** argv) {
   su.steps = args.steps;
   su.warmup = args.warmup;
 
-  comm::GroupPtr base = backend == "self"   ? comm::self_group("world")
-                        : backend == "nccl" ? comm::world_group(comm::Backend::nccl)
-                                            : comm::world_group(comm::Backend::mpi);
+  comm::GroupPtr base = backend == "self"       ? comm::self_group("world")
+                        : backend == "emulated" ? comm::make_emulated_world(ec)
+                        : backend == "nccl"     ? comm::world_group(comm::Backend::nccl)
+                                                : comm::world_group(comm::Backend::mpi);
   const int64_t P = base->size();
   std::vector<Shape3> shapes;
   if (args.shape != "qwen3") shapes.push_back(qwen35(args.small));
@@ -538,13 +627,18 @@ int run(int argc, char** argv) {
       std::printf("\n## One MoE layer, EP = %lld (%s, %s, %s), experts %s, permute %s, median of %d steps after %d\n\n",
                   static_cast<long long>(P), comm::backend_name(su.ep->backend()), su.dev.str().c_str(),
                   dtype_name(su.dt), args.experts.c_str(), args.permute.c_str(), args.steps, args.warmup);
+      if (args.emulate > 0)
+        std::printf("%s. EMULATED: this rank's compute and memory measured, the wire time modelled; balanced routing "
+                    "(rows M = tokens x top-k).\n\n", ec.str().c_str());
       std::printf(
           "ms per layer; slowest rank. disp / comb: the member's communication with no expert work (bwd disp = "
           "d_y_perm to the experts, bwd comb = d_x back); experts: the expert MLPs inside a run (bwd: dgrad + "
           "wgrad); hidden = (alltoall ms - member ms) / (alltoall disp + comb).\n\n");
+      const bool traced = !args.timeline.empty();
       std::printf("| shape | tokens/rank | rows M | dispatch | fwd ms | fwd disp | fwd experts | fwd comb | fwd hidden "
-                  "| bwd ms | bwd disp | bwd experts | bwd comb | bwd hidden |\n");
-      std::printf("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+                  "| bwd ms | bwd disp | bwd experts | bwd comb | bwd hidden |%s\n",
+                  traced ? " fwd wire hidden (timeline) | bwd wire hidden (timeline) |" : "");
+      std::printf("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|%s\n", traced ? "---:|---:|" : "");
       for (const Row& r : rows) {
         if (!r.t.err.empty()) {
           std::printf("| %s | %lld | | %s | failed: %s | | | | | | | | | |\n", r.shape.c_str(),
@@ -553,10 +647,12 @@ int run(int argc, char** argv) {
         }
         const char* none = r.base ? "-" : "n/a";
         const std::string hf = r.hidden ? pct(r.hid_f) : none, hb = r.hidden ? pct(r.hid_b) : none;
-        std::printf("| %s | %lld | %lld | %s | %.3f | %.3f | %.3f | %.3f | %s | %.3f | %.3f | %.3f | %.3f | %s |\n",
+        std::printf("| %s | %lld | %lld | %s | %.3f | %.3f | %.3f | %.3f | %s | %.3f | %.3f | %.3f | %.3f | %s |",
                     r.shape.c_str(), static_cast<long long>(r.tokens), static_cast<long long>(r.t.rows),
                     r.member.c_str(), r.t.fwd, r.t.fwd_disp, r.t.fwd_experts, r.t.fwd_comb, hf.c_str(), r.t.bwd,
                     r.t.bwd_disp, r.t.bwd_experts, r.t.bwd_comb, hb.c_str());
+        if (traced) std::printf(" %s | %s |", r.t.overlap_fwd.c_str(), r.t.overlap_bwd.c_str());
+        std::printf("\n");
       }
       std::fflush(stdout);
     }

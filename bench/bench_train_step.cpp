@@ -23,6 +23,15 @@
 // calls (each costs ~1 us more, so the traced step is a little slower) and each listed gap shows
 // them: the calls the host was in while the GPU waited, and the longest stretch without any
 // CUDA call (host code) with the calls around it.
+// --timeline PREFIX: after the timed steps, one more step of each size is traced with CUPTI
+// (after a first traced step that absorbs CUPTI's setup) and written as a Chrome trace,
+// PREFIX-<tokens>.json (one row per stream: chrome://tracing or ui.perfetto.dev), and a table
+// says how much of each emulated communication class's wire time other GPU work covered
+// (bench/timeline.h; meaningful with parallel.comm = "emulated").
+// Emulated runs (--set parallel.comm='"emulated"' --set emulate.ranks=N ...): the process is
+// one rank of an N-rank job (comm/emulated.h); the table is per GPU (a micro-batch of S tokens
+// is split over parallel.cp ranks) and labelled EMULATED with the link model, and the modelled
+// wire time of the step per communication class is printed beside it.
 // Default model: the 4-layer slice of Qwen3-30B-A3B with recompute=full, loss=linear_ce,
 // experts=grouped, on cuda:0 (falls back to a tiny CPU run if no GPU is visible).
 #include <algorithm>
@@ -35,7 +44,9 @@
 
 #ifdef BB_WITH_CUDA
 #include "gpu_activity.h"
+#include "timeline.h"
 #endif
+#include "comm/emulated.h"
 #include "core/rng.h"
 #include "core/trace.h"
 #include "runtime/trainer.h"
@@ -157,6 +168,7 @@ int main(int argc, char** argv) {
   bool profile = false, gpu_idle = false;
   int64_t top_kernels = 0;
   bool host_calls = false;  // --host-calls
+  std::string timeline;     // --timeline PREFIX
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -176,6 +188,8 @@ int main(int argc, char** argv) {
       gpu_idle = true;
     } else if (a == "--host-calls") {
       host_calls = true;
+    } else if (a == "--timeline") {
+      timeline = next();
     } else { std::fprintf(stderr, "unknown argument %s (see the header of bench_train_step.cpp)\n", a.c_str()); return 2; }
   }
   if (host_calls && top_kernels == 0) top_kernels = 20, gpu_idle = true;  // the gaps are listed with --kernels
@@ -187,15 +201,20 @@ int main(int argc, char** argv) {
     std::string err;
     std::string idle;     // --gpu-idle: the traced step's line
     std::string kernels;  // --kernels: its table
+    std::string comm;     // emulated: modelled wire ms per class of one step
+    std::string overlap;  // --timeline: the traced step's hidden communication
   };
 #ifdef BB_WITH_CUDA
   std::unique_ptr<bench::GpuActivity> activity;
   if (gpu_idle) activity = std::make_unique<bench::GpuActivity>();
 #endif
+#ifdef BB_WITH_CUDA
+  if (!timeline.empty() && !activity) activity = std::make_unique<bench::GpuActivity>();
+#endif
   std::vector<Row> rows;
-  std::string summary;
+  std::string summary, emulated;
   for (int64_t S : seqs) {
-    Row r{S, 0, 0, 0, 0, {}, 0, "", "", ""};
+    Row r{S, 0, 0, 0, 0, {}, 0, "", "", "", "", ""};
     try {
       std::ostringstream toml;
       toml << "[model]\nconfig = \"" << config << "\"\n"
@@ -206,11 +225,28 @@ int main(int argc, char** argv) {
       std::vector<std::string> ov = sets;
       RunConfig cfg = parse_run_config(toml.str(), "bench_train_step", ov);
       Trainer tr(cfg, nullptr, one_long_document(S, cfg.model.vocab_size, 2));
+      const bool emu = tr.mesh().world()->backend() == comm::Backend::emulated;
+      if (emu) emulated = cfg.emulate.str();
       std::vector<StepMetrics> ms;
       for (int64_t i = 0; i < steps + warmup; ++i) {
         const bool prof = profile && i + 1 == steps + warmup;
         if (prof) trace::profile_begin();
+        const bool last = i + 1 == steps + warmup;
+        if (emu && last) comm::reset_emulated_totals();
         StepMetrics m = tr.train_step();
+        if (emu && last) {  // the modelled wire time of one step, per class
+          const comm::EmulatedTotals t = comm::emulated_totals();
+          std::ostringstream c;
+          for (int k = 0; k < comm::EmulatedTotals::kClasses; ++k)
+            if (t.ops[k] > 0) {
+              char b[128];
+              std::snprintf(b, sizeof b, "%s%s %.2f ms (%lld ops, %.2f GB)", c.tellp() > 0 ? ", " : "",
+                            comm::EmulatedTotals::class_name(k), t.seconds[k] * 1e3, static_cast<long long>(t.ops[k]),
+                            static_cast<double>(t.bytes[k]) / 1e9);
+              c << b;
+            }
+          r.comm = c.str();
+        }
         if (prof) {
           std::printf("\nprofile of one step at %lld tokens (%.1f ms):\n", static_cast<long long>(S),
                       m.step_time_s * 1e3);
@@ -275,15 +311,42 @@ int main(int argc, char** argv) {
         r.idle = "not measured: a CPU build";
 #endif
       }
+      if (!timeline.empty()) {
+#ifdef BB_WITH_CUDA
+        if (!activity->usable()) {
+          r.overlap = "not traced: " + activity->error;
+        } else if (tr.config().resolved_device().is_cuda()) {
+          activity->begin();
+          tr.train_step();  // absorbs CUPTI's setup
+          activity->end();
+          activity->begin();
+          bench::StreamMarker marker(tr.config().resolved_device());
+          const StepMetrics m = tr.train_step();
+          const bench::GpuActivity::Result a = activity->end();
+          const std::string path = timeline + "-" + std::to_string(S) + ".json";
+          char title[512];
+          std::snprintf(title, sizeof title, "%s, %lld tokens per micro-batch, step %.1f ms%s%s", config.c_str(),
+                        static_cast<long long>(S), m.step_time_s * 1e3, emu ? ", " : "", emulated.c_str());
+          const bool ok = bench::write_chrome_trace(path, a, marker.names(a), title);
+          r.overlap = std::string("traced step ") + std::to_string(m.step_time_s * 1e3).substr(0, 8) + " ms, " +
+                      (ok ? "timeline " + path : "could not write " + path) + "\n" +
+                      bench::overlap_table(bench::comm_overlap(a));
+        }
+#else
+        r.overlap = "not traced: a CPU build";
+#endif
+      }
       std::sort(ms.begin(), ms.end(), [](const StepMetrics& a, const StepMetrics& b) { return a.step_time_s < b.step_time_s; });
       // The median; with an even count the lower middle (2 steps: the faster, since a second step
       // can still be warming up: allocator growth, plan caches).
       const StepMetrics& med = ms[(ms.size() - 1) / 2];
-      const double mf = model_flops(cfg.model, {S});
+      // Per GPU: a micro-batch's tokens (and work) are split over its cp ranks.
+      const double cp = static_cast<double>(tr.mesh().layout().cp);
+      const double mf = model_flops(cfg.model, {S}) / cp;
       r.step_ms = med.step_time_s * 1e3;
-      r.tok_s = static_cast<double>(S) / med.step_time_s;
+      r.tok_s = static_cast<double>(S) / cp / med.step_time_s;
       r.model_tf = mf / med.step_time_s / 1e12;
-      r.hw_tf = (mf + (cfg.prim.recompute.value == RecomputePolicy::full ? recompute_flops(cfg.model, S) : 0.0)) /
+      r.hw_tf = (mf + (cfg.prim.recompute.value == RecomputePolicy::full ? recompute_flops(cfg.model, S) / cp : 0.0)) /
                 med.step_time_s / 1e12;
       if (summary.empty()) summary = cfg.primitives_summary() + "\nbackend: " + cfg.backend.summary();
       r.mem = med.mem;
@@ -294,8 +357,12 @@ int main(int argc, char** argv) {
     rows.push_back(r);
   }
   std::printf("\nend-to-end training step: %s\nprimitives: %s\n", config.c_str(), summary.c_str());
+  if (!emulated.empty())
+    std::printf("%s\nEMULATED: one rank of the job; compute, memory and streams measured, the wire time modelled. "
+                "Per GPU: tokens/s and TFLOP/s of this rank (a micro-batch split over cp ranks); memory: this rank's.\n",
+                emulated.c_str());
   std::printf("%8s | %10s | %12s | %10s | %10s | %8s | %10s %10s %10s %10s %10s %10s %10s | %10s\n", "tokens",
-              "step ms", "tokens/s", "model TF/s", "hw TF/s", "syncs", "params", "grads", "optim", "activ",
+              "step ms", "tokens/s/GPU", "model TF/s", "hw TF/s", "syncs", "params", "grads", "optim", "activ",
               "logits", "moe", "workspace", "reserved");
   auto g = [](int64_t b) { return static_cast<double>(b) / (1024.0 * 1024 * 1024); };
   for (const Row& r : rows) {
@@ -308,6 +375,14 @@ int main(int argc, char** argv) {
                 static_cast<long long>(r.S), r.step_ms, r.tok_s, r.model_tf, r.hw_tf, static_cast<long long>(r.syncs),
                 g(p[0]), g(p[1]), g(p[2]), g(p[3]), g(p[4]), g(p[5]), g(p[7]), g(r.mem.reserved_peak));
   }
+  for (const Row& r : rows)
+    if (!r.comm.empty())
+      std::printf("EMULATED wire time of one step at %lld tokens (modelled): %s\n", static_cast<long long>(r.S),
+                  r.comm.c_str());
+  for (const Row& r : rows)
+    if (!r.overlap.empty())
+      std::printf("\n%scommunication of the traced step at %lld tokens: %s\n", emulated.empty() ? "" : "EMULATED ",
+                  static_cast<long long>(r.S), r.overlap.c_str());
   for (const Row& r : rows)
     if (!r.idle.empty()) std::printf("GPU idle at %lld tokens: %s\n", static_cast<long long>(r.S), r.idle.c_str());
   for (const Row& r : rows)

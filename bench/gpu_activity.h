@@ -15,6 +15,7 @@
 //   r.kernels  per kernel name (demangled, without its arguments): launches and summed GPU
 //              time within the window, most time first; kernels on different streams overlap,
 //              so the sums add up to more than busy_ms when streams run side by side
+//   r.spans    every activity of the window with its stream (the raw timeline; timeline.h)
 // begin(/*host_calls=*/true) also records the CUDA runtime and driver calls of the host (each
 // call then costs ~1 us more): every gap gets `host`, what the host did while the GPU waited:
 // the calls that overlap the gap (name, ms into the gap, length) and the longest stretch of
@@ -57,6 +58,15 @@ class GpuActivity {
       double ms = 0;
     };
     std::vector<Kernel> kernels;  // most GPU time first
+    // Every kernel, copy and memset of the window in start order, clipped to it (ms after
+    // begin()), with CUPTI's id of its stream: what a timeline draws (bench/timeline.h).
+    struct Span {
+      double start = 0, end = 0;
+      uint32_t stream = 0;
+      std::string name;  // kernels: the short name; "memcpy", "memset"
+      uint64_t bytes = 0;  // copies and memsets
+    };
+    std::vector<Span> spans;
   };
 
   GpuActivity() {
@@ -171,6 +181,9 @@ class GpuActivity {
     };
     for (const Record& a : iv) {
       const uint64_t s = std::max(a.start, t0_), e = std::min(a.end, t1);
+      if (e > s)
+        r.spans.push_back({static_cast<double>(s - t0_) * 1e-6, static_cast<double>(e - t0_) * 1e-6, a.stream, label(&a),
+                           a.bytes});
       if (e <= s || e <= cur) continue;
       if (s > cur) gap(cur, s, &a);
       busy += e - std::max(s, cur);
@@ -199,6 +212,8 @@ class GpuActivity {
     const char* name = nullptr;  // kernels: shared by every record of the kernel, owned by CUPTI
     uint32_t cbid = 0;           // host calls: the runtime or driver callback id
     uint32_t thread = 0;         // host calls: CUPTI's id of the calling thread
+    uint32_t stream = 0;         // device activities: CUPTI's stream id
+    uint64_t bytes = 0;          // copies and memsets
   };
 
   static bool is_api(CUpti_ActivityKind k) {
@@ -310,17 +325,18 @@ class GpuActivity {
           case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL:
           case CUPTI_ACTIVITY_KIND_KERNEL: {
             const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(rec);
-            got.push_back({k->start, k->end, CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, k->name});  // CUPTI keeps the name
+            got.push_back({k->start, k->end, CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, k->name, 0, 0,  // CUPTI keeps the name
+                           k->streamId, 0});
             break;
           }
           case CUPTI_ACTIVITY_KIND_MEMCPY: {
             const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(rec);
-            got.push_back({m->start, m->end, CUPTI_ACTIVITY_KIND_MEMCPY, nullptr});
+            got.push_back({m->start, m->end, CUPTI_ACTIVITY_KIND_MEMCPY, nullptr, 0, 0, m->streamId, m->bytes});
             break;
           }
           case CUPTI_ACTIVITY_KIND_MEMSET: {
             const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(rec);
-            got.push_back({m->start, m->end, CUPTI_ACTIVITY_KIND_MEMSET, nullptr});
+            got.push_back({m->start, m->end, CUPTI_ACTIVITY_KIND_MEMSET, nullptr, 0, 0, m->streamId, m->bytes});
             break;
           }
           case CUPTI_ACTIVITY_KIND_RUNTIME:
