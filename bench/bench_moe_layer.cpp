@@ -41,9 +41,10 @@
 //
 // One rank of an EP = N job on one GPU, without N GPUs: --emulate N (comm/emulated.h; EP = N
 // emulated ranks on nodes of --gpus-per-node, default 8, with --intra-gbps / --inter-gbps /
-// --intra-latency-us / --inter-latency-us for the link model and --wire-scale to stretch or
-// drop its wire time). Routing is then balanced (every expert gets T x top-k / E rows per rank)
-// and every peer is a copy of this rank; the table is labelled EMULATED with the link model.
+// --intra-latency-us / --inter-latency-us for the link model, --wire-scale to stretch or drop
+// its wire time and --comm-blocks for the SMs an emulated collective holds, default 16).
+// Routing is then balanced (every expert gets T x top-k / E rows per rank) and every peer is a
+// copy of this rank; the table is labelled EMULATED with the link model.
 // --timeline PREFIX (CUDA): one more forward + backward of each member is traced with CUPTI and
 // written as a Chrome trace PREFIX-<shape>-<tokens>-<member>.json, and the table gets each
 // direction's hidden share of the wire time read from that timeline (bench/timeline.h).
@@ -99,6 +100,7 @@ struct Args {
   int64_t emulate = 0;  // --emulate N: ranks of the emulated EP group (0: a real group)
   comm::LinkModel link;
   double wire_scale = 1;
+  int64_t comm_blocks = 16;
   std::string timeline;
 };
 
@@ -300,12 +302,9 @@ Times run_member(const Setup& su, const Shape3& sh, int64_t T, int64_t chunks) {
 
   RoutingStash stash;
   stash.layers.resize(1);
-  if (su.balanced) {  // the routing a balanced job gives every rank, replayed by the block
-    const RouterReplay b = balanced_routing(T, sh.experts, sh.top_k, su.dev);
-    stash.layers[0].topk_idx = b.topk_idx;
-    stash.layers[0].tokens_per_expert = b.tokens_per_expert;
-    stash.layers[0].valid = stash.layers[0].given = true;
-  }
+  if (su.balanced)  // the routing a balanced job gives every rank, steering the block's router
+    stash.layers[0].logit_bias =
+        routing_logit_bias(balanced_routing(T, sh.experts, sh.top_k, Device::cpu()), sh.experts, 1000.0f, su.dev);
   BatchContext ctx;
   ctx.pass = Pass::train;
   ctx.routing = &stash;
@@ -512,6 +511,7 @@ int run(int argc, char** argv) {
     else if (a == "--intra-latency-us") args.link.intra_latency_us = std::stod(next());
     else if (a == "--inter-latency-us") args.link.inter_latency_us = std::stod(next());
     else if (a == "--wire-scale") args.wire_scale = std::stod(next());
+    else if (a == "--comm-blocks") args.comm_blocks = std::stoll(next());
     else if (a == "--timeline") args.timeline = next();
     else return usage(("unknown argument " + a).c_str());
   }
@@ -554,6 +554,7 @@ int run(int argc, char** argv) {
     ec.ranks = args.emulate;
     ec.link = args.link;
     ec.wire_scale = args.wire_scale;
+    ec.comm_blocks = args.comm_blocks;
     ec.validate();
   }
   su.balanced = args.emulate > 0;

@@ -58,16 +58,16 @@ enum class Pass : uint8_t { train, recompute, eval };
 // The routing of one micro-batch, one entry per MoE layer, written by the train / eval forward
 // and read by a recompute (so the recomputed layer routes, permutes and dispatches exactly as
 // the first forward did, with no second top-k and no host read).
-// An entry may also be given before the pass (`given`: routing decided outside the model, e.g.
-// router replay or the emulated backend's balanced routing); the train / eval forward then
-// replays it instead of searching the top-k.
+// A bias may be given before the pass (the emulated backend's balanced routing): every forward
+// of the layer adds it to the router logits, so the router, searching its top-k and reading its
+// counts back as usual, picks the experts the bias favours.
 struct RoutingStash {
   struct Entry {
     Tensor topk_idx;                         // [T, K] i32 on the model's device
     std::vector<int64_t> tokens_per_expert;  // [E] host
     bool valid = false;
     int64_t replays = 0;  // recompute passes that reused it
-    bool given = false;   // set before the train / eval forward: replay it there too
+    Tensor logit_bias;    // [T, E] f32 on the model's device, or undefined
   };
   std::vector<Entry> layers;
 };

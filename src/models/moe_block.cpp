@@ -132,6 +132,11 @@ Tensor MoeBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) 
              cfg_.moe_index + 1);
     slot = &ctx.routing->layers[static_cast<size_t>(cfg_.moe_index)];
   }
+  if (slot && slot->logit_bias.defined()) {
+    BB_CHECK(slot->logit_bias.shape() == S.logits.shape(), "MoE block: the routing bias of MoE layer ",
+             cfg_.moe_index, " is ", slot->logit_bias.str(), " for logits ", S.logits.str());
+    add_inplace(S.logits, slot->logit_bias);
+  }
   RouterOutput r;
   if (ctx.pass == Pass::recompute) {
     BB_CHECK(slot && slot->valid, "MoE block: a recompute pass needs the routing that the first "
@@ -139,18 +144,14 @@ Tensor MoeBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) 
     const RouterReplay replay{slot->topk_idx, slot->tokens_per_expert};
     r = router_forward(S.logits, Tensor(), rc, &S.router, &replay);
     ++slot->replays;
-  } else if (slot && slot->given) {
-    // Routing given for this pass: the selection is replayed, the weights come from the logits
-    // (no z-loss: the replayed router does not compute it).
-    BB_CHECK(slot->valid && slot->topk_idx.defined() && slot->topk_idx.dim() == 2 && slot->topk_idx.size(0) == T,
-             "MoE block: the given routing of MoE layer ", cfg_.moe_index, " is ",
-             slot->topk_idx.defined() ? slot->topk_idx.str() : std::string("missing"), " for ", T, " tokens");
-    const RouterReplay replay{slot->topk_idx, slot->tokens_per_expert};
-    r = router_forward(S.logits, Tensor(), rc, &S.router, &replay);
-    if (ctx.aux) ctx.aux->add(S.router.scores, r.tokens_per_expert);
   } else {
     r = router_forward(S.logits, Tensor(), rc, &S.router);
-    if (slot) *slot = {r.topk_idx, r.tokens_per_expert, true, 0};
+    if (slot) {
+      slot->topk_idx = r.topk_idx;
+      slot->tokens_per_expert = r.tokens_per_expert;
+      slot->valid = true;
+      slot->replays = 0;
+    }
     if (ctx.aux) ctx.aux->add(S.router.scores, r.tokens_per_expert);
     if (ctx.stats) ctx.stats->z_loss += r.z_loss / static_cast<double>(cfg_.num_moe_layers);
   }

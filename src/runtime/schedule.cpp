@@ -2,6 +2,7 @@
 #include "runtime/schedule.h"
 
 #include <algorithm>
+#include <thread>
 
 #include "core/trace.h"
 
@@ -17,6 +18,22 @@ void Schedule::after_end(ModelEnd e, Pass p) {
   for (auto h = hooks_.rbegin(); h != hooks_.rend(); ++h) (*h)->after_end(e, p);
 }
 
+void Schedule::pace(const char* what, size_t layer) {
+  if (opts_.max_layers_ahead <= 0 || model_.options().device.is_cpu()) return;
+  layer_marks_.push_back(Event::record(model_.options().device, Stream::compute));
+  if (static_cast<int64_t>(layer_marks_.size()) <= opts_.max_layers_ahead) return;
+  const Event e = layer_marks_.front();
+  layer_marks_.pop_front();
+  if (e.done()) return;
+  ++layer_waits_;
+  const std::string where = std::string("the ") + what + " of layer " + std::to_string(layer);
+  if (host_wait_) {
+    host_wait_(e, where);
+  } else {
+    while (!e.done()) std::this_thread::yield();
+  }
+}
+
 void Schedule::add_hooks(LayerHooks* hooks) {
   BB_CHECK(hooks, "Schedule::add_hooks: null hooks");
   hooks_.push_back(hooks);
@@ -27,13 +44,11 @@ BatchContext Schedule::begin(const MicroBatch& mb, Pass pass, ForwardStats& st) 
   routing_.layers.assign(static_cast<size_t>(model_.num_moe_layers()), RoutingStash::Entry{});
   if (routing_source_ && !routing_.layers.empty()) {
     routing_source_(mb, routing_.layers);
-    for (RoutingStash::Entry& e : routing_.layers) {
-      BB_CHECK(e.topk_idx.defined() && static_cast<int64_t>(e.tokens_per_expert.size()) == model_.config().num_experts,
-               "schedule: the routing source left a MoE layer without routing (topk_idx and ",
-               model_.config().num_experts, " expert counts are needed)");
-      e.valid = e.given = true;
-      e.replays = 0;
-    }
+    for (const RoutingStash::Entry& e : routing_.layers)
+      BB_CHECK(e.logit_bias.defined() && e.logit_bias.dim() == 2 && e.logit_bias.size(0) == mb.tokens.numel() &&
+                   e.logit_bias.size(1) == model_.config().num_experts,
+               "schedule: the routing source must give every MoE layer a [", mb.tokens.numel(), ", ",
+               model_.config().num_experts, "] logit bias");
   }
   if (model_.num_moe_layers() > 0)
     aux_.begin(model_.config().num_experts, model_.options().prims.router.value,
@@ -86,7 +101,9 @@ ForwardStats Schedule::forward_backward(const MicroBatch& mb, float loss_scale, 
       x = forward_layer(L, x, ctx, &state[l]);
     }
     for (auto h = hooks_.rbegin(); h != hooks_.rend(); ++h) (*h)->after_forward(L, Pass::train);
+    pace("forward", l);
   }
+  layer_marks_.clear();
   if (ctx.aux) {
     aux_.finish();
     st.aux_loss = aux_.value();
@@ -131,7 +148,9 @@ ForwardStats Schedule::forward_backward(const MicroBatch& mb, float loss_scale, 
       for (size_t b = L.blocks.size(); b-- > 0;) weights(b);
     state[i] = LayerState{};  // free this layer's activations before the next one
     for (auto h = hooks_.rbegin(); h != hooks_.rend(); ++h) (*h)->after_backward(L);
+    pace("backward", i);
   }
+  layer_marks_.clear();
   before_end(ModelEnd::embed_backward, Pass::train);
   model_.embed_backward(d, mb);
   d = Tensor();

@@ -10,6 +10,7 @@
 //                      again (Pass::recompute: the stashed routing is replayed) to rebuild it;
 //                      its output is discarded, so the last block runs with ctx.output_unused
 //                      (the MoE block then skips fc2 and the combine where backward allows)
+//   max_layers_ahead   the host stays at most that many layers ahead of the compute stream
 //   delay_wgrad        each layer's weight-gradient GEMMs run after all of the layer's
 //                      data-gradient work (a schedule that overlaps communication moves them
 //                      further); gradients are identical either way
@@ -27,7 +28,9 @@
 // Hooks run in the order they were added (after_* in reverse).
 #pragma once
 
+#include <deque>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "core/batch.h"
@@ -38,11 +41,10 @@
 
 namespace bb {
 
-// Routing decided outside the model (router replay; the emulated backend's balanced routing).
-// Called at the start of every train and eval pass with the stash's entries, one per MoE layer
-// in layer order (cleared); it fills each with that layer's routing of `mb`: topk_idx [T, K] i32
-// on the model's device, tokens_per_expert [E] its counts (trusted). The MoE blocks replay it
-// (their routers compute the combine weights from the logits; no top-k search, no host read).
+// Routing steered from outside the model (the emulated backend's balanced routing). Called at
+// the start of every train and eval pass with the stash's entries, one per MoE layer in layer
+// order (cleared); it sets each entry's logit_bias ([T, E] f32 on the model's device) for `mb`,
+// which every forward of that layer adds to its router logits (models/block.h).
 using RoutingSource = std::function<void(const MicroBatch& mb, std::vector<RoutingStash::Entry>& layers)>;
 
 struct ScheduleOptions {
@@ -51,7 +53,15 @@ struct ScheduleOptions {
   // recompute = selective: the parts each block's training forward does not keep
   // (recompute_parts() of the registry choice); ignored by the other policies.
   RecomputeParts parts;
+  // The host enqueues at most this many layers past the compute stream's progress ([backend]
+  // max_layers_ahead; 0: no limit): before a layer's forward or backward it waits until the
+  // compute stream finished the layer that many layers back.
+  int64_t max_layers_ahead = 0;
 };
+
+// How the host waits for a point of the compute stream (the run's deadline: a hung peer must
+// end the job, not the wait); `where` names the point for the message.
+using HostWait = std::function<void(const Event& e, const std::string& where)>;
 
 class Schedule {
  public:
@@ -61,6 +71,10 @@ class Schedule {
   void add_hooks(LayerHooks* hooks);
   // Routing for every later pass (an empty function: the routers decide, the default).
   void set_routing_source(RoutingSource source) { routing_source_ = std::move(source); }
+  // The wait of max_layers_ahead (default: poll the event without a deadline).
+  void set_host_wait(HostWait wait) { host_wait_ = std::move(wait); }
+  // Host waits of max_layers_ahead since the schedule was built.
+  int64_t layer_waits() const { return layer_waits_; }
 
   // Forward + backward of one micro-batch. loss_scale = d(objective)/d(loss_sum), usually
   // 1 / (valid tokens in the whole optimizer step); aux_scale multiplies the aux/z-loss
@@ -96,6 +110,9 @@ class Schedule {
   void end();
   void before_end(ModelEnd e, Pass p);
   void after_end(ModelEnd e, Pass p);
+  // max_layers_ahead: marks the compute stream after a layer's work and waits for the mark
+  // max_layers_ahead layers back (`what` names the pass for a timeout's message).
+  void pace(const char* what, size_t layer);
 
   DecoderModel& model_;
   ScheduleOptions opts_;
@@ -103,6 +120,9 @@ class Schedule {
   AuxLossPool aux_;
   RoutingStash routing_;
   RoutingSource routing_source_;
+  HostWait host_wait_;
+  std::deque<Event> layer_marks_;  // the compute stream after each of the last layers
+  int64_t layer_waits_ = 0;
   std::vector<Tensor> last_routing_;
   std::vector<int64_t> last_replays_;
 };

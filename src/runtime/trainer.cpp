@@ -59,6 +59,10 @@ std::vector<int64_t> seq_lens(const MicroBatch& mb) {
 // top-k expert ids), modulo a prime below 2^31 (so the per-rank parts sum without overflow).
 constexpr int64_t kRoutingHashPrime = 2147483647;
 
+// The logit bias of the emulated backend's balanced routing: far above any router logit of a
+// model in training (|logit| of a few units), far below f32's range.
+constexpr float kBalancedRoutingBias = 1000.0f;
+
 int64_t routing_hash(const std::vector<Tensor>& layers, const MicroBatch& mb) {
   const std::vector<int64_t> rows = mb.shard.split() ? cp_layout::global_rows(mb.shard.seqlens, mb.shard.cp, mb.shard.rank)
                                                      : std::vector<int64_t>{};
@@ -100,12 +104,9 @@ void remove_tree(const std::string& path) {
   }
 }
 
-#ifdef BB_WITH_CUDA
-// Waits for every stream of `dev` by polling events, and aborts the job naming `where` when that
-// takes longer than the communication timeout.
-void wait_device_or_abort(Device dev, const std::string& where) {
-  std::vector<Event> marks;
-  for (int s = 0; s < kNumStreams; ++s) marks.push_back(Event::record(dev, static_cast<Stream>(s)));
+// Polls `marks` until all are done; aborts the job naming `where` when that takes longer than
+// the communication timeout (a hung peer leaves collectives, and the work after them, waiting).
+void wait_or_abort(const std::vector<Event>& marks, const std::string& where) {
   const double t0 = now_s();
   for (const Event& e : marks) {
     while (!e.done()) {
@@ -116,6 +117,14 @@ void wait_device_or_abort(Device dev, const std::string& where) {
       std::this_thread::yield();
     }
   }
+}
+
+#ifdef BB_WITH_CUDA
+// Waits for every stream of `dev`, with the job's deadline.
+void wait_device_or_abort(Device dev, const std::string& where) {
+  std::vector<Event> marks;
+  for (int s = 0; s < kNumStreams; ++s) marks.push_back(Event::record(dev, static_cast<Stream>(s)));
+  wait_or_abort(marks, where);
   cuda::note_host_sync();
 }
 #endif
@@ -293,22 +302,25 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
   mo.cp_group = mesh_->cp();  // the attention members over its context-parallel group
   model_ = std::make_unique<DecoderModel>(cfg.model, mo, cfg.seed);
   schedule_ = std::make_unique<Schedule>(
-      *model_,
-      ScheduleOptions{cfg.prim.recompute.value, false, recompute_parts(cfg.prim.recompute)});
+      *model_, ScheduleOptions{cfg.prim.recompute.value, false, recompute_parts(cfg.prim.recompute),
+                               cfg.backend.max_layers_ahead});
+  schedule_->set_host_wait([](const Event& e, const std::string& where) { wait_or_abort({e}, where); });
   if (emulated && model_->num_moe_layers() > 0) {
-    // Balanced routing: the emulated rank's experts get the rows a balanced job would send them
-    // (one routing per token count, shared by every MoE layer).
+    // Balanced routing: the emulated rank's experts get the rows a balanced job would send them.
+    // A bias on the router logits steers the router's own top-k (its count read-back, a host
+    // sync per MoE layer today, stays as in the real run); one bias per token count, shared by
+    // every MoE layer.
     const ModelConfig& mc = cfg.model;
     const Device dev = device_;
-    auto cache = std::make_shared<std::map<int64_t, RouterReplay>>();
+    auto cache = std::make_shared<std::map<int64_t, Tensor>>();
     schedule_->set_routing_source([mc, dev, cache](const MicroBatch& mb, std::vector<RoutingStash::Entry>& layers) {
       const int64_t T = mb.tokens.numel();
       auto it = cache->find(T);
-      if (it == cache->end()) it = cache->emplace(T, balanced_routing(T, mc.num_experts, mc.top_k, dev)).first;
-      for (RoutingStash::Entry& e : layers) {
-        e.topk_idx = it->second.topk_idx;
-        e.tokens_per_expert = it->second.tokens_per_expert;
+      if (it == cache->end()) {
+        const RouterReplay r = balanced_routing(T, mc.num_experts, mc.top_k, Device::cpu());
+        it = cache->emplace(T, routing_logit_bias(r, mc.num_experts, kBalancedRoutingBias, dev)).first;
       }
+      for (RoutingStash::Entry& e : layers) e.logit_bias = it->second;
     });
   }
   std::vector<ParamUnit*> units = model_->units();

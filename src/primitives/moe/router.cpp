@@ -53,6 +53,22 @@ RouterReplay balanced_routing(int64_t tokens, int64_t num_experts, int64_t top_k
   return r;
 }
 
+Tensor routing_logit_bias(const RouterReplay& r, int64_t num_experts, float magnitude, Device dev) {
+  BB_CHECK(r.topk_idx.defined() && r.topk_idx.dim() == 2, "routing_logit_bias: no routing");
+  const int64_t T = r.topk_idx.size(0), K = r.topk_idx.size(1);
+  const std::vector<int32_t> idx = r.topk_idx.to_ints();
+  std::vector<float> bias(static_cast<size_t>(T * num_experts), 0.0f);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t e = idx[static_cast<size_t>(t * K + k)];
+      BB_CHECK(e >= 0 && e < num_experts, "routing_logit_bias: expert ", e, " of token ", t, " outside [0, ",
+               num_experts, ")");
+      bias[static_cast<size_t>(t * num_experts + e)] = magnitude;
+    }
+  Tensor b = Tensor::from_floats(bias, {T, num_experts});
+  return dev.is_cpu() ? b : b.to(dev, MemCategory::other);
+}
+
 namespace {
 // CPU always; CUDA when this build has the CUDA backend.
 void check_device(const Tensor& t, const char* op, const char* arg) {

@@ -69,6 +69,10 @@ struct RouterReplay {
 // emulated communication backend routes with it (comm/emulated.h), so that a rank's expert load
 // is that of a balanced job.
 RouterReplay balanced_routing(int64_t tokens, int64_t num_experts, int64_t top_k, Device dev);
+// [T, E] f32 on `dev` (category other): `magnitude` at each token's experts of `r`, 0 elsewhere.
+// Added to router logits of magnitude well below it, the router's own top-k picks r's experts
+// (and reads its counts back as it always does).
+Tensor routing_logit_bias(const RouterReplay& r, int64_t num_experts, float magnitude, Device dev);
 
 // logits [T, E] f32 (in). expert_bias [E] f32 (in) or undefined: added to the scores for
 // SELECTION only, never to the weights (aux-loss-free balancing; meant for sigmoid routing but
