@@ -34,6 +34,8 @@ void BackendConfig::validate(const std::string& where) const {
            in, " must be >= 0 (0 = every same-dtype grouped GEMM takes multi_stream)");
   check_one_of(where, "gemm_heuristics", gemm_heuristics, {"bucketed", "exact"});
   check_one_of(where, "master_storage", master_storage, {"split", "f32"});
+  BB_CHECK(max_layers_ahead >= 0 && max_layers_ahead <= 1000, "backend.max_layers_ahead = ", max_layers_ahead, in,
+           " is not in [0, 1000] (0 = no limit)");
 }
 
 std::string BackendConfig::summary() const {
@@ -46,7 +48,7 @@ std::string BackendConfig::summary() const {
      << " grouped_gemm_tma=" << (grouped_gemm_tma ? "true" : "false")
      << " gemm_heuristics=" << gemm_heuristics
      << " optimizer_in_backward=" << (optimizer_in_backward ? "true" : "false")
-     << " master_storage=" << master_storage
+     << " master_storage=" << master_storage << " max_layers_ahead=" << max_layers_ahead
      << " cudnn_library=" << (cudnn_library.empty() ? "(default)" : cudnn_library);
   return os.str();
 }
@@ -61,6 +63,7 @@ void to_json(nlohmann::json& j, const BackendConfig& c) {
                      {"gemm_heuristics", c.gemm_heuristics},
                      {"optimizer_in_backward", c.optimizer_in_backward},
                      {"master_storage", c.master_storage},
+                     {"max_layers_ahead", c.max_layers_ahead},
                      {"cudnn_library", c.cudnn_library}};
 }
 
@@ -80,6 +83,7 @@ void from_json(const nlohmann::json& j, BackendConfig& c) {
       else if (k == "gemm_heuristics") c.gemm_heuristics = it->get<std::string>();
       else if (k == "optimizer_in_backward") c.optimizer_in_backward = it->get<bool>();
       else if (k == "master_storage") c.master_storage = it->get<std::string>();
+      else if (k == "max_layers_ahead") c.max_layers_ahead = it->get<int64_t>();
       else if (k == "cudnn_library") c.cudnn_library = it->get<std::string>();
       else BB_FAIL("unknown backend setting '", k, "'");
     }

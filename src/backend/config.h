@@ -43,6 +43,13 @@ struct BackendConfig {
   std::string master_storage = "split";
   // The cuDNN library file for the attention path; "" = libcudnn.so.9 from the library path.
   std::string cudnn_library;
+  // The host enqueues at most this many layers (of the forward or the backward) past what the
+  // compute stream has finished, then waits for it (0: no limit). Memory that a side stream
+  // used is freed behind the work queued before the free, so it is handed out again only once
+  // the GPU got there: a host far ahead of the GPU makes the pool grow by everything freed in
+  // between (measured: 59 -> 138 GiB reserved in two steps of one emulated rank of the full
+  // Qwen3-30B-A3B at EP 8, bench/results/2026-12-04-h200-emulated.md).
+  int64_t max_layers_ahead = 2;
 
   // Throws bb::Error naming the key (as `backend.<key>` in `where`) when a value is not allowed.
   void validate(const std::string& where) const;

@@ -368,6 +368,7 @@ RunConfig build(const toml::value& root, const std::string& src) {
   be.read("gemm_heuristics", b.gemm_heuristics);
   be.read("optimizer_in_backward", b.optimizer_in_backward);
   be.read("master_storage", b.master_storage);
+  be.read("max_layers_ahead", b.max_layers_ahead, 0, 1000);
   be.read("cudnn_library", b.cudnn_library);
   be.finish();
   b.validate(src);
