@@ -225,6 +225,16 @@ int main(int argc, char** argv) {
       std::vector<std::string> ov = sets;
       RunConfig cfg = parse_run_config(toml.str(), "bench_train_step", ov);
       Trainer tr(cfg, nullptr, one_long_document(S, cfg.model.vocab_size, 2));
+      {  // what the start left on the device: the model's units taken over by the state family
+        const MemoryStats st = allocator_for(tr.config().resolved_device()).stats();
+        auto gib = [](int64_t b) { return static_cast<double>(b) / double(1 << 30); };
+        std::fprintf(stderr,
+                     "[bench] S=%lld startup: live %.2f GiB (params %.2f, grads %.2f, optimizer %.2f), peak %.2f GiB, "
+                     "reserved %.2f GiB\n",
+                     static_cast<long long>(S), gib(st.live_total), gib(st.live_of(MemCategory::params)),
+                     gib(st.live_of(MemCategory::grads)), gib(st.live_of(MemCategory::optimizer)), gib(st.peak_total),
+                     gib(st.reserved_peak));
+      }
       const bool emu = tr.mesh().world()->backend() == comm::Backend::emulated;
       if (emu) emulated = cfg.emulate.str();
       std::vector<StepMetrics> ms;
@@ -252,8 +262,10 @@ int main(int argc, char** argv) {
                       m.step_time_s * 1e3);
           category_table(trace::profile_report(stdout, m.step_time_s * 1e3), cfg, S, m.step_time_s * 1e3);
         }
-        std::fprintf(stderr, "[bench] S=%lld step %lld: %.3fs loss %.4f\n", static_cast<long long>(S),
-                     static_cast<long long>(i + 1), m.step_time_s, m.loss);
+        std::fprintf(stderr, "[bench] S=%lld step %lld: %.3fs loss %.4f, peak %.2f GiB, reserved %.2f GiB\n",
+                     static_cast<long long>(S), static_cast<long long>(i + 1), m.step_time_s, m.loss,
+                     static_cast<double>(m.mem.peak_total) / double(1 << 30),
+                     static_cast<double>(m.mem.reserved_peak) / double(1 << 30));
         if (i >= warmup) ms.push_back(m);
       }
       if (gpu_idle) {
