@@ -369,8 +369,9 @@ Times run_member(const Setup& su, const Shape3& sh, int64_t T, int64_t chunks) {
         for (char& ch : shape)
           if (!std::isalnum(static_cast<unsigned char>(ch)) && ch != '.') ch = '_';
         const std::string base = su.timeline + "-" + shape + "-" + std::to_string(T) + "-" + member;
-        bench::write_chrome_trace(base + "-fwd.json", f, marker.names(f), base + " forward");
-        bench::write_chrome_trace(base + "-bwd.json", b, marker.names(f), base + " backward");
+        const std::string what = sh.name + ", " + std::to_string(T) + " tokens per rank, " + member;
+        bench::write_chrome_trace(base + "-fwd.json", f, marker.names(f), what + ": forward");
+        bench::write_chrome_trace(base + "-bwd.json", b, marker.names(f), what + ": backward");
       }
     }
   }
