@@ -48,8 +48,9 @@ struct BackendConfig {
   // used is freed behind the work queued before the free, so it is handed out again only once
   // the GPU got there: a host far ahead of the GPU makes the pool grow by everything freed in
   // between (measured: 59 -> 138 GiB reserved in two steps of one emulated rank of the full
-  // Qwen3-30B-A3B at EP 8, bench/results/2026-12-04-h200-emulated.md).
-  int64_t max_layers_ahead = 2;
+  // Qwen3-30B-A3B at EP 8, bench/results/2026-12-04-h200-emulated.md). Experimental: off by
+  // default until its effect is measured; the multi-GPU recipe sets 2.
+  int64_t max_layers_ahead = 0;
 
   // Throws bb::Error naming the key (as `backend.<key>` in `where`) when a value is not allowed.
   void validate(const std::string& where) const;

@@ -350,6 +350,26 @@ TEST(EmulatedTrainer, IdenticalDataOnEveryRankTrainsLikeOneRank) {
   for (size_t i = 0; i < emu.grads.size(); ++i) EXPECT_LT(test::rel_error(emu.grads[i], one.grads[i]), 1e-6) << i;
 }
 
+// Every shipped run config parses, and the 8-GPU recipe's layout fits an emulated job of 8 as it
+// fits 8 processes (what bench/emulated.sh and skills/emulated-comm.md run).
+TEST(EmulatedTrainer, ShippedConfigsParseAndTheRecipeFitsEightEmulatedRanks) {
+  for (const char* path : {"configs/demo.toml", "configs/qwen3-30b-a3b-4layer-gpu.toml", "configs/qwen3-30b-a3b-8gpu.toml",
+                           "configs/qwen3.5-35b-a3b-4layer-gpu.toml"}) {
+    SCOPED_TRACE(path);
+    const RunConfig c = load_run_config(path, {"parallel.comm=\"emulated\"", "emulate.ranks=8", "checkpoint.dir=\"\"",
+                                               "checkpoint.resume=\"\"", "parallel.device=\"cpu\""});
+    EXPECT_EQ(c.comm, "emulated");
+  }
+  const RunConfig r = load_run_config("configs/qwen3-30b-a3b-8gpu.toml",
+                                      {"parallel.comm=\"emulated\"", "emulate.ranks=8", "parallel.device=\"cpu\""});
+  const ParallelLayout l = resolve_layout(r, 8);
+  EXPECT_EQ(l.dp, 4);
+  EXPECT_EQ(l.cp, 2);
+  EXPECT_EQ(l.ep, 8);
+  EXPECT_EQ(r.backend.max_layers_ahead, 2);
+  EXPECT_THROW(resolve_layout(r, 6), Error);
+}
+
 TEST(EmulatedTrainer, RefusesCheckpointsAndLayoutsThatDoNotFit) {
   const std::string dir = make_tmpdir();
   const std::string run = write_run(dir, small_model(), "");

@@ -203,6 +203,7 @@ std::string write_model(const std::string& dir, bool attention) {
 struct Outcome {
   std::vector<double> loss, grad_norm;
   std::vector<std::vector<float>> state;  // every unit's owned master and moments after the run
+  int64_t layer_waits = 0;                // the host's waits of backend.max_layers_ahead
 };
 
 Outcome train(const std::string& model, const std::vector<std::string>& layout, double wire_scale) {
@@ -227,6 +228,7 @@ Outcome train(const std::string& model, const std::vector<std::string>& layout, 
     o.state.push_back(w.exp_avg.to_floats());
     o.state.push_back(w.exp_avg_sq.to_floats());
   }
+  o.layer_waits = t.schedule().layer_waits();
   return o;
 }
 
@@ -282,6 +284,22 @@ INSTANTIATE_TEST_SUITE_P(
         Layout{"cp2_ring", true, {"parallel.cp=2", "primitives.attention=\"cp_ring\"", "parallel.ep=2"}},
         Layout{"cp2_a2a", true, {"parallel.cp=2", "primitives.attention=\"cp_a2a\"", "parallel.ep=2"}}),
     [](const ::testing::TestParamInfo<Layout>& i) { return std::string(i.param.name); });
+
+// backend.max_layers_ahead = 2: with the wire slowed the host would run far ahead of the GPU;
+// the limit makes it wait (it did), and the results are bitwise those without the limit.
+TEST(EmulatedGpu, PacingTheHostChangesNothingButTheWaits) {
+  BB_REQUIRE_GPU();
+  const std::string dir = make_tmpdir();
+  const std::string model = write_model(dir, false);
+  const std::vector<std::string> layout = {"parallel.ep=4", "primitives.moe_dispatch=\"chunked_alltoall:2\"",
+                                           "primitives.state=\"fsdp\"", "backend.max_layers_ahead=2"};
+  std::vector<std::string> unpaced = layout;
+  unpaced.back() = "backend.max_layers_ahead=0";
+  const Outcome paced = train(model, layout, 500), free = train(model, unpaced, 500);
+  EXPECT_GT(paced.layer_waits, 0) << "the host never had to wait for the GPU";
+  EXPECT_EQ(free.layer_waits, 0);
+  expect_bitwise(paced, free, "max_layers_ahead 2 against no limit");
+}
 
 #endif
 
