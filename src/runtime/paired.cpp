@@ -187,6 +187,12 @@ PairedResult run_paired(const PairedOptions& o, FILE* out) {
            "paired: backend.cudnn_library differs between the sides ('", cfg_a.backend.cudnn_library,
            "' vs '", cfg_b.backend.cudnn_library,
            "'); cuDNN is loaded once per process, so compare two libraries with two `train` runs");
+  // An emulated rank's losses and gradients are not its job's (comm/emulated.h): nothing for
+  // paired to compare. Its timings are bench_train_step's and bench_moe_layer's business.
+  for (const RunConfig* c : {&cfg_a, &cfg_b})
+    BB_CHECK(c->comm != "emulated", "paired compares the losses, logits and gradients of two runs, but parallel.comm = ",
+             "\"emulated\" times and sizes one rank whose numbers are not the real job's; compare emulated step times ",
+             "with bench_train_step (or bench/emulated.sh) instead");
   // One communicator for the job; each side runs on its first ranks. Only rank 0 reports.
   comm::set_timeout(cfg_a.comm_timeout_s);
   comm::GroupPtr world = default_world(cfg_a);

@@ -16,6 +16,7 @@
 #include "common/run.h"
 #include "common/testing.h"
 #include "primitives/moe/router.h"
+#include "runtime/paired.h"
 #include "runtime/run_config.h"
 #include "runtime/trainer.h"
 
@@ -387,6 +388,18 @@ TEST(EmulatedTrainer, RefusesCheckpointsAndLayoutsThatDoNotFit) {
   const RunConfig cfg = load_run_config(run, {"parallel.comm=\"emulated\"", "checkpoint.dir=\"\"", "emulate.ranks=6",
                                               "parallel.ep=4"});
   EXPECT_THROW(Trainer(cfg, nullptr), Error);
+  // paired compares numerics, which an emulated rank does not have.
+  PairedOptions po;
+  po.config_path = run;
+  po.common = {"parallel.comm=\"emulated\"", "checkpoint.dir=\"\""};
+  po.b = {"primitives.loss=\"full_ce\""};
+  po.steps = 1;
+  try {
+    run_paired(po, nullptr);
+    FAIL() << "paired accepted an emulated run";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("emulated"), std::string::npos) << e.what();
+  }
   // A device-memory cap is for GPU runs.
   EXPECT_THROW(Trainer(load_run_config(run, {"parallel.comm=\"emulated\"", "checkpoint.dir=\"\"",
                                              "emulate.device_memory_gib=80"}),
