@@ -237,11 +237,16 @@ PairedResult run_paired(const PairedOptions& o, FILE* out) {
   r.b = b.steps;
   BB_CHECK(a.logits.size() == b.logits.size(), "paired: the two sides produce logits of different sizes (",
            a.logits.size(), " vs ", b.logits.size(), "): A and B must be the same model");
+  // A difference that is not a number (one side's loss, norm, logit or gradient is NaN or Inf) is
+  // the largest there is, not one that std::max would drop.
+  auto worst = [](double m, double v) { return std::isnan(v) ? INFINITY : std::max(m, v); };
   for (size_t i = 0; i < a.logits.size(); ++i)
-    r.max_logits_diff = std::max(r.max_logits_diff, static_cast<double>(std::fabs(a.logits[i] - b.logits[i])));
+    r.max_logits_diff = worst(r.max_logits_diff, static_cast<double>(std::fabs(a.logits[i] - b.logits[i])));
   for (size_t i = 0; i < r.a.size(); ++i) {
-    r.max_loss_rel = std::max(r.max_loss_rel, rel(r.a[i].loss, r.b[i].loss));
-    r.max_grad_norm_rel = std::max(r.max_grad_norm_rel, rel(r.a[i].grad_norm, r.b[i].grad_norm));
+    // A step both sides skipped for the same reason (no loss targets, say) has nothing to compare.
+    if (!r.a[i].skipped.empty() && r.a[i].skipped == r.b[i].skipped) continue;
+    r.max_loss_rel = worst(r.max_loss_rel, rel(r.a[i].loss, r.b[i].loss));
+    r.max_grad_norm_rel = worst(r.max_grad_norm_rel, rel(r.a[i].grad_norm, r.b[i].grad_norm));
   }
   BB_CHECK(a.grads.size() == b.grads.size(), "paired: the two sides have different parameters (",
            a.grads.size(), " vs ", b.grads.size(), "): A and B must be the same model");
@@ -256,10 +261,13 @@ PairedResult run_paired(const PairedOptions& o, FILE* out) {
       num += d * d;
       den += static_cast<double>(ga[j]) * ga[j];
     }
-    // Both zero: equal. A zero, B not: as different as it gets.
-    const double e = num == 0 ? 0.0 : (den == 0 ? INFINITY : std::sqrt(num / den));
+    // Both zero: equal. A zero, B not: as different as it gets; so is a NaN or Inf anywhere.
+    const double e = !std::isfinite(num) || !std::isfinite(den) ? INFINITY
+                     : num == 0                                  ? 0.0
+                     : den == 0                                  ? INFINITY
+                                                                 : std::sqrt(num / den);
     r.grad_rel.emplace_back(name, e);
-    r.max_grad_rel = std::max(r.max_grad_rel, e);
+    r.max_grad_rel = worst(r.max_grad_rel, e);
   }
   std::stable_sort(r.grad_rel.begin(), r.grad_rel.end(),
                    [](const auto& x, const auto& y) { return x.second > y.second; });

@@ -29,6 +29,10 @@ expect 0 "recompute none vs full" --a primitives.recompute=none --b primitives.r
 expect 0 "permute standard vs memory_efficient" --a primitives.permute=standard --b primitives.permute=memory_efficient
 expect 0 "experts sequential vs grouped" --a primitives.experts=sequential --b primitives.experts=grouped
 expect 1 "a different learning rate must fail" --a train.lr=3e-3 --b train.lr=6e-3
+# A side whose loss turns NaN (skipped steps, so the side runs to the end) fails: a NaN difference
+# is the largest there is. Step 1 is the same on both sides, so only the NaN steps differ.
+expect 1 "a side with NaN losses must fail" --set 'train.on_nonfinite="skip_step"' --set train.warmup_steps=0 \
+  --set train.grad_clip=0 --b train.lr=1e30
 # Recompute reruns the same primitives: every logit and every gradient is bit-identical.
 expect 0 "recompute: zero logits and gradient tolerance" --a primitives.recompute=none \
   --b primitives.recompute=full --tol-logits 0 --tol-grad 0
