@@ -170,7 +170,9 @@ toml::value parse_toml_text(const std::string& text, const std::string& source) 
   }
 }
 
-// "train.steps=100" -> root["train"]["steps"] = 100. A value that is not valid TOML is a string.
+// "train.steps=100" -> root["train"]["steps"] = 100. A value that is not valid TOML is a string
+// when it is a bare word; one with quotes or brackets that does not parse (an unbalanced quote
+// left by the shell) is an error, not a string holding the quote.
 void apply_override(toml::value& root, const std::string& ov) {
   const auto eq = ov.find('=');
   BB_CHECK(eq != std::string::npos && eq > 0, "bad override '", ov,
@@ -188,6 +190,9 @@ void apply_override(toml::value& root, const std::string& ov) {
     std::istringstream in("v = " + text);
     value = toml::find(toml::parse(in, "--set"), "v");
   } catch (const std::exception&) {
+    BB_CHECK(text.find_first_of("\"'[]{}") == std::string::npos, "--set ", key, "=", text,
+             ": not a TOML value (an unbalanced quote or bracket?); write strings in quotes, e.g. --set '", key,
+             "=\"value\"'");
     value = toml::value(text);  // bare word: a string
   }
   if (!root.is_table()) root = toml::table{};

@@ -152,7 +152,10 @@ TEST(RunConfig, BadConfigsAreClearErrors) {
   test::expect_error_contains([&] { load_run_config(dir + "/nope.toml"); }, "cannot open run config");
   test::expect_error_contains([&] { parse_run_config("[model\n", "x.toml"); }, "cannot parse x.toml as TOML");
   test::expect_error_contains([&] { parse_run_config("[train]\nsteps = 1\n", "x.toml"); }, "model.config is required");
-  // Overrides parse as TOML; a bare word is a string.
+  // Overrides parse as TOML; a bare word is a string; an unbalanced quote or bracket is an error
+  // (it used to become a string holding the quote: checkpoints in a directory named `"`).
+  for (const char* bad : {"checkpoint.dir=\"runs/x", "checkpoint.dir='runs/x", "data.path=runs/\"x", "log.every=[1"})
+    test::expect_error_contains([&] { load_run_config(run, {bad}); }, "not a TOML value");
   RunConfig c = load_run_config(run, {"primitives.loss=full_ce", "train.lr=0.5", "data.shuffle=false"});
   EXPECT_EQ(c.prim.loss.name, "full_ce");
   EXPECT_DOUBLE_EQ(c.lr, 0.5);
