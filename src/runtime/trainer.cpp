@@ -169,6 +169,12 @@ std::string resolve_checkpoint(const std::string& path) {
   if (path_exists(latest)) {
     std::string name = read_file(latest);
     while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+    // `latest` names a step directory of this root, nothing else (not "..", not a path into
+    // another root).
+    BB_CHECK(!name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
+                 name.find('\0') == std::string::npos,
+             "checkpoint root ", path, ": its 'latest' file names '", name,
+             "', which is not a step directory of this root; fix or remove the file");
     const std::string dir = path_join(path, name);
     BB_CHECK(path_exists(path_join(dir, "state.json")), "checkpoint root ", path,
              " names '", name, "' in its 'latest' file, but ", dir, "/state.json does not exist");

@@ -50,6 +50,13 @@ TEST(Trainer, ResumeContinuesTheSameRun) {
     EXPECT_TRUE(path_exists(ck + "/shards/rank_00000.safetensors"));
     EXPECT_TRUE(path_exists(ck + "/state.json"));
     EXPECT_EQ(read_file(dir + "/ckpt/latest"), "step_00000010\n");
+    // `latest` may only name a directory of its root: a path out of it is refused, not followed.
+    for (const char* bad : {"..\n", "../other/step_00000010\n", "step_00000010/..\n", "\n"}) {
+      const std::string root = dir + "/bad_root";
+      make_dirs(root);
+      atomic_write(root + "/latest", bad);
+      test::expect_error_contains([&] { resolve_checkpoint(root); }, "not a step directory of this root");
+    }
   }
 
   Trainer second(load_run_config(run, {"checkpoint.resume=\"auto\""}), nullptr);
