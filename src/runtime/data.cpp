@@ -36,8 +36,16 @@ void check_file(const std::string& path) {
   BB_CHECK(fs::is_regular_file(path), "data path '", path, "' is not a regular file");
 }
 
+// Tokens, and at least one loss target: token j of a document is a target of token j - 1 when
+// j >= 1 and its loss_mask entry is 1 (data.h). A dataset without one would skip every step.
 void check_nonempty(const Corpus& c, const std::string& what) {
   BB_CHECK(c.num_tokens() > 0, "dataset ", what, " contains no tokens");
+  for (int64_t d = 0; d < c.num_documents(); ++d)
+    for (int64_t j = c.offsets[static_cast<size_t>(d)] + 1; j < c.offsets[static_cast<size_t>(d) + 1]; ++j)
+      if (c.loss_mask.empty() || c.loss_mask[static_cast<size_t>(j)]) return;
+  BB_FAIL("dataset ", what, " has nothing to train on: every one of its ", c.num_documents(),
+          " documents has fewer than two tokens or a loss_mask of 0 after its first token; every step would be "
+          "skipped");
 }
 
 }  // namespace
@@ -255,6 +263,11 @@ bool is_blank(std::string_view line) {
 void add_jsonl_record(std::string_view line, const std::string& where, int64_t vocab_size, Corpus& c,
                       std::vector<int32_t>& doc_tokens, std::vector<uint8_t>& doc_mask) {
   doc_mask.clear();
+  // The JSON reader would stop at a NUL byte and drop the rest of the line (a second record,
+  // say) without a word.
+  const size_t nul = line.find('\0');
+  BB_CHECK(nul == std::string_view::npos, where, ": a NUL byte at byte ", nul + 1,
+           " of the line; JSON lines are text (one record per line, no binary data)");
   const size_t start = c.tokens.size();
   RecordParser rec(where, vocab_size, c.tokens, doc_mask);
   json::sax_parse(line.begin(), line.end(), &rec);

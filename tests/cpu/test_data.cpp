@@ -563,6 +563,20 @@ TEST(Sources, JsonLinesErrorsNameFileLineAndKey) {
   check(R"({"tokens": [1, 2})", "invalid JSON");
   check(R"([1, 2])", "expected a JSON object per line, got array");
 
+  check(std::string("{\"tokens\": [1, 2]}") + '\0' + "{\"tokens\": [3, 4]}", "a NUL byte at byte 19");
+
+  // Nothing to train on: tokens, but no token is anyone's target (one-token documents, masks of
+  // 0 after the first token). Refused at load instead of skipping every step.
+  const std::string single = dir.file("single.jsonl");
+  write_text(single, "{\"tokens\": [5]}\n{\"tokens\": [6]}\n");
+  test::expect_error_contains([&] { read_jsonl(single, 264); }, "has nothing to train on");
+  const std::string masked = dir.file("masked.jsonl");
+  write_text(masked, "{\"tokens\": [5, 6, 7], \"loss_mask\": [1, 0, 0]}\n{\"tokens\": [8]}\n");
+  test::expect_error_contains([&] { read_jsonl(masked, 264); }, "has nothing to train on");
+  // One target anywhere is enough.
+  write_text(masked, "{\"tokens\": [5, 6, 7], \"loss_mask\": [1, 0, 1]}\n{\"tokens\": [8]}\n");
+  EXPECT_EQ(read_jsonl(masked, 264).num_documents(), 2);
+
   const std::string blank = dir.file("blank.jsonl");
   write_text(blank, "\n  \n");
   test::expect_error_contains([&] { read_jsonl(blank, 264); }, "contains no tokens");
