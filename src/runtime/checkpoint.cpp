@@ -206,9 +206,16 @@ Tensor ShardSet::read(const std::string& unit, const std::string& which, int64_t
   if (check_finite_) {
     const std::vector<float> widened = dtype == DType::f32 ? std::vector<float>() : out.to_floats();
     const float* v = dtype == DType::f32 ? out.data<float>() : widened.data();
-    for (int64_t k = 0; k < len; ++k)
+    // The second moment is a running mean of squares: a negative one is corrupt data, which
+    // AdamW would turn into NaN (or, under skip_step, into every step skipped).
+    const bool squares = which == "exp_avg_sq";
+    for (int64_t k = 0; k < len; ++k) {
       BB_CHECK(std::isfinite(v[k]), "checkpoint ", dir_, ": ", unit, ".", which, " holds a non-finite value (", v[k],
                " at element ", lo + k, "); it cannot be resumed. Resume from an earlier checkpoint");
+      BB_CHECK(!squares || v[k] >= 0, "checkpoint ", dir_, ": ", unit, ".", which, " holds a negative value (", v[k],
+               " at element ", lo + k, "), which a mean of squares cannot be: the file is corrupt. Resume from an ",
+               "earlier checkpoint");
+    }
   }
   return out;
 }

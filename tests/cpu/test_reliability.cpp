@@ -150,6 +150,14 @@ TEST(NonFinite, NoCheckpointHoldsNonFiniteValuesAndLoadingOneNamesTheTensor) {
   Trainer u(load_run_config(run, {"checkpoint.dir=\"\""}), nullptr);
   test::expect_error_contains([&] { u.load_checkpoint(step); }, unit0 + ".exp_avg holds a non-finite value");
   EXPECT_EQ(u.step(), 0);
+  // A negative second moment (finite, but no mean of squares) is refused too.
+  for (auto& [name, t] : ts) {
+    if (name == unit0 + ".exp_avg") t.data<float>()[3] = 0.0f;
+    if (name == unit0 + ".exp_avg_sq") t.data<float>()[7] = -1e-12f;
+  }
+  write_safetensors(shard, ts, meta);
+  test::expect_error_contains([&] { u.load_checkpoint(step); }, unit0 + ".exp_avg_sq holds a negative value");
+  EXPECT_EQ(u.step(), 0);
 }
 
 // A loss far above the running mean is flagged (warning line, metrics field).
