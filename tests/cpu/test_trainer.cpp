@@ -107,6 +107,21 @@ TEST(Trainer, CheckpointsKeepTheNewest) {
   EXPECT_EQ(resolve_checkpoint(dir + "/ckpt"), dir + "/ckpt/step_00000006");
 }
 
+// A micro-batch of one token (and a context shard of one token) trains: the MoE aux-loss pool
+// used to take an undefined tensor for its column of ones then ("matmul: argument 'a' is
+// undefined").
+TEST(Trainer, OneTokenMicroBatchesTrain) {
+  const std::string dir = make_tmpdir();
+  const std::string run = write_run(dir, small_model());
+  Trainer t(load_run_config(run, {"checkpoint.dir=\"\"", "train.micro_batch_tokens=1", "train.steps=3"}), nullptr);
+  for (int i = 0; i < 3; ++i) {
+    const StepMetrics m = t.train_step();
+    EXPECT_EQ(m.tokens, 1);
+    EXPECT_TRUE(m.skipped.empty() || m.skipped == "no_targets") << m.skipped;
+    if (m.skipped.empty()) EXPECT_TRUE(std::isfinite(m.loss));
+  }
+}
+
 TEST(Trainer, LrScheduleWarmupThenCosine) {
   const std::string dir = make_tmpdir();
   RunConfig c = load_run_config(write_run(dir, small_model()), {"train.steps=110", "train.warmup_steps=10",

@@ -44,7 +44,8 @@ void AuxLossPool::add(const Tensor& scores, const std::vector<int64_t>& counts) 
   }
   // prob_sum[e] += sum_t p[t, e] as a [1, T] x [T, E] product (stays on the device). The
   // column of ones is made once per micro-batch size, not per layer.
-  if (ones_.numel() != T || ones_.device() != scores.device()) {
+  // (An undefined tensor counts one element: a first call with T = 1 must still make the column.)
+  if (!ones_.defined() || ones_.numel() != T || ones_.device() != scores.device()) {
     const std::vector<float> one(static_cast<size_t>(T), 1.0f);
     ones_ = on_device(Tensor::from_floats(one, {T, 1}, DType::f32, MemCategory::other),
                       scores.device());
