@@ -6,8 +6,11 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <dirent.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -724,9 +727,31 @@ std::vector<StepMetrics> Trainer::run() {
   std::vector<StepMetrics> out;
   std::unique_ptr<std::ofstream> metrics;
   const std::string& mpath = cfg_.metrics_path;
+  int lock_fd = -1;  // held for the run: one writer per metrics file
+  struct LockGuard {
+    int& fd;
+    ~LockGuard() {
+      if (fd >= 0) ::close(fd);  // closing releases the flock
+    }
+  } lock_guard{lock_fd};
   if (!mpath.empty() && writer_) {
     const auto slash = mpath.find_last_of('/');
     if (slash != std::string::npos && slash > 0) make_dirs(mpath.substr(0, slash));
+    // Two runs writing one metrics file would truncate and interleave each other's rows: the
+    // second is refused. The lock file stays (never unlinked, as the checkpoint root's).
+    // (A device or pipe given as the metrics "file" gets no lock file beside it.)
+    const std::string lock = mpath + ".lock";
+    struct stat sb {};
+    const bool regular = ::stat(mpath.c_str(), &sb) != 0 || S_ISREG(sb.st_mode);
+    lock_fd = regular ? ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644) : -1;
+    if (lock_fd >= 0) {
+      BB_CHECK(::flock(lock_fd, LOCK_EX | LOCK_NB) == 0, "log.metrics = '", mpath,
+               "' is being written by another run (lock file ", lock, "); wait for it to finish or give this run ",
+               "another log.metrics");
+    } else if (regular && log_) {  // a directory where the lock cannot be made: unguarded
+      std::fprintf(log_, "%s[warn] log.metrics: cannot create the lock file %s (%s); a second run given the same file "
+                   "would not be stopped\n", log_prefix_.c_str(), lock.c_str(), std::strerror(errno));
+    }
     if (step_ > 0 && path_exists(mpath)) {
       // A resumed run continues the file from its checkpoint: the lines of later steps (written
       // before a crash, and about to be written again) are dropped, as is a torn last line.
@@ -741,15 +766,17 @@ std::vector<StepMetrics> Trainer::run() {
         at = end + 1;
         if (line.empty()) continue;
         const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-        if (!j.is_discarded() && j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
-            j["step"].get<int64_t>() <= step_)
+        // Rows of this run (rows written before run ids were recorded count as its own).
+        const bool mine = !j.is_discarded() && j.is_object() &&
+                          (!j.contains("run_id") || (j["run_id"].is_string() && j["run_id"].get<std::string>() == run_id_));
+        if (mine && j.contains("step") && j["step"].is_number_integer() && j["step"].get<int64_t>() <= step_)
           kept += line + "\n";
         else
           ++dropped;
       }
       atomic_write(mpath, kept);
       if (dropped && log_)
-        std::fprintf(log_, "%s[startup] log.metrics: dropped %lld line(s) after step %lld from %s (the run resumes there)\n",
+        std::fprintf(log_, "%s[startup] log.metrics: dropped %lld line(s) after step %lld or of other runs from %s (the run resumes there)\n",
                      log_prefix_.c_str(), static_cast<long long>(dropped), static_cast<long long>(step_), mpath.c_str());
     }
     metrics = std::make_unique<std::ofstream>(mpath, step_ > 0 ? std::ios::app : std::ios::trunc);
@@ -763,6 +790,7 @@ std::vector<StepMetrics> Trainer::run() {
     if (metrics) {
       nlohmann::json j;
       j["step"] = m.step;
+      j["run_id"] = run_id_;
       if (!m.skipped.empty()) j["skipped"] = m.skipped;
       if (m.loss_spike) j["loss_spike"] = true;
       j["loss"] = m.loss;

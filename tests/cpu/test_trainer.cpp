@@ -3,6 +3,9 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -147,8 +150,27 @@ TEST(Trainer, MetricsFileHasOneObjectPerStep) {
     EXPECT_GT(j["peak_bytes"]["activations"].get<int64_t>(), 0);
     EXPECT_GT(j["tflops"].get<double>(), 0.0);
     EXPECT_EQ(j["step"].get<int>(), ++n);
+    EXPECT_EQ(j["run_id"].get<std::string>(), t.run_id());
   }
   EXPECT_EQ(n, 3);
+}
+
+// One writer per metrics file: a second run given the same log.metrics is refused (it used to
+// truncate the first run's file and interleave rows with it).
+TEST(Trainer, MetricsFileHasOneWriter) {
+  const std::string dir = make_tmpdir();
+  const std::string path = dir + "/metrics.jsonl";
+  const int fd = ::open((path + ".lock").c_str(), O_RDWR | O_CREAT, 0644);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);  // another run holds it
+  Trainer t(load_run_config(write_run(dir, small_model()), {"train.steps=1", "checkpoint.dir=\"\"",
+                                                            "log.metrics=\"" + path + "\""}),
+            nullptr);
+  test::expect_error_contains([&] { t.run(); }, "is being written by another run");
+  EXPECT_FALSE(path_exists(path));  // nothing written, nothing truncated
+  ::close(fd);
+  t.run();  // free again
+  EXPECT_TRUE(path_exists(path));
 }
 
 TEST(RunConfig, BadConfigsAreClearErrors) {
