@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <set>
 
 #include "io/fs.h"
 #include "io/json_limits.h"
@@ -146,6 +147,13 @@ nlohmann::json parse_checkpoint_state(std::string_view text, const std::string& 
 }
 
 ShardSet::ShardSet(const std::string& dir, const nlohmann::json& state) : dir_(dir) {
+  // Every range a shard declares is for a unit of state.json's table: a name it does not list
+  // is a corrupt file, not something to skip (the load would later find a unit uncovered and
+  // blame a missing file).
+  std::set<std::string> units;
+  if (state.contains("units") && state["units"].is_array())
+    for (const auto& u : state["units"])
+      if (u.is_object() && u.contains("name") && u["name"].is_string()) units.insert(u["name"].get<std::string>());
   for (const auto& f : state["shards"]) {
     const std::string name = f.get<std::string>();
     BB_CHECK(name.find("..") == std::string::npos && !name.empty() && name[0] != '/', "checkpoint ", dir,
@@ -153,6 +161,8 @@ ShardSet::ShardSet(const std::string& dir, const nlohmann::json& state) : dir_(d
     auto file = std::make_shared<SafetensorsReader>(path_join(dir, name));
     for (const auto& [unit, range] : file->metadata()) {
       if (unit == "format" || unit == "rank" || unit == "world") continue;
+      BB_CHECK(units.count(unit), "checkpoint ", dir, ": shard ", name, " holds a range for unit '", unit.substr(0, 80),
+               "', which state.json's unit table does not list: the shard file is corrupt");
       // "lo len" or several runs "lo1 len1 lo2 len2 ..." (their elements one after the other).
       std::vector<Piece> runs;
       const char* at = range.c_str();

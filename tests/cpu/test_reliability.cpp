@@ -158,6 +158,18 @@ TEST(NonFinite, NoCheckpointHoldsNonFiniteValuesAndLoadingOneNamesTheTensor) {
   write_safetensors(shard, ts, meta);
   test::expect_error_contains([&] { u.load_checkpoint(step); }, unit0 + ".exp_avg_sq holds a negative value");
   EXPECT_EQ(u.step(), 0);
+  // A unit name in the shard's metadata that the unit table does not list: the shard is named as
+  // corrupt (the name used to be skipped, and the load blamed a missing shard file).
+  for (auto& [name, t] : ts)
+    if (name == unit0 + ".exp_avg_sq") t.data<float>()[7] = 0.0f;
+  std::map<std::string, std::string> bad_meta = meta;
+  ASSERT_TRUE(bad_meta.count(unit0));
+  bad_meta["x" + unit0] = bad_meta[unit0];
+  bad_meta.erase(unit0);
+  write_safetensors(shard, ts, bad_meta);
+  test::expect_error_contains([&] { u.load_checkpoint(step); }, "shards/rank_00000.safetensors holds a range for unit 'x" +
+                                                                      unit0 + "', which state.json's unit table does not list");
+  EXPECT_EQ(u.step(), 0);
 }
 
 // A loss far above the running mean is flagged (warning line, metrics field).
