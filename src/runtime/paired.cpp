@@ -209,6 +209,18 @@ PairedResult run_paired(const PairedOptions& o, FILE* out) {
       (void)cfg.resolved_param_dtype();
       const std::string fmt = resolve_format(cfg.data);
       BB_CHECK(fmt == "demo" || path_exists(cfg.data.path), "data file '", cfg.data.path, "' not found");
+      // The data's content too (a bad record of side B's file was found after side A's steps):
+      // loaded once here for each side whose data source differs from side A's.
+      const bool same_as_a = &cfg != &cfg_a && cfg.data.path == cfg_a.data.path && cfg.data.format == cfg_a.data.format &&
+                             cfg.data.vocab_size == cfg_a.data.vocab_size && cfg.data.eos_id == cfg_a.data.eos_id &&
+                             cfg.data.demo_documents == cfg_a.data.demo_documents &&
+                             cfg.data.max_line_bytes == cfg_a.data.max_line_bytes;
+      if (fmt != "demo" && !same_as_a) (void)load_corpus(cfg.data);
+      if (cfg.model_init.rfind("hf:", 0) == 0) {
+        const std::string hf = cfg.model_init.substr(3);
+        BB_CHECK(is_directory(hf) && path_exists(path_join(hf, "config.json")), "model.init = '", cfg.model_init,
+                 "': no Hugging Face checkpoint directory with a config.json there");
+      }
     } catch (const std::exception& e) {
       BB_FAIL("paired: side ", label, " cannot run: ", e.what());
     }

@@ -70,6 +70,16 @@ code=$?
 if [ $code -ne 2 ] || ! grep -q "backend.cudnn_library differs between the sides" "$TMP/e.txt"; then
   echo "FAIL: paired with two cuDNN libraries: exit $code"; cat "$TMP/e.txt"; fail=1
 fi
+# Side B's data is read before side A runs: a bad record, or a missing hf: directory, ends the
+# run at once naming side B (it used to come after all of side A's steps).
+printf '{"tokens": [1, 2, 3]}\n{"tokens": [1, 999]}\n' > "$TMP/bad.jsonl"
+for b in "data.path=\"$TMP/bad.jsonl\"" "model.init=\"hf:$TMP/no_such_model\""; do
+  "$BB" paired "${COMMON[@]}" --b "$b" > "$TMP/e.txt" 2>&1
+  code=$?
+  if [ $code -ne 2 ] || ! grep -q "side B cannot run" "$TMP/e.txt" || grep -q "side A step" "$TMP/e.txt"; then
+    echo "FAIL: a bad side B ($b): exit $code"; cat "$TMP/e.txt"; fail=1
+  fi
+done
 # Bad usage is an error (exit 2) with a message.
 "$BB" paired "${COMMON[@]}" --a primitives.loss=nope > "$TMP/e.txt" 2>&1
 code=$?
