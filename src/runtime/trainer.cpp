@@ -90,8 +90,9 @@ std::string step_dir_name(int64_t step) {
   return buf;
 }
 
-void remove_tree(const std::string& path) {
-  if (!path_exists(path)) return;
+// Removes `path` and everything under it; true when nothing of it is left.
+bool remove_tree(const std::string& path) {
+  if (!path_exists(path)) return true;
   if (is_directory(path)) {
     if (DIR* d = opendir(path.c_str())) {
       while (dirent* e = readdir(d)) {
@@ -105,6 +106,7 @@ void remove_tree(const std::string& path) {
   } else {
     ::unlink(path.c_str());
   }
+  return !path_exists(path);
 }
 
 // Polls `marks` until all are done; aborts the job naming `where` when that takes longer than
@@ -980,7 +982,10 @@ std::string Trainer::save_checkpoint(const std::string& root) {
         for (const CheckpointEntry& c : list_checkpoints(root))
           if (c.complete && c.run_id == run_id_) mine.push_back(c.name);
         for (size_t i = 0; i + static_cast<size_t>(cfg_.ckpt_keep) < mine.size(); ++i)
-          if (mine[i] != name) remove_tree(path_join(root, mine[i]));
+          if (mine[i] != name && !remove_tree(path_join(root, mine[i])) && log_)
+            std::fprintf(log_, "%s[warn] checkpoint.keep = %lld: could not remove the old checkpoint %s (permissions?); "
+                         "it stays and takes space until removed by hand\n", log_prefix_.c_str(),
+                         static_cast<long long>(cfg_.ckpt_keep), path_join(root, mine[i]).c_str());
       }
     } catch (const std::exception& e) {
       remove_tree(tmp_dir);

@@ -110,6 +110,30 @@ TEST(Trainer, CheckpointsKeepTheNewest) {
   EXPECT_EQ(resolve_checkpoint(dir + "/ckpt"), dir + "/ckpt/step_00000006");
 }
 
+// A checkpoint that pruning cannot remove stays, with a warning (it used to stay silently).
+// Needs a directory this process cannot change: not as root, who may remove anything.
+TEST(Trainer, PruningThatCannotRemoveACheckpointWarns) {
+  if (::geteuid() == 0) GTEST_SKIP() << "as root every directory can be changed";
+  const std::string dir = make_tmpdir();
+  const std::string run = write_run(dir, small_model(), "");
+  const std::string log_path = dir + "/log.txt";
+  FILE* log = std::fopen(log_path.c_str(), "w");
+  {
+    Trainer t(load_run_config(run, {"train.steps=4", "checkpoint.every=2", "checkpoint.keep=1"}), log);
+    t.train_step();
+    t.train_step();
+    t.save_checkpoint(dir + "/ckpt");
+    ASSERT_EQ(::chmod((dir + "/ckpt/step_00000002/shards").c_str(), 0555), 0);  // its files cannot be unlinked
+    t.train_step();
+    t.train_step();
+    t.save_checkpoint(dir + "/ckpt");
+    ::chmod((dir + "/ckpt/step_00000002/shards").c_str(), 0755);
+  }
+  std::fclose(log);
+  EXPECT_TRUE(path_exists(dir + "/ckpt/step_00000002/shards"));
+  EXPECT_NE(read_file(log_path).find("could not remove the old checkpoint"), std::string::npos) << read_file(log_path);
+}
+
 // A micro-batch of one token (and a context shard of one token) trains: the MoE aux-loss pool
 // used to take an undefined tensor for its column of ones then ("matmul: argument 'a' is
 // undefined").
