@@ -371,29 +371,32 @@ void mpi_host_broadcast(MPI_Comm comm, const std::string& group, int size, uint6
   bcast(bytes.data(), n, MPI_CHAR);
 }
 
+namespace {
+// n int64 values per rank to or from every member through `exchange` (MPI_Ialltoall or
+// MPI_Iallgather: the same arguments), with the job's deadline.
+using HostExchange = int (*)(const void*, int, MPI_Datatype, void*, int, MPI_Datatype, MPI_Comm, MPI_Request*);
+void host_exchange(HostExchange exchange, const char* op, MPI_Comm comm, const std::string& group, int size,
+                   uint64_t& seq, const int64_t* send, int64_t* recv, int64_t n) {
+  BB_CHECK(n >= 0, op, " on group ", group, ": negative count ", n);
+  if (n == 0) return;  // every rank passes the same n
+  BB_CHECK(send != recv, op, " on group ", group, ": the two buffers must not be the same");
+  const uint64_t s = ++seq;
+  set_current_op(group.c_str(), op, s);
+  MPI_Request r;
+  const int c = mpi_count(n, op, group);
+  exchange(send, c, MPI_INT64_T, recv, c, MPI_INT64_T, comm, &r);
+  mpi_timed_wait(&r, group, size, op, s);
+}
+}  // namespace
+
 void mpi_host_all_to_all(MPI_Comm comm, const std::string& group, int size, uint64_t& seq, const int64_t* send,
                          int64_t* recv, int64_t n) {
-  BB_CHECK(n >= 0, "all_to_all_host on group ", group, ": negative count ", n);
-  if (n == 0) return;  // every rank passes the same n
-  BB_CHECK(send != recv, "all_to_all_host on group ", group, ": send and recv must not be the same buffer");
-  const uint64_t s = ++seq;
-  set_current_op(group.c_str(), "all_to_all_host", s);
-  MPI_Request r;
-  const int c = mpi_count(n, "all_to_all_host", group);
-  MPI_Ialltoall(send, c, MPI_INT64_T, recv, c, MPI_INT64_T, comm, &r);
-  mpi_timed_wait(&r, group, size, "all_to_all_host", s);
+  host_exchange(MPI_Ialltoall, "all_to_all_host", comm, group, size, seq, send, recv, n);
 }
 
 void mpi_host_all_gather(MPI_Comm comm, const std::string& group, int size, uint64_t& seq, const int64_t* mine,
                          int64_t* all, int64_t n) {
-  BB_CHECK(n >= 0, "all_gather_host on group ", group, ": negative count ", n);
-  if (n == 0) return;  // every rank passes the same n
-  const uint64_t s = ++seq;
-  set_current_op(group.c_str(), "all_gather_host", s);
-  MPI_Request r;
-  const int c = mpi_count(n, "all_gather_host", group);
-  MPI_Iallgather(mine, c, MPI_INT64_T, all, c, MPI_INT64_T, comm, &r);
-  mpi_timed_wait(&r, group, size, "all_gather_host", s);
+  host_exchange(MPI_Iallgather, "all_gather_host", comm, group, size, seq, mine, all, n);
 }
 
 GroupPtr make_mpi_group(MPI_Comm comm, const std::string& name) {
