@@ -69,8 +69,9 @@ class EmulatedGroup final : public Group {
     std::vector<Segment> segs;
     if (op == ReduceOp::sum && t.numel() > 0)
       segs.push_back({t.raw(), t.raw(), nbytes(t), SegOp::scale, t.dtype(), static_cast<double>(size())});
+    // A ring all-reduce sends and receives 2 (n-1)/n of the tensor each.
     return issue("all_reduce", s, t, std::move(segs), link().all_reduce_s(world_ranks(), nbytes(t)),
-                 2 * nbytes(t), {t});
+                 4 * nbytes(t) * (size() - 1) / size(), {t});
   }
 
   WorkPtr reduce_scatter(const Tensor& in, const Tensor& out, ReduceOp op, Stream s) override {
@@ -183,8 +184,9 @@ class EmulatedGroup final : public Group {
     BB_CHECK(root >= 0 && root < size(), "broadcast on group ", name(), ": root ", root, " is not in [0, ", size(), ")");
     if (size() == 1) return self_->broadcast(t, root, s);
     BB_CHECK(t.defined(), "broadcast on group ", name(), ": the tensor is undefined");
+    // A pipelined ring: the root sends the tensor once, the others receive and pass it on.
     return issue("broadcast", s, t, {}, link().broadcast_s(world_ranks(), nbytes(t)),
-                 root == rank() ? nbytes(t) * (size() - 1) : nbytes(t), {t});
+                 root == rank() ? nbytes(t) : 2 * nbytes(t), {t});
   }
 
   // Host values: the peers are copies of this rank and answer at once.

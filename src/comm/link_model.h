@@ -48,7 +48,7 @@ struct LinkModel {
   int64_t node_of(int64_t world_rank) const { return world_rank / gpus_per_node; }
 
   // Seconds on the wire for one member of the group whose members are `world_ranks` (in group
-  // order; this member is index `me`).
+  // order; for the all-to-all, this member is index `me`).
   double all_gather_s(const std::vector<int>& world_ranks, int64_t out_bytes) const;
   double reduce_scatter_s(const std::vector<int>& world_ranks, int64_t in_bytes) const;
   double all_reduce_s(const std::vector<int>& world_ranks, int64_t bytes) const;
