@@ -1,8 +1,11 @@
 #include "core/memory.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <string>
+#include <vector>
 
 #include "core/error.h"
 
@@ -62,7 +65,25 @@ Device Device::parse(const std::string& s) {
 }
 
 void* Allocator::allocate(size_t bytes, MemCategory cat, int stream) {
-  void* p = raw_allocate(bytes, stream);
+  void* p = nullptr;
+  try {
+    p = raw_allocate(bytes, stream);
+  } catch (const Error& e) {
+    // Out of memory: the message says where the memory is (the log may have no line yet).
+    const MemoryStats s = stats();
+    std::vector<int> order;
+    for (int c = 0; c < kNumMemCategories; ++c)
+      if (s.live[static_cast<size_t>(c)] > 0) order.push_back(c);
+    std::sort(order.begin(), order.end(),
+              [&](int a, int b) { return s.live[static_cast<size_t>(a)] > s.live[static_cast<size_t>(b)]; });
+    std::string largest;
+    for (size_t i = 0; i < order.size() && i < 4; ++i)
+      largest += std::string(i ? ", " : "") + kCategoryNames[order[i]] + " " + format_bytes(s.live[static_cast<size_t>(order[i])]);
+    throw Error(std::string(e.what()) + "; the allocation was for " + kCategoryNames[static_cast<int>(cat)] +
+                "; live now " + format_bytes(s.live_total) + (largest.empty() ? "" : " (" + largest + ")") +
+                ", peak since the step began " + format_bytes(s.peak_total) + ", held by the allocator " +
+                format_bytes(s.reserved_peak));
+  }
   std::lock_guard<std::mutex> lock(mu_);
   const int c = static_cast<int>(cat);
   stats_.live[c] += static_cast<int64_t>(bytes);

@@ -109,6 +109,24 @@ TEST(Memory, CategoriesLiveAndPeak) {
   test::expect_error_contains([] { category_from_name("cache"); }, "unknown memory category 'cache'");
 }
 
+// Out of memory: the message names where the memory is, largest category first, and the peak.
+TEST(Memory, OutOfMemoryNamesTheLargestCategories) {
+  Tensor big = Tensor::empty({int64_t{1} << 22}, DType::f32, Device::cpu(), MemCategory::optimizer);  // 16 MiB
+  Tensor small = Tensor::empty({1024}, DType::f32, Device::cpu(), MemCategory::activations);
+  try {
+    Tensor::empty({int64_t{1} << 48}, DType::f32, Device::cpu(), MemCategory::logits);  // 1 PiB
+    FAIL() << "a 1 PiB allocation succeeded";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("out of host memory allocating"), std::string::npos) << m;
+    EXPECT_NE(m.find("the allocation was for logits"), std::string::npos) << m;
+    const size_t opt = m.find("optimizer "), act = m.find("activations ");
+    ASSERT_NE(opt, std::string::npos) << m;
+    EXPECT_TRUE(act == std::string::npos || opt < act) << "the largest category first: " << m;
+    EXPECT_NE(m.find("peak since the step began"), std::string::npos) << m;
+  }
+}
+
 TEST(Device, Parse) {
   EXPECT_EQ(Device::parse("cpu"), Device::cpu());
   EXPECT_EQ(Device::parse("cuda:3"), Device::cuda(3));

@@ -489,7 +489,7 @@ class CudaAllocator final : public Allocator {
       const int64_t cap = cuda::memory_limit(dev_);
       BB_FAIL("out of GPU memory on cuda:", dev_, " allocating ", format_bytes(static_cast<int64_t>(bytes)), " (",
               cudaGetErrorString(e), cap > 0 ? "; the allocator is capped at " + format_bytes(cap) + " for this run" : "",
-              "); see the per-category peaks in the log");
+              ")");
     }
     if (cuda::g_poison.load(std::memory_order_relaxed)) BB_CHECK_CUDA(cudaMemsetAsync(p, 0xFF, bytes, s));
     return p;
