@@ -24,7 +24,9 @@ docs/config.md documents every key. Any key can be overridden on the command lin
 Each step prints one log line (loss, aux loss, grad norm, lr, tokens/s, model TFLOP/s, peak
 memory per category); log.metrics writes the same as JSON lines. With checkpoint.dir set,
 checkpoints are written atomically to <dir>/step_NNNNNNNN; checkpoint.resume = "auto" continues
-from the newest one.
+from the newest one. SIGTERM or SIGINT (Ctrl-C, SLURM's warning before a kill) stops the run after
+its current step, saves that step's checkpoint and exits 128 + signal; a second signal stops at
+once (the last checkpoint stays whole).
 
 Several processes: mpirun -np N bumblebee train ... (or srun). [parallel] sets the layout
 (dp, cp, ep, pp; dp = 0: all ranks data-parallel), comm (auto | mpi | nccl) and timeout_s;
@@ -164,8 +166,15 @@ int run(int argc, char** argv) {
     if (!train_device.empty()) train_sets.push_back("parallel.device=\"" + train_device + "\"");
     if (log_all_ranks) train_sets.push_back("log.all_ranks=true");
     RunConfig cfg = load_run_config(train_config, train_sets);
+    comm::catch_stop_signals();  // SIGTERM / SIGINT: stop after the step, with a checkpoint
     Trainer trainer(cfg, stdout);
     auto metrics = trainer.run();
+    if (const int sig = trainer.stopped_by_signal()) {
+      if (trainer.writer())
+        std::fprintf(stderr, "bumblebee: stopped by signal %d after step %lld\n", sig,
+                     static_cast<long long>(trainer.step()));
+      return 128 + sig;
+    }
     if (!metrics.empty() && trainer.writer())
       std::printf("%s[done] %lld steps, final loss %.4f (first %.4f)%s\n", trainer.log_prefix().c_str(),
                   static_cast<long long>(metrics.back().step), metrics.back().loss, metrics.front().loss,

@@ -29,9 +29,17 @@ int env_int(const char* name, int fallback) {
   return end && *end == '\0' ? static_cast<int>(x) : fallback;
 }
 
+volatile std::sig_atomic_t g_stop_signal = 0;  // the first SIGTERM / SIGINT received, 0: none
+volatile std::sig_atomic_t g_graceful = 0;     // catch_stop_signals() was called
+
+// SIGTERM / SIGINT. After catch_stop_signals(): the first asks the run to stop after its current
+// step (the trainer saves a checkpoint then: comm.h stop_signal), a second one ends the process
+// at once. Otherwise (a job of several ranks) the process ends at once. Under a launcher the
+// signal may also be the launcher ending the job because a peer failed (it kills what is left
+// shortly after); the message says what the rank was in.
 void on_terminate(int sig) {
   // Async-signal-safe: write(2) of prepared bytes only.
-  char buf[512];
+  char buf[640];
   int n = 0;
   auto put = [&](const char* s) {
     while (*s && n < static_cast<int>(sizeof buf) - 1) buf[n++] = *s++;
@@ -42,17 +50,46 @@ void on_terminate(int sig) {
   do { tmp[k++] = static_cast<char>('0' + r % 10); r /= 10; } while (r > 0 && k < 15);
   for (int i = 0; i < k; ++i) num[i] = tmp[k - 1 - i];
   num[k] = '\0';
-  put("bumblebee: [rank ");
-  put(num);
-  put("] terminated by the launcher (a peer rank failed or the job was aborted)");
+  // Recorded first: the handler runs with both signals blocked (install_handler), so a second
+  // one is delivered after this one returned and finds it set.
+  const bool second = g_stop_signal != 0 || !g_graceful;
+  if (g_stop_signal == 0) g_stop_signal = sig;
+  put("bumblebee: ");
+  if (g_world.size > 1) {
+    put("[rank ");
+    put(num);
+    put("] ");
+  }
+  put(sig == SIGINT ? "received SIGINT" : "received SIGTERM");
   if (g_op[0]) {
     put(" while in ");
     put(g_op);
   }
-  put("\n");
+  if (!g_graceful) {
+    put(" (a peer rank may have failed, or the job is being stopped): stopping now\n");
+  } else if (second) {
+    put(": a second signal, stopping now (the last checkpoint stays)\n");
+  } else {
+    put(": stopping after the current step and saving a checkpoint (when checkpoint.dir is set); a second "
+        "signal stops at once");
+    if (g_world.size > 1) put(" (under a launcher: a peer rank may have failed, or the job is being stopped)");
+    put("\n");
+  }
   ssize_t ignored = ::write(2, buf, static_cast<size_t>(n));
   (void)ignored;
-  ::_exit(128 + sig);
+  if (second) ::_exit(128 + sig);
+}
+
+// SIGTERM and SIGINT to on_terminate, each blocking both while it runs.
+void install_handler() {
+  struct sigaction sa {};
+  sa.sa_handler = on_terminate;
+  sigemptyset(&sa.sa_mask);
+  sigaddset(&sa.sa_mask, SIGTERM);
+  sigaddset(&sa.sa_mask, SIGINT);
+  sa.sa_flags = SA_RESTART;
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
 }
 
 class SelfGroup final : public Group {
@@ -168,12 +205,9 @@ void init(int* argc, char*** argv) {
   MPI_Comm_rank(local, &g_world.local_rank);
   MPI_Comm_size(local, &g_world.local_size);
   MPI_Comm_free(&local);
+  if (g_world.size > 1) install_handler();  // the job ends at once, with a line naming what this rank was in
   // The launcher's own idea of the local rank wins where it has one (srun's task placement).
   g_world.local_rank = env_int("SLURM_LOCALID", env_int("OMPI_COMM_WORLD_LOCAL_RANK", g_world.local_rank));
-  if (g_world.size > 1) {
-    std::signal(SIGTERM, on_terminate);
-    std::signal(SIGINT, on_terminate);
-  }
   // NVLink multicast (NVLS) stays off unless the user asked for it explicitly.
   ::setenv("NCCL_NVLS_ENABLE", "0", 0);
 }
@@ -201,6 +235,13 @@ void set_timeout(double seconds) {
   g_timeout_s = seconds;
 }
 double timeout() { return g_timeout_s; }
+
+void catch_stop_signals() {
+  g_graceful = 1;
+  install_handler();
+}
+
+int stop_signal() { return static_cast<int>(g_stop_signal); }
 
 void set_current_op(const char* group, const char* op, uint64_t seq) {
   if (!op || !*op) {

@@ -69,6 +69,14 @@ double timeout();
 // launcher when a peer died). Set by the implementations; "" outside any.
 void set_current_op(const char* group, const char* op, uint64_t seq);
 
+// SIGTERM / SIGINT. init() makes a job of several ranks end at once on either, with a line
+// naming the operation the rank was in (exit status 128 + signal). After catch_stop_signals()
+// (the train command) the first one only records itself, with such a line, so that the run can
+// stop after its current step and save a checkpoint (the trainer agrees on it over all ranks);
+// a second one ends the process at once. stop_signal(): the first one recorded, 0 if none.
+void catch_stop_signals();
+int stop_signal();
+
 class Work {
  public:
   virtual ~Work() = default;

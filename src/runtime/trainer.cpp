@@ -649,14 +649,16 @@ StepMetrics Trainer::train_step() {
   }
   nonfinite_flags_ = Tensor();
   // Per-rank maxima of the peaks and of the non-finite flag (one small all-reduce).
-  std::array<int64_t, kNumMemCategories + 4> pk{};
+  std::array<int64_t, kNumMemCategories + 5> pk{};
   for (int c = 0; c < kNumMemCategories; ++c) pk[static_cast<size_t>(c)] = m.mem.peak[static_cast<size_t>(c)];
   pk[kNumMemCategories] = m.mem.peak_total;
   pk[kNumMemCategories + 1] = m.mem.reserved_peak;
   pk[kNumMemCategories + 2] = bad_unit;
   pk[kNumMemCategories + 3] = my_rows;
+  pk[kNumMemCategories + 4] = comm::stop_signal();  // a stop asked of any rank stops every rank here
   world.all_reduce_host(pk.data(), static_cast<int64_t>(pk.size()), comm::ReduceOp::max);
   m.moe_rows_max = pk[kNumMemCategories + 3];
+  m.stop_signal = static_cast<int>(pk[kNumMemCategories + 4]);
   if (const int64_t bu = pk[kNumMemCategories + 2]; bu > 0) {
     const std::string unit = state_->unit_name(static_cast<size_t>(bu - 1));
     BB_CHECK(cfg_.on_nonfinite == "skip_step", "step ", m.step, ": the update made the weights or optimizer moments of ",
@@ -822,7 +824,21 @@ std::vector<StepMetrics> Trainer::run() {
     }
     const bool periodic = cfg_.ckpt_every > 0 && m.step % cfg_.ckpt_every == 0;
     const bool final = m.step == cfg_.steps && cfg_.ckpt_save_final;
-    if (!cfg_.ckpt_dir.empty() && (periodic || final)) save_checkpoint(cfg_.ckpt_dir);
+    const bool stopping = m.stop_signal != 0;
+    // A stop asked by a signal saves the step it ended on (once), then leaves the loop.
+    if (!cfg_.ckpt_dir.empty() && (periodic || final || stopping)) save_checkpoint(cfg_.ckpt_dir);
+    if (stopping) {
+      stopped_by_ = m.stop_signal;
+      if (log_) {
+        std::fprintf(log_, "%s[stopped] by signal %d after step %lld%s\n", log_prefix_.c_str(), m.stop_signal,
+                     static_cast<long long>(m.step),
+                     cfg_.ckpt_dir.empty() ? " (no checkpoint.dir: nothing saved)"
+                                           : "; the checkpoint of that step is saved, checkpoint.resume = \"auto\" "
+                                             "continues from it");
+        std::fflush(log_);
+      }
+      break;
+    }
   }
   return out;
 }

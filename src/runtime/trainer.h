@@ -58,6 +58,9 @@ struct StepMetrics {
   // the step masked). A skipped step still counts: the step index and the data move on.
   std::string skipped;
   bool loss_spike = false;  // loss above train.loss_spike_factor x the running mean (a warning)
+  // A SIGTERM / SIGINT some rank received during or before the step (its number; the maximum
+  // over ranks, so every rank agrees), 0: none. run() saves and stops after such a step.
+  int stop_signal = 0;
 };
 
 class Trainer {
@@ -72,7 +75,8 @@ class Trainer {
 
   // One optimizer step.
   StepMetrics train_step();
-  // The whole run: cfg.steps steps with log lines, metrics file and checkpoints.
+  // The whole run: cfg.steps steps with log lines, metrics file and checkpoints; it ends early,
+  // after saving the step, when a SIGTERM / SIGINT arrived (stopped_by_signal()).
   // Returns the per-step metrics.
   std::vector<StepMetrics> run();
 
@@ -95,6 +99,8 @@ class Trainer {
   const std::string& log_prefix() const { return log_prefix_; }
   // Whether this process prints the run's log and writes its metrics (rank 0; an emulated rank).
   bool writer() const { return writer_; }
+  // The signal that made run() stop early (after saving the step it ended on), 0 if none.
+  int stopped_by_signal() const { return stopped_by_; }
 
   // Writes <dir>/step_NNNNNNNN atomically (temp dir + rename) and points <dir>/latest at it
   // once every rank wrote its shard. Collective.
@@ -115,6 +121,7 @@ class Trainer {
   FILE* log_;
   std::string log_prefix_;
   bool writer_ = true;
+  int stopped_by_ = 0;
   std::unique_ptr<Mesh> mesh_;
   std::unique_ptr<DecoderModel> model_;
   std::unique_ptr<Schedule> schedule_;

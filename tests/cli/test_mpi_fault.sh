@@ -30,7 +30,7 @@ run_case() {  # mode (kill | stop), timeout_s
   local t0=$(date +%s)
   if [ "$mode" = kill ]; then kill -KILL "$victim"; else kill -STOP "$victim"; fi
   # The job must end by itself; the watchdog only guards the test.
-  ( sleep 120; kill -KILL $mp 2> /dev/null ) &
+  ( sleep 120; kill -KILL $mp 2> /dev/null ) > /dev/null 2>&1 &
   local dog=$!
   wait $mp
   local rc=$? t1=$(date +%s)
@@ -44,7 +44,7 @@ run_case() {  # mode (kill | stop), timeout_s
 }
 
 # A dead rank: the launcher ends the job; the survivors say which operation they were in.
-run_case kill 50 "rank 2" "\[rank [013]\] terminated by the launcher .* while in [a-z_]+ on group"
+run_case kill 50 "rank 2" "\[rank [013]\] received SIGTERM while in [a-z_]+ on group"
 # A hung rank: the survivors' collective times out, names itself, and aborts the job.
 run_case stop 15 "communication timeout: [a-z_]+ on group '[a-z]+' \(4 ranks, operation #[0-9]+\) did not finish within 15 s"
 [ $fail -eq 0 ] && echo "ok: a killed or hung rank ends the job within 60 s with a message naming the operation"
