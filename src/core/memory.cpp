@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <map>
 #include <string>
+#include <unistd.h>
 #include <vector>
 
 #include "core/error.h"
@@ -28,6 +29,10 @@ class CpuAllocator final : public Allocator {
  protected:
   void* raw_allocate(size_t bytes, int) override {
     if (bytes == 0) return nullptr;
+    // More than the machine has cannot succeed (and a sanitizer's allocator aborts on it).
+    static const int64_t kPhysical = static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGESIZE);
+    BB_CHECK(kPhysical <= 0 || static_cast<int64_t>(bytes) <= kPhysical, "out of host memory allocating ",
+             format_bytes(static_cast<int64_t>(bytes)), ": more than this machine's ", format_bytes(kPhysical));
     // 64-byte alignment keeps vector loads and OpenBLAS happy.
     size_t rounded = (bytes + 63) / 64 * 64;
     void* p = std::aligned_alloc(64, rounded);
