@@ -25,7 +25,9 @@
 #   all     the five in this order
 #
 # Environment: STEPS (3 timed steps after 1 warm-up), MAX_LAYERS_AHEAD (backend.max_layers_ahead of
-# the full-model runs, 2 as in the recipe; 0 = no limit), QWEN3_RUNS ("4096:1 32768:2 131072:4",
+# the full-model runs, 2 as in the recipe; 0 = no limit), PERMUTE (memory_efficient as in the
+# recipe; standard re-runs fc2 and the combine in the recompute), EXPERT_WGRAD_STREAM
+# (backend.expert_wgrad_stream, false), QWEN3_RUNS ("4096:1 32768:2 131072:4",
 # tokens:cp), MOE_TOKENS (4096,8192,16384,32768,65536), PART_TIMEOUT (seconds per command,
 # default 900). NCCL_NVLS_ENABLE=0 always (no NCCL communicator is made here).
 set -u
@@ -44,8 +46,8 @@ EMU32=(--set 'parallel.comm="emulated"' --set emulate.ranks=32)
 # The recipe of configs/qwen3-30b-a3b-8gpu.toml (bench_train_step adds linear_ce, full recompute
 # and grouped experts itself).
 RECIPE=(--set 'primitives.state="fsdp"' --set 'primitives.moe_dispatch="chunked_alltoall:2"'
-        --set 'primitives.attention="cp_ring"' --set 'primitives.permute="standard"' --set parallel.ep=8
-        --set backend.max_layers_ahead="${MAX_LAYERS_AHEAD:-2}")
+        --set 'primitives.attention="cp_ring"' --set "primitives.permute=\"${PERMUTE:-memory_efficient}\"" --set parallel.ep=8
+        --set backend.max_layers_ahead="${MAX_LAYERS_AHEAD:-2}" --set backend.expert_wgrad_stream="${EXPERT_WGRAD_STREAM:-false}")
 rows=()
 fail=0
 step() {  # step <label> <log> <cmd...>

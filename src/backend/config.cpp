@@ -34,6 +34,8 @@ void BackendConfig::validate(const std::string& where) const {
            in, " must be >= 0 (0 = every same-dtype grouped GEMM takes multi_stream)");
   check_one_of(where, "gemm_heuristics", gemm_heuristics, {"bucketed", "exact"});
   check_one_of(where, "master_storage", master_storage, {"split", "f32"});
+  check_one_of(where, "grad_reduce_dtype", grad_reduce_dtype, {"f32", "bf16"});
+  check_one_of(where, "fsdp_reduce", fsdp_reduce, {"micro_batch", "step"});
   BB_CHECK(max_layers_ahead >= 0 && max_layers_ahead <= 1000, "backend.max_layers_ahead = ", max_layers_ahead, in,
            " is not in [0, 1000] (0 = no limit)");
 }
@@ -49,6 +51,8 @@ std::string BackendConfig::summary() const {
      << " gemm_heuristics=" << gemm_heuristics
      << " optimizer_in_backward=" << (optimizer_in_backward ? "true" : "false")
      << " master_storage=" << master_storage << " max_layers_ahead=" << max_layers_ahead
+     << " expert_wgrad_stream=" << (expert_wgrad_stream ? "true" : "false")
+     << " grad_reduce_dtype=" << grad_reduce_dtype << " fsdp_reduce=" << fsdp_reduce
      << " cudnn_library=" << (cudnn_library.empty() ? "(default)" : cudnn_library);
   return os.str();
 }
@@ -64,6 +68,9 @@ void to_json(nlohmann::json& j, const BackendConfig& c) {
                      {"optimizer_in_backward", c.optimizer_in_backward},
                      {"master_storage", c.master_storage},
                      {"max_layers_ahead", c.max_layers_ahead},
+                     {"expert_wgrad_stream", c.expert_wgrad_stream},
+                     {"grad_reduce_dtype", c.grad_reduce_dtype},
+                     {"fsdp_reduce", c.fsdp_reduce},
                      {"cudnn_library", c.cudnn_library}};
 }
 
@@ -84,6 +91,9 @@ void from_json(const nlohmann::json& j, BackendConfig& c) {
       else if (k == "optimizer_in_backward") c.optimizer_in_backward = it->get<bool>();
       else if (k == "master_storage") c.master_storage = it->get<std::string>();
       else if (k == "max_layers_ahead") c.max_layers_ahead = it->get<int64_t>();
+      else if (k == "expert_wgrad_stream") c.expert_wgrad_stream = it->get<bool>();
+      else if (k == "grad_reduce_dtype") c.grad_reduce_dtype = it->get<std::string>();
+      else if (k == "fsdp_reduce") c.fsdp_reduce = it->get<std::string>();
       else if (k == "cudnn_library") c.cudnn_library = it->get<std::string>();
       else BB_FAIL("unknown backend setting '", k, "'");
     }

@@ -51,6 +51,20 @@ struct BackendConfig {
   // Qwen3-30B-A3B at EP 8, bench/results/2026-12-04-h200-emulated.md). Experimental: off by
   // default until its effect is measured; the multi-GPU recipe sets 2.
   int64_t max_layers_ahead = 0;
+  // The MoE experts' weight gradient runs on the wgrad stream: issued after the last chunk's
+  // dgrad, it overlaps the dispatch-backward all-to-all and the compute stream's next work (the
+  // layer's attention backward) instead of holding the compute stream; the gradient reduction
+  // and the end of the micro-batch wait for it. Bit-identical gradients either way. Off until
+  // its effect is measured on a GPU.
+  bool expert_wgrad_stream = false;
+  // The dtype gradients are reduced in across ranks: f32, or bf16 (each rank's f32 gradient
+  // rounded to bf16, summed in bf16, widened back: half the bytes on the wire; the error
+  // against f32 is in bench/results/2026-12-05-cpu-bf16-reduction.md).
+  std::string grad_reduce_dtype = "f32";
+  // When fsdp units reduce-scatter their gradients: after every micro-batch (micro_batch), or
+  // once per step after the last (step: their whole f32 gradients stay allocated across the
+  // step's micro-batches, 4 bytes an element more).
+  std::string fsdp_reduce = "micro_batch";
 
   // Throws bb::Error naming the key (as `backend.<key>` in `where`) when a value is not allowed.
   void validate(const std::string& where) const;

@@ -12,6 +12,7 @@
 #include <numeric>
 
 #include "comm/emulated_wire.h"
+#include "comm/watchdog.h"
 
 namespace bb::comm {
 
@@ -22,6 +23,7 @@ using emu::SegOp;
 using emu::WireClass;
 
 EmulatedTotals g_totals;
+int64_t g_device_ops = 0;  // collectives issued on a GPU stream (EmulateConfig::hang_at_op)
 
 // What every group of one emulated job shares.
 struct Job {
@@ -269,9 +271,15 @@ class EmulatedGroup final : public Group {
     const Device d = any.device();
     const Stream cur = current_stream();
     if (cur != s) Event::record(d, cur).wait(s);
-    emu::run_on_device(d.index, s, c, segs, t, static_cast<int>(job_->cfg.comm_blocks));
+    const int64_t n = ++g_device_ops;
+    const bool hang = job_->cfg.hang_at_op > 0 && n == job_->cfg.hang_at_op;
+    emu::run_on_device(d.index, s, c, segs, hang ? 86400.0 : t, static_cast<int>(job_->cfg.comm_blocks));
     for (const Tensor& k : keep) k.record_stream(s);
-    return std::make_shared<EventWork>(Event::record(d, s), std::move(keep));
+    const Event done = Event::record(d, s);
+    // The deadline of a collective whose wait is a stream wait, as for NCCL (comm/watchdog.h).
+    watch(done, std::string(op) + " on group '" + name() + "' (" + std::to_string(size()) + " ranks, " +
+                    stream_name(s) + " stream, emulated operation #" + std::to_string(n) + ")");
+    return std::make_shared<EventWork>(done, std::move(keep));
 #else
     BB_FAIL(op, " on group ", name(), ": a ", any.device().str(), " tensor in a CPU-only build");
 #endif

@@ -54,6 +54,11 @@ struct EmulateConfig {
   // The device's usable memory in GiB (e.g. 79.6 for an 80 GB H100); 0: the card's own. The
   // stream-ordered allocator's pool is capped so that an allocation fails where it would there.
   double device_memory_gib = 0;
+  // Tests of fault handling: this process's collective number hang_at_op (1 = the first issued
+  // on a GPU stream, counted over every group) never leaves the wire (its kernel holds the
+  // stream for a day), as a collective whose peer died would; the collective watchdog must end
+  // the job within parallel.timeout_s naming it (comm/watchdog.h). 0: none.
+  int64_t hang_at_op = 0;
 
   // Errors naming the key (emulate.<key>) and the valid range.
   void validate() const;

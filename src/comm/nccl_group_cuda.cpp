@@ -6,6 +6,13 @@
 // without a launcher makes a one-rank communicator locally. split() splits the MPI communicator
 // and builds a fresh NCCL communicator the same way (no ncclCommSplit: one code path for both).
 //
+// NCCL runs the operations of one communicator one after another, whatever streams they are
+// issued on. So that traffic classes overlap (core/stream.h: ep, gather, reduce, cp, comm), a
+// group keeps one communicator per stream it issues on: the first stream used gets the group's
+// own, each further one a communicator of the same ranks made at its first use. Every rank
+// issues a group's operations in the same order, so every rank makes a lane at the same
+// operation.
+//
 // An operation makes stream `s` wait for the caller's current stream, enqueues the NCCL call on
 // `s` and records an event after it; Work::wait() makes the caller's current stream wait for that
 // event (the host never blocks). Uneven all-gather is a group of broadcasts (one per rank, over
@@ -15,6 +22,10 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
+#include <memory>
+#include <mutex>
 #include <chrono>
 #include <climits>
 #include <cstdio>
@@ -23,6 +34,7 @@
 #include "backend/cuda/check.cuh"  // cuda::stream_of: the cudaStream_t of a named stream
 #include "backend/cuda/runtime.h"
 #include "comm/mpi_group.h"
+#include "comm/watchdog.h"
 
 namespace bb::comm {
 
@@ -76,6 +88,20 @@ char* at_row(const Tensor& t, int64_t row) {
   return static_cast<char*>(t.raw()) + row_offset(t, row);
 }
 
+// ncclCommInitRank with the job's deadline: the watchdog watches the call (comm/watchdog.h), so
+// that a rank that never joins (dead, hung, or started with another layout) ends the job with a
+// message naming the group instead of a hang.
+ncclComm_t init_comm(int size, const ncclUniqueId& id, int rank, const std::string& group) {
+  auto finished = std::make_shared<std::atomic<bool>>(false);
+  watch([finished] { return finished->load(); },
+        "ncclCommInitRank on group '" + group + "' (" + std::to_string(size) + " ranks)");
+  ncclComm_t c = nullptr;
+  const ncclResult_t r = ncclCommInitRank(&c, size, id, rank);
+  finished->store(true);
+  nccl_check(r, nullptr, "ncclCommInitRank", group);
+  return c;
+}
+
 class NcclWork final : public Work {
  public:
   NcclWork(Event done, std::vector<Tensor> keep) : done_(std::move(done)), keep_(std::move(keep)) {}
@@ -92,17 +118,21 @@ class NcclGroup final : public Group {
  public:
   NcclGroup(MPI_Comm mpi, ncclComm_t nccl, int dev, const std::string& name, int rank, int size,
             std::vector<int> wr)
-      : Group(name, rank, size, std::move(wr)), mpi_(mpi), nccl_(nccl), dev_(dev) {}
+      : Group(name, rank, size, std::move(wr)), mpi_(mpi), nccl_(nccl), dev_(dev) {
+    // The watchdog polls every communicator's asynchronous error state and aborts them when it
+    // ends the job (comm/watchdog.h).
+    health_ = add_health_check([this] { return async_error(); }, [this] { abort_comm(); });
+  }
   ~NcclGroup() override {
+    remove_health_check(health_);
     // A communicator in an error state cannot be finalised cleanly (destroy would wait for
     // peers that are gone): abort it instead.
-    if (nccl_) {
+    for (ncclComm_t c : comms()) {
       ncclResult_t async = ncclSuccess;
-      if (ncclCommGetAsyncError(nccl_, &async) != ncclSuccess ||
-          (async != ncclSuccess && async != ncclInProgress))
-        ncclCommAbort(nccl_);
+      if (ncclCommGetAsyncError(c, &async) != ncclSuccess || (async != ncclSuccess && async != ncclInProgress))
+        ncclCommAbort(c);
       else
-        ncclCommDestroy(nccl_);
+        ncclCommDestroy(c);
     }
     if (mpi_ != MPI_COMM_NULL) {
       int fin = 0;
@@ -115,10 +145,10 @@ class NcclGroup final : public Group {
   WorkPtr all_reduce(const Tensor& t, ReduceOp op, Stream s) override {
     check_tensor("all_reduce", "t", t);
     if (t.numel() == 0) return done_work();
-    cudaStream_t cs = enter("all_reduce", s);
+    const auto [cs, nc] = enter("all_reduce", s);
     nccl_check(ncclAllReduce(t.raw(), t.raw(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()),
-                             nccl_op(op), nccl_, cs),
-               nccl_, "all_reduce", name());
+                             nccl_op(op), nc, cs),
+               nc, "all_reduce", name());
     return leave(s, {t});
   }
 
@@ -127,10 +157,10 @@ class NcclGroup final : public Group {
     check_tensor("reduce_scatter", "in", in);
     check_tensor("reduce_scatter", "out", out);
     if (out.numel() == 0) return done_work();
-    cudaStream_t cs = enter("reduce_scatter", s);
+    const auto [cs, nc] = enter("reduce_scatter", s);
     nccl_check(ncclReduceScatter(in.raw(), out.raw(), static_cast<size_t>(out.numel()),
-                                 nccl_type(out.dtype()), nccl_op(op), nccl_, cs),
-               nccl_, "reduce_scatter", name());
+                                 nccl_type(out.dtype()), nccl_op(op), nc, cs),
+               nc, "reduce_scatter", name());
     return leave(s, {in, out});
   }
 
@@ -139,11 +169,11 @@ class NcclGroup final : public Group {
     check_tensor("all_gather", "in", in);
     check_tensor("all_gather", "out", out);
     if (in.numel() == 0) return done_work();
-    cudaStream_t cs = enter("all_gather", s);
+    const auto [cs, nc] = enter("all_gather", s);
     // In place (in is out's rank-th block) is NCCL's own in-place case: no special path.
     nccl_check(ncclAllGather(in.raw(), out.raw(), static_cast<size_t>(in.numel()),
-                             nccl_type(in.dtype()), nccl_, cs),
-               nccl_, "all_gather", name());
+                             nccl_type(in.dtype()), nc, cs),
+               nc, "all_gather", name());
     return leave(s, {in, out});
   }
 
@@ -162,12 +192,12 @@ class NcclGroup final : public Group {
     check_tensor("all_gather_v", "out", out);
     const int64_t width = row_elems(out);
     if (total == 0 || width == 0) return done_work();
-    cudaStream_t cs = enter("all_gather_v", s);
+    const auto [cs, nc] = enter("all_gather_v", s);
     // One broadcast per rank with rows, rooted there, into that rank's slice of out; the root
     // sends from `in` (NCCL copies it into its own slice, or not at all when in is that slice).
     // Counts are the same on every rank, so every rank skips the same empty ones.
     const ncclDataType_t type = nccl_type(out.dtype());
-    nccl_check(ncclGroupStart(), nccl_, "all_gather_v (ncclGroupStart)", name());
+    nccl_check(ncclGroupStart(), nc, "all_gather_v (ncclGroupStart)", name());
     ncclResult_t r = ncclSuccess;
     int64_t off = 0;
     for (int p = 0; p < size() && r == ncclSuccess; ++p) {
@@ -175,12 +205,12 @@ class NcclGroup final : public Group {
       if (c > 0) {
         void* dst = at_row(out, off);
         const void* src = p == rank() ? in.raw() : dst;  // only the root's send buffer is read
-        r = ncclBroadcast(src, dst, static_cast<size_t>(c * width), type, p, nccl_, cs);
+        r = ncclBroadcast(src, dst, static_cast<size_t>(c * width), type, p, nc, cs);
       }
       off += c;
     }
     const ncclResult_t end = ncclGroupEnd();  // closes the group even after a failed call
-    nccl_check(r != ncclSuccess ? r : end, nccl_, "all_gather_v (ncclBroadcast)", name());
+    nccl_check(r != ncclSuccess ? r : end, nc, "all_gather_v (ncclBroadcast)", name());
     return leave(s, {in, out});
   }
 
@@ -202,7 +232,7 @@ class NcclGroup final : public Group {
     check_tensor("all_to_all_v", "out", out);
     const int64_t width = row_elems(in);
     if ((ns == 0 && nr == 0) || width == 0) return done_work();
-    cudaStream_t cs = enter("all_to_all_v", s);
+    const auto [cs, nc] = enter("all_to_all_v", s);
     const ncclDataType_t type = nccl_type(in.dtype());
     int64_t os = 0, orr = 0;
     for (int p = 0; p < rank(); ++p) {
@@ -216,7 +246,7 @@ class NcclGroup final : public Group {
     }
     // Counts match pairwise (what p sends me is what I expect from p), so both sides of every
     // pair skip the same empty transfers.
-    nccl_check(ncclGroupStart(), nccl_, "all_to_all_v (ncclGroupStart)", name());
+    nccl_check(ncclGroupStart(), nc, "all_to_all_v (ncclGroupStart)", name());
     ncclResult_t r = ncclSuccess;
     os = 0;
     orr = 0;
@@ -224,15 +254,15 @@ class NcclGroup final : public Group {
       const int64_t c_s = sc[static_cast<size_t>(p)], c_r = rc[static_cast<size_t>(p)];
       if (p != rank()) {
         if (c_s > 0)
-          r = ncclSend(at_row(in, os), static_cast<size_t>(c_s * width), type, p, nccl_, cs);
+          r = ncclSend(at_row(in, os), static_cast<size_t>(c_s * width), type, p, nc, cs);
         if (r == ncclSuccess && c_r > 0)
-          r = ncclRecv(at_row(out, orr), static_cast<size_t>(c_r * width), type, p, nccl_, cs);
+          r = ncclRecv(at_row(out, orr), static_cast<size_t>(c_r * width), type, p, nc, cs);
       }
       os += c_s;
       orr += c_r;
     }
     const ncclResult_t end = ncclGroupEnd();
-    nccl_check(r != ncclSuccess ? r : end, nccl_, "all_to_all_v (ncclSend/ncclRecv)", name());
+    nccl_check(r != ncclSuccess ? r : end, nc, "all_to_all_v (ncclSend/ncclRecv)", name());
     return leave(s, {in, out});
   }
 
@@ -240,10 +270,10 @@ class NcclGroup final : public Group {
     check_peer("send", peer);
     check_tensor("send", "t", t);
     if (t.numel() == 0) return done_work();
-    cudaStream_t cs = enter("send", s);
+    const auto [cs, nc] = enter("send", s);
     nccl_check(
-        ncclSend(t.raw(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), peer, nccl_, cs),
-        nccl_, "send", name());
+        ncclSend(t.raw(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), peer, nc, cs),
+        nc, "send", name());
     return leave(s, {t});
   }
 
@@ -251,10 +281,10 @@ class NcclGroup final : public Group {
     check_peer("recv", peer);
     check_tensor("recv", "t", t);
     if (t.numel() == 0) return done_work();
-    cudaStream_t cs = enter("recv", s);
+    const auto [cs, nc] = enter("recv", s);
     nccl_check(
-        ncclRecv(t.raw(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), peer, nccl_, cs),
-        nccl_, "recv", name());
+        ncclRecv(t.raw(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()), peer, nc, cs),
+        nc, "recv", name());
     return leave(s, {t});
   }
 
@@ -263,10 +293,10 @@ class NcclGroup final : public Group {
              " is not in [0, ", size(), ")");
     check_tensor("broadcast", "t", t);
     if (t.numel() == 0) return done_work();
-    cudaStream_t cs = enter("broadcast", s);
+    const auto [cs, nc] = enter("broadcast", s);
     nccl_check(ncclBroadcast(t.raw(), t.raw(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()),
-                             root, nccl_, cs),
-               nccl_, "broadcast", name());
+                             root, nc, cs),
+               nc, "broadcast", name());
     return leave(s, {t});
   }
 
@@ -274,7 +304,7 @@ class NcclGroup final : public Group {
     check_device("barrier");
     const Device d = Device::cuda(dev_);
     Tensor one = Tensor::empty({1}, DType::i32, d, MemCategory::comm);  // the value is irrelevant
-    cudaStream_t cs = enter("barrier", Stream::comm);
+    const auto [cs, nc] = enter("barrier", Stream::comm);
     // "Every queued operation finished" (comm.h): the comm stream also waits for the streams
     // other than the caller's.
     for (int i = 0; i < kNumStreams; ++i) {
@@ -282,8 +312,7 @@ class NcclGroup final : public Group {
       if (other != Stream::comm && other != current_stream())
         Event::record(d, other).wait(Stream::comm);
     }
-    nccl_check(ncclAllReduce(one.raw(), one.raw(), 1, ncclInt32, ncclSum, nccl_, cs), nccl_,
-               "barrier", name());
+    nccl_check(ncclAllReduce(one.raw(), one.raw(), 1, ncclInt32, ncclSum, nc, cs), nc, "barrier", name());
     one.record_stream(Stream::comm);
     const uint64_t seq = seq_;
     const Event done = Event::record(d, Stream::comm);
@@ -291,19 +320,20 @@ class NcclGroup final : public Group {
     const double t0 = now_s();
     int sleep_us = 0;
     while (!done.done()) {
-      ncclResult_t async = ncclSuccess;
-      nccl_check(ncclCommGetAsyncError(nccl_, &async), nccl_, "barrier (ncclCommGetAsyncError)",
-                 name());
-      if (async != ncclSuccess && async != ncclInProgress) {
-        char msg[768];
-        std::snprintf(
-            msg, sizeof msg,
-            "NCCL error during barrier on group '%s' (%d ranks, operation #%llu): %s (%s). "
-            "Aborting the job.",
-            name().c_str(), size(), static_cast<unsigned long long>(seq), ncclGetErrorString(async),
-            ncclGetLastError(nccl_) ? ncclGetLastError(nccl_) : "");
-        abort_comm();  // frees the stuck kernels so that the process can exit
-        abort_job(3, msg);
+      for (ncclComm_t c : comms()) {  // the barrier waits for every lane's operations
+        ncclResult_t async = ncclSuccess;
+        nccl_check(ncclCommGetAsyncError(c, &async), c, "barrier (ncclCommGetAsyncError)", name());
+        if (async != ncclSuccess && async != ncclInProgress) {
+          char msg[768];
+          std::snprintf(
+              msg, sizeof msg,
+              "NCCL error during barrier on group '%s' (%d ranks, operation #%llu): %s (%s). "
+              "Aborting the job.",
+              name().c_str(), size(), static_cast<unsigned long long>(seq), ncclGetErrorString(async),
+              ncclGetLastError(c) ? ncclGetLastError(c) : "");
+          abort_comm();  // frees the stuck kernels so that the process can exit
+          abort_job(3, msg);
+        }
       }
       if (now_s() - t0 > timeout()) {
         char msg[512];
@@ -357,8 +387,38 @@ class NcclGroup final : public Group {
   // Forgets the communicator too: a static owner destroyed by exit() after abort_job must not
   // touch it again.
   void abort_comm() {
-    ncclCommAbort(nccl_);
+    std::lock_guard<std::mutex> lock(comms_mu_);
+    for (ncclComm_t c : comms()) ncclCommAbort(c);
     nccl_ = nullptr;
+    lanes_.fill(nullptr);
+  }
+  // Every distinct communicator of the group (its own first).
+  std::vector<ncclComm_t> comms() const {
+    std::vector<ncclComm_t> out;
+    if (nccl_) out.push_back(nccl_);
+    for (ncclComm_t c : lanes_)
+      if (c && std::find(out.begin(), out.end(), c) == out.end()) out.push_back(c);
+    return out;
+  }
+  // The communicator of stream `s` (see the top of the file); a new one is a collective call
+  // over the group, made with the job's deadline on the id exchange.
+  ncclComm_t lane(Stream s) {
+    ncclComm_t& l = lanes_[static_cast<size_t>(s)];
+    if (l) return l;
+    if (!own_taken_) {
+      own_taken_ = true;
+      return l = nccl_;
+    }
+    ncclUniqueId id{};
+    if (rank() == 0) nccl_check(ncclGetUniqueId(&id), nullptr, "ncclGetUniqueId", name());
+    if (mpi_ != MPI_COMM_NULL && size() > 1) {
+      MPI_Request r;
+      MPI_Ibcast(&id, static_cast<int>(sizeof id), MPI_BYTE, 0, mpi_, &r);
+      mpi_timed_wait(&r, name(), size(), "nccl_init", 0);
+    }
+    ncclComm_t c = init_comm(size(), id, rank(), name() + " (" + stream_name(s) + " stream)");
+    std::lock_guard<std::mutex> lock(comms_mu_);
+    return l = c;
   }
   void check_device(const char* op) const {
     const int cur = cuda::current_device();
@@ -381,29 +441,59 @@ class NcclGroup final : public Group {
 
   // Starts an operation: refuses a communicator NCCL has marked failed, orders stream `s` after
   // the caller's queued work and returns the CUDA stream to issue on.
-  cudaStream_t enter(const char* op, Stream s) {
+  struct Issue {
+    cudaStream_t cs;
+    ncclComm_t nc;
+  };
+  Issue enter(const char* op, Stream s) {
     const uint64_t seq = ++seq_;
+    op_ = op;
     set_current_op(name().c_str(), op, seq);
+    ncclComm_t nc = lane(s);
     ncclResult_t async = ncclSuccess;
-    nccl_check(ncclCommGetAsyncError(nccl_, &async), nccl_, "ncclCommGetAsyncError", name());
+    nccl_check(ncclCommGetAsyncError(nc, &async), nc, "ncclCommGetAsyncError", name());
     if (async != ncclInProgress)
-      nccl_check(async, nccl_, (std::string(op) + " (the communicator failed earlier)").c_str(),
-                 name());
+      nccl_check(async, nc, (std::string(op) + " (the communicator failed earlier)").c_str(), name());
     const Stream cur = current_stream();
     if (cur != s) Event::record(Device::cuda(dev_), cur).wait(s);
-    return cuda::stream_of(dev_, s);
+    return {cuda::stream_of(dev_, s), nc};
   }
   // Ends an operation issued on `s`: the tensors are marked as used there (their memory is not
   // reused before `s` passes this point) and the Work's event is recorded right after it.
   WorkPtr leave(Stream s, std::vector<Tensor> used) {
     for (const Tensor& t : used) t.record_stream(s);
-    auto w = std::make_shared<NcclWork>(Event::record(Device::cuda(dev_), s), std::move(used));
+    const Event done = Event::record(Device::cuda(dev_), s);
+    // The watchdog gives it the job's deadline: Work::wait() is a stream wait and never does.
+    watch(done, std::string(op_) + " on group '" + name() + "' (" + std::to_string(size()) + " ranks, " +
+                    stream_name(s) + " stream, operation #" + std::to_string(seq_) + ")");
+    auto w = std::make_shared<NcclWork>(done, std::move(used));
     set_current_op("", "", 0);
     return w;
   }
+  // NCCL's asynchronous error of any communicator of the group ("" while none): the watchdog's
+  // health check, polled from its thread (ncclCommGetAsyncError is safe there).
+  std::string async_error() {
+    std::lock_guard<std::mutex> lock(comms_mu_);
+    for (ncclComm_t c : comms()) {
+      ncclResult_t async = ncclSuccess;
+      if (ncclCommGetAsyncError(c, &async) != ncclSuccess) continue;
+      if (async != ncclSuccess && async != ncclInProgress) {
+        const char* last = ncclGetLastError(c);
+        return std::string("NCCL error on group '") + name() + "' (" + std::to_string(size()) +
+               " ranks, last operation: " + (op_ ? op_ : "none") + " #" + std::to_string(seq_) + "): " +
+               ncclGetErrorString(async) + (last && *last ? std::string(" (") + last + ")" : std::string());
+      }
+    }
+    return "";
+  }
 
   MPI_Comm mpi_;  // the bootstrap communicator; MPI_COMM_NULL for a single process without MPI
-  ncclComm_t nccl_;
+  ncclComm_t nccl_;  // the group's own communicator: the lane of the first stream used
+  std::array<ncclComm_t, kNumStreams> lanes_{};
+  bool own_taken_ = false;
+  std::mutex comms_mu_;        // the communicators, against the watchdog thread's reads
+  const char* op_ = nullptr;   // the operation issued last
+  int64_t health_ = 0;         // the watchdog's health check
   int dev_;  // the CUDA device the communicator was made on
   uint64_t seq_ = 0;
 };
@@ -431,7 +521,7 @@ GroupPtr make_nccl_group(MPI_Comm mpi, const std::string& name) {
       mpi_timed_wait(&r, name, size, "nccl_init", 0);
     }
     const int dev = cuda::current_device();
-    nccl_check(ncclCommInitRank(&nc, size, id, rank), nullptr, "ncclCommInitRank", name);
+    nc = init_comm(size, id, rank, name);
     made = true;
     return std::make_shared<NcclGroup>(mpi, nc, dev, name, rank, size, std::move(wr));
   } catch (...) {

@@ -20,6 +20,10 @@ const char* stream_name(Stream s) {
     case Stream::comm: return "comm";
     case Stream::wgrad: return "wgrad";
     case Stream::copy: return "copy";
+    case Stream::ep: return "ep";
+    case Stream::gather: return "gather";
+    case Stream::reduce: return "reduce";
+    case Stream::cp: return "cp";
   }
   return "?";
 }

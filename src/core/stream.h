@@ -2,12 +2,18 @@
 // keeps buffers alive across them (DESIGN.md sec. 11).
 //
 // Device work is issued on the calling thread's *current stream*: `compute` unless a
-// StreamScope names another one. The side streams exist so that communication (FSDP gathers,
-// expert all-to-all), delayed weight gradients and copies can run beside the compute stream:
+// StreamScope names another one. The side streams exist so that communication, delayed weight
+// gradients and copies run beside the compute stream. Communication has one stream per traffic
+// class, so that one class never queues behind another (a layer's dispatch all-to-all behind the
+// next layer's parameter gather or the previous layer's gradient reduction):
 //   compute  every primitive by default
-//   comm     collectives (all-gather, reduce-scatter, all-to-all, send/recv)
+//   comm     collectives outside the four classes below (control values, barriers)
 //   wgrad    weight-gradient GEMMs delayed into a communication window
 //   copy     host <-> device transfers (offload, prefetch)
+//   ep       expert-parallel dispatch and combine (high priority: the experts wait for them)
+//   gather   parameter gathers (FSDP / ZeRO units before their use)
+//   reduce   gradient reductions (reduce-scatter, all-reduce of gradients)
+//   cp       context-parallel exchanges (ring shifts, head all-to-alls)
 // Streams are ordered only through events: Event::record(dev, s) marks the work issued on s so
 // far; ev.wait(s2) makes later work on s2 wait for that mark (the host does not wait).
 //
@@ -28,8 +34,8 @@
 
 namespace bb {
 
-enum class Stream : uint8_t { compute = 0, comm, wgrad, copy };
-constexpr int kNumStreams = 4;
+enum class Stream : uint8_t { compute = 0, comm, wgrad, copy, ep, gather, reduce, cp };
+constexpr int kNumStreams = 8;
 const char* stream_name(Stream s);
 constexpr uint32_t stream_bit(Stream s) { return 1u << static_cast<uint32_t>(s); }
 

@@ -61,6 +61,8 @@ enum class Pass : uint8_t { train, recompute, eval };
 // A bias may be given before the pass (the emulated backend's balanced routing): every forward
 // of the layer adds it to the router logits, so the router, searching its top-k and reading its
 // counts back as usual, picks the experts the bias favours.
+struct DispatchPlan;  // primitives/moe/dispatcher.h
+
 struct RoutingStash {
   struct Entry {
     Tensor topk_idx;                         // [T, K] i32 on the model's device
@@ -68,6 +70,10 @@ struct RoutingStash {
     bool valid = false;
     int64_t replays = 0;  // recompute passes that reused it
     Tensor logit_bias;    // [T, E] f32 on the model's device, or undefined
+    // How the dispatcher moved this micro-batch's rows in the training forward; a recompute
+    // hands it back (DispatchState::plan), so the replayed routing moves the rows again without
+    // a second exchange of the per-expert counts (a host exchange over the EP group per layer).
+    std::shared_ptr<const DispatchPlan> dispatch_plan;
   };
   std::vector<Entry> layers;
 };

@@ -106,6 +106,7 @@ DecoderModel::DecoderModel(const ModelConfig& cfg, const ModelOptions& opts, uin
       dc.num_experts = cfg.num_experts;
       dc.group = opts_.ep_group;
       dc.num_chunks = std::max<int64_t>(1, opts_.prims.moe_dispatch.count);
+      dc.wgrad_stream = opts_.expert_wgrad_stream;
       L.blocks.push_back(std::make_unique<MoeBlock>(store_, dense, experts, prefix, mc,
                                                     opts_.prims.moe_dispatch.value(dc)));
       L.blocks.back()->units = {&dense, &experts};

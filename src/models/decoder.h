@@ -44,6 +44,9 @@ struct ModelOptions {
   // The context-parallel group the attention layers' members exchange K/V or heads over (the
   // mesh's `cp`); null: each rank attends its whole micro-batch alone.
   comm::GroupPtr cp_group;
+  // The MoE layers' expert weight gradient on the wgrad stream ([backend] expert_wgrad_stream,
+  // DispatcherConfig::wgrad_stream): where work runs, not what it computes.
+  bool expert_wgrad_stream = false;
   void validate() const;
 };
 

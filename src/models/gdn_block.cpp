@@ -126,23 +126,32 @@ Tensor GdnBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) 
   Saved& S = saved ? static_cast<Saved&>(*saved) : local;
   S.x = x;
   S.h = rmsnorm_forward(x, ln_->value, cfg_.rms_norm_eps, &S.rms, kAct, cfg_.zero_centered_norm);
-  // q, k, v: projection -> (to heads) -> depthwise causal conv -> SiLU, per row block of the
-  // fused weights.
+  // The six projections (q, k, v per row block of the fused weight, then z, a, b), each one's
+  // exchange to heads (under context parallelism) posted as soon as it is queued: the later
+  // projections' GEMMs run while the earlier exchanges travel. They travel in the projections'
+  // dtype (bf16 on a GPU); q, k and v are widened to f32 for the convs after the exchange (the
+  // values widening before it gave, at half the bytes).
+  PendingExchange pre[3];
   for (int i = 0; i < 3; ++i) {
     const auto [row0, rows] = qkv_rows(i);
-    S.pre[i] = xchg_.to_heads(
-        block::as_dtype(linear_forward(S.h, w_qkv_->value.narrow(row0, rows), Tensor()), DType::f32),
-        qkv_heads(i).first, mb, kAct);
+    pre[i] = xchg_.start_to_heads(linear_forward(S.h, w_qkv_->value.narrow(row0, rows), Tensor()),
+                                  qkv_heads(i).first, mb, kAct);
+  }
+  PendingExchange z = xchg_.start_to_heads(linear_forward(S.h, w_z_->value, Tensor()), Hv, mb, kAct);
+  PendingExchange a = xchg_.start_to_heads(linear_forward(S.h, w_a_->value, Tensor()), Hv, mb, kAct);
+  PendingExchange b = xchg_.start_to_heads(linear_forward(S.h, w_b_->value, Tensor()), Hv, mb, kAct);
+  // q, k, v: (to heads) -> depthwise causal conv -> SiLU.
+  for (int i = 0; i < 3; ++i) {
+    S.pre[i] = block::as_dtype(pre[i].get(), DType::f32);
     S.act[i] = conv_act(i, S.pre[i], mb, x);
   }
-  S.z = xchg_.to_heads(linear_forward(S.h, w_z_->value, Tensor()), Hv, mb, kAct);
-  S.a = xchg_.to_heads(linear_forward(S.h, w_a_->value, Tensor()), Hv, mb, kAct);
+  S.z = z.get();
+  S.a = a.get();
   const auto [vh0, hv] = xchg_.my_heads(Hv, mb, "Gated DeltaNet under context parallelism");
   const int64_t hk = hv * Hk / Hv;
   const int64_t T = S.a.size(0);  // rows of the head-sharded tensors (the whole sequences under cp)
   {
-    const Tensor b = xchg_.to_heads(linear_forward(S.h, w_b_->value, Tensor()), Hv, mb, kAct);
-    GdnGates gates = gdn_gates_forward(S.a, b, a_log_->value.narrow(vh0, hv), dt_bias_->value.narrow(vh0, hv));
+    GdnGates gates = gdn_gates_forward(S.a, b.get(), a_log_->value.narrow(vh0, hv), dt_bias_->value.narrow(vh0, hv));
     S.g = gates.g;
     S.beta = gates.beta;
   }
@@ -203,32 +212,46 @@ Tensor GdnBlock::backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved&
   Tensor d_a_log = a_log_->grad.narrow(vh0, hv), d_dt_bias = dt_bias_->grad.narrow(vh0, hv);
   auto [d_a, d_b] = gdn_gates_backward(gg.d_g, gg.d_beta, S.a, S.g, S.beta, a_log_->value.narrow(vh0, hv),
                                        dt_bias_->value.narrow(vh0, hv), d_a_log, d_dt_bias);
+  // Every gradient goes back from heads as soon as it is ready, already in its projection's
+  // weight dtype (the projections' backward rounds it to that dtype first anyway: the same
+  // values at half the bytes on a GPU), and the convs' backward runs while z's, b's and a's
+  // travel; the projections' backward then takes them in the order as before.
+  PendingExchange back_z = xchg_.start_from_heads(block::as_dtype(d_z.view({T, hv * Dv}), w_z_->value.dtype()), Hv,
+                                                  mb, kAct);
+  PendingExchange back_b = xchg_.start_from_heads(block::as_dtype(d_b, w_b_->value.dtype()), Hv, mb, kAct);
+  PendingExchange back_a = xchg_.start_from_heads(block::as_dtype(d_a, w_a_->value.dtype()), Hv, mb, kAct);
+  d_z = d_b = d_a = Tensor();
 
   // Through the convs (their filter gradients added here) and the projections.
   const Tensor filters = conv_->value.view({conv_->shape[0], cfg_.conv_kernel});
   Tensor filter_grads = conv_->grad.view({conv_->shape[0], cfg_.conv_kernel});
   const Tensor* d_act[3] = {&gg.d_q, &gg.d_k, &gg.d_v};
+  PendingExchange back_pre[3];
+  for (int i = 0; i < 3; ++i) {
+    const auto [c0, crows] = my_conv_rows(i, mb);
+    Tensor d_w = filter_grads.narrow(c0, crows);
+    back_pre[i] = xchg_.start_from_heads(
+        block::as_dtype(causal_conv1d_backward(d_act[i]->view({T, crows}), S.pre[i],
+                                               block::as_dtype(filters.narrow(c0, crows), DType::f32), cu,
+                                               /*silu=*/true, d_w),
+                        w_qkv_->value.dtype()),
+        qkv_heads(i).first, mb, kAct);
+  }
+  gg = GatedDeltaGrads{};
   if (!S.h.defined())  // selective recompute of `norms`
     S.h = rmsnorm_forward(S.x, ln_->value, cfg_.rms_norm_eps, nullptr, kAct, cfg_.zero_centered_norm);
   Tensor d_h;
   for (int i = 0; i < 3; ++i) {
     const auto [row0, rows] = qkv_rows(i);
-    const auto [c0, crows] = my_conv_rows(i, mb);
-    Tensor d_w = filter_grads.narrow(c0, crows);
-    const Tensor d_pre = xchg_.from_heads(
-        causal_conv1d_backward(d_act[i]->view({T, crows}), S.pre[i],
-                               block::as_dtype(filters.narrow(c0, crows), DType::f32), cu, /*silu=*/true, d_w),
-        qkv_heads(i).first, mb, kAct);
+    const Tensor d_pre = back_pre[i].get();
     if (i == 0)
       d_h = row_linear_backward(ctx, S, d_pre, S.h, w_qkv_, row0, rows, nullptr);
     else
       row_linear_backward(ctx, S, d_pre, S.h, w_qkv_, row0, rows, &d_h);
   }
-  gg = GatedDeltaGrads{};
-  block::linear_backward_acc(ctx, S, xchg_.from_heads(d_z.view({T, hv * Dv}), Hv, mb, kAct), S.h, w_z_,
-                             nullptr, d_h);
-  block::linear_backward_acc(ctx, S, xchg_.from_heads(d_b, Hv, mb, kAct), S.h, w_b_, nullptr, d_h);
-  block::linear_backward_acc(ctx, S, xchg_.from_heads(d_a, Hv, mb, kAct), S.h, w_a_, nullptr, d_h);
+  block::linear_backward_acc(ctx, S, back_z.get(), S.h, w_z_, nullptr, d_h);
+  block::linear_backward_acc(ctx, S, back_b.get(), S.h, w_b_, nullptr, d_h);
+  block::linear_backward_acc(ctx, S, back_a.get(), S.h, w_a_, nullptr, d_h);
   return block::norm_backward_with_skip(d_h, S.x, ln_, S.rms, cfg_.zero_centered_norm, d_y);
 }
 

@@ -163,11 +163,15 @@ Tensor MoeBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) 
   Tensor x_perm = permute_forward(S.h, S.map);
   Tensor row_prob = mem_eff ? permute_probs(r.topk_prob, S.map) : Tensor();
   Tensor y_perm;
+  // A recompute moves the rows as the training forward did (the same replayed routing): the
+  // forward's dispatch plan is handed back, so the counts are not exchanged again.
+  if (ctx.pass == Pass::recompute && slot && slot->dispatch_plan) S.dispatch.plan = slot->dispatch_plan;
   if (rebuild_only && mem_eff)
     dispatcher_->forward_for_backward(x_perm, row_prob, r.tokens_per_expert, expert_calls(ctx, S), S.dispatch);
   else
     y_perm = dispatcher_->forward(x_perm, row_prob, r.tokens_per_expert, expert_calls(ctx, S), S.dispatch);
   x_perm = row_prob = Tensor();
+  if (ctx.pass == Pass::train && slot) slot->dispatch_plan = S.dispatch.plan;
   if (ctx.stats && ctx.pass != Pass::recompute) ctx.stats->moe_rows_received += S.dispatch.num_rows();
   if (!mem_eff) S.y_perm = y_perm;  // unpermute's backward needs it to form d_prob
   Tensor out = rebuild_only ? Tensor() : unpermute_forward(y_perm, S.map, mem_eff ? Tensor() : r.topk_prob);

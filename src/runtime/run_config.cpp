@@ -283,6 +283,7 @@ RunConfig build(const toml::value& root, const std::string& src) {
   em.read("comm_blocks", e.comm_blocks, 1, 1024);
   em.read("wire_scale", e.wire_scale);
   em.read("device_memory_gib", e.device_memory_gib);
+  em.read("hang_at_op", e.hang_at_op, 0, int64_t{1} << 40);
   em.finish();
   if (c.comm == "emulated") e.validate();
 
@@ -374,6 +375,9 @@ RunConfig build(const toml::value& root, const std::string& src) {
   be.read("optimizer_in_backward", b.optimizer_in_backward);
   be.read("master_storage", b.master_storage);
   be.read("max_layers_ahead", b.max_layers_ahead, 0, 1000);
+  be.read("expert_wgrad_stream", b.expert_wgrad_stream);
+  be.read("grad_reduce_dtype", b.grad_reduce_dtype);
+  be.read("fsdp_reduce", b.fsdp_reduce);
   be.read("cudnn_library", b.cudnn_library);
   be.finish();
   b.validate(src);

@@ -155,6 +155,10 @@ ForwardStats Schedule::forward_backward(const MicroBatch& mb, float loss_scale, 
   model_.embed_backward(d, mb);
   d = Tensor();
   after_end(ModelEnd::embed_backward, Pass::train);
+  // Weight gradients issued on the wgrad stream (the experts', [backend] expert_wgrad_stream)
+  // are final for whoever reads the gradients after the micro-batch (the optimizer, the norm).
+  const Device dev = model_.options().device;
+  if (dev.is_cuda()) Event::record(dev, Stream::wgrad).wait(Stream::compute);
   end();
   return st;
 }

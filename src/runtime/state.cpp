@@ -36,7 +36,9 @@ struct ModelState::Unit {
   Tensor value_shard, grad_shard;      // fsdp: [S] values (params) and gradients (grads)
   Tensor full_value, full_grad;        // fsdp: gathered values, whole gradient in backward (comm)
   comm::WorkPtr gather_work, reduce_work;
-  Tensor reduce_out;  // [S] f32 (comm): a reduce-scatter's result until drained
+  // [S] (comm): a reduce-scatter's result until drained, in the reduction's dtype; a whole
+  // unit's bf16 all-reduce buffer [n] (an f32 all-reduce works in place)
+  Tensor reduce_out;
   // skip_step (optimizer): master [master size] in its dtype, both moments [2 x master size] in
   // theirs, and a split master's upper half (the owned values [master size]), as they were
   // before the step.
@@ -255,7 +257,7 @@ void ModelState::gather(Unit& u, bool wait) {
   if (!sharded(u)) return;
   if (!u.full_value.defined()) {
     u.full_value = Tensor::empty({u.N * u.S}, u.value_shard.dtype(), u.value_shard.device(), MemCategory::comm);
-    u.gather_work = u.g->all_gather(u.value_shard, u.full_value);
+    u.gather_work = u.g->all_gather(u.value_shard, u.full_value, Stream::gather);
   }
   if (wait) ensure(u);
 }
@@ -286,10 +288,36 @@ void ModelState::grads_begin(Unit& u) {
   model_.param_store().rebind(*u.u, u.full_value, u.full_grad);
 }
 
+void ModelState::set_reduction(DType dtype, bool fsdp_per_step) {
+  BB_CHECK(dtype == DType::f32 || dtype == DType::bf16, "ModelState::set_reduction: gradients are reduced in f32 or "
+           "bf16, not ", dtype_name(dtype));
+  BB_CHECK(pending_.empty(), "ModelState::set_reduction: reductions are in flight");
+  reduce_dtype_ = dtype;
+  fsdp_per_step_ = fsdp_per_step;
+}
+
+// A reduction reads gradients that weight-gradient GEMMs on the wgrad stream may still write
+// (the experts' delayed wgrad, primitives/moe/dispatcher.h): the reduce stream waits for them
+// (nothing to wait for on the CPU, where every stream's work is done when issued). In bf16 the
+// rounded copy is made on the reduce stream, behind the work queued so far.
+Tensor ModelState::reduce_input(const Tensor& grad) {
+  const Device dev = grad.device();
+  if (dev.is_cuda()) Event::record(dev, Stream::wgrad).wait(Stream::reduce);
+  if (reduce_dtype_ == DType::f32) return grad;
+  if (dev.is_cuda()) Event::record(dev, current_stream()).wait(Stream::reduce);
+  StreamScope on(Stream::reduce);
+  Tensor b = grad.to_dtype(reduce_dtype_, MemCategory::comm);
+  grad.record_stream(Stream::reduce);
+  return b;
+}
+
 void ModelState::grads_end(Unit& u) {
   if (!sharded(u) || !u.full_grad.defined()) return;
-  u.reduce_out = Tensor::empty({u.S}, DType::f32, u.grad_shard.device(), MemCategory::comm);
-  u.reduce_work = u.g->reduce_scatter(u.full_grad, u.reduce_out);
+  // fsdp_reduce = "step": the whole gradient stays bound and the next micro-batch adds to it.
+  if (fsdp_per_step_ && !last_micro_) return;
+  const Tensor in = reduce_input(u.full_grad);
+  u.reduce_out = Tensor::empty({u.S}, in.dtype(), u.grad_shard.device(), MemCategory::comm);
+  u.reduce_work = u.g->reduce_scatter(in, u.reduce_out, comm::ReduceOp::sum, Stream::reduce);
   u.full_grad = Tensor();  // the Work holds it until the reduction is done
   model_.param_store().rebind(*u.u, u.full_value, Tensor());
   pending_.push_back(&u);
@@ -298,10 +326,13 @@ void ModelState::grads_end(Unit& u) {
 void ModelState::reduce_grads(Unit& u) {
   if (u.N == 1) return;
   if (u.mode == Mode::whole) {
-    u.reduce_work = u.g->all_reduce(u.u->grad);
+    const Tensor in = reduce_input(u.u->grad);
+    if (in.dtype() != u.u->grad.dtype()) u.reduce_out = in;  // drained back into the f32 gradient
+    u.reduce_work = u.g->all_reduce(in, comm::ReduceOp::sum, Stream::reduce);
   } else {  // zero1: this rank's shard of the summed gradient
-    u.reduce_out = Tensor::empty({u.S}, DType::f32, u.grad_buf.device(), MemCategory::comm);
-    u.reduce_work = u.g->reduce_scatter(u.grad_buf, u.reduce_out);
+    const Tensor in = reduce_input(u.grad_buf);
+    u.reduce_out = Tensor::empty({u.S}, in.dtype(), u.grad_buf.device(), MemCategory::comm);
+    u.reduce_work = u.g->reduce_scatter(in, u.reduce_out, comm::ReduceOp::sum, Stream::reduce);
   }
   pending_.push_back(&u);
 }
@@ -322,12 +353,7 @@ bool ModelState::early_norm_applies(const Unit& u) const {
 bool ModelState::early_norm(Unit& u, bool with_update) {
   if (!early_norm_applies(u)) return false;
   const Tensor& g = u.u->grad;
-  if (!norm_slots_.defined()) {
-    // One f64 sum per unit: scratch kept across steps, not optimizer state (category workspace,
-    // so the optimizer category stays at its closed form).
-    norm_slots_ = Tensor::zeros({static_cast<int64_t>(units_.size())}, DType::i64, g.device(), MemCategory::workspace);
-    norm_early_.assign(units_.size(), 0);
-  }
+  ensure_norm_slots(g.device());
   // After everything that wrote the gradient (the compute stream, and delayed wgrads).
   copy_after_grads(g.device());
   {
@@ -339,6 +365,14 @@ bool ModelState::early_norm(Unit& u, bool with_update) {
   }
   norm_early_[u.index] = 1;
   return true;
+}
+
+// One f64 sum per unit: scratch kept across steps, not optimizer state (category workspace, so
+// the optimizer category stays at its closed form).
+void ModelState::ensure_norm_slots(const Device& dev) {
+  if (norm_slots_.defined()) return;
+  norm_slots_ = Tensor::zeros({static_cast<int64_t>(units_.size())}, DType::i64, dev, MemCategory::workspace);
+  norm_early_.assign(units_.size(), 0);
 }
 
 // The copy stream waits for everything issued so far that may write a gradient (the compute
@@ -406,9 +440,12 @@ void ModelState::drain() {
     u->reduce_work.reset();
     if (u->mode == Mode::fsdp) {
       Tensor g = u->grad_shard;
-      add_inplace(g, u->reduce_out);
+      add_inplace(g, u->reduce_out);  // widens a bf16 reduction
     } else if (u->mode == Mode::zero1) {
-      u->grad_buf.narrow(u->r * u->S, u->S).copy_from(u->reduce_out);
+      const Tensor& r = u->reduce_out;
+      u->grad_buf.narrow(u->r * u->S, u->S).copy_from(r.dtype() == DType::f32 ? r : r.to_dtype(DType::f32));
+    } else if (u->reduce_out.defined()) {  // a whole unit's bf16 all-reduce
+      u->u->grad.copy_from(u->reduce_out.to_dtype(DType::f32));
     }
     u->reduce_out = Tensor();
   }
@@ -656,26 +693,40 @@ double ModelState::grad_norm() {
   model_.param_store().materialize_grads();
   // Each rank sums the squares of the elements it writes to checkpoints (for whole units: its
   // 1/N of them), so one all-reduce over the world counts every element once.
-  double local = 0;
+  // A GPU unit's sum goes into its f64 slot on the compute stream (sum_of_squares_to: the bits
+  // sum_of_squares returns), beside the sums enqueued early on the copy stream; one host read
+  // then takes them all (before: one host sync per unit). Summed in unit order, as before.
   comm::Group* world = nullptr;
-  std::vector<double> early;
-  if (norm_pending_) {  // the sums enqueued beside the backward: one read for all of them
+  std::vector<double> sums(units_.size(), 0.0);
+  std::vector<char> in_slot(units_.size(), 0);
+  bool any_slot = false;
+  if (norm_pending_) {  // the sums enqueued beside the backward
     join_early_norms();
-    early.resize(units_.size());
-    const Tensor host = norm_slots_.to(Device::cpu());  // the one host read of the early sums
-    std::memcpy(early.data(), host.data<int64_t>(), early.size() * sizeof(double));
+    for (size_t i = 0; i < units_.size() && i < norm_early_.size(); ++i) in_slot[i] = norm_early_[i];
+    any_slot = true;
   }
   for (auto& up : units_) {
     Unit& u = *up;
-    if (u.len == 0) continue;
-    if (!early.empty() && norm_early_[u.index]) {
-      local += early[u.index];
-      norm_early_[u.index] = 0;
-      continue;
-    }
+    if (u.len == 0 || in_slot[u.index]) continue;
     Tensor g = u.mode == Mode::fsdp ? u.grad_shard.narrow(0, u.len) : u.u->grad.narrow(u.lo, u.len);
-    local += sum_of_squares(g);
+    if (g.device().is_cuda()) {
+      ensure_norm_slots(g.device());
+      sum_of_squares_to(g, norm_slots_, static_cast<int64_t>(u.index));
+      in_slot[u.index] = 1;
+      any_slot = true;
+    } else {
+      sums[u.index] = sum_of_squares(g);
+    }
   }
+  if (any_slot) {
+    const Tensor host = norm_slots_.to(Device::cpu());  // the one host read of the step's sums
+    for (size_t i = 0; i < units_.size(); ++i)
+      if (in_slot[i]) std::memcpy(&sums[i], host.data<int64_t>() + i, sizeof(double));
+    std::fill(norm_early_.begin(), norm_early_.end(), 0);
+  }
+  double local = 0;
+  for (auto& up : units_)
+    if (up->len > 0) local += sums[up->index];
   for (auto& up : units_)
     if (!world || up->g->size() > world->size()) world = up->g;
   // The dense group spans every rank while PP = 1 (expert groups are a part of it).
@@ -780,7 +831,7 @@ void ModelState::step(int64_t step, double lr, double weight_decay, const AdamWC
     if (u.index < updated_.size() && updated_[u.index]) continue;  // done during the backward
     update_unit(u, step, lr, weight_decay, cfg, nonfinite, false);
     if (u.mode == Mode::zero1)
-      gathers.push_back(u.g->all_gather(u.value_buf.narrow(u.r * u.S, u.S), u.value_buf));
+      gathers.push_back(u.g->all_gather(u.value_buf.narrow(u.r * u.S, u.S), u.value_buf, Stream::gather));
   }
   for (auto& w : gathers) w->wait();
   std::fill(updated_.begin(), updated_.end(), 0);
@@ -799,7 +850,7 @@ void ModelState::values_from_masters() {
       dst.copy_from(u.master.narrow(0, len).to_dtype(dst.dtype(), MemCategory::other));
     }
     if (u.mode == Mode::zero1)
-      gathers.push_back(u.g->all_gather(u.value_buf.narrow(u.r * u.S, u.S), u.value_buf));
+      gathers.push_back(u.g->all_gather(u.value_buf.narrow(u.r * u.S, u.S), u.value_buf, Stream::gather));
   }
   for (auto& w : gathers) w->wait();
 }

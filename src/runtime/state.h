@@ -26,7 +26,10 @@
 // embedding or head unit in use gathered (category comm; both at the head when the embeddings
 // are tied, whose whole gradient then stays allocated from the head to the embedding backward),
 // and the whole gradient of the units in backward until their reduce-scatter is drained one
-// layer later. A group of one rank shards
+// layer later ([backend] fsdp_reduce = "step": every fsdp unit's whole gradient from its first
+// backward of the step to the last micro-batch's reduce-scatter). [backend] grad_reduce_dtype =
+// "bf16" adds a bf16 copy of what is being reduced (2 bytes an element, comm) and halves the
+// reduce-scatter's output. A group of one rank shards
 // nothing: every family is then the single-rank path with no copies.
 //
 // Dense, embedding and head units are held by the mesh's `dense` group (all ranks while PP = 1),
@@ -105,6 +108,14 @@ class ModelState final : public LayerHooks {
   size_t embedding_split_updates() const { return embed_split_steps_; }
   void begin_micro_batch(bool last);
   void end_backward();
+  // How gradients are reduced ([backend] grad_reduce_dtype, fsdp_reduce). dtype f32: the f32
+  // gradients themselves; bf16: each rank's f32 gradient rounded to bf16 (on the reduce stream),
+  // summed in bf16 by the backend (NCCL adds in bf16 at every ring step; MPI on the CPU in f32,
+  // rounded once) and widened back: half the bytes on the wire and in the reduction buffers.
+  // fsdp_per_step: fsdp units keep their whole f32 gradient across the step's micro-batches and
+  // reduce-scatter once, after the last (4 bytes an element of every fsdp unit more, category
+  // comm, while the step lasts), instead of once per micro-batch. Set before the first step.
+  void set_reduction(DType dtype, bool fsdp_per_step);
   // The global gradient norm (before clipping), the same on every rank.
   double grad_norm();
   // `nonfinite`, if given: i32 [num_units()] on the state's device; element i is set to 1 when
@@ -170,11 +181,13 @@ class ModelState final : public LayerHooks {
   void grads_begin(Unit& u);
   void grads_end(Unit& u);
   void drain();
+  Tensor reduce_input(const Tensor& grad);  // what a reduction of `grad` sends (set_reduction)
   bool early_norm_applies(const Unit& u) const;
   // The unit's sum of squares beside the backward (grad_norm reads it), fused with its update
   // when with_update; false when it does not apply (nothing enqueued).
   bool early_norm(Unit& u, bool with_update);
   void join_early_norms();
+  void ensure_norm_slots(const Device& dev);
   void copy_after_grads(const Device& dev);
   void unit_final(Unit& u);    // the unit's gradient is final: early norm, then early update
   // norm_slots: also the unit's gradient sum of squares into (*norm_slots)[u.index], in the
@@ -201,6 +214,8 @@ class ModelState final : public LayerHooks {
   DecoderModel& model_;
   bool tied_ = false;
   bool last_micro_ = true;
+  DType reduce_dtype_ = DType::f32;
+  bool fsdp_per_step_ = false;
   std::vector<std::unique_ptr<Unit>> units_;
   std::vector<std::vector<Unit*>> by_layer_;
   Unit* embed_ = nullptr;

@@ -47,6 +47,7 @@ ModelOptions model_options(const RunConfig& c) {
   o.z_loss_coef = c.z_loss_coef;
   o.device = c.resolved_device();
   o.param_dtype = c.resolved_param_dtype();
+  o.expert_wgrad_stream = c.backend.expert_wgrad_stream;
   return o;
 }
 
@@ -354,6 +355,8 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
   const bool split = splits_master(cfg.backend.master_storage, cfg.resolved_param_dtype());
   state_ = std::make_unique<ModelState>(cfg.prim.state.value, *model_, *mesh_, masters.empty() ? nullptr : &masters,
                                         cfg.prim.optimizer.value, cfg.seed, split);
+  state_->set_reduction(cfg.backend.grad_reduce_dtype == "bf16" ? DType::bf16 : DType::f32,
+                        cfg.backend.fsdp_reduce == "step");
   masters.clear();
   schedule_->add_hooks(state_.get());
   if (layout.cp > 1) {

@@ -351,6 +351,44 @@ TEST(EmulatedTrainer, IdenticalDataOnEveryRankTrainsLikeOneRank) {
   for (size_t i = 0; i < emu.grads.size(); ++i) EXPECT_LT(test::rel_error(emu.grads[i], one.grads[i]), 1e-6) << i;
 }
 
+// The reduction settings change what goes on the wire as documented: fsdp_reduce = "step"
+// reduce-scatters every unit once per step instead of once per micro-batch (grad_accum 2: one
+// reduce-scatter less per unit), grad_reduce_dtype = "bf16" halves the bytes of the gradient
+// reduce-scatters.
+TEST(EmulatedTrainer, ReductionSettingsChangeWhatTheWireCarries) {
+  const std::string dir = make_tmpdir();
+  const std::string run = write_run(dir, small_model(), "");
+  struct Wire {
+    int64_t ops = 0, bytes = 0;
+    size_t units = 0;
+  };
+  auto wire_of = [&](const std::string& setting) {
+    Trainer t(load_run_config(run, {"parallel.comm=\"emulated\"", "emulate.ranks=4", "primitives.state=\"fsdp\"",
+                                    "train.grad_accum=2", "checkpoint.dir=\"\"", "train.grad_clip=0", setting}),
+              nullptr);
+    comm::reset_emulated_totals();
+    t.train_step();
+    const comm::EmulatedTotals e = comm::emulated_totals();
+    Wire w;
+    for (int c = 0; c < comm::EmulatedTotals::kClasses; ++c)
+      if (std::string(comm::EmulatedTotals::class_name(c)) == "grad_reduce") {
+        w.ops = e.ops[c];
+        w.bytes = e.bytes[c];
+      }
+    w.units = t.model().units().size();
+    return w;
+  };
+  const Wire micro = wire_of("backend.fsdp_reduce=\"micro_batch\""), step = wire_of("backend.fsdp_reduce=\"step\"");
+  const Wire bf16 = wire_of("backend.grad_reduce_dtype=\"bf16\"");
+  ASSERT_GT(micro.units, 0u);
+  EXPECT_EQ(micro.ops - step.ops, static_cast<int64_t>(micro.units));
+  EXPECT_EQ(bf16.ops, micro.ops);
+  // The f32 reduce-scatters' bytes are halved; the step's few small f32 all-reduces (loss, norm)
+  // stay, so the ratio is a little above 1/2.
+  EXPECT_GT(static_cast<double>(bf16.bytes), 0.49 * static_cast<double>(micro.bytes));
+  EXPECT_LT(static_cast<double>(bf16.bytes), 0.52 * static_cast<double>(micro.bytes));
+}
+
 // Every shipped run config parses, and the 8-GPU recipe's layout fits an emulated job of 8 as it
 // fits 8 processes (what bench/emulated.sh and skills/emulated-comm.md run).
 TEST(EmulatedTrainer, ShippedConfigsParseAndTheRecipeFitsEightEmulatedRanks) {

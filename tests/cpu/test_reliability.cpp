@@ -2,7 +2,11 @@
 // shared or locked, metrics, masked data, hostile configs and data). Each failed before the fix.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <mutex>
+#include <thread>
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -10,6 +14,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "comm/watchdog.h"
 #include "common/run.h"
 #include "common/testing.h"
 #include "io/fs.h"
@@ -48,6 +53,77 @@ std::vector<std::vector<float>> masters(Trainer& t) {
 
 // A learning rate that overflows the weights stops the run at that step; `latest` still names the
 // last good checkpoint (keep = 1 did not prune it) and it resumes.
+// ---- the collective watchdog (comm/watchdog.h) ---------------------------------------------------
+
+// What the watchdog would end the job with, captured (its action replaced for the test).
+struct WatchdogCapture {
+  std::mutex mu;
+  std::vector<std::string> messages;
+  double old_timeout = comm::timeout();
+  WatchdogCapture() {
+    comm::set_watchdog_action_for_tests([this](const std::string& m) {
+      std::lock_guard<std::mutex> lock(mu);
+      messages.push_back(m);
+    });
+  }
+  ~WatchdogCapture() {
+    comm::set_watchdog_action_for_tests({});
+    comm::set_timeout(old_timeout);
+  }
+  // Waits up to 10 s for a first message.
+  std::string first() {
+    for (int i = 0; i < 1000; ++i) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!messages.empty()) return messages.front();
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return "";
+  }
+};
+
+// A collective that never completes ends the job after parallel.timeout_s with a message naming
+// it; one that completes is dropped and never reported.
+TEST(Watchdog, AnOverdueCollectiveEndsTheJobNamingTheOperationAndGroup) {
+  WatchdogCapture cap;
+  comm::set_timeout(0.3);
+  std::atomic<bool> second_done{false};
+  comm::watch([&] { return second_done.load(); }, "reduce_scatter on group 'dense' (operation #3)");
+  const auto t0 = std::chrono::steady_clock::now();
+  comm::watch([] { return false; }, "all_to_all_v on group 'ep' (operation #7)");
+  second_done = true;
+  const std::string m = cap.first();
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(m.find("communication timeout: all_to_all_v on group 'ep' (operation #7)"), std::string::npos) << m;
+  EXPECT_NE(m.find("parallel.timeout_s = 0.3 s"), std::string::npos) << m;
+  EXPECT_EQ(m.find("reduce_scatter"), std::string::npos) << m;
+  EXPECT_GE(waited, 0.3);
+  EXPECT_LT(waited, 5.0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(comm::watched_count(), 0);  // the fired one is dropped, the completed one too
+}
+
+// A health check that reports an error (NCCL's asynchronous error state) ends the job with that
+// error, after the abort hooks ran (ncclCommAbort frees the stuck kernels).
+TEST(Watchdog, AFailedHealthCheckRunsTheAbortHooksAndEndsTheJob) {
+  WatchdogCapture cap;
+  std::atomic<bool> broken{false}, aborted{false};
+  const int64_t id = comm::add_health_check(
+      [&] { return broken ? std::string("NCCL error on group 'ep': remote process exited") : std::string(); },
+      [&] { aborted = true; });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  {
+    std::lock_guard<std::mutex> lock(cap.mu);
+    EXPECT_TRUE(cap.messages.empty()) << "a healthy check fired";
+  }
+  broken = true;
+  const std::string m = cap.first();
+  comm::remove_health_check(id);
+  EXPECT_NE(m.find("NCCL error on group 'ep': remote process exited. Aborting the job."), std::string::npos) << m;
+  EXPECT_TRUE(aborted);
+}
+
 TEST(NonFinite, OverflowingUpdateAbortsAndKeepsTheLastGoodCheckpoint) {
   const std::string dir = make_tmpdir();
   const std::string run = write_run(dir, small_model());

@@ -8,7 +8,10 @@
 // wire is done with it, reads other bytes. A read that skips its wait is shown to see them.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <sstream>
@@ -299,6 +302,58 @@ TEST(EmulatedGpu, PacingTheHostChangesNothingButTheWaits) {
   EXPECT_GT(paced.layer_waits, 0) << "the host never had to wait for the GPU";
   EXPECT_EQ(free.layer_waits, 0);
   expect_bitwise(paced, free, "max_layers_ahead 2 against no limit");
+}
+
+// backend.expert_wgrad_stream: the experts' weight gradient on the wgrad stream, beside the
+// dispatch-backward all-to-all and the layer's attention backward. Bitwise the run without it,
+// with the wire at its modelled speed and slowed 500 x (the all-to-alls then end long after the
+// wgrad started: a reduction or an optimizer that did not wait for the wgrad stream, or a
+// buffer of the wgrad's reused too early, would change bits), over fsdp's per-layer
+// reduce-scatter, zero1's reduction after the backward, and full recompute.
+TEST(EmulatedGpu, ExpertWgradStreamIsBitIdentical) {
+  BB_REQUIRE_GPU();
+  const std::string dir = make_tmpdir();
+  const std::string model = write_model(dir, true);
+  const std::vector<std::vector<std::string>> layouts = {
+      {"primitives.state=\"fsdp\"", "parallel.ep=4", "primitives.moe_dispatch=\"chunked_alltoall:2\""},
+      {"primitives.state=\"zero1\"", "parallel.ep=4", "primitives.moe_dispatch=\"alltoall\"",
+       "primitives.recompute=\"full\"", "primitives.permute=\"memory_efficient\""},
+      {"primitives.state=\"fsdp\"", "parallel.ep=4", "primitives.moe_dispatch=\"allgather\""}};
+  for (const auto& l : layouts) {
+    std::vector<std::string> off = l, on = l;
+    off.push_back("backend.expert_wgrad_stream=false");
+    on.push_back("backend.expert_wgrad_stream=true");
+    const Outcome a = train(model, off, 1), b = train(model, on, 1), slow = train(model, on, 500);
+    for (double x : a.loss) EXPECT_TRUE(std::isfinite(x));
+    expect_bitwise(a, b, (l[0] + " " + l[2] + ": the wgrad stream against the compute stream").c_str());
+    expect_bitwise(a, slow, (l[0] + " " + l[2] + ": the wgrad stream with the wire slowed 500 x").c_str());
+  }
+}
+
+// A collective that never completes (emulate.hang_at_op: its wire kernel holds the stream, as a
+// collective whose peer died would) ends the job within parallel.timeout_s, with exit status 3
+// and a message naming the operation and its group: the collective watchdog (comm/watchdog.h),
+// whatever the host is blocked in meanwhile (a read of router counts or of the loss has no
+// deadline of its own).
+TEST(EmulatedGpuDeathTest, AHungCollectiveEndsTheJobNamingIt) {
+  BB_REQUIRE_GPU();
+  GTEST_FLAG_SET(death_test_style, "threadsafe");  // the child starts afresh (CUDA is not fork-safe)
+  const std::string dir = make_tmpdir();
+  const std::string model = write_model(dir, false);
+  const std::vector<std::string> layout = {"parallel.ep=4", "primitives.moe_dispatch=\"chunked_alltoall:2\"",
+                                           "primitives.state=\"fsdp\"", "emulate.hang_at_op=5",
+                                           "parallel.timeout_s=3"};
+  EXPECT_EXIT(
+      {
+        const auto t0 = std::chrono::steady_clock::now();
+        train(model, layout, 1);
+        std::fprintf(stderr, "the job went on for %.1f s\n",
+                     std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(3),
+      "communication timeout: [a-z_]+ on group '[a-z]+' \\([0-9]+ ranks, [a-z]+ stream, emulated operation #5\\) did "
+      "not complete within parallel.timeout_s = 3 s");
 }
 
 #endif

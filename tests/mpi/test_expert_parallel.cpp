@@ -142,6 +142,9 @@ TEST(ExpertParallel, ChunkedUnderFullRecomputeAndMemoryEfficientPermute) {
         EXPECT_EQ(c.expert_forwards, 3 * c.forwards) << "fc2 ran outside the training forward";
         EXPECT_EQ(c.combines, 3 * c.forwards) << "a combine ran outside the training forward";
         EXPECT_EQ(c.expert_rebuilds, 3 * c.forwards_for_backward);
+        // The recompute reused the training forward's plan: one count exchange per micro-batch.
+        EXPECT_EQ(c.plans, c.forwards) << "a recompute exchanged the counts again";
+        EXPECT_EQ(c.plans_reused, c.forwards_for_backward);
       }
   EXPECT_GT(moe_layers, 0);
   // And the same EP run without recompute gives the same bits.
@@ -153,6 +156,48 @@ TEST(ExpertParallel, ChunkedUnderFullRecomputeAndMemoryEfficientPermute) {
     EXPECT_EQ(got[s].aux_loss, want[s].aux_loss) << "step " << s + 1;
     EXPECT_EQ(got[s].grad_norm, want[s].grad_norm) << "step " << s + 1;
   }
+}
+
+// The recompute reuses the training forward's dispatch plan with either permute and either
+// member that exchanges counts (alltoall, allgather): one count exchange per MoE layer and
+// micro-batch instead of two, and the run is the same as without recompute. The standard
+// permute's recompute runs the whole forward (fc2 and the combine: its backward reads y_perm).
+TEST(ExpertParallel, RecomputeReusesTheForwardsDispatchPlan) {
+  if (ep_degrees().empty()) GTEST_SKIP() << "needs 2 or 4 ranks";
+  TestRun run = make_run("ep_plans");
+  const int64_t ep = ep_degrees().back();
+  for (const char* dispatch : {"alltoall", "allgather"})
+    for (const char* permute : {"standard", "memory_efficient"}) {
+      SCOPED_TRACE(std::string(dispatch) + " " + permute);
+      const std::string p = std::string("primitives.permute=\"") + permute + "\"";
+      Trainer t(config(run, {"primitives.recompute=\"full\"", p, ov_ep(ep), ov_dispatch(dispatch), "train.grad_accum=2"}),
+                nullptr, Corpus{}, world());
+      const std::vector<StepMetrics> got = train(t);
+      Trainer n(config(run, {p, ov_ep(ep), ov_dispatch(dispatch), "train.grad_accum=2"}), nullptr, Corpus{}, world());
+      const std::vector<StepMetrics> want = train(n);
+      for (size_t s = 0; s < got.size(); ++s) {
+        EXPECT_EQ(got[s].loss, want[s].loss) << "step " << s + 1;
+        EXPECT_EQ(got[s].grad_norm, want[s].grad_norm) << "step " << s + 1;
+      }
+      // Per MoE layer: the run without recompute made one plan per training forward (F); the
+      // recompute run made as many, and reused them for every recompute forward.
+      std::vector<const DispatchCounts*> with, without;
+      for (Trainer* tr : {&t, &n})
+        for (Layer& L : tr->model().layers())
+          for (auto& b : L.blocks)
+            if (auto* moe = dynamic_cast<MoeBlock*>(b.get()))
+              (tr == &t ? with : without).push_back(&moe->dispatcher().counts());
+      ASSERT_EQ(with.size(), without.size());
+      ASSERT_FALSE(with.empty());
+      for (size_t i = 0; i < with.size(); ++i) {
+        const int64_t F = without[i]->forwards;
+        EXPECT_GT(F, 0);
+        EXPECT_EQ(without[i]->plans, F);
+        EXPECT_EQ(with[i]->plans, F) << "a recompute exchanged the counts again";
+        EXPECT_EQ(with[i]->plans_reused, with[i]->forwards + with[i]->forwards_for_backward - F);
+        EXPECT_EQ(with[i]->plans_reused, F) << "every training forward is recomputed once";
+      }
+    }
 }
 
 // With the grouped experts (row-independent arithmetic) chunking changes no bit: every step's

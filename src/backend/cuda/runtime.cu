@@ -122,7 +122,11 @@ cudaStream_t named_stream(DeviceState& st, int dev, Stream which) {
     const char* e = std::getenv("BB_COPY_STREAM_PRIORITY");
     return e != nullptr && std::string(e) == "work";
   }();
-  const int prio = which == Stream::comm                   ? st.priority_high
+  // Communication streams at the high priority: their kernels take few SMs and everything
+  // downstream waits for them (the experts for the dispatch, a layer for its gather).
+  const bool comm_class = which == Stream::comm || which == Stream::ep || which == Stream::gather ||
+                          which == Stream::reduce || which == Stream::cp;
+  const int prio = comm_class                               ? st.priority_high
                    : which == Stream::copy && !copy_as_work ? st.priority_low
                                                             : work_priority(st);
   BB_CHECK_CUDA(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, prio));

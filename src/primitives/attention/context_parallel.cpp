@@ -45,7 +45,7 @@ comm::WorkPtr ring_shift(comm::Group& g, const Tensor& send, const Tensor& recv)
   std::vector<int64_t> sc(static_cast<size_t>(P), 0), rc(static_cast<size_t>(P), 0);
   sc[static_cast<size_t>((r + 1) % P)] = send.size(0);
   rc[static_cast<size_t>((r + P - 1) % P)] = recv.size(0);
-  return g.all_to_all_v(send, sc, recv, rc);
+  return g.all_to_all_v(send, sc, recv, rc, Stream::cp);
 }
 
 // [2T, H, D]: k then v (one message per ring step).
@@ -296,25 +296,48 @@ SeqOrder seq_order(const MicroBatch& mb) {
   return o;
 }
 
-// Sequence-sharded [T, H, D] -> head-sharded [T_all, hc, D] in global order.
-Tensor to_heads(comm::Group& g, const Tensor& x, const std::vector<int64_t>& start, int64_t hc, const SeqOrder& so,
-                MemCategory cat) {
+// An all-to-all posted on the cp stream: the buffer it fills and its Work (which keeps the send
+// buffer alive).
+struct Posted {
+  Tensor recv;
+  comm::WorkPtr work;
+  Tensor wait() {
+    if (work) work->wait();
+    work.reset();
+    return recv;
+  }
+};
+
+// Sequence-sharded [T, H, D] -> head-sharded [T_all, hc, D], posted: wait() gives the rows in
+// rank-major order (to_heads_rows puts them in global order).
+Posted post_to_heads(comm::Group& g, const Tensor& x, const std::vector<int64_t>& start, int64_t hc,
+                     const SeqOrder& so) {
   const int64_t P = g.size(), T = x.size(0);
   Tensor send = cp::split_heads(x, start, hc, kWs);
   const int64_t total = std::accumulate(so.counts.begin(), so.counts.end(), int64_t{0});
-  Tensor recv = Tensor::empty({total, hc, x.size(2)}, x.dtype(), x.device(), kWs);
-  g.all_to_all_v(send, std::vector<int64_t>(static_cast<size_t>(P), T), recv, so.counts)->wait();
-  return cp::gather_rows(recv, so.to_global, cat);
+  Posted p;
+  p.recv = Tensor::empty({total, hc, x.size(2)}, x.dtype(), x.device(), kWs);
+  p.work = g.all_to_all_v(send, std::vector<int64_t>(static_cast<size_t>(P), T), p.recv, so.counts, Stream::cp);
+  return p;
+}
+Tensor to_heads_rows(Posted& p, const SeqOrder& so, MemCategory cat) {
+  return cp::gather_rows(p.wait(), so.to_global, cat);
+}
+Tensor to_heads(comm::Group& g, const Tensor& x, const std::vector<int64_t>& start, int64_t hc, const SeqOrder& so,
+                MemCategory cat) {
+  Posted p = post_to_heads(g, x, start, hc, so);
+  return to_heads_rows(p, so, cat);
 }
 
 // Head-sharded [T_all, hc, D] in global order -> this rank's rows, [P T, hc, D] (block j from
-// rank j: its heads of my rows).
-Tensor from_heads(comm::Group& g, const Tensor& xh, int64_t T_local, const SeqOrder& so) {
+// rank j: its heads of my rows), posted.
+Posted post_from_heads(comm::Group& g, const Tensor& xh, int64_t T_local, const SeqOrder& so) {
   const int64_t P = g.size();
   Tensor send = cp::gather_rows(xh, so.to_rank_major, kWs);
-  Tensor recv = Tensor::empty({P * T_local, xh.size(1), xh.size(2)}, xh.dtype(), xh.device(), kWs);
-  g.all_to_all_v(send, so.counts, recv, std::vector<int64_t>(static_cast<size_t>(P), T_local))->wait();
-  return recv;
+  Posted p;
+  p.recv = Tensor::empty({P * T_local, xh.size(1), xh.size(2)}, xh.dtype(), xh.device(), kWs);
+  p.work = g.all_to_all_v(send, so.counts, p.recv, std::vector<int64_t>(static_cast<size_t>(P), T_local), Stream::cp);
+  return p;
 }
 
 class A2aAttention final : public SelfAttention {
@@ -332,13 +355,17 @@ class A2aAttention final : public SelfAttention {
     const SeqOrder so = seq_order(mb);
     AttentionSaved local;
     AttentionSaved& S = saved ? *saved : local;
-    S.q = to_heads(g, q, hs.q_start, hs.hq, so, kAct);
-    S.k = to_heads(g, k, hs.kv_start, hs.hk, so, kAct);
-    S.v = to_heads(g, v, hs.kv_start, hs.hk, so, kAct);
+    // The three exchanges posted back to back: k's and v's head split run while q travels.
+    Posted pq = post_to_heads(g, q, hs.q_start, hs.hq, so);
+    Posted pk = post_to_heads(g, k, hs.kv_start, hs.hk, so);
+    Posted pv = post_to_heads(g, v, hs.kv_start, hs.hk, so);
+    S.q = to_heads_rows(pq, so, kAct);
+    S.k = to_heads_rows(pk, so, kAct);
+    S.v = to_heads_rows(pv, so, kAct);
     S.o = attention_forward(S.q, S.k, S.v, AttentionArgs::causal_self(so.cu, scale), &S);
-    Tensor back = from_heads(g, S.o, q.size(0), so);
+    Posted back = post_from_heads(g, S.o, q.size(0), so);
     Tensor o = Tensor::empty(q.shape(), q.dtype(), q.device(), kAct);
-    cp::join_heads(o, back, hs.q_start, hs.hq, /*accumulate=*/false);
+    cp::join_heads(o, back.wait(), hs.q_start, hs.hq, /*accumulate=*/false);
     return o;
   }
 
@@ -357,14 +384,19 @@ class A2aAttention final : public SelfAttention {
     AttentionGrads gh = attention_backward(d_oh, saved.q, saved.k, saved.v, saved.o,
                                            AttentionArgs::causal_self(so.cu, scale), saved);
     d_oh = Tensor();
+    // The three gradients' exchanges posted back to back, joined in the same order.
+    Posted bq = post_from_heads(g, gh.dq, T, so);
+    Posted bk = post_from_heads(g, gh.dk, T, so);
+    Posted bv = post_from_heads(g, gh.dv, T, so);
+    gh = AttentionGrads{};
     AttentionGrads out;
     out.dq = Tensor::empty(q.shape(), q.dtype(), q.device(), kAct);
-    cp::join_heads(out.dq, from_heads(g, gh.dq, T, so), hs.q_start, hs.hq, false);
+    cp::join_heads(out.dq, bq.wait(), hs.q_start, hs.hq, false);
     // KV heads replicated to several ranks collect one gradient piece from each.
     Tensor dk = Tensor::zeros(k.shape(), DType::f32, k.device(), kWs);
     Tensor dv = Tensor::zeros(v.shape(), DType::f32, v.device(), kWs);
-    cp::join_heads(dk, from_heads(g, gh.dk, T, so), hs.kv_start, hs.hk, true);
-    cp::join_heads(dv, from_heads(g, gh.dv, T, so), hs.kv_start, hs.hk, true);
+    cp::join_heads(dk, bk.wait(), hs.kv_start, hs.hk, true);
+    cp::join_heads(dv, bv.wait(), hs.kv_start, hs.hk, true);
     out.dk = dk.to_dtype(k.dtype(), kAct);
     out.dv = dv.to_dtype(v.dtype(), kAct);
     return out;
@@ -419,8 +451,25 @@ std::pair<int64_t, int64_t> HeadExchange::my_heads(int64_t num_heads, const Micr
   return {group_->rank() * (num_heads / P), num_heads / P};
 }
 
+Tensor PendingExchange::get() {
+  if (finish_) {
+    ready_ = finish_();
+    finish_ = nullptr;
+  }
+  return std::move(ready_);
+}
+
 Tensor HeadExchange::to_heads(const Tensor& x, int64_t num_heads, const MicroBatch& mb, MemCategory cat) const {
-  if (!mb.shard.split()) return x;
+  return start_to_heads(x, num_heads, mb, cat).get();
+}
+
+Tensor HeadExchange::from_heads(const Tensor& xh, int64_t num_heads, const MicroBatch& mb, MemCategory cat) const {
+  return start_from_heads(xh, num_heads, mb, cat).get();
+}
+
+PendingExchange HeadExchange::start_to_heads(const Tensor& x, int64_t num_heads, const MicroBatch& mb,
+                                             MemCategory cat) const {
+  if (!mb.shard.split()) return PendingExchange(x);
   const int64_t P = group_->size(), T = x.size(0), hd = x.size(1) / num_heads;
   BB_CHECK(x.dim() == 2 && hd * num_heads == x.size(1), "HeadExchange::to_heads: ", x.str(), " is not [T, ",
            num_heads, " x head_dim]");
@@ -428,26 +477,37 @@ Tensor HeadExchange::to_heads(const Tensor& x, int64_t num_heads, const MicroBat
   (void)first;
   std::vector<int64_t> start;
   for (int64_t j = 0; j < P; ++j) start.push_back(j * count);
-  Tensor h = bb::to_heads(*group_, x.view({T, num_heads, hd}), start, count, orders(mb).so, cat);
-  return h.view({h.size(0), count * hd});
+  orders(mb);
+  std::shared_ptr<const Orders> o = cache_;  // the finish may come after another micro-batch's orders
+  auto posted = std::make_shared<Posted>(post_to_heads(*group_, x.view({T, num_heads, hd}), start, count, o->so));
+  return PendingExchange(std::function<Tensor()>([posted, o, cat, count, hd] {
+    Tensor h = to_heads_rows(*posted, o->so, cat);
+    return h.view({h.size(0), count * hd});
+  }));
 }
 
-Tensor HeadExchange::from_heads(const Tensor& xh, int64_t num_heads, const MicroBatch& mb, MemCategory cat) const {
-  if (!mb.shard.split()) return xh;
+PendingExchange HeadExchange::start_from_heads(const Tensor& xh, int64_t num_heads, const MicroBatch& mb,
+                                               MemCategory cat) const {
+  if (!mb.shard.split()) return PendingExchange(xh);
   const int64_t P = group_->size();
   const auto [first, count] = my_heads(num_heads, mb, "HeadExchange::from_heads");
   (void)first;
   const int64_t hd = xh.size(1) / count;
   BB_CHECK(xh.dim() == 2 && hd * count == xh.size(1), "HeadExchange::from_heads: ", xh.str(), " is not [T, ",
            count, " x head_dim]");
-  const SeqOrder& so = orders(mb).so;
-  const int64_t T = so.counts[static_cast<size_t>(group_->rank())];
-  Tensor back = bb::from_heads(*group_, xh.view({xh.size(0), count, hd}), T, so);
+  orders(mb);
+  std::shared_ptr<const Orders> o = cache_;
+  const int64_t T = o->so.counts[static_cast<size_t>(group_->rank())];
+  auto posted = std::make_shared<Posted>(post_from_heads(*group_, xh.view({xh.size(0), count, hd}), T, o->so));
   std::vector<int64_t> start;
   for (int64_t j = 0; j < P; ++j) start.push_back(j * count);
-  Tensor out = Tensor::empty({T, num_heads, hd}, xh.dtype(), xh.device(), cat);
-  cp::join_heads(out, back, start, count, /*accumulate=*/false);
-  return out.view({T, num_heads * hd});
+  const DType dt = xh.dtype();
+  const Device dev = xh.device();
+  return PendingExchange(std::function<Tensor()>([posted, start, count, hd, T, num_heads, dt, dev, cat] {
+    Tensor out = Tensor::empty({T, num_heads, hd}, dt, dev, cat);
+    cp::join_heads(out, posted->wait(), start, count, /*accumulate=*/false);
+    return out.view({T, num_heads * hd});
+  }));
 }
 
 Tensor HeadExchange::cu_seqlens(const MicroBatch& mb) const {

@@ -20,6 +20,7 @@
 //   backward: dq, dk, dv WRITTEN, the dtypes of q, k, v
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <utility>
 
@@ -63,6 +64,21 @@ void check_cp_a2a_heads(int64_t num_heads, int64_t num_kv_heads, int64_t cp);
 // whole sequences (in the whole micro-batch's packed order), and back. With no group or a whole
 // micro-batch every call is the identity, so a block can call it unconditionally
 // (skills/cp-a2a.md, "Gated DeltaNet layers").
+// An exchange posted and not yet waited for (HeadExchange::start_to_heads / start_from_heads):
+// get() orders the caller after it (a stream wait on a GPU; the host does not block) and
+// returns the result. Work queued between the start and get() overlaps the exchange. get() once.
+class PendingExchange {
+ public:
+  PendingExchange() = default;
+  explicit PendingExchange(Tensor ready) : ready_(std::move(ready)) {}
+  explicit PendingExchange(std::function<Tensor()> finish) : finish_(std::move(finish)) {}
+  Tensor get();
+
+ private:
+  Tensor ready_;
+  std::function<Tensor()> finish_;
+};
+
 class HeadExchange {
  public:
   explicit HeadExchange(comm::GroupPtr group = nullptr) : group_(std::move(group)) {}
@@ -74,6 +90,10 @@ class HeadExchange {
   Tensor to_heads(const Tensor& x, int64_t num_heads, const MicroBatch& mb, MemCategory cat) const;
   // The inverse: [T_all, (num_heads / P) * head_dim] -> [T_local, num_heads * head_dim].
   Tensor from_heads(const Tensor& xh, int64_t num_heads, const MicroBatch& mb, MemCategory cat) const;
+  // The same exchanges posted now (on the cp stream) and finished by get(): a layer posts
+  // several before it needs the first, so each travels under the work queued after it.
+  PendingExchange start_to_heads(const Tensor& x, int64_t num_heads, const MicroBatch& mb, MemCategory cat) const;
+  PendingExchange start_from_heads(const Tensor& xh, int64_t num_heads, const MicroBatch& mb, MemCategory cat) const;
   // The offsets of the sequences the head-sharded rows form: mb's whole sequences when sharded,
   // else mb.cu_seqlens.
   Tensor cu_seqlens(const MicroBatch& mb) const;

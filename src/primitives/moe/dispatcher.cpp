@@ -111,6 +111,21 @@ void check_dispatch_inputs(const char* who, const Tensor& x_perm, const Tensor& 
              x_perm.device().str());
 }
 
+void expert_wgrad(bool side, const ExpertCalls& experts, const Tensor& d_y, const Tensor& rows, const Tensor& row_prob,
+                  const std::vector<int64_t>& counts, const ExpertsSaved& saved, const Tensor& d_gate_up) {
+  if (!side) {
+    experts.backward_weight(d_y, rows, row_prob, counts, saved, d_gate_up);
+    return;
+  }
+  const Device dev = d_y.device();
+  const Stream from = current_stream();
+  if (from != Stream::wgrad) Event::record(dev, from).wait(Stream::wgrad);
+  StreamScope on(Stream::wgrad);
+  experts.backward_weight(d_y, rows, row_prob, counts, saved, d_gate_up);
+  for (const Tensor* t : {&d_y, &rows, &row_prob, &saved.gate_up, &saved.act, &d_gate_up})
+    if (t->defined()) t->record_stream(Stream::wgrad);
+}
+
 }  // namespace dispatch
 
 void DispatcherConfig::validate(const char* member) const {
@@ -127,7 +142,8 @@ namespace {
 
 class SingleRankDispatcher final : public Dispatcher {
  public:
-  explicit SingleRankDispatcher(const DispatcherConfig& cfg) : num_experts_(cfg.num_experts) {}
+  explicit SingleRankDispatcher(const DispatcherConfig& cfg)
+      : num_experts_(cfg.num_experts), wgrad_stream_(cfg.wgrad_stream) {}
   const char* name() const override { return "single_rank"; }
   int64_t num_local_experts(int64_t num_experts) const override { return num_experts; }
   int64_t first_local_expert(int64_t) const override { return 0; }
@@ -158,12 +174,14 @@ class SingleRankDispatcher final : public Dispatcher {
   DispatchRows backward(const Tensor& d_y_perm, const ExpertCalls& experts, DispatchState& state) override {
     const std::vector<int64_t>& counts = state.tokens_per_local_expert;
     ExpertsDgrad g = experts.backward_data(d_y_perm, state.row_prob, counts, state.experts);
-    experts.backward_weight(d_y_perm, state.rows, state.row_prob, counts, state.experts, g.d_gate_up);
+    dispatch::expert_wgrad(wgrad_stream_, experts, d_y_perm, state.rows, state.row_prob, counts, state.experts,
+                           g.d_gate_up);
     return {g.d_x, g.d_row_prob};
   }
 
  private:
   int64_t num_experts_;
+  bool wgrad_stream_;
 };
 
 }  // namespace

@@ -16,9 +16,15 @@
 //             rows, filling `state` as forward would, bit for bit; no down projection (fc2), no
 //             combine. For a recompute pass whose y_perm nobody reads (the MoE block under
 //             full recompute with the memory_efficient permute).
+//   Plans: a member that moves rows over ranks first makes a plan (every rank's per-expert
+//             counts, exchanged over the group). When `state.plan` is set on entry to forward or
+//             forward_for_backward it must be a plan this dispatcher made for the same routing
+//             (the MoE block hands a recompute the training forward's): it is reused, and no
+//             counts are exchanged. A plan of another member or for other counts is an error.
 //   backward  d_y_perm [N, H] -> d_x_perm [N, H] and d_row_prob [N] (when row_prob travelled);
 //             ExpertCalls::backward_data per group of rows, then ExpertCalls::backward_weight
-//             once over all M rows of the micro-batch (after the last dgrad)
+//             once over all M rows of the micro-batch (after the last dgrad; on the wgrad
+//             stream with DispatcherConfig::wgrad_stream, dispatch::expert_wgrad)
 //
 // The experts see their M rows "grouped by local expert": expert j's rows are contiguous, in
 // the order (source EP rank, then the source's own row order), with counts
@@ -113,6 +119,8 @@ struct DispatchCounts {
   int64_t expert_rebuilds = 0;       // ExpertCalls::rebuild calls (fc1 only)
   int64_t combines = 0;              // combines posted: one per chunk of a forward (one rank:
                                      // the experts' output handed back as y_perm)
+  int64_t plans = 0;                 // plans made (each one exchange of the per-expert counts)
+  int64_t plans_reused = 0;          // forwards that reused the plan given in DispatchState
 };
 
 class Dispatcher {
@@ -148,10 +156,26 @@ struct DispatcherConfig {
   int64_t num_experts = 0;
   comm::GroupPtr group;    // the expert-parallel group (Mesh::ep()); null: this rank alone
   int64_t num_chunks = 1;  // chunked_alltoall:N
+  // The experts' weight gradient runs on the wgrad stream ([backend] expert_wgrad_stream):
+  // issued where it is today (after the last chunk's dgrad and its dispatch-backward), it then
+  // overlaps that all-to-all and the compute stream's next work instead of holding the compute
+  // stream. The same kernels on the same data: the gradients are bit-identical.
+  bool wgrad_stream = false;
   // Errors naming the problem and the fix: E not divisible by P, chunks out of range.
   void validate(const char* member) const;
   int64_t group_size() const { return group ? group->size() : 1; }
 };
+
+namespace dispatch {
+// Runs experts.backward_weight on the current stream, or with `side` on the wgrad stream: that
+// stream first waits for the work queued so far on the current one (the inputs), and every
+// tensor the call reads is marked as used there, so that its memory is not handed out again
+// before the call is done. Who reads the gradients joins the wgrad stream: the reduction's
+// stream before it reduces (runtime/state.cpp), the compute stream at the end of the
+// micro-batch (runtime/schedule.cpp).
+void expert_wgrad(bool side, const ExpertCalls& experts, const Tensor& d_y, const Tensor& rows, const Tensor& row_prob,
+                  const std::vector<int64_t>& counts, const ExpertsSaved& saved, const Tensor& d_gate_up);
+}  // namespace dispatch
 
 // Builds a family member.
 using DispatcherFactory = std::unique_ptr<Dispatcher> (*)(const DispatcherConfig&);

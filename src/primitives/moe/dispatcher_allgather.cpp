@@ -32,7 +32,8 @@ struct AllGatherPlan final : DispatchPlan {
 
 class AllGatherDispatcher final : public Dispatcher {
  public:
-  explicit AllGatherDispatcher(const DispatcherConfig& cfg) : group_(cfg.group), num_experts_(cfg.num_experts) {
+  explicit AllGatherDispatcher(const DispatcherConfig& cfg)
+      : group_(cfg.group), num_experts_(cfg.num_experts), wgrad_stream_(cfg.wgrad_stream) {
     cfg.validate("allgather");
     BB_CHECK(group_, "allgather: no expert-parallel group");
     P_ = group_->size();
@@ -70,7 +71,7 @@ class AllGatherDispatcher final : public Dispatcher {
              "allgather backward: d_y_perm is ", d_y_perm.defined() ? d_y_perm.str() : std::string("undefined"),
              ", the forward had ", plan->my_rows, " rows");
     Tensor all = dispatch::rows_like(d_y_perm, plan->num_gathered);
-    group_->all_gather_v(d_y_perm, all, plan->rows_of_rank)->wait();
+    group_->all_gather_v(d_y_perm, all, plan->rows_of_rank, Stream::ep)->wait();
     Tensor d_local = dispatch::gather_rows(all, plan->select, rows(plan->local_counts));
     all = Tensor();
     const std::vector<int64_t>& counts = state.tokens_per_local_expert;
@@ -79,7 +80,8 @@ class AllGatherDispatcher final : public Dispatcher {
     std::pair<Tensor, comm::WorkPtr> d_p;
     if (dg.d_row_prob.defined()) d_p = scatter_back(dg.d_row_prob, *plan, false);
     // The weight gradient while the reduce-scatters travel.
-    experts.backward_weight(d_local, state.rows, state.row_prob, counts, state.experts, dg.d_gate_up);
+    dispatch::expert_wgrad(wgrad_stream_, experts, d_local, state.rows, state.row_prob, counts, state.experts,
+                           dg.d_gate_up);
     work->wait();
     if (d_p.second) d_p.second->wait();
     return {d_x, d_p.first};
@@ -91,14 +93,23 @@ class AllGatherDispatcher final : public Dispatcher {
   Tensor run(const Tensor& x_perm, const Tensor& row_prob, const std::vector<int64_t>& tokens_per_expert,
              const ExpertCalls& experts, DispatchState& state, bool combine) {
     dispatch::check_dispatch_inputs("allgather", x_perm, row_prob, tokens_per_expert, num_experts_);
-    auto plan = make_plan(tokens_per_expert);
+    std::shared_ptr<const AllGatherPlan> plan;
+    if (state.plan) {  // the training forward's (a recompute): no second count exchange
+      plan = std::dynamic_pointer_cast<const AllGatherPlan>(state.plan);
+      BB_CHECK(plan && plan->my_rows == x_perm.size(0),
+               "allgather: the plan handed to this forward was not made by this dispatcher for these rows");
+      ++counts_.plans_reused;
+    } else {
+      plan = make_plan(tokens_per_expert);
+      ++counts_.plans;
+    }
     comm::Group& g = *group_;
     const bool with_prob = row_prob.defined();
     Tensor all = dispatch::rows_like(x_perm, plan->num_gathered), all_prob;
-    comm::WorkPtr w = g.all_gather_v(x_perm, all, plan->rows_of_rank), wp;
+    comm::WorkPtr w = g.all_gather_v(x_perm, all, plan->rows_of_rank, Stream::ep), wp;
     if (with_prob) {
       all_prob = dispatch::rows_like(row_prob, plan->num_gathered);
-      wp = g.all_gather_v(row_prob, all_prob, plan->rows_of_rank);
+      wp = g.all_gather_v(row_prob, all_prob, plan->rows_of_rank, Stream::ep);
     }
     w->wait();
     if (wp) wp->wait();
@@ -172,7 +183,7 @@ class AllGatherDispatcher final : public Dispatcher {
     Tensor z = dispatch::rows_like(local, P_ * plan.max_rows, /*zero=*/true);
     dispatch::copy_rows(z, local, plan.place);
     Tensor out = dispatch::rows_like(local, plan.max_rows);
-    comm::WorkPtr w = group_->reduce_scatter(z, out);
+    comm::WorkPtr w = group_->reduce_scatter(z, out, comm::ReduceOp::sum, Stream::ep);
     if (wait) {
       w->wait();
       w.reset();
@@ -181,7 +192,9 @@ class AllGatherDispatcher final : public Dispatcher {
   }
 
   comm::GroupPtr group_;
-  int64_t num_experts_, P_ = 1, El_ = 0;
+  int64_t num_experts_;
+  bool wgrad_stream_;
+  int64_t P_ = 1, El_ = 0;
 };
 
 }  // namespace

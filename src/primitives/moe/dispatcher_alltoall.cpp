@@ -57,7 +57,7 @@ class AllToAllDispatcher final : public Dispatcher {
  public:
   AllToAllDispatcher(const DispatcherConfig& cfg, const char* name)
       : name_(name), group_(cfg.group ? cfg.group : comm::self_group("ep")), num_experts_(cfg.num_experts),
-        num_chunks_(cfg.num_chunks) {
+        num_chunks_(cfg.num_chunks), wgrad_stream_(cfg.wgrad_stream) {
     cfg.validate(name);
     P_ = group_->size();
     El_ = num_experts_ / P_;
@@ -100,7 +100,9 @@ class AllToAllDispatcher final : public Dispatcher {
 
   const char* name_;
   comm::GroupPtr group_;
-  int64_t num_experts_, num_chunks_, P_ = 1, El_ = 0;
+  int64_t num_experts_, num_chunks_;
+  bool wgrad_stream_;
+  int64_t P_ = 1, El_ = 0;
 };
 
 std::shared_ptr<AllToAllPlan> AllToAllDispatcher::make_plan(const std::vector<int64_t>& c) const {
@@ -176,7 +178,16 @@ Tensor AllToAllDispatcher::run(const Tensor& x_perm, const Tensor& row_prob,
                                const std::vector<int64_t>& tokens_per_expert, const ExpertCalls& experts,
                                DispatchState& state, bool combine) {
   dispatch::check_dispatch_inputs(name_, x_perm, row_prob, tokens_per_expert, num_experts_);
-  std::shared_ptr<AllToAllPlan> plan = make_plan(tokens_per_expert);
+  std::shared_ptr<const AllToAllPlan> plan;
+  if (state.plan) {  // the training forward's (a recompute): no second count exchange
+    plan = std::dynamic_pointer_cast<const AllToAllPlan>(state.plan);
+    BB_CHECK(plan && plan->num_rows == x_perm.size(0) && plan->chunks.size() == static_cast<size_t>(num_chunks_),
+             name_, ": the plan handed to this forward was not made by this dispatcher for these rows");
+    ++counts_.plans_reused;
+  } else {
+    plan = make_plan(tokens_per_expert);
+    ++counts_.plans;
+  }
   const bool chunked = num_chunks_ > 1, with_prob = row_prob.defined();
   const size_t N = plan->chunks.size();
   comm::Group& g = *group_;
@@ -187,11 +198,11 @@ Tensor AllToAllDispatcher::run(const Tensor& x_perm, const Tensor& row_prob,
     const AllToAllPlan::Chunk& ch = plan->chunks[k];
     Tensor send = chunked ? dispatch::gather_rows(x_perm, ch.gather, ch.num_send) : x_perm;
     rows_in[k].out = dispatch::rows_like(x_perm, ch.num_recv);
-    rows_in[k].work = g.all_to_all_v(send, ch.send_peer, rows_in[k].out, ch.recv_peer);
+    rows_in[k].work = g.all_to_all_v(send, ch.send_peer, rows_in[k].out, ch.recv_peer, Stream::ep);
     if (with_prob) {
       Tensor sp = chunked ? dispatch::gather_rows(row_prob, ch.gather, ch.num_send) : row_prob;
       prob_in[k].out = dispatch::rows_like(row_prob, ch.num_recv);
-      prob_in[k].work = g.all_to_all_v(sp, ch.send_peer, prob_in[k].out, ch.recv_peer);
+      prob_in[k].work = g.all_to_all_v(sp, ch.send_peer, prob_in[k].out, ch.recv_peer, Stream::ep);
     }
   }
 
@@ -243,7 +254,7 @@ Tensor AllToAllDispatcher::run(const Tensor& x_perm, const Tensor& row_prob,
     ++counts_.combines;
     Tensor send = dispatch::gather_rows(y, dispatch::reversed(ch.sort), ch.num_recv);
     back[k].out = dispatch::rows_like(y, ch.num_send);
-    back[k].work = g.all_to_all_v(send, ch.recv_peer, back[k].out, ch.send_peer);
+    back[k].work = g.all_to_all_v(send, ch.recv_peer, back[k].out, ch.send_peer, Stream::ep);
   }
 
   state.tokens_per_local_expert = plan->local_counts;
@@ -280,7 +291,7 @@ DispatchRows AllToAllDispatcher::backward(const Tensor& d_y_perm, const ExpertCa
     const AllToAllPlan::Chunk& ch = plan->chunks[k];
     Tensor send = chunked ? dispatch::gather_rows(d_y_perm, ch.gather, ch.num_send) : d_y_perm;
     grads_in[k].out = dispatch::rows_like(d_y_perm, ch.num_recv);
-    grads_in[k].work = g.all_to_all_v(send, ch.send_peer, grads_in[k].out, ch.recv_peer);
+    grads_in[k].work = g.all_to_all_v(send, ch.send_peer, grads_in[k].out, ch.recv_peer, Stream::ep);
   }
 
   Tensor d_local, d_gate_up;  // the whole micro-batch's, for the weight gradient
@@ -314,16 +325,17 @@ DispatchRows AllToAllDispatcher::backward(const Tensor& d_y_perm, const ExpertCa
     const std::vector<RowRun> unsort = dispatch::reversed(ch.sort);
     Tensor send = dispatch::gather_rows(dg.d_x, unsort, ch.num_recv);
     dx_back[k].out = dispatch::rows_like(dg.d_x, ch.num_send);
-    dx_back[k].work = g.all_to_all_v(send, ch.recv_peer, dx_back[k].out, ch.send_peer);
+    dx_back[k].work = g.all_to_all_v(send, ch.recv_peer, dx_back[k].out, ch.send_peer, Stream::ep);
     if (with_prob) {
       Tensor sp = dispatch::gather_rows(dg.d_row_prob, unsort, ch.num_recv);
       dp_back[k].out = dispatch::rows_like(dg.d_row_prob, ch.num_send);
-      dp_back[k].work = g.all_to_all_v(sp, ch.recv_peer, dp_back[k].out, ch.send_peer);
+      dp_back[k].work = g.all_to_all_v(sp, ch.recv_peer, dp_back[k].out, ch.send_peer, Stream::ep);
     }
   }
-  // The weight gradient of the whole micro-batch, while the last dispatch-backward travels.
-  experts.backward_weight(d_local, state.rows, state.row_prob, state.tokens_per_local_expert, state.experts,
-                          d_gate_up);
+  // The weight gradient of the whole micro-batch, while the last dispatch-backward travels (on
+  // the wgrad stream with wgrad_stream_: also while the compute stream goes on).
+  dispatch::expert_wgrad(wgrad_stream_, experts, d_local, state.rows, state.row_prob, state.tokens_per_local_expert,
+                         state.experts, d_gate_up);
   d_local = d_gate_up = Tensor();
 
   DispatchRows out;
