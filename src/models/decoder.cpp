@@ -125,38 +125,64 @@ DecoderModel::DecoderModel(const ModelConfig& cfg, const ModelOptions& opts, uin
   // bytes less at the step's start, one read less in the first chunk); the norm's is cleared
   // when it is stale. A tied lm_head is the embedding's table, whose backward adds.
   if (!cfg.tie_word_embeddings) final_norm_->lazy_zero_grad = lm_head_->lazy_zero_grad = true;
-  store_.allocate(opts_.device, opts_.param_dtype);
+  store_.allocate(opts_.device, opts_.param_dtype, /*materialize=*/!opts_.defer_values);
 
   // Initialisation: each parameter draws from its own Philox stream (offset = index << 40), in
-  // the order the parameters were declared. A unit holding experts first_expert.. of a layer
-  // (expert parallelism) starts at that expert's counter, so every expert gets the values it
-  // has on one rank.
+  // the order the parameters were declared, element e at counter offset + e. A unit holding
+  // experts first_expert.. of a layer (expert parallelism) starts at that expert's counter, so
+  // every expert gets the values it has on one rank. With defer_values the state family
+  // initialises what each rank holds later (init_unit_range): the same values.
+  seed_ = seed;
   uint64_t index = 0;
-  for (Param* p : store_.params()) {
-    const bool expert_param = p->hf == HfSplit::experts_gate_up || p->hf == HfSplit::experts_down;
-    const uint64_t skip = expert_param ? static_cast<uint64_t>(p->unit->first_expert * (p->numel() / p->shape[0])) : 0;
-    switch (p->init) {
-      case ParamInit::normal:
-        fill_normal(p->value, seed, (index << 40) + skip, 0.0f, static_cast<float>(cfg.init_std));
-        break;
-      case ParamInit::zeros:
-        p->value.fill_(0.0);
-        break;
-      case ParamInit::ones:
-        p->value.fill_(1.0);
-        break;
-      case ParamInit::gdn_a_log: {  // A = U(0.01, 16), stored as log(A)
-        Tensor u = Tensor::empty(p->shape, DType::f32, Device::cpu(), MemCategory::other);
-        fill_uniform(u, seed, index << 40, 0.01f, 16.0f);
-        std::vector<float> v = u.to_floats();
-        for (float& x : v) x = std::log(x);
-        p->value.copy_from(Tensor::from_floats(v, p->shape, p->value.dtype()).to(p->value.device()));
-        break;
-      }
+  for (Param* p : store_.params()) param_index_[p] = index++;
+  if (!opts_.defer_values)
+    for (Param* p : store_.params()) {
+      Tensor v = p->value.view({p->numel()});
+      init_param_slice(*p, 0, v);
     }
-    ++index;
-  }
   loss_ = opts_.prims.loss.value(opts_.prims.loss_chunks);
+}
+
+void DecoderModel::init_param_slice(const Param& p, int64_t from, Tensor& dst) const {
+  const int64_t n = dst.numel();
+  BB_CHECK(from >= 0 && from + n <= p.numel(), "init_param_slice: elements [", from, ", ", from + n, ") of ", p.name,
+           " (", p.numel(), " elements)");
+  if (n == 0) return;
+  const uint64_t index = param_index_.at(&p);
+  const bool expert_param = p.hf == HfSplit::experts_gate_up || p.hf == HfSplit::experts_down;
+  const uint64_t skip = expert_param ? static_cast<uint64_t>(p.unit->first_expert * (p.numel() / p.shape[0])) : 0;
+  const uint64_t at = static_cast<uint64_t>(from);
+  switch (p.init) {
+    case ParamInit::normal:
+      fill_normal(dst, seed_, (index << 40) + skip + at, 0.0f, static_cast<float>(cfg_.init_std));
+      break;
+    case ParamInit::zeros:
+      dst.fill_(0.0);
+      break;
+    case ParamInit::ones:
+      dst.fill_(1.0);
+      break;
+    case ParamInit::gdn_a_log: {  // A = U(0.01, 16), stored as log(A)
+      Tensor u = Tensor::empty({n}, DType::f32, Device::cpu(), MemCategory::other);
+      fill_uniform(u, seed_, (index << 40) + at, 0.01f, 16.0f);
+      std::vector<float> v = u.to_floats();
+      for (float& x : v) x = std::log(x);
+      dst.copy_from(Tensor::from_floats(v, {n}, dst.dtype()).to(dst.device()));
+      break;
+    }
+  }
+}
+
+void DecoderModel::init_unit_range(const ParamUnit& u, int64_t lo, int64_t len, Tensor& out) const {
+  BB_CHECK(lo >= 0 && len >= 0 && lo + len <= u.numel && out.numel() == len, "init_unit_range: elements [", lo,
+           ", ", lo + len, ") of unit ", u.name, " (", u.numel, " elements) into ", out.str());
+  out.zero_();  // the alignment padding between parameters
+  for (const Param* p : u.params) {
+    const int64_t a = std::max(lo, p->offset), b = std::min(lo + len, p->offset + p->numel());
+    if (a >= b) continue;
+    Tensor dst = out.narrow(a - lo, b - a);
+    init_param_slice(*p, a - p->offset, dst);
+  }
 }
 
 void DecoderModel::check_batch(const MicroBatch& mb) const {

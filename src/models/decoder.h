@@ -18,6 +18,7 @@
 // Legend: T tokens of the micro-batch, H hidden, V vocab.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -47,6 +48,11 @@ struct ModelOptions {
   // The MoE layers' expert weight gradient on the wgrad stream ([backend] expert_wgrad_stream,
   // DispatcherConfig::wgrad_stream): where work runs, not what it computes.
   bool expert_wgrad_stream = false;
+  // Sharded start: the model lays its units out without allocating or initialising them
+  // (ParamStore::allocate with materialize = false); whoever takes the units over allocates what
+  // it holds and fills it with init_unit_range (the state family: runtime/state.h). The values
+  // are those of a whole start, element for element.
+  bool defer_values = false;
   void validate() const;
 };
 
@@ -87,6 +93,10 @@ class DecoderModel {
   const ModelConfig& config() const { return cfg_; }
   const ModelOptions& options() const { return opts_; }
   ParamStore& param_store() { return store_; }
+  // The initial values of elements [lo, lo + len) of unit u's flat layout (alignment padding
+  // zero) into `out` ([len], the unit's value dtype, any device): element for element what the
+  // whole initialisation gives them, so a rank can initialise only its shard.
+  void init_unit_range(const ParamUnit& u, int64_t lo, int64_t len, Tensor& out) const;
   std::vector<Param*> params() { return store_.params(); }
   std::vector<ParamUnit*> units() { return store_.units(); }
   Param* find_param(const std::string& name) { return store_.find(name); }
@@ -126,6 +136,10 @@ class DecoderModel {
   std::vector<Layer> layers_;
   int64_t num_moe_layers_ = 0;
   std::unique_ptr<LossHead> loss_;
+  uint64_t seed_ = 0;
+  std::map<const Param*, uint64_t> param_index_;  // declaration order: the Philox stream index
+  // Elements [from, from + dst.numel()) of parameter p's initial values into dst.
+  void init_param_slice(const Param& p, int64_t from, Tensor& dst) const;
 };
 
 }  // namespace bb

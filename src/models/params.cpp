@@ -78,8 +78,10 @@ UnitLayout lay_out_unit(const std::vector<int64_t>& numels, const std::vector<bo
   return l;
 }
 
-void ParamStore::allocate(Device dev, DType param_dtype) {
+void ParamStore::allocate(Device dev, DType param_dtype, bool materialize) {
   BB_CHECK(!allocated_, "ParamStore: allocate() called twice");
+  device_ = dev;
+  param_dtype_ = param_dtype;
   for (ParamUnit& u : units_) {
     std::vector<int64_t> numels;
     std::vector<bool> decay;
@@ -97,6 +99,7 @@ void ParamStore::allocate(Device dev, DType param_dtype) {
     for (Param* p : u.params)
       if (!p->decay) ordered.push_back(p);
     u.params = ordered;
+    if (!materialize) continue;
     u.value = Tensor::zeros({u.numel}, u.f32_values ? DType::f32 : param_dtype, dev, MemCategory::params);
     u.grad = Tensor::zeros({u.numel}, DType::f32, dev, MemCategory::grads);
     for (Param* p : ordered) {

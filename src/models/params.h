@@ -114,9 +114,15 @@ class ParamStore {
   Param& add(ParamUnit& unit, const std::string& name, const Shape& shape, bool decay,
              HfSplit hf = HfSplit::none, ParamInit init = ParamInit::normal);
   // Lays out, allocates (zeros) and makes the views. Once; parameters cannot be added after.
-  // Values are in param_dtype, except in units marked f32_values (always f32).
-  void allocate(Device dev, DType param_dtype);
+  // Values are in param_dtype, except in units marked f32_values (always f32). With
+  // materialize = false it only lays the units out (offsets, numel): no buffer is allocated and
+  // every unit stays without values and gradients until rebind() gives it some (a sharded
+  // start: the state family allocates what each rank holds, runtime/state.h).
+  void allocate(Device dev, DType param_dtype, bool materialize = true);
   bool allocated() const { return allocated_; }
+  // Where and in which dtype allocate() puts (or would put) unit u's values.
+  Device device() const { return device_; }
+  DType value_dtype(const ParamUnit& u) const { return u.f32_values ? DType::f32 : param_dtype_; }
 
   // Parameters in the order they were added (the checkpoint's and the initialiser's order).
   std::vector<Param*> params();
@@ -141,6 +147,8 @@ class ParamStore {
   std::deque<Param> params_;  // deque: pointers stay valid as parameters are added
   std::deque<ParamUnit> units_;
   bool allocated_ = false;
+  Device device_ = Device::cpu();
+  DType param_dtype_ = DType::f32;
 };
 
 }  // namespace bb

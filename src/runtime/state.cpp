@@ -126,43 +126,57 @@ ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, co
     u.mode = u.N == 1 || kind == StateKind::replicated ? Mode::whole
              : kind == StateKind::zero1                ? Mode::zero1
                                                        : Mode::fsdp;
-    const Device dev = pu->value.device();
-    const DType vdt = pu->value.dtype();
+    // A model built with defer_values has no buffers yet (a sharded start): each mode allocates
+    // what this rank holds and initialises it (DecoderModel::init_unit_range, the values of a
+    // whole start), so no rank ever holds a whole unit it does not keep.
+    const bool deferred = !pu->value.defined();
+    const Device dev = deferred ? store.device() : pu->value.device();
+    const DType vdt = deferred ? store.value_dtype(*pu) : pu->value.dtype();
     u.split = split_master && vdt == DType::bf16;  // units whose values stay f32 keep an f32 master
     // The f32 source of the masters: the given masters, else the values.
     const Tensor src = masters && (*masters)[i].defined() ? (*masters)[i] : Tensor();
-    auto owned_f32 = [&](int64_t lo, int64_t len) {
+    // `vals`: the values of the owned elements [lo, lo + len).
+    auto owned_f32 = [&](int64_t lo, int64_t len, const Tensor& vals) {
       Tensor m = Tensor::zeros({u.mode == Mode::whole ? pu->numel : u.S}, DType::f32, dev, MemCategory::optimizer);
       if (len > 0) {
-        Tensor from = src.defined() ? src.narrow(lo, len) : pu->value.narrow(lo, len).to_dtype(DType::f32, MemCategory::other);
+        Tensor from = src.defined() ? src.narrow(lo, len) : vals.to_dtype(DType::f32, MemCategory::other);
         m.narrow(0, len).copy_from(from.device() == dev ? from : from.to(dev));
       }
       return m;
     };
     // A split master: a zero remainder is exact for values that are bf16 already; given
     // masters are split into the values (set_master) once the value buffers exist.
-    auto owned_master = [&](int64_t lo, int64_t len) {
-      if (!u.split) return owned_f32(lo, len);
+    auto owned_master = [&](int64_t lo, int64_t len, const Tensor& vals) {
+      if (!u.split) return owned_f32(lo, len, vals);
       return Tensor::zeros({u.mode == Mode::whole ? pu->numel : u.S}, DType::i16, dev, MemCategory::optimizer);
     };
     switch (u.mode) {
       case Mode::whole:
-        u.master = owned_master(0, pu->numel);
+        if (deferred) {
+          Tensor value = Tensor::zeros({pu->numel}, vdt, dev, MemCategory::params);
+          model.init_unit_range(*pu, 0, pu->numel, value);
+          store.rebind(*pu, value, Tensor::zeros({pu->numel}, DType::f32, dev, MemCategory::grads));
+        }
+        u.master = owned_master(0, pu->numel, pu->value);
         break;
       case Mode::zero1: {
         u.value_buf = Tensor::zeros({u.N * u.S}, vdt, dev, MemCategory::params);
-        u.value_buf.narrow(0, pu->numel).copy_from(pu->value);
+        Tensor whole = u.value_buf.narrow(0, pu->numel);
+        if (deferred) model.init_unit_range(*pu, 0, pu->numel, whole);
+        else whole.copy_from(pu->value);
         u.grad_buf = Tensor::zeros({u.N * u.S}, DType::f32, dev, MemCategory::grads);
-        u.master = owned_master(u.lo, u.len);
+        u.master = owned_master(u.lo, u.len, u.value_buf.narrow(u.lo, u.len));
         store.rebind(*pu, u.value_buf, u.grad_buf);
         break;
       }
       case Mode::fsdp: {
         u.value_shard = Tensor::zeros({u.S}, vdt, dev, MemCategory::params);
-        if (u.len > 0) u.value_shard.narrow(0, u.len).copy_from(pu->value.narrow(u.lo, u.len));
+        Tensor mine = u.value_shard.narrow(0, u.len);
+        if (deferred) model.init_unit_range(*pu, u.lo, u.len, mine);
+        else if (u.len > 0) mine.copy_from(pu->value.narrow(u.lo, u.len));
         u.grad_shard = Tensor::zeros({u.S}, DType::f32, dev, MemCategory::grads);
-        u.master = owned_master(u.lo, u.len);
-        store.rebind(*pu, Tensor(), Tensor());  // the whole buffers are freed here
+        u.master = owned_master(u.lo, u.len, mine);
+        store.rebind(*pu, Tensor(), Tensor());  // the whole buffers (if any) are freed here
         break;
       }
     }

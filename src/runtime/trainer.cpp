@@ -48,6 +48,9 @@ ModelOptions model_options(const RunConfig& c) {
   o.device = c.resolved_device();
   o.param_dtype = c.resolved_param_dtype();
   o.expert_wgrad_stream = c.backend.expert_wgrad_stream;
+  // A random start is sharded: the state family allocates and initialises only what this rank
+  // holds (an fsdp rank never holds a whole unit). An hf: start still reads into whole units.
+  o.defer_values = c.model_init.rfind("hf:", 0) != 0;
   return o;
 }
 

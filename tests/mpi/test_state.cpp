@@ -304,6 +304,38 @@ TEST(State, MemoryEqualsTheClosedForms) {
   }
 }
 
+// A random start is sharded (ModelOptions::defer_values): each rank allocates and initialises
+// only what it holds, so the startup peak of params and grads is the family's closed form (an
+// fsdp rank never holds a whole unit: before, every rank built the whole model first), and the
+// masters are bit for bit those of a single rank's whole start.
+TEST(State, ShardedStartHoldsOnlyItsShardsAndEqualsTheWholeStart) {
+  const int64_t R = world()->size();
+  TestRun run = make_run("start");
+  Allocator& alloc = allocator_for(test::device());
+  Trainer ref(config(run, {}), nullptr, Corpus{}, comm::self_group());
+  for (const char* kind : kKinds) {
+    SCOPED_TRACE(std::string(kind) + " ranks " + std::to_string(R));
+    const MemoryStats before = alloc.stats();
+    alloc.reset_peak();
+    Trainer t(config(run, {std::string("primitives.state=\"") + kind + "\""}), nullptr, Corpus{}, world());
+    const MemoryStats after = alloc.stats();
+    const int64_t b = static_cast<int64_t>(dtype_size(t.config().resolved_param_dtype()));
+    int64_t params = 0, grads = 0;
+    for (ParamUnit* u : t.model().units()) {
+      const int64_t n = u->numel, S = (n + R - 1) / R;
+      const std::string k = R == 1 ? "replicated" : kind;
+      params += b * (k == "replicated" ? n : k == "zero1" ? R * S : S);
+      grads += 4 * (k == "replicated" ? n : k == "zero1" ? R * S : S);
+    }
+    EXPECT_EQ(after.peak_of(MemCategory::params) - before.live_of(MemCategory::params), params);
+    EXPECT_EQ(after.peak_of(MemCategory::grads) - before.live_of(MemCategory::grads), grads);
+    for (size_t i = 0; i < t.model().units().size(); ++i) {
+      const std::vector<float> a = t.state().gather_master(i).to_floats(), w = ref.state().gather_master(i).to_floats();
+      EXPECT_EQ(a, w) << t.model().units()[i]->name;
+    }
+  }
+}
+
 // 8 steps straight == 4 steps, save, resume, 4 steps: losses, grad norms, masters and (bf16 or
 // f32) moments bit for bit on the CPU, for every state family and both optimizers.
 TEST(State, SameLayoutResumeIsBitExact) {

@@ -480,9 +480,10 @@ PendingExchange HeadExchange::start_to_heads(const Tensor& x, int64_t num_heads,
   orders(mb);
   std::shared_ptr<const Orders> o = cache_;  // the finish may come after another micro-batch's orders
   auto posted = std::make_shared<Posted>(post_to_heads(*group_, x.view({T, num_heads, hd}), start, count, o->so));
-  return PendingExchange(std::function<Tensor()>([posted, o, cat, count, hd] {
+  const int64_t hc = count;  // (a structured binding cannot be captured before C++20's P1091)
+  return PendingExchange(std::function<Tensor()>([posted, o, cat, hc, hd] {
     Tensor h = to_heads_rows(*posted, o->so, cat);
-    return h.view({h.size(0), count * hd});
+    return h.view({h.size(0), hc * hd});
   }));
 }
 
@@ -503,9 +504,10 @@ PendingExchange HeadExchange::start_from_heads(const Tensor& xh, int64_t num_hea
   for (int64_t j = 0; j < P; ++j) start.push_back(j * count);
   const DType dt = xh.dtype();
   const Device dev = xh.device();
-  return PendingExchange(std::function<Tensor()>([posted, start, count, hd, T, num_heads, dt, dev, cat] {
+  const int64_t hc = count;
+  return PendingExchange(std::function<Tensor()>([posted, start, hc, hd, T, num_heads, dt, dev, cat] {
     Tensor out = Tensor::empty({T, num_heads, hd}, dt, dev, cat);
-    cp::join_heads(out, posted->wait(), start, count, /*accumulate=*/false);
+    cp::join_heads(out, posted->wait(), start, hc, /*accumulate=*/false);
     return out.view({T, num_heads * hd});
   }));
 }
