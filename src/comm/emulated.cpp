@@ -277,7 +277,7 @@ class EmulatedGroup final : public Group {
     for (const Tensor& k : keep) k.record_stream(s);
     const Event done = Event::record(d, s);
     // The deadline of a collective whose wait is a stream wait, as for NCCL (comm/watchdog.h).
-    watch(done, std::string(op) + " on group '" + name() + "' (" + std::to_string(size()) + " ranks, " +
+    watch(done, d.index, std::string(op) + " on group '" + name() + "' (" + std::to_string(size()) + " ranks, " +
                     stream_name(s) + " stream, emulated operation #" + std::to_string(n) + ")");
     return std::make_shared<EventWork>(done, std::move(keep));
 #else

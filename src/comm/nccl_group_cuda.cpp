@@ -121,7 +121,16 @@ class NcclGroup final : public Group {
       : Group(name, rank, size, std::move(wr)), mpi_(mpi), nccl_(nccl), dev_(dev) {
     // The watchdog polls every communicator's asynchronous error state and aborts them when it
     // ends the job (comm/watchdog.h).
-    health_ = add_health_check([this] { return async_error(); }, [this] { abort_comm(); });
+    // Both run on the watchdog's thread: the group's device made current there first.
+    health_ = add_health_check(
+        [this] {
+          cuda::set_device(dev_);
+          return async_error();
+        },
+        [this] {
+          cuda::set_device(dev_);
+          abort_comm();
+        });
   }
   ~NcclGroup() override {
     remove_health_check(health_);
@@ -464,7 +473,7 @@ class NcclGroup final : public Group {
     for (const Tensor& t : used) t.record_stream(s);
     const Event done = Event::record(Device::cuda(dev_), s);
     // The watchdog gives it the job's deadline: Work::wait() is a stream wait and never does.
-    watch(done, std::string(op_) + " on group '" + name() + "' (" + std::to_string(size()) + " ranks, " +
+    watch(done, dev_, std::string(op_) + " on group '" + name() + "' (" + std::to_string(size()) + " ranks, " +
                     stream_name(s) + " stream, operation #" + std::to_string(seq_) + ")");
     auto w = std::make_shared<NcclWork>(done, std::move(used));
     set_current_op("", "", 0);

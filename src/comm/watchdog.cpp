@@ -13,6 +13,9 @@
 #include <vector>
 
 #include "comm/comm.h"
+#ifdef BB_WITH_CUDA
+#include "backend/cuda/runtime.h"
+#endif
 
 namespace bb::comm {
 
@@ -163,8 +166,17 @@ void watch(std::function<bool()> done, std::string what) {
   s.watched.push_back({std::move(done), std::move(what), now_s()});
 }
 
-void watch(const Event& e, std::string what) {
-  watch([e] { return e.done(); }, std::move(what));
+void watch(const Event& e, int cuda_device, std::string what) {
+  watch(
+      [e, cuda_device] {
+#ifdef BB_WITH_CUDA
+        cuda::set_device(cuda_device);  // cached per thread: a driver call only when it changes
+#else
+        (void)cuda_device;
+#endif
+        return e.done();
+      },
+      std::move(what));
 }
 
 int64_t add_health_check(std::function<std::string()> check, std::function<void()> abort) {

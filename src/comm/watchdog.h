@@ -23,8 +23,11 @@ namespace bb::comm {
 // Watches the collective described by `what` (e.g. "all_to_all_v on group 'ep' (operation #12)")
 // until `done` says it completed. `done` is called from the watchdog thread.
 void watch(std::function<bool()> done, std::string what);
-// The same for a collective whose completion is `e` (recorded right after it on its stream).
-void watch(const Event& e, std::string what);
+// The same for a collective whose completion is `e`, recorded right after it on a stream of
+// CUDA device `cuda_device` (the watchdog thread makes that device current before it queries
+// the event: a thread's first CUDA call would otherwise open a context on device 0, which
+// belongs to another rank on a multi-GPU node).
+void watch(const Event& e, int cuda_device, std::string what);
 
 // A check polled with every pass: returns "" while healthy, else the error (it then ends the
 // job). `abort` (may be empty) runs before the job ends (e.g. ncclCommAbort). Returns an id for
