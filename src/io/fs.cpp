@@ -41,6 +41,21 @@ void fsync_dir(const std::string& dir, const std::string& path) {
 
 }  // namespace
 
+void FileWriter::write_at(uint64_t offset, const void* data, size_t bytes) {
+  BB_CHECK(offset + bytes <= written_, "writing ", path_, ": bytes [", offset, ", ", offset + bytes,
+           ") were not written yet");
+  const char* p = static_cast<const char*>(data);
+  size_t left = bytes;
+  while (left > 0) {
+    ssize_t n = ::pwrite(fd_, p, left, static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    BB_CHECK(n > 0, "writing ", path_, " at byte ", offset, " failed: ", n < 0 ? errno_str(errno) : std::string("no progress"));
+    p += n;
+    offset += static_cast<uint64_t>(n);
+    left -= static_cast<size_t>(n);
+  }
+}
+
 void FileWriter::write(const void* data, size_t bytes) {
   const char* p = static_cast<const char*>(data);
   size_t left = bytes;

@@ -26,6 +26,8 @@ class FileWriter {
 
   void write(const void* data, size_t bytes);
   void write(std::string_view s) { write(s.data(), s.size()); }
+  // Overwrites bytes already written, at `offset` (a header patched once the data is known).
+  void write_at(uint64_t offset, const void* data, size_t bytes);
   // Bytes written so far.
   uint64_t written() const { return written_; }
   // The destination path (not the temporary), for messages.

@@ -350,6 +350,80 @@ std::string safetensors_header_bytes(const std::vector<std::pair<std::string, Te
   return u64_le(json.size()) + json;
 }
 
+uint64_t checksum64(const void* data, size_t bytes) {
+  constexpr uint64_t kMul = 0x9E3779B97F4A7C15ull;  // odd: multiplying by it is a bijection
+  auto step = [](uint64_t h, uint64_t w) {
+    h = (h ^ w) * kMul;
+    return h ^ (h >> 29);  // a xorshift is a bijection too
+  };
+  const unsigned char* p = static_cast<const unsigned char*>(data);
+  uint64_t lane[4] = {1, 2, 3, 4};
+  size_t i = 0;
+  for (; i + 32 <= bytes; i += 32)
+    for (int k = 0; k < 4; ++k) {
+      uint64_t w;
+      std::memcpy(&w, p + i + 8 * k, 8);
+      lane[k] = step(lane[k], w);
+    }
+  uint64_t h = step(step(step(step(bytes, lane[0]), lane[1]), lane[2]), lane[3]);
+  for (; i + 8 <= bytes; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, p + i, 8);
+    h = step(h, w);
+  }
+  if (i < bytes) {
+    uint64_t w = 0;
+    std::memcpy(&w, p + i, bytes - i);
+    h = step(h, w ^ (uint64_t{1} << 63));
+  }
+  return step(h, bytes);
+}
+
+std::string checksum_key(const std::string& tensor_name) { return kChecksumKeyPrefix + tensor_name; }
+
+namespace {
+std::string hex16(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+}  // namespace
+
+void write_safetensors_with_checksums(const std::string& path,
+                                      const std::vector<std::pair<std::string, Tensor>>& tensors,
+                                      const std::map<std::string, std::string>& metadata) {
+  std::map<std::string, std::string> meta = metadata;
+  for (const auto& [name, t] : tensors) meta[checksum_key(name)] = hex16(0);  // same width as the real ones
+  const std::string placeholder = safetensors_header_bytes(tensors, meta);
+  atomic_write(path, [&](FileWriter& w) {
+    w.write(placeholder);
+    for (const auto& [name, t] : tensors) {
+      if (t.nbytes() == 0) {
+        meta[checksum_key(name)] = hex16(checksum64(nullptr, 0));
+        continue;
+      }
+      Tensor host = t.device().is_cpu() ? t : t.to(Device::cpu(), MemCategory::workspace);
+      meta[checksum_key(name)] = hex16(checksum64(host.raw(), host.nbytes()));
+      w.write(host.raw(), host.nbytes());
+    }
+    const std::string header = safetensors_header_bytes(tensors, meta);
+    BB_CHECK(header.size() == placeholder.size(), "write_safetensors ", path, ": the checksummed header changed size");
+    w.write_at(0, header.data(), header.size());
+  });
+}
+
+bool verify_checksum(const std::map<std::string, std::string>& metadata, const std::string& file,
+                     const std::string& name, const Tensor& t) {
+  auto it = metadata.find(checksum_key(name));
+  if (it == metadata.end()) return false;
+  BB_CHECK(t.device().is_cpu(), "verify_checksum: ", name, " must be a host tensor");
+  const std::string got = hex16(checksum64(t.raw(), t.nbytes()));
+  BB_CHECK(got == it->second, file, ": tensor '", name, "' fails its checksum (stored ", it->second.substr(0, 32),
+           ", computed ", got, "): the file is corrupt (a changed byte, a torn or partial write). Resume from an "
+           "earlier checkpoint");
+  return true;
+}
+
 void write_safetensors(const std::string& path,
                        const std::vector<std::pair<std::string, Tensor>>& tensors,
                        const std::map<std::string, std::string>& metadata) {

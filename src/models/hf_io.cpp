@@ -141,8 +141,12 @@ bool is_qwen35_non_text(const std::string& name) {
 
 }  // namespace
 
-HfLoadReport load_hf_weights(DecoderModel& model, const std::string& dir,
-                             std::vector<Tensor>* f32_units) {
+namespace {
+
+// load_hf_weights (ranges == nullptr) or load_hf_weight_ranges.
+HfLoadReport load_hf(DecoderModel& model, const std::string& dir, std::vector<Tensor>* f32_units,
+                     const std::vector<std::pair<int64_t, int64_t>>* ranges, Device range_dev,
+                     std::vector<Tensor>* f32_ranges) {
   const std::string what = "load_hf_weights(" + dir + ")";
   BB_CHECK(is_directory(dir), what, ": not a directory");
   const std::string cfg_path = path_join(dir, "config.json");
@@ -185,6 +189,15 @@ HfLoadReport load_hf_weights(DecoderModel& model, const std::string& dir,
 
   // Targets: checkpoint name -> where it goes in the model (a parameter slice).
   std::vector<ParamUnit*> units = model.units();
+  if (ranges) {
+    BB_CHECK(ranges->size() == units.size() && f32_ranges, what, ": ", ranges->size(), " ranges for ", units.size(),
+             " parameter units");
+    for (size_t u = 0; u < units.size(); ++u) {
+      const auto [lo, len] = (*ranges)[u];
+      BB_CHECK(lo >= 0 && len >= 0 && lo + len <= units[u]->numel, what, ": range [", lo, ", ", lo + len,
+               ") is outside unit ", units[u]->name, " (", units[u]->numel, " elements)");
+    }
+  }
   if (f32_units) {
     BB_CHECK(f32_units->size() == units.size(), what, ": ", f32_units->size(),
              " f32 targets for ", units.size(), " parameter units");
@@ -195,14 +208,18 @@ HfLoadReport load_hf_weights(DecoderModel& model, const std::string& dir,
   }
   struct Target {
     std::string model_name, name;  // the HF name in the model, and in the files
-    Tensor dst;
-    Tensor dst_f32;  // the same slice of the unit's f32 target, when asked for
+    Tensor dst;            // the parameter slice (undefined in ranges mode)
+    Tensor dst_f32;        // the same slice of the unit's f32 target, when asked for
     Shape file_shape;      // what the file must hold
-    int64_t first_row = 0;  // rows [first_row, first_row + dst rows) of it go into dst
+    int64_t first_row = 0;  // rows [first_row, first_row + rows of shape) of it go into dst
+    size_t unit = 0;        // ranges mode: the unit, and the elements [elem_lo, + numel) it fills
+    int64_t elem_lo = 0;
+    Shape shape;
   };
   auto target = [&](const HfTensor& t) {
-    Target g{t.name, fn.of(t.name), unit_slice(t.param->unit->value, *t.param, t.offset, t.shape),
-             {}, t.shape, t.hf_first_row};
+    Target g{t.name, fn.of(t.name), Tensor(), {}, t.shape, t.hf_first_row,
+             static_cast<size_t>(t.param->unit->index), t.param->offset + t.offset, t.shape};
+    if (!ranges) g.dst = unit_slice(t.param->unit->value, *t.param, t.offset, t.shape);
     g.file_shape[0] = t.hf_num_rows;
     if (f32_units)
       g.dst_f32 = unit_slice((*f32_units)[static_cast<size_t>(t.param->unit->index)], *t.param,
@@ -281,23 +298,43 @@ HfLoadReport load_hf_weights(DecoderModel& model, const std::string& dir,
 
   // Stage every tensor on the host (in the parameter dtype, or f32 for f32 targets); the model
   // is untouched until all reads succeeded. A unit holding some experts keeps only its rows.
+  // In ranges mode only the part of each tensor inside its unit's kept range stays staged
+  // (kept_at: the unit element it starts at), so the host holds the ranges plus one tensor.
   std::vector<Tensor> staged;
+  std::vector<int64_t> kept_at;
   staged.reserve(targets.size());
+  const Tensor head =
+      tied_head_in_file ? files.read_as("lm_head.weight", DType::f32, MemCategory::other) : Tensor();
   for (const Target& t : targets) {
-    Tensor v = files.read_as(t.name, f32_units ? DType::f32 : t.dst.dtype(), MemCategory::other);
-    if (v.size(0) != t.dst.size(0)) v = v.narrow(t.first_row, t.dst.size(0)).clone(MemCategory::other);
-    staged.push_back(v);
-  }
-  if (tied_head_in_file) {
-    const Tensor head = files.read_as("lm_head.weight", DType::f32, MemCategory::other);
-    const std::string embed = "model.embed_tokens.weight";
-    for (size_t i = 0; i < targets.size(); ++i) {
-      if (targets[i].model_name != embed) continue;
-      const Tensor e = staged[i].dtype() == DType::f32 ? staged[i] : staged[i].to_dtype(DType::f32);
+    Tensor v = files.read_as(t.name, f32_units || ranges ? DType::f32 : t.dst.dtype(), MemCategory::other);
+    if (v.size(0) != t.shape[0]) v = v.narrow(t.first_row, t.shape[0]).clone(MemCategory::other);
+    if (tied_head_in_file && t.model_name == "model.embed_tokens.weight") {
+      const Tensor e = v.dtype() == DType::f32 ? v : v.to_dtype(DType::f32);
       BB_CHECK(head.shape() == e.shape() && head.to_floats() == e.to_floats(), what,
-               ": tie_word_embeddings is true but lm_head.weight differs from ", targets[i].name,
-               " (nothing was loaded)");
+               ": tie_word_embeddings is true but lm_head.weight differs from ", t.name, " (nothing was loaded)");
     }
+    if (!ranges) {
+      staged.push_back(v);
+      continue;
+    }
+    const auto [lo, len] = (*ranges)[t.unit];
+    const int64_t a = std::max(lo, t.elem_lo), b = std::min(lo + len, t.elem_lo + v.numel());
+    staged.push_back(a < b ? v.view({v.numel()}).narrow(a - t.elem_lo, b - a).clone(MemCategory::other) : Tensor());
+    kept_at.push_back(a);
+  }
+  if (ranges) {
+    f32_ranges->assign(units.size(), Tensor());
+    for (size_t u = 0; u < units.size(); ++u)  // zeros: the alignment padding stays zero
+      (*f32_ranges)[u] = Tensor::zeros({(*ranges)[u].second}, DType::f32, range_dev, MemCategory::optimizer);
+    for (size_t i = 0; i < targets.size(); ++i) {
+      if (staged[i].defined()) {
+        const size_t u = targets[i].unit;
+        (*f32_ranges)[u].narrow(kept_at[i] - (*ranges)[u].first, staged[i].numel()).copy_from(staged[i].to(range_dev));
+      }
+      ++report.tensors_read;
+      if (fused.count(targets[i].model_name)) ++report.fused_expert_tensors;
+    }
+    return report;
   }
   for (size_t i = 0; i < targets.size(); ++i) {
     if (f32_units) targets[i].dst_f32.copy_from(staged[i]);
@@ -308,6 +345,18 @@ HfLoadReport load_hf_weights(DecoderModel& model, const std::string& dir,
     if (fused.count(targets[i].model_name)) ++report.fused_expert_tensors;
   }
   return report;
+}
+
+}  // namespace
+
+HfLoadReport load_hf_weights(DecoderModel& model, const std::string& dir, std::vector<Tensor>* f32_units) {
+  return load_hf(model, dir, f32_units, nullptr, Device::cpu(), nullptr);
+}
+
+HfLoadReport load_hf_weight_ranges(DecoderModel& model, const std::string& dir,
+                                   const std::vector<std::pair<int64_t, int64_t>>& ranges, Device dev,
+                                   std::vector<Tensor>* f32_ranges) {
+  return load_hf(model, dir, nullptr, &ranges, dev, f32_ranges);
 }
 
 void export_hf(DecoderModel& model, const std::string& dir, const HfExportOptions& opts) {

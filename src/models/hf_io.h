@@ -72,6 +72,15 @@ struct HfLoadReport {
 HfLoadReport load_hf_weights(DecoderModel& model, const std::string& dir,
                              std::vector<Tensor>* f32_units = nullptr);
 
+// A sharded start from a Hugging Face checkpoint: the same checks, but only elements
+// [lo, lo + len) of each unit (ranges[u], model.units() order) are kept, as f32, in
+// (*f32_ranges)[u] ([len], on `dev`); the model's own buffers are not touched (it may have been
+// built with ModelOptions::defer_values). Host staging holds the kept ranges plus one tensor at
+// a time, never the whole checkpoint; still nothing is written before every read succeeded.
+HfLoadReport load_hf_weight_ranges(DecoderModel& model, const std::string& dir,
+                                   const std::vector<std::pair<int64_t, int64_t>>& ranges, Device dev,
+                                   std::vector<Tensor>* f32_ranges);
+
 struct HfExportOptions {
   DType dtype = DType::bf16;                 // f32 or bf16 (f16 also accepted)
   uint64_t max_shard_bytes = 5'000'000'000;  // per shard file (HF's default "5GB")

@@ -101,8 +101,16 @@ ModelState::~ModelState() {
   }
 }
 
+std::pair<int64_t, int64_t> ModelState::start_range(StateKind kind, const ParamUnit& u, const Mesh& mesh) {
+  const comm::GroupPtr group = u.kind == UnitKind::experts ? mesh.edp() : mesh.dense();
+  const int64_t N = group->size(), r = group->rank();
+  if (N == 1 || kind != StateKind::fsdp) return {0, u.numel};
+  const int64_t S = ceil_div(u.numel, N), lo = std::min(u.numel, r * S);
+  return {lo, std::max<int64_t>(0, std::min(S, u.numel - lo))};
+}
+
 ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, const std::vector<Tensor>* masters,
-                       OptimizerKind opt, uint64_t seed, bool split_master)
+                       OptimizerKind opt, uint64_t seed, bool split_master, bool masters_are_start_ranges)
     : kind_(kind), opt_(opt), seed_(seed), model_(model), tied_(model.config().tie_word_embeddings) {
   const DType mdt = bb::moment_dtype(opt);
   std::vector<ParamUnit*> units = model.units();
@@ -133,13 +141,30 @@ ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, co
     const Device dev = deferred ? store.device() : pu->value.device();
     const DType vdt = deferred ? store.value_dtype(*pu) : pu->value.dtype();
     u.split = split_master && vdt == DType::bf16;  // units whose values stay f32 keep an f32 master
-    // The f32 source of the masters: the given masters, else the values.
+    // The f32 source of the masters: the given masters, else the values. src_at(lo, len): its
+    // elements [lo, lo + len) of the unit (given as start ranges: shifted).
     const Tensor src = masters && (*masters)[i].defined() ? (*masters)[i] : Tensor();
+    const int64_t src_lo = masters_are_start_ranges ? start_range(kind, *pu, mesh).first : 0;
+    if (src.defined() && masters_are_start_ranges)
+      BB_CHECK(src.numel() == start_range(kind, *pu, mesh).second, "ModelState: the start range of unit ", pu->name,
+               " has ", src.numel(), " elements, expected ", start_range(kind, *pu, mesh).second);
+    auto src_at = [&](int64_t lo, int64_t len) { return src.narrow(lo - src_lo, len); };
+    // A deferred unit's values: from the given masters (rounded as a whole start's loader rounds
+    // them), else the initialisation.
+    auto fill_values = [&](int64_t lo, int64_t len, Tensor& dst) {
+      if (!src.defined()) {
+        model.init_unit_range(*pu, lo, len, dst);
+      } else if (len > 0) {
+        const Tensor m = src_at(lo, len);
+        const Tensor v = m.dtype() == dst.dtype() ? m : m.to_dtype(dst.dtype(), MemCategory::other);
+        dst.copy_from(v.device() == dst.device() ? v : v.to(dst.device()));
+      }
+    };
     // `vals`: the values of the owned elements [lo, lo + len).
     auto owned_f32 = [&](int64_t lo, int64_t len, const Tensor& vals) {
       Tensor m = Tensor::zeros({u.mode == Mode::whole ? pu->numel : u.S}, DType::f32, dev, MemCategory::optimizer);
       if (len > 0) {
-        Tensor from = src.defined() ? src.narrow(lo, len) : vals.to_dtype(DType::f32, MemCategory::other);
+        Tensor from = src.defined() ? src_at(lo, len) : vals.to_dtype(DType::f32, MemCategory::other);
         m.narrow(0, len).copy_from(from.device() == dev ? from : from.to(dev));
       }
       return m;
@@ -154,7 +179,7 @@ ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, co
       case Mode::whole:
         if (deferred) {
           Tensor value = Tensor::zeros({pu->numel}, vdt, dev, MemCategory::params);
-          model.init_unit_range(*pu, 0, pu->numel, value);
+          fill_values(0, pu->numel, value);
           store.rebind(*pu, value, Tensor::zeros({pu->numel}, DType::f32, dev, MemCategory::grads));
         }
         u.master = owned_master(0, pu->numel, pu->value);
@@ -162,7 +187,7 @@ ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, co
       case Mode::zero1: {
         u.value_buf = Tensor::zeros({u.N * u.S}, vdt, dev, MemCategory::params);
         Tensor whole = u.value_buf.narrow(0, pu->numel);
-        if (deferred) model.init_unit_range(*pu, 0, pu->numel, whole);
+        if (deferred) fill_values(0, pu->numel, whole);
         else whole.copy_from(pu->value);
         u.grad_buf = Tensor::zeros({u.N * u.S}, DType::f32, dev, MemCategory::grads);
         u.master = owned_master(u.lo, u.len, u.value_buf.narrow(u.lo, u.len));
@@ -172,7 +197,7 @@ ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, co
       case Mode::fsdp: {
         u.value_shard = Tensor::zeros({u.S}, vdt, dev, MemCategory::params);
         Tensor mine = u.value_shard.narrow(0, u.len);
-        if (deferred) model.init_unit_range(*pu, u.lo, u.len, mine);
+        if (deferred) fill_values(u.lo, u.len, mine);
         else if (u.len > 0) mine.copy_from(pu->value.narrow(u.lo, u.len));
         u.grad_shard = Tensor::zeros({u.S}, DType::f32, dev, MemCategory::grads);
         u.master = owned_master(u.lo, u.len, mine);
@@ -183,8 +208,8 @@ ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, co
     u.exp_avg = Tensor::zeros(u.master.shape(), mdt, dev, MemCategory::optimizer);
     u.exp_avg_sq = Tensor::zeros(u.master.shape(), mdt, dev, MemCategory::optimizer);
     u.stream = moment_stream_id(pu->name.data(), pu->name.size());
-    if (u.split && src.defined() && u.len > 0) set_split_master(u, src.narrow(u.mode == Mode::whole ? 0 : u.lo,
-                                                                             u.mode == Mode::whole ? pu->numel : u.len));
+    if (u.split && src.defined() && u.len > 0)
+      set_split_master(u, src_at(u.mode == Mode::whole ? 0 : u.lo, u.mode == Mode::whole ? pu->numel : u.len));
     if (pu->layer >= 0) by_layer_[static_cast<size_t>(pu->layer)].push_back(&u);
     else if (pu->kind == UnitKind::embedding) embed_ = &u;
     else head_ = &u;
@@ -355,11 +380,9 @@ void ModelState::reduce_grads(Unit& u) {
 // step. Its sum of squares then runs on the copy stream, beside the backward of the layers
 // below, instead of in grad_norm() after the whole backward (a pass over every gradient: 3-4 ms
 // at 8K tokens of the 4-layer Qwen3 slices on an H200). The same kernels on the same tensor:
-// grad_norm() returns bitwise the same value. BB_EARLY_GRAD_NORM=0 turns it off.
+// grad_norm() returns bitwise the same value (its own sums use the same kernel).
 bool ModelState::early_norm_applies(const Unit& u) const {
-  const char* off = std::getenv("BB_EARLY_GRAD_NORM");
-  if ((off != nullptr && off[0] == '0') || !last_micro_ || u.N != 1 || u.mode != Mode::whole || u.u->numel == 0)
-    return false;
+  if (!last_micro_ || u.N != 1 || u.mode != Mode::whole || u.u->numel == 0) return false;
   const Tensor& g = u.u->grad;
   return g.defined() && g.device().is_cuda();
 }
@@ -438,7 +461,7 @@ void ModelState::unit_final(Unit& u) {
   if (!update) return;
   const Tensor& g = u.u->grad;
   if (g.defined() && g.device().is_cuda()) {
-    copy_after_grads(g.device());  // no early sum went first (BB_EARLY_GRAD_NORM=0)
+    copy_after_grads(g.device());  // no early sum went first
     StreamScope scope(Stream::copy);
     update_unit(u, early_.step, early_.lr, early_.weight_decay, early_.cfg, early_.nonfinite, true);
   } else {
@@ -472,10 +495,7 @@ void ModelState::drain() {
 // head's dense gradient) that one rank holds whole, laid out as the table alone [V, H] from
 // element 0, with an eagerly zeroed gradient (the untouched rows' zeros are read).
 bool ModelState::embed_rows_apply() const {
-  const char* off = std::getenv("BB_EMBED_ROWS_EARLY");
-  if ((off != nullptr && off[0] == '0') || !early_on_ || tied_ || !embed_ || embed_->N != 1 ||
-      embed_->mode != Mode::whole)
-    return false;
+  if (!early_on_ || tied_ || !embed_ || embed_->N != 1 || embed_->mode != Mode::whole) return false;
   const ParamUnit& pu = *embed_->u;
   if (pu.params.size() != 1 || !pu.grad.defined() || !pu.value.defined()) return false;
   const Param& p = *pu.params[0];
@@ -623,11 +643,7 @@ void ModelState::before_backward(const Layer& l) {
 // (the experts beside the attention block's backward) instead of after the whole layer. FSDP
 // units keep the per-layer order (their shards are reduced as the layer ends).
 void ModelState::after_block_backward(const Layer& l, size_t b) {
-  static const bool off = [] {
-    const char* e = std::getenv("BB_EARLY_AT_BLOCK");  // kernel-lab knob: 0 = at the layer's end
-    return e != nullptr && e[0] == '0';
-  }();
-  if (off || !last_micro_ || b == 0 || b >= l.blocks.size()) return;
+  if (!last_micro_ || b == 0 || b >= l.blocks.size()) return;
   auto writes = [&](size_t j, const ParamUnit* pu) {
     const auto& us = l.blocks[j]->units;
     return std::find(us.begin(), us.end(), pu) != us.end();

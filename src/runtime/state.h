@@ -72,8 +72,15 @@ class ModelState final : public LayerHooks {
   // the stochastic rounding of bf16 moments (with the unit's name, the step and the element).
   // `split_master`: the master of each unit with bf16 values is held split, its upper half being
   // the values and an i16 remainder the rest (adamw.h); units with f32 values keep an f32 master.
+  // `masters_are_start_ranges`: (*masters)[i] holds only unit i's elements start_range() names
+  // (a sharded start from a checkpoint read by ranges; the model built with defer_values).
   ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, const std::vector<Tensor>* masters = nullptr,
-             OptimizerKind opt = OptimizerKind::adamw, uint64_t seed = 0, bool split_master = false);
+             OptimizerKind opt = OptimizerKind::adamw, uint64_t seed = 0, bool split_master = false,
+             bool masters_are_start_ranges = false);
+  // The elements [first, first + second) of unit `u` whose values this rank needs at its start
+  // under `kind`: its shard under fsdp, the whole unit otherwise (zero1 and replicated ranks hold
+  // every value).
+  static std::pair<int64_t, int64_t> start_range(StateKind kind, const ParamUnit& u, const Mesh& mesh);
   ~ModelState() override;
 
   StateKind kind() const { return kind_; }
@@ -104,7 +111,6 @@ class ModelState final : public LayerHooks {
   // update does not wait for the backward) once the first layer's forward is enqueued, on the
   // copy stream beside the forward; the touched rows once the embedding's gradient is final.
   // Bitwise the update of the whole table; it takes the table's update out of the step's tail.
-  // BB_EMBED_ROWS_EARLY=0 turns it off.
   size_t embedding_split_updates() const { return embed_split_steps_; }
   void begin_micro_batch(bool last);
   void end_backward();

@@ -48,9 +48,10 @@ ModelOptions model_options(const RunConfig& c) {
   o.device = c.resolved_device();
   o.param_dtype = c.resolved_param_dtype();
   o.expert_wgrad_stream = c.backend.expert_wgrad_stream;
-  // A random start is sharded: the state family allocates and initialises only what this rank
-  // holds (an fsdp rank never holds a whole unit). An hf: start still reads into whole units.
-  o.defer_values = c.model_init.rfind("hf:", 0) != 0;
+  // The start is sharded: the state family allocates and fills only what this rank holds (an
+  // fsdp rank never holds a whole unit), from the initialisation or from the hf: checkpoint's
+  // ranges.
+  o.defer_values = true;
   return o;
 }
 
@@ -341,14 +342,14 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
   std::vector<ParamUnit*> units = model_->units();
   std::vector<Tensor> masters;
   if (cfg.model_init.rfind("hf:", 0) == 0) {
-    // Zeros: the loader writes only the parameters' slices, and the alignment padding between
-    // them must stay zero (AdamW steps whole buckets and copies the masters into the units).
-    for (ParamUnit* u : units)
-      masters.push_back(Tensor::zeros({u->numel}, DType::f32, device_, MemCategory::optimizer));
     // The fp32 masters take the checkpoint's values at full precision (the parameters may be
-    // bf16), so they are loaded together.
+    // bf16); the state family rounds its values from them. Only the elements this rank starts
+    // with are read (ModelState::start_range: its shard under fsdp), so neither the host nor the
+    // device ever holds the whole checkpoint.
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    for (ParamUnit* u : units) ranges.push_back(ModelState::start_range(cfg.prim.state.value, *u, *mesh_));
     const std::string dir = cfg.model_init.substr(3);
-    const HfLoadReport rep = load_hf_weights(*model_, dir, &masters);
+    const HfLoadReport rep = load_hf_weight_ranges(*model_, dir, ranges, device_, &masters);
     if (log_) {
       std::fprintf(log_, "%s[startup] loaded %s: %s\n", log_prefix_.c_str(), dir.c_str(), rep.summary().c_str());
       std::fflush(log_);
@@ -357,7 +358,7 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
   // The state family takes the units over (fsdp frees the whole buffers here).
   const bool split = splits_master(cfg.backend.master_storage, cfg.resolved_param_dtype());
   state_ = std::make_unique<ModelState>(cfg.prim.state.value, *model_, *mesh_, masters.empty() ? nullptr : &masters,
-                                        cfg.prim.optimizer.value, cfg.seed, split);
+                                        cfg.prim.optimizer.value, cfg.seed, split, /*masters_are_start_ranges=*/true);
   state_->set_reduction(cfg.backend.grad_reduce_dtype == "bf16" ? DType::bf16 : DType::f32,
                         cfg.backend.fsdp_reduce == "step");
   masters.clear();
@@ -961,7 +962,9 @@ std::string Trainer::save_checkpoint(const std::string& root) {
   }
   agree(world, err, "creating the checkpoint directory");
   try {
-    write_safetensors(path_join(tmp_dir, shard_name(rank)), tensors, meta);
+    // Every tensor's checksum goes into the shard's metadata; a load verifies it (a flipped bit
+    // or a torn write would otherwise load silently when the values stay finite).
+    write_safetensors_with_checksums(path_join(tmp_dir, shard_name(rank)), tensors, meta);
   } catch (const std::exception& e) {
     err = e.what();
   }

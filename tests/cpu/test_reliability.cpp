@@ -8,6 +8,7 @@
 #include <mutex>
 #include <thread>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sys/resource.h>
@@ -215,6 +216,9 @@ TEST(NonFinite, NoCheckpointHoldsNonFiniteValuesAndLoadingOneNamesTheTensor) {
     meta = r.metadata();
     for (const SafetensorsEntry& e : r.entries()) ts.emplace_back(e.name, r.read(e.name));
   }
+  // The checks below are those of a shard without checksums (written before they existed): the
+  // checksums would name the change first (ChecksumsFindAChangedByte covers them).
+  for (auto it = meta.begin(); it != meta.end();) it = it->first.rfind(kChecksumKeyPrefix, 0) == 0 ? meta.erase(it) : ++it;
   bool poisoned = false;
   for (auto& [name, t] : ts)
     if (name == unit0 + ".exp_avg") {
@@ -249,6 +253,78 @@ TEST(NonFinite, NoCheckpointHoldsNonFiniteValuesAndLoadingOneNamesTheTensor) {
 }
 
 // A loss far above the running mean is flagged (warning line, metrics field).
+// Probe defect 3: a changed byte in a shard (a flipped bit, or a master set to 1e30, which stays
+// finite) loaded silently. Every tensor of a shard now carries a checksum; a load names the
+// file and the tensor whose bytes changed, and changes nothing.
+TEST(Checkpoint, ChecksumsFindAChangedByte) {
+  const std::string dir = make_tmpdir();
+  const std::string run = write_run(dir, small_model());
+  std::string step, unit1;
+  {
+    Trainer t(load_run_config(run), nullptr);
+    t.train_step();
+    unit1 = t.model().units()[1]->name;
+    step = t.save_checkpoint(ck(dir));
+  }
+  const std::string shard = step + "/shards/rank_00000.safetensors";
+  uint64_t at = 0;
+  std::string original;
+  {
+    SafetensorsReader r(shard);
+    ASSERT_TRUE(r.metadata().count(checksum_key(unit1 + ".master")));
+    const SafetensorsEntry* e = r.find(unit1 + ".master");
+    ASSERT_NE(e, nullptr);
+    at = r.data_start() + e->begin + 4 * 3;  // element 3 of the master
+    original = read_file(shard);
+  }
+  auto poke = [&](const void* bytes, size_t n) {
+    std::string s = original;
+    std::memcpy(&s[at], bytes, n);
+    std::ofstream(shard, std::ios::binary | std::ios::trunc) << s;
+  };
+  for (int bit : {0, 13, 31}) {  // one flipped bit: low mantissa, mantissa, sign
+    SCOPED_TRACE("bit " + std::to_string(bit));
+    uint32_t w;
+    std::memcpy(&w, original.data() + at, 4);
+    w ^= uint32_t{1} << bit;
+    poke(&w, 4);
+    Trainer u(load_run_config(run, {"checkpoint.dir=\"\""}), nullptr);
+    test::expect_error_contains([&] { u.load_checkpoint(step); },
+                                "rank_00000.safetensors: tensor '" + unit1 + ".master' fails its checksum");
+    EXPECT_EQ(u.step(), 0);
+  }
+  const float huge = 1e30f;  // finite: the finiteness check alone let it through
+  poke(&huge, 4);
+  {
+    Trainer u(load_run_config(run, {"checkpoint.dir=\"\""}), nullptr);
+    test::expect_error_contains([&] { u.load_checkpoint(step); }, "fails its checksum");
+  }
+  // The untouched file loads.
+  std::ofstream(shard, std::ios::binary | std::ios::trunc) << original;
+  Trainer u(load_run_config(run, {"checkpoint.dir=\"\""}), nullptr);
+  u.load_checkpoint(step);
+  EXPECT_EQ(u.step(), 1);
+}
+
+// checksum64 changes with any single flipped bit of a buffer, at every length around the 8- and
+// 32-byte strides (the lanes, the word tail, the byte tail), and with the length alone.
+TEST(Checkpoint, Checksum64SeesEverySingleBitFlip) {
+  std::vector<unsigned char> buf(80);
+  for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<unsigned char>(i * 37 + 11);
+  for (size_t n : {0, 1, 7, 8, 9, 31, 32, 33, 40, 63, 64, 65, 80}) {
+    const uint64_t h = checksum64(buf.data(), n);
+    if (n > 0) {
+      EXPECT_NE(checksum64(buf.data(), n - 1), h) << n;
+    }
+    for (size_t b = 0; b < 8 * n; ++b) {
+      buf[b / 8] ^= static_cast<unsigned char>(1u << (b % 8));
+      EXPECT_NE(checksum64(buf.data(), n), h) << "length " << n << ", bit " << b;
+      buf[b / 8] ^= static_cast<unsigned char>(1u << (b % 8));
+    }
+    EXPECT_EQ(checksum64(buf.data(), n), h);
+  }
+}
+
 TEST(NonFinite, LossSpikeIsWarned) {
   const std::string dir = make_tmpdir();
   CapturedLog log;

@@ -85,17 +85,17 @@ TEST(ModelGpu, RecomputeFullGivesTheSameGradientsOnGpu) {
 
 // On one rank each unit's sum of squares runs on the copy stream as soon as its layer's backward
 // is done (ModelState::early_norm): the step's grad norm must be bitwise the norm of the
-// gradients the step left, summed unit by unit with the same kernels, and so with
-// BB_EARLY_GRAD_NORM=0 (every unit summed after the backward).
+// gradients the step left, summed unit by unit with the same kernels, with the early sums on
+// (clipping: grad_norm sums the rest itself) and with the update during the backward (clipping
+// off: the sums fused with the updates).
 TEST(ModelGpu, EarlyGradNormIsTheNormOfTheStepsGradients) {
   BB_REQUIRE_GPU();
   char tmpl[] = "/tmp/bb_model_gpu_XXXXXX";
   const std::string dir = mkdtemp(tmpl);
   const std::string run = tiny_run(dir);
-  for (const char* early : {"1", "0"}) {
-    SCOPED_TRACE(std::string("BB_EARLY_GRAD_NORM=") + early);
-    setenv("BB_EARLY_GRAD_NORM", early, 1);
-    Trainer t(load_run_config(run, {"parallel.device=\"cuda\"", "train.steps=3"}), nullptr);
+  for (const char* clip : {"train.grad_clip=1.0", "train.grad_clip=0"}) {
+    SCOPED_TRACE(clip);
+    Trainer t(load_run_config(run, {"parallel.device=\"cuda\"", "train.steps=3", clip}), nullptr);
     for (int i = 0; i < 3; ++i) {
       const StepMetrics m = t.train_step();
       double s = 0;
@@ -105,7 +105,6 @@ TEST(ModelGpu, EarlyGradNormIsTheNormOfTheStepsGradients) {
       EXPECT_TRUE(std::isfinite(m.grad_norm) && m.grad_norm > 0);
     }
   }
-  unsetenv("BB_EARLY_GRAD_NORM");
 }
 
 // [backend] optimizer_in_backward on the GPU: the updates run on the copy stream beside the

@@ -308,16 +308,40 @@ TEST(State, MemoryEqualsTheClosedForms) {
 // only what it holds, so the startup peak of params and grads is the family's closed form (an
 // fsdp rank never holds a whole unit: before, every rank built the whole model first), and the
 // masters are bit for bit those of a single rank's whole start.
+// The same from a Hugging Face checkpoint (model.init = "hf:DIR"): each rank reads only the
+// elements it starts with (load_hf_weight_ranges), and the masters are bit for bit those of a
+// single rank's hf start.
 TEST(State, ShardedStartHoldsOnlyItsShardsAndEqualsTheWholeStart) {
   const int64_t R = world()->size();
   TestRun run = make_run("start");
+  if (world()->rank() == 0) {
+    DecoderModel src(small_model(), ModelOptions{}, 1234);
+    HfExportOptions eo;
+    eo.dtype = DType::f32;
+    export_hf(src, run.dir + "/hf", eo);
+  }
+  world()->barrier();
+  const std::string hf = "model.init=\"hf:" + run.dir + "/hf\"";
   Allocator& alloc = allocator_for(test::device());
-  Trainer ref(config(run, {}), nullptr, Corpus{}, comm::self_group());
+  for (const std::string init : {std::string("model.init=\"random\""), hf})
   for (const char* kind : kKinds) {
-    SCOPED_TRACE(std::string(kind) + " ranks " + std::to_string(R));
+    SCOPED_TRACE(std::string(kind) + " ranks " + std::to_string(R) + " " + init);
+    // The reference, by the whole paths: a model built and initialised whole (every parameter at
+    // once), and for hf: the whole loader into it and into f32 masters.
+    const RunConfig rc = config(run, {init});
+    ModelOptions mo;
+    mo.device = rc.resolved_device();
+    mo.param_dtype = rc.resolved_param_dtype();
+    DecoderModel whole(rc.model, mo, rc.seed);
+    std::vector<Tensor> want;
+    for (ParamUnit* u : whole.units()) want.push_back(u->value.to_dtype(DType::f32, MemCategory::other));
+    if (init == hf) {
+      for (Tensor& w : want) w.zero_();
+      load_hf_weights(whole, run.dir + "/hf", &want);
+    }
     const MemoryStats before = alloc.stats();
     alloc.reset_peak();
-    Trainer t(config(run, {std::string("primitives.state=\"") + kind + "\""}), nullptr, Corpus{}, world());
+    Trainer t(config(run, {init, std::string("primitives.state=\"") + kind + "\""}), nullptr, Corpus{}, world());
     const MemoryStats after = alloc.stats();
     const int64_t b = static_cast<int64_t>(dtype_size(t.config().resolved_param_dtype()));
     int64_t params = 0, grads = 0;
@@ -329,8 +353,9 @@ TEST(State, ShardedStartHoldsOnlyItsShardsAndEqualsTheWholeStart) {
     }
     EXPECT_EQ(after.peak_of(MemCategory::params) - before.live_of(MemCategory::params), params);
     EXPECT_EQ(after.peak_of(MemCategory::grads) - before.live_of(MemCategory::grads), grads);
-    for (size_t i = 0; i < t.model().units().size(); ++i) {
-      const std::vector<float> a = t.state().gather_master(i).to_floats(), w = ref.state().gather_master(i).to_floats();
+    ASSERT_EQ(t.model().units().size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      const std::vector<float> a = t.state().gather_master(i).to_floats(), w = want[i].to_floats();
       EXPECT_EQ(a, w) << t.model().units()[i]->name;
     }
   }

@@ -116,18 +116,12 @@ cudaStream_t named_stream(DeviceState& st, int dev, Stream which) {
   if (cudaStream_t s = st.streams[i].load(std::memory_order_acquire)) return s;
   set_device(dev);
   cudaStream_t s = nullptr;
-  // Kernel-lab knob BB_COPY_STREAM_PRIORITY=work: the copy stream at the compute stream's
-  // priority (A/B runs: an update-bound step may gain when the update competes as an equal).
-  static const bool copy_as_work = [] {
-    const char* e = std::getenv("BB_COPY_STREAM_PRIORITY");
-    return e != nullptr && std::string(e) == "work";
-  }();
   // Communication streams at the high priority: their kernels take few SMs and everything
   // downstream waits for them (the experts for the dispatch, a layer for its gather).
   const bool comm_class = which == Stream::comm || which == Stream::ep || which == Stream::gather ||
                           which == Stream::reduce || which == Stream::cp;
   const int prio = comm_class                               ? st.priority_high
-                   : which == Stream::copy && !copy_as_work ? st.priority_low
+                   : which == Stream::copy                  ? st.priority_low
                                                             : work_priority(st);
   BB_CHECK_CUDA(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, prio));
   st.streams[i].store(s, std::memory_order_release);
