@@ -188,10 +188,10 @@ TEST(ContextParallel, BadLayoutsAreClearErrors) {
   // sdpa cannot attend across ranks.
   test::expect_error_contains([&] { Trainer t(config(run, {cp}), nullptr, Corpus{}, world()); },
                                   "primitives.attention = \"cp_ring\"");
-  // cp_a2a needs the query heads divisible by cp: 3 heads over 2 or 4 ranks.
+  // cp_a2a needs the query heads divisible by cp: R + 1 heads over R ranks.
   {
     ModelConfig m = small_model();
-    m.num_heads = 3;
+    m.num_heads = R + 1;
     m.num_kv_heads = 1;
     if (world()->rank() == 0) std::ofstream(run.dir + "/odd.json") << m.to_hf_json().dump(2);
     world()->barrier();

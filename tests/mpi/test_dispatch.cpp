@@ -559,7 +559,7 @@ TEST(Dispatch, BadLayoutsAreClearErrors) {
                                       " routed experts; choose parallel.ep among the divisors");
   }
   DispatcherConfig dc;
-  dc.num_experts = 4;
+  dc.num_experts = 4 * P;  // divisible by the group: the chunk count is what is wrong
   dc.group = g;
   dc.num_chunks = kMaxDispatchChunks + 1;
   test::expect_error_contains([&] { make_chunked_alltoall_dispatcher(dc); }, "the chunk count must be in [1, 64]");
