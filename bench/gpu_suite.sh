@@ -25,7 +25,10 @@
 # Environment: E2E_SEQ (override the e2e list), E2E_STEPS (default 3), PART_TIMEOUT (seconds per
 # binary, default 300), SANITIZE_TIMEOUT (seconds per binary and tool under compute-sanitizer,
 # default 900; it slows kernels 10-100x). compute-sanitizer is found on PATH, in $CUDA_HOME/bin or
-# /usr/local/cuda/bin. Prints a summary of pass/fail per part at the end.
+# /usr/local/cuda/bin. Prints a summary of pass/fail per part at the end and exits 1 when any
+# part failed. On the GPU machine a skipped GPU test is a failure (a GPU test skips itself only
+# for lack of CUDA only when CUDA did not start or the build has no CUDA backend, which is what
+# this suite must catch), and so is a test binary that ran no test.
 set -u
 BUILD=${1:?usage: gpu_suite.sh BUILD_DIR OUT_DIR [PART ...]}
 OUT=${2:?usage: gpu_suite.sh BUILD_DIR OUT_DIR [PART ...]}
@@ -35,6 +38,7 @@ PARTS=("$@")
 TO=${PART_TIMEOUT:-300}
 mkdir -p "$OUT"
 summary=()
+failed=0
 note() { summary+=("$1"); echo "== $1"; }
 run_logged() {  # run_logged <log name> <cmd...>
   local log="$OUT/$1"; shift
@@ -42,6 +46,7 @@ run_logged() {  # run_logged <log name> <cmd...>
   timeout "$TO" "$@" >> "$log" 2>&1
   local rc=$?
   note "$(basename "$1") rc=$rc $((SECONDS - t0))s (log $(basename "$log"))"
+  [ $rc -ne 0 ] && failed=1
   return $rc
 }
 for part in "${PARTS[@]}"; do
@@ -50,8 +55,21 @@ for part in "${PARTS[@]}"; do
       for t in "$BUILD"/tests/test_*_gpu "$BUILD"/tests/test_cuda_runtime; do
         [ -x "$t" ] || continue
         echo "### $(basename "$t")" >> "$OUT/tests.log"
+        at=$(stat -c %s "$OUT/tests.log")
         run_logged tests.log "$t" --gtest_brief=1
-        grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests? ran|FAILED" "$OUT/tests.log" | tail -n 3
+        part_log=$(tail -c +$((at + 1)) "$OUT/tests.log")
+        ran=$(echo "$part_log" | sed -n 's/.*\[==========\] \([0-9][0-9]*\) tests\{0,1\} from .* ran\..*/\1/p' | tail -n 1)
+        # Skips for lack of CUDA (BB_REQUIRE_GPU's reasons); others (a kernel for another compute
+        # capability, a shape a case does not apply to) are reported by gtest as usual.
+        skipped=$(echo "$part_log" | grep -cE "no usable CUDA device|this build has no CUDA backend")
+        if [ -z "$ran" ] || [ "$ran" -eq 0 ]; then
+          note "FAIL $(basename "$t"): ran no test"
+          failed=1
+        elif [ -n "$skipped" ] && [ "$skipped" -gt 0 ]; then
+          note "FAIL $(basename "$t"): $skipped of $ran test(s) skipped on the GPU machine ($(echo "$part_log" | grep -m1 -oE 'no usable CUDA device[^]]*|this build has no CUDA backend[^]]*'))"
+          failed=1
+        fi
+        echo "$part_log" | grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests? ran|FAILED" | tail -n 3
       done ;;
     kernels)
       for b in bench_ceilings bench_attention bench_pointwise bench_moe_loss bench_experts; do
@@ -123,3 +141,4 @@ done
 echo
 echo "summary:"
 printf '  %s\n' "${summary[@]}"
+exit $failed
