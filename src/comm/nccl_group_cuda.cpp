@@ -329,20 +329,10 @@ class NcclGroup final : public Group {
     const double t0 = now_s();
     int sleep_us = 0;
     while (!done.done()) {
-      for (ncclComm_t c : comms()) {  // the barrier waits for every lane's operations
-        ncclResult_t async = ncclSuccess;
-        nccl_check(ncclCommGetAsyncError(c, &async), c, "barrier (ncclCommGetAsyncError)", name());
-        if (async != ncclSuccess && async != ncclInProgress) {
-          char msg[768];
-          std::snprintf(
-              msg, sizeof msg,
-              "NCCL error during barrier on group '%s' (%d ranks, operation #%llu): %s (%s). "
-              "Aborting the job.",
-              name().c_str(), size(), static_cast<unsigned long long>(seq), ncclGetErrorString(async),
-              ncclGetLastError(c) ? ncclGetLastError(c) : "");
-          abort_comm();  // frees the stuck kernels so that the process can exit
-          abort_job(3, msg);
-        }
+      // The barrier waits for every lane's operations: any communicator's error ends it.
+      if (const std::string e = async_error(); !e.empty()) {
+        abort_comm();  // frees the stuck kernels so that the process can exit
+        abort_job(3, e + ". Aborting the job.");
       }
       if (now_s() - t0 > timeout()) {
         char msg[512];

@@ -2,6 +2,7 @@
 #include "runtime/state.h"
 
 #include <algorithm>
+#include <tuple>
 #include <climits>
 #include <cmath>
 #include <cstdlib>
@@ -101,16 +102,26 @@ ModelState::~ModelState() {
   }
 }
 
+namespace {
+// The group holding unit u, and the elements [lo, lo + len) rank r of its N owns (S = ceil(n / N)
+// each; the last ranks may own fewer, or none).
+comm::GroupPtr unit_group(const ParamUnit& u, const Mesh& mesh) {
+  return u.kind == UnitKind::experts ? mesh.edp() : mesh.dense();
+}
+std::pair<int64_t, int64_t> owned_range(int64_t n, int64_t N, int64_t r) {
+  const int64_t lo = std::min(n, r * ceil_div(n, N));
+  return {lo, std::max<int64_t>(0, std::min(ceil_div(n, N), n - lo))};
+}
+}  // namespace
+
 std::pair<int64_t, int64_t> ModelState::start_range(StateKind kind, const ParamUnit& u, const Mesh& mesh) {
-  const comm::GroupPtr group = u.kind == UnitKind::experts ? mesh.edp() : mesh.dense();
-  const int64_t N = group->size(), r = group->rank();
-  if (N == 1 || kind != StateKind::fsdp) return {0, u.numel};
-  const int64_t S = ceil_div(u.numel, N), lo = std::min(u.numel, r * S);
-  return {lo, std::max<int64_t>(0, std::min(S, u.numel - lo))};
+  const comm::GroupPtr group = unit_group(u, mesh);
+  if (group->size() == 1 || kind != StateKind::fsdp) return {0, u.numel};
+  return owned_range(u.numel, group->size(), group->rank());
 }
 
 ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, const std::vector<Tensor>* masters,
-                       OptimizerKind opt, uint64_t seed, bool split_master, bool masters_are_start_ranges)
+                       OptimizerKind opt, uint64_t seed, bool split_master)
     : kind_(kind), opt_(opt), seed_(seed), model_(model), tied_(model.config().tie_word_embeddings) {
   const DType mdt = bb::moment_dtype(opt);
   std::vector<ParamUnit*> units = model.units();
@@ -124,13 +135,12 @@ ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, co
     Unit& u = *un;
     u.index = i;
     u.u = pu;
-    comm::GroupPtr group = pu->kind == UnitKind::experts ? mesh.edp() : mesh.dense();
+    comm::GroupPtr group = unit_group(*pu, mesh);
     u.g = group.get();
     u.N = group->size();
     u.r = group->rank();
     u.S = ceil_div(pu->numel, u.N);
-    u.lo = std::min(pu->numel, u.r * u.S);
-    u.len = std::max<int64_t>(0, std::min(u.S, pu->numel - u.lo));
+    std::tie(u.lo, u.len) = owned_range(pu->numel, u.N, u.r);
     u.mode = u.N == 1 || kind == StateKind::replicated ? Mode::whole
              : kind == StateKind::zero1                ? Mode::zero1
                                                        : Mode::fsdp;
@@ -142,12 +152,14 @@ ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, co
     const DType vdt = deferred ? store.value_dtype(*pu) : pu->value.dtype();
     u.split = split_master && vdt == DType::bf16;  // units whose values stay f32 keep an f32 master
     // The f32 source of the masters: the given masters, else the values. src_at(lo, len): its
-    // elements [lo, lo + len) of the unit (given as start ranges: shifted).
+    // elements [lo, lo + len) of the unit (the given masters start at start_range(): the shard
+    // under fsdp, element 0 otherwise).
     const Tensor src = masters && (*masters)[i].defined() ? (*masters)[i] : Tensor();
-    const int64_t src_lo = masters_are_start_ranges ? start_range(kind, *pu, mesh).first : 0;
-    if (src.defined() && masters_are_start_ranges)
-      BB_CHECK(src.numel() == start_range(kind, *pu, mesh).second, "ModelState: the start range of unit ", pu->name,
-               " has ", src.numel(), " elements, expected ", start_range(kind, *pu, mesh).second);
+    const bool shard = u.mode == Mode::fsdp;
+    const int64_t src_lo = shard ? u.lo : 0;
+    BB_CHECK(!src.defined() || src.numel() == (shard ? u.len : pu->numel), "ModelState: the given master of unit ",
+             pu->name, " has ", src.defined() ? src.numel() : 0, " elements, expected ", shard ? u.len : pu->numel,
+             " (its start range)");
     auto src_at = [&](int64_t lo, int64_t len) { return src.narrow(lo - src_lo, len); };
     // A deferred unit's values: from the given masters (rounded as a whole start's loader rounds
     // them), else the initialisation.

@@ -66,17 +66,15 @@ StateBytes state_bytes(StateKind kind, const std::vector<ParamUnit*>& units,
 
 class ModelState final : public LayerHooks {
  public:
-  // Takes over the model's units (whole on construction) as `kind` says. `masters`, if given,
-  // are whole f32 values per unit (e.g. read from a checkpoint at full precision); otherwise the
-  // masters start as the units' values. `opt` sets the moments' dtype; `seed` (the run's) keys
+  // Takes over the model's units as `kind` says (a model built with defer_values has no buffers:
+  // each rank allocates and fills what it holds). `masters`, if given, are f32 values per unit,
+  // (*masters)[i] holding the elements start_range() names for unit i (e.g. read from a
+  // checkpoint at full precision, by ranges); otherwise the masters start as the values. `opt` sets the moments' dtype; `seed` (the run's) keys
   // the stochastic rounding of bf16 moments (with the unit's name, the step and the element).
   // `split_master`: the master of each unit with bf16 values is held split, its upper half being
   // the values and an i16 remainder the rest (adamw.h); units with f32 values keep an f32 master.
-  // `masters_are_start_ranges`: (*masters)[i] holds only unit i's elements start_range() names
-  // (a sharded start from a checkpoint read by ranges; the model built with defer_values).
   ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, const std::vector<Tensor>* masters = nullptr,
-             OptimizerKind opt = OptimizerKind::adamw, uint64_t seed = 0, bool split_master = false,
-             bool masters_are_start_ranges = false);
+             OptimizerKind opt = OptimizerKind::adamw, uint64_t seed = 0, bool split_master = false);
   // The elements [first, first + second) of unit `u` whose values this rank needs at its start
   // under `kind`: its shard under fsdp, the whole unit otherwise (zero1 and replicated ranks hold
   // every value).

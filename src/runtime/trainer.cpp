@@ -358,7 +358,7 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
   // The state family takes the units over (fsdp frees the whole buffers here).
   const bool split = splits_master(cfg.backend.master_storage, cfg.resolved_param_dtype());
   state_ = std::make_unique<ModelState>(cfg.prim.state.value, *model_, *mesh_, masters.empty() ? nullptr : &masters,
-                                        cfg.prim.optimizer.value, cfg.seed, split, /*masters_are_start_ranges=*/true);
+                                        cfg.prim.optimizer.value, cfg.seed, split);
   state_->set_reduction(cfg.backend.grad_reduce_dtype == "bf16" ? DType::bf16 : DType::f32,
                         cfg.backend.fsdp_reduce == "step");
   masters.clear();

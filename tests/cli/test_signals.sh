@@ -5,12 +5,7 @@
 # SLURM's pre-kill SIGTERM) stops them all after the same step with one checkpoint.
 set -u
 BB=${1:?usage: test_signals.sh bumblebee-binary}
-TMP=$(mktemp -d)
-cleanup() { pkill -KILL -f -- "$TMP/config.json" 2> /dev/null; rm -rf "$TMP"; }
-trap cleanup EXIT
-export OPENBLAS_NUM_THREADS=1
-sed -e 's/"hidden_size": 128/"hidden_size": 64/' -e 's/"num_hidden_layers": 4/"num_hidden_layers": 2/' \
-  configs/models/demo-tiny/config.json > "$TMP/config.json"
+source "$(dirname "$0")/tiny_model.sh"  # $TMP, cleanup at exit, $TMP/config.json
 ARGS=(train --config configs/demo.toml --set "model.config=\"$TMP/config.json\"" --set train.steps=100000
       --set train.micro_batch_tokens=256 --set data.demo_documents=50 --set log.every=1
       --set 'log.metrics=""' --set checkpoint.every=2 --set checkpoint.keep=0)
