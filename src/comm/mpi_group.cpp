@@ -43,9 +43,24 @@ struct Staged {
   void* ptr() const { return host.raw(); }
 };
 
+// A GPU tensor is read (copied to the host) and written back on the caller's current stream;
+// the producer may have written it on another stream (a gradient rounded to bf16 on the reduce
+// stream) and a consumer may read it on another: MPI takes no stream, so the copies are ordered
+// after the work of every stream, and every stream after the copy back.
+void order_after_all_streams(const Device& d) {
+  if (!d.is_cuda()) return;
+  for (int i = 0; i < kNumStreams; ++i) Event::record(d, static_cast<Stream>(i)).wait(current_stream());
+}
+void order_all_streams_after(const Device& d) {
+  if (!d.is_cuda()) return;
+  const Event e = Event::record(d, current_stream());
+  for (int i = 0; i < kNumStreams; ++i) e.wait(static_cast<Stream>(i));
+}
+
 Staged stage(const Tensor& t, bool reduce, bool copy_in, bool copy_back) {
   Staged s;
   s.user = t;
+  if (copy_in) order_after_all_streams(t.device());
   const bool narrow_float = t.dtype() == DType::bf16 || t.dtype() == DType::f16;
   if (t.device().is_cpu() && !(reduce && narrow_float)) {
     s.host = t;
@@ -68,6 +83,7 @@ void unstage(Staged& s) {
   Tensor u = s.user;
   if (s.host.dtype() != u.dtype()) u.copy_from(s.host.to_dtype(u.dtype(), MemCategory::comm).to(u.device()));
   else u.copy_from(s.host);
+  order_all_streams_after(u.device());
 }
 
 class MpiWork final : public Work {
