@@ -53,6 +53,7 @@ std::string BackendConfig::summary() const {
      << " master_storage=" << master_storage << " max_layers_ahead=" << max_layers_ahead
      << " expert_wgrad_stream=" << (expert_wgrad_stream ? "true" : "false")
      << " grad_reduce_dtype=" << grad_reduce_dtype << " fsdp_reduce=" << fsdp_reduce
+     << " pool_cross_stream_reuse=" << (pool_cross_stream_reuse ? "true" : "false")
      << " cudnn_library=" << (cudnn_library.empty() ? "(default)" : cudnn_library);
   return os.str();
 }
@@ -71,6 +72,7 @@ void to_json(nlohmann::json& j, const BackendConfig& c) {
                      {"expert_wgrad_stream", c.expert_wgrad_stream},
                      {"grad_reduce_dtype", c.grad_reduce_dtype},
                      {"fsdp_reduce", c.fsdp_reduce},
+                     {"pool_cross_stream_reuse", c.pool_cross_stream_reuse},
                      {"cudnn_library", c.cudnn_library}};
 }
 
@@ -94,6 +96,7 @@ void from_json(const nlohmann::json& j, BackendConfig& c) {
       else if (k == "expert_wgrad_stream") c.expert_wgrad_stream = it->get<bool>();
       else if (k == "grad_reduce_dtype") c.grad_reduce_dtype = it->get<std::string>();
       else if (k == "fsdp_reduce") c.fsdp_reduce = it->get<std::string>();
+      else if (k == "pool_cross_stream_reuse") c.pool_cross_stream_reuse = it->get<bool>();
       else if (k == "cudnn_library") c.cudnn_library = it->get<std::string>();
       else BB_FAIL("unknown backend setting '", k, "'");
     }

@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "io/fs.h"
+#include "plan/estimate.h"
 #include "models/hf_io.h"
 #include "runtime/checkpoint.h"
 #include "runtime/paired.h"
@@ -61,6 +62,17 @@ config.json, generation_config.json and model.safetensors, or model-0000i-of-000
 classic per-expert Qwen3MoeForCausalLM / Qwen2MoeForCausalLM names, so
 AutoModelForCausalLM.from_pretrained(OUT) loads it; model.init = "hf:OUT" loads it back here.)";
 
+constexpr const char* kPlanHelp = R"(Predict the memory a run needs per rank, phase by phase, without allocating.
+
+  bumblebee plan --explain configs/qwen3-30b-a3b-8gpu.toml [--ranks 8] [--set KEY=VALUE ...]
+Prints, per category (params, grads, optimizer, activations, logits, moe, comm, workspace,
+other), the bytes live at the largest moment of each phase of a training step (startup, each
+layer's forward, the loss head, each layer's recompute and backward, the embedding backward,
+the update) and each category's peak over the step. params, grads, optimizer and comm are exact;
+activations, logits and moe follow the blocks' formulas (skills/planner.md gives them and the
+measured errors); routing is taken as balanced unless --expert-load says how much more the
+busiest rank receives.)";
+
 // --out must not be a checkpoint root or inside one (whatever --force says: exports there would
 // mix with training state), and must be empty or absent unless --force.
 void check_export_target(const std::string& out, bool force) {
@@ -114,9 +126,11 @@ int run(int argc, char** argv) {
   train->add_option("--set,-s", train_sets, "Override a config key: table.key=value (repeatable)");
   train->add_option("--steps", train_steps, "Shortcut for --set train.steps=N")->check(CLI::NonNegativeNumber);
   train->add_option("--device", train_device, "Shortcut for --set parallel.device=DEV (cpu)");
-  bool log_all_ranks = false;
+  bool log_all_ranks = false, train_force = false;
   train->add_flag("--log-all-ranks", log_all_ranks,
                   "Every rank prints its own log lines (prefixed with its rank); default: rank 0 only");
+  train->add_flag("--force", train_force,
+                  "Start a GPU run even when its predicted memory exceeds the device (train.memory_check = \"warn\")");
 
   // paired
   auto* paired = app.add_subcommand("paired", "Paired baseline: run A and B, compare loss, grads, memory, time");
@@ -133,6 +147,9 @@ int run(int argc, char** argv) {
                      "Max |logits A - logits B| on the first micro-batch (default 1e-3)");
   paired->add_option("--tol-grad", po.tol_grad,
                      "Max relative difference of any parameter's gradient after step 1 (default 1e-3)");
+  bool paired_force = false;
+  paired->add_flag("--force", paired_force,
+                   "Start both sides even when their predicted GPU memory exceeds the device (train.memory_check = \"warn\")");
   paired->add_option("--warmup", po.warmup_steps,
                      "Untimed steps per side before the timed runs, so one-time costs do not land "
                      "on side A (default: 1 on a GPU, 0 on the CPU)")
@@ -154,6 +171,25 @@ int run(int argc, char** argv) {
   exp->add_flag("--allow-nonfinite", exp_allow_nonfinite,
                 "Write weights that hold Inf/NaN (default: refused, naming the tensor)");
 
+  // plan
+  auto* plan = app.add_subcommand("plan", "Predict a run's memory per rank before launching it");
+  plan->footer(kPlanHelp);
+  std::string plan_explain;
+  std::vector<std::string> plan_sets;
+  int64_t plan_ranks = 0, plan_rank = -1;
+  double plan_expert_load = 1.0;
+  plan->add_option("--explain", plan_explain, "Run config (TOML) whose memory to predict, phase by phase")->required();
+  plan->add_option("--set,-s", plan_sets, "Override a config key: table.key=value (repeatable)");
+  plan->add_option("--ranks", plan_ranks, "World size of the run (default: dp x cp, or ep when dp = 0)")
+      ->check(CLI::PositiveNumber);
+  plan->add_option("--rank", plan_rank, "Predict this rank (default: the largest over ranks)")->check(CLI::NonNegativeNumber);
+  plan->add_option("--expert-load", plan_expert_load,
+                   "The busiest rank's routed rows over the balanced count (default 1: balanced routing)")
+      ->check(CLI::Range(1.0, 1000.0));
+  bool plan_moments = false, plan_json = false;
+  plan->add_flag("--moments", plan_moments, "Print every moment of the step, not one row per phase");
+  plan->add_flag("--json", plan_json, "Print the prediction as one JSON object (bytes)");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -165,6 +201,7 @@ int run(int argc, char** argv) {
     if (train->count("--steps")) train_sets.push_back("train.steps=" + std::to_string(train_steps));
     if (!train_device.empty()) train_sets.push_back("parallel.device=\"" + train_device + "\"");
     if (log_all_ranks) train_sets.push_back("log.all_ranks=true");
+    if (train_force) train_sets.push_back("train.memory_check=\"warn\"");
     RunConfig cfg = load_run_config(train_config, train_sets);
     comm::catch_stop_signals();  // SIGTERM / SIGINT: stop after the step, with a checkpoint
     Trainer trainer(cfg, stdout);
@@ -196,7 +233,30 @@ int run(int argc, char** argv) {
     std::printf("[export] %s -> %s (%s)\n", step.c_str(), exp_out.c_str(), exp_dtype.c_str());
     return 0;
   }
+  if (plan->parsed()) {
+    RunConfig cfg = load_run_config(plan_explain, plan_sets);
+    int64_t world = plan_ranks;
+    if (world == 0) world = cfg.comm == "emulated" ? cfg.emulate.ranks : std::max<int64_t>(1, (cfg.dp > 0 ? cfg.dp : 1) * cfg.cp * cfg.pp);
+    if (world == 1 && cfg.dp == 0 && cfg.ep > cfg.cp) world = cfg.ep;
+    plan::EstimateOptions eo;
+    eo.rank = plan_rank;
+    eo.expert_load = plan_expert_load;
+    const plan::MemoryEstimate e = plan::estimate_memory(cfg, world, eo);
+    if (plan_json) {
+      std::printf("%s\n", e.json().c_str());
+      return 0;
+    }
+    std::printf("[plan] %s on %lld rank(s), layout %s, %s, %lld tokens per micro-batch on this rank (x %lld "
+                "micro-batches): predicted memory per rank (PREDICTED, not measured)\n",
+                cfg.model_config.c_str(), static_cast<long long>(world), e.layout.str().c_str(), e.device.str().c_str(),
+                static_cast<long long>(e.tokens_local), static_cast<long long>(cfg.grad_accum));
+    std::printf("%s", e.table(plan_moments).c_str());
+    std::printf("[plan] peak %s at %s\n", format_bytes(e.peak_total).c_str(), e.peak_moment.c_str());
+    for (const std::string& n : e.notes) std::printf("[plan] note: %s\n", n.c_str());
+    return 0;
+  }
   if (paired->parsed()) {
+    if (paired_force) po.common.push_back("train.memory_check=\"warn\"");
     PairedResult r = run_paired(po, stdout);
     return r.pass ? 0 : 1;
   }

@@ -307,6 +307,7 @@ RunConfig build(const toml::value& root, const std::string& src) {
   t.read("seed", c.seed);
   t.read_choice("on_nonfinite", c.on_nonfinite, {"abort", "skip_step"});
   t.read("loss_spike_factor", c.loss_spike_factor);
+  t.read_choice("memory_check", c.memory_check, {"refuse", "warn"});
   t.finish();
   BB_CHECK(c.loss_spike_factor == 0 || c.loss_spike_factor > 1, "train.loss_spike_factor must be 0 (off) or > 1, got ",
            c.loss_spike_factor);
@@ -378,6 +379,7 @@ RunConfig build(const toml::value& root, const std::string& src) {
   be.read("expert_wgrad_stream", b.expert_wgrad_stream);
   be.read("grad_reduce_dtype", b.grad_reduce_dtype);
   be.read("fsdp_reduce", b.fsdp_reduce);
+  be.read("pool_cross_stream_reuse", b.pool_cross_stream_reuse);
   be.read("cudnn_library", b.cudnn_library);
   be.finish();
   b.validate(src);
@@ -433,6 +435,7 @@ void apply_backend_config(const BackendConfig& c) {
   cuda::set_grouped_defaults(d);
   cuda::set_exact_heuristics(c.gemm_heuristics == "exact");
   set_cudnn_library(c.cudnn_library);
+  cuda::set_pool_cross_stream_reuse(c.pool_cross_stream_reuse);
 #endif
 }
 

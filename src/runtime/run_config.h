@@ -49,6 +49,10 @@ struct RunConfig {
   // quantity; nothing is saved) or "skip_step" (the step's update is undone and counted).
   std::string on_nonfinite = "abort";
   double loss_spike_factor = 10;  // warn when a step's loss exceeds this x the running mean; 0 = off
+  // A GPU run whose predicted peak (plan/estimate.h) exceeds the device: "refuse" (the default:
+  // it stops before allocating, naming the largest categories and a setting that fits) or
+  // "warn" (it starts anyway; `--force`).
+  std::string memory_check = "refuse";
   // [data]
   DataConfig data;
   // [checkpoint]

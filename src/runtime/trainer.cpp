@@ -21,6 +21,7 @@
 #include "io/fs.h"
 #include "io/safetensors.h"
 #include "models/hf_io.h"
+#include "plan/estimate.h"
 #include "primitives/moe/router.h"
 #include "primitives/optim/adamw.h"
 #include "runtime/checkpoint.h"
@@ -282,6 +283,25 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
   }
   apply_backend_config(cfg.backend);
   mesh_ = std::make_unique<Mesh>(base, layout);
+#ifdef BB_WITH_CUDA
+  if (device_.is_cuda()) {
+    // Before anything is allocated: the predicted peak against what the device has (every rank
+    // checks its own; all stop when one would run out).
+    std::string err;
+    const int64_t available = cuda::memory_available(device_.index);
+    const plan::FitCheck fc = plan::check_fit(cfg, base->size(), rank, available);
+    predicted_memory_ = fc.estimate.table();
+    if (!fc.fits && cfg.memory_check == "refuse") err = "rank " + std::to_string(rank) + ": " + fc.message;
+    if (!fc.fits && cfg.memory_check != "refuse" && log_)
+      std::fprintf(log_, "%s[startup] WARNING (train.memory_check = \"warn\", --force): %s\n", log_prefix_.c_str(),
+                   fc.message.c_str());
+    if (fc.fits && log_)
+      std::fprintf(log_, "%s[startup] memory: predicted peak %s per rank (%s), %s available\n", log_prefix_.c_str(),
+                   format_bytes(fc.estimate.peak_total).c_str(), fc.estimate.peak_moment.c_str(),
+                   format_bytes(available).c_str());
+    agree(*base, err, "checking that the run fits in GPU memory");
+  }
+#endif
   // The checkpoint root is checked and locked before anything slow happens, so an unusable or
   // busy root fails now instead of at the first save.
   if (!cfg.ckpt_dir.empty()) {
@@ -485,6 +505,17 @@ double Trainer::lr_at(int64_t step) const {
 }
 
 StepMetrics Trainer::train_step() {
+  try {
+    return step_impl();
+  } catch (const Error& e) {
+    // An out-of-memory error says what the estimator expected of this rank.
+    if (predicted_memory_.empty() || std::string(e.what()).find("out of GPU memory") == std::string::npos) throw;
+    throw Error(std::string(e.what()) + "\nThe estimator predicted for this rank (bumblebee plan --explain):\n" +
+                predicted_memory_);
+  }
+}
+
+StepMetrics Trainer::step_impl() {
   Allocator& alloc = allocator_for(device_);
   alloc.reset_peak();
   const double t0 = now_s();

@@ -126,6 +126,10 @@ class Trainer {
   std::unique_ptr<DecoderModel> model_;
   std::unique_ptr<Schedule> schedule_;
   std::unique_ptr<ModelState> state_;
+  // The memory the estimator predicted for this rank (GPU runs; plan/estimate.h), for the
+  // message of an out-of-memory error. Empty when not predicted.
+  std::string predicted_memory_;
+  StepMetrics step_impl();
   std::unique_ptr<DataLoader> data_;
   int64_t step_ = 0;
   Device device_;

@@ -38,6 +38,7 @@ namespace cuda {
 namespace {
 std::atomic<int64_t> g_host_syncs{0};
 std::atomic<bool> g_poison{false};
+std::atomic<bool> g_cross_stream_reuse{false};  // [backend] pool_cross_stream_reuse
 
 constexpr int kMaxDevices = 64;
 
@@ -92,9 +93,8 @@ DeviceState& state(int dev) {
   BB_CHECK_CUDA(cudaDeviceGetDefaultMemPool(&s->pool, dev));
   uint64_t keep = UINT64_MAX;  // never give memory back to the driver between steps
   BB_CHECK_CUDA(cudaMemPoolSetAttribute(s->pool, cudaMemPoolAttrReleaseThreshold, &keep));
-  int no = 0;
-  BB_CHECK_CUDA(
-      cudaMemPoolSetAttribute(s->pool, cudaMemPoolReuseAllowInternalDependencies, &no));
+  int reuse = g_cross_stream_reuse.load() ? 1 : 0;
+  BB_CHECK_CUDA(cudaMemPoolSetAttribute(s->pool, cudaMemPoolReuseAllowInternalDependencies, &reuse));
   BB_CHECK_CUDA(cudaDeviceGetAttribute(&s->sms, cudaDevAttrMultiProcessorCount, dev));
   int major = 0, minor = 0;
   BB_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
@@ -446,14 +446,36 @@ void set_memory_limit(int dev, int64_t bytes) {
   BB_CHECK_CUDA(cudaMemPoolCreate(&pool, &props));
   uint64_t keep = UINT64_MAX;
   BB_CHECK_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
-  int no = 0;
-  BB_CHECK_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolReuseAllowInternalDependencies, &no));
+  int reuse = g_cross_stream_reuse.load() ? 1 : 0;
+  BB_CHECK_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolReuseAllowInternalDependencies, &reuse));
   BB_CHECK_CUDA(cudaDeviceSetMemPool(dev, pool));
   st.pool = pool;
   st.pool_cap = cap;
 }
 
 int64_t memory_limit(int dev) { return state(dev).pool_cap; }
+
+void set_pool_cross_stream_reuse(bool on) {
+  g_cross_stream_reuse.store(on);
+  int reuse = on ? 1 : 0;
+  for (int dev = 0; dev < kMaxDevices; ++dev)
+    if (DeviceState* s = g_states[dev].load(std::memory_order_acquire)) {
+      set_device(dev);
+      BB_CHECK_CUDA(cudaMemPoolSetAttribute(s->pool, cudaMemPoolReuseAllowInternalDependencies, &reuse));
+    }
+}
+
+int64_t memory_available(int dev) {
+  DeviceState& st = state(dev);
+  set_device(dev);
+  uint64_t reserved = 0, used = 0;
+  BB_CHECK_CUDA(cudaMemPoolGetAttribute(st.pool, cudaMemPoolAttrReservedMemCurrent, &reserved));
+  BB_CHECK_CUDA(cudaMemPoolGetAttribute(st.pool, cudaMemPoolAttrUsedMemCurrent, &used));
+  if (st.pool_cap > 0) return st.pool_cap - static_cast<int64_t>(used);
+  size_t free_b = 0, total_b = 0;
+  BB_CHECK_CUDA(cudaMemGetInfo(&free_b, &total_b));
+  return static_cast<int64_t>(free_b) + static_cast<int64_t>(reserved - used);
+}
 
 void set_poison_allocations(bool on) { g_poison.store(on); }
 

@@ -76,8 +76,15 @@ void event_synchronize(void* event);  // counts a host sync
 // a larger allocation then fails as on a card with that much memory. Once per device, before
 // the run allocates (later allocations come from a new pool; earlier ones stay where they are).
 void set_memory_limit(int dev, int64_t bytes);
+// Whether the memory pools may reuse memory freed on one stream for another stream's allocation
+// by inserting a wait ([backend] pool_cross_stream_reuse); applies to every device's pool now
+// and to pools made later.
+void set_pool_cross_stream_reuse(bool on);
 // The allocator's cap on `dev` (0: none).
 int64_t memory_limit(int dev);
+// What a run can still allocate on `dev`: the cap less what the pool holds, or without a cap the
+// card's free memory plus what the pool holds unused (cudaMemGetInfo, the pool's reserve).
+int64_t memory_available(int dev);
 
 // Fresh device memory reads as NaN (0xFF bytes) while on, so that an output a kernel forgot to
 // write cannot pass as zeros. The GPU tests turn it on; off by default.

@@ -1,0 +1,840 @@
+#include "plan/estimate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "comm/emulated.h"
+#include "core/error.h"
+#include "models/decoder.h"
+#include "runtime/state.h"
+#include "runtime/trainer.h"
+
+namespace bb::plan {
+
+int64_t Bytes::total() const {
+  int64_t s = 0;
+  for (int64_t x : v) s += x;
+  return s;
+}
+
+Bytes& Bytes::operator+=(const Bytes& o) {
+  for (size_t i = 0; i < v.size(); ++i) v[i] += o.v[i];
+  return *this;
+}
+
+void Bytes::max_with(const Bytes& o) {
+  for (size_t i = 0; i < v.size(); ++i) v[i] = std::max(v[i], o.v[i]);
+}
+
+namespace {
+
+using C = MemCategory;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t round256(int64_t x) { return ceil_div(x, 256) * 256; }
+
+// The state family's view of one unit on this rank.
+struct UnitMem {
+  std::string name;
+  UnitKind kind = UnitKind::dense;
+  int64_t layer = -1;
+  int64_t n = 0, N = 1, S = 0;  // elements, group size, shard size
+  int64_t vb = 2;               // value bytes
+  bool whole = true;            // one rank holds it (N = 1 or replicated)
+  // fsdp: gathered values V, the whole f32 gradient G. A reduction in flight holds RF = Gkeep (the
+  // f32 gradient it reads, f32 reductions) + Out (its output, a bf16 copy of the input for bf16
+  // reductions, MPI's f32 staging of 16-bit reductions); draining it briefly adds Tmp.
+  int64_t V = 0, G = 0, Gkeep = 0, Out = 0, Tmp = 0;
+  int64_t RF() const { return Gkeep + Out; }
+};
+
+// Sizes of one micro-batch's tensors on this rank (skills/planner.md's notation).
+struct Dims {
+  int64_t T = 0, H = 0, Hq = 0, Hkv = 0, D = 0, Q = 0, K = 0, I = 0, V = 0;
+  int64_t E = 0, El = 0, top_k = 0, F = 0, Ssh = 0, N = 0, M = 0;
+  int64_t Hk = 0, Hv = 0, Dk = 0, Dv = 0, CK = 0, Z = 0, Cc = 0, W = 0;
+  int64_t a = 4;   // bytes of an activation (the parameter dtype)
+  int64_t c = 0;   // 1 when a is not 4 (a converted copy exists)
+  bool cuda = false;
+  bool gate = false, qk_norm = true;
+  int64_t nc = 0;  // Gated DeltaNet 64-token chunks (one sequence per micro-batch: ceil(T / 64))
+};
+
+// One block's memory, relative to what is live before it (the layer stream's input X excluded).
+struct BlockMem {
+  int64_t keep = 0;       // activations kept for the backward under the policy
+  int64_t keep_none = 0;  // the same with nothing dropped (what the backward rebuilds to)
+  int64_t keep_full = 0;  // under full recompute, past the layer's forward (the MoE routing stash)
+  int64_t prep = 0;       // of keep_none: the part the block's backward frees first (the GDN prep)
+  int64_t fwd = 0;        // activations beyond keep_none at the forward's peak (output excluded)
+  int64_t bwd = 0;        // activations beyond keep_none - prep at the backward's peak (d_y included)
+  // MLP-position blocks (dense MLP, MoE), relative to the block's entry (its input excluded):
+  int64_t fwd_total = 0;  // activations at the forward's peak, the block's own kept tensors included
+  int64_t bwd_total = 0;  // activations at the backward's peak (from the kept state, d_y included)
+  int64_t after = 0;      // activations the block still holds while the layer's token mixer runs backward
+  int64_t moe_keep = 0;     // moe-category bytes kept for the backward
+  int64_t moe_fwd = 0;      // moe-category peak of the forward (the block's own kept bytes included)
+  int64_t moe_bwd = 0;      // moe-category peak of the backward beyond moe_keep
+  int64_t moe_after = 0;    // moe-category bytes held while the token mixer runs backward
+  int64_t moe_rebuild = 0;  // moe-category peak of a full-recompute forward
+};
+
+bool has(const RecomputeParts& p, RecomputePart x) { return p.has(x); }
+
+BlockMem attention_block(const Dims& d, const RecomputeParts& drop, const RunConfig& cfg) {
+  const int64_t T = d.T, a = d.a, H = d.H, Q = d.Q, K = d.K;
+  const int64_t g = d.gate ? 1 : 0, n = d.qk_norm ? 1 : 0;
+  BlockMem b;
+  b.keep_none = T * (a * H + 4 + a * (3 + 2 * g) * Q + 3 * a * K + 4 * d.Hq * (1 + n) + 4 * n * d.Hkv);
+  if (cfg.prim.attention.name == "cp_a2a" && cfg.cp > 1) {
+    // The head-sharded q, k, v, o and lse the member keeps beside the block's own (T_all = the
+    // whole micro-batch's tokens).
+    const int64_t P = cfg.cp, Tall = T * P, hq = d.Hq / P, hk = std::max<int64_t>(1, d.Hkv / P);
+    b.keep_none += a * Tall * (2 * hq + 2 * hk) * d.D + 4 * hq * Tall;
+  }
+  int64_t dropped = 0;
+  if (has(drop, RecomputePart::norms)) dropped += a * T * H;
+  if (has(drop, RecomputePart::attention)) dropped += a * T * (Q + K) + g * a * T * Q;
+  if (has(drop, RecomputePart::core_attention))
+    dropped += a * T * Q + 4 * d.Hq * T + (has(drop, RecomputePart::attention) ? 0 : g * a * T * Q);
+  b.keep = b.keep_none - dropped;
+  b.fwd = 2 * g * a * T * Q + n * a * T * (Q + K) + 4 * T * H + d.c * a * T * H;
+  if (d.gate) {
+    const int64_t w = a, cw = d.c * w;
+    b.bwd = std::max({4 * T * H + (2 * a + 20) * T * Q, 8 * T * H + (2 * a + 16 + 2 * cw) * T * Q,
+                      12 * T * H + (2 * a + 16) * T * Q}) +
+            (3 * a + 4) * T * K;
+  } else if (n) {
+    b.bwd = 12 * T * H + (3 * a + 4) * T * (Q + K);
+  } else {
+    b.bwd = std::max(12 * T * H + (2 * a + 4) * T * (Q + K), 8 * T * H + (2 * a + 4) * T * (Q + K) + d.c * a * T * Q);
+  }
+  return b;
+}
+
+// The Gated DeltaNet's prep buffer (CUDA, bf16 inputs): kept from the rule's forward to its backward.
+int64_t gdn_prep(const Dims& d) {
+  if (!d.cuda) return 0;
+  const int64_t T = d.T;
+  const int64_t p = 2 * round256(2 * T * d.Hk * 128) + 2 * round256(2 * T * d.Hv * 128) +
+                    2 * round256(2 * T * d.Hv * 64) + round256(4 * T * d.Hv) + round256(4 * d.nc * d.Hv);
+  return p <= (int64_t{4} << 30) ? p : 0;
+}
+
+BlockMem gdn_block(const Dims& d, const RecomputeParts& drop) {
+  const int64_t T = d.T, a = d.a, H = d.H, C3 = d.Cc, Z = d.Z, Hv = d.Hv, CK = d.CK;
+  BlockMem b;
+  const int64_t prep = gdn_prep(d);
+  if (d.cuda) {
+    b.keep_none = T * (a * H + 4 + (4 + a) * C3 + 3 * a * Z + (a + 8) * Hv) + prep;
+  } else {
+    b.keep_none = 4 * T * (H + 1 + 2 * C3 + 3 * Z + 3 * Hv);
+  }
+  b.prep = prep;
+  int64_t dropped = 0;
+  if (has(drop, RecomputePart::norms)) dropped += a * T * H;
+  if (has(drop, RecomputePart::gdn)) dropped += (d.cuda ? a : 4) * T * C3 + prep;
+  b.keep = b.keep_none - dropped;
+  b.fwd = 4 * T * H + d.c * a * T * H;
+  const int64_t p1 = 4 * T * H + 16 * T * Z + 8 * T * CK + 8 * T * Hv + prep;
+  const int64_t p2 = d.cuda ? 4 * T * H + 16 * T * Z + 12 * T * CK + 12 * T * Hv + d.c * 4 * Z * d.W
+                            : 4 * T * H + 16 * T * Z + 16 * T * CK + 16 * T * Hv;
+  b.bwd = std::max({p1, p2, 12 * T * H + 4 * T * Z});
+  return b;
+}
+
+BlockMem mlp_block(const Dims& d, const RecomputeParts& drop) {
+  const int64_t T = d.T, a = d.a, H = d.H, I = d.I;
+  BlockMem b;
+  b.keep_none = T * (a * H + 4 + 3 * a * I);
+  int64_t dropped = 0;
+  if (has(drop, RecomputePart::norms)) dropped += a * T * H;
+  if (has(drop, RecomputePart::mlp)) dropped += 3 * a * T * I;
+  b.keep = b.keep_none - dropped;
+  b.fwd = 4 * T * H + d.c * a * T * H;
+  b.bwd = 12 * T * H + (4 + 2 * a) * T * I;
+  b.fwd_total = b.keep_none + b.fwd;
+  b.bwd_total = b.keep_none + b.bwd;  // the dropped parts are rebuilt first
+  b.after = b.keep_none;
+  return b;
+}
+
+// How long a collective's buffers live: CPU groups (MPI on CPU tensors, the emulated and one-rank
+// groups) free them at the wait or hold nothing; NCCL and the emulated GPU backend keep them until
+// the operation's handle is released (the end of the dispatcher's forward or backward).
+enum class Holds { nothing, until_wait, until_return };
+
+// Chunk k's rows of runs of `n` rows each (DispatchRows: every run split into C near-equal parts).
+int64_t chunk_len(int64_t n, int64_t k, int64_t C) { return n * (k + 1) / C - n * k / C; }
+
+// The MoE block: router, permute, the dispatcher's buffers, the experts, the shared expert
+// (skills/planner.md; on CPU ranks each term is checked to the byte).
+BlockMem moe_block(const Dims& d, const RecomputeParts& drop, const RunConfig& cfg, Holds holds) {
+  const int64_t T = d.T, a = d.a, H = d.H, E = d.E, Kt = d.top_k, F = d.F, S = d.Ssh, N = d.N, M = d.M;
+  const int64_t sh = S > 0 ? 1 : 0;
+  const bool me = cfg.prim.permute.value == PermuteMode::memory_efficient;
+  const int64_t mem = me ? 1 : 0, std_ = me ? 0 : 1;
+  const std::string& disp = cfg.prim.moe_dispatch.name;
+  const bool chunked = disp.rfind("chunked_alltoall", 0) == 0;
+  const int64_t P = cfg.ep;
+  const int64_t c = P > 1 && d.El > 1 ? 1 : 0;  // the arrival sort is a real copy
+  const int64_t R = a * H;                      // bytes of one row
+  const int64_t dn = has(drop, RecomputePart::norms), dE = has(drop, RecomputePart::moe_experts),
+                dS = has(drop, RecomputePart::shared_expert);
+  const int64_t EXP = 3 * a * M * F;  // the experts' fc1 output and activation
+  BlockMem b;
+  b.keep_none = a * T * H + 4 * T + 8 * T * E + 8 * T * Kt + EXP + sh * (a * T * H + 4 * T + 3 * a * T * S);
+  b.keep = b.keep_none - dn * a * T * H - dE * EXP - dS * sh * 3 * a * T * S;
+  b.keep_full = 4 * T * Kt;  // the stashed top-k ids live until the micro-batch ends
+  b.after = b.keep_none - EXP;  // the experts' state is freed when the dispatcher's backward returns
+
+  // Chunks: with balanced routing every expert gets the same runs from every rank, so the rows
+  // received per chunk equal the rows sent per chunk (runs of N / E rows).
+  const int64_t C = chunked ? std::max<int64_t>(1, cfg.prim.moe_dispatch.count) : 1;
+  const int64_t run = E > 0 ? N / E : 0, extra = E > 0 ? N % E : 0;
+  auto rows_k = [&](int64_t k) { return (E - extra) * chunk_len(run, k, C) + extra * chunk_len(run + 1, k, C); };
+  std::vector<int64_t> Mk(static_cast<size_t>(C));
+  for (int64_t k = 0; k < C; ++k) Mk[static_cast<size_t>(k)] = rows_k(k) * M / std::max<int64_t>(1, N);
+  int64_t Mk_max = 0;
+  for (int64_t x : Mk) Mk_max = std::max(Mk_max, x);
+
+  // Forward (activations, relative to the block's entry).
+  const int64_t f_out = a * T * H + 4 * T + 8 * T * E + 8 * T * Kt + EXP + std::max(a * T * H, chunked ? 3 * a * Mk_max * F : 0);
+  const int64_t f_gated = sh ? b.keep_none + a * T * H + 4 * T * H + (d.c ? 4 * T * H : 0) : 0;
+  const int64_t f_add = b.keep + a * T * H + 4 * T * H + d.c * a * T * H;
+  b.fwd_total = std::max({f_out, f_gated, f_add});
+
+  // Backward (activations, relative to the entry; d_y included).
+  int64_t D_act = 2 * a * M * F, R_d = mem * 4 * N;
+  if (chunked) {
+    int64_t best = 0, Nle = 0, Mle = 0;
+    for (int64_t k = 0; k < C; ++k) {
+      const int64_t mk = Mk[static_cast<size_t>(k)];
+      Nle += rows_k(k);
+      Mle += mk;
+      const int64_t held = holds == Holds::until_wait ? c * 4 * Mle : c * 4 * mk;
+      best = std::max(best, 3 * a * mk * F + 2 * a * mk * F + 2 * a * M * F + mem * (4 * mk + held + 4 * Nle));
+    }
+    const int64_t tail = holds == Holds::until_wait ? mem * (4 * c * (M - Mk[0]) + 8 * N) : mem * 8 * N;
+    D_act = std::max(best, tail);
+  } else if (P <= 1) {
+    D_act += mem * 4 * M;
+  } else if (disp == "allgather") {
+    D_act += mem * (4 * M + 4 * P * N + 4 * N);
+  } else {
+    D_act += mem * (4 * M + c * 4 * M + 4 * N);
+  }
+  const int64_t b1 = dE * EXP + std_ * 4 * T * Kt + D_act;
+  const int64_t after = -(1 - dE) * EXP + 4 * T * Kt + R_d + 4 * T * H + dn * a * T * H + dS * sh * 3 * a * T * S + 4 * T * E;
+  const int64_t b2 = sh ? after + 4 * T * H + 4 * T + 4 * T * S + 2 * a * T * S : 0;
+  const int64_t b3 = after + 4 * T * H;
+  b.bwd_total = b.keep + 4 * T * H + std::max({b1, b2, b3}) + d.c * a * T * H;
+
+  // moe category.
+  const int64_t Y = N;  // y_perm rows (allgather: its [Nmax, H] storage; Nmax = N when balanced)
+  b.moe_keep = 8 * N + R * M + mem * 4 * M + std_ * R * Y;
+  b.moe_after = b.moe_keep - R * M - mem * 4 * M;
+  int64_t Fm = 0, Bm = 0, Rb = 0;
+  if (holds == Holds::until_return) {
+    // NCCL / emulated GPU: the dispatcher's handles keep their buffers to its end (not verified
+    // on a GPU yet: skills/planner.md).
+    int64_t f = 0, bw = 0, rb = 0;
+    if (P <= 1 && !chunked) {
+      f = 2 * N;
+      bw = 4 * N;
+      rb = N;
+    } else if (disp == "allgather") {
+      f = N + P * N + 2 * M + P * N + N;
+      bw = N + M + N + std::max(P * N + M, 2 * M + P * N + N);
+      rb = N + P * N + M;
+    } else if (chunked) {
+      f = std::max(2 * N + 2 * M + 2 * Mk_max, 3 * N + 2 * M - Mk[0]);
+      bw = std::max(3 * N + 3 * M + 2 * Mk_max, 4 * N + 2 * M - Mk[0]);
+      rb = 2 * N + 2 * M + Mk_max;
+    } else {
+      f = c ? 2 * N + 3 * M : 2 * N + 2 * M;
+      bw = c ? 3 * N + 4 * M : 3 * N + 3 * M;
+      rb = N + 2 * M;
+    }
+    if (me) bw -= N;  // no y_perm
+    Fm = 8 * N + f * R + mem * 4 * (N + M);
+    Bm = std::max<int64_t>(0, bw * R - (M * R + std_ * N * R));
+    Rb = 8 * N + (me ? rb : f) * R + mem * 4 * (N + M);
+  } else if (chunked) {
+    int64_t post = 0, mid = 0, end = 0, bmid = 0, bend = 0, rmid = 0;
+    const int64_t NC1 = rows_k(C - 1);
+    int64_t Nle = 0, Mle = 0;
+    for (int64_t k = 0; k < C; ++k) {
+      const int64_t mk = Mk[static_cast<size_t>(k)];
+      Nle += rows_k(k);
+      Mle += mk;
+      const int64_t Mgt = M - Mle, Ngt = N - Nle;
+      if (holds == Holds::until_wait) {
+        mid = std::max(mid, R * (N + Ngt + Mgt + M + 2 * mk + c * Mle + Nle) + mem * 4 * (N + Ngt + Mgt + M + mk));
+        bmid = std::max(bmid, R * (Ngt + Mgt + 2 * mk + M + c * Mle + Nle) + mem * 4 * mk);
+      } else {
+        mid = std::max(mid, R * (N + Mgt + M + (2 + c) * mk + Nle) + mem * 4 * (N + Mgt + M + mk));
+        bmid = std::max(bmid, R * (Mgt + (2 + c) * mk + M + Nle) + mem * 4 * mk);
+      }
+      rmid = std::max(rmid, R * (N + Mgt + M + mk) + mem * 4 * (N + Mgt + M + mk));
+    }
+    if (holds == Holds::until_wait) {
+      post = R * (2 * N + M) + mem * (8 * N + 4 * M);
+      end = R * (3 * N + M + c * (M - Mk[0])) + mem * 4 * (N + M);
+      bend = std::max(R * (N + M), R * (2 * N + c * (M - Mk[0])));
+    } else {
+      post = R * (N + M + NC1) + mem * 4 * (N + M + NC1);
+      end = R * (3 * N + M) + mem * 4 * (N + M);
+      bend = std::max(R * (M + NC1), 2 * R * N);
+    }
+    Fm = 8 * N + std::max({post, mid, end});
+    Bm = R * N + std::max(bmid, bend);
+    Rb = 8 * N + std::max(post, rmid);
+  } else if (P <= 1) {
+    Fm = 8 * N + 2 * R * N + mem * 4 * N;
+    Bm = 2 * R * N;
+    Rb = 8 * N + R * N + 4 * N;
+  } else if (disp == "allgather") {
+    const int64_t G = P * N;
+    Fm = 8 * N + std::max(R * (N + G + M) + mem * 4 * (N + G + M), R * (N + 2 * M + P * N + N) + mem * 4 * (N + M));
+    Bm = R * N + std::max(R * (G + M), R * (2 * M + P * N + N));
+    Rb = 8 * N + R * (N + G + M) + mem * 4 * (N + G + M);
+  } else {
+    Fm = 8 * N + R * (2 * N + (2 + c) * M) + mem * 4 * (N + M);
+    Bm = R * (2 * N + (2 + c) * M);
+    Rb = 8 * N + R * (N + (1 + c) * M) + 4 * (N + (1 + c) * M);
+  }
+  b.moe_fwd = Fm;
+  b.moe_bwd = Bm;
+  b.moe_rebuild = me ? Rb : Fm;
+  return b;
+}
+
+struct LayerMem {
+  int64_t index = 0;
+  bool moe = false, gdn = false;
+  BlockMem mix, mlp;
+  std::vector<const UnitMem*> units;
+};
+
+std::string gib(int64_t b) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f", static_cast<double>(b) / double(int64_t{1} << 30));
+  return buf;
+}
+
+}  // namespace
+
+MemoryEstimate estimate_memory(const RunConfig& cfg, int64_t world_size, const EstimateOptions& opts) {
+  BB_CHECK(world_size >= 1, "estimate: the world size must be >= 1, got ", world_size);
+  MemoryEstimate est;
+  est.world = world_size;
+  est.layout = resolve_layout(cfg, world_size);
+  // The device the run is for (it need not be this machine's: a GPU run is planned anywhere).
+  est.device = cfg.device.rfind("cuda", 0) == 0 ? Device::cuda(0) : cfg.resolved_device();
+  const DType param_dtype = cfg.model_dtype != "auto" ? dtype_from_name(cfg.model_dtype)
+                            : est.device.is_cuda()    ? DType::bf16
+                                                      : DType::f32;
+  const ParallelLayout& L = est.layout;
+  const ModelConfig& mc = cfg.model;
+  const int64_t rank = opts.rank < 0 ? 0 : opts.rank;
+  BB_CHECK(rank < world_size, "estimate: rank ", rank, " of a world of ", world_size);
+
+  // The units as this rank's state family holds them: the model laid out (nothing allocated)
+  // over the layout's groups.
+  comm::EmulateConfig ec;
+  ec.ranks = world_size;
+  ec.rank = rank;
+  Mesh mesh(comm::make_emulated_world(ec), L);
+  ModelOptions mo;
+  mo.prims = cfg.prim;
+  mo.device = Device::cpu();
+  mo.param_dtype = param_dtype;
+  mo.defer_values = true;
+  mo.ep_group = mesh.ep();
+  mo.cp_group = mesh.cp();
+  DecoderModel model(mc, mo, cfg.seed);
+  const StateKind kind = cfg.prim.state.value;
+  const bool split = splits_master(cfg.backend.master_storage, param_dtype);
+  const bool bf16_reduce = cfg.backend.grad_reduce_dtype == "bf16";
+  // MPI reduces 16-bit floats through f32 host copies (comm/mpi_group.cpp), counted where the
+  // device is the CPU; on a GPU those copies are host memory.
+  const bool cpu = !est.device.is_cuda();
+  const bool mpi_staging = cpu && cfg.comm != "emulated" && world_size > 1 && bf16_reduce;
+  const Holds holds = !cpu ? Holds::until_return : cfg.comm == "emulated" || world_size == 1 ? Holds::nothing : Holds::until_wait;
+  std::vector<UnitMem> units;
+  Bytes state;
+  for (ParamUnit* pu : model.units()) {
+    UnitMem u;
+    u.name = pu->name;
+    u.kind = pu->kind;
+    u.layer = pu->layer;
+    u.n = pu->numel;
+    u.N = pu->kind == UnitKind::experts ? mesh.edp()->size() : mesh.dense()->size();
+    u.S = ceil_div(u.n, u.N);
+    u.vb = static_cast<int64_t>(dtype_size(model.param_store().value_dtype(*pu)));
+    u.whole = u.N == 1 || kind == StateKind::replicated;
+    const int64_t o = optimizer_bytes_per_element(cfg.prim.optimizer.value, split && u.vb == 2);
+    const int64_t NS = u.N * u.S;
+    if (u.whole) {
+      state[C::params] += u.vb * u.n;
+      state[C::grads] += 4 * u.n;
+      state[C::optimizer] += o * u.n;
+      if (u.N > 1 && bf16_reduce) {  // f32: all-reduced in place
+        u.Out = 2 * u.n + (mpi_staging ? 4 * u.n : 0);
+        u.Tmp = 4 * u.n;  // the f32 sum widened back (MPI: the bf16 result copied back, as much)
+      }
+    } else if (kind == StateKind::zero1) {
+      state[C::params] += u.vb * NS;
+      state[C::grads] += 4 * NS;
+      state[C::optimizer] += o * u.S;
+      u.Out = bf16_reduce ? 2 * NS + 2 * u.S + (mpi_staging ? 4 * NS + 4 * u.S : 0) : 4 * u.S;
+      u.Tmp = bf16_reduce ? 4 * u.S : 0;
+    } else {
+      state[C::params] += u.vb * u.S;
+      state[C::grads] += 4 * u.S;
+      state[C::optimizer] += o * u.S;
+      u.V = u.vb * NS;
+      u.G = 4 * NS;
+      u.Gkeep = bf16_reduce || holds == Holds::nothing ? 0 : u.G;  // an f32 reduce-scatter reads the gradient itself
+      u.Out = bf16_reduce ? 2 * NS + 2 * u.S + (mpi_staging ? 4 * NS + 4 * u.S : 0) : 4 * u.S;
+      u.Tmp = mpi_staging ? 4 * u.S : 0;  // MPI: the f32 result rounded to bf16 and copied back
+    }
+    units.push_back(u);
+  }
+  if (cfg.on_nonfinite == "skip_step") {
+    // The backup of the owned masters and moments, made at the first step and kept.
+    for (const UnitMem& u : units) {
+      const int64_t m = u.whole ? u.n : u.S;
+      const bool sp = split && u.vb == 2;
+      state[C::optimizer] += (optimizer_bytes_per_element(cfg.prim.optimizer.value, sp) + (sp ? 2 : 0)) * m;
+    }
+  }
+  est.persistent = state;
+
+  // Per-layer and end units.
+  const int64_t nl = mc.num_layers;
+  std::vector<std::vector<const UnitMem*>> by_layer(static_cast<size_t>(nl));
+  std::vector<const UnitMem*> embed, head;
+  for (const UnitMem& u : units) {
+    if (u.layer >= 0) by_layer[static_cast<size_t>(u.layer)].push_back(&u);
+    else if (u.kind == UnitKind::embedding) embed.push_back(&u);
+    else head.push_back(&u);
+  }
+
+  // The micro-batch on this rank.
+  const int64_t mbt = opts.micro_batch_tokens > 0 ? opts.micro_batch_tokens : cfg.micro_batch_tokens;
+  Dims d;
+  d.T = ceil_div(mbt, L.cp);
+  est.tokens_local = d.T;
+  d.H = mc.hidden_size;
+  d.Hq = mc.num_heads;
+  d.Hkv = mc.num_kv_heads;
+  d.D = mc.head_dim;
+  d.Q = d.Hq * d.D;
+  d.K = d.Hkv * d.D;
+  d.I = mc.intermediate_size;
+  d.V = mc.vocab_size;
+  d.E = mc.num_experts;
+  d.El = d.E > 0 ? d.E / L.ep : 0;
+  d.top_k = mc.top_k;
+  d.F = mc.moe_intermediate_size;
+  d.Ssh = mc.shared_expert_intermediate_size;
+  d.N = d.T * d.top_k;
+  d.M = static_cast<int64_t>(std::ceil(static_cast<double>(d.N) * std::max(1.0, opts.expert_load)));
+  d.Hk = mc.linear_num_key_heads;
+  d.Hv = mc.linear_num_value_heads;
+  d.Dk = mc.linear_key_head_dim;
+  d.Dv = mc.linear_value_head_dim;
+  d.CK = d.Hk * d.Dk;
+  d.Z = d.Hv * d.Dv;
+  d.Cc = 2 * d.CK + d.Z;
+  d.W = mc.linear_conv_kernel_dim;
+  d.a = static_cast<int64_t>(dtype_size(param_dtype));
+  d.c = d.a == 4 ? 0 : 1;
+  d.cuda = est.device.is_cuda();
+  d.gate = mc.attn_output_gate;
+  d.qk_norm = mc.qk_norm;
+  d.nc = ceil_div(d.T, 64);
+  const int64_t T = d.T, X = d.a * d.T * d.H, A = cfg.grad_accum;
+
+  const RecomputePolicy policy = cfg.prim.recompute.value;
+  RecomputeParts drop;
+  if (policy == RecomputePolicy::selective) drop = recompute_parts(cfg.prim.recompute);
+
+  std::vector<LayerMem> layers(static_cast<size_t>(nl));
+  for (int64_t l = 0; l < nl; ++l) {
+    LayerMem& lm = layers[static_cast<size_t>(l)];
+    lm.index = l;
+    lm.gdn = mc.layer_type(l) == LayerType::linear_attention;
+    lm.moe = mc.is_moe_layer(l);
+    lm.mix = lm.gdn ? gdn_block(d, drop) : attention_block(d, drop, cfg);
+    lm.mlp = lm.moe ? moe_block(d, drop, cfg, holds) : mlp_block(d, drop);
+    lm.units = by_layer[static_cast<size_t>(l)];
+  }
+
+  // Step-wide terms: the device copies of every micro-batch's targets and positions (CUDA; on
+  // the CPU they stay host tensors, category other), the persistent GEMM workspaces.
+  Bytes base = state;
+  if (d.cuda) base[C::activations] += 8 * T * A;
+  else base[C::other] += (12 * T + 8) * A;
+  if (d.cuda) base[C::workspace] += (int64_t{32} << 20) * (cfg.backend.expert_wgrad_stream ? 2 : 1);
+
+  // What the state family gathers and reduces around each moment (runtime/state.h).
+  const bool fsdp = kind == StateKind::fsdp;
+  const bool tied = mc.tie_word_embeddings;
+  const bool per_step = fsdp && cfg.backend.fsdp_reduce == "step" && A > 1;
+  // Units of layer l; l >= nl: the head's.
+  auto of = [&](int64_t l) -> const std::vector<const UnitMem*>& { return l >= nl ? head : layers[static_cast<size_t>(l)].units; };
+  auto total = [](const std::vector<const UnitMem*>& us, auto f) {
+    int64_t s = 0;
+    for (const UnitMem* u : us) s += f(*u);
+    return s;
+  };
+  auto V = [&](int64_t l) { return l < 0 ? 0 : total(of(l), [](const UnitMem& u) { return u.V; }); };
+  auto G = [&](int64_t l) { return total(of(l), [](const UnitMem& u) { return u.G; }); };
+  auto RF = [&](int64_t l) { return total(of(l), [](const UnitMem& u) { return u.RF(); }); };
+  auto Out = [&](const std::vector<const UnitMem*>& us, int which) {  // which: 0 all, 1 dense only, 2 experts only
+    return total(us, [which](const UnitMem& u) {
+      const bool e = u.kind == UnitKind::experts;
+      return which == 0 || (which == 1 && !e) || (which == 2 && e) ? u.Out : 0;
+    });
+  };
+  // Draining reductions in the order they were posted: unit m's transient beside the ones not yet drained.
+  auto drain = [](const std::vector<const UnitMem*>& us) {
+    int64_t peak = 0;
+    for (size_t m = 0; m < us.size(); ++m) {
+      int64_t live = us[m]->Tmp;
+      for (size_t j = m; j < us.size(); ++j) live += us[j]->RF();
+      peak = std::max(peak, live);
+    }
+    return peak;
+  };
+  // fsdp: a layer's units handed to their reductions one after the other, each released after
+  // (the bf16 copy is made while the f32 gradient is still bound).
+  auto hand_over = [](const std::vector<const UnitMem*>& us, bool gathered) {
+    const int64_t v = gathered ? 1 : 0;
+    int64_t peak = 0;
+    for (size_t m = 0; m < us.size(); ++m) {
+      int64_t live = us[m]->G + us[m]->Out + v * us[m]->V;
+      for (size_t j = 0; j < us.size(); ++j)
+        if (j < m) live += us[j]->RF();
+        else if (j > m) live += us[j]->G + v * us[j]->V;
+      peak = std::max(peak, live);
+    }
+    return peak;
+  };
+  auto cat = [](std::vector<const UnitMem*> a, const std::vector<const UnitMem*>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  auto only = [](const std::vector<const UnitMem*>& us, bool experts) {
+    std::vector<const UnitMem*> o;
+    for (const UnitMem* u : us)
+      if ((u->kind == UnitKind::experts) == experts) o.push_back(u);
+    return o;
+  };
+  const int64_t Vemb = total(embed, [](const UnitMem& u) { return u.V; }), Vhead = V(nl);
+  const int64_t Gemb = total(embed, [](const UnitMem& u) { return u.G; }), Ghead = G(nl);
+  int64_t Gall = Gemb + Ghead;
+  for (int64_t l = 0; l < nl; ++l) Gall += G(l);
+  // fsdp_reduce = "step": the last micro-batch starts with every fsdp gradient whole; the ones of
+  // the layers at or below `i` (and the embedding's) are still whole at layer i's backward.
+  auto G_below = [&](int64_t i) {
+    int64_t s = Gemb;
+    for (int64_t l = 0; l <= i && l < nl; ++l) s += G(l);
+    return s;
+  };
+
+  // Activations of the layers below `i` as the forward keeps them.
+  std::vector<int64_t> kept_below(static_cast<size_t>(nl + 1), 0), moe_below(static_cast<size_t>(nl + 1), 0);
+  for (int64_t l = 0; l < nl; ++l) {
+    const LayerMem& lm = layers[static_cast<size_t>(l)];
+    const int64_t k = policy == RecomputePolicy::full ? X + lm.mlp.keep_full : 2 * X + lm.mix.keep + lm.mlp.keep;
+    const int64_t m = policy == RecomputePolicy::full ? 0 : lm.mlp.moe_keep;
+    kept_below[static_cast<size_t>(l + 1)] = kept_below[static_cast<size_t>(l)] + k;
+    moe_below[static_cast<size_t>(l + 1)] = moe_below[static_cast<size_t>(l)] + m;
+  }
+  // Stashed top-k ids of MoE layers at or above `i` (kept until the micro-batch ends).
+  auto stash_above = [&](int64_t i) {
+    int64_t s = 0;
+    for (int64_t l = i; l < nl; ++l) s += layers[static_cast<size_t>(l)].mlp.keep_full;
+    return s;
+  };
+
+  std::vector<Moment>& ms = est.moments;
+  auto add = [&](const std::string& name, Bytes b) {
+    Bytes live = base;
+    live += b;
+    ms.push_back({name, live});
+  };
+  add("startup", Bytes{});
+
+  // Forward.
+  for (int64_t i = 0; i < nl; ++i) {
+    const LayerMem& lm = layers[static_cast<size_t>(i)];
+    Bytes b;
+    const int64_t below = kept_below[static_cast<size_t>(i)];
+    const int64_t mbelow = moe_below[static_cast<size_t>(i)];
+    // Full recompute: the block's tensors are the forward's own (freed when it returns).
+    const int64_t mix_kept = policy == RecomputePolicy::full ? 0 : lm.mix.keep;
+    b[C::activations] = below + X + std::max(lm.mix.keep_none + lm.mix.fwd, mix_kept + X + lm.mlp.fwd_total);
+    b[C::moe] = mbelow + (lm.moe ? lm.mlp.moe_fwd : 0);
+    if (fsdp)
+      b[C::comm] = (per_step ? Gall : 0) + (i == 0 ? std::max(Vemb + V(0), V(0) + V(1)) : V(i) + V(i + 1));
+    add("layer " + std::to_string(i) + " forward", b);
+  }
+  // Head: the last output, the norm, the loss's gradient and its logits; the head's gradient
+  // handed to its reduction.
+  {
+    Bytes b;
+    b[C::activations] = kept_below[static_cast<size_t>(nl)] + X + 4 * T + std::max(d.a * T * d.H + 4 * T * d.H, 8 * T * d.H);
+    b[C::moe] = moe_below[static_cast<size_t>(nl)];
+    const bool linear = cfg.prim.loss.name == "linear_ce";
+    const LossHeadConfig& lc = cfg.prim.loss_chunks;
+    if (linear) {
+      const int64_t lb = lc.bf16_logits && d.cuda && d.a == 2 ? 2 : 4;
+      b[C::logits] = std::min<int64_t>(lc.fused_chunk_tokens, T) * d.V * lb;
+    } else {
+      b[C::logits] = d.cuda ? T * d.V * (4 + d.a) : 8 * T * d.V;
+      b[C::activations] += 4 * T;
+    }
+    if (fsdp)
+      b[C::comm] = Vhead + (tied ? Vemb : 0) + V(nl - 1) + (per_step ? Gall - Ghead : (tied ? Gemb : 0)) + Ghead + Out(head, 0);
+    add("head", b);
+  }
+  // Backward, from the last layer down.
+  for (int64_t i = nl - 1; i >= 0; --i) {
+    const LayerMem& lm = layers[static_cast<size_t>(i)];
+    const int64_t below = kept_below[static_cast<size_t>(i)];
+    const int64_t mbelow = moe_below[static_cast<size_t>(i)];
+    const int64_t stash = stash_above(i + 1);  // the routing of the MoE layers above, kept to the end
+    // fsdp: this layer and the next gathered, this layer's gradient whole, the layer above's
+    // reduction in flight (drained, with its transient, when this layer's backward ends).
+    int64_t comm = 0, comm_end = 0;
+    if (fsdp) {
+      const int64_t whole = per_step ? G_below(i) : G(i) + (tied ? Gemb : 0);
+      comm = V(i) + V(i - 1) + whole + drain(of(i + 1));
+      comm_end = V(i - 1) + (per_step ? G_below(i - 1) : (tied ? Gemb : 0)) + hand_over(of(i), true);
+    }
+    if (policy == RecomputePolicy::full) {
+      // The recompute: the layer's forward again, keeping everything of this layer.
+      Bytes r;
+      r[C::activations] = below + X + lm.mlp.keep_full + stash + 4 * T * d.H +
+                          std::max(lm.mix.keep_none + lm.mix.fwd, lm.mix.keep_none + X + lm.mlp.keep_none);
+      r[C::moe] = mbelow + (lm.moe ? lm.mlp.moe_rebuild : 0);
+      r[C::comm] = comm;
+      add("layer " + std::to_string(i) + " recompute", r);
+    }
+    const int64_t stash_b = stash;
+    // The MLP block's backward (the mixer's state as the forward kept it).
+    Bytes b1;
+    b1[C::activations] = below + X + (policy == RecomputePolicy::full ? lm.mix.keep_none : lm.mix.keep) + X +
+                         lm.mlp.bwd_total + stash_b;
+    b1[C::moe] = mbelow + (lm.moe ? lm.mlp.moe_keep + lm.mlp.moe_bwd : 0);
+    // zero1 / replicated: the reductions of the layer above (or the head) in flight.
+    b1[C::comm] = fsdp ? comm : Out(of(i + 1), 1);
+    add("layer " + std::to_string(i) + " backward (" + (lm.moe ? "moe" : "mlp") + ")", b1);
+    // The token mixer's backward (the MLP block's state alive until the layer ends); zero1 /
+    // replicated: this layer's experts reduce beside it.
+    Bytes b2;
+    b2[C::activations] = below + X + lm.mix.keep_none - lm.mix.prep + X + lm.mlp.after + lm.mix.bwd + stash_b;
+    b2[C::moe] = mbelow + (lm.moe ? lm.mlp.moe_after : 0);
+    b2[C::comm] = fsdp ? comm : drain(cat(only(of(i + 1), false), only(of(i), true)));
+    add("layer " + std::to_string(i) + " backward (" + (lm.gdn ? "gdn" : "attention") + ")", b2);
+    if (fsdp) {
+      Bytes b3;  // after the layer's backward: the layers below and the gradient flowing down
+      b3[C::comm] = comm_end;
+      b3[C::activations] = below + stash + 4 * T * d.H;
+      b3[C::moe] = mbelow;
+      add("layer " + std::to_string(i) + " gradient reduction", b3);
+    }
+  }
+  {
+    Bytes b;
+    if (fsdp) b[C::comm] = std::max(RF(0) + hand_over(embed, false), drain(cat(of(0), embed)));
+    else b[C::comm] = drain(cat(only(of(0), false), embed));
+    b[C::activations] = 4 * T * d.H;
+    add("embedding backward", b);
+  }
+  add("optimizer update", Bytes{});
+
+  // Peaks.
+  for (const Moment& m : ms) {
+    est.peak.max_with(m.live);
+    if (m.live.total() > est.peak_total) {
+      est.peak_total = m.live.total();
+      est.peak_moment = m.name;
+    }
+  }
+  est.reserved = est.peak_total;
+  if (d.cuda)
+    est.notes.push_back("workspace counts the persistent GEMM workspaces only (32 MiB per stream that runs GEMMs); "
+                        "cuDNN and grouped-GEMM scratch are not modelled");
+  if (L.cp > 1) est.notes.push_back("tokens per rank are taken as micro_batch_tokens / cp (the cp shards of a packed micro-batch differ by a few tokens)");
+  if (d.E > 0)
+    est.notes.push_back(opts.expert_load > 1 ? "expert rows per rank: " + std::to_string(opts.expert_load) + " x balanced"
+                                             : "expert rows per rank as with balanced routing (T x top_k)");
+  return est;
+}
+
+namespace {
+nlohmann::json bytes_json(const Bytes& b, int64_t total) {
+  nlohmann::json j;
+  for (int c = 0; c < kNumMemCategories; ++c) j[category_name(static_cast<MemCategory>(c))] = b.v[static_cast<size_t>(c)];
+  j["total"] = total;
+  return j;
+}
+}  // namespace
+
+std::string MemoryEstimate::json() const {
+  nlohmann::json j;
+  j["predicted"] = true;
+  j["layout"] = layout.str();
+  j["world"] = world;
+  j["device"] = device.str();
+  j["tokens_per_rank"] = tokens_local;
+  j["peak_bytes"] = bytes_json(peak, peak_total);
+  j["peak_moment"] = peak_moment;
+  j["reserved_bytes"] = reserved;
+  nlohmann::json m = nlohmann::json::array();
+  for (const Moment& x : moments) m.push_back({{"name", x.name}, {"bytes", bytes_json(x.live, x.live.total())}});
+  j["moments"] = m;
+  j["notes"] = notes;
+  return j.dump();
+}
+
+std::string MemoryEstimate::table(bool all_moments) const {
+  std::string s;
+  char buf[512];
+  std::snprintf(buf, sizeof buf, "| moment | total GiB | params | grads | optimizer | activations | logits | moe | comm | workspace | other |\n");
+  s += buf;
+  s += "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+  // One row per phase: the moment with the largest total of each.
+  std::map<std::string, const Moment*> best;
+  std::vector<std::string> order;
+  for (const Moment& m : moments) {
+    std::string phase = m.name;
+    if (!all_moments && phase.rfind("layer ", 0) == 0) phase = phase.substr(phase.find(' ', 6) + 1);
+    if (!best.count(phase)) order.push_back(phase);
+    const Moment*& b = best[phase];
+    if (!b || m.live.total() > b->live.total()) b = &m;
+  }
+  auto row = [&](const std::string& name, const Bytes& x, int64_t total) {
+    std::snprintf(buf, sizeof buf, "| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", name.c_str(),
+                  gib(total).c_str(), gib(x[C::params]).c_str(), gib(x[C::grads]).c_str(), gib(x[C::optimizer]).c_str(),
+                  gib(x[C::activations]).c_str(), gib(x[C::logits]).c_str(), gib(x[C::moe]).c_str(),
+                  gib(x[C::comm]).c_str(), gib(x[C::workspace]).c_str(), gib(x[C::other]).c_str());
+    s += buf;
+  };
+  for (const std::string& p : order) row(best[p]->name, best[p]->live, best[p]->live.total());
+  row("peak per category", peak, peak_total);
+  return s;
+}
+
+FitCheck check_fit(const RunConfig& cfg, int64_t world_size, int64_t rank, int64_t available) {
+  FitCheck fc;
+  EstimateOptions eo;
+  eo.rank = rank;
+  fc.estimate = estimate_memory(cfg, world_size, eo);
+  if (fc.estimate.peak_total <= available) return fc;
+  fc.fits = false;
+  const MemoryEstimate& e = fc.estimate;
+  // The largest categories at the peak moment.
+  const Moment* at = nullptr;
+  for (const Moment& m : e.moments)
+    if (!at || m.live.total() > at->live.total()) at = &m;
+  std::vector<int> order(kNumMemCategories);
+  for (int c = 0; c < kNumMemCategories; ++c) order[static_cast<size_t>(c)] = c;
+  std::sort(order.begin(), order.end(), [&](int a, int b) { return at->live.v[static_cast<size_t>(a)] > at->live.v[static_cast<size_t>(b)]; });
+  std::string largest;
+  for (size_t i = 0; i < 3; ++i)
+    largest += std::string(i ? ", " : "") + category_name(static_cast<MemCategory>(order[i])) + " " +
+               format_bytes(at->live.v[static_cast<size_t>(order[i])]);
+  // Settings to try, one at a time and then together (each kept when it lowers the peak).
+  std::vector<std::vector<std::string>> tries;
+  if (cfg.prim.recompute.value != RecomputePolicy::full) tries.push_back({"primitives.recompute=\"full\""});
+  if (cfg.prim.loss.name != "linear_ce") tries.push_back({"primitives.loss=\"linear_ce\""});
+  if (cfg.prim.state.value != StateKind::fsdp) tries.push_back({"primitives.state=\"fsdp\""});
+  const ParallelLayout& L = e.layout;
+  if (cfg.model.num_experts > 0)
+    for (int64_t ep = L.ep * 2; ep <= L.dp * L.cp; ep *= 2)
+      if (cfg.model.num_experts % ep == 0 && (L.dp * L.cp) % ep == 0) {
+        tries.push_back({"parallel.ep=" + std::to_string(ep)});
+        break;
+      }
+  if (L.dp % 2 == 0) {
+    std::vector<std::string> t = {"parallel.cp=" + std::to_string(L.cp * 2)};
+    if (cfg.prim.attention.name == "sdpa") t.push_back("primitives.attention=\"cp_ring\"");
+    tries.push_back(t);
+  }
+  for (int64_t div = 2; div <= 16; div *= 2)
+    if (cfg.micro_batch_tokens / div >= 256)
+      tries.push_back({"train.micro_batch_tokens=" + std::to_string(cfg.micro_batch_tokens / div),
+                       "train.grad_accum=" + std::to_string(cfg.grad_accum * div)});
+  auto apply = [&](const std::vector<std::string>& sets) -> std::pair<bool, int64_t> {
+    try {
+      RunConfig c = cfg;
+      for (const std::string& kv : sets) {
+        // Re-parse through the config reader's override path for validation of each key.
+        const size_t eq = kv.find('=');
+        const std::string key = kv.substr(0, eq), val = kv.substr(eq + 1);
+        auto unq = [](const std::string& v) { return v.size() >= 2 && v.front() == '"' ? v.substr(1, v.size() - 2) : v; };
+        if (key.rfind("primitives.", 0) == 0) c.prim.set(key.substr(11), unq(val), "the memory check");
+        else if (key == "parallel.ep") c.ep = std::stoll(val);
+        else if (key == "parallel.cp") c.cp = std::stoll(val), c.dp = 0;
+        else if (key == "train.micro_batch_tokens") c.micro_batch_tokens = std::stoll(val);
+        else if (key == "train.grad_accum") c.grad_accum = std::stoll(val);
+      }
+      EstimateOptions o;
+      o.rank = rank;
+      const MemoryEstimate x = estimate_memory(c, world_size, o);
+      return {x.peak_total <= available, x.peak_total};
+    } catch (const std::exception&) {
+      return {false, 0};
+    }
+  };
+  std::string fix;
+  int64_t fix_peak = 0;
+  for (const auto& t : tries) {
+    const auto [ok, peak] = apply(t);
+    if (ok) {
+      for (const std::string& kv : t) fix += " --set " + kv;
+      fix_peak = peak;
+      break;
+    }
+  }
+  if (fix.empty()) {
+    std::vector<std::string> all;
+    int64_t best = e.peak_total;
+    for (const auto& t : tries) {
+      std::vector<std::string> with = all;
+      with.insert(with.end(), t.begin(), t.end());
+      const auto [ok, peak] = apply(with);
+      if (peak > 0 && peak < best) {
+        all = with;
+        best = peak;
+      }
+      if (ok) {
+        for (const std::string& kv : all) fix += " --set " + kv;
+        fix_peak = peak;
+        break;
+      }
+    }
+  }
+  std::string msg = "out of memory predicted: this run needs " + format_bytes(e.peak_total) + " per rank at its peak (" +
+                    e.peak_moment + "; largest there: " + largest + "), the device has " + format_bytes(available) +
+                    " available. Predicted per category (bumblebee plan --explain):\n" + e.table();
+  if (!fix.empty())
+    msg += "The nearest setting that fits (predicted " + format_bytes(fix_peak) + "):" + fix + "\n";
+  else
+    msg += "No single change of recompute, loss, state, ep, cp or micro-batch size fits; use more GPUs.\n";
+  msg += "To start anyway: bumblebee train --force (train.memory_check = \"warn\").";
+  fc.message = msg;
+  return fc;
+}
+
+}  // namespace bb::plan

@@ -1,0 +1,104 @@
+// estimate.h — the per-rank memory estimator (DESIGN.md sec. 5, skills/planner.md).
+//
+// Predicts, without allocating anything, the bytes a rank's allocator books per memory category
+// (core/memory.h) at each moment of a training step, and from them the step's peak of every
+// category and of the total: what `bumblebee train` reports after its step, and what the run
+// needs from its device. Inputs are a run config (model, primitives, layout, micro-batch,
+// grad_accum, dtypes, the [backend] keys that change memory) and the world size.
+//
+// What it counts and how exactly:
+//   params, grads, optimizer  exact: the model's units are laid out (ModelOptions::defer_values,
+//                             nothing allocated) over the layout's groups and summed with the
+//                             state family's closed forms (runtime/state.h state_bytes), uneven
+//                             shards included
+//   comm                      exact for the state families' gathers and reductions (fsdp: the
+//                             gathered units of two layers, whole f32 gradients until their
+//                             reduce-scatter drains; zero1 / replicated: the reductions in flight)
+//   activations, logits, moe  the tensors each block keeps for its backward and the temporaries
+//                             of its forward and backward, per recompute policy, from formulas
+//                             that mirror the blocks (skills/planner.md lists them); with
+//                             balanced routing (every rank receives T x top_k expert rows) or
+//                             EstimateOptions::expert_load (the busiest rank's rows / the mean)
+//   workspace, other          the persistent GEMM workspaces and the known per-step buffers;
+//                             library scratch (cuDNN, cuBLAS) is approximated (flagged)
+// Moments: startup (the state), each layer's forward, the loss head, each layer's backward
+// (with its recompute under recompute = full), the embedding backward and the optimizer update.
+// A category's peak is its largest value over the moments; the total's peak is the largest sum
+// at one moment (categories peak at different moments, so it is less than the sum of peaks).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "comm/mesh.h"
+#include "core/memory.h"
+#include "runtime/run_config.h"
+
+namespace bb::plan {
+
+// Bytes per memory category.
+struct Bytes {
+  std::array<int64_t, kNumMemCategories> v{};
+  int64_t& operator[](MemCategory c) { return v[static_cast<size_t>(c)]; }
+  int64_t operator[](MemCategory c) const { return v[static_cast<size_t>(c)]; }
+  int64_t total() const;
+  Bytes& operator+=(const Bytes& o);
+  // Per category, the larger of the two.
+  void max_with(const Bytes& o);
+};
+
+// One moment of the step: what is live then.
+struct Moment {
+  std::string name;  // "layer 47 backward (moe)", "head", ...
+  Bytes live;
+};
+
+struct EstimateOptions {
+  // The rank whose memory is predicted (ranks differ only by uneven shards, which every rank
+  // allocates padded, and by routing); -1: the largest over ranks.
+  int64_t rank = -1;
+  // The busiest rank's expert rows over the mean (1: balanced routing). Rows received scale the
+  // experts' activations and the dispatch buffers.
+  double expert_load = 1.0;
+  // Tokens of each micro-batch on this rank before context sharding (0: train.micro_batch_tokens).
+  int64_t micro_batch_tokens = 0;
+};
+
+struct MemoryEstimate {
+  ParallelLayout layout;
+  int64_t world = 1;
+  Device device;
+  int64_t tokens_local = 0;  // T: tokens of one micro-batch on this rank (after cp)
+  Bytes persistent;          // params, grads, optimizer after startup (and the first step's backup)
+  Bytes peak;                // per category: the largest value over the step's moments
+  int64_t peak_total = 0;    // the largest total at one moment
+  std::string peak_moment;   // where peak_total is reached
+  std::vector<Moment> moments;
+  // The allocator's reserved peak, modelled: the live peak plus the pool's growth from memory
+  // freed on one stream and not yet reusable by another (skills/planner.md: fragmentation).
+  int64_t reserved = 0;
+  std::vector<std::string> notes;  // approximations that apply to this run
+
+  // The breakdown as a table: one row per phase (the moment with the largest total of each
+  // phase; every moment with all_moments) and the per-category peaks.
+  std::string table(bool all_moments = false) const;
+  // {"layout": ..., "peak_bytes": {category: bytes, "total": ...}, "peak_moment": ..., "moments": [...]}
+  std::string json() const;
+};
+
+MemoryEstimate estimate_memory(const RunConfig& cfg, int64_t world_size, const EstimateOptions& opts = {});
+
+// Whether a run fits `available` bytes per rank: the prediction, and when it does not, a message
+// naming the largest categories and the nearest setting that fits (`--set` overrides, tried one
+// at a time, then together: full recompute, linear_ce, fsdp, a larger ep or cp, fewer tokens
+// per micro-batch with more accumulation).
+struct FitCheck {
+  bool fits = true;
+  MemoryEstimate estimate;
+  std::string message;  // empty when it fits
+};
+FitCheck check_fit(const RunConfig& cfg, int64_t world_size, int64_t rank, int64_t available);
+
+}  // namespace bb::plan
