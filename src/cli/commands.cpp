@@ -65,13 +65,20 @@ AutoModelForCausalLM.from_pretrained(OUT) loads it; model.init = "hf:OUT" loads 
 constexpr const char* kPlanHelp = R"(Predict the memory a run needs per rank, phase by phase, without allocating.
 
   bumblebee plan --explain configs/qwen3-30b-a3b-8gpu.toml [--ranks 8] [--set KEY=VALUE ...]
+  bumblebee plan --model configs/models/qwen3.5-35b-a3b --gpus 32 --seq 131072 [--gpu-memory 80]
 Prints, per category (params, grads, optimizer, activations, logits, moe, comm, workspace,
 other), the bytes live at the largest moment of each phase of a training step (startup, each
 layer's forward, the loss head, each layer's recompute and backward, the embedding backward,
 the update) and each category's peak over the step. params, grads, optimizer and comm are exact;
 activations, logits and moe follow the blocks' formulas (skills/planner.md gives them and the
 measured errors); routing is taken as balanced unless --expert-load says how much more the
-busiest rank receives.)";
+busiest rank receives.
+
+With --model, --gpus and --seq it searches the layouts of that many GPUs under the default recipe
+(fsdp, full recompute, linear_ce, chunked_alltoall:2, cp_ring), predicts each, drops those above the
+GPU's memory less --margin, and picks one by the recipe's rules: the smallest EP whose rank fits,
+then the smallest CP that brings the per-GPU sequence to 32K or less. There is no time model yet:
+the choice is the recipe's, not the fastest predicted.)";
 
 // --out must not be a checkpoint root or inside one (whatever --force says: exports there would
 // mix with training state), and must be empty or absent unless --force.
@@ -178,7 +185,16 @@ int run(int argc, char** argv) {
   std::vector<std::string> plan_sets;
   int64_t plan_ranks = 0, plan_rank = -1;
   double plan_expert_load = 1.0;
-  plan->add_option("--explain", plan_explain, "Run config (TOML) whose memory to predict, phase by phase")->required();
+  plan->add_option("--explain", plan_explain, "Run config (TOML) whose memory to predict, phase by phase");
+  std::string plan_model;
+  plan::PlanRequest preq;
+  plan->add_option("--model", plan_model, "Model config (HF config.json or its directory): search layouts for it");
+  plan->add_option("--gpus", preq.gpus, "GPUs of the job (with --model)")->check(CLI::PositiveNumber);
+  plan->add_option("--gpus-per-node", preq.gpus_per_node, "GPUs per node (default 8)")->check(CLI::PositiveNumber);
+  plan->add_option("--gpu-memory", preq.gpu_memory_gib, "Memory per GPU in GiB (default 80)")->check(CLI::PositiveNumber);
+  plan->add_option("--seq", preq.seq, "Tokens per sequence (with --model)")->check(CLI::PositiveNumber);
+  plan->add_option("--margin", preq.margin, "Fraction of the GPU's memory kept free (default 0.05)")
+      ->check(CLI::Range(0.0, 0.9));
   plan->add_option("--set,-s", plan_sets, "Override a config key: table.key=value (repeatable)");
   plan->add_option("--ranks", plan_ranks, "World size of the run (default: dp x cp, or ep when dp = 0)")
       ->check(CLI::PositiveNumber);
@@ -231,6 +247,37 @@ int run(int argc, char** argv) {
     if (path_exists(path_join(step, "shards"))) export_distributed_checkpoint(step, exp_out, eo);
     else export_checkpoint(step, exp_out, eo);  // format 1 (single rank, before distributed state)
     std::printf("[export] %s -> %s (%s)\n", step.c_str(), exp_out.c_str(), exp_dtype.c_str());
+    return 0;
+  }
+  if (plan->parsed() && plan_explain.empty()) {
+    BB_CHECK(!plan_model.empty() && plan->count("--gpus") && plan->count("--seq"),
+             "plan: give --explain RUN.toml, or --model CONFIG --gpus N --seq TOKENS to search layouts (see plan --help)");
+    std::string toml = "[model]\nconfig = \"" + plan_model + "\"\n[parallel]\ndevice = \"cuda\"\n";
+    RunConfig base = parse_run_config(toml, "plan --model", plan_sets);
+    std::fprintf(stderr, "[plan] searching layouts of %lld GPUs for %s at %lld tokens per sequence\n",
+                 static_cast<long long>(preq.gpus), plan_model.c_str(), static_cast<long long>(preq.seq));
+    const plan::PlanResult r = plan::plan_layouts(base, preq, [](int64_t done, int64_t total) {
+      if (done % 16 == 0 || done == total)
+        std::fprintf(stderr, "[plan] %lld / %lld layouts predicted\n", static_cast<long long>(done), static_cast<long long>(total));
+    });
+    std::printf("[plan] %s, %lld GPUs (%lld per node), %.1f GiB each (%s usable after the %.0f %% margin), %lld tokens "
+                "per sequence: predicted peak per rank (PREDICTED, not measured)\n",
+                plan_model.c_str(), static_cast<long long>(preq.gpus), static_cast<long long>(preq.gpus_per_node),
+                preq.gpu_memory_gib, format_bytes(r.usable).c_str(), preq.margin * 100, static_cast<long long>(preq.seq));
+    std::printf("| layout | tokens/GPU | peak GiB | params+grads+optim | activations | moe | comm | logits | fits | "
+                "wire ms/step (gather, reduce, ep, cp; not overlapped) |\n");
+    std::printf("|---|---:|---:|---:|---:|---:|---:|---:|---|---|\n");
+    auto g = [](int64_t b) { return static_cast<double>(b) / double(int64_t{1} << 30); };
+    for (const plan::PlanCandidate& c : r.candidates) {
+      const plan::Bytes& p = c.estimate.peak;
+      const plan::CommEstimate& ce = c.estimate.comm;
+      std::printf("| %s%s | %lld | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %s | %.1f (%.1f, %.1f, %.1f, %.1f) |\n",
+                  c.layout.str().c_str(), c.chosen ? " **chosen**" : "", static_cast<long long>(c.estimate.tokens_local),
+                  g(c.estimate.peak_total), g(c.estimate.persistent.total()), g(p[MemCategory::activations]),
+                  g(p[MemCategory::moe]), g(p[MemCategory::comm]), g(p[MemCategory::logits]), c.fits ? "yes" : "no",
+                  ce.total_s() * 1e3, ce.param_gather_s * 1e3, ce.grad_reduce_s * 1e3, ce.ep_s * 1e3, ce.cp_s * 1e3);
+    }
+    std::printf("[plan] %s\n", r.why.c_str());
     return 0;
   }
   if (plan->parsed()) {

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "comm/emulated.h"
+#include "comm/link_model.h"
 #include "core/error.h"
 #include "models/decoder.h"
 #include "runtime/state.h"
@@ -662,6 +663,51 @@ MemoryEstimate estimate_memory(const RunConfig& cfg, int64_t world_size, const E
   }
   add("optimizer update", Bytes{});
 
+  // The step's collectives on the wire (the link model of [emulate]; nothing overlapped).
+  {
+    const comm::LinkModel& link = cfg.emulate.link;
+    CommEstimate& ce = est.comm;
+    const int64_t reduce_b = bf16_reduce ? 2 : 4;
+    for (ParamUnit* pu : model.units()) {
+      const comm::GroupPtr g = pu->kind == UnitKind::experts ? mesh.edp() : mesh.dense();
+      const int64_t N = g->size();
+      if (N == 1) continue;
+      const int64_t S = ceil_div(pu->numel, N), vb = static_cast<int64_t>(dtype_size(model.param_store().value_dtype(*pu)));
+      const int64_t gathers = kind == StateKind::fsdp ? 2 * A : kind == StateKind::zero1 ? 1 : 0;
+      const int64_t reduces = kind == StateKind::fsdp && cfg.backend.fsdp_reduce != "step" ? A : 1;
+      ce.param_gather_bytes += gathers * vb * S * (N - 1);
+      ce.param_gather_s += gathers * link.all_gather_s(g->world_ranks(), vb * S * N);
+      if (kind == StateKind::replicated) {
+        ce.grad_reduce_bytes += 2 * reduce_b * pu->numel * (N - 1) / N;
+        ce.grad_reduce_s += link.all_reduce_s(g->world_ranks(), reduce_b * pu->numel);
+      } else {
+        ce.grad_reduce_bytes += reduces * reduce_b * S * (N - 1);
+        ce.grad_reduce_s += reduces * link.reduce_scatter_s(g->world_ranks(), reduce_b * S * N);
+      }
+    }
+    const comm::GroupPtr ep = mesh.ep();
+    if (ep->size() > 1 && d.E > 0) {
+      const int64_t P = ep->size(), row = d.a * d.H;
+      std::vector<int64_t> per(static_cast<size_t>(P), d.N / P * row);  // balanced: N / P rows to each member
+      const double one = link.all_to_all_s(ep->world_ranks(), static_cast<int>(ep->rank()), per, per);
+      const int64_t n_moe = mc.num_moe_layers();
+      ce.ep_bytes += 5 * A * n_moe * (d.N / P) * row * (P - 1);
+      ce.ep_s += 5 * A * n_moe * one;
+    }
+    const comm::GroupPtr cpg = mesh.cp();
+    if (cpg->size() > 1) {
+      const int64_t P = cpg->size(), kv = 2 * d.T * d.K * d.a, dkv = 2 * d.T * d.K * 4;
+      const std::vector<int>& wr = cpg->world_ranks();
+      const int64_t me = cpg->rank(), next = wr[static_cast<size_t>((me + 1) % P)];
+      const double shift = link.send_recv_s(wr[static_cast<size_t>(me)], next, kv);
+      const double shift_d = link.send_recv_s(wr[static_cast<size_t>(me)], next, kv + dkv);
+      const int64_t n_attn = nl - mc.num_linear_attention_layers();
+      const int64_t passes = policy == RecomputePolicy::full ? 2 : 1;
+      ce.cp_bytes += A * n_attn * (P - 1) * (passes * kv + kv + dkv);
+      ce.cp_s += A * n_attn * (P - 1) * (passes * shift + shift_d);
+    }
+  }
+
   // Peaks.
   for (const Moment& m : ms) {
     est.peak.max_with(m.live);
@@ -835,6 +881,100 @@ FitCheck check_fit(const RunConfig& cfg, int64_t world_size, int64_t rank, int64
   msg += "To start anyway: bumblebee train --force (train.memory_check = \"warn\").";
   fc.message = msg;
   return fc;
+}
+
+PlanResult plan_layouts(const RunConfig& base, const PlanRequest& req,
+                        const std::function<void(int64_t, int64_t)>& progress) {
+  BB_CHECK(req.gpus >= 1, "plan: --gpus must be >= 1, got ", req.gpus);
+  BB_CHECK(req.seq >= 1, "plan: --seq must be >= 1, got ", req.seq);
+  BB_CHECK(req.gpu_memory_gib > 0, "plan: --gpu-memory must be > 0 GiB, got ", req.gpu_memory_gib);
+  BB_CHECK(req.margin >= 0 && req.margin < 1, "plan: the margin must be in [0, 1), got ", req.margin);
+  PlanResult r;
+  r.usable = static_cast<int64_t>(req.gpu_memory_gib * (1 - req.margin) * double(int64_t{1} << 30));
+  const ModelConfig& mc = base.model;
+  std::vector<std::pair<int64_t, int64_t>> layouts;  // (cp, ep)
+  for (int64_t cp = 1; cp <= req.gpus; cp *= 2) {
+    if (req.gpus % cp != 0 || (cp > 1 && req.seq < 2 * cp)) continue;
+    const int64_t dpcp = req.gpus;  // pp = 1: every rank is in one stage
+    if (mc.num_experts == 0) {
+      layouts.push_back({cp, 1});
+      continue;
+    }
+    for (int64_t ep = 1; ep <= dpcp; ++ep)
+      if (mc.num_experts % ep == 0 && dpcp % ep == 0) layouts.push_back({cp, ep});
+  }
+  const int64_t total = static_cast<int64_t>(layouts.size());
+  int64_t done = 0;
+  for (const auto& [cp, ep] : layouts) {
+    RunConfig c = base;
+    c.device = "cuda";
+    c.cp = cp;
+    c.ep = ep;
+    c.dp = 0;
+    c.pp = 1;
+    c.micro_batch_tokens = req.seq;
+    c.prim.set("state", "fsdp", "the plan");
+    c.prim.set("recompute", "full", "the plan");
+    c.prim.set("loss", "linear_ce", "the plan");
+    c.prim.set("permute", "memory_efficient", "the plan");
+    if (mc.num_experts > 0) c.prim.set("moe_dispatch", ep > 1 ? "chunked_alltoall:2" : "alltoall", "the plan");
+    c.prim.set("attention", cp > 1 ? "cp_ring" : "sdpa", "the plan");
+    c.emulate.ranks = req.gpus;
+    c.emulate.link.gpus_per_node = req.gpus_per_node;
+    PlanCandidate pc;
+    try {
+      pc.estimate = estimate_memory(c, req.gpus);
+      pc.layout = pc.estimate.layout;
+      pc.fits = pc.estimate.peak_total <= r.usable;
+      r.candidates.push_back(pc);
+    } catch (const Error&) {
+      // A layout the model cannot take (e.g. heads that cp cannot split): not a candidate.
+    }
+    if (progress) progress(++done, total);
+  }
+  // The recipe: the smallest EP that fits (EP grows only as far as the expert state needs: each
+  // doubling halves the experts a rank holds but spreads every token's rows over more GPUs), then
+  // the smallest CP that brings the per-GPU sequence to 32K or less (ring shifts hide behind
+  // attention from there; more CP only adds steps).
+  PlanCandidate* best = nullptr;
+  for (PlanCandidate& pc : r.candidates) {
+    if (!pc.fits) continue;
+    auto key = [&](const PlanCandidate& x) {
+      const int64_t per_gpu = ceil_div(req.seq, x.layout.cp);
+      // The smallest CP that brings the sequence to 32K per GPU (or the largest there is), then
+      // the EP whose collectives take the least wire time, then the smaller EP.
+      const bool over = per_gpu > 32768;
+      return std::make_tuple(over ? 1 : 0, over ? -x.layout.cp : x.layout.cp, x.estimate.comm.total_s(), x.layout.ep);
+    };
+    if (!best || key(pc) < key(*best)) best = &pc;
+  }
+  char buf[1024];
+  if (!best) {
+    std::snprintf(buf, sizeof buf,
+                  "no layout of %lld GPUs fits %.1f GiB per GPU (less a %.0f %% margin) at %lld tokens per sequence "
+                  "under the recipe; use more GPUs or shorter sequences",
+                  static_cast<long long>(req.gpus), req.gpu_memory_gib, req.margin * 100, static_cast<long long>(req.seq));
+    r.why = buf;
+    return r;
+  }
+  best->chosen = true;
+  const ParallelLayout& L = best->layout;
+  const int64_t experts_per_rank = mc.num_experts > 0 ? mc.num_experts / L.ep : 0;
+  std::snprintf(buf, sizeof buf,
+                "CP %lld: %lld tokens per GPU%s; EP %lld: among the layouts that fit at this CP, the one whose "
+                "collectives take the least wire time (%.1f ms a step if none overlapped: %lld of %lld experts per rank, "
+                "predicted peak %s of %s usable); dp %lld; fsdp, full recompute, linear_ce%s. Compute time is not "
+                "modelled yet, so the ranking is by memory and wire time only: it does not see that a smaller EP gives "
+                "each expert's GEMM fewer rows (tokens x top_k x EP / experts), which the seed's measurements favour EP 8 "
+                "for.",
+                static_cast<long long>(L.cp),
+                static_cast<long long>(ceil_div(req.seq, L.cp)),
+                ceil_div(req.seq, L.cp) > 32768 ? " (no CP that fits brings it to 32K)" : " (the smallest CP that brings it to 32K or less)",
+                static_cast<long long>(L.ep), best->estimate.comm.total_s() * 1e3, static_cast<long long>(experts_per_rank),
+                static_cast<long long>(mc.num_experts), format_bytes(best->estimate.peak_total).c_str(),
+                format_bytes(r.usable).c_str(), static_cast<long long>(L.dp), L.ep > 1 ? ", chunked_alltoall:2" : "");
+  r.why = buf;
+  return r;
 }
 
 }  // namespace bb::plan

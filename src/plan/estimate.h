@@ -29,6 +29,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -66,6 +67,19 @@ struct EstimateOptions {
   int64_t micro_batch_tokens = 0;
 };
 
+// The wire time of one step's collectives on this rank, by class, from the link model of
+// [emulate] (comm/link_model.h) with nothing overlapped: an upper bound on what the schedule has to
+// hide. Per micro-batch: every sharded unit gathered twice (forward, backward; the full
+// recompute reuses the backward's gather) and its gradient reduce-scattered once; per MoE layer
+// five all-to-alls of the routed rows (dispatch and combine forward, the recompute's dispatch,
+// two backward); per attention layer with cp > 1 the ring's cp - 1 shifts of K and V forward and in
+// the recompute, and of K, V and their f32 gradients backward.
+struct CommEstimate {
+  double param_gather_s = 0, grad_reduce_s = 0, ep_s = 0, cp_s = 0;
+  int64_t param_gather_bytes = 0, grad_reduce_bytes = 0, ep_bytes = 0, cp_bytes = 0;
+  double total_s() const { return param_gather_s + grad_reduce_s + ep_s + cp_s; }
+};
+
 struct MemoryEstimate {
   ParallelLayout layout;
   int64_t world = 1;
@@ -80,6 +94,7 @@ struct MemoryEstimate {
   // freed on one stream and not yet reusable by another (skills/planner.md: fragmentation).
   int64_t reserved = 0;
   std::vector<std::string> notes;  // approximations that apply to this run
+  CommEstimate comm;               // the step's collectives (not overlapped)
 
   // The breakdown as a table: one row per phase (the moment with the largest total of each
   // phase; every moment with all_moments) and the per-category peaks.
@@ -100,5 +115,33 @@ struct FitCheck {
   std::string message;  // empty when it fits
 };
 FitCheck check_fit(const RunConfig& cfg, int64_t world_size, int64_t rank, int64_t available);
+
+// The recipe search of `bumblebee plan --gpus N` (DESIGN.md sec. 4): layouts of N GPUs for one
+// sequence length under the default recipe (fsdp, full recompute, linear_ce, chunked_alltoall:2
+// over EP > 1, cp_ring over CP > 1), each predicted and checked against the GPU's memory less a
+// margin. No time model yet: the choice follows the recipe's rules (the smallest EP whose rank
+// fits, then the smallest CP that brings the per-GPU sequence to 32K or less and fits).
+struct PlanRequest {
+  int64_t gpus = 8;
+  int64_t gpus_per_node = 8;
+  double gpu_memory_gib = 80;  // the card's memory, GiB
+  double margin = 0.05;        // kept free: workspace scratch, fragmentation
+  int64_t seq = 4096;          // tokens of one sequence (one per micro-batch)
+};
+struct PlanCandidate {
+  ParallelLayout layout;
+  MemoryEstimate estimate;
+  bool fits = false;
+  bool chosen = false;
+};
+struct PlanResult {
+  std::vector<PlanCandidate> candidates;
+  int64_t usable = 0;  // bytes per GPU a candidate may use
+  std::string why;     // the recipe in words, for the chosen one (or why none fits)
+};
+// `base`: the run config whose model, dtypes and [backend] are kept; its layout and primitives are
+// replaced by each candidate's. `progress(done, total)` is called after each candidate.
+PlanResult plan_layouts(const RunConfig& base, const PlanRequest& req,
+                        const std::function<void(int64_t, int64_t)>& progress = {});
 
 }  // namespace bb::plan

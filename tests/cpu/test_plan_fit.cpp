@@ -69,3 +69,49 @@ TEST(PlanFit, TheFullQwen3StateMatchesTheMeasuredStartup) {
 
 }  // namespace
 }  // namespace bb
+
+namespace bb {
+namespace {
+
+// The layout search for the seed's case, Qwen3.5-35B-A3B on 32 GPUs of 80 GB at 128K: every
+// candidate is a valid layout of 32 GPUs, the fit flag is the prediction against the usable
+// memory, 128K on one GPU (cp 1) mostly does not fit, and the choice brings the sequence to 32K
+// per GPU.
+TEST(PlanFit, TheLayoutSearchForTheSeedsCase) {
+  const RunConfig base = parse_run_config(
+      "[model]\nconfig = \"configs/models/qwen3.5-35b-a3b/config.json\"\n[parallel]\ndevice = \"cuda\"\n", "test");
+  plan::PlanRequest req;
+  req.gpus = 32;
+  req.seq = 131072;
+  req.gpu_memory_gib = 79.6;
+  int64_t calls = 0;
+  const plan::PlanResult r = plan::plan_layouts(base, req, [&](int64_t done, int64_t total) {
+    ++calls;
+    EXPECT_LE(done, total);
+  });
+  ASSERT_FALSE(r.candidates.empty());
+  EXPECT_GT(calls, 0);
+  int chosen = 0, cp1_refused = 0;
+  for (const plan::PlanCandidate& c : r.candidates) {
+    EXPECT_EQ(c.layout.world(), 32);
+    EXPECT_EQ(256 % c.layout.ep, 0);
+    EXPECT_EQ(c.fits, c.estimate.peak_total <= r.usable) << c.layout.str();
+    if (c.layout.cp == 1 && !c.fits) ++cp1_refused;
+    if (c.chosen) {
+      ++chosen;
+      EXPECT_TRUE(c.fits);
+      EXPECT_EQ(c.layout.cp, 4);
+    }
+  }
+  EXPECT_EQ(chosen, 1);
+  EXPECT_GT(cp1_refused, 0);  // 128K tokens on one GPU do not fit with most EPs
+  EXPECT_NE(r.why.find("CP 4"), std::string::npos) << r.why;
+  // Nothing fits on 8 GB GPUs: no choice, and the reason says so.
+  req.gpu_memory_gib = 8;
+  const plan::PlanResult none = plan::plan_layouts(base, req);
+  for (const plan::PlanCandidate& c : none.candidates) EXPECT_FALSE(c.chosen);
+  EXPECT_NE(none.why.find("no layout"), std::string::npos) << none.why;
+}
+
+}  // namespace
+}  // namespace bb
