@@ -28,7 +28,10 @@
 # the full-model runs, 2 as in the recipe; 0 = no limit), PERMUTE (memory_efficient as in the
 # recipe; standard re-runs fc2 and the combine in the recompute), EXPERT_WGRAD_STREAM
 # (backend.expert_wgrad_stream, false), QWEN3_RUNS ("4096:1 32768:2 131072:4",
-# tokens:cp), MOE_TOKENS (4096,8192,16384,32768,65536), PART_TIMEOUT (seconds per command,
+# tokens:cp), CAP_GIB (the pool's cap for the full-model runs, 120: with
+# backend.pool_cross_stream_reuse the pool reuses side-stream memory only where it cannot grow;
+# uncapped it fills the card and fails, bench/results/2026-12-05-h200-emulated.md sec. 3.1),
+# MOE_TOKENS (4096,8192,16384,32768,65536), PART_TIMEOUT (seconds per command,
 # default 900). NCCL_NVLS_ENABLE=0 always (no NCCL communicator is made here).
 set -u
 BUILD=${1:?usage: emulated.sh BUILD OUT PART... (n1 moe qwen3 qwen35 slowed all)}
@@ -47,7 +50,9 @@ EMU32=(--set 'parallel.comm="emulated"' --set emulate.ranks=32)
 # and grouped experts itself).
 RECIPE=(--set 'primitives.state="fsdp"' --set 'primitives.moe_dispatch="chunked_alltoall:2"'
         --set 'primitives.attention="cp_ring"' --set "primitives.permute=\"${PERMUTE:-memory_efficient}\"" --set parallel.ep=8
-        --set backend.max_layers_ahead="${MAX_LAYERS_AHEAD:-2}" --set backend.expert_wgrad_stream="${EXPERT_WGRAD_STREAM:-false}")
+        --set backend.max_layers_ahead="${MAX_LAYERS_AHEAD:-2}" --set backend.expert_wgrad_stream="${EXPERT_WGRAD_STREAM:-false}"
+        --set backend.pool_cross_stream_reuse=true --set emulate.device_memory_gib="${CAP_GIB:-120}"
+        --set 'train.memory_check="warn"')
 rows=()
 fail=0
 step() {  # step <label> <log> <cmd...>

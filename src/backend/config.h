@@ -68,10 +68,11 @@ struct BackendConfig {
   // Whether the GPU memory pool may hand memory freed on one stream to an allocation on another
   // before the GPU got past the free, by making the allocating stream wait for the freeing one
   // (cudaMemPoolReuseAllowInternalDependencies). false: such memory is reused only once the free
-  // has completed, and a host running ahead of the GPU grows the pool instead (measured: one
-  // emulated rank of the full Qwen3-30B-A3B at EP 8, 61 GiB live, 105 -> 137 GiB reserved over
-  // three steps, then out of memory; bench/results/2026-12-05-h200-emulated.md). true: the pool
-  // stays near the live peak, at the price of waits the driver inserts between streams.
+  // has completed, and the pool grows instead (measured: one emulated rank of the full
+  // Qwen3-30B-A3B at EP 8, 61 GiB live, 105 -> 137 GiB reserved over three steps, then out of
+  // memory; bench/results/2026-12-05-h200-emulated.md). true: the driver still prefers growing,
+  // but where the pool cannot grow (the card's end, or emulate.device_memory_gib) it reuses: the
+  // same rank then ran at the same speed inside a 79.6 GiB cap. Off until measured on a real job.
   bool pool_cross_stream_reuse = false;
 
   // Throws bb::Error naming the key (as `backend.<key>` in `where`) when a value is not allowed.
