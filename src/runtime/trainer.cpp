@@ -289,13 +289,22 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
     // checks its own; all stop when one would run out).
     std::string err;
     const int64_t available = cuda::memory_available(device_.index);
-    const plan::FitCheck fc = plan::check_fit(cfg, base->size(), rank, available);
-    predicted_memory_ = fc.estimate.table();
+    plan::FitCheck fc;
+    try {
+      fc = plan::check_fit(cfg, base->size(), rank, available);
+      predicted_memory_ = fc.estimate.table();
+    } catch (const std::exception& e) {
+      // A configuration the estimator does not model yet must not stop a run that is valid.
+      if (log_)
+        std::fprintf(log_, "%s[startup] WARNING: the memory prediction failed (%s); starting without the check\n",
+                     log_prefix_.c_str(), e.what());
+      fc.estimate.peak_total = 0;
+    }
     if (!fc.fits && cfg.memory_check == "refuse") err = "rank " + std::to_string(rank) + ": " + fc.message;
     if (!fc.fits && cfg.memory_check != "refuse" && log_)
       std::fprintf(log_, "%s[startup] WARNING (train.memory_check = \"warn\", --force): %s\n", log_prefix_.c_str(),
                    fc.message.c_str());
-    if (fc.fits && log_)
+    if (fc.fits && log_ && fc.estimate.peak_total > 0)
       std::fprintf(log_, "%s[startup] memory: predicted peak %s per rank (%s), %s available\n", log_prefix_.c_str(),
                    format_bytes(fc.estimate.peak_total).c_str(), fc.estimate.peak_moment.c_str(),
                    format_bytes(available).c_str());
