@@ -321,9 +321,10 @@ struct LayerMem {
   std::vector<const UnitMem*> units;
 };
 
-std::string gib(int64_t b) {
+// Bytes in the table's unit (GiB, or MiB when the whole peak is under a GiB).
+std::string in_unit(int64_t b, bool mib) {
   char buf[32];
-  std::snprintf(buf, sizeof buf, "%.2f", static_cast<double>(b) / double(int64_t{1} << 30));
+  std::snprintf(buf, sizeof buf, "%.2f", static_cast<double>(b) / double(int64_t{1} << (mib ? 20 : 30)));
   return buf;
 }
 
@@ -756,7 +757,10 @@ std::string MemoryEstimate::json() const {
 std::string MemoryEstimate::table(bool all_moments) const {
   std::string s;
   char buf[512];
-  std::snprintf(buf, sizeof buf, "| moment | total GiB | params | grads | optimizer | activations | logits | moe | comm | workspace | other |\n");
+  const bool mib = peak_total < (int64_t{1} << 30);
+  auto gib = [mib](int64_t b) { return in_unit(b, mib); };
+  std::snprintf(buf, sizeof buf, "| moment | total %s | params | grads | optimizer | activations | logits | moe | comm | workspace | other |\n",
+                mib ? "MiB" : "GiB");
   s += buf;
   s += "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   // One row per phase: the moment with the largest total of each.
