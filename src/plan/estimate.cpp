@@ -39,7 +39,6 @@ int64_t round256(int64_t x) { return ceil_div(x, 256) * 256; }
 
 // The state family's view of one unit on this rank.
 struct UnitMem {
-  std::string name;
   UnitKind kind = UnitKind::dense;
   int64_t layer = -1;
   int64_t n = 0, N = 1, S = 0;  // elements, group size, shard size
@@ -83,8 +82,6 @@ struct BlockMem {
   int64_t moe_rebuild = 0;  // moe-category peak of a full-recompute forward
 };
 
-bool has(const RecomputeParts& p, RecomputePart x) { return p.has(x); }
-
 BlockMem attention_block(const Dims& d, const RecomputeParts& drop, const RunConfig& cfg) {
   const int64_t T = d.T, a = d.a, H = d.H, Q = d.Q, K = d.K;
   const int64_t g = d.gate ? 1 : 0, n = d.qk_norm ? 1 : 0;
@@ -97,10 +94,10 @@ BlockMem attention_block(const Dims& d, const RecomputeParts& drop, const RunCon
     b.keep_none += a * Tall * (2 * hq + 2 * hk) * d.D + 4 * hq * Tall;
   }
   int64_t dropped = 0;
-  if (has(drop, RecomputePart::norms)) dropped += a * T * H;
-  if (has(drop, RecomputePart::attention)) dropped += a * T * (Q + K) + g * a * T * Q;
-  if (has(drop, RecomputePart::core_attention))
-    dropped += a * T * Q + 4 * d.Hq * T + (has(drop, RecomputePart::attention) ? 0 : g * a * T * Q);
+  if (drop.has(RecomputePart::norms)) dropped += a * T * H;
+  if (drop.has(RecomputePart::attention)) dropped += a * T * (Q + K) + g * a * T * Q;
+  if (drop.has(RecomputePart::core_attention))
+    dropped += a * T * Q + 4 * d.Hq * T + (drop.has(RecomputePart::attention) ? 0 : g * a * T * Q);
   b.keep = b.keep_none - dropped;
   b.fwd = 2 * g * a * T * Q + n * a * T * (Q + K) + 4 * T * H + d.c * a * T * H;
   if (d.gate) {
@@ -136,8 +133,8 @@ BlockMem gdn_block(const Dims& d, const RecomputeParts& drop) {
   }
   b.prep = prep;
   int64_t dropped = 0;
-  if (has(drop, RecomputePart::norms)) dropped += a * T * H;
-  if (has(drop, RecomputePart::gdn)) dropped += (d.cuda ? a : 4) * T * C3 + prep;
+  if (drop.has(RecomputePart::norms)) dropped += a * T * H;
+  if (drop.has(RecomputePart::gdn)) dropped += (d.cuda ? a : 4) * T * C3 + prep;
   b.keep = b.keep_none - dropped;
   b.fwd = 4 * T * H + d.c * a * T * H;
   const int64_t p1 = 4 * T * H + 16 * T * Z + 8 * T * CK + 8 * T * Hv + prep;
@@ -152,8 +149,8 @@ BlockMem mlp_block(const Dims& d, const RecomputeParts& drop) {
   BlockMem b;
   b.keep_none = T * (a * H + 4 + 3 * a * I);
   int64_t dropped = 0;
-  if (has(drop, RecomputePart::norms)) dropped += a * T * H;
-  if (has(drop, RecomputePart::mlp)) dropped += 3 * a * T * I;
+  if (drop.has(RecomputePart::norms)) dropped += a * T * H;
+  if (drop.has(RecomputePart::mlp)) dropped += 3 * a * T * I;
   b.keep = b.keep_none - dropped;
   b.fwd = 4 * T * H + d.c * a * T * H;
   b.bwd = 12 * T * H + (4 + 2 * a) * T * I;
@@ -183,8 +180,8 @@ BlockMem moe_block(const Dims& d, const RecomputeParts& drop, const RunConfig& c
   const int64_t P = cfg.ep;
   const int64_t c = P > 1 && d.El > 1 ? 1 : 0;  // the arrival sort is a real copy
   const int64_t R = a * H;                      // bytes of one row
-  const int64_t dn = has(drop, RecomputePart::norms), dE = has(drop, RecomputePart::moe_experts),
-                dS = has(drop, RecomputePart::shared_expert);
+  const int64_t dn = drop.has(RecomputePart::norms), dE = drop.has(RecomputePart::moe_experts),
+                dS = drop.has(RecomputePart::shared_expert);
   const int64_t EXP = 3 * a * M * F;  // the experts' fc1 output and activation
   BlockMem b;
   b.keep_none = a * T * H + 4 * T + 8 * T * E + 8 * T * Kt + EXP + sh * (a * T * H + 4 * T + 3 * a * T * S);
@@ -315,7 +312,6 @@ BlockMem moe_block(const Dims& d, const RecomputeParts& drop, const RunConfig& c
 }
 
 struct LayerMem {
-  int64_t index = 0;
   bool moe = false, gdn = false;
   BlockMem mix, mlp;
   std::vector<const UnitMem*> units;
@@ -367,38 +363,37 @@ MemoryEstimate estimate_memory(const RunConfig& cfg, int64_t world_size, const E
   const bool cpu = !est.device.is_cuda();
   const bool mpi_staging = cpu && cfg.comm != "emulated" && world_size > 1 && bf16_reduce;
   const Holds holds = !cpu ? Holds::until_return : cfg.comm == "emulated" || world_size == 1 ? Holds::nothing : Holds::until_wait;
-  std::vector<UnitMem> units;
+  // params, grads and optimizer: the state family's closed forms (runtime/state.h).
+  std::vector<int64_t> group_sizes;
+  for (ParamUnit* pu : model.units())
+    group_sizes.push_back(pu->kind == UnitKind::experts ? mesh.edp()->size() : mesh.dense()->size());
+  const StateBytes sb = state_bytes(kind, model.units(), group_sizes, static_cast<int64_t>(dtype_size(param_dtype)),
+                                    cfg.prim.optimizer.value, split);
   Bytes state;
+  state[C::params] = sb.params;
+  state[C::grads] = sb.grads;
+  state[C::optimizer] = sb.optimizer;
+  // What each unit gathers and reduces (category comm).
+  std::vector<UnitMem> units;
   for (ParamUnit* pu : model.units()) {
     UnitMem u;
-    u.name = pu->name;
     u.kind = pu->kind;
     u.layer = pu->layer;
     u.n = pu->numel;
-    u.N = pu->kind == UnitKind::experts ? mesh.edp()->size() : mesh.dense()->size();
+    u.N = group_sizes[units.size()];
     u.S = ceil_div(u.n, u.N);
     u.vb = static_cast<int64_t>(dtype_size(model.param_store().value_dtype(*pu)));
     u.whole = u.N == 1 || kind == StateKind::replicated;
-    const int64_t o = optimizer_bytes_per_element(cfg.prim.optimizer.value, split && u.vb == 2);
     const int64_t NS = u.N * u.S;
     if (u.whole) {
-      state[C::params] += u.vb * u.n;
-      state[C::grads] += 4 * u.n;
-      state[C::optimizer] += o * u.n;
       if (u.N > 1 && bf16_reduce) {  // f32: all-reduced in place
         u.Out = 2 * u.n + (mpi_staging ? 4 * u.n : 0);
         u.Tmp = 4 * u.n;  // the f32 sum widened back (MPI: the bf16 result copied back, as much)
       }
     } else if (kind == StateKind::zero1) {
-      state[C::params] += u.vb * NS;
-      state[C::grads] += 4 * NS;
-      state[C::optimizer] += o * u.S;
       u.Out = bf16_reduce ? 2 * NS + 2 * u.S + (mpi_staging ? 4 * NS + 4 * u.S : 0) : 4 * u.S;
       u.Tmp = bf16_reduce ? 4 * u.S : 0;
     } else {
-      state[C::params] += u.vb * u.S;
-      state[C::grads] += 4 * u.S;
-      state[C::optimizer] += o * u.S;
       u.V = u.vb * NS;
       u.G = 4 * NS;
       u.Gkeep = bf16_reduce || holds == Holds::nothing ? 0 : u.G;  // an f32 reduce-scatter reads the gradient itself
@@ -470,7 +465,6 @@ MemoryEstimate estimate_memory(const RunConfig& cfg, int64_t world_size, const E
   std::vector<LayerMem> layers(static_cast<size_t>(nl));
   for (int64_t l = 0; l < nl; ++l) {
     LayerMem& lm = layers[static_cast<size_t>(l)];
-    lm.index = l;
     lm.gdn = mc.layer_type(l) == LayerType::linear_attention;
     lm.moe = mc.is_moe_layer(l);
     lm.mix = lm.gdn ? gdn_block(d, drop) : attention_block(d, drop, cfg);
@@ -499,12 +493,7 @@ MemoryEstimate estimate_memory(const RunConfig& cfg, int64_t world_size, const E
   auto V = [&](int64_t l) { return l < 0 ? 0 : total(of(l), [](const UnitMem& u) { return u.V; }); };
   auto G = [&](int64_t l) { return total(of(l), [](const UnitMem& u) { return u.G; }); };
   auto RF = [&](int64_t l) { return total(of(l), [](const UnitMem& u) { return u.RF(); }); };
-  auto Out = [&](const std::vector<const UnitMem*>& us, int which) {  // which: 0 all, 1 dense only, 2 experts only
-    return total(us, [which](const UnitMem& u) {
-      const bool e = u.kind == UnitKind::experts;
-      return which == 0 || (which == 1 && !e) || (which == 2 && e) ? u.Out : 0;
-    });
-  };
+  auto Out = [&](const std::vector<const UnitMem*>& us) { return total(us, [](const UnitMem& u) { return u.Out; }); };
   // Draining reductions in the order they were posted: unit m's transient beside the ones not yet drained.
   auto drain = [](const std::vector<const UnitMem*>& us) {
     int64_t peak = 0;
@@ -605,7 +594,7 @@ MemoryEstimate estimate_memory(const RunConfig& cfg, int64_t world_size, const E
       b[C::activations] += 4 * T;
     }
     if (fsdp)
-      b[C::comm] = Vhead + (tied ? Vemb : 0) + V(nl - 1) + (per_step ? Gall - Ghead : (tied ? Gemb : 0)) + Ghead + Out(head, 0);
+      b[C::comm] = Vhead + (tied ? Vemb : 0) + V(nl - 1) + (per_step ? Gall - Ghead : (tied ? Gemb : 0)) + Ghead + Out(head);
     add("head", b);
   }
   // Backward, from the last layer down.
@@ -638,7 +627,7 @@ MemoryEstimate estimate_memory(const RunConfig& cfg, int64_t world_size, const E
                          lm.mlp.bwd_total + stash_b;
     b1[C::moe] = mbelow + (lm.moe ? lm.mlp.moe_keep + lm.mlp.moe_bwd : 0);
     // zero1 / replicated: the reductions of the layer above (or the head) in flight.
-    b1[C::comm] = fsdp ? comm : Out(of(i + 1), 1);
+    b1[C::comm] = fsdp ? comm : Out(only(of(i + 1), false));
     add("layer " + std::to_string(i) + " backward (" + (lm.moe ? "moe" : "mlp") + ")", b1);
     // The token mixer's backward (the MLP block's state alive until the layer ends); zero1 /
     // replicated: this layer's experts reduce beside it.
@@ -829,13 +818,16 @@ FitCheck check_fit(const RunConfig& cfg, int64_t world_size, int64_t rank, int64
     try {
       RunConfig c = cfg;
       for (const std::string& kv : sets) {
-        // Re-parse through the config reader's override path for validation of each key.
+        // Only the keys the tries above write; estimate_memory validates the layout they make.
         const size_t eq = kv.find('=');
         const std::string key = kv.substr(0, eq), val = kv.substr(eq + 1);
         auto unq = [](const std::string& v) { return v.size() >= 2 && v.front() == '"' ? v.substr(1, v.size() - 2) : v; };
         if (key.rfind("primitives.", 0) == 0) c.prim.set(key.substr(11), unq(val), "the memory check");
         else if (key == "parallel.ep") c.ep = std::stoll(val);
-        else if (key == "parallel.cp") c.cp = std::stoll(val), c.dp = 0;
+        else if (key == "parallel.cp") {
+          c.cp = std::stoll(val);
+          c.dp = 0;  // dp follows: ranks / (cp x pp)
+        }
         else if (key == "train.micro_batch_tokens") c.micro_batch_tokens = std::stoll(val);
         else if (key == "train.grad_accum") c.grad_accum = std::stoll(val);
       }

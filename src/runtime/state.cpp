@@ -72,19 +72,20 @@ StateBytes state_bytes(StateKind kind, const std::vector<ParamUnit*>& units,
     const int64_t n = units[i]->numel, N = group_sizes[i], S = ceil_div(n, N);
     // A unit whose values stay f32 (Qwen3.5's A_log, dt_bias) keeps a separate f32 master.
     const int64_t o = optimizer_bytes_per_element(opt, split_master && value_bytes == 2 && !units[i]->f32_values);
+    const int64_t vb = units[i]->f32_values ? 4 : value_bytes;  // Qwen3.5's A_log, dt_bias stay f32
     switch (kind) {
       case StateKind::replicated:
-        b.params += value_bytes * n;
+        b.params += vb * n;
         b.grads += 4 * n;
         b.optimizer += o * n;
         break;
       case StateKind::zero1:
-        b.params += value_bytes * N * S;
+        b.params += vb * N * S;
         b.grads += 4 * N * S;
         b.optimizer += o * S;
         break;
       case StateKind::fsdp:
-        b.params += value_bytes * S;
+        b.params += vb * S;
         b.grads += 4 * S;
         b.optimizer += o * S;
         break;

@@ -55,8 +55,8 @@ int64_t optimizer_bytes_per_element(OptimizerKind opt, bool split_master = false
 // Whether a run splits its masters: [backend] master_storage = "split" and bf16 parameters.
 bool splits_master(const std::string& master_storage, DType param_dtype);
 
-// Closed-form bytes per rank of one category under a state family (the formulas above; with
-// split_master and 2-byte values, units whose values stay f32 keep a 4-byte master).
+// Closed-form bytes per rank of one category under a state family (the formulas above; units
+// whose values stay f32 count 4-byte values, and with split_master keep a 4-byte master).
 struct StateBytes {
   int64_t params = 0, grads = 0, optimizer = 0;
 };
