@@ -284,32 +284,7 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
   apply_backend_config(cfg.backend);
   mesh_ = std::make_unique<Mesh>(base, layout);
 #ifdef BB_WITH_CUDA
-  if (device_.is_cuda()) {
-    // Before anything is allocated: the predicted peak against what the device has (every rank
-    // checks its own; all stop when one would run out).
-    std::string err;
-    const int64_t available = cuda::memory_available(device_.index);
-    plan::FitCheck fc;
-    try {
-      fc = plan::check_fit(cfg, base->size(), rank, available);
-      predicted_memory_ = fc.estimate.table();
-    } catch (const std::exception& e) {
-      // A configuration the estimator does not model yet must not stop a run that is valid.
-      if (log_)
-        std::fprintf(log_, "%s[startup] WARNING: the memory prediction failed (%s); starting without the check\n",
-                     log_prefix_.c_str(), e.what());
-      fc.estimate.peak_total = 0;
-    }
-    if (!fc.fits && cfg.memory_check == "refuse") err = "rank " + std::to_string(rank) + ": " + fc.message;
-    if (!fc.fits && cfg.memory_check != "refuse" && log_)
-      std::fprintf(log_, "%s[startup] WARNING (train.memory_check = \"warn\", --force): %s\n", log_prefix_.c_str(),
-                   fc.message.c_str());
-    if (fc.fits && log_ && fc.estimate.peak_total > 0)
-      std::fprintf(log_, "%s[startup] memory: predicted peak %s per rank (%s), %s available\n", log_prefix_.c_str(),
-                   format_bytes(fc.estimate.peak_total).c_str(), fc.estimate.peak_moment.c_str(),
-                   format_bytes(available).c_str());
-    agree(*base, err, "checking that the run fits in GPU memory");
-  }
+  if (device_.is_cuda()) check_memory_fits(*base, rank);
 #endif
   // The checkpoint root is checked and locked before anything slow happens, so an unusable or
   // busy root fails now instead of at the first save.
@@ -511,6 +486,33 @@ double Trainer::lr_at(int64_t step) const {
   const int64_t decay_steps = std::max<int64_t>(1, cfg_.steps - cfg_.warmup_steps);
   const double progress = std::min(1.0, static_cast<double>(step - cfg_.warmup_steps) / decay_steps);
   return lo + 0.5 * (peak - lo) * (1.0 + std::cos(M_PI * progress));
+}
+
+void Trainer::check_memory_fits([[maybe_unused]] comm::Group& base, [[maybe_unused]] int rank) {
+#ifdef BB_WITH_CUDA
+  // Before anything is allocated: the predicted peak against what the device has (every rank
+  // checks its own; all stop when one would run out).
+  const char* p = log_prefix_.c_str();
+  const int64_t available = cuda::memory_available(device_.index);
+  std::string err;
+  try {
+    const plan::FitCheck fc = plan::check_fit(cfg_, base.size(), rank, available);
+    predicted_memory_ = fc.estimate.table();
+    if (!fc.fits && cfg_.memory_check == "refuse") err = "rank " + std::to_string(rank) + ": " + fc.message;
+    else if (!fc.fits && log_)
+      std::fprintf(log_, "%s[startup] WARNING (train.memory_check = \"warn\", --force): %s\n", p, fc.message.c_str());
+    else if (log_)
+      std::fprintf(log_, "%s[startup] memory: predicted peak %s per rank (%s), %s available\n", p,
+                   format_bytes(fc.estimate.peak_total).c_str(), fc.estimate.peak_moment.c_str(),
+                   format_bytes(available).c_str());
+  } catch (const std::exception& e) {
+    // A configuration the estimator does not model yet must not stop a run that is valid.
+    if (log_)
+      std::fprintf(log_, "%s[startup] WARNING: the memory prediction failed (%s); starting without the check\n", p,
+                   e.what());
+  }
+  agree(base, err, "checking that the run fits in GPU memory");
+#endif
 }
 
 StepMetrics Trainer::train_step() {

@@ -129,6 +129,8 @@ class Trainer {
   // The memory the estimator predicted for this rank (GPU runs; plan/estimate.h), for the
   // message of an out-of-memory error. Empty when not predicted.
   std::string predicted_memory_;
+  // GPU runs, before anything is allocated: refuses (on every rank) a run predicted not to fit.
+  void check_memory_fits(comm::Group& base, int rank);
   StepMetrics step_impl();
   std::unique_ptr<DataLoader> data_;
   int64_t step_ = 0;

@@ -40,6 +40,11 @@ std::atomic<int64_t> g_host_syncs{0};
 std::atomic<bool> g_poison{false};
 std::atomic<bool> g_cross_stream_reuse{false};  // [backend] pool_cross_stream_reuse
 
+void apply_cross_stream_reuse(cudaMemPool_t pool) {
+  int reuse = g_cross_stream_reuse.load() ? 1 : 0;
+  BB_CHECK_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolReuseAllowInternalDependencies, &reuse));
+}
+
 constexpr int kMaxDevices = 64;
 
 struct DeviceState {
@@ -93,8 +98,7 @@ DeviceState& state(int dev) {
   BB_CHECK_CUDA(cudaDeviceGetDefaultMemPool(&s->pool, dev));
   uint64_t keep = UINT64_MAX;  // never give memory back to the driver between steps
   BB_CHECK_CUDA(cudaMemPoolSetAttribute(s->pool, cudaMemPoolAttrReleaseThreshold, &keep));
-  int reuse = g_cross_stream_reuse.load() ? 1 : 0;
-  BB_CHECK_CUDA(cudaMemPoolSetAttribute(s->pool, cudaMemPoolReuseAllowInternalDependencies, &reuse));
+  apply_cross_stream_reuse(s->pool);
   BB_CHECK_CUDA(cudaDeviceGetAttribute(&s->sms, cudaDevAttrMultiProcessorCount, dev));
   int major = 0, minor = 0;
   BB_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
@@ -446,8 +450,7 @@ void set_memory_limit(int dev, int64_t bytes) {
   BB_CHECK_CUDA(cudaMemPoolCreate(&pool, &props));
   uint64_t keep = UINT64_MAX;
   BB_CHECK_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
-  int reuse = g_cross_stream_reuse.load() ? 1 : 0;
-  BB_CHECK_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolReuseAllowInternalDependencies, &reuse));
+  apply_cross_stream_reuse(pool);
   BB_CHECK_CUDA(cudaDeviceSetMemPool(dev, pool));
   st.pool = pool;
   st.pool_cap = cap;
@@ -457,11 +460,10 @@ int64_t memory_limit(int dev) { return state(dev).pool_cap; }
 
 void set_pool_cross_stream_reuse(bool on) {
   g_cross_stream_reuse.store(on);
-  int reuse = on ? 1 : 0;
   for (int dev = 0; dev < kMaxDevices; ++dev)
     if (DeviceState* s = g_states[dev].load(std::memory_order_acquire)) {
       set_device(dev);
-      BB_CHECK_CUDA(cudaMemPoolSetAttribute(s->pool, cudaMemPoolReuseAllowInternalDependencies, &reuse));
+      apply_cross_stream_reuse(s->pool);
     }
 }
 
