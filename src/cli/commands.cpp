@@ -196,7 +196,7 @@ int run(int argc, char** argv) {
   plan->add_option("--margin", preq.margin, "Fraction of the GPU's memory kept free (default 0.05)")
       ->check(CLI::Range(0.0, 0.9));
   plan->add_option("--set,-s", plan_sets, "Override a config key: table.key=value (repeatable)");
-  plan->add_option("--ranks", plan_ranks, "World size of the run (default: dp x cp, or ep when dp = 0)")
+  plan->add_option("--ranks", plan_ranks, "World size of the run (default: emulate.ranks of an emulated run, else dp x cp; dp = 0: the fewest ranks that hold ep)")
       ->check(CLI::PositiveNumber);
   plan->add_option("--rank", plan_rank, "Predict this rank (default: the largest over ranks)")->check(CLI::NonNegativeNumber);
   plan->add_option("--expert-load", plan_expert_load,
@@ -282,9 +282,10 @@ int run(int argc, char** argv) {
   }
   if (plan->parsed()) {
     RunConfig cfg = load_run_config(plan_explain, plan_sets);
-    int64_t world = plan_ranks;
-    if (world == 0) world = cfg.comm == "emulated" ? cfg.emulate.ranks : std::max<int64_t>(1, (cfg.dp > 0 ? cfg.dp : 1) * cfg.cp * cfg.pp);
-    if (world == 1 && cfg.dp == 0 && cfg.ep > cfg.cp) world = cfg.ep;
+    // Without --ranks: the emulated job's, else dp x cp x pp, dp = 0 read as the fewest data
+    // ranks that hold the expert-parallel group.
+    const int64_t dp = cfg.dp > 0 ? cfg.dp : std::max<int64_t>(1, (cfg.ep + cfg.cp - 1) / cfg.cp);
+    const int64_t world = plan_ranks > 0 ? plan_ranks : cfg.comm == "emulated" ? cfg.emulate.ranks : dp * cfg.cp * cfg.pp;
     plan::EstimateOptions eo;
     eo.rank = plan_rank;
     eo.expert_load = plan_expert_load;
