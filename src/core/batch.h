@@ -18,6 +18,14 @@ struct MicroBatch {
   Tensor positions;       // [T] position of each token within its sequence (RoPE), from 0
   Tensor cu_seqlens;      // [B+1] cumulative sequence lengths (host), cu[0] = 0, cu[B] = T
   int64_t num_valid = 0;  // number of targets >= 0: the loss denominator (of this batch's tokens)
+  // RL rollouts (runtime/data.h; read by the policy loss, primitives/loss/policy.h): f32 [T] on
+  // the host, aligned with targets (position t holds the value of the token it predicts, t + 1
+  // of its document), 0 where the target is -1. Undefined when the data has none.
+  Tensor advantages, old_logprobs, ref_logprobs;
+  // With advantages: 1 / (valid targets of the position's whole document) at valid positions,
+  // 0 elsewhere; a document's weights sum to 1 over all its pieces (sequence means stay exact
+  // when a document is split across micro-batches or context-parallel ranks).
+  Tensor seq_weight;
   // Context parallelism: set when this batch is one rank's shard of a micro-batch split over a
   // context-parallel group (runtime/context_shard.h); tokens, targets, positions and cu_seqlens
   // above are then the shard's. cp 1: the whole micro-batch.

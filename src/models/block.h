@@ -27,6 +27,7 @@
 #include "core/tensor.h"
 #include "models/config.h"
 #include "models/params.h"
+#include "primitives/loss/policy_config.h"
 #include "primitives/norm/rmsnorm.h"
 #include "primitives/recompute/recompute.h"
 
@@ -40,6 +41,7 @@ class AuxLossPool;
 struct ForwardStats {
   double loss_sum = 0;
   int64_t num_valid = 0;
+  PolicyMetrics policy;  // the policy loss's sums (primitives/loss/policy_config.h)
   double aux_loss = 0;
   double z_loss = 0;
   // Rows this rank's experts received, summed over the MoE layers (train and eval forwards; a

@@ -210,10 +210,11 @@ Tensor DecoderModel::head_train(const Tensor& x, const MicroBatch& mb, float los
   {
     BB_RANGE("loss_head");
     const bool overwrite = lm_head_->grad_stale;  // the step's first write of a lazily zeroed head
-    const LossResult r = loss_->train(loss_scale, h, lm_head_->value, mb.targets, d_h, lm_head_->grad, overwrite);
+    const LossResult r = loss_->train_batch(loss_scale, h, lm_head_->value, mb, d_h, lm_head_->grad, overwrite);
     lm_head_->grad_stale = false;
     st.loss_sum = r.loss_sum;
     st.num_valid = r.num_valid;
+    st.policy = r.policy;
   }
   h = Tensor();
   if (final_norm_->grad_stale) {  // [H]: cleared, then the norm's backward adds
@@ -229,9 +230,10 @@ void DecoderModel::head_eval(const Tensor& x, const MicroBatch& mb, ForwardStats
                              MemCategory::activations, cfg_.zero_centered_norm);
   if (logits) *logits = lm_head_logits(h, lm_head_->value);
   BB_RANGE("loss_head");
-  const LossResult r = loss_->evaluate(h, lm_head_->value, mb.targets);
+  const LossResult r = loss_->evaluate_batch(h, lm_head_->value, mb);
   st.loss_sum = r.loss_sum;
   st.num_valid = r.num_valid;
+  st.policy = r.policy;
 }
 
 std::vector<HfTensor> DecoderModel::hf_tensors(HfExperts experts) {

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "primitives/loss/policy.h"
 
 namespace bb {
 
@@ -12,7 +13,9 @@ const Family<LossHeadFactory>& loss_family() {
   static const Family<LossHeadFactory> f(
       "loss", "linear_ce",
       {{"full_ce", make_full_ce_head, "materialized [T, V] logits, then cross-entropy"},
-       {"linear_ce", make_linear_ce_head, "logits streamed in chunks, never held whole"}});
+       {"linear_ce", make_linear_ce_head, "logits streamed in chunks, never held whole"},
+       {"policy", make_policy_head,
+        "RL policy objective (PPO / GRPO / GSPO, KL, entropy) on rollout data, streamed like linear_ce"}});
   return f;
 }
 
@@ -165,12 +168,24 @@ void PrimitiveSet::validate(const std::string& where) const {
   BB_CHECK(!loss_chunks.bf16_logits || name_of("loss") == "linear_ce",
            "primitives.loss_logits = \"bf16\" needs loss = \"linear_ce\"", in, " (loss is \"",
            name_of("loss"), "\"; full_ce keeps f32 logits)");
+  validate_policy_config(loss_chunks.policy, in);
 }
 
 std::string PrimitiveSet::summary() const {
   std::ostringstream os;
   for (const std::string& k : keys()) os << (k == keys().front() ? "" : " ") << k << "=" << name_of(k);
   if (loss_chunks.bf16_logits) os << " loss_logits=bf16";
+  if (name_of("loss") == "policy") {
+    const PolicyLossConfig& p = loss_chunks.policy;
+    os << " policy(temperature=" << p.temperature << " clip=[" << p.clip_low << "," << p.clip_high << "]"
+       << " dual_clip=" << p.dual_clip << " ratio=" << (p.ratio == PolicyRatio::token ? "token" : "sequence")
+       << " aggregation="
+       << (p.aggregation == PolicyAggregation::token_mean           ? "token_mean"
+           : p.aggregation == PolicyAggregation::seq_mean_token_sum ? "seq_mean_token_sum"
+                                                                    : "seq_mean_token_mean")
+       << " kl=" << (p.kl == KlEstimator::k1 ? "k1" : "k3") << " kl_coef=" << p.kl_coef
+       << " entropy_coef=" << p.entropy_coef << " max_log_ratio=" << p.max_log_ratio << ")";
+  }
   return os.str();
 }
 

@@ -38,6 +38,19 @@ MicroBatch shard_micro_batch(const MicroBatch& mb, int64_t cp, int64_t rank) {
   out.positions = Tensor::from_ints(p, {n}, MemCategory::other);
   out.cu_seqlens = Tensor::from_ints(lcu, {static_cast<int64_t>(lcu.size())}, MemCategory::other);
   out.num_valid = valid;
+  // The RL fields follow their tokens (seq_weight keeps the whole document's 1 / n: the shards'
+  // weights of a sequence still sum to 1 over the cp ranks).
+  auto gather = [&](const Tensor& f) {
+    if (!f.defined()) return Tensor();
+    const std::vector<float> v = f.to_floats();
+    std::vector<float> o(rows.size());
+    for (size_t i = 0; i < rows.size(); ++i) o[i] = v[static_cast<size_t>(rows[i])];
+    return Tensor::from_floats(o, {n}, DType::f32, MemCategory::other);
+  };
+  out.advantages = gather(mb.advantages);
+  out.old_logprobs = gather(mb.old_logprobs);
+  out.ref_logprobs = gather(mb.ref_logprobs);
+  out.seq_weight = gather(mb.seq_weight);
   out.shard.cp = cp;
   out.shard.rank = rank;
   out.shard.seqlens = std::move(seqlens);

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <bit>
 #include <cctype>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -59,7 +60,58 @@ Document Corpus::document(int64_t d) const {
   doc.tokens.assign(tokens.begin() + offsets[d], tokens.begin() + offsets[d + 1]);
   if (!loss_mask.empty())
     doc.loss_mask.assign(loss_mask.begin() + offsets[d], loss_mask.begin() + offsets[d + 1]);
+  auto slice = [&](const std::vector<float>& v, std::vector<float>& out) {
+    if (!v.empty()) out.assign(v.begin() + offsets[d], v.begin() + offsets[d + 1]);
+  };
+  slice(advantages, doc.advantages);
+  slice(old_logprobs, doc.old_logprobs);
+  slice(ref_logprobs, doc.ref_logprobs);
+  if (!ids.empty()) doc.id = ids[static_cast<size_t>(d)];
   return doc;
+}
+
+namespace {
+
+// A corpus's RL fields are in every document or in none: the first document decides.
+void check_rl_presence(const Corpus& c, bool adv, bool old, bool ref, bool id, const std::string& where) {
+  if (c.num_documents() == 0) return;
+  auto same = [&](bool now, bool before, const char* key) {
+    BB_CHECK(now == before, where, ": key '", key, "' is ", now ? "present" : "missing",
+             " here but ", before ? "present" : "missing", " in the records before; every record of a file has the "
+             "same RL keys (advantages, old_logprobs, ref_logprobs, id)");
+  };
+  same(adv, !c.advantages.empty(), "advantages");
+  same(old, !c.old_logprobs.empty(), "old_logprobs");
+  same(ref, !c.ref_logprobs.empty(), "ref_logprobs");
+  same(id, !c.ids.empty(), "id");
+}
+
+// Log-probs are finite and <= 0 (a positive value is a probability or a logit by mistake).
+void check_logprobs(const std::vector<float>& v, const char* key, const std::string& where) {
+  for (size_t i = 0; i < v.size(); ++i)
+    BB_CHECK(std::isfinite(v[i]) && v[i] <= 0.0f, where, ": key '", key, "': element ", i, " is ", v[i],
+             "; log-probs are finite and <= 0 (give log p, not p or a logit)");
+}
+
+}  // namespace
+
+void Corpus::add(const Document& doc) {
+  const size_t n = doc.tokens.size();
+  auto field = [&](const std::vector<float>& v, const char* key) {
+    BB_CHECK(v.empty() || v.size() == n, "Corpus::add: ", key, " has ", v.size(), " entries for ", n, " tokens");
+  };
+  field(doc.advantages, "advantages");
+  field(doc.old_logprobs, "old_logprobs");
+  field(doc.ref_logprobs, "ref_logprobs");
+  BB_CHECK(doc.advantages.size() == n || (doc.old_logprobs.empty() && doc.ref_logprobs.empty()),
+           "Corpus::add: old_logprobs / ref_logprobs need advantages");
+  check_rl_presence(*this, !doc.advantages.empty(), !doc.old_logprobs.empty(), !doc.ref_logprobs.empty(),
+                    !doc.id.empty(), "document " + std::to_string(num_documents()));
+  add(doc.tokens, doc.loss_mask);
+  advantages.insert(advantages.end(), doc.advantages.begin(), doc.advantages.end());
+  old_logprobs.insert(old_logprobs.end(), doc.old_logprobs.begin(), doc.old_logprobs.end());
+  ref_logprobs.insert(ref_logprobs.end(), doc.ref_logprobs.begin(), doc.ref_logprobs.end());
+  if (!doc.id.empty()) ids.push_back(doc.id);
 }
 
 void Corpus::add(const std::vector<int32_t>& doc_tokens, const std::vector<uint8_t>& doc_mask) {
@@ -94,7 +146,12 @@ Corpus corpus_from_documents(const std::vector<Document>& docs, int64_t vocab_si
     for (size_t i = 0; i < doc.loss_mask.size(); ++i)
       BB_CHECK(doc.loss_mask[i] <= 1, what, ": document ", d, ": loss_mask[", i, "] is ",
                int(doc.loss_mask[i]), ", expected 0 or 1");
-    c.add(doc.tokens, doc.loss_mask);
+    const std::string where = what + ": document " + std::to_string(d);
+    for (size_t i = 0; i < doc.advantages.size(); ++i)
+      BB_CHECK(std::isfinite(doc.advantages[i]), where, ": advantages[", i, "] is not finite");
+    check_logprobs(doc.old_logprobs, "old_logprobs", where);
+    check_logprobs(doc.ref_logprobs, "ref_logprobs", where);
+    c.add(doc);
   }
   check_nonempty(c, what);
   return c;
@@ -152,7 +209,12 @@ class RecordParser final : public json::json_sax_t {
       : where_(std::move(where)), vocab_(vocab_size), tokens_(tokens), mask_(mask) {}
 
   bool has_tokens = false, has_text = false, has_mask = false;
-  std::string text;
+  bool has_adv = false, has_old = false, has_ref = false, has_id = false;
+  std::string text, id;
+  // RL fields of the record: arrays, or (advantages only) one number for every token.
+  std::vector<float> adv, old, ref;
+  bool adv_scalar = false;
+  float adv_value = 0;
 
   bool null() override { return scalar("null", "null"); }
   bool boolean(bool v) override {
@@ -163,10 +225,18 @@ class RecordParser final : public json::json_sax_t {
   bool number_unsigned(number_unsigned_t v) override {
     return integer(v > static_cast<uint64_t>(INT64_MAX) ? INT64_MAX : static_cast<int64_t>(v), std::to_string(v));
   }
-  bool number_float(number_float_t, const string_t& raw) override { return scalar(raw, "number"); }
+  bool number_float(number_float_t v, const string_t& raw) override {
+    if (number(static_cast<double>(v), raw)) return true;
+    return scalar(raw, "number");
+  }
   bool string(string_t& v) override {
     if (depth_ == 1 && in_ == In::text) {
       text = std::move(v);
+      in_ = In::none;
+      return true;
+    }
+    if (depth_ == 1 && in_ == In::id) {
+      id = std::move(v);
       in_ = In::none;
       return true;
     }
@@ -182,10 +252,14 @@ class RecordParser final : public json::json_sax_t {
     if (k == "tokens") in_ = In::tokens, mark(has_tokens, k);
     else if (k == "loss_mask") in_ = In::mask, mark(has_mask, k);
     else if (k == "text") in_ = In::text, mark(has_text, k);
-    else if (k == "advantages" || k == "old_logprobs" || k == "ref_logprobs" || k == "routing") in_ = In::ignored;
+    else if (k == "advantages") in_ = In::adv, mark(has_adv, k);
+    else if (k == "old_logprobs") in_ = In::old, mark(has_old, k);
+    else if (k == "ref_logprobs") in_ = In::ref, mark(has_ref, k);
+    else if (k == "id") in_ = In::id, mark(has_id, k);
+    else if (k == "routing") in_ = In::ignored;
     else
       BB_FAIL(where_, ": unknown key '", k, "' (expected \"tokens\" with optional \"loss_mask\", or \"text\"; RL keys ",
-              "advantages, old_logprobs, ref_logprobs, routing are accepted)");
+              "advantages, old_logprobs, ref_logprobs, routing, id are accepted)");
     index_ = 0;
     return true;
   }
@@ -194,28 +268,68 @@ class RecordParser final : public json::json_sax_t {
   }
 
  private:
-  enum class In { none, tokens, mask, text, ignored };
+  enum class In { none, tokens, mask, text, adv, old, ref, id, ignored };
 
   void mark(bool& seen, const std::string& k) {
     BB_CHECK(!seen, where_, ": key '", k, "' appears twice in the record");
     seen = true;
   }
-  const char* key_name() const { return in_ == In::tokens ? "tokens" : in_ == In::mask ? "loss_mask" : "text"; }
-  // A value that is not an element of tokens / loss_mask.
+  bool int_array() const { return in_ == In::tokens || in_ == In::mask; }
+  bool float_array() const { return in_ == In::adv || in_ == In::old || in_ == In::ref; }
+  std::vector<float>* floats() { return in_ == In::adv ? &adv : in_ == In::old ? &old : in_ == In::ref ? &ref : nullptr; }
+  const char* key_name() const {
+    switch (in_) {
+      case In::tokens: return "tokens";
+      case In::mask: return "loss_mask";
+      case In::adv: return "advantages";
+      case In::old: return "old_logprobs";
+      case In::ref: return "ref_logprobs";
+      case In::id: return "id";
+      default: return "text";
+    }
+  }
+  // A number inside (or, for advantages, as) an RL field; false when it is not one.
+  bool number(double v, const std::string& shown) {
+    if (depth_ == 2 && float_array()) {
+      BB_CHECK(std::isfinite(v), where_, ": key '", key_name(), "': element ", index_, " is ", shown, ", not finite");
+      floats()->push_back(static_cast<float>(v));
+      ++index_;
+      return true;
+    }
+    if (depth_ == 1 && in_ == In::adv) {
+      BB_CHECK(std::isfinite(v), where_, ": key 'advantages' is ", shown, ", not finite");
+      adv_scalar = true;
+      adv_value = static_cast<float>(v);
+      in_ = In::none;
+      return true;
+    }
+    return false;
+  }
+  // A value that is not an element of tokens / loss_mask / an RL array.
   bool scalar(const std::string& shown, const char* type) {
     if (depth_ == 0) BB_FAIL(where_, ": expected a JSON object per line, got ", type);
-    if (depth_ == 2 && (in_ == In::tokens || in_ == In::mask))
+    if (depth_ == 2 && int_array())
       BB_FAIL(where_, ": key '", key_name(), "': element ", index_, " is ", shown, ", not an integer");
+    if (depth_ == 2 && float_array())
+      BB_FAIL(where_, ": key '", key_name(), "': element ", index_, " is ", shown, ", not a number");
     if (depth_ == 1) {
-      if (in_ == In::tokens || in_ == In::mask)
-        BB_FAIL(where_, ": key '", key_name(), "': expected an array of integers, got ", type);
+      if (int_array()) BB_FAIL(where_, ": key '", key_name(), "': expected an array of integers, got ", type);
+      if (in_ == In::adv) BB_FAIL(where_, ": key 'advantages': expected a number or an array of numbers, got ", type);
+      if (float_array()) BB_FAIL(where_, ": key '", key_name(), "': expected an array of numbers, got ", type);
       if (in_ == In::text) BB_FAIL(where_, ": key 'text': expected a string, got ", type);
+      if (in_ == In::id) BB_FAIL(where_, ": key 'id': expected a string or an integer, got ", type);
       in_ = In::none;
     }
     return true;
   }
   bool integer(int64_t v, const std::string& shown) {
-    if (depth_ == 2 && (in_ == In::tokens || in_ == In::mask)) return element(v, shown);
+    if (depth_ == 2 && int_array()) return element(v, shown);
+    if (depth_ == 1 && in_ == In::id) {
+      id = shown;
+      in_ = In::none;
+      return true;
+    }
+    if (number(static_cast<double>(v), shown)) return true;
     return scalar(shown, "number");
   }
   bool element(int64_t x, const std::string&) {
@@ -228,13 +342,19 @@ class RecordParser final : public json::json_sax_t {
     return true;
   }
   bool open(const char* type) {
+    const bool array = std::string_view(type) == "array";
     if (depth_ == 0 && std::string_view(type) != "object")
       BB_FAIL(where_, ": expected a JSON object per line, got ", type);
     if (depth_ == 1 && in_ == In::text) BB_FAIL(where_, ": key 'text': expected a string, got ", type);
-    if (depth_ == 1 && (in_ == In::tokens || in_ == In::mask) && std::string_view(type) != "array")
+    if (depth_ == 1 && in_ == In::id) BB_FAIL(where_, ": key 'id': expected a string or an integer, got ", type);
+    if (depth_ == 1 && int_array() && !array)
       BB_FAIL(where_, ": key '", key_name(), "': expected an array of integers, got ", type);
-    if (depth_ == 2 && (in_ == In::tokens || in_ == In::mask))
+    if (depth_ == 1 && float_array() && !array)
+      BB_FAIL(where_, ": key '", key_name(), "': expected an array of numbers, got ", type);
+    if (depth_ == 2 && int_array())
       BB_FAIL(where_, ": key '", key_name(), "': element ", index_, " is an ", type, ", not an integer");
+    if (depth_ == 2 && float_array())
+      BB_FAIL(where_, ": key '", key_name(), "': element ", index_, " is an ", type, ", not a number");
     BB_CHECK(depth_ < kMaxJsonDepth, where_, ": JSON nested deeper than ", kMaxJsonDepth, " levels");
     ++depth_;
     return true;
@@ -276,6 +396,11 @@ void add_jsonl_record(std::string_view line, const std::string& where, int64_t v
   BB_CHECK(rec.has_tokens || rec.has_text, where, ": record has neither key 'tokens' nor key 'text'");
   BB_CHECK(!(rec.has_tokens && rec.has_text), where, ": record has both key 'tokens' and key 'text'; give one");
   if (rec.has_text) {
+    BB_CHECK(!rec.has_adv && !rec.has_old && !rec.has_ref, where,
+             ": RL keys (advantages, old_logprobs, ref_logprobs) need key 'tokens' (they cannot be aligned with the "
+             "bytes of 'text')");
+    check_rl_presence(c, false, false, false, rec.has_id, where);
+    if (rec.has_id) c.ids.push_back(rec.id);
     BB_CHECK(!rec.has_mask, where, ": key 'loss_mask' needs key 'tokens' ",
              "(a mask cannot be aligned with the bytes of 'text')");
     BB_CHECK(vocab_size > kEosId, where, ": key 'text' is byte-tokenized with EOS id ", kEosId,
@@ -288,6 +413,25 @@ void add_jsonl_record(std::string_view line, const std::string& where, int64_t v
   BB_CHECK(n > 0, where, ": key 'tokens': empty array (a document needs a token)");
   BB_CHECK(!rec.has_mask || doc_mask.size() == n, where, ": key 'loss_mask': length ", doc_mask.size(),
            " does not match key 'tokens' length ", n);
+  // RL fields: checked against the tokens, and the same keys in every record (the first decides).
+  if (rec.adv_scalar) rec.adv.assign(n, rec.adv_value);
+  auto length = [&](bool has, const std::vector<float>& v, const char* key) {
+    BB_CHECK(!has || v.size() == n, where, ": key '", key, "': length ", v.size(), " does not match key 'tokens' length ",
+             n, " (one value per token; entry j belongs to token j, entry 0 is not used)");
+  };
+  length(rec.has_adv, rec.adv, "advantages");
+  length(rec.has_old, rec.old, "old_logprobs");
+  length(rec.has_ref, rec.ref, "ref_logprobs");
+  BB_CHECK(rec.has_adv || (!rec.has_old && !rec.has_ref), where,
+           ": keys 'old_logprobs' / 'ref_logprobs' need key 'advantages' (a rollout record)");
+  check_logprobs(rec.old, "old_logprobs", where);
+  check_logprobs(rec.ref, "ref_logprobs", where);
+  // (The tokens are in c.tokens already, but its offsets still count the records before this one.)
+  check_rl_presence(c, rec.has_adv, rec.has_old, rec.has_ref, rec.has_id, where);
+  c.advantages.insert(c.advantages.end(), rec.adv.begin(), rec.adv.end());
+  c.old_logprobs.insert(c.old_logprobs.end(), rec.old.begin(), rec.old.end());
+  c.ref_logprobs.insert(c.ref_logprobs.end(), rec.ref.begin(), rec.ref.end());
+  if (rec.has_id) c.ids.push_back(rec.id);
   if (!doc_mask.empty() || !c.loss_mask.empty()) {
     if (c.loss_mask.empty()) c.loss_mask.assign(start, 1);  // the first masked document
     if (doc_mask.empty()) c.loss_mask.insert(c.loss_mask.end(), n, 1);
@@ -442,6 +586,7 @@ std::vector<int64_t> epoch_order(int64_t num_docs, uint64_t seed, uint64_t epoch
 DataLoader::DataLoader(const DataConfig& cfg) : cfg_(cfg) {
   check_config();
   corpus_ = load_corpus(cfg_);
+  count_doc_targets();
   start_epoch(0);
 }
 
@@ -449,7 +594,17 @@ DataLoader::DataLoader(const DataConfig& cfg, Corpus corpus)
     : cfg_(cfg), corpus_(std::move(corpus)) {
   check_config();
   check_nonempty(corpus_, "(in memory)");
+  count_doc_targets();
   start_epoch(0);
+}
+
+void DataLoader::count_doc_targets() {
+  if (!corpus_.has_rl()) return;
+  doc_targets_.assign(static_cast<size_t>(num_documents()), 0);
+  const uint8_t* mask = corpus_.loss_mask.empty() ? nullptr : corpus_.loss_mask.data();
+  for (int64_t d = 0; d < num_documents(); ++d)
+    for (int64_t j = corpus_.offsets[d] + 1; j < corpus_.offsets[d + 1]; ++j)
+      doc_targets_[static_cast<size_t>(d)] += mask == nullptr || mask[j] != 0;
 }
 
 void DataLoader::check_config() const {
@@ -489,6 +644,10 @@ MicroBatch DataLoader::next() {
   std::vector<int32_t> tokens(T), targets(T), positions(T), cu{0};
   const int32_t* all = corpus_.tokens.data();
   const uint8_t* mask = corpus_.loss_mask.empty() ? nullptr : corpus_.loss_mask.data();
+  // RL fields: the value of the predicted token (j + 1), 0 at positions without a target.
+  const bool rl = corpus_.has_rl();
+  const bool has_old = !corpus_.old_logprobs.empty(), has_ref = !corpus_.ref_logprobs.empty();
+  std::vector<float> adv(rl ? T : 0), old(has_old ? T : 0), ref(has_ref ? T : 0), sw(rl ? T : 0);
   int64_t fill = 0, num_valid = 0;
   while (fill < T) {
     const int64_t doc = order_[pos_.doc_index];
@@ -503,6 +662,12 @@ MicroBatch DataLoader::next() {
       const bool trained = has_next && (mask == nullptr || mask[j + 1] != 0);
       targets[fill + i] = trained ? all[j + 1] : -1;
       num_valid += trained;
+      if (rl && trained) {
+        adv[fill + i] = corpus_.advantages[j + 1];
+        if (has_old) old[fill + i] = corpus_.old_logprobs[j + 1];
+        if (has_ref) ref[fill + i] = corpus_.ref_logprobs[j + 1];
+        sw[fill + i] = 1.0f / static_cast<float>(doc_targets_[static_cast<size_t>(doc)]);
+      }
     }
     fill += take;
     cu.push_back(static_cast<int32_t>(fill));
@@ -519,6 +684,12 @@ MicroBatch DataLoader::next() {
   mb.positions = Tensor::from_ints(positions, {T}, MemCategory::other);
   mb.cu_seqlens = Tensor::from_ints(cu, {B + 1}, MemCategory::other);
   mb.num_valid = num_valid;
+  if (rl) {
+    mb.advantages = Tensor::from_floats(adv, {T}, DType::f32, MemCategory::other);
+    if (has_old) mb.old_logprobs = Tensor::from_floats(old, {T}, DType::f32, MemCategory::other);
+    if (has_ref) mb.ref_logprobs = Tensor::from_floats(ref, {T}, DType::f32, MemCategory::other);
+    mb.seq_weight = Tensor::from_floats(sw, {T}, DType::f32, MemCategory::other);
+  }
   return mb;
 }
 

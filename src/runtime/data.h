@@ -26,9 +26,15 @@
 
 namespace bb {
 
+// RL rollouts carry per-token values beside the tokens (skills/rl-data.md). Entry j belongs to
+// token j (the value of predicting it from tokens[< j]), like loss_mask: entry 0 is never used.
 struct Document {
   std::vector<int32_t> tokens;
   std::vector<uint8_t> loss_mask;  // same length as tokens (0/1), or empty = all 1
+  std::vector<float> advantages;    // same length as tokens, or empty = no RL fields
+  std::vector<float> old_logprobs;  // same length, or empty (on-policy)
+  std::vector<float> ref_logprobs;  // same length, or empty
+  std::string id;                   // the record's "id" (may be empty)
 };
 
 struct DataConfig {
@@ -55,6 +61,10 @@ struct DataConfig {
 struct Corpus {
   std::vector<int32_t> tokens;     // all documents, concatenated
   std::vector<uint8_t> loss_mask;  // same length as tokens, or empty when no document has a mask
+  // RL fields: each the same length as tokens, or empty when the documents have none (a field
+  // is in every document or in none).
+  std::vector<float> advantages, old_logprobs, ref_logprobs;
+  std::vector<std::string> ids;  // one per document when the records have "id", else empty
   std::vector<int64_t> offsets{
       0};  // [num_documents + 1]: document d is tokens[offsets[d], offsets[d+1])
 
@@ -64,6 +74,10 @@ struct Corpus {
   Document document(int64_t d) const;
   // Appends one document (non-empty; mask empty or of the same length).
   void add(const std::vector<int32_t>& doc_tokens, const std::vector<uint8_t>& doc_mask = {});
+  // Appends a document with its RL fields (each empty or of the tokens' length; the same fields
+  // as the documents before it).
+  void add(const Document& doc);
+  bool has_rl() const { return !advantages.empty(); }
 };
 
 // Checks every document (non-empty, tokens in [0, vocab_size), mask 0/1 of the right length) and
@@ -78,8 +92,11 @@ Corpus read_flat_tokens(const std::string& path, int64_t vocab_size, int32_t eos
 
 // JSON lines: one object per line with "tokens" (int array, taken as is: no EOS is added) and
 // optional "loss_mask" (0/1 array, same length), or "text" (string: byte-tokenized, kEosId
-// appended). Blank lines are skipped. "advantages", "old_logprobs", "ref_logprobs" and "routing"
-// are accepted and ignored. Anything else is an error naming path:line and the key.
+// appended). Blank lines are skipped. RL rollout records (with "tokens") may add "advantages"
+// (a number array of the tokens' length, or one number for the whole record), "old_logprobs"
+// and "ref_logprobs" (arrays of the tokens' length, finite, <= 0) and "id" (string or integer);
+// every record then has the same RL keys. "routing" is accepted and not read yet. Anything else
+// is an error naming path:line and the key.
 // Records are parsed with a SAX handler straight into the corpus (no JSON tree): memory for a
 // line is the line itself plus its tokens (4 bytes each, at most 2 per 2 bytes of text), so a
 // huge line costs a small multiple of its size. A line longer than max_line_bytes is an error.
@@ -121,6 +138,7 @@ class DataLoader {
   DataLoader(const DataConfig& cfg, Corpus corpus);
 
   // The next micro-batch of exactly cfg.tokens_per_micro_batch tokens; never ends (epochs wrap).
+  // RL data also fills advantages, old / ref log-probs and seq_weight (core/batch.h).
   MicroBatch next();
   DataPosition position() const { return pos_; }
   // After restore(p), next() gives exactly what the loader that reported p gave next.
@@ -136,10 +154,13 @@ class DataLoader {
  private:
   void check_config() const;
   void start_epoch(uint64_t epoch);
+  void count_doc_targets();
+
 
   DataConfig cfg_;
   Corpus corpus_;
   std::vector<int64_t> order_;  // epoch_order(pos_.epoch)
+  std::vector<int64_t> doc_targets_;  // RL data: each document's valid targets (MicroBatch::seq_weight)
   DataPosition pos_;
 };
 

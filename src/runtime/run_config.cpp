@@ -211,11 +211,11 @@ const toml::value* table_of(const toml::value& root, const std::string& name, co
 }
 
 RunConfig build(const toml::value& root, const std::string& src) {
-  static const std::set<std::string> kTables = {"model", "primitives", "parallel", "emulate", "train",
+  static const std::set<std::string> kTables = {"model", "primitives", "policy", "parallel", "emulate", "train",
                                                 "data", "checkpoint", "log", "backend"};
   for (const auto& [k, v] : root.as_table())
     BB_CHECK(kTables.count(k), "unknown table '[", k, "]' in ", src,
-             ": expected model, primitives, parallel, emulate, train, data, checkpoint, log, backend");
+             ": expected model, primitives, policy, parallel, emulate, train, data, checkpoint, log, backend");
   RunConfig c;
 
   TableReader m(table_of(root, "model", src), "model", src);
@@ -248,6 +248,30 @@ RunConfig build(const toml::value& root, const std::string& src) {
            ", got \"", logits, "\"");
   pc.loss_chunks.bf16_logits = logits == "bf16";
   p.finish();
+
+  // [policy]: the objective of primitives.loss = "policy" (primitives/loss/policy.h); read and
+  // checked whatever the loss, so one file can switch losses with that one key.
+  TableReader po(table_of(root, "policy", src), "policy", src);
+  PolicyLossConfig& pl = pc.loss_chunks.policy;
+  po.read("temperature", pl.temperature);
+  po.read("clip_low", pl.clip_low);
+  po.read("clip_high", pl.clip_high);
+  po.read("dual_clip", pl.dual_clip);
+  std::string ratio = pl.ratio == PolicyRatio::token ? "token" : "sequence";
+  po.read_choice("ratio", ratio, {"token", "sequence"});
+  pl.ratio = ratio == "token" ? PolicyRatio::token : PolicyRatio::sequence;
+  std::string agg = "token_mean";
+  po.read_choice("aggregation", agg, {"token_mean", "seq_mean_token_sum", "seq_mean_token_mean"});
+  pl.aggregation = agg == "token_mean"           ? PolicyAggregation::token_mean
+                   : agg == "seq_mean_token_sum" ? PolicyAggregation::seq_mean_token_sum
+                                                 : PolicyAggregation::seq_mean_token_mean;
+  std::string kl = pl.kl == KlEstimator::k1 ? "k1" : "k3";
+  po.read_choice("kl", kl, {"k1", "k3"});
+  pl.kl = kl == "k1" ? KlEstimator::k1 : KlEstimator::k3;
+  po.read("kl_coef", pl.kl_coef);
+  po.read("entropy_coef", pl.entropy_coef);
+  po.read("max_log_ratio", pl.max_log_ratio);
+  po.finish();
   pc.validate(src);
 
   TableReader par(table_of(root, "parallel", src), "parallel", src);

@@ -157,6 +157,41 @@ void agree(comm::Group& g, const std::string& err, const char* phase) {
 
 }  // namespace
 
+namespace {
+
+void accumulate_policy(PolicyMetrics& a, const PolicyMetrics& b) {
+  a.clipped += b.clipped;
+  a.dual_clipped += b.dual_clipped;
+  a.approx_kl += b.approx_kl;
+  a.entropy += b.entropy;
+  a.ratio += b.ratio;
+  a.ratio_max = std::max(a.ratio_max, b.ratio_max);
+  a.ref_kl += b.ref_kl;
+  a.sequences += b.sequences;
+}
+
+// The step's policy metrics over every rank: sums, then means over the valid tokens.
+StepMetrics::Policy reduce_policy(comm::Group& world, const PolicyMetrics& pm, int64_t valid) {
+  double v[7] = {static_cast<double>(pm.clipped), static_cast<double>(pm.dual_clipped), pm.approx_kl, pm.entropy,
+                 pm.ratio, pm.ref_kl, pm.sequences};
+  world.all_reduce_host(v, 7, comm::ReduceOp::sum);
+  double mx = pm.ratio_max;
+  world.all_reduce_host(&mx, 1, comm::ReduceOp::max);
+  const double n = static_cast<double>(valid);
+  StepMetrics::Policy p;
+  p.clip_frac = v[0] / n;
+  p.dual_clip_frac = v[1] / n;
+  p.approx_kl = v[2] / n;
+  p.entropy = v[3] / n;
+  p.ratio_mean = v[4] / n;
+  p.ref_kl = v[5] / n;
+  p.sequences = v[6];
+  p.ratio_max = mx;
+  return p;
+}
+
+}  // namespace
+
 MicroBatch to_device(MicroBatch mb, Device d) {
   if (d.is_cpu()) return mb;
   mb.targets = mb.targets.to(d, MemCategory::activations);
@@ -383,6 +418,17 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
   }
   data_ = corpus.num_documents() > 0 ? std::make_unique<DataLoader>(cfg.data, std::move(corpus))
                                      : std::make_unique<DataLoader>(cfg.data);
+  policy_ = cfg.prim.name_of("loss") == "policy";
+  if (policy_) {
+    BB_CHECK(data_->corpus().has_rl(), "primitives.loss = \"policy\" trains on rollouts, but data '", cfg.data.path,
+             "' has no \"advantages\": give JSONL rollout records (tokens, loss_mask, advantages, old_logprobs, ...; "
+             "skills/rl-data.md), or choose primitives.loss = \"linear_ce\"");
+    BB_CHECK(cfg.prim.loss_chunks.policy.kl_coef == 0 || !data_->corpus().ref_logprobs.empty(), "policy.kl_coef = ",
+             cfg.prim.loss_chunks.policy.kl_coef, " needs \"ref_logprobs\" in the rollout records of '",
+             cfg.data.path, "' (or set policy.kl_coef = 0)");
+    BB_CHECK(device_.is_cpu(), "primitives.loss = \"policy\" runs on CPU ranks in this build (its CUDA kernels are "
+             "not written yet): set parallel.device = \"cpu\"");
+  }
   if (!cfg.resume.empty()) {
     std::string resolved;
     if (cfg.resume == "auto") {
@@ -590,7 +636,20 @@ StepMetrics Trainer::step_impl() {
     }
   }
   double sums[6] = {0, 0, 0, 0, 0, 0};  // loss_sum, aux, z, tokens, flops, expert rows received
-  const float loss_scale = 1.0f / static_cast<float>(valid);
+  // The loss's denominator: valid tokens, or (policy loss, sequence aggregation) the step's
+  // sequences, each document counted by the share of its targets in the step (seq_weight).
+  double denom = static_cast<double>(valid);
+  if (policy_ && cfg_.prim.loss_chunks.policy.aggregation != PolicyAggregation::token_mean) {
+    double seqs = 0;
+    for (const MicroBatch& mb : mbs) {
+      const float* sw = mb.seq_weight.data<float>();
+      for (int64_t t = 0; t < mb.seq_weight.numel(); ++t) seqs += sw[t];
+    }
+    world.all_reduce_host(&seqs, 1, comm::ReduceOp::sum);
+    denom = seqs;
+  }
+  const float loss_scale = static_cast<float>(1.0 / denom);
+  PolicyMetrics pm;
   const double aux_scale = 1.0 / static_cast<double>(dp * accum);
   std::vector<int64_t> routing(record_routing_ ? static_cast<size_t>(dp * accum) : 0, 0);
   for (size_t i = 0; i < mbs.size(); ++i) {
@@ -606,6 +665,7 @@ StepMetrics Trainer::step_impl() {
     sums[4] += mbs[i].shard.split() ? model_flops(cfg_.model, mbs[i].shard.seqlens) / static_cast<double>(cp)
                                     : model_flops(cfg_.model, seq_lens(mbs[i]));
     sums[5] += static_cast<double>(st.moe_rows_received);
+    if (policy_) accumulate_policy(pm, st.policy);
     if (record_routing_)
       routing[static_cast<size_t>(dp_rank * accum) + i] = routing_hash(schedule_->last_routing(), mbs[i]);
   }
@@ -619,7 +679,8 @@ StepMetrics Trainer::step_impl() {
   }
   m.moe_rows_mean = sums[5] / static_cast<double>(world.size());
   m.valid_tokens = valid;
-  m.loss = sums[0] / static_cast<double>(valid);
+  m.loss = sums[0] / denom;
+  if (policy_) m.policy = reduce_policy(world, pm, valid);
   m.aux_loss = sums[1];
   m.z_loss = sums[2];
   m.tokens = static_cast<int64_t>(sums[3]);
@@ -753,6 +814,10 @@ void Trainer::log_line(const StepMetrics& m) {
   if (device_.is_cuda())
     std::fprintf(log_, "%s           reserved peak %.1f MiB | host syncs %lld\n", log_prefix_.c_str(), mib(mem.reserved_peak),
                  static_cast<long long>(m.host_syncs));
+  if (policy_)
+    std::fprintf(log_, "%s           policy: clip %.4f dual %.4f | kl(old) %.2e | entropy %.4f | ratio mean %.4f max %.4f | kl(ref) %.2e | seqs %.1f\n",
+                 log_prefix_.c_str(), m.policy.clip_frac, m.policy.dual_clip_frac, m.policy.approx_kl, m.policy.entropy,
+                 m.policy.ratio_mean, m.policy.ratio_max, m.policy.ref_kl, m.policy.sequences);
   if (mesh_->layout().ep > 1)  // token-count skew of expert parallelism
     std::fprintf(log_, "%s           expert rows per rank: max %s mean %s (skew %.2f)\n", log_prefix_.c_str(),
                  human_count(static_cast<double>(m.moe_rows_max)).c_str(), human_count(m.moe_rows_mean).c_str(),
@@ -866,6 +931,11 @@ std::vector<StepMetrics> Trainer::run() {
       j["host_syncs"] = m.host_syncs;
       j["moe_rows_max"] = m.moe_rows_max;  // expert rows received per rank: max and mean
       j["moe_rows_mean"] = m.moe_rows_mean;
+      if (policy_ && m.skipped != "no_targets")
+        j["policy"] = {{"clip_frac", m.policy.clip_frac},   {"dual_clip_frac", m.policy.dual_clip_frac},
+                       {"approx_kl", m.policy.approx_kl},   {"entropy", m.policy.entropy},
+                       {"ratio_mean", m.policy.ratio_mean}, {"ratio_max", m.policy.ratio_max},
+                       {"ref_kl", m.policy.ref_kl},         {"sequences", m.policy.sequences}};
       *metrics << j.dump() << "\n";
       metrics->flush();
       BB_CHECK(metrics->good(), "cannot write log.metrics file '", mpath, "' at step ", m.step,

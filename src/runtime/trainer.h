@@ -31,7 +31,7 @@ namespace bb {
 
 struct StepMetrics {
   int64_t step = 0;         // 1-based index of the step just taken
-  double loss = 0;          // mean CE per valid token over the step
+  double loss = 0;          // mean CE per valid token over the step (policy: the aggregated objective)
   double aux_loss = 0;      // mean over micro-batches of the aux loss (pooled over MoE layers, as HF)
   double z_loss = 0;
   double grad_norm = 0;     // before clipping
@@ -58,6 +58,15 @@ struct StepMetrics {
   // the step masked). A skipped step still counts: the step index and the data move on.
   std::string skipped;
   bool loss_spike = false;  // loss above train.loss_spike_factor x the running mean (a warning)
+  // primitives.loss = "policy": the step's means over valid tokens (every rank's).
+  struct Policy {
+    double clip_frac = 0, dual_clip_frac = 0;  // tokens whose clip / dual clip removed the gradient
+    double approx_kl = 0;                      // mean of r - 1 - log r (KL(old || new), k3)
+    double entropy = 0;                        // mean entropy, nats
+    double ratio_mean = 0, ratio_max = 0;
+    double ref_kl = 0;                         // mean KL estimator to the reference (0 without it)
+    double sequences = 0;                      // sequences of the step (documents, by share)
+  } policy;
   // A SIGTERM / SIGINT some rank received during or before the step (its number; the maximum
   // over ranks, so every rank agrees), 0: none. run() saves and stops after such a step.
   int stop_signal = 0;
@@ -139,6 +148,7 @@ class Trainer {
   std::string run_id_;
   int64_t skipped_nonfinite_ = 0, skipped_no_targets_ = 0;
   bool record_routing_ = false;
+  bool policy_ = false;  // primitives.loss = "policy"
   double loss_mean_ = 0;
   int64_t loss_mean_n_ = 0;
   Tensor nonfinite_flags_;           // per unit, set by the update of the current step

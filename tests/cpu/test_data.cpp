@@ -15,6 +15,7 @@
 
 #include "common/testing.h"
 #include "core/rng.h"
+#include "runtime/context_shard.h"
 #include "runtime/data.h"
 #include "runtime/demo_corpus.h"
 #include "runtime/tokenizer.h"
@@ -517,8 +518,7 @@ TEST(Sources, JsonLines) {
              "\n"
              "   \r\n"
              "{\"text\": \"hi\"}\n"
-             "{\"tokens\": [4, 5], \"advantages\": [0.5, 1], \"old_logprobs\": [-1.0, -2],"
-             " \"ref_logprobs\": [-1.5, -2], \"routing\": [[1, 2], [0, 3]]}\n"
+             "{\"tokens\": [4, 5], \"routing\": [[1, 2], [0, 3]]}\n"
              "{\"tokens\": [6, 7], \"loss_mask\": [true, false]}");  // no final newline
   const Corpus c = read_jsonl(path, 264);
   ASSERT_EQ(c.num_documents(), 4);
@@ -584,6 +584,132 @@ TEST(Sources, JsonLinesErrorsNameFileLineAndKey) {
   const std::string text = dir.file("text.jsonl");
   write_text(text, "{\"text\": \"x\"}\n");
   test::expect_error_contains([&] { read_jsonl(text, 200); }, "needs vocab_size > 256");
+}
+
+// ---- RL rollout records ------------------------------------------------------------------------
+
+TEST(Rollouts, FieldsParsedAndPackedOntoTheirTargets) {
+  TempDir dir;
+  const std::string path = dir.file("rollouts.jsonl");
+  write_text(path,
+             "{\"id\": \"a\", \"tokens\": [1, 2, 3, 4], \"loss_mask\": [0, 0, 1, 1], \"advantages\": 0.5,"
+             " \"old_logprobs\": [0, 0, -1.5, -2.5], \"ref_logprobs\": [0, 0, -1.25, -2],"
+             " \"routing\": [[[1, 2]], [[0, 3]], [[1, 3]], [[2, 3]]]}\n"
+             "{\"id\": 7, \"tokens\": [5, 6, 7], \"advantages\": [9, -1, -2], \"old_logprobs\": [0, -0.5, -0.75],"
+             " \"ref_logprobs\": [0, -0.5, -1]}\n");
+  const Corpus c = read_jsonl(path, 264);
+  ASSERT_EQ(c.num_documents(), 2);
+  ASSERT_TRUE(c.has_rl());
+  const Document d0 = c.document(0), d1 = c.document(1);
+  EXPECT_EQ(d0.id, "a");
+  EXPECT_EQ(d1.id, "7");
+  EXPECT_EQ(d0.advantages, (std::vector<float>{0.5f, 0.5f, 0.5f, 0.5f}));  // one number: every token
+  EXPECT_EQ(d1.old_logprobs, (std::vector<float>{0, -0.5f, -0.75f}));
+  EXPECT_EQ(d0.ref_logprobs, (std::vector<float>{0, 0, -1.25f, -2}));
+
+  // Packed without shuffling, 4 tokens a micro-batch: document 1 is split over two of them.
+  DataConfig cfg = mem_config(4, 1, false);
+  cfg.path = path;
+  DataLoader loader(cfg);
+  const MicroBatch a = loader.next(), b = loader.next();
+  // Position t holds the values of the token it predicts (t + 1 of its document).
+  EXPECT_EQ(a.targets.to_ints(), (std::vector<int32_t>{-1, 3, 4, -1}));
+  EXPECT_EQ(a.advantages.to_floats(), (std::vector<float>{0, 0.5f, 0.5f, 0}));
+  EXPECT_EQ(a.old_logprobs.to_floats(), (std::vector<float>{0, -1.5f, -2.5f, 0}));
+  EXPECT_EQ(a.ref_logprobs.to_floats(), (std::vector<float>{0, -1.25f, -2, 0}));
+  EXPECT_EQ(a.seq_weight.to_floats(), (std::vector<float>{0, 0.5f, 0.5f, 0}));
+  // b: tokens 5, 6, 7 of document 1, then document 0 again (the next epoch).
+  EXPECT_EQ(b.targets.to_ints(), (std::vector<int32_t>{6, 7, -1, -1}));
+  EXPECT_EQ(b.advantages.to_floats(), (std::vector<float>{-1, -2, 0, 0}));
+  EXPECT_EQ(b.old_logprobs.to_floats(), (std::vector<float>{-0.5f, -0.75f, 0, 0}));
+  EXPECT_EQ(b.seq_weight.to_floats(), (std::vector<float>{0.5f, 0.5f, 0, 0}));
+
+  // A document split across micro-batches: its weights over all pieces still sum to 1.
+  DataConfig small = mem_config(3, 1, false);
+  small.path = path;
+  DataLoader split(small);
+  double sum = 0;
+  for (int i = 0; i < 7; ++i) {  // 21 tokens = 3 passes over the 7-token corpus
+    const MicroBatch mb = split.next();
+    for (float w : mb.seq_weight.to_floats()) sum += w;
+  }
+  EXPECT_NEAR(sum, 6.0, 1e-6);  // 2 documents x 3 epochs
+}
+
+TEST(Rollouts, ContextShardsCarryTheFields) {
+  std::vector<Document> docs(2);
+  docs[0].tokens = {1, 2, 3, 4, 5, 6, 7, 8};
+  docs[1].tokens = {9, 10, 11, 12};
+  for (Document& d : docs) {
+    for (size_t i = 0; i < d.tokens.size(); ++i) {
+      d.advantages.push_back(static_cast<float>(d.tokens[i]));
+      d.old_logprobs.push_back(-static_cast<float>(d.tokens[i]));
+    }
+  }
+  const DataConfig cfg = mem_config(12, 1, false);
+  DataLoader loader(cfg, corpus_from_documents(docs, 264));
+  const MicroBatch mb = loader.next();
+  double total = 0;
+  for (int64_t cp : {2, 3}) {
+    double sum = 0;
+    for (int64_t r = 0; r < cp; ++r) {
+      const MicroBatch s = shard_micro_batch(mb, cp, r);
+      const auto tg = s.targets.to_ints();
+      const auto adv = s.advantages.to_floats(), old = s.old_logprobs.to_floats(), sw = s.seq_weight.to_floats();
+      ASSERT_EQ(adv.size(), tg.size());
+      for (size_t i = 0; i < tg.size(); ++i) {
+        // The token a position predicts is its target: the fields were built from it.
+        EXPECT_EQ(adv[i], tg[i] >= 0 ? static_cast<float>(tg[i]) : 0.0f);
+        EXPECT_EQ(old[i], tg[i] >= 0 ? -static_cast<float>(tg[i]) : 0.0f);
+        sum += sw[i];
+      }
+      EXPECT_FALSE(s.ref_logprobs.defined());
+    }
+    EXPECT_NEAR(sum, 2.0, 1e-6) << "cp " << cp;  // two whole documents over the shards
+    total += sum;
+  }
+  EXPECT_GT(total, 0);
+}
+
+TEST(Rollouts, ErrorsNameTheRecordAndTheField) {
+  TempDir dir;
+  int n = 0;
+  const std::string good = R"({"tokens": [1, 2], "advantages": [1, 1], "old_logprobs": [0, -1]})";
+  auto check = [&](const std::string& first, const std::string& bad, const std::string& needle) {
+    const std::string path = dir.file("bad" + std::to_string(n++) + ".jsonl");
+    write_text(path, first + "\n" + bad + "\n");
+    test::expect_error_contains([&] { read_jsonl(path, 264); }, path + ":2: " + needle);
+  };
+  check(good, R"({"tokens": [1, 2], "advantages": [1], "old_logprobs": [0, -1]})",
+        "key 'advantages': length 1 does not match key 'tokens' length 2");
+  check(good, R"({"tokens": [1, 2], "advantages": [1, 1], "old_logprobs": [0, 0.5]})",
+        "key 'old_logprobs': element 1 is 0.5; log-probs are finite and <= 0");
+  check(good, R"({"tokens": [1, 2], "advantages": [1, "x"], "old_logprobs": [0, -1]})",
+        "key 'advantages': element 1 is \"x\", not a number");
+  check(good, R"({"tokens": [1, 2], "advantages": [1, [2]], "old_logprobs": [0, -1]})",
+        "key 'advantages': element 1 is an array, not a number");
+  check(good, R"({"tokens": [1, 2], "advantages": "x", "old_logprobs": [0, -1]})",
+        "key 'advantages': expected a number or an array of numbers, got string");
+  check(good, R"({"tokens": [1, 2], "advantages": [1, 1]})", "key 'old_logprobs' is missing here but present");
+  check(good, R"({"tokens": [1, 2]})", "key 'advantages' is missing here but present");
+  check(R"({"tokens": [1, 2]})", good, "key 'advantages' is present here but missing");
+  check(good, R"({"tokens": [1, 2], "advantages": [1, 1], "old_logprobs": [0, -1], "ref_logprobs": [0, -1]})",
+        "key 'ref_logprobs' is present here but missing");
+  check(good, R"({"tokens": [1, 2], "old_logprobs": [0, -1]})", "keys 'old_logprobs' / 'ref_logprobs' need key 'advantages'");
+  check(good, R"({"text": "hi", "advantages": 1})", "RL keys (advantages, old_logprobs, ref_logprobs) need key 'tokens'");
+  check(good, R"({"tokens": [1, 2], "advantages": [1, 1], "old_logprobs": [0, -1], "id": [1]})",
+        "key 'id': expected a string or an integer, got array");
+  check(good, R"({"tokens": [1, 2], "advantages": [1, 1], "advantages": [1, 1]})", "key 'advantages' appears twice");
+  check(good, R"({"tokens": [1, 2], "advantages": [1, 1e999], "old_logprobs": [0, -1]})", "invalid JSON");  // overflow: the reader refuses it
+  // In memory: the same rules for documents.
+  std::vector<Document> docs(1);
+  docs[0].tokens = {1, 2};
+  docs[0].advantages = {1, 1};
+  docs[0].ref_logprobs = {0, 3};
+  test::expect_error_contains([&] { corpus_from_documents(docs, 264); }, "ref_logprobs': element 1 is 3");
+  docs[0].ref_logprobs = {0, -1};
+  docs.push_back(Document{{3, 4}, {}, {}, {}, {}, ""});
+  test::expect_error_contains([&] { corpus_from_documents(docs, 264); }, "key 'advantages' is missing here");
 }
 
 TEST(Sources, FormatSelection) {

@@ -20,12 +20,14 @@
 #include <cstdint>
 
 #include "core/tensor.h"
+#include "primitives/loss/policy_config.h"
 
 namespace bb {
 
 struct LossResult {
-  double loss_sum = 0;    // sum over valid tokens of -log p(target)
+  double loss_sum = 0;    // sum over valid tokens of -log p(target) (policy: of w_t L_t, policy.h)
   int64_t num_valid = 0;  // tokens with target >= 0
+  PolicyMetrics policy;   // the policy loss's sums (zero for the cross-entropy heads)
 };
 
 // Forward of plain cross-entropy. If lse_out is non-null it receives lse [T] f32: written into
@@ -45,11 +47,14 @@ Tensor cross_entropy_backward(const Tensor& logits, const Tensor& targets, const
 //     compute-bound; see skills/loss-linear-ce.md.
 //   bf16_logits (linear_ce): logits at bf16 precision instead of f32 (primitives.loss_logits);
 //     halves the fused block's bytes and traffic with bf16 h/w on CUDA; see linear_ce.h.
+//   policy: the policy loss's objective (the [policy] table; policy.h); the policy head streams
+//     whole-vocabulary blocks of fused_chunk_tokens rows, like linear_ce_fused.
 struct LossHeadConfig {
   int64_t chunk_tokens = 4096;
   int64_t chunk_vocab = 32768;
   int64_t fused_chunk_tokens = 2048;
   bool bf16_logits = false;
+  PolicyLossConfig policy;
 };
 
 // What a loss head forward saves for its backward (owned by the caller).

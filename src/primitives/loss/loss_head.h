@@ -9,6 +9,7 @@
 
 #include <memory>
 
+#include "core/batch.h"
 #include "primitives/loss/cross_entropy.h"
 
 namespace bb {
@@ -21,6 +22,15 @@ class LossHead {
                            Tensor& d_h, Tensor& d_w, bool overwrite_dw) const = 0;
   // Evaluation: the loss alone (no gradient, nothing kept).
   virtual LossResult evaluate(const Tensor& h, const Tensor& w, const Tensor& targets) const = 0;
+  // The same over a micro-batch: what the model calls. The cross-entropy heads read mb.targets;
+  // the policy head reads the RL fields too (advantages, old / ref log-probs, seq_weight).
+  virtual LossResult train_batch(float scale, const Tensor& h, const Tensor& w, const MicroBatch& mb,
+                                 Tensor& d_h, Tensor& d_w, bool overwrite_dw) const {
+    return train(scale, h, w, mb.targets, d_h, d_w, overwrite_dw);
+  }
+  virtual LossResult evaluate_batch(const Tensor& h, const Tensor& w, const MicroBatch& mb) const {
+    return evaluate(h, w, mb.targets);
+  }
 };
 
 // Builds a head with its chunk sizes (members that do not chunk ignore them).
@@ -31,5 +41,8 @@ std::unique_ptr<LossHead> make_full_ce_head(const LossHeadConfig& cfg);
 // linear_ce: the fused single pass for training, the two-pass stream for evaluation
 // (linear_ce.cpp).
 std::unique_ptr<LossHead> make_linear_ce_head(const LossHeadConfig& cfg);
+// policy: PPO / GRPO / GSPO objectives over a micro-batch's RL fields, streamed as linear_ce's
+// fused pass (policy.cpp; policy.h). Its train / evaluate without a micro-batch throw.
+std::unique_ptr<LossHead> make_policy_head(const LossHeadConfig& cfg);
 
 }  // namespace bb

@@ -1,0 +1,51 @@
+// policy_config.h — the settings of the policy loss (primitives.loss = "policy", the [policy]
+// table of a run) and the sums it reports. The loss itself: policy.h.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+
+namespace bb {
+
+// How the per-token losses L_t of a step become one number (w_t the token's weight):
+//   token_mean            sum_t L_t / (valid tokens of the step)
+//   seq_mean_token_sum    sum_t L_t / (sequences of the step)
+//   seq_mean_token_mean   sum_t (L_t / n_s(t)) / (sequences of the step), n_s the valid tokens of
+//                         the token's whole sequence (each sequence weighs the same)
+enum class PolicyAggregation : uint8_t { token_mean, seq_mean_token_sum, seq_mean_token_mean };
+// The estimator of KL(pi || pi_ref) per token, d = ref_logp - logp:
+//   k1: -d        k3: exp(d) - d - 1 (unbiased, never negative; Schulman's "k3")
+enum class KlEstimator : uint8_t { k1, k3 };
+// The importance ratio: token (PPO, GRPO, DAPO) r_t = exp(logp_t - old_t); sequence (GSPO)
+// r_t = s = exp(mean over the sequence's valid tokens of (logp - old)), with the gradient of the
+// GSPO-token form (d r_t / d logp_t = s).
+enum class PolicyRatio : uint8_t { token, sequence };
+
+struct PolicyLossConfig {
+  double temperature = 1.0;  // logits are divided by it before the softmax (> 0)
+  double clip_low = 0.2;     // the ratio is clipped to [1 - clip_low, 1 + clip_high] (>= 0)
+  double clip_high = 0.2;
+  double dual_clip = 0;      // c > 1: a token with A < 0 has its loss capped at -A c; 0 = off
+  PolicyRatio ratio = PolicyRatio::token;
+  PolicyAggregation aggregation = PolicyAggregation::token_mean;
+  KlEstimator kl = KlEstimator::k3;
+  double kl_coef = 0;        // > 0 needs ref_logprobs in the data
+  double entropy_coef = 0;   // the loss subtracts entropy_coef x entropy
+  // Log-ratios (and the k3 exponent) are clamped to [-max_log_ratio, max_log_ratio] before exp,
+  // with no gradient through a clamped value: a stale rollout cannot overflow the step.
+  double max_log_ratio = 20;
+};
+
+// Sums over the valid tokens of one call (or, after the trainer's reductions, of a step).
+struct PolicyMetrics {
+  int64_t clipped = 0;        // tokens whose ratio clip took the gradient away
+  int64_t dual_clipped = 0;   // tokens capped by the dual clip
+  double approx_kl = 0;       // sum of r - 1 - log r: k3 estimate of KL(old || new) per token
+  double entropy = 0;         // sum of the entropy (nats, at the temperature)
+  double ratio = 0;           // sum of r
+  double ratio_max = 0;       // the largest r (0 with no valid token)
+  double ref_kl = 0;          // sum of the KL estimator to the reference (0 without ref_logprobs)
+  double sequences = 0;       // sum of 1 / n_s over valid tokens: whole sequences count 1
+};
+
+}  // namespace bb

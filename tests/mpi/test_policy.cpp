@@ -1,0 +1,170 @@
+// Multi-rank: the policy loss (primitives.loss = "policy") on rollout data, every layout against
+// the single-rank run on the same data. The normalisation is global (valid tokens, or the
+// step's sequences counted by each document's share, MicroBatch::seq_weight), so data, context
+// and expert parallelism must give the single-rank losses, grad norms, policy metrics and final
+// weights. Rollouts: documents of mixed lengths (several split across micro-batches and, with
+// cp, across ranks), prompt tokens masked, per-token advantages, old and ref log-probs.
+// np1: the single-rank run against itself under grad_accum 2 vs two half-batches is not a
+// layout, so np1 checks the trainer-level errors only.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <map>
+
+#include "common/mpi_main.h"
+#include "common/testing.h"
+#include "common/tiny_models.h"
+#include "common/trainer_equivalence.h"
+#include "runtime/run_config.h"
+
+namespace bb {
+namespace {
+
+using test::world;
+
+constexpr int kSteps = 4;
+
+// Rollout-like documents: a prompt (masked), then a response with advantages and log-probs.
+Corpus rollouts() {
+  const std::vector<int64_t> lens = {9, 70, 5, 33, 140, 12, 60, 3, 25, 90, 17, 44};
+  std::vector<Document> docs;
+  uint64_t state = 7;
+  auto next = [&] {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return state >> 33;
+  };
+  for (int rep = 0; rep < 2; ++rep)
+    for (int64_t len : lens) {
+      Document d;
+      const int64_t prompt = std::max<int64_t>(1, len / 3);
+      const float adv = static_cast<float>(static_cast<int64_t>(next() % 200) - 100) / 50.0f;
+      for (int64_t i = 0; i < len; ++i) {
+        d.tokens.push_back(static_cast<int32_t>(next() % 250));
+        d.loss_mask.push_back(i >= prompt ? 1 : 0);
+        d.advantages.push_back(adv + static_cast<float>(next() % 100) / 500.0f);
+        // Near the model's log-probs at init (~ -log 264 = -5.58): ratios on both sides of the clip.
+        d.old_logprobs.push_back(-5.58f + static_cast<float>(static_cast<int64_t>(next() % 100) - 50) / 200.0f);
+        d.ref_logprobs.push_back(-5.58f + static_cast<float>(static_cast<int64_t>(next() % 100) - 50) / 300.0f);
+      }
+      docs.push_back(std::move(d));
+    }
+  return corpus_from_documents(docs, 264, "test rollouts");
+}
+
+struct TestRun {
+  std::string dir, toml;
+};
+
+TestRun make_run(const char* tag) {
+  TestRun r;
+  r.dir = test::shared_tmpdir(tag);
+  if (world()->rank() == 0)
+    std::ofstream(r.dir + "/config.json")
+        << test::small_moe({.heads = 4, .kv_heads = 2, .head_dim = 8}).to_hf_json().dump(2);
+  world()->barrier();
+  // train.adam_eps = 1e-4: AdamW's first steps move every element by about lr whatever the size of
+  // its gradient, so an element whose gradient cancels to rounding noise gets a full-size update
+  // of random sign. The policy gradient has many (advantages of both signs, k3's gradient
+  // vanishing where ref ~ logp): with eps 1e-8 the layouts drifted apart by up to 1e-4 within 4
+  // steps though step 1 matched to 1e-8. A larger eps makes those elements' updates follow
+  // their tiny gradients.
+  r.toml = "[model]\nconfig = \"" + r.dir + "/config.json\"\n" +
+           "[primitives]\nloss = \"policy\"\n"
+           "[policy]\nclip_low = 0.2\nclip_high = 0.28\ndual_clip = 3.0\nkl_coef = 0.01\nentropy_coef = 0.001\n"
+           "[train]\nsteps = 10\nmicro_batch_tokens = 96\nlr = 2e-3\nmin_lr = 2e-4\nwarmup_steps = 2\nseed = 11\n"
+           "grad_clip = 0.5\nadam_eps = 1e-4\n"
+           "[data]\nshuffle = false\n"
+           "[checkpoint]\nevery = 0\nsave_final = false\n";
+  return r;
+}
+
+struct Layout {
+  int64_t cp, ep;
+  std::vector<std::string> extra;
+};
+
+void check_layouts(const char* tag, const std::vector<Layout>& layouts, const std::vector<std::string>& common) {
+  TestRun run = make_run(tag);
+  const Corpus corpus = rollouts();
+  std::map<int64_t, test::Reference> refs;
+  for (const Layout& l : layouts) {
+    std::string name = "cp" + std::to_string(l.cp) + " ep" + std::to_string(l.ep);
+    for (const std::string& e : l.extra) name += " " + e;
+    SCOPED_TRACE(name);
+    const int64_t dp = world()->size() / l.cp;
+    if (!refs.count(dp)) {
+      std::vector<std::string> ov = common;
+      ov.push_back("train.grad_accum=" + std::to_string(dp));
+      refs[dp] = test::reference_run(parse_run_config(run.toml, "test run", ov), corpus, kSteps);
+    }
+    std::vector<std::string> ov = common;
+    ov.push_back("parallel.cp=" + std::to_string(l.cp));
+    ov.push_back("parallel.ep=" + std::to_string(l.ep));
+    if (l.cp > 1) ov.push_back("primitives.attention=\"cp_ring\"");
+    ov.insert(ov.end(), l.extra.begin(), l.extra.end());
+    Trainer t(parse_run_config(run.toml, "test run", ov), nullptr, corpus, world());
+    const std::vector<StepMetrics> got = test::train_steps(t, kSteps);
+    test::expect_matches(t, refs[dp], got, "policy", 1e-6, 1e-4);
+    // The policy metrics are global too.
+    for (size_t s = 0; s < got.size(); ++s) {
+      const StepMetrics::Policy &a = got[s].policy, &b = refs[dp].steps[s].policy;
+      EXPECT_NEAR(a.clip_frac, b.clip_frac, 1e-12) << "step " << s + 1;
+      EXPECT_NEAR(a.entropy, b.entropy, 1e-6 * b.entropy) << "step " << s + 1;
+      EXPECT_NEAR(a.ratio_max, b.ratio_max, 1e-6 * b.ratio_max) << "step " << s + 1;
+      // A mean of differences of f32 log-probs near -5.6 (~3e-7 rounding each): an absolute floor.
+      EXPECT_NEAR(a.ref_kl, b.ref_kl, 1e-7 + 1e-6 * std::abs(b.ref_kl)) << "step " << s + 1;
+      EXPECT_NEAR(a.sequences, b.sequences, 1e-6 * b.sequences) << "step " << s + 1;
+    }
+  }
+  // The run moved away from the rollout policy: some ratio was clipped by the last step.
+  double clipped = 0;
+  for (const auto& [dp, ref] : refs)
+    for (const StepMetrics& m : ref.steps) clipped += m.policy.clip_frac;
+  EXPECT_GT(clipped, 0) << "the objective's clip was never exercised";
+}
+
+std::vector<Layout> layouts_for(int64_t R) {
+  if (R == 4) return {{1, 1, {}}, {2, 1, {}}, {4, 1, {}}, {2, 2, {}}, {1, 4, {"primitives.state=\"fsdp\""}}};
+  if (R == 2) return {{1, 1, {}}, {2, 1, {}}, {1, 2, {}}};
+  if (R == 3) return {{1, 1, {}}};  // 8 experts: no ep 3
+  return {};
+}
+
+TEST(PolicyLoss, TokenMeanLayoutsEqualTheSingleRankRun) {
+  const int64_t R = world()->size();
+  if (R == 1) GTEST_SKIP() << "a layout needs 2 or more ranks";
+  check_layouts("policy_token", layouts_for(R), {});
+}
+
+TEST(PolicyLoss, SequenceMeanLayoutsEqualTheSingleRankRun) {
+  const int64_t R = world()->size();
+  if (R == 1) GTEST_SKIP() << "a layout needs 2 or more ranks";
+  check_layouts("policy_seq", layouts_for(R), {"policy.aggregation=\"seq_mean_token_mean\"", "policy.kl=\"k1\""});
+}
+
+TEST(PolicyLoss, TrainerRefusesWhatCannotRun) {
+  TestRun run = make_run("policy_bad");
+  // No advantages in the data.
+  Corpus plain;
+  plain.add({1, 2, 3, 4, 5});
+  test::expect_error_contains(
+      [&] { Trainer t(parse_run_config(run.toml, "test run", {}), nullptr, plain, world()); },
+      "has no \"advantages\"");
+  // A KL term without reference log-probs.
+  std::vector<Document> docs(1);
+  docs[0].tokens = {1, 2, 3, 4};
+  docs[0].advantages = {1, 1, 1, 1};
+  test::expect_error_contains(
+      [&] {
+        Trainer t(parse_run_config(run.toml, "test run", {}), nullptr, corpus_from_documents(docs, 264), world());
+      },
+      "policy.kl_coef = 0.01 needs \"ref_logprobs\"");
+  test::expect_error_contains([&] { parse_run_config(run.toml, "test run", {"policy.dual_clip=0.5"}); },
+                              "policy.dual_clip must be 0 (off) or > 1");
+  test::expect_error_contains([&] { parse_run_config(run.toml, "test run", {"policy.ratio=\"seq\""}); },
+                              "= 'seq' is not one of: token, sequence");
+}
+
+}  // namespace
+}  // namespace bb
+
