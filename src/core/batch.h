@@ -26,6 +26,10 @@ struct MicroBatch {
   // 0 elsewhere; a document's weights sum to 1 over all its pieces (sequence means stay exact
   // when a document is split across micro-batches or context-parallel ranks).
   Tensor seq_weight;
+  // Router replay: the experts the rollout engine routed each TOKEN to (aligned with tokens, not
+  // targets), i32 [T, L * K] on the host: row t holds token t's top-k ids for MoE layer 0, then
+  // layer 1, ... Undefined when the data has none. Read with primitives.router_replay.
+  Tensor routing;
   // Context parallelism: set when this batch is one rank's shard of a micro-batch split over a
   // context-parallel group (runtime/context_shard.h); tokens, targets, positions and cu_seqlens
   // above are then the shard's. cp 1: the whole micro-batch.

@@ -102,6 +102,7 @@ DecoderModel::DecoderModel(const ModelConfig& cfg, const ModelOptions& opts, uin
       mc.moe_index = moe_index++;
       mc.num_moe_layers = num_moe_layers_;
       mc.zero_centered_norm = cfg.zero_centered_norm;
+      mc.replay_routing = opts_.prims.router_replay;
       DispatcherConfig dc;
       dc.num_experts = cfg.num_experts;
       dc.group = opts_.ep_group;

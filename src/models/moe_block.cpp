@@ -102,6 +102,36 @@ RouterConfig MoeBlock::router_config() const {
   return r;
 }
 
+RouterReplay MoeBlock::routing_from_batch(const BatchContext& ctx, int64_t T, Device dev) const {
+  const int64_t K = cfg_.top_k, E = cfg_.num_experts, L = cfg_.num_moe_layers;
+  BB_CHECK(ctx.mb && ctx.mb->routing.defined(), "MoE layer ", cfg_.moe_index,
+           ": primitives.router_replay is on but the micro-batch has no routing (give rollout records with "
+           "\"routing\", or set primitives.router_replay = false)");
+  const Tensor& all = ctx.mb->routing;
+  BB_CHECK(all.device().is_cpu() && all.dtype() == DType::i32 && all.dim() == 2 && all.size(0) == T &&
+               all.size(1) == L * K,
+           "MoE layer ", cfg_.moe_index, ": the micro-batch's routing is ", all.str(), ", expected i32 [", T, ", ", L * K,
+           "] on the host (", L, " MoE layers x top-k ", K, " per token)");
+  const int32_t* src = all.data<int32_t>();
+  std::vector<int32_t> idx(static_cast<size_t>(T * K));
+  RouterReplay r;
+  r.tokens_per_expert.assign(static_cast<size_t>(E), 0);
+  for (int64_t t = 0; t < T; ++t) {
+    const int32_t* row = src + t * L * K + cfg_.moe_index * K;
+    for (int64_t k = 0; k < K; ++k) {
+      BB_CHECK(row[k] >= 0 && row[k] < E, "MoE layer ", cfg_.moe_index, ": the replayed routing sends token ", t,
+               " to expert ", row[k], ", outside [0, ", E, ")");
+      for (int64_t j = 0; j < k; ++j)
+        BB_CHECK(row[j] != row[k], "MoE layer ", cfg_.moe_index, ": the replayed routing sends token ", t,
+                 " to expert ", row[k], " twice");
+      idx[static_cast<size_t>(t * K + k)] = row[k];
+      ++r.tokens_per_expert[static_cast<size_t>(row[k])];
+    }
+  }
+  r.topk_idx = Tensor::from_ints(idx, {T, K}, MemCategory::activations).to(dev, MemCategory::activations);
+  return r;
+}
+
 Tensor MoeBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) {
   BB_RANGE("moe_block_forward");
   Saved local;
@@ -145,7 +175,13 @@ Tensor MoeBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) 
     r = router_forward(S.logits, Tensor(), rc, &S.router, &replay);
     ++slot->replays;
   } else {
-    r = router_forward(S.logits, Tensor(), rc, &S.router);
+    if (cfg_.replay_routing) {
+      // Router replay: the data's experts for this layer; probabilities from this model's logits.
+      const RouterReplay given = routing_from_batch(ctx, T, x.device());
+      r = router_forward(S.logits, Tensor(), rc, &S.router, &given);
+    } else {
+      r = router_forward(S.logits, Tensor(), rc, &S.router);
+    }
     if (slot) {
       slot->topk_idx = r.topk_idx;
       slot->tokens_per_expert = r.tokens_per_expert;

@@ -46,6 +46,9 @@ struct MoeBlockConfig {
   int64_t moe_index = 0;       // this layer's slot in the routing stash
   int64_t num_moe_layers = 1;  // the z-loss is the mean over MoE layers
   bool zero_centered_norm = false;  // post_attention_layernorm scales by (1 + w) (Qwen3.5)
+  // Route by the micro-batch's routing (MicroBatch::routing, layer moe_index) instead of the
+  // router's own top-k; probabilities from this model's logits (primitives.router_replay).
+  bool replay_routing = false;
 };
 
 class MoeBlock final : public Block {
@@ -62,6 +65,9 @@ class MoeBlock final : public Block {
   Dispatcher& dispatcher() { return *dispatcher_; }
 
  private:
+  // The micro-batch's routing of this layer ([T, K] on `dev`) and its per-expert counts.
+  RouterReplay routing_from_batch(const BatchContext& ctx, int64_t T, Device dev) const;
+
   struct Saved;
   RouterConfig router_config() const;
   // The expert MLPs as the dispatcher calls them; wgrad goes through block::weight_grad(ctx,

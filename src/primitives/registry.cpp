@@ -175,6 +175,7 @@ std::string PrimitiveSet::summary() const {
   std::ostringstream os;
   for (const std::string& k : keys()) os << (k == keys().front() ? "" : " ") << k << "=" << name_of(k);
   if (loss_chunks.bf16_logits) os << " loss_logits=bf16";
+  if (router_replay) os << " router_replay=on";
   if (name_of("loss") == "policy") {
     const PolicyLossConfig& p = loss_chunks.policy;
     os << " policy(temperature=" << p.temperature << " clip=[" << p.clip_low << "," << p.clip_high << "]"

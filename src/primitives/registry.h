@@ -166,6 +166,10 @@ struct PrimitiveSet {
   Choice<StateKind> state = state_family().default_choice();
   Choice<OptimizerKind> optimizer = optimizer_family().default_choice();
   LossHeadConfig loss_chunks;
+  // Router replay (RL): the MoE layers route each token to the experts the data gives
+  // (MicroBatch::routing, from the rollout engine or an earlier logprobs pass) instead of their
+  // own top-k; the probabilities still come from this model's router logits (skills/router-replay.md).
+  bool router_replay = false;
 
   // Sets family `key` ("loss", "router", ...) to member `name`; throws for an unknown key or
   // name (listing the registered ones). `where` names the source in the message.

@@ -2,6 +2,8 @@
 // (context_shard.h).
 #include "runtime/context_shard.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 
 namespace bb {
@@ -51,6 +53,14 @@ MicroBatch shard_micro_batch(const MicroBatch& mb, int64_t cp, int64_t rank) {
   out.old_logprobs = gather(mb.old_logprobs);
   out.ref_logprobs = gather(mb.ref_logprobs);
   out.seq_weight = gather(mb.seq_weight);
+  if (mb.routing.defined()) {  // [T, L * K]: whole rows follow their tokens
+    const int64_t per = mb.routing.size(1);
+    const std::vector<int32_t> v = mb.routing.to_ints();
+    std::vector<int32_t> o(rows.size() * static_cast<size_t>(per));
+    for (size_t i = 0; i < rows.size(); ++i)
+      std::copy_n(v.begin() + rows[i] * per, per, o.begin() + static_cast<int64_t>(i) * per);
+    out.routing = Tensor::from_ints(o, {n, per}, MemCategory::other);
+  }
   out.shard.cp = cp;
   out.shard.rank = rank;
   out.shard.seqlens = std::move(seqlens);

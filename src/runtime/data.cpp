@@ -67,13 +67,19 @@ Document Corpus::document(int64_t d) const {
   slice(old_logprobs, doc.old_logprobs);
   slice(ref_logprobs, doc.ref_logprobs);
   if (!ids.empty()) doc.id = ids[static_cast<size_t>(d)];
+  if (!routing.empty()) {
+    const int64_t per = routing_layers * routing_topk;
+    doc.routing.assign(routing.begin() + offsets[d] * per, routing.begin() + offsets[d + 1] * per);
+    doc.routing_layers = routing_layers;
+    doc.routing_topk = routing_topk;
+  }
   return doc;
 }
 
 namespace {
 
 // A corpus's RL fields are in every document or in none: the first document decides.
-void check_rl_presence(const Corpus& c, bool adv, bool old, bool ref, bool id, const std::string& where) {
+void check_rl_presence(const Corpus& c, bool adv, bool old, bool ref, bool id, bool routing, const std::string& where) {
   if (c.num_documents() == 0) return;
   auto same = [&](bool now, bool before, const char* key) {
     BB_CHECK(now == before, where, ": key '", key, "' is ", now ? "present" : "missing",
@@ -84,6 +90,26 @@ void check_rl_presence(const Corpus& c, bool adv, bool old, bool ref, bool id, c
   same(old, !c.old_logprobs.empty(), "old_logprobs");
   same(ref, !c.ref_logprobs.empty(), "ref_logprobs");
   same(id, !c.ids.empty(), "id");
+  same(routing, c.has_routing(), "routing");
+}
+
+// Appends a document's routing ([n][layers][topk] flattened), checking its shape against the
+// corpus's (the first document with routing sets it).
+void append_routing(Corpus& c, const std::vector<int32_t>& r, int64_t n, int64_t layers, int64_t topk,
+                    const std::string& where) {
+  if (r.empty()) return;
+  BB_CHECK(layers > 0 && topk > 0 && static_cast<int64_t>(r.size()) == n * layers * topk, where,
+           ": key 'routing' holds ", r.size(), " expert ids for ", n, " tokens x ", layers, " layers x top-k ", topk);
+  if (c.routing.empty()) {
+    c.routing_layers = layers;
+    c.routing_topk = topk;
+  }
+  BB_CHECK(layers == c.routing_layers && topk == c.routing_topk, where, ": key 'routing' has ", layers,
+           " MoE layers x top-k ", topk, " per token, the records before ", c.routing_layers, " x ", c.routing_topk);
+  for (int32_t e : r) {
+    BB_CHECK(e >= 0 && e <= 32767, where, ": key 'routing': expert id ", e, " is outside [0, 32767]");
+    c.routing.push_back(static_cast<int16_t>(e));
+  }
 }
 
 // Log-probs are finite and <= 0 (a positive value is a probability or a logit by mistake).
@@ -105,8 +131,10 @@ void Corpus::add(const Document& doc) {
   field(doc.ref_logprobs, "ref_logprobs");
   BB_CHECK(doc.advantages.size() == n || (doc.old_logprobs.empty() && doc.ref_logprobs.empty()),
            "Corpus::add: old_logprobs / ref_logprobs need advantages");
+  const std::string where = "document " + std::to_string(num_documents());
   check_rl_presence(*this, !doc.advantages.empty(), !doc.old_logprobs.empty(), !doc.ref_logprobs.empty(),
-                    !doc.id.empty(), "document " + std::to_string(num_documents()));
+                    !doc.id.empty(), !doc.routing.empty(), where);
+  append_routing(*this, doc.routing, static_cast<int64_t>(n), doc.routing_layers, doc.routing_topk, where);
   add(doc.tokens, doc.loss_mask);
   advantages.insert(advantages.end(), doc.advantages.begin(), doc.advantages.end());
   old_logprobs.insert(old_logprobs.end(), doc.old_logprobs.begin(), doc.old_logprobs.end());
@@ -209,8 +237,12 @@ class RecordParser final : public json::json_sax_t {
       : where_(std::move(where)), vocab_(vocab_size), tokens_(tokens), mask_(mask) {}
 
   bool has_tokens = false, has_text = false, has_mask = false;
-  bool has_adv = false, has_old = false, has_ref = false, has_id = false;
+  bool has_adv = false, has_old = false, has_ref = false, has_id = false, has_routing = false;
   std::string text, id;
+  // "routing": [tokens][MoE layers][top-k] expert ids, flattened; the shape of the file's first
+  // routing (routing_layers x routing_topk per token) binds every record.
+  std::vector<int32_t> routing;
+  int64_t routing_tokens = 0, routing_layers = 0, routing_topk = 0;
   // RL fields of the record: arrays, or (advantages only) one number for every token.
   std::vector<float> adv, old, ref;
   bool adv_scalar = false;
@@ -256,7 +288,7 @@ class RecordParser final : public json::json_sax_t {
     else if (k == "old_logprobs") in_ = In::old, mark(has_old, k);
     else if (k == "ref_logprobs") in_ = In::ref, mark(has_ref, k);
     else if (k == "id") in_ = In::id, mark(has_id, k);
-    else if (k == "routing") in_ = In::ignored;
+    else if (k == "routing") in_ = In::routing, mark(has_routing, k);
     else
       BB_FAIL(where_, ": unknown key '", k, "' (expected \"tokens\" with optional \"loss_mask\", or \"text\"; RL keys ",
               "advantages, old_logprobs, ref_logprobs, routing, id are accepted)");
@@ -268,7 +300,7 @@ class RecordParser final : public json::json_sax_t {
   }
 
  private:
-  enum class In { none, tokens, mask, text, adv, old, ref, id, ignored };
+  enum class In { none, tokens, mask, text, adv, old, ref, id, routing, ignored };
 
   void mark(bool& seen, const std::string& k) {
     BB_CHECK(!seen, where_, ": key '", k, "' appears twice in the record");
@@ -305,9 +337,25 @@ class RecordParser final : public json::json_sax_t {
     }
     return false;
   }
+  // Where inside "routing" the parser stands, for messages.
+  std::string routing_at() const {
+    std::string s = "key 'routing': token " + std::to_string(routing_tokens - 1);
+    if (depth_ >= 3) s += " layer " + std::to_string(r_layers_ - 1);
+    return s;
+  }
   // A value that is not an element of tokens / loss_mask / an RL array.
   bool scalar(const std::string& shown, const char* type) {
     if (depth_ == 0) BB_FAIL(where_, ": expected a JSON object per line, got ", type);
+    if (in_ == In::routing) {
+      if (depth_ == 1)
+        BB_FAIL(where_, ": key 'routing': expected an array (tokens x MoE layers x top-k expert ids), got ", type);
+      if (depth_ == 2)
+        BB_FAIL(where_, ": key 'routing': token ", routing_tokens, " is ", shown, ", expected an array of MoE layers");
+      if (depth_ == 3)
+        BB_FAIL(where_, ": key 'routing': token ", routing_tokens - 1, " layer ", r_layers_, " is ", shown,
+                ", expected an array of expert ids");
+      BB_FAIL(where_, ": ", routing_at(), ": element ", r_k_, " is ", shown, ", not an integer");
+    }
     if (depth_ == 2 && int_array())
       BB_FAIL(where_, ": key '", key_name(), "': element ", index_, " is ", shown, ", not an integer");
     if (depth_ == 2 && float_array())
@@ -324,6 +372,13 @@ class RecordParser final : public json::json_sax_t {
   }
   bool integer(int64_t v, const std::string& shown) {
     if (depth_ == 2 && int_array()) return element(v, shown);
+    if (depth_ == 4 && in_ == In::routing) {
+      BB_CHECK(v >= 0 && v <= 32767, where_, ": ", routing_at(), ": element ", r_k_, " is ", shown,
+               ", outside [0, 32767] (an expert id)");
+      routing.push_back(static_cast<int32_t>(v));
+      ++r_k_;
+      return true;
+    }
     if (depth_ == 1 && in_ == In::id) {
       id = shown;
       in_ = In::none;
@@ -355,12 +410,33 @@ class RecordParser final : public json::json_sax_t {
       BB_FAIL(where_, ": key '", key_name(), "': element ", index_, " is an ", type, ", not an integer");
     if (depth_ == 2 && float_array())
       BB_FAIL(where_, ": key '", key_name(), "': element ", index_, " is an ", type, ", not a number");
+    if (in_ == In::routing) {
+      if (!array) {
+        if (depth_ == 1)
+          BB_FAIL(where_, ": key 'routing': expected an array (tokens x MoE layers x top-k expert ids), got ", type);
+        return scalar("an object", type);
+      }
+      if (depth_ == 2) ++routing_tokens, r_layers_ = 0;
+      if (depth_ == 3) ++r_layers_, r_k_ = 0;
+      if (depth_ == 4) BB_FAIL(where_, ": ", routing_at(), ": element ", r_k_, " is an array, not an integer");
+    }
     BB_CHECK(depth_ < kMaxJsonDepth, where_, ": JSON nested deeper than ", kMaxJsonDepth, " levels");
     ++depth_;
     return true;
   }
   bool close() {
     --depth_;
+    if (in_ == In::routing && depth_ == 3) {  // a layer's ids closed
+      if (routing_topk == 0) routing_topk = r_k_;
+      BB_CHECK(r_k_ > 0 && r_k_ == routing_topk, where_, ": ", routing_at(), " has ", r_k_, " expert ids, expected ",
+               routing_topk, r_k_ == 0 ? " (top-k > 0)" : " (the top-k of the records before)");
+    }
+    if (in_ == In::routing && depth_ == 2) {  // a token's layers closed
+      if (routing_layers == 0) routing_layers = r_layers_;
+      BB_CHECK(r_layers_ > 0 && r_layers_ == routing_layers, where_, ": key 'routing': token ", routing_tokens - 1,
+               " has ", r_layers_, " MoE layers, expected ", routing_layers,
+               r_layers_ == 0 ? " (one entry per MoE layer)" : " (as the tokens and records before)");
+    }
     if (depth_ == 1) in_ = In::none;
     return true;
   }
@@ -372,6 +448,7 @@ class RecordParser final : public json::json_sax_t {
   int depth_ = 0;
   In in_ = In::none;
   int64_t index_ = 0;
+  int64_t r_layers_ = 0, r_k_ = 0;  // inside "routing": layers of the current token, ids of its current layer
 };
 
 bool is_blank(std::string_view line) {
@@ -390,6 +467,8 @@ void add_jsonl_record(std::string_view line, const std::string& where, int64_t v
            " of the line; JSON lines are text (one record per line, no binary data)");
   const size_t start = c.tokens.size();
   RecordParser rec(where, vocab_size, c.tokens, doc_mask);
+  rec.routing_layers = c.routing_layers;  // the file's routing shape, once known
+  rec.routing_topk = c.routing_topk;
   json::sax_parse(line.begin(), line.end(), &rec);
   // The tokens are in place already; what remains is the bookkeeping of Corpus::add.
   const size_t n = c.tokens.size() - start;
@@ -399,7 +478,8 @@ void add_jsonl_record(std::string_view line, const std::string& where, int64_t v
     BB_CHECK(!rec.has_adv && !rec.has_old && !rec.has_ref, where,
              ": RL keys (advantages, old_logprobs, ref_logprobs) need key 'tokens' (they cannot be aligned with the "
              "bytes of 'text')");
-    check_rl_presence(c, false, false, false, rec.has_id, where);
+    BB_CHECK(!rec.has_routing, where, ": key 'routing' needs key 'tokens' (it cannot be aligned with the bytes of 'text')");
+    check_rl_presence(c, false, false, false, rec.has_id, false, where);
     if (rec.has_id) c.ids.push_back(rec.id);
     BB_CHECK(!rec.has_mask, where, ": key 'loss_mask' needs key 'tokens' ",
              "(a mask cannot be aligned with the bytes of 'text')");
@@ -427,7 +507,10 @@ void add_jsonl_record(std::string_view line, const std::string& where, int64_t v
   check_logprobs(rec.old, "old_logprobs", where);
   check_logprobs(rec.ref, "ref_logprobs", where);
   // (The tokens are in c.tokens already, but its offsets still count the records before this one.)
-  check_rl_presence(c, rec.has_adv, rec.has_old, rec.has_ref, rec.has_id, where);
+  check_rl_presence(c, rec.has_adv, rec.has_old, rec.has_ref, rec.has_id, rec.has_routing, where);
+  BB_CHECK(!rec.has_routing || rec.routing_tokens == static_cast<int64_t>(n), where, ": key 'routing': ",
+           rec.routing_tokens, " token entries for ", n, " tokens (one per token: [MoE layers][top-k] expert ids)");
+  append_routing(c, rec.routing, static_cast<int64_t>(n), rec.routing_layers, rec.routing_topk, where);
   c.advantages.insert(c.advantages.end(), rec.adv.begin(), rec.adv.end());
   c.old_logprobs.insert(c.old_logprobs.end(), rec.old.begin(), rec.old.end());
   c.ref_logprobs.insert(c.ref_logprobs.end(), rec.ref.begin(), rec.ref.end());
@@ -648,6 +731,8 @@ MicroBatch DataLoader::next() {
   const bool rl = corpus_.has_rl();
   const bool has_old = !corpus_.old_logprobs.empty(), has_ref = !corpus_.ref_logprobs.empty();
   std::vector<float> adv(rl ? T : 0), old(has_old ? T : 0), ref(has_ref ? T : 0), sw(rl ? T : 0);
+  const int64_t per = corpus_.routing_layers * corpus_.routing_topk;  // routing ids per token
+  std::vector<int32_t> rt(corpus_.has_routing() ? T * per : 0);
   int64_t fill = 0, num_valid = 0;
   while (fill < T) {
     const int64_t doc = order_[pos_.doc_index];
@@ -662,6 +747,8 @@ MicroBatch DataLoader::next() {
       const bool trained = has_next && (mask == nullptr || mask[j + 1] != 0);
       targets[fill + i] = trained ? all[j + 1] : -1;
       num_valid += trained;
+      if (!rt.empty())
+        std::copy_n(corpus_.routing.begin() + j * per, per, rt.begin() + (fill + i) * per);
       if (rl && trained) {
         adv[fill + i] = corpus_.advantages[j + 1];
         if (has_old) old[fill + i] = corpus_.old_logprobs[j + 1];
@@ -690,6 +777,7 @@ MicroBatch DataLoader::next() {
     if (has_ref) mb.ref_logprobs = Tensor::from_floats(ref, {T}, DType::f32, MemCategory::other);
     mb.seq_weight = Tensor::from_floats(sw, {T}, DType::f32, MemCategory::other);
   }
+  if (!rt.empty()) mb.routing = Tensor::from_ints(rt, {T, per}, MemCategory::other);
   return mb;
 }
 

@@ -35,6 +35,10 @@ struct Document {
   std::vector<float> old_logprobs;  // same length, or empty (on-policy)
   std::vector<float> ref_logprobs;  // same length, or empty
   std::string id;                   // the record's "id" (may be empty)
+  // Router replay: the experts the rollout engine routed token j to, [tokens][layers][topk]
+  // flattened (ids >= 0; the model checks < E), or empty.
+  std::vector<int32_t> routing;
+  int64_t routing_layers = 0, routing_topk = 0;
 };
 
 struct DataConfig {
@@ -65,6 +69,10 @@ struct Corpus {
   // is in every document or in none).
   std::vector<float> advantages, old_logprobs, ref_logprobs;
   std::vector<std::string> ids;  // one per document when the records have "id", else empty
+  // Router replay: [num_tokens][routing_layers][routing_topk] expert ids, or empty (every
+  // document has routing or none; one shape for all).
+  std::vector<int16_t> routing;
+  int64_t routing_layers = 0, routing_topk = 0;
   std::vector<int64_t> offsets{
       0};  // [num_documents + 1]: document d is tokens[offsets[d], offsets[d+1])
 
@@ -78,6 +86,7 @@ struct Corpus {
   // as the documents before it).
   void add(const Document& doc);
   bool has_rl() const { return !advantages.empty(); }
+  bool has_routing() const { return !routing.empty(); }
 };
 
 // Checks every document (non-empty, tokens in [0, vocab_size), mask 0/1 of the right length) and
@@ -94,9 +103,9 @@ Corpus read_flat_tokens(const std::string& path, int64_t vocab_size, int32_t eos
 // optional "loss_mask" (0/1 array, same length), or "text" (string: byte-tokenized, kEosId
 // appended). Blank lines are skipped. RL rollout records (with "tokens") may add "advantages"
 // (a number array of the tokens' length, or one number for the whole record), "old_logprobs"
-// and "ref_logprobs" (arrays of the tokens' length, finite, <= 0) and "id" (string or integer);
-// every record then has the same RL keys. "routing" is accepted and not read yet. Anything else
-// is an error naming path:line and the key.
+// and "ref_logprobs" (arrays of the tokens' length, finite, <= 0), "id" (string or integer) and
+// "routing" ([tokens][MoE layers][top-k] expert ids, one shape for the file); every record then
+// has the same RL keys. Anything else is an error naming path:line and the key.
 // Records are parsed with a SAX handler straight into the corpus (no JSON tree): memory for a
 // line is the line itself plus its tokens (4 bytes each, at most 2 per 2 bytes of text), so a
 // huge line costs a small multiple of its size. A line longer than max_line_bytes is an error.

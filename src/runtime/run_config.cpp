@@ -247,6 +247,7 @@ RunConfig build(const toml::value& root, const std::string& src) {
   BB_CHECK(logits == "f32" || logits == "bf16", "primitives.loss_logits must be \"f32\" or \"bf16\" in ", src,
            ", got \"", logits, "\"");
   pc.loss_chunks.bf16_logits = logits == "bf16";
+  p.read("router_replay", pc.router_replay);
   p.finish();
 
   // [policy]: the objective of primitives.loss = "policy" (primitives/loss/policy.h); read and

@@ -190,6 +190,27 @@ StepMetrics::Policy reduce_policy(comm::Group& world, const PolicyMetrics& pm, i
   return p;
 }
 
+// primitives.router_replay: the data's routing must fit the model (its MoE layers, top-k and
+// experts); a bad id is named with its document.
+void check_replay_routing(const RunConfig& cfg, const Corpus& c) {
+  const ModelConfig& m = cfg.model;
+  int64_t moe_layers = 0;
+  for (int64_t l = 0; l < m.num_layers; ++l) moe_layers += m.is_moe_layer(l);
+  BB_CHECK(moe_layers > 0, "primitives.router_replay is on but the model has no MoE layer");
+  BB_CHECK(c.has_routing(), "primitives.router_replay is on but data '", cfg.data.path,
+           "' has no \"routing\" (give rollout records with the routed experts, e.g. vLLM's "
+           "--enable-return-routed-experts output; or set primitives.router_replay = false)");
+  BB_CHECK(c.routing_layers == moe_layers && c.routing_topk == m.top_k, "data '", cfg.data.path, "': \"routing\" has ",
+           c.routing_layers, " MoE layers x top-k ", c.routing_topk, " per token; the model routes ", moe_layers,
+           " MoE layers x top-k ", m.top_k);
+  const int64_t per = c.routing_layers * c.routing_topk;
+  for (int64_t d = 0; d < c.num_documents(); ++d)
+    for (int64_t i = c.offsets[d] * per; i < c.offsets[d + 1] * per; ++i)
+      BB_CHECK(c.routing[static_cast<size_t>(i)] < m.num_experts, "data '", cfg.data.path, "': document ", d,
+               c.ids.empty() ? std::string() : " (id " + c.ids[static_cast<size_t>(d)] + ")", ": \"routing\" names expert ",
+               c.routing[static_cast<size_t>(i)], ", but the model has ", m.num_experts, " experts");
+}
+
 }  // namespace
 
 MicroBatch to_device(MicroBatch mb, Device d) {
@@ -418,6 +439,7 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
   }
   data_ = corpus.num_documents() > 0 ? std::make_unique<DataLoader>(cfg.data, std::move(corpus))
                                      : std::make_unique<DataLoader>(cfg.data);
+  if (cfg.prim.router_replay) check_replay_routing(cfg, data_->corpus());
   policy_ = cfg.prim.name_of("loss") == "policy";
   if (policy_) {
     BB_CHECK(data_->corpus().has_rl(), "primitives.loss = \"policy\" trains on rollouts, but data '", cfg.data.path,

@@ -518,7 +518,7 @@ TEST(Sources, JsonLines) {
              "\n"
              "   \r\n"
              "{\"text\": \"hi\"}\n"
-             "{\"tokens\": [4, 5], \"routing\": [[1, 2], [0, 3]]}\n"
+             "{\"tokens\": [4, 5]}\n"
              "{\"tokens\": [6, 7], \"loss_mask\": [true, false]}");  // no final newline
   const Corpus c = read_jsonl(path, 264);
   ASSERT_EQ(c.num_documents(), 4);
@@ -593,8 +593,7 @@ TEST(Rollouts, FieldsParsedAndPackedOntoTheirTargets) {
   const std::string path = dir.file("rollouts.jsonl");
   write_text(path,
              "{\"id\": \"a\", \"tokens\": [1, 2, 3, 4], \"loss_mask\": [0, 0, 1, 1], \"advantages\": 0.5,"
-             " \"old_logprobs\": [0, 0, -1.5, -2.5], \"ref_logprobs\": [0, 0, -1.25, -2],"
-             " \"routing\": [[[1, 2]], [[0, 3]], [[1, 3]], [[2, 3]]]}\n"
+             " \"old_logprobs\": [0, 0, -1.5, -2.5], \"ref_logprobs\": [0, 0, -1.25, -2]}\n"
              "{\"id\": 7, \"tokens\": [5, 6, 7], \"advantages\": [9, -1, -2], \"old_logprobs\": [0, -0.5, -0.75],"
              " \"ref_logprobs\": [0, -0.5, -1]}\n");
   const Corpus c = read_jsonl(path, 264);
@@ -669,6 +668,73 @@ TEST(Rollouts, ContextShardsCarryTheFields) {
     total += sum;
   }
   EXPECT_GT(total, 0);
+}
+
+// "routing": [tokens][MoE layers][top-k] expert ids, aligned with the TOKENS (the experts that
+// processed token j), carried whole through packing and CP shards.
+TEST(Rollouts, RoutingAlignedWithTokens) {
+  TempDir dir;
+  const std::string path = dir.file("routed.jsonl");
+  // 2 MoE layers, top-2; expert ids encode (token value, layer, k) so every move is visible.
+  auto record = [](const std::vector<int>& toks) {
+    std::string r = "{\"tokens\": [";
+    for (size_t i = 0; i < toks.size(); ++i) r += (i ? ", " : "") + std::to_string(toks[i]);
+    r += "], \"routing\": [";
+    for (size_t i = 0; i < toks.size(); ++i) {
+      r += i ? ", [" : "[";
+      for (int l = 0; l < 2; ++l)
+        r += (l ? ", [" : "[") + std::to_string(toks[i] * 10 + l * 2) + ", " + std::to_string(toks[i] * 10 + l * 2 + 1) + "]";
+      r += "]";
+    }
+    return r + "]}";
+  };
+  write_text(path, record({1, 2, 3, 4, 5}) + "\n" + record({6, 7, 8}) + "\n");
+  const Corpus c = read_jsonl(path, 264);
+  ASSERT_TRUE(c.has_routing());
+  EXPECT_FALSE(c.has_rl());  // routing alone (a logprobs or replay input) needs no advantages
+  EXPECT_EQ(c.routing_layers, 2);
+  EXPECT_EQ(c.routing_topk, 2);
+  EXPECT_EQ(c.document(1).routing, (std::vector<int32_t>{60, 61, 62, 63, 70, 71, 72, 73, 80, 81, 82, 83}));
+  DataConfig cfg = mem_config(6, 1, false);
+  cfg.path = path;
+  DataLoader loader(cfg);
+  const MicroBatch mb = loader.next();
+  ASSERT_EQ(mb.routing.shape(), (Shape{6, 4}));
+  const auto tok = mb.tokens.to_ints();
+  const auto r = mb.routing.to_ints();
+  for (int64_t t = 0; t < 6; ++t)
+    for (int64_t i = 0; i < 4; ++i) EXPECT_EQ(r[t * 4 + i], tok[t] * 10 + i) << "position " << t;
+  for (int64_t cp : {2, 3})
+    for (int64_t rank = 0; rank < cp; ++rank) {
+      const MicroBatch s = shard_micro_batch(mb, cp, rank);
+      const auto st = s.tokens.to_ints(), sr = s.routing.to_ints();
+      ASSERT_EQ(sr.size(), st.size() * 4);
+      for (size_t t = 0; t < st.size(); ++t)
+        for (size_t i = 0; i < 4; ++i) EXPECT_EQ(sr[t * 4 + i], st[t] * 10 + static_cast<int>(i));
+    }
+}
+
+TEST(Rollouts, RoutingErrorsNameTheRecord) {
+  TempDir dir;
+  int n = 0;
+  const std::string good = R"({"tokens": [1, 2], "routing": [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]})";
+  auto check = [&](const std::string& bad, const std::string& needle) {
+    const std::string path = dir.file("r" + std::to_string(n++) + ".jsonl");
+    write_text(path, good + "\n" + bad + "\n");
+    test::expect_error_contains([&] { read_jsonl(path, 264); }, path + ":2: " + needle);
+  };
+  check(R"({"tokens": [1, 2], "routing": [[[0, 1], [2, 3]]]})", "key 'routing': 1 token entries for 2 tokens");
+  check(R"({"tokens": [1, 2], "routing": [[[0, 1], [2, 3]], [[4, 5]]]})", "key 'routing': token 1 has 1 MoE layers, expected 2");
+  check(R"({"tokens": [1, 2], "routing": [[[0, 1], [2, 3]], [[4, 5], [6]]]})", "key 'routing': token 1 layer 1 has 1 expert ids, expected 2");
+  check(R"({"tokens": [1, 2], "routing": [[[0, 1], [2, 3]], [[4, 5], [6, -7]]]})", "key 'routing': token 1 layer 1: element 1 is -7, outside [0, 32767]");
+  check(R"({"tokens": [1, 2], "routing": [[[0, 1], [2, 3]], [[4, 5], [6, 7.5]]]})", "key 'routing': token 1 layer 1: element 1 is 7.5, not an integer");
+  check(R"({"tokens": [1, 2], "routing": [[[0, 1], [2, 3]], [[4, 5], 6]]})", "key 'routing': token 1 layer 1 is 6, expected an array of expert ids");
+  check(R"({"tokens": [1, 2], "routing": [[[0, 1], [2, 3]], 4]})", "key 'routing': token 1 is 4, expected an array of MoE layers");
+  check(R"({"tokens": [1, 2], "routing": [[[0, 1], [2, 3]], [[4, 5], [6, [7]]]]})",
+        "key 'routing': token 1 layer 1: element 1 is an array, not an integer");
+  check(R"({"tokens": [1, 2], "routing": {"a": 1}})", "key 'routing': expected an array");
+  check(R"({"tokens": [1, 2]})", "key 'routing' is missing here but present");
+  check(R"({"text": "hi", "routing": [[[0, 1], [2, 3]]]})", "key 'routing' needs key 'tokens'");
 }
 
 TEST(Rollouts, ErrorsNameTheRecordAndTheField) {

@@ -24,8 +24,9 @@ using test::world;
 
 constexpr int kSteps = 4;
 
-// Rollout-like documents: a prompt (masked), then a response with advantages and log-probs.
-Corpus rollouts() {
+// Rollout-like documents: a prompt (masked), then a response with advantages and log-probs;
+// with `routing`, each token's experts for the model's 2 MoE layers (top-2 of 8, distinct).
+Corpus rollouts(bool routing = false) {
   const std::vector<int64_t> lens = {9, 70, 5, 33, 140, 12, 60, 3, 25, 90, 17, 44};
   std::vector<Document> docs;
   uint64_t state = 7;
@@ -45,7 +46,14 @@ Corpus rollouts() {
         // Near the model's log-probs at init (~ -log 264 = -5.58): ratios on both sides of the clip.
         d.old_logprobs.push_back(-5.58f + static_cast<float>(static_cast<int64_t>(next() % 100) - 50) / 200.0f);
         d.ref_logprobs.push_back(-5.58f + static_cast<float>(static_cast<int64_t>(next() % 100) - 50) / 300.0f);
+        if (routing)
+          for (int l = 0; l < 2; ++l) {
+            const auto e0 = static_cast<int32_t>(next() % 8);
+            d.routing.push_back(e0);
+            d.routing.push_back(static_cast<int32_t>((e0 + 1 + next() % 7) % 8));
+          }
       }
+      if (routing) d.routing_layers = d.routing_topk = 2;
       docs.push_back(std::move(d));
     }
   return corpus_from_documents(docs, 264, "test rollouts");
@@ -83,9 +91,10 @@ struct Layout {
   std::vector<std::string> extra;
 };
 
-void check_layouts(const char* tag, const std::vector<Layout>& layouts, const std::vector<std::string>& common) {
+void check_layouts(const char* tag, const std::vector<Layout>& layouts, const std::vector<std::string>& common,
+                   bool routing = false) {
   TestRun run = make_run(tag);
-  const Corpus corpus = rollouts();
+  const Corpus corpus = rollouts(routing);
   std::map<int64_t, test::Reference> refs;
   for (const Layout& l : layouts) {
     std::string name = "cp" + std::to_string(l.cp) + " ep" + std::to_string(l.ep);
@@ -140,6 +149,29 @@ TEST(PolicyLoss, SequenceMeanLayoutsEqualTheSingleRankRun) {
   const int64_t R = world()->size();
   if (R == 1) GTEST_SKIP() << "a layout needs 2 or more ranks";
   check_layouts("policy_seq", layouts_for(R), {"policy.aggregation=\"seq_mean_token_mean\"", "policy.kl=\"k1\""});
+}
+
+// Router replay (R3): the rollouts' routing is replayed in every layout (EP moves the rows by
+// the given experts; CP shards carry each token's routing; full recompute replays it again).
+TEST(PolicyLoss, RouterReplayLayoutsEqualTheSingleRankRun) {
+  const int64_t R = world()->size();
+  if (R == 1) GTEST_SKIP() << "a layout needs 2 or more ranks";
+  std::vector<Layout> layouts = layouts_for(R);
+  if (R == 2) layouts.push_back({2, 2, {"primitives.moe_dispatch=\"chunked_alltoall:2\"", "primitives.recompute=\"full\""}});
+  if (R == 4) layouts.push_back({2, 4, {"primitives.moe_dispatch=\"alltoall\"", "primitives.recompute=\"full\""}});
+  check_layouts("policy_replay", layouts, {"primitives.router_replay=true"}, /*routing=*/true);
+  // The data's routing is not the model's own: without replay the same run routes otherwise.
+  TestRun run = make_run("policy_replay_off");
+  const Corpus corpus = rollouts(true);
+  auto first_loss = [&](bool replay) {
+    test::Reference r = test::reference_run(
+        parse_run_config(run.toml, "test run", {"primitives.router_replay=" + std::string(replay ? "true" : "false")}),
+        corpus, 1);
+    return r.steps[0];
+  };
+  const StepMetrics on = first_loss(true), off = first_loss(false);
+  EXPECT_NE(on.loss, off.loss);
+  EXPECT_NE(on.routing, off.routing);
 }
 
 TEST(PolicyLoss, TrainerRefusesWhatCannotRun) {
