@@ -696,6 +696,8 @@ void DataLoader::check_config() const {
   BB_CHECK(cfg_.tokens_per_micro_batch <= INT32_MAX, "data: tokens_per_micro_batch ",
            cfg_.tokens_per_micro_batch, " does not fit the i32 cu_seqlens");
   BB_CHECK(cfg_.vocab_size > 0, "data: vocab_size must be positive, got ", cfg_.vocab_size);
+  BB_CHECK(cfg_.packing == "split" || cfg_.packing == "whole", "data.packing must be \"split\" or \"whole\", got \"",
+           cfg_.packing, "\"");
 }
 
 std::vector<int64_t> DataLoader::epoch_order(uint64_t epoch) const {
@@ -722,63 +724,153 @@ void DataLoader::restore(const DataPosition& p) {
   pos_ = p;
 }
 
-MicroBatch DataLoader::next() {
-  const int64_t T = cfg_.tokens_per_micro_batch;
-  std::vector<int32_t> tokens(T), targets(T), positions(T), cu{0};
+// A micro-batch under construction: vectors grown piece by piece (push_back), then turned into
+// tensors by finish().
+struct DataLoader::Builder {
+  std::vector<int32_t> tokens, targets, positions, cu{0}, routing;
+  std::vector<float> adv, old, ref, sw;
+  int64_t num_valid = 0;
+};
+
+void DataLoader::append_piece(Builder& b, int64_t doc, int64_t off, int64_t take) const {
   const int32_t* all = corpus_.tokens.data();
   const uint8_t* mask = corpus_.loss_mask.empty() ? nullptr : corpus_.loss_mask.data();
   // RL fields: the value of the predicted token (j + 1), 0 at positions without a target.
   const bool rl = corpus_.has_rl();
   const bool has_old = !corpus_.old_logprobs.empty(), has_ref = !corpus_.ref_logprobs.empty();
-  std::vector<float> adv(rl ? T : 0), old(has_old ? T : 0), ref(has_ref ? T : 0), sw(rl ? T : 0);
   const int64_t per = corpus_.routing_layers * corpus_.routing_topk;  // routing ids per token
-  std::vector<int32_t> rt(corpus_.has_routing() ? T * per : 0);
-  int64_t fill = 0, num_valid = 0;
+  const int64_t begin = corpus_.offsets[doc], len = corpus_.length(doc);
+  for (int64_t i = 0; i < take; ++i) {
+    const int64_t j = begin + off + i;  // index into the corpus
+    b.tokens.push_back(all[j]);
+    b.positions.push_back(static_cast<int32_t>(i));
+    const bool has_next = off + i + 1 < len;
+    const bool trained = has_next && (mask == nullptr || mask[j + 1] != 0);
+    b.targets.push_back(trained ? all[j + 1] : -1);
+    b.num_valid += trained;
+    if (per > 0) b.routing.insert(b.routing.end(), corpus_.routing.begin() + j * per, corpus_.routing.begin() + (j + 1) * per);
+    if (rl) {
+      b.adv.push_back(trained ? corpus_.advantages[j + 1] : 0.0f);
+      if (has_old) b.old.push_back(trained ? corpus_.old_logprobs[j + 1] : 0.0f);
+      if (has_ref) b.ref.push_back(trained ? corpus_.ref_logprobs[j + 1] : 0.0f);
+      b.sw.push_back(trained ? 1.0f / static_cast<float>(doc_targets_[static_cast<size_t>(doc)]) : 0.0f);
+    }
+  }
+  b.cu.push_back(static_cast<int32_t>(b.tokens.size()));
+}
+
+MicroBatch DataLoader::finish(Builder& b) const {
+  const auto T = static_cast<int64_t>(b.tokens.size());
+  MicroBatch mb;
+  const int64_t B = static_cast<int64_t>(b.cu.size()) - 1;
+  mb.tokens = Tensor::from_ints(b.tokens, {T}, MemCategory::other);
+  mb.targets = Tensor::from_ints(b.targets, {T}, MemCategory::other);
+  mb.positions = Tensor::from_ints(b.positions, {T}, MemCategory::other);
+  mb.cu_seqlens = Tensor::from_ints(b.cu, {B + 1}, MemCategory::other);
+  mb.num_valid = b.num_valid;
+  if (corpus_.has_rl()) {
+    mb.advantages = Tensor::from_floats(b.adv, {T}, DType::f32, MemCategory::other);
+    if (!b.old.empty()) mb.old_logprobs = Tensor::from_floats(b.old, {T}, DType::f32, MemCategory::other);
+    if (!b.ref.empty()) mb.ref_logprobs = Tensor::from_floats(b.ref, {T}, DType::f32, MemCategory::other);
+    mb.seq_weight = Tensor::from_floats(b.sw, {T}, DType::f32, MemCategory::other);
+  }
+  if (!b.routing.empty())
+    mb.routing = Tensor::from_ints(b.routing, {T, corpus_.routing_layers * corpus_.routing_topk}, MemCategory::other);
+  return mb;
+}
+
+MicroBatch DataLoader::next() {
+  BB_CHECK(cfg_.packing == "split", "DataLoader::next: data.packing = \"", cfg_.packing,
+           "\" packs whole steps; call next_step");
+  const int64_t T = cfg_.tokens_per_micro_batch;
+  Builder b;
+  int64_t fill = 0;
   while (fill < T) {
     const int64_t doc = order_[pos_.doc_index];
-    const int64_t begin = corpus_.offsets[doc], len = corpus_.length(doc);
+    const int64_t len = corpus_.length(doc);
     const auto off = static_cast<int64_t>(pos_.token_offset);
     const int64_t take = std::min(len - off, T - fill);
-    for (int64_t i = 0; i < take; ++i) {
-      const int64_t j = begin + off + i;  // index into the corpus
-      tokens[fill + i] = all[j];
-      positions[fill + i] = static_cast<int32_t>(i);
-      const bool has_next = off + i + 1 < len;
-      const bool trained = has_next && (mask == nullptr || mask[j + 1] != 0);
-      targets[fill + i] = trained ? all[j + 1] : -1;
-      num_valid += trained;
-      if (!rt.empty())
-        std::copy_n(corpus_.routing.begin() + j * per, per, rt.begin() + (fill + i) * per);
-      if (rl && trained) {
-        adv[fill + i] = corpus_.advantages[j + 1];
-        if (has_old) old[fill + i] = corpus_.old_logprobs[j + 1];
-        if (has_ref) ref[fill + i] = corpus_.ref_logprobs[j + 1];
-        sw[fill + i] = 1.0f / static_cast<float>(doc_targets_[static_cast<size_t>(doc)]);
-      }
-    }
+    append_piece(b, doc, off, take);
     fill += take;
-    cu.push_back(static_cast<int32_t>(fill));
     pos_.token_offset += static_cast<uint64_t>(take);
     if (static_cast<int64_t>(pos_.token_offset) == len) {
       pos_.token_offset = 0;
       if (++pos_.doc_index == static_cast<uint64_t>(num_documents())) start_epoch(pos_.epoch + 1);
     }
   }
-  MicroBatch mb;
-  const int64_t B = static_cast<int64_t>(cu.size()) - 1;
-  mb.tokens = Tensor::from_ints(tokens, {T}, MemCategory::other);
-  mb.targets = Tensor::from_ints(targets, {T}, MemCategory::other);
-  mb.positions = Tensor::from_ints(positions, {T}, MemCategory::other);
-  mb.cu_seqlens = Tensor::from_ints(cu, {B + 1}, MemCategory::other);
-  mb.num_valid = num_valid;
-  if (rl) {
-    mb.advantages = Tensor::from_floats(adv, {T}, DType::f32, MemCategory::other);
-    if (has_old) mb.old_logprobs = Tensor::from_floats(old, {T}, DType::f32, MemCategory::other);
-    if (has_ref) mb.ref_logprobs = Tensor::from_floats(ref, {T}, DType::f32, MemCategory::other);
-    mb.seq_weight = Tensor::from_floats(sw, {T}, DType::f32, MemCategory::other);
+  return finish(b);
+}
+
+std::vector<MicroBatch> DataLoader::next_step(int64_t n) {
+  BB_CHECK(n >= 1, "DataLoader::next_step: n must be >= 1, got ", n);
+  if (cfg_.packing == "whole") return pack_whole(n);
+  std::vector<MicroBatch> out;
+  for (int64_t i = 0; i < n; ++i) out.push_back(next());
+  return out;
+}
+
+namespace {
+
+// Longest-processing-time first: documents (their lengths and costs), costliest first (ties by
+// position), each to the bin of least cost that has room for it (ties to the lower index).
+// Returns each document's bin, or empty when one does not fit anywhere.
+std::vector<int64_t> lpt_assign(const std::vector<int64_t>& len, const std::vector<double>& cost, int64_t n,
+                                int64_t capacity) {
+  std::vector<size_t> order(len.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return cost[a] > cost[b]; });
+  std::vector<int64_t> fill(static_cast<size_t>(n), 0), bin(len.size(), -1);
+  std::vector<double> load(static_cast<size_t>(n), 0.0);
+  for (size_t i : order) {
+    int64_t best = -1;
+    for (int64_t k = 0; k < n; ++k)
+      if (fill[k] + len[i] <= capacity && (best < 0 || load[k] < load[best])) best = k;
+    if (best < 0) return {};
+    fill[best] += len[i];
+    load[best] += cost[i];
+    bin[i] = best;
   }
-  if (!rt.empty()) mb.routing = Tensor::from_ints(rt, {T, per}, MemCategory::other);
-  return mb;
+  return bin;
+}
+
+}  // namespace
+
+std::vector<MicroBatch> DataLoader::pack_whole(int64_t n) {
+  const int64_t T = cfg_.tokens_per_micro_batch;
+  BB_CHECK(pos_.token_offset == 0, "data.packing = \"whole\": the data position is inside a document (token ",
+           pos_.token_offset, "); it was saved with data.packing = \"split\"");
+  auto cost_of = [&](int64_t len) {
+    return cost_ ? cost_(len) : static_cast<double>(len) + static_cast<double>(len) * static_cast<double>(len) / 4096.0;
+  };
+  // Take documents in visit order while they still fit the step's n micro-batches.
+  std::vector<int64_t> docs, lens, bins;
+  std::vector<double> costs;
+  int64_t total = 0;
+  while (total < n * T) {
+    const int64_t doc = order_[pos_.doc_index];
+    const int64_t len = corpus_.length(doc);
+    BB_CHECK(len <= T, "data.packing = \"whole\": document ", doc,
+             corpus_.ids.empty() ? std::string() : " (id " + corpus_.ids[static_cast<size_t>(doc)] + ")", " has ", len,
+             " tokens, more than a micro-batch holds (train.micro_batch_tokens = ", T,
+             "); raise train.micro_batch_tokens, or use data.packing = \"split\" (which cuts documents)");
+    lens.push_back(len);
+    costs.push_back(cost_of(len));
+    std::vector<int64_t> b = lpt_assign(lens, costs, n, T);
+    if (b.empty()) {
+      lens.pop_back();
+      costs.pop_back();
+      break;
+    }
+    bins = std::move(b);
+    docs.push_back(doc);
+    total += len;
+    if (++pos_.doc_index == static_cast<uint64_t>(num_documents())) start_epoch(pos_.epoch + 1);
+  }
+  std::vector<Builder> built(static_cast<size_t>(n));
+  for (size_t i = 0; i < docs.size(); ++i) append_piece(built[static_cast<size_t>(bins[i])], docs[i], 0, lens[i]);
+  std::vector<MicroBatch> out;
+  for (Builder& b : built) out.push_back(finish(b));
+  return out;
 }
 
 }  // namespace bb

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <string_view>
@@ -58,6 +59,13 @@ struct DataConfig {
   // JSONL: the longest line accepted (a longer one is an error naming the line); parsing holds
   // at most a small multiple of the line in memory (see read_jsonl).
   int64_t max_line_bytes = int64_t{1} << 30;
+  // "split": every micro-batch holds exactly tokens_per_micro_batch tokens, a document that does
+  // not fit is split (its rest opens the next micro-batch without the earlier context).
+  // "whole": documents are never split; each step's micro-batches are filled with whole
+  // documents up to the token budget (at most tokens_per_micro_batch each) and balanced by
+  // estimated cost (DataLoader::next_step). RL needs it: a split rollout's second piece would
+  // be scored without its prompt.
+  std::string packing = "split";
 };
 
 // All documents back to back; the form the loader keeps in memory (one allocation, not one per
@@ -147,8 +155,20 @@ class DataLoader {
   DataLoader(const DataConfig& cfg, Corpus corpus);
 
   // The next micro-batch of exactly cfg.tokens_per_micro_batch tokens; never ends (epochs wrap).
-  // RL data also fills advantages, old / ref log-probs and seq_weight (core/batch.h).
+  // RL data also fills advantages, old / ref log-probs and seq_weight (core/batch.h). Split
+  // packing only.
   MicroBatch next();
+  // The `n` micro-batches of one step (every rank asks for all of them; data rank r takes
+  // [r A, (r + 1) A)). Split packing: n x next(). Whole packing: the next documents in visit
+  // order, as many as fit, assigned to n micro-batches of at most tokens_per_micro_batch tokens
+  // each by longest-processing-time first (each document, costliest first, to the micro-batch
+  // of least cost with room; ties to the lower index) under sequence_cost. A document longer
+  // than tokens_per_micro_batch is an error naming it. Within a micro-batch the documents keep
+  // their visit order.
+  std::vector<MicroBatch> next_step(int64_t n);
+  // The cost of one sequence of `len` tokens for whole packing's balance (default: len + len^2 /
+  // 4096, attention being quadratic); the trainer sets the model's FLOPs.
+  void set_sequence_cost(std::function<double(int64_t)> cost) { cost_ = std::move(cost); }
   DataPosition position() const { return pos_; }
   // After restore(p), next() gives exactly what the loader that reported p gave next.
   // Throws if p does not fit this dataset (document index or offset out of range).
@@ -164,12 +184,18 @@ class DataLoader {
   void check_config() const;
   void start_epoch(uint64_t epoch);
   void count_doc_targets();
+  // Appends the piece [off, off + take) of corpus document `doc` at position `fill` of `b`.
+  struct Builder;
+  void append_piece(Builder& b, int64_t doc, int64_t off, int64_t take) const;
+  MicroBatch finish(Builder& b) const;
+  std::vector<MicroBatch> pack_whole(int64_t n);
 
 
   DataConfig cfg_;
   Corpus corpus_;
   std::vector<int64_t> order_;  // epoch_order(pos_.epoch)
   std::vector<int64_t> doc_targets_;  // RL data: each document's valid targets (MicroBatch::seq_weight)
+  std::function<double(int64_t)> cost_;
   DataPosition pos_;
 };
 

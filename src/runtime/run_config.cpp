@@ -353,6 +353,11 @@ RunConfig build(const toml::value& root, const std::string& src) {
   d.read("shuffle", c.data.shuffle);
   d.read("demo_documents", c.data.demo_documents, 1, 100'000'000);
   d.read("max_line_bytes", c.data.max_line_bytes, 1, int64_t{1} << 40);
+  // auto: whole documents for the policy loss (a split rollout would be scored without its
+  // prompt), split otherwise.
+  std::string packing = "auto";
+  d.read_choice("packing", packing, {"auto", "split", "whole"});
+  c.data.packing = packing != "auto" ? packing : c.prim.name_of("loss") == "policy" ? "whole" : "split";
   int64_t eos = c.model.eos_token_id >= 0 ? c.model.eos_token_id : c.data.eos_id;
   d.read("eos_id", eos, 0, (int64_t{1} << 31) - 1);
   d.finish();

@@ -440,6 +440,8 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
   data_ = corpus.num_documents() > 0 ? std::make_unique<DataLoader>(cfg.data, std::move(corpus))
                                      : std::make_unique<DataLoader>(cfg.data);
   if (cfg.prim.router_replay) check_replay_routing(cfg, data_->corpus());
+  // Whole packing balances each step's micro-batches by the model's FLOPs per sequence.
+  data_->set_sequence_cost([m = cfg.model](int64_t len) { return model_flops(m, {len}); });
   policy_ = cfg.prim.name_of("loss") == "policy";
   if (policy_) {
     BB_CHECK(data_->corpus().has_rl(), "primitives.loss = \"policy\" trains on rollouts, but data '", cfg.data.path,
@@ -476,10 +478,11 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
                  "a step (+%lld bytes per owned parameter)\n", log_prefix_.c_str(),
                  static_cast<long long>(backup_bytes));
   if (log_) {
-    std::fprintf(log_, "%s[startup] ready in %.2fs: %s tokens in %lld documents, %lld tokens per micro-batch x %lld per rank x %lld data ranks\n",
+    std::fprintf(log_, "%s[startup] ready in %.2fs: %s tokens in %lld documents, %s%lld tokens per micro-batch x %lld per rank x %lld data ranks (data.packing = %s)\n",
                  log_prefix_.c_str(), now_s() - t0, human_count(static_cast<double>(data_->num_tokens())).c_str(),
-                 static_cast<long long>(data_->num_documents()), static_cast<long long>(cfg.micro_batch_tokens),
-                 static_cast<long long>(cfg.grad_accum), static_cast<long long>(layout.dp));
+                 static_cast<long long>(data_->num_documents()), cfg.data.packing == "whole" ? "up to " : "",
+                 static_cast<long long>(cfg.micro_batch_tokens), static_cast<long long>(cfg.grad_accum),
+                 static_cast<long long>(layout.dp), cfg.data.packing.c_str());
     std::fflush(log_);
   }
 }
@@ -610,12 +613,14 @@ StepMetrics Trainer::step_impl() {
   // The step's dp x grad_accum micro-batches come from one global stream; DP rank r takes
   // [r A, (r + 1) A). Every rank packs all of them (cheap) so the data position is global.
   std::vector<MicroBatch> mbs;  // uploaded without a host sync (pinned staging)
+  std::vector<MicroBatch> step_mbs = data_->next_step(dp * accum);
   for (int64_t i = 0; i < dp * accum; ++i) {
-    MicroBatch mb = data_->next();
     // Context parallelism: the cp ranks of a data rank share its micro-batches, each keeping its
     // head-tail shard of every sequence (runtime/context_shard.h).
-    if (i / accum == dp_rank) mbs.push_back(to_device(shard_micro_batch(mb, cp, mesh_->cp_rank()), device_));
+    if (i / accum == dp_rank)
+      mbs.push_back(to_device(shard_micro_batch(step_mbs[static_cast<size_t>(i)], cp, mesh_->cp_rank()), device_));
   }
+  step_mbs.clear();
   int64_t local_valid = 0;
   for (const MicroBatch& mb : mbs) local_valid += mb.num_valid;
   const int64_t valid = world.sum(local_valid);

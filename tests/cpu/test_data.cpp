@@ -586,6 +586,110 @@ TEST(Sources, JsonLinesErrorsNameFileLineAndKey) {
   test::expect_error_contains([&] { read_jsonl(text, 200); }, "needs vocab_size > 256");
 }
 
+// ---- whole-document packing --------------------------------------------------------------------
+
+// Whole packing: documents never split, each micro-batch within the budget, documents taken in
+// visit order exactly once per epoch, the step balanced by cost (LPT), resumable.
+TEST(WholePacking, DocumentsStayWholeAndInOrder) {
+  const auto docs = random_docs(60, 70, 17);
+  DataConfig cfg = mem_config(100, 9, true);
+  cfg.packing = "whole";
+  DataLoader loader = mem_loader(docs, cfg);
+  std::vector<int64_t> seen;  // documents in the order their steps took them
+  std::vector<int64_t> visit = loader.epoch_order(0);  // epochs 0 and 1 (a step may wrap)
+  for (int64_t d : loader.epoch_order(1)) visit.push_back(d);
+  std::vector<bool> used(visit.size(), false);
+  int64_t steps = 0;
+  while (loader.position().epoch == 0) {
+    const DataPosition before = loader.position();
+    const std::vector<MicroBatch> mbs = loader.next_step(3);
+    ASSERT_EQ(mbs.size(), 3u);
+    std::vector<int64_t> step_docs;
+    for (const MicroBatch& mb : mbs) {
+      const auto tok = mb.tokens.to_ints(), pos = mb.positions.to_ints(), cu = mb.cu_seqlens.to_ints();
+      EXPECT_LE(static_cast<int64_t>(tok.size()), 100);
+      EXPECT_GT(tok.size(), 0u) << "an empty micro-batch";
+      for (size_t b = 0; b + 1 < cu.size(); ++b) {
+        // A whole document: which one is found by its tokens among this step's candidates.
+        std::vector<int32_t> seq(tok.begin() + cu[b], tok.begin() + cu[b + 1]);
+        for (int32_t i = cu[b]; i < cu[b + 1]; ++i) EXPECT_EQ(pos[i], i - cu[b]);
+        int64_t found = -1;
+        for (int64_t k = static_cast<int64_t>(before.doc_index); k < static_cast<int64_t>(visit.size()) && found < 0; ++k)
+          if (!used[k] && docs[static_cast<size_t>(visit[k])].tokens == seq) found = k;
+        ASSERT_GE(found, 0) << "a sequence that is no whole document";
+        used[found] = true;
+        step_docs.push_back(found);
+      }
+    }
+    std::sort(step_docs.begin(), step_docs.end());
+    // The step took the next documents of the visit order, each once.
+    for (size_t i = 0; i < step_docs.size(); ++i)
+      EXPECT_EQ(step_docs[i], static_cast<int64_t>(before.doc_index + i));
+    seen.insert(seen.end(), step_docs.begin(), step_docs.end());
+    ++steps;
+  }
+  EXPECT_GE(static_cast<int64_t>(seen.size()), 60);  // epoch 0 whole, and the last step's wrap
+  EXPECT_GT(steps, 3);
+}
+
+TEST(WholePacking, BalancedByCostAndResumable) {
+  // Lengths 90, 10, 10, 10, 80, 20, 30, 60 (file order), two micro-batches of 160, cost = len.
+  // LPT, costliest first: 90 -> mb0; 80 -> mb1; 60 -> mb1 (80 < 90: 140); 30 -> mb0 (120);
+  // 20 -> mb0 (140); the 10s: a tie -> mb0 (150), mb1 (150), a tie -> mb0 (160, full).
+  std::vector<Document> docs;
+  for (int len : {90, 10, 10, 10, 80, 20, 30, 60}) {
+    Document d;
+    for (int i = 0; i < len; ++i) d.tokens.push_back(len);  // every token names its document's length
+    docs.push_back(d);
+  }
+  DataConfig cfg = mem_config(160, 1, false);
+  cfg.packing = "whole";
+  DataLoader loader = mem_loader(docs, cfg);
+  loader.set_sequence_cost([](int64_t len) { return static_cast<double>(len); });
+  const std::vector<MicroBatch> mbs = loader.next_step(2);
+  auto lens_of = [](const MicroBatch& mb) {
+    std::vector<int32_t> out;
+    const auto tok = mb.tokens.to_ints(), cu = mb.cu_seqlens.to_ints();
+    for (size_t b = 0; b + 1 < cu.size(); ++b) out.push_back(tok[cu[b]]);
+    return out;
+  };
+  // Within a micro-batch the documents keep their visit order.
+  EXPECT_EQ(lens_of(mbs[0]), (std::vector<int32_t>{90, 10, 10, 20, 30}));
+  EXPECT_EQ(lens_of(mbs[1]), (std::vector<int32_t>{10, 80, 60}));
+  EXPECT_EQ(mbs[0].tokens.numel(), 160);
+  EXPECT_EQ(mbs[1].tokens.numel(), 150);
+  // The next step starts at the first document again (epoch 1); a restore repeats it exactly.
+  const DataPosition p = loader.position();
+  EXPECT_EQ(p.token_offset, 0u);
+  const std::vector<MicroBatch> a = loader.next_step(2);
+  DataLoader again = mem_loader(docs, cfg);
+  again.set_sequence_cost([](int64_t len) { return static_cast<double>(len); });
+  again.restore(p);
+  const std::vector<MicroBatch> b = again.next_step(2);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(flat(a[i]), flat(b[i]));
+}
+
+TEST(WholePacking, ErrorsNameTheDocument) {
+  std::vector<Document> docs(2);
+  docs[0].tokens = {1, 2, 3};
+  docs[1].tokens = std::vector<int32_t>(20, 4);
+  docs[1].id = "long-one";
+  docs[0].id = "short";
+  DataConfig cfg = mem_config(16, 1, false);
+  cfg.packing = "whole";
+  DataLoader loader = mem_loader(docs, cfg);
+  test::expect_error_contains([&] { loader.next_step(1); },
+                              "document 1 (id long-one) has 20 tokens, more than a micro-batch holds (train.micro_batch_tokens = 16)");
+  DataLoader split = mem_loader(docs, mem_config(16, 1, false));
+  test::expect_error_contains([&] { DataLoader w = mem_loader(docs, cfg); w.next(); }, "packs whole steps; call next_step");
+  split.next();  // ends inside document 1
+  DataLoader whole = mem_loader(docs, cfg);
+  whole.restore(split.position());
+  test::expect_error_contains([&] { whole.next_step(1); }, "it was saved with data.packing = \"split\"");
+  cfg.packing = "halves";
+  test::expect_error_contains([&] { mem_loader(docs, cfg); }, "data.packing must be \"split\" or \"whole\"");
+}
+
 // ---- RL rollout records ------------------------------------------------------------------------
 
 TEST(Rollouts, FieldsParsedAndPackedOntoTheirTargets) {

@@ -1,5 +1,6 @@
 // Multi-rank: the policy loss (primitives.loss = "policy") on rollout data, every layout against
-// the single-rank run on the same data. The normalisation is global (valid tokens, or the
+// the single-rank run on the same data, packed whole (data.packing = "whole", the policy loss's
+// default: 4 steps x dp micro-batches of up to 160 tokens, balanced by cost). The normalisation is global (valid tokens, or the
 // step's sequences counted by each document's share, MicroBatch::seq_weight), so data, context
 // and expert parallelism must give the single-rank losses, grad norms, policy metrics and final
 // weights. Rollouts: documents of mixed lengths (several split across micro-batches and, with
@@ -79,7 +80,7 @@ TestRun make_run(const char* tag) {
   r.toml = "[model]\nconfig = \"" + r.dir + "/config.json\"\n" +
            "[primitives]\nloss = \"policy\"\n"
            "[policy]\nclip_low = 0.2\nclip_high = 0.28\ndual_clip = 3.0\nkl_coef = 0.01\nentropy_coef = 0.001\n"
-           "[train]\nsteps = 10\nmicro_batch_tokens = 96\nlr = 2e-3\nmin_lr = 2e-4\nwarmup_steps = 2\nseed = 11\n"
+           "[train]\nsteps = 10\nmicro_batch_tokens = 160\nlr = 2e-3\nmin_lr = 2e-4\nwarmup_steps = 2\nseed = 11\n"
            "grad_clip = 0.5\nadam_eps = 1e-4\n"
            "[data]\nshuffle = false\n"
            "[checkpoint]\nevery = 0\nsave_final = false\n";
@@ -172,6 +173,28 @@ TEST(PolicyLoss, RouterReplayLayoutsEqualTheSingleRankRun) {
   const StepMetrics on = first_loss(true), off = first_loss(false);
   EXPECT_NE(on.loss, off.loss);
   EXPECT_NE(on.routing, off.routing);
+}
+
+// Split packing (documents cut at micro-batch boundaries): each piece's seq_weight is its
+// document's 1 / n, so the sequence count stays the documents' over the step.
+TEST(PolicyLoss, SplitPackingLayoutsEqualTheSingleRankRun) {
+  const int64_t R = world()->size();
+  if (R == 1) GTEST_SKIP() << "a layout needs 2 or more ranks";
+  check_layouts("policy_split", layouts_for(R),
+                {"data.packing=\"split\"", "train.micro_batch_tokens=96", "policy.aggregation=\"seq_mean_token_mean\""});
+}
+
+// GSPO (sequence ratio): whole sequences per micro-batch (data.packing = "whole", the policy
+// loss's default) on one rank each (cp 1).
+TEST(PolicyLoss, SequenceRatioLayoutsEqualTheSingleRankRun) {
+  const int64_t R = world()->size();
+  if (R == 1) GTEST_SKIP() << "a layout needs 2 or more ranks";
+  std::vector<Layout> layouts;
+  for (const Layout& l : layouts_for(R))
+    if (l.cp == 1) layouts.push_back(l);
+  check_layouts("policy_gspo", layouts,
+                {"policy.ratio=\"sequence\"", "policy.aggregation=\"seq_mean_token_mean\"", "policy.clip_low=0.05",
+                 "policy.clip_high=0.05", "policy.dual_clip=0"});
 }
 
 TEST(PolicyLoss, TrainerRefusesWhatCannotRun) {

@@ -171,7 +171,7 @@ std::vector<double> sequence_log_ratios(const PolicyTokens& in, const std::vecto
     BB_CHECK(!any || std::abs(wsum - 1.0) < 1e-3, op, ": policy.ratio = \"sequence\" (GSPO) needs each ",
              "sequence whole in one micro-batch on one rank, but sequence ", b, " (tokens [", cu[b], ", ",
              cu[b + 1], ")) holds a part of its document (weights sum to ", wsum,
-             "); the data must pack whole sequences into micro-batches, with parallel.cp = 1");
+             "); use data.packing = \"whole\" and parallel.cp = 1");
     for (int64_t t = cu[b]; t < cu[b + 1]; ++t) out[static_cast<size_t>(t)] = m;
   }
   return out;
