@@ -854,7 +854,9 @@ void Trainer::log_line(const StepMetrics& m) {
 
 void Trainer::check_loss_spike(StepMetrics& m) {
   // Compared against an exponential mean of the earlier steps' losses (weight 0.1), from the
-  // fourth step on; a warning only.
+  // fourth step on; a warning only. Not for the policy loss: its objective sits near 0 and
+  // changes sign, so a ratio to its mean means nothing.
+  if (policy_) return;
   if (cfg_.loss_spike_factor > 0 && loss_mean_n_ >= 3 && m.loss > cfg_.loss_spike_factor * loss_mean_) {
     m.loss_spike = true;
     if (log_) {
