@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pkgs=(build-essential cmake ninja-build pkg-config libopenblas-dev libopenmpi-dev openmpi-bin
-      nlohmann-json3-dev libtoml11-dev libcli11-dev libgtest-dev libgmock-dev)
+      nlohmann-json3-dev libtoml11-dev libcli11-dev libgtest-dev libgmock-dev python3 python3-numpy)
 read -r -a extra_pkgs <<< "${EXTRA_PKGS:-}"
 pkgs+=("${extra_pkgs[@]}")
 missing=()

@@ -606,6 +606,8 @@ Corpus read_jsonl(const std::string& path, int64_t vocab_size, int64_t max_line_
 std::string resolve_format(const DataConfig& cfg) {
   const std::string fmt = lower(cfg.format);
   if (fmt == "flat" || fmt == "jsonl" || fmt == "demo") return fmt;
+  BB_CHECK(cfg.path != "none", "data.path = \"none\" has no data to load: batches come from the caller "
+           "(Trainer::train_on, the Python API)");
   BB_CHECK(fmt == "auto", "data format '", cfg.format, "' is not one of auto, flat, jsonl, demo");
   if (cfg.path == "demo") return "demo";
   const std::string ext = lower(std::filesystem::path(cfg.path).extension().string());
@@ -834,6 +836,30 @@ std::vector<int64_t> lpt_assign(const std::vector<int64_t>& len, const std::vect
 }
 
 }  // namespace
+
+std::vector<MicroBatch> DataLoader::pack_all(int64_t n) const {
+  const int64_t T = cfg_.tokens_per_micro_batch, D = num_documents();
+  BB_CHECK(D >= n, "the batch has ", D, " documents for ", n,
+           " micro-batches (data ranks x train.grad_accum); give at least one document per micro-batch");
+  std::vector<int64_t> lens(static_cast<size_t>(D));
+  std::vector<double> costs(static_cast<size_t>(D));
+  for (int64_t d = 0; d < D; ++d) {
+    lens[d] = corpus_.length(d);
+    BB_CHECK(lens[d] <= T, "the batch's document ", d,
+             corpus_.ids.empty() ? std::string() : " (id " + corpus_.ids[static_cast<size_t>(d)] + ")", " has ", lens[d],
+             " tokens, more than a micro-batch holds (train.micro_batch_tokens = ", T, ")");
+    costs[d] = cost_ ? cost_(lens[d]) : static_cast<double>(lens[d]) * (1.0 + static_cast<double>(lens[d]) / 4096.0);
+  }
+  const std::vector<int64_t> bins = lpt_assign(lens, costs, n, T);
+  BB_CHECK(!bins.empty(), "the batch's ", corpus_.num_tokens(), " tokens in ", D, " documents do not fit ", n,
+           " micro-batches of ", T, " tokens (train.micro_batch_tokens x data ranks x train.grad_accum); raise "
+           "train.micro_batch_tokens or train.grad_accum, or give a smaller batch");
+  std::vector<Builder> built(static_cast<size_t>(n));
+  for (int64_t d = 0; d < D; ++d) append_piece(built[static_cast<size_t>(bins[d])], d, 0, lens[d]);
+  std::vector<MicroBatch> out;
+  for (Builder& b : built) out.push_back(finish(b));
+  return out;
+}
 
 std::vector<MicroBatch> DataLoader::pack_whole(int64_t n) {
   const int64_t T = cfg_.tokens_per_micro_batch;

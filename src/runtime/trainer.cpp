@@ -437,19 +437,16 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
     std::fprintf(log_, "%s[startup] loading data '%s'\n", log_prefix_.c_str(), cfg.data.path.c_str());
     std::fflush(log_);
   }
-  data_ = corpus.num_documents() > 0 ? std::make_unique<DataLoader>(cfg.data, std::move(corpus))
-                                     : std::make_unique<DataLoader>(cfg.data);
-  if (cfg.prim.router_replay) check_replay_routing(cfg, data_->corpus());
-  // Whole packing balances each step's micro-batches by the model's FLOPs per sequence.
-  data_->set_sequence_cost([m = cfg.model](int64_t len) { return model_flops(m, {len}); });
+  // data.path = "none": no data source; every step's batch comes from the caller (train_on).
+  if (corpus.num_documents() > 0) data_ = std::make_unique<DataLoader>(cfg.data, std::move(corpus));
+  else if (cfg.data.path != "none") data_ = std::make_unique<DataLoader>(cfg.data);
   policy_ = cfg.prim.name_of("loss") == "policy";
+  if (data_) check_batch_data(data_->corpus());
+  if (data_) {
+    // Whole packing balances each step's micro-batches by the model's FLOPs per sequence.
+    data_->set_sequence_cost([m = cfg.model](int64_t len) { return model_flops(m, {len}); });
+  }
   if (policy_) {
-    BB_CHECK(data_->corpus().has_rl(), "primitives.loss = \"policy\" trains on rollouts, but data '", cfg.data.path,
-             "' has no \"advantages\": give JSONL rollout records (tokens, loss_mask, advantages, old_logprobs, ...; "
-             "skills/rl-data.md), or choose primitives.loss = \"linear_ce\"");
-    BB_CHECK(cfg.prim.loss_chunks.policy.kl_coef == 0 || !data_->corpus().ref_logprobs.empty(), "policy.kl_coef = ",
-             cfg.prim.loss_chunks.policy.kl_coef, " needs \"ref_logprobs\" in the rollout records of '",
-             cfg.data.path, "' (or set policy.kl_coef = 0)");
     BB_CHECK(device_.is_cpu(), "primitives.loss = \"policy\" runs on CPU ranks in this build (its CUDA kernels are "
              "not written yet): set parallel.device = \"cpu\"");
   }
@@ -478,11 +475,16 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
                  "a step (+%lld bytes per owned parameter)\n", log_prefix_.c_str(),
                  static_cast<long long>(backup_bytes));
   if (log_) {
-    std::fprintf(log_, "%s[startup] ready in %.2fs: %s tokens in %lld documents, %s%lld tokens per micro-batch x %lld per rank x %lld data ranks (data.packing = %s)\n",
-                 log_prefix_.c_str(), now_s() - t0, human_count(static_cast<double>(data_->num_tokens())).c_str(),
-                 static_cast<long long>(data_->num_documents()), cfg.data.packing == "whole" ? "up to " : "",
-                 static_cast<long long>(cfg.micro_batch_tokens), static_cast<long long>(cfg.grad_accum),
-                 static_cast<long long>(layout.dp), cfg.data.packing.c_str());
+    if (data_)
+      std::fprintf(log_, "%s[startup] ready in %.2fs: %s tokens in %lld documents, %s%lld tokens per micro-batch x %lld per rank x %lld data ranks (data.packing = %s)\n",
+                   log_prefix_.c_str(), now_s() - t0, human_count(static_cast<double>(data_->num_tokens())).c_str(),
+                   static_cast<long long>(data_->num_documents()), cfg.data.packing == "whole" ? "up to " : "",
+                   static_cast<long long>(cfg.micro_batch_tokens), static_cast<long long>(cfg.grad_accum),
+                   static_cast<long long>(layout.dp), cfg.data.packing.c_str());
+    else
+      std::fprintf(log_, "%s[startup] ready in %.2fs: batches from the caller (data.path = \"none\"), up to %lld tokens per micro-batch x %lld per rank x %lld data ranks\n",
+                   log_prefix_.c_str(), now_s() - t0, static_cast<long long>(cfg.micro_batch_tokens),
+                   static_cast<long long>(cfg.grad_accum), static_cast<long long>(layout.dp));
     std::fflush(log_);
   }
 }
@@ -597,6 +599,46 @@ StepMetrics Trainer::train_step() {
   }
 }
 
+void Trainer::check_batch_data(const Corpus& c) const {
+  const std::string src = data_ && &c == &data_->corpus() ? "data '" + cfg_.data.path + "'" : std::string("the batch");
+  if (cfg_.prim.router_replay) check_replay_routing(cfg_, c);
+  if (!policy_) return;
+  BB_CHECK(c.has_rl(), "primitives.loss = \"policy\" trains on rollouts, but ", src,
+           " has no \"advantages\": give JSONL rollout records (tokens, loss_mask, advantages, old_logprobs, ...; "
+           "skills/rl-data.md), or choose primitives.loss = \"linear_ce\"");
+  BB_CHECK(cfg_.prim.loss_chunks.policy.kl_coef == 0 || !c.ref_logprobs.empty(), "policy.kl_coef = ",
+           cfg_.prim.loss_chunks.policy.kl_coef, " needs \"ref_logprobs\" in the rollout records of ", src,
+           " (or set policy.kl_coef = 0)");
+}
+
+StepMetrics Trainer::train_on(Corpus batch) {
+  BB_CHECK(batch.num_documents() > 0, "train_on: the batch has no document");
+  check_batch_data(batch);
+  DataConfig dc = cfg_.data;
+  dc.packing = "whole";
+  dc.shuffle = false;
+  DataLoader loader(dc, std::move(batch));
+  loader.set_sequence_cost([m = cfg_.model](int64_t len) { return model_flops(m, {len}); });
+  std::vector<MicroBatch> mbs = loader.pack_all(mesh_->layout().dp * cfg_.grad_accum);
+  given_ = &mbs;
+  try {
+    StepMetrics m = train_step();
+    given_ = nullptr;
+    return m;
+  } catch (...) {
+    given_ = nullptr;
+    throw;
+  }
+}
+
+Tensor Trainer::forward_logits(const MicroBatch& mb) {
+  BB_CHECK(mesh_->world()->size() == 1, "forward_logits runs on one rank (this run has ", mesh_->world()->size(),
+           "); the multi-rank forward-only pass is the logprobs command's");
+  Tensor logits;
+  schedule_->forward(to_device(mb, device_), &logits);
+  return logits.to(Device::cpu(), MemCategory::other);
+}
+
 StepMetrics Trainer::step_impl() {
   Allocator& alloc = allocator_for(device_);
   alloc.reset_peak();
@@ -613,7 +655,10 @@ StepMetrics Trainer::step_impl() {
   // The step's dp x grad_accum micro-batches come from one global stream; DP rank r takes
   // [r A, (r + 1) A). Every rank packs all of them (cheap) so the data position is global.
   std::vector<MicroBatch> mbs;  // uploaded without a host sync (pinned staging)
-  std::vector<MicroBatch> step_mbs = data_->next_step(dp * accum);
+  BB_CHECK(given_ || data_, "data.path = \"none\": this trainer takes each step's batch from its caller "
+           "(Trainer::train_on, the Python API's train_batch)");
+  std::vector<MicroBatch> step_mbs = given_ ? std::move(*given_) : data_->next_step(dp * accum);
+  given_ = nullptr;
   for (int64_t i = 0; i < dp * accum; ++i) {
     // Context parallelism: the cp ranks of a data rank share its micro-batches, each keeping its
     // head-tail shard of every sequence (runtime/context_shard.h).
@@ -1122,7 +1167,7 @@ std::string Trainer::save_checkpoint(const std::string& root) {
       st["step"] = step_;
       st["run_id"] = run_id_;
       st["seed"] = cfg_.seed;
-      st["data_position"] = data_->position();
+      st["data_position"] = data_ ? data_->position() : DataPosition{};
       st["model_config"] = cfg_.model.to_hf_json();
       st["primitives"] = cfg_.primitives_summary();
       st["optimizer"] = cfg_.prim.optimizer.name;  // the moments' dtype in the shards
@@ -1208,7 +1253,7 @@ void Trainer::load_checkpoint(const std::string& path) {
     o.exp_avg_sq.copy_from(staged[i][2]);
   }
   state_->values_from_masters();
-  data_->restore(pos);
+  if (data_) data_->restore(pos);
   step_ = step;
   if (!run_id.empty()) run_id_ = run_id;  // the resumed run continues the saved one
   // A different global batch resumes correctly (the data position counts micro-batches of one

@@ -84,6 +84,14 @@ class Trainer {
 
   // One optimizer step.
   StepMetrics train_step();
+  // One optimizer step on the caller's documents instead of the data source's (the Python API's
+  // train_batch; data.path = "none" needs no source at all): every document once, whole, packed
+  // into dp x grad_accum micro-batches as DataLoader::pack_all says; checked as the data source
+  // would be (rollout fields for the policy loss, routing for router replay). Collective: every
+  // rank passes the same batch (each packs all micro-batches and takes its own).
+  StepMetrics train_on(Corpus batch);
+  // The [T, V] f32 logits of one micro-batch (host), by an evaluation forward. One rank only.
+  Tensor forward_logits(const MicroBatch& mb);
   // The whole run: cfg.steps steps with log lines, metrics file and checkpoints; it ends early,
   // after saving the step, when a SIGTERM / SIGINT arrived (stopped_by_signal()).
   // Returns the per-step metrics.
@@ -93,7 +101,8 @@ class Trainer {
   double lr_at(int64_t step) const;  // learning rate of (1-based) step
   DecoderModel& model() { return *model_; }
   Schedule& schedule() { return *schedule_; }
-  DataLoader& data() { return *data_; }
+  DataLoader& data() { return *data_; }  // data.path = "none": no loader (has_data() false)
+  bool has_data() const { return data_ != nullptr; }
   const Mesh& mesh() const { return *mesh_; }
   ModelState& state() { return *state_; }
   const RunConfig& config() const { return cfg_; }
@@ -141,6 +150,9 @@ class Trainer {
   // GPU runs, before anything is allocated: refuses (on every rank) a run predicted not to fit.
   void check_memory_fits(comm::Group& base, int rank);
   StepMetrics step_impl();
+  // Rollout fields for the policy loss, routing for router replay: the data source's or a batch's.
+  void check_batch_data(const Corpus& c) const;
+  std::vector<MicroBatch>* given_ = nullptr;  // train_on's micro-batches for the next step
   std::unique_ptr<DataLoader> data_;
   int64_t step_ = 0;
   Device device_;

@@ -690,6 +690,27 @@ TEST(WholePacking, ErrorsNameTheDocument) {
   test::expect_error_contains([&] { mem_loader(docs, cfg); }, "data.packing must be \"split\" or \"whole\"");
 }
 
+// pack_all: a caller's batch, every document once in n micro-batches, or an error saying why not.
+TEST(WholePacking, PackAllTakesEveryDocumentOnce) {
+  std::vector<Document> docs;
+  for (int len : {5, 9, 3, 7, 6}) docs.push_back(Document{std::vector<int32_t>(static_cast<size_t>(len), len), {}, {}, {}, {}, "", {}, 0, 0});
+  DataConfig cfg = mem_config(16, 1, false);
+  cfg.packing = "whole";
+  const DataLoader loader = mem_loader(docs, cfg);
+  const std::vector<MicroBatch> mbs = loader.pack_all(2);
+  std::vector<int32_t> seen;
+  for (const MicroBatch& mb : mbs) {
+    EXPECT_LE(mb.tokens.numel(), 16);
+    const auto tok = mb.tokens.to_ints(), cu = mb.cu_seqlens.to_ints();
+    for (size_t b = 0; b + 1 < cu.size(); ++b) seen.push_back(cu[b + 1] - cu[b]);
+  }
+  std::sort(seen.begin(), seen.end());
+  EXPECT_EQ(seen, (std::vector<int32_t>{3, 5, 6, 7, 9}));
+  EXPECT_EQ(loader.position(), DataPosition{});  // the position does not move
+  test::expect_error_contains([&] { loader.pack_all(6); }, "the batch has 5 documents for 6 micro-batches");
+  test::expect_error_contains([&] { loader.pack_all(1); }, "the batch's 30 tokens in 5 documents do not fit 1 micro-batches of 16 tokens");
+}
+
 // ---- RL rollout records ------------------------------------------------------------------------
 
 TEST(Rollouts, FieldsParsedAndPackedOntoTheirTargets) {

@@ -281,6 +281,8 @@ class PolicyHead final : public LossHead {
     return policy_loss_train(scale, h, w, mb.targets, tokens_of(mb), cfg_, d_h, d_w, overwrite_dw);
   }
   LossResult evaluate_batch(const Tensor& h, const Tensor& w, const MicroBatch& mb) const override {
+    // A forward for logits only (generation, log-probs): no target, nothing to evaluate.
+    if (!mb.advantages.defined() && mb.num_valid == 0) return LossResult{};
     return policy_loss_forward(h, w, mb.targets, tokens_of(mb), cfg_);
   }
 

@@ -1,0 +1,261 @@
+// c_api.cpp — the C interface (bumblebee_c.h) over runtime::Trainer: documents in, metrics,
+// logits, log-probs, checkpoints and weights out; every C++ exception becomes -1 / NULL and a
+// message in bb_last_error().
+#include "capi/bumblebee_c.h"
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "models/hf_io.h"
+#include "runtime/data.h"
+#include "runtime/run_config.h"
+#include "runtime/trainer.h"
+
+struct bb_trainer {
+  std::unique_ptr<bb::Trainer> t;
+  std::vector<bb::HfTensor> weights;  // filled on first use
+};
+
+namespace {
+
+thread_local std::string g_error;
+
+template <class F>
+int guard(F&& f) {
+  try {
+    f();
+    return 0;
+  } catch (const std::exception& e) {
+    g_error = e.what();
+  } catch (...) {
+    g_error = "unknown error";
+  }
+  return -1;
+}
+
+constexpr const char* kMetricNames =
+    "step,loss,grad_norm,lr,tokens,valid_tokens,step_time_s,tokens_per_s,aux_loss,z_loss,skipped,clip_frac,"
+    "dual_clip_frac,approx_kl,entropy,ratio_mean,ratio_max,ref_kl,sequences";
+constexpr int64_t kNumMetrics = 19;
+
+void write_metrics(const bb::StepMetrics& m, double* out) {
+  const double v[kNumMetrics] = {static_cast<double>(m.step), m.loss, m.grad_norm, m.lr, static_cast<double>(m.tokens),
+                                 static_cast<double>(m.valid_tokens), m.step_time_s, m.tokens_per_s, m.aux_loss,
+                                 m.z_loss, m.skipped.empty() ? 0.0 : 1.0, m.policy.clip_frac, m.policy.dual_clip_frac,
+                                 m.policy.approx_kl, m.policy.entropy, m.policy.ratio_mean, m.policy.ratio_max,
+                                 m.policy.ref_kl, m.policy.sequences};
+  if (out) std::memcpy(out, v, sizeof v);
+}
+
+std::vector<float> floats(const float* p, int64_t n) { return p ? std::vector<float>(p, p + n) : std::vector<float>{}; }
+
+// The C documents as a checked corpus (the same checks as a JSONL file's records).
+bb::Corpus corpus_of(const bb_document* docs, int64_t n, int64_t vocab) {
+  BB_CHECK(docs && n > 0, "the batch has no document");
+  std::vector<bb::Document> out(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const bb_document& d = docs[i];
+    BB_CHECK(d.tokens && d.length > 0, "document ", i, " has no tokens");
+    bb::Document& o = out[static_cast<size_t>(i)];
+    o.tokens.assign(d.tokens, d.tokens + d.length);
+    if (d.loss_mask) o.loss_mask.assign(d.loss_mask, d.loss_mask + d.length);
+    o.advantages = floats(d.advantages, d.length);
+    o.old_logprobs = floats(d.old_logprobs, d.length);
+    o.ref_logprobs = floats(d.ref_logprobs, d.length);
+    if (d.routing) {
+      BB_CHECK(d.routing_layers > 0 && d.routing_topk > 0, "document ", i, ": routing needs routing_layers and routing_topk > 0");
+      o.routing.assign(d.routing, d.routing + d.length * d.routing_layers * d.routing_topk);
+      o.routing_layers = d.routing_layers;
+      o.routing_topk = d.routing_topk;
+    }
+  }
+  return bb::corpus_from_documents(out, vocab, "the batch");
+}
+
+// The documents as one evaluation micro-batch (no targets), token ids checked.
+bb::MicroBatch forward_batch(const bb_document* docs, int64_t n, int64_t vocab) {
+  BB_CHECK(docs && n > 0, "no document given");
+  std::vector<int32_t> tok, tgt, pos, cu{0};
+  for (int64_t i = 0; i < n; ++i) {
+    const bb_document& d = docs[i];
+    BB_CHECK(d.tokens && d.length > 0, "document ", i, " has no tokens");
+    for (int64_t j = 0; j < d.length; ++j) {
+      BB_CHECK(d.tokens[j] >= 0 && d.tokens[j] < vocab, "document ", i, ": token ", d.tokens[j], " at index ", j,
+               " is outside [0, ", vocab, ")");
+      tok.push_back(d.tokens[j]);
+      tgt.push_back(-1);
+      pos.push_back(static_cast<int32_t>(j));
+    }
+    cu.push_back(static_cast<int32_t>(tok.size()));
+  }
+  bb::MicroBatch mb;
+  const auto T = static_cast<int64_t>(tok.size());
+  mb.tokens = bb::Tensor::from_ints(tok, {T});
+  mb.targets = bb::Tensor::from_ints(tgt, {T});
+  mb.positions = bb::Tensor::from_ints(pos, {T});
+  mb.cu_seqlens = bb::Tensor::from_ints(cu, {n + 1});
+  return mb;
+}
+
+std::vector<bb::HfTensor>& weights_of(bb_trainer* t) {
+  BB_CHECK(t->t->mesh().world()->size() == 1, "the weights are read on one rank (this run has ",
+           t->t->mesh().world()->size(), "); export a checkpoint with `bumblebee export` instead");
+  if (t->weights.empty()) t->weights = t->t->model().hf_tensors();
+  return t->weights;
+}
+
+}  // namespace
+
+extern "C" {
+
+int bb_api_version(void) { return BB_C_API_VERSION; }
+const char* bb_last_error(void) { return g_error.c_str(); }
+const char* bb_metric_names(void) { return kMetricNames; }
+int64_t bb_num_metrics(void) { return kNumMetrics; }
+
+bb_trainer* bb_trainer_new(const char* config, const char* const* overrides, int64_t num_overrides) {
+  bb_trainer* out = nullptr;
+  guard([&] {
+    BB_CHECK(config, "bb_trainer_new: no config");
+    std::vector<std::string> ov;
+    for (int64_t i = 0; i < num_overrides; ++i) ov.emplace_back(overrides[i]);
+    const std::string c(config);
+    const bb::RunConfig cfg =
+        c.find('\n') != std::string::npos ? bb::parse_run_config(c, "the config text", ov) : bb::load_run_config(c, ov);
+    auto t = std::make_unique<bb_trainer>();
+    t->t = std::make_unique<bb::Trainer>(cfg, stdout);
+    out = t.release();
+  });
+  return out;
+}
+
+void bb_trainer_free(bb_trainer* t) { delete t; }
+
+int64_t bb_step(const bb_trainer* t) { return t ? t->t->step() : -1; }
+int64_t bb_vocab_size(const bb_trainer* t) { return t ? t->t->config().model.vocab_size : -1; }
+int bb_rank(const bb_trainer* t) { return t ? t->t->mesh().world()->rank() : -1; }
+int bb_world_size(const bb_trainer* t) { return t ? static_cast<int>(t->t->mesh().world()->size()) : -1; }
+
+int bb_train_batch(bb_trainer* t, const bb_document* docs, int64_t num_docs, double* metrics) {
+  return guard([&] {
+    BB_CHECK(t, "bb_train_batch: no trainer");
+    write_metrics(t->t->train_on(corpus_of(docs, num_docs, t->t->config().model.vocab_size)), metrics);
+  });
+}
+
+int bb_train_step(bb_trainer* t, double* metrics) {
+  return guard([&] {
+    BB_CHECK(t, "bb_train_step: no trainer");
+    write_metrics(t->t->train_step(), metrics);
+  });
+}
+
+int bb_last_logits(bb_trainer* t, const bb_document* docs, int64_t num_docs, float* out) {
+  return guard([&] {
+    BB_CHECK(t && out, "bb_last_logits: no trainer or output");
+    const int64_t V = t->t->config().model.vocab_size;
+    const bb::MicroBatch mb = forward_batch(docs, num_docs, V);
+    const bb::Tensor logits = t->t->forward_logits(mb);
+    const std::vector<int32_t> cu = mb.cu_seqlens.to_ints();
+    const float* l = logits.data<float>();
+    for (int64_t i = 0; i < num_docs; ++i) std::memcpy(out + i * V, l + (cu[i + 1] - 1) * V, sizeof(float) * V);
+  });
+}
+
+int bb_token_logprobs(bb_trainer* t, const bb_document* docs, int64_t num_docs, float temperature, float* logprobs,
+                      float* entropy) {
+  return guard([&] {
+    BB_CHECK(t && logprobs && entropy, "bb_token_logprobs: no trainer or output");
+    BB_CHECK(temperature > 0 && std::isfinite(temperature), "bb_token_logprobs: temperature must be > 0, got ", temperature);
+    const int64_t V = t->t->config().model.vocab_size;
+    const bb::MicroBatch mb = forward_batch(docs, num_docs, V);
+    const bb::Tensor logits = t->t->forward_logits(mb);
+    const std::vector<int32_t> cu = mb.cu_seqlens.to_ints(), tok = mb.tokens.to_ints();
+    const float* l = logits.data<float>();
+    for (int64_t i = 0; i < num_docs; ++i) {
+      logprobs[cu[i]] = 0.0f;
+      entropy[cu[i]] = 0.0f;
+      for (int64_t j = cu[i] + 1; j < cu[i + 1]; ++j) {
+        // Token j is predicted by position j - 1; softmax of the tempered logits in double.
+        const float* row = l + (j - 1) * V;
+        double mx = -INFINITY;
+        for (int64_t v = 0; v < V; ++v) mx = std::max(mx, static_cast<double>(row[v]) / temperature);
+        double s = 0, sz = 0;
+        for (int64_t v = 0; v < V; ++v) {
+          const double z = static_cast<double>(row[v]) / temperature, e = std::exp(z - mx);
+          s += e;
+          sz += e * z;
+        }
+        const double lse = mx + std::log(s);
+        logprobs[j] = static_cast<float>(static_cast<double>(row[tok[j]]) / temperature - lse);
+        entropy[j] = static_cast<float>(lse - sz / s);
+      }
+    }
+  });
+}
+
+int bb_save(bb_trainer* t, const char* dir, char* path, int64_t cap) {
+  return guard([&] {
+    BB_CHECK(t && dir, "bb_save: no trainer or directory");
+    const std::string p = t->t->save_checkpoint(dir);
+    if (path && cap > 0) {
+      BB_CHECK(static_cast<int64_t>(p.size()) < cap, "bb_save: the path needs ", p.size() + 1, " bytes, got ", cap);
+      std::memcpy(path, p.c_str(), p.size() + 1);
+    }
+  });
+}
+
+int bb_load(bb_trainer* t, const char* path) {
+  return guard([&] {
+    BB_CHECK(t && path, "bb_load: no trainer or path");
+    t->t->load_checkpoint(path);
+  });
+}
+
+int bb_export_hf(bb_trainer* t, const char* dir) {
+  return guard([&] {
+    BB_CHECK(t && dir, "bb_export_hf: no trainer or directory");
+    BB_CHECK(t->t->mesh().world()->size() == 1, "bb_export_hf runs on one rank; save a checkpoint and run "
+             "`bumblebee export` for a multi-rank run");
+    bb::export_hf(t->t->model(), dir);
+  });
+}
+
+int64_t bb_num_weights(bb_trainer* t) {
+  int64_t n = -1;
+  guard([&] {
+    BB_CHECK(t, "bb_num_weights: no trainer");
+    n = static_cast<int64_t>(weights_of(t).size());
+  });
+  return n;
+}
+
+int bb_weight_info(bb_trainer* t, int64_t i, char* name, int64_t name_cap, int64_t* shape, int64_t* ndim) {
+  return guard([&] {
+    BB_CHECK(t, "bb_weight_info: no trainer");
+    const auto& w = weights_of(t);
+    BB_CHECK(i >= 0 && i < static_cast<int64_t>(w.size()), "bb_weight_info: index ", i, " outside [0, ", w.size(), ")");
+    const bb::HfTensor& h = w[static_cast<size_t>(i)];
+    BB_CHECK(static_cast<int64_t>(h.name.size()) < name_cap, "bb_weight_info: the name needs ", h.name.size() + 1, " bytes");
+    BB_CHECK(h.shape.size() <= 8, "bb_weight_info: more than 8 dimensions");
+    std::memcpy(name, h.name.c_str(), h.name.size() + 1);
+    *ndim = static_cast<int64_t>(h.shape.size());
+    for (size_t k = 0; k < h.shape.size(); ++k) shape[k] = h.shape[k];
+  });
+}
+
+int bb_weight_copy(bb_trainer* t, int64_t i, float* out) {
+  return guard([&] {
+    BB_CHECK(t && out, "bb_weight_copy: no trainer or output");
+    const auto& w = weights_of(t);
+    BB_CHECK(i >= 0 && i < static_cast<int64_t>(w.size()), "bb_weight_copy: index ", i, " outside [0, ", w.size(), ")");
+    const std::vector<float> v = w[static_cast<size_t>(i)].value().to_floats();
+    std::memcpy(out, v.data(), v.size() * sizeof(float));
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""The Python API (python/bumblebee) over libbumblebee_c.so, against independent paths:
+- logprobs() (C logits, softmax in double) against the cross-entropy head's loss of a step on
+  the same documents, and its entropies against the policy head's entropy metric;
+- two trainers of one seed give the same steps; save / load restores the log-probs exactly;
+- weights() against the model's Hugging Face names and shapes; export_hf writes a model;
+- errors arrive as bumblebee.Error with the library's message.
+Runs with and without numpy (the results' two forms). Usage: test_api.py LIBRARY
+"""
+
+import math
+import os
+import shutil
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+import bumblebee  # noqa: E402
+
+LIB = sys.argv[1] if len(sys.argv) > 1 else None
+BASE = ['data.path="none"', 'checkpoint.dir=""', 'log.metrics=""', "log.every=1000000000",
+        "train.micro_batch_tokens=512", "train.lr=1e-3", "train.warmup_steps=0"]
+passed, failed = 0, 0
+
+
+def check(cond, what):
+    global passed, failed
+    if cond:
+        passed += 1
+    else:
+        failed += 1
+        print("FAIL:", what)
+
+
+def docs():
+    out = []
+    for i in range(5):
+        n = 20 + 7 * i
+        toks = [(17 * i + 31 * j) % 256 for j in range(n)]
+        out.append({"tokens": toks, "loss_mask": [0] * 5 + [1] * (n - 5), "advantages": 0.5 - 0.25 * i})
+    return out
+
+
+def run(mode):
+    tmp = tempfile.mkdtemp(prefix="bb_pyapi_")
+    try:
+        # logprobs() against the cross-entropy of a step: loss = mean over trained tokens of -logp.
+        ce = bumblebee.Trainer("configs/demo.toml", BASE + ['primitives.loss="linear_ce"'], library=LIB)
+        lps = ce.logprobs([d["tokens"] for d in docs()])
+        nll, n = 0.0, 0
+        for d, (lp, _) in zip(docs(), lps):
+            check(len(lp) == len(d["tokens"]) and float(lp[0]) == 0.0, mode + ": logprobs shape / entry 0")
+            for j in range(1, len(d["tokens"])):
+                if d["loss_mask"][j]:
+                    nll -= float(lp[j])
+                    n += 1
+        m = ce.train_batch(docs())
+        check(abs(m["loss"] - nll / n) < 1e-5 * abs(m["loss"]), mode + ": CE loss %r vs -mean logprob %r" % (m["loss"], nll / n))
+        check(m["valid_tokens"] == n, mode + ": valid tokens")
+
+        # The policy head's entropy metric against logprobs()' entropies (before the update).
+        pol = bumblebee.Trainer("configs/demo.toml", BASE + ['primitives.loss="policy"'], library=LIB)
+        ents = pol.logprobs([d["tokens"] for d in docs()])
+        h, k = 0.0, 0
+        for d, (_, ent) in zip(docs(), ents):
+            for j in range(1, len(d["tokens"])):
+                if d["loss_mask"][j]:
+                    h += float(ent[j])
+                    k += 1
+        pm = pol.train_batch(docs())
+        check(abs(pm["entropy"] - h / k) < 1e-5 * h / k, mode + ": entropy %r vs %r" % (pm["entropy"], h / k))
+        check(pm["ratio_mean"] == 1.0 and pm["clip_frac"] == 0.0, mode + ": on-policy ratio 1")
+        check(all(name in pm for name in ("approx_kl", "ref_kl", "sequences", "grad_norm")), mode + ": metric names")
+        check(abs(pm["sequences"] - 5) < 1e-5, mode + ": sequences %r" % pm["sequences"])
+
+        # Same seed, same batch: the same step; save / load restores the log-probs exactly.
+        pol2 = bumblebee.Trainer("configs/demo.toml", BASE + ['primitives.loss="policy"'], library=LIB)
+        pm2 = pol2.train_batch(docs())
+        check(pm2["loss"] == pm["loss"] and pm2["grad_norm"] == pm["grad_norm"], mode + ": determinism")
+        saved = pol.save(os.path.join(tmp, "ckpt"))
+        check(os.path.isdir(saved) and pol.step == 1, mode + ": save " + saved)
+        before = [list(map(float, lp)) for lp, _ in pol.logprobs([d["tokens"] for d in docs()])]
+        pol.train_batch(docs())
+        moved = [list(map(float, lp)) for lp, _ in pol.logprobs([d["tokens"] for d in docs()])]
+        check(moved != before, mode + ": a step changes the log-probs")
+        pol.load(saved)
+        after = [list(map(float, lp)) for lp, _ in pol.logprobs([d["tokens"] for d in docs()])]
+        check(after == before and pol.step == 1, mode + ": load restores the log-probs")
+
+        # Generation: deterministic by seed, new tokens in the vocabulary, stop token honoured.
+        g1 = pol.generate([[1, 2, 3], [4, 5]], 6, seed=3)
+        g2 = pol.generate([[1, 2, 3], [4, 5]], 6, seed=3)
+        check(g1 == g2 and all(len(g) == 6 and all(0 <= x < 264 for x in g) for g in g1), mode + ": generate")
+        gs = pol.generate([[1, 2, 3]], 50, seed=4, stop_token=g1[0][0])
+        check(len(gs[0]) <= 50 and (len(gs[0]) == 50 or gs[0][-1] == g1[0][0]), mode + ": stop token")
+        last = pol.last_logits([[1, 2, 3]])
+        check(len(last) == 1 and len(last[0]) == 264, mode + ": last_logits shape")
+
+        # Weights under Hugging Face names; export.
+        w = dict(pol.weights())
+        emb = w["model.embed_tokens.weight"]
+        check(emb.shape == (264, 128) if mode == "numpy" else len(emb) == 264 * 128, mode + ": embedding shape")
+        check("model.layers.1.mlp.experts.0.down_proj.weight" in w, mode + ": per-expert names")
+        pol.export_hf(os.path.join(tmp, "hf"))
+        check(os.path.exists(os.path.join(tmp, "hf", "config.json")) and
+              os.path.exists(os.path.join(tmp, "hf", "model.safetensors")), mode + ": export_hf files")
+
+        # Errors: bumblebee.Error with the library's message.
+        for call, needle in [
+            (lambda: pol.train_batch([{"tokens": [1, 2, 999], "advantages": 1.0}]), "outside [0, 264)"),
+            (lambda: pol.train_batch([{"tokens": [1, 2, 3]}]), 'has no "advantages"'),
+            (lambda: pol.train_batch([{"tokens": [1, 2, 3], "advantages": [1.0]}]), "'advantages' has 1 entries for 3 tokens"),
+            (lambda: pol.train_batch([{"tokens": [1, 2], "advantages": 1.0, "old_logprobs": [0, 0.5]}]), "log-probs are finite and <= 0"),
+            (lambda: pol.train_batch([{"tokens": [1, 2], "rewards": 1}]), "unknown key(s) ['rewards']"),
+            (lambda: pol.train_batch([{"tokens": list(range(200)) * 3, "advantages": 1.0}]), "more than a micro-batch holds"),
+            (lambda: pol.train_step(), 'data.path = "none"'),
+            (lambda: bumblebee.Trainer("configs/demo.toml", ["train.lr=oops"], library=LIB), "train.lr"),
+            (lambda: bumblebee.Trainer("/nonexistent.toml", library=LIB), "nonexistent"),
+        ]:
+            try:
+                call()
+                check(False, mode + ": no error for " + needle)
+            except bumblebee.Error as e:
+                check(needle in str(e), mode + ": %r not in %r" % (needle, str(e)))
+        for t in (ce, pol, pol2):
+            t.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+os.chdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+modes = ["lists"]
+if bumblebee._np is not None:
+    modes.insert(0, "numpy")
+for mode in modes:
+    saved_np = bumblebee._np
+    if mode == "lists":
+        bumblebee._np = None
+    run(mode)
+    bumblebee._np = saved_np
+print("%d passed, %d failed" % (passed, failed))
+sys.exit(1 if failed else 0)
