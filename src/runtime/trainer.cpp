@@ -447,8 +447,8 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
     data_->set_sequence_cost([m = cfg.model](int64_t len) { return model_flops(m, {len}); });
   }
   if (policy_) {
-    BB_CHECK(device_.is_cpu(), "primitives.loss = \"policy\" runs on CPU ranks in this build (its CUDA kernels are "
-             "not written yet): set parallel.device = \"cpu\"");
+    BB_CHECK(device_.is_cpu(), "primitives.loss = \"policy\" runs on CPU ranks for now: its CUDA path is written "
+             "but has not yet passed its GPU test (tests/gpu/test_policy_gpu.cpp); set parallel.device = \"cpu\"");
   }
   if (!cfg.resume.empty()) {
     std::string resolved;

@@ -17,6 +17,14 @@
 #include "backend/cpu/util.h"
 #include "core/trace.h"
 #include "primitives/loss/loss_head.h"
+#include "primitives/loss/policy_terms.h"
+
+#ifdef BB_WITH_CUDA
+#include "backend/cuda/gemm.h"
+#include "backend/cuda/runtime.h"
+#include "primitives/loss/loss_cuda.h"
+#include "primitives/loss/policy_cuda.h"
+#endif
 
 namespace bb {
 
@@ -46,65 +54,8 @@ RowStats row_stats(const float* x, int64_t V, double inv_temp, int32_t target) {
   return r;
 }
 
-// The objective of one valid token and its derivatives (policy.h).
-struct TokenTerms {
-  double loss = 0, d_logp = 0, d_entropy = 0, ratio = 1, log_ratio = 0, ref_kl = 0;
-  bool clipped = false, dual_clipped = false;
-};
-
-// seq_lr: the sequence's mean log-ratio (ratio = sequence), NaN for ratio = token. old / ref:
-// NaN when absent.
-TokenTerms token_terms(const PolicyLossConfig& c, double logp, double entropy, double adv,
-                       double old, double ref, double seq_lr) {
-  TokenTerms o;
-  const double lim = c.max_log_ratio;
-  double lr = 0;
-  if (!std::isnan(seq_lr)) lr = seq_lr;
-  else if (!std::isnan(old)) lr = logp - old;
-  const bool lr_clamped = lr > lim || lr < -lim;
-  o.log_ratio = std::min(std::max(lr, -lim), lim);
-  const double r = std::exp(o.log_ratio);
-  o.ratio = r;
-  const double unclipped = -adv * r;
-  const double clipped = -adv * std::min(std::max(r, 1.0 - c.clip_low), 1.0 + c.clip_high);
-  double pg = unclipped, dpg_dr = -adv;
-  if (clipped > unclipped) {  // only possible with r outside the clip range: no gradient
-    pg = clipped;
-    dpg_dr = 0;
-    o.clipped = true;
-  }
-  if (c.dual_clip > 0 && adv < 0 && pg > -adv * c.dual_clip) {
-    pg = -adv * c.dual_clip;
-    dpg_dr = 0;
-    o.dual_clipped = true;
-  }
-  // dr/dlogp: r (token: r = exp(logp - old); sequence: GSPO-token's sg(s) exp(logp - sg(logp));
-  // on-policy: exp(logp - sg(logp)) = 1); 0 where the log-ratio was clamped.
-  const double dr = lr_clamped ? 0.0 : r;
-  o.loss = pg;
-  o.d_logp = dpg_dr * dr;
-  if (!std::isnan(ref)) {
-    const double d = ref - logp;
-    const bool d_clamped = d > lim || d < -lim;
-    const double dc = std::min(std::max(d, -lim), lim);
-    double kl, dkl;
-    if (c.kl == KlEstimator::k1) {
-      kl = -d;
-      dkl = 1;
-    } else {
-      kl = std::exp(dc) - dc - 1.0;
-      dkl = d_clamped ? 0.0 : 1.0 - std::exp(dc);  // d kl / d logp = (exp(d) - 1) x (-1)
-    }
-    o.ref_kl = kl;
-    if (c.kl_coef != 0) {
-      o.loss += c.kl_coef * kl;
-      o.d_logp += c.kl_coef * dkl;
-    }
-  }
-  o.loss -= c.entropy_coef * entropy;
-  o.d_entropy = -c.entropy_coef;
-  return o;
-}
+using policy::TokenTerms;
+using policy::token_terms;
 
 // d x of one row (in place over x): inv_temp [g_lp (onehot - p) - g_H p (log p + H)].
 void grad_row(float* x, int64_t V, double inv_temp, const RowStats& st, int32_t target, double g_lp,
@@ -179,6 +130,104 @@ std::vector<double> sequence_log_ratios(const PolicyTokens& in, const std::vecto
 
 enum class Mode { train, forward };
 
+// w_t of every row (f32 [T] host): seq_weight for seq_mean_token_mean, else none (1).
+Tensor row_weights(const PolicyTokens& in, const PolicyLossConfig& c) {
+  return c.aggregation == PolicyAggregation::seq_mean_token_mean ? in.seq_weight : Tensor();
+}
+
+// Sums of the per-row statistics (cuda::PolicyStat) into a LossResult, in double.
+#ifdef BB_WITH_CUDA
+LossResult sum_row_stats(const std::vector<float>& st, int64_t T, const PolicyTokens& in, const char* op,
+                         const std::string& consequence) {
+  LossResult r;
+  PolicyMetrics& pm = r.policy;
+  const float* sw = f32_or_null(in.seq_weight);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = st.data() + t * cuda::kPolicyStats;
+    BB_CHECK(row[cuda::kStatBadTarget] == 0.0f, op, ": target at row ", t, " is outside the vocabulary", consequence);
+    if (row[cuda::kStatValid] == 0.0f) continue;
+    r.loss_sum += row[cuda::kStatLoss];
+    ++r.num_valid;
+    pm.clipped += row[cuda::kStatClipped] != 0.0f;
+    pm.dual_clipped += row[cuda::kStatDual] != 0.0f;
+    pm.approx_kl += row[cuda::kStatApproxKl];
+    pm.entropy += row[cuda::kStatEntropy];
+    pm.ratio += row[cuda::kStatRatio];
+    pm.ratio_max = std::max(pm.ratio_max, static_cast<double>(row[cuda::kStatRatio]));
+    pm.ref_kl += row[cuda::kStatRefKl];
+    if (sw) pm.sequences += sw[t];
+  }
+  return r;
+}
+
+// The CUDA path: the CPU path's blocks and order, with the row kernel (policy_cuda.cu) between
+// the logits GEMM and the two gradient GEMMs; one read of the row statistics at the end (two
+// with ratio = sequence: the log-probs for the sequence ratios).
+LossResult policy_run_cuda(Mode mode, float scale, const Tensor& h, const Tensor& w, const Tensor& targets,
+                           const PolicyTokens& in, const LossHeadConfig& cfg, Tensor* d_h, Tensor* d_w,
+                           bool overwrite_dw, const detail::LossHeadDims& dims, const char* op,
+                           std::vector<float>* stats_out = nullptr) {
+  const PolicyLossConfig& c = cfg.policy;
+  const Device dev = h.device();
+  const int idx = dev.index;
+  const int64_t T = dims.num_tokens, V = dims.vocab, H = dims.hidden;
+  const int64_t ct = std::min(cfg.fused_chunk_tokens, T);
+  const DType dt = h.dtype();  // GEMM operands; the gradient block has this dtype
+  const int64_t ldd = cuda::ce_fused_grad_ld(V, DType::f32, dt);
+  Tensor tg = detail::targets_on(targets, dev);
+  const int32_t* tgp = tg.data<int32_t>();
+  auto up = [&](const Tensor& t) { return t.defined() ? t.to(dev, MemCategory::workspace) : Tensor(); };
+  const Tensor adv = up(in.advantages), old = up(in.old_logprobs), ref = up(in.ref_logprobs);
+  const Tensor weight = up(row_weights(in, c));
+  auto ptr = [](const Tensor& t) { return t.defined() ? t.data<float>() : nullptr; };
+  cuda::PolicyRowInputs ri{ptr(adv), ptr(old), ptr(ref), ptr(weight), nullptr};
+  Tensor stats = Tensor::empty({T * cuda::kPolicyStats}, DType::f32, dev, MemCategory::workspace);
+  Tensor block = Tensor::empty({ct * V}, DType::f32, dev, MemCategory::logits);
+  auto logits = [&](int64_t t0, int64_t nt) {
+    cuda::gemm(false, true, nt, V, H, 1.0f, h.narrow(t0, nt).raw(), dt, H, w.raw(), dt, H, 0.0f, block.raw(),
+               DType::f32, V, idx);
+  };
+  Tensor seq_lr;
+  if (c.ratio == PolicyRatio::sequence) {
+    for (int64_t t0 = 0; t0 < T; t0 += ct) {
+      const int64_t nt = std::min(ct, T - t0);
+      logits(t0, nt);
+      cuda::policy_rows(block.data<float>(), V, dt, false, tgp + t0, c, cuda::PolicyRowInputs{}, 0.0f, nt,
+                        stats.data<float>() + t0 * cuda::kPolicyStats);
+    }
+    const std::vector<float> st = stats.to_floats();
+    std::vector<double> logp(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) logp[static_cast<size_t>(t)] = st[t * cuda::kPolicyStats + cuda::kStatLogp];
+    const Tensor host_tg = targets.device().is_cpu() ? targets : targets.to(Device::cpu(), MemCategory::workspace);
+    const std::vector<double> lr = sequence_log_ratios(in, logp, host_tg.data<int32_t>(), op);
+    std::vector<float> lrf(lr.begin(), lr.end());
+    seq_lr = Tensor::from_floats(lrf, {T}, DType::f32, MemCategory::workspace).to(dev, MemCategory::workspace);
+    ri.seq_lr = seq_lr.data<float>();
+  }
+  const bool train = mode == Mode::train;
+  const bool dh_direct = train && (d_h->dtype() == DType::f32 || d_h->dtype() == dt);
+  Tensor dh_acc = train && !dh_direct ? Tensor::empty({ct, H}, DType::f32, dev, MemCategory::workspace) : Tensor();
+  for (int64_t t0 = 0; t0 < T; t0 += ct) {
+    const int64_t nt = std::min(ct, T - t0);
+    logits(t0, nt);
+    cuda::policy_rows(block.data<float>(), V, dt, train, tgp + t0, c, ri, scale, nt,
+                      stats.data<float>() + t0 * cuda::kPolicyStats);
+    if (!train) continue;
+    const void* hc = h.narrow(t0, nt).raw();
+    Tensor dh_dst = d_h->narrow(t0, nt);
+    cuda::gemm(false, false, nt, H, V, 1.0f, block.raw(), dt, ldd, w.raw(), dt, H, 0.0f,
+               dh_direct ? dh_dst.raw() : dh_acc.raw(), dh_direct ? d_h->dtype() : DType::f32, H, idx);
+    if (!dh_direct) cuda::convert(dh_dst.raw(), d_h->dtype(), dh_acc.raw(), DType::f32, nt * H);
+    const float beta = overwrite_dw && t0 == 0 ? 0.0f : 1.0f;
+    cuda::gemm(true, false, V, H, nt, 1.0f, block.raw(), dt, ldd, hc, dt, H, beta, d_w->raw(), DType::f32, H, idx);
+  }
+  std::vector<float> st = stats.to_floats();
+  LossResult r = sum_row_stats(st, T, in, op, train ? "; d_h and d_w are invalid" : "");
+  if (stats_out) *stats_out = std::move(st);
+  return r;
+}
+#endif
+
 LossResult policy_run(Mode mode, float scale, const Tensor& h, const Tensor& w, const Tensor& targets,
                       const PolicyTokens& in, const LossHeadConfig& cfg, Tensor* d_h, Tensor* d_w,
                       bool overwrite_dw, const char* op) {
@@ -186,12 +235,15 @@ LossResult policy_run(Mode mode, float scale, const Tensor& h, const Tensor& w, 
   validate_policy_config(c, std::string(" (") + op + ")");
   BB_CHECK(cfg.fused_chunk_tokens > 0, op, ": cfg.fused_chunk_tokens must be > 0, got ", cfg.fused_chunk_tokens);
   const detail::LossHeadDims dims = detail::check_loss_head_inputs(h, w, targets, op);
-  BB_CHECK(h.device().is_cpu(), op,
-           ": primitives.loss = \"policy\" runs on the CPU in this build (its CUDA kernels are not written "
-           "yet); run on CPU ranks, or use primitives.loss = \"linear_ce\" on the GPU");
   if (mode == Mode::train) detail::check_head_grad_args(dims, h, *d_h, *d_w, op);
   const int64_t T = dims.num_tokens, V = dims.vocab, H = dims.hidden;
   check_inputs(in, c, T, op);
+#ifdef BB_WITH_CUDA
+  if (h.device().is_cuda()) {
+    if (mode == Mode::train && overwrite_dw && T == 0) d_w->zero_();
+    return policy_run_cuda(mode, scale, h, w, targets, in, cfg, d_h, d_w, overwrite_dw, dims, op);
+  }
+#endif
   if (mode == Mode::train && overwrite_dw) d_w->zero_();
 
   const int64_t ct = std::min(cfg.fused_chunk_tokens, T);
@@ -327,8 +379,26 @@ void policy_token_stats(const Tensor& h, const Tensor& w, const Tensor& targets,
   validate_policy_config(cfg.policy, op);
   BB_CHECK(cfg.fused_chunk_tokens > 0, op, ": cfg.fused_chunk_tokens must be > 0");
   const detail::LossHeadDims dims = detail::check_loss_head_inputs(h, w, targets, op);
-  BB_CHECK(h.device().is_cpu(), op, ": runs on the CPU in this build (its CUDA kernels are not written yet)");
   const int64_t T = dims.num_tokens, V = dims.vocab, H = dims.hidden;
+#ifdef BB_WITH_CUDA
+  if (h.device().is_cuda()) {
+    // The forward sweep with a zero advantage: only the row statistics are read.
+    const Tensor adv = Tensor::zeros({T}, DType::f32, Device::cpu(), MemCategory::workspace);
+    LossHeadConfig tc = cfg;
+    tc.policy.ratio = PolicyRatio::token;
+    tc.policy.aggregation = PolicyAggregation::token_mean;
+    std::vector<float> st;
+    policy_run_cuda(Mode::forward, 0.0f, h, w, targets, PolicyTokens{adv, {}, {}, {}, {}}, tc, nullptr, nullptr, false,
+                    dims, op, &st);
+    logp = Tensor::zeros({T}, DType::f32, Device::cpu(), MemCategory::other);
+    entropy = Tensor::zeros({T}, DType::f32, Device::cpu(), MemCategory::other);
+    for (int64_t t = 0; t < T; ++t) {
+      logp.data<float>()[t] = st[t * cuda::kPolicyStats + cuda::kStatLogp];
+      entropy.data<float>()[t] = st[t * cuda::kPolicyStats + cuda::kStatEntropy];
+    }
+    return;
+  }
+#endif
   const int64_t ct = std::min(cfg.fused_chunk_tokens, T);
   const double inv_temp = 1.0 / cfg.policy.temperature;
   Tensor wf = cpu::as_f32(w);
@@ -343,7 +413,7 @@ void policy_token_stats(const Tensor& h, const Tensor& w, const Tensor& targets,
     for (int64_t i = 0; i < nt; ++i) {
       const RowStats st = row_stats(block.data<float>() + i * V, V, inv_temp, tg[t0 + i]);
       logp.data<float>()[t0 + i] = tg[t0 + i] >= 0 ? static_cast<float>(st.logp) : 0.0f;
-      entropy.data<float>()[t0 + i] = static_cast<float>(st.entropy);
+      entropy.data<float>()[t0 + i] = tg[t0 + i] >= 0 ? static_cast<float>(st.entropy) : 0.0f;
     }
   }
 }

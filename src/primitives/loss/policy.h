@@ -24,7 +24,9 @@
 // Without old_logprobs the update is on-policy: old = logp detached, so r = 1 and dr/dlogp = 1.
 // Training streams whole-vocabulary blocks of min(fused_chunk_tokens, T) rows (one [ct, V] f32
 // block, the logits peak, as linear_ce_fused); ratio = sequence takes one forward sweep first
-// for the sequence ratios, then the fused sweep (the logits GEMM twice).
+// for the sequence ratios, then the fused sweep (the logits GEMM twice). On CUDA the same blocks
+// with one row kernel (policy_cuda.h) between the GEMMs; with bf16 h / w the gradient is bf16,
+// written over the f32 logits in place, as linear_ce_fused's.
 // Accumulation convention: d_w ACCUMULATED (+=, f32 [V, H]) or written with overwrite_dw; d_h
 // WRITTEN (=, any float dtype; allocated f32 under activations when undefined).
 #pragma once
@@ -59,7 +61,7 @@ LossResult policy_loss_train(float scale, const Tensor& h, const Tensor& w, cons
 LossResult policy_loss_forward(const Tensor& h, const Tensor& w, const Tensor& targets,
                                const PolicyTokens& in, const LossHeadConfig& cfg);
 // Per-token log-prob of the target and entropy at cfg.policy.temperature (forward only): logp
-// [T] f32 (0 where target < 0), entropy [T] f32 (every row); host tensors, allocated here.
+// and entropy [T] f32, 0 where target < 0; host tensors, allocated here (CPU and CUDA).
 void policy_token_stats(const Tensor& h, const Tensor& w, const Tensor& targets,
                         const LossHeadConfig& cfg, Tensor& logp, Tensor& entropy);
 
