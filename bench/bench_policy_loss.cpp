@@ -1,0 +1,215 @@
+// bench_policy_loss — the policy loss head (primitives.loss = "policy") on the GPU at the RL
+// issue's sizes, beside linear_ce_fused (its family baseline, the same blocks and GEMMs).
+//
+//   V = 248320 (Qwen3.5 vocab), H = 2048, bf16 h and w, T = 16K / 64K / 128K tokens by default.
+//   One call = loss + d_h + d_w (training), median of --iters after one warm-up, wall clock
+//   around a synchronised call (the loss head reads its statistics back anyway). Achieved
+//   TFLOP/s counts 6TVH (8TVH for --ratio sequence, whose forward sweep runs the logits GEMM
+//   again). Memory: the peak of the `logits` category over the call against the full f32 logits
+//   T x V x 4 (the goal: <= 1/16), and the peak of all device memory the call added.
+//   The objective: clip 0.2 / 0.28, k3 KL 0.01, entropy 0.001, token mean (GRPO / DAPO style).
+//
+//   build/bench/bench_policy_loss [--tokens 16384,65536,131072] [--vocab N] [--hidden N]
+//                                 [--chunk N] [--iters N] [--ratio token|sequence] [--dump DIR]
+//   --dump DIR: after the table, one call at the first T written to DIR (h, w as f32 of their
+//   bf16 values, targets, advantages, old / ref log-probs, the loss, d_h, d_w; raw little-endian
+//   .bin files and meta.json) for bench/policy_loss_ref.py --check DIR (PyTorch parity).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/memory.h"
+#include "core/tensor.h"
+#include "primitives/loss/linear_ce.h"
+#include "primitives/loss/policy.h"
+
+#ifdef BB_WITH_CUDA
+#include "backend/cuda/rng_cuda.h"
+#include "backend/cuda/runtime.h"
+#endif
+
+namespace bb {
+namespace {
+
+#ifdef BB_WITH_CUDA
+const Device kGpu = Device::cuda(0);
+
+Tensor randn_dev(const Shape& s, DType dt, float std, uint64_t seed, MemCategory cat) {
+  Tensor t = Tensor::empty(s, dt, kGpu, cat);
+  cuda::fill_random(t.raw(), dt, t.numel(), seed, 0, 0.0f, std, true);
+  return t;
+}
+
+double median_ms(const std::function<void()>& fn, int warmup, int reps) {
+  for (int i = 0; i < warmup; ++i) fn();
+  cuda::synchronize();
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    cuda::synchronize();
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+struct Args {
+  std::vector<int64_t> tokens{16384, 65536, 131072};
+  int64_t vocab = 248320, hidden = 2048, chunk = 2048;
+  int iters = 5;
+  std::string ratio = "token";
+  std::string dump;
+};
+
+void write_bin(const std::string& path, const void* p, size_t bytes) {
+  FILE* f = std::fopen(path.c_str(), "wb");
+  BB_CHECK(f, "bench_policy_loss: cannot write ", path);
+  const size_t n = std::fwrite(p, 1, bytes, f);
+  std::fclose(f);
+  BB_CHECK(n == bytes, "bench_policy_loss: short write to ", path);
+}
+
+void run(const Args& a) {
+  const int64_t V = a.vocab, H = a.hidden;
+  std::printf("bench_policy_loss: V %lld, H %lld, bf16 h / w, chunk %lld tokens, ratio %s, median of %d\n",
+              static_cast<long long>(V), static_cast<long long>(H), static_cast<long long>(a.chunk), a.ratio.c_str(),
+              a.iters);
+  std::printf("| T | head | ms | TFLOP/s | logits peak GiB | full f32 logits GiB | ratio | call's device peak GiB |\n");
+  std::printf("|---:|---|---:|---:|---:|---:|---:|---:|\n");
+  Allocator& alloc = allocator_for(kGpu);
+  const Tensor w = randn_dev({V, H}, DType::bf16, 0.02f, 2, MemCategory::params);
+  Tensor d_w = Tensor::zeros({V, H}, DType::f32, kGpu, MemCategory::grads);
+  auto gib = [](double b) { return b / double(int64_t{1} << 30); };
+  for (int64_t T : a.tokens) {
+    const Tensor h = randn_dev({T, H}, DType::bf16, 1.0f, 1, MemCategory::activations);
+    std::vector<int32_t> tg(static_cast<size_t>(T));
+    std::vector<float> adv(static_cast<size_t>(T)), old(static_cast<size_t>(T)), ref(static_cast<size_t>(T)),
+        sw(static_cast<size_t>(T));
+    const int64_t seq = std::min<int64_t>(T, 4096);  // rollouts of 4K tokens
+    for (int64_t t = 0; t < T; ++t) {
+      tg[t] = static_cast<int32_t>((t * 7919) % V);
+      adv[t] = static_cast<float>(((t / seq) % 3) - 1);
+      old[t] = -12.4f + 0.1f * static_cast<float>((t * 31) % 7 - 3);
+      ref[t] = -12.4f + 0.05f * static_cast<float>((t * 17) % 5 - 2);
+      sw[t] = 1.0f / static_cast<float>(seq);
+    }
+    std::vector<int32_t> cu{0};
+    for (int64_t s = seq; s <= T; s += seq) cu.push_back(static_cast<int32_t>(s));
+    if (cu.back() != T) cu.push_back(static_cast<int32_t>(T));
+    const Tensor targets = Tensor::from_ints(tg, {T}).to(kGpu, MemCategory::activations);
+    const PolicyTokens in{Tensor::from_floats(adv, {T}), Tensor::from_floats(old, {T}), Tensor::from_floats(ref, {T}),
+                          Tensor::from_floats(sw, {T}),
+                          Tensor::from_ints(cu, {static_cast<int64_t>(cu.size())})};
+    LossHeadConfig cfg;
+    cfg.fused_chunk_tokens = a.chunk;
+    cfg.policy.clip_high = 0.28;
+    cfg.policy.kl_coef = 0.01;
+    cfg.policy.entropy_coef = 0.001;
+    cfg.policy.ratio = a.ratio == "sequence" ? PolicyRatio::sequence : PolicyRatio::token;
+    const double full = static_cast<double>(T) * static_cast<double>(V) * 4.0;
+    const float scale = 1.0f / static_cast<float>(T);
+    for (const char* head : {"policy", "linear_ce_fused"}) {
+      const bool policy = std::strcmp(head, "policy") == 0;
+      Tensor d_h = Tensor::empty({T, H}, DType::bf16, kGpu, MemCategory::activations);
+      auto call = [&] {
+        if (policy) policy_loss_train(scale, h, w, targets, in, cfg, d_h, d_w);
+        else linear_ce_fused(scale, h, w, targets, cfg, d_h, d_w);
+      };
+      call();  // warm-up (cuBLASLt plans, the pool)
+      cuda::synchronize();
+      const int64_t base = alloc.stats().live_total;
+      alloc.reset_peak();
+      const double ms = median_ms(call, 0, a.iters);
+      const double flops = (policy && cfg.policy.ratio == PolicyRatio::sequence ? 8.0 : 6.0) * T * V * H;
+      const int64_t lp = alloc.stats().peak_of(MemCategory::logits);
+      std::printf("| %lldK | %s | %.2f | %.1f | %.3f | %.2f | 1/%.0f | %.2f |\n", static_cast<long long>(T / 1024), head,
+                  ms, flops / (ms * 1e-3) / 1e12, gib(static_cast<double>(lp)), gib(full), full / std::max<double>(1, lp),
+                  gib(static_cast<double>(alloc.stats().peak_total - base)));
+      std::fflush(stdout);
+    }
+    if (!a.dump.empty() && T == a.tokens.front()) {
+      // One call from zero gradients, written for the PyTorch parity check.
+      Tensor d_h = Tensor::empty({T, H}, DType::f32, kGpu, MemCategory::activations);
+      Tensor dw = Tensor::zeros({V, H}, DType::f32, kGpu, MemCategory::grads);
+      const LossResult r = policy_loss_train(scale, h, w, targets, in, cfg, d_h, dw);
+      std::filesystem::create_directories(a.dump);
+      const std::vector<float> hf = h.to_floats(), wf = w.to_floats(), dh = d_h.to_floats(), dwf = dw.to_floats();
+      write_bin(a.dump + "/h.bin", hf.data(), hf.size() * 4);
+      write_bin(a.dump + "/w.bin", wf.data(), wf.size() * 4);
+      write_bin(a.dump + "/targets.bin", tg.data(), tg.size() * 4);
+      write_bin(a.dump + "/adv.bin", adv.data(), adv.size() * 4);
+      write_bin(a.dump + "/old.bin", old.data(), old.size() * 4);
+      write_bin(a.dump + "/ref.bin", ref.data(), ref.size() * 4);
+      write_bin(a.dump + "/d_h.bin", dh.data(), dh.size() * 4);
+      write_bin(a.dump + "/d_w.bin", dwf.data(), dwf.size() * 4);
+      char meta[256];
+      std::snprintf(meta, sizeof meta, "{\"T\": %lld, \"V\": %lld, \"H\": %lld, \"dtype\": \"bf16\", \"loss\": %.17g}",
+                    static_cast<long long>(T), static_cast<long long>(V), static_cast<long long>(H),
+                    r.loss_sum * static_cast<double>(scale));
+      write_bin(a.dump + "/meta.json", meta, std::strlen(meta));
+      std::printf("bench_policy_loss: dumped one call at T %lld to %s (bench/policy_loss_ref.py --check %s)\n",
+                  static_cast<long long>(T), a.dump.c_str(), a.dump.c_str());
+    }
+  }
+}
+#endif
+
+}  // namespace
+}  // namespace bb
+
+int main(int argc, char** argv) {
+#ifndef BB_WITH_CUDA
+  (void)argc;
+  (void)argv;
+  std::printf("bench_policy_loss: this build has no CUDA backend (BUMBLEBEE_CUDA=OFF); nothing to measure\n");
+  return 0;
+#else
+  bb::Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    auto val = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "bench_policy_loss: %s needs a value\n", k.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (k == "--tokens") {
+      a.tokens.clear();
+      std::stringstream ss(val());
+      for (std::string p; std::getline(ss, p, ',');) a.tokens.push_back(std::atoll(p.c_str()));
+    } else if (k == "--vocab") a.vocab = std::atoll(val().c_str());
+    else if (k == "--hidden") a.hidden = std::atoll(val().c_str());
+    else if (k == "--chunk") a.chunk = std::atoll(val().c_str());
+    else if (k == "--iters") a.iters = std::atoi(val().c_str());
+    else if (k == "--ratio") a.ratio = val();
+    else if (k == "--dump") a.dump = val();
+    else {
+      std::fprintf(stderr, "usage: bench_policy_loss [--tokens N,N,...] [--vocab N] [--hidden N] [--chunk N] "
+                           "[--iters N] [--ratio token|sequence] [--dump DIR]\n");
+      return 2;
+    }
+  }
+  if (bb::cuda::device_count() == 0) {
+    std::printf("bench_policy_loss: no usable CUDA device (%s); nothing to measure\n",
+                bb::cuda::unavailable_reason());
+    return 0;
+  }
+  try {
+    bb::run(a);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_policy_loss: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+#endif
+}
