@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <limits>
 #include <set>
+#include <sstream>
 
 #include "core/checked.h"
 #include "core/error.h"
@@ -851,9 +852,17 @@ ModelConfig parse_qwen35_text(const json& j, const std::string& src, const json*
       c.rope_theta = spec.theta;
     }
     if (spec.partial_rotary_factor >= 0) {
-      BB_CHECK(!r.has("partial_rotary_factor") || spec.partial_rotary_factor == c.partial_rotary_factor,
-               "key '", key, ".partial_rotary_factor' (", spec.partial_rotary_factor, ") in ", src,
-               " disagrees with partial_rotary_factor (", c.partial_rotary_factor, ")");
+      // transformers 5.x writes both: the top-level key keeps the config class's default (0.25)
+      // while rope_parameters holds the value; its rotary embedding reads
+      // rope_parameters["partial_rotary_factor"] (the top level only fills a missing entry). So
+      // does this loader, and it says so when the two differ.
+      if (r.has("partial_rotary_factor") && spec.partial_rotary_factor != c.partial_rotary_factor) {
+        std::ostringstream note;
+        note << src << ": partial_rotary_factor " << spec.partial_rotary_factor << " from " << key
+             << " (the value transformers uses); the top-level partial_rotary_factor "
+             << c.partial_rotary_factor << " is ignored";
+        c.load_notes.push_back(note.str());
+      }
       c.partial_rotary_factor = spec.partial_rotary_factor;
     }
   }

@@ -54,6 +54,12 @@ struct ModelConfig {
   int64_t shared_expert_intermediate_size = 0;
   double rope_theta = 10000, rms_norm_eps = 1e-6, router_aux_loss_coef = 0;
   double init_std = 0.02;  // HF initializer_range: std of normal weight init
+  // What parsing decided that a reader of the file could not tell (a precedence between two
+  // spellings, say); the trainer prints them at startup. Not part of the model's identity: two
+  // configs compare equal whatever their notes.
+  struct Notes : std::vector<std::string> {
+    bool operator==(const Notes&) const { return true; }
+  } load_notes;
   bool tie_word_embeddings = false;
   int64_t max_position_embeddings = 0;
   int64_t bos_token_id = -1, eos_token_id = -1;  // -1 = none

@@ -361,6 +361,7 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
                  cfg.model_config.c_str(), static_cast<long long>(cfg.model.num_layers),
                  static_cast<long long>(cfg.model.hidden_size), static_cast<long long>(cfg.model.num_experts),
                  static_cast<long long>(cfg.model.top_k), human_count(static_cast<double>(cfg.model.num_params())).c_str());
+    for (const std::string& n : cfg.model.load_notes) std::fprintf(log_, "%s[startup] model config: %s\n", p, n.c_str());
     std::fprintf(log_, "%s[startup] primitives: %s | device %s, weights %s\n", p, cfg.primitives_summary().c_str(),
                  device_.str().c_str(), dtype_name(cfg.resolved_param_dtype()));
     std::fprintf(log_, "%s[startup] parallel: %d rank(s) over %s (launcher %s), layout %s, state %s\n", p,

@@ -560,6 +560,20 @@ TEST(Qwen35Config, LayerTypesDerivedFromTheIntervalAndDefaults) {
   ModelConfig e = parse_hf_config(o, "old");
   EXPECT_EQ(e.partial_rotary_factor, 0.5);
   EXPECT_EQ(e.rope_theta, 1e6);
+  EXPECT_TRUE(e.load_notes.empty());
+  // transformers 5.17 writes both spellings for a non-default factor: the top level keeps the
+  // class default 0.25, rope_parameters the value its rotary embedding reads. That one is taken,
+  // with a note; equal values need none.
+  json both = qwen35_text();
+  both["partial_rotary_factor"] = 0.25;
+  both["rope_parameters"]["partial_rotary_factor"] = 0.5;
+  ModelConfig f = parse_hf_config(both, "both");
+  EXPECT_EQ(f.partial_rotary_factor, 0.5);
+  ASSERT_EQ(f.load_notes.size(), 1u);
+  EXPECT_NE(f.load_notes[0].find("partial_rotary_factor 0.5 from rope_parameters (the value transformers uses); the "
+                                 "top-level partial_rotary_factor 0.25 is ignored"), std::string::npos) << f.load_notes[0];
+  both["partial_rotary_factor"] = 0.5;
+  EXPECT_TRUE(parse_hf_config(both, "same").load_notes.empty());
   // The outer tie_word_embeddings is the one transformers ties by.
   json n = qwen35_35b();
   n["tie_word_embeddings"] = true;
@@ -583,8 +597,6 @@ TEST(Qwen35Config, RejectsBadConfigsWithMessagesNamingTheKey) {
       {"mrope_section type",
        [](json& j) { j["rope_parameters"]["mrope_section"] = {11, "11"}; },
        "key 'rope_parameters.mrope_section' in text_config of cfg.json must be a list of non-negative integers"},
-      {"partial factor disagrees", [](json& j) { j["partial_rotary_factor"] = 0.5; },
-       "key 'rope_parameters.partial_rotary_factor' (0.25) in text_config of cfg.json disagrees"},
       {"rotary dim odd", [](json& j) { j["rope_parameters"]["partial_rotary_factor"] = 0.006; },
        "partial_rotary_factor 0.006 x head_dim 256 gives a rotary dim of 1: it must be even"},
       {"output gate off", [](json& j) { j["attn_output_gate"] = false; },
