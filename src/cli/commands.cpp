@@ -282,6 +282,19 @@ int run(int argc, char** argv) {
   }
   if (plan->parsed()) {
     RunConfig cfg = load_run_config(plan_explain, plan_sets);
+    if (cfg.auto_layout()) {
+      // parallel = "auto": the layout the trainer would choose for --ranks (CPU ranks: no memory
+      // limit; --gpu-memory for a GPU job).
+      BB_CHECK(plan_ranks > 0 || cfg.comm == "emulated", "plan --explain: ", plan_explain,
+               " leaves the layout to parallel = \"auto\"; give the job's size with --ranks N");
+      const int64_t ranks = plan_ranks > 0 ? plan_ranks : cfg.emulate.ranks;
+      const Device d = Device::parse(cfg.device == "auto" ? "cpu" : cfg.device);
+      const int64_t available =
+          d.is_cuda() ? static_cast<int64_t>(preq.gpu_memory_gib * (1 - preq.margin) * double(int64_t{1} << 30)) : 0;
+      std::string why;
+      cfg = plan::choose_auto_layout(cfg, ranks, available, &why);
+      std::printf("[plan] %s\n", why.c_str());
+    }
     // Without --ranks: the emulated job's, else dp x cp x pp, dp = 0 read as the fewest data
     // ranks that hold the expert-parallel group.
     const int64_t dp = cfg.dp > 0 ? cfg.dp : std::max<int64_t>(1, (cfg.ep + cfg.cp - 1) / cfg.cp);

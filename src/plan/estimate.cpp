@@ -880,6 +880,108 @@ FitCheck check_fit(const RunConfig& cfg, int64_t world_size, int64_t rank, int64
   return fc;
 }
 
+namespace {
+
+// The recipe's order among layouts that fit (plan_layouts, choose_auto_layout): the smallest CP
+// that brings the sequence to 32K per rank (or the largest there is), then the least wire time,
+// then the smaller EP.
+auto recipe_key(int64_t seq, const ParallelLayout& l, const MemoryEstimate& e) {
+  const int64_t per_gpu = ceil_div(seq, l.cp);
+  const bool over = per_gpu > 32768;
+  return std::make_tuple(over ? 1 : 0, over ? -l.cp : l.cp, e.comm.total_s(), l.ep);
+}
+
+}  // namespace
+
+RunConfig choose_auto_layout(const RunConfig& cfg, int64_t world, int64_t available, std::string* why) {
+  if (!cfg.auto_layout()) return cfg;
+  BB_CHECK(world >= 1, "parallel = auto: the job has no rank");
+  BB_CHECK(cfg.pp == 1, "parallel = auto chooses dp, cp and ep with pp = 1 (pipeline parallelism is not implemented)");
+  const ModelConfig& mc = cfg.model;
+  std::vector<int64_t> cps, eps;
+  if (cfg.auto_cp) {
+    for (int64_t cp = 1; cp <= world; cp *= 2)
+      if (world % cp == 0 && (cp == 1 || cfg.micro_batch_tokens >= 2 * cp)) cps.push_back(cp);
+  } else {
+    cps.push_back(cfg.cp);
+  }
+  if (cfg.auto_ep) {
+    for (int64_t ep = 1; ep <= world; ++ep)
+      if ((mc.num_experts == 0 ? ep == 1 : mc.num_experts % ep == 0) && world % ep == 0) eps.push_back(ep);
+  } else {
+    eps.push_back(cfg.ep);
+  }
+  struct Cand {
+    RunConfig c;
+    MemoryEstimate e;
+    bool fits;
+  };
+  std::vector<Cand> cands;
+  std::string last_error;
+  for (int64_t cp : cps) {
+    if (world % cp != 0) continue;
+    const int64_t dp = world / cp;
+    if (!cfg.auto_dp && cfg.dp != 0 && cfg.dp != dp) continue;
+    for (int64_t ep : eps) {
+      RunConfig c = cfg;
+      c.auto_dp = c.auto_cp = c.auto_ep = false;
+      c.cp = cp;
+      c.ep = ep;
+      c.dp = dp;
+      if (cp > 1 && c.prim.name_of("attention") == "sdpa") c.prim.set("attention", "cp_ring", "parallel = auto");
+      try {
+        ParallelLayout l{dp, cp, ep, 1};
+        l.validate(world, mc.num_experts);
+        MemoryEstimate e = estimate_memory(c, world);
+        const bool fits = available <= 0 || e.peak_total <= available;
+        cands.push_back({std::move(c), std::move(e), fits});
+      } catch (const Error& err) {
+        last_error = err.what();  // a layout the model or the ranks cannot take: not a candidate
+      }
+    }
+  }
+  BB_CHECK(!cands.empty(), "parallel = auto: no layout of ", world, " rank(s) is possible for this run",
+           last_error.empty() ? std::string() : " (the last refused: " + last_error + ")",
+           "; set parallel.dp, cp and ep by hand");
+  const Cand* best = nullptr;
+  const Cand* smallest = nullptr;
+  for (const Cand& k : cands) {
+    if (!smallest || k.e.peak_total < smallest->e.peak_total) smallest = &k;
+    if (!k.fits) continue;
+    if (!best || recipe_key(cfg.micro_batch_tokens, k.e.layout, k.e) < recipe_key(cfg.micro_batch_tokens, best->e.layout, best->e))
+      best = &k;
+  }
+  if (!best) {
+    // The closest candidate's largest categories.
+    std::vector<std::pair<int64_t, int>> by;
+    for (int i = 0; i < kNumMemCategories; ++i) by.push_back({smallest->e.peak[static_cast<MemCategory>(i)], i});
+    std::sort(by.rbegin(), by.rend());
+    std::string cats;
+    for (size_t i = 0; i < 3 && i < by.size(); ++i)
+      cats += std::string(i ? ", " : "") + category_name(static_cast<MemCategory>(by[i].second)) + " " + format_bytes(by[i].first);
+    BB_FAIL("parallel = auto: no layout of ", world, " rank(s) fits ", format_bytes(available),
+            " per rank; the smallest predicted peak is ", format_bytes(smallest->e.peak_total), " at ",
+            smallest->e.layout.str(), " (largest: ", cats,
+            "). Use more ranks, fewer tokens per micro-batch, primitives.recompute = \"full\" or primitives.state = "
+            "\"fsdp\" (bumblebee plan --explain shows every phase)");
+  }
+  if (why) {
+    const ParallelLayout& L = best->e.layout;
+    char buf[768];
+    std::snprintf(buf, sizeof buf,
+                  "parallel = auto chose %s of %zu candidate layout(s) for %lld rank(s): cp %lld (%lld tokens per rank%s), "
+                  "then the least predicted wire time (%.1f ms a step if nothing overlapped); predicted peak %s%s%s "
+                  "(PREDICTED; no compute-time model yet)",
+                  L.str().c_str(), cands.size(), static_cast<long long>(world), static_cast<long long>(L.cp),
+                  static_cast<long long>(ceil_div(cfg.micro_batch_tokens, L.cp)),
+                  ceil_div(cfg.micro_batch_tokens, L.cp) > 32768 ? ", above the 32K target: no larger cp fits" : "",
+                  best->e.comm.total_s() * 1e3, format_bytes(best->e.peak_total).c_str(),
+                  available > 0 ? " of " : "", available > 0 ? format_bytes(available).c_str() : "");
+    *why = buf;
+  }
+  return best->c;
+}
+
 PlanResult plan_layouts(const RunConfig& base, const PlanRequest& req,
                         const std::function<void(int64_t, int64_t)>& progress) {
   BB_CHECK(req.gpus >= 1, "plan: --gpus must be >= 1, got ", req.gpus);
@@ -936,13 +1038,7 @@ PlanResult plan_layouts(const RunConfig& base, const PlanRequest& req,
   PlanCandidate* best = nullptr;
   for (PlanCandidate& pc : r.candidates) {
     if (!pc.fits) continue;
-    auto key = [&](const PlanCandidate& x) {
-      const int64_t per_gpu = ceil_div(req.seq, x.layout.cp);
-      // The smallest CP that brings the sequence to 32K per GPU (or the largest there is), then
-      // the EP whose collectives take the least wire time, then the smaller EP.
-      const bool over = per_gpu > 32768;
-      return std::make_tuple(over ? 1 : 0, over ? -x.layout.cp : x.layout.cp, x.estimate.comm.total_s(), x.layout.ep);
-    };
+    auto key = [&](const PlanCandidate& x) { return recipe_key(req.seq, x.layout, x.estimate); };
     if (!best || key(pc) < key(*best)) best = &pc;
   }
   char buf[1024];

@@ -144,4 +144,16 @@ struct PlanResult {
 PlanResult plan_layouts(const RunConfig& base, const PlanRequest& req,
                         const std::function<void(int64_t, int64_t)>& progress = {});
 
+// parallel = "auto" (or dp / cp / ep = "auto"): the degrees the run config leaves to the planner,
+// for `world` ranks (pp 1), keeping every choice the config makes (primitives, the fixed
+// degrees, micro-batch tokens, dtypes); cp > 1 with sdpa attention takes cp_ring. Candidates
+// are every cp (a power of two dividing the ranks, at most half the micro-batch's tokens) and ep
+// (dividing the experts and the ranks) the config leaves open; each is predicted
+// (estimate_memory) and kept when its peak fits `available` bytes per rank (<= 0: no limit, CPU
+// ranks). The choice follows plan_layouts' rules: the smallest CP that brings the micro-batch
+// to 32K tokens per rank, then the least predicted wire time, then the smaller EP. Returns the
+// config with the degrees set (auto flags cleared) and, in *why, the choice in words; throws
+// when nothing fits, naming the closest candidate's peak and largest categories.
+RunConfig choose_auto_layout(const RunConfig& cfg, int64_t world, int64_t available, std::string* why);
+
 }  // namespace bb::plan

@@ -36,6 +36,7 @@ class TableReader {
     return it == tab.end() ? nullptr : &it->second;
   }
   std::string where(const std::string& key) const { return name_ + "." + key + " (in " + source_ + ")"; }
+  bool has(const std::string& key) const { return t_ && t_->as_table().count(key) > 0; }
 
   void read(const std::string& key, std::string& out) {
     if (auto* v = get(key)) {
@@ -72,6 +73,19 @@ class TableReader {
     if (auto* v = get(key)) {
       BB_CHECK(v->is_boolean(), where(key), " must be true or false");
       out = v->as_boolean();
+    }
+  }
+  // An integer in [lo, hi], or the string "auto" (is_auto set, out unchanged).
+  void read_or_auto(const std::string& key, int64_t& out, bool& is_auto, int64_t lo, int64_t hi) {
+    if (auto* v = get(key)) {
+      if (v->is_string()) {
+        BB_CHECK(v->as_string().str == "auto", where(key), " must be an integer or \"auto\", got \"",
+                 v->as_string().str, "\"");
+        is_auto = true;
+        return;
+      }
+      used_.erase(key);
+      read(key, out, lo, hi);
     }
   }
   void read_choice(const std::string& key, std::string& out, const std::vector<std::string>& allowed) {
@@ -210,7 +224,15 @@ const toml::value* table_of(const toml::value& root, const std::string& name, co
   return &it->second;
 }
 
-RunConfig build(const toml::value& root, const std::string& src) {
+RunConfig build(toml::value root, const std::string& src) {
+  // parallel = "auto" (a string instead of the table): every layout degree from the planner.
+  bool all_auto = false;
+  if (root.is_table() && root.as_table().count("parallel") && root.as_table().at("parallel").is_string()) {
+    const std::string v = root.as_table().at("parallel").as_string().str;
+    BB_CHECK(v == "auto", "'parallel' in ", src, " must be a table ([parallel]) or \"auto\", got \"", v, "\"");
+    all_auto = true;
+    root.as_table().erase("parallel");
+  }
   static const std::set<std::string> kTables = {"model", "primitives", "policy", "parallel", "emulate", "train",
                                                 "data", "checkpoint", "log", "backend"};
   for (const auto& [k, v] : root.as_table())
@@ -280,9 +302,17 @@ RunConfig build(const toml::value& root, const std::string& src) {
   constexpr int64_t kMaxRanks = 1 << 20;
   par.read("tp", c.tp, 1, kMaxRanks);
   par.read("pp", c.pp, 1, kMaxRanks);
-  par.read("ep", c.ep, 1, kMaxRanks);
-  par.read("cp", c.cp, 1, kMaxRanks);
-  par.read("dp", c.dp, 0, kMaxRanks);
+  std::string layout = all_auto ? "auto" : "manual";
+  par.read_choice("layout", layout, {"manual", "auto"});
+  par.read_or_auto("ep", c.ep, c.auto_ep, 1, kMaxRanks);
+  par.read_or_auto("cp", c.cp, c.auto_cp, 1, kMaxRanks);
+  par.read_or_auto("dp", c.dp, c.auto_dp, 0, kMaxRanks);
+  // layout = "auto": the degrees the table does not fix come from the planner.
+  if (layout == "auto") {
+    c.auto_ep = c.auto_ep || !par.has("ep");
+    c.auto_cp = c.auto_cp || !par.has("cp");
+    c.auto_dp = c.auto_dp || !par.has("dp");
+  }
   par.read_choice("comm", c.comm, {"auto", "mpi", "nccl", "emulated"});
   par.read("timeout_s", c.comm_timeout_s);
   par.finish();

@@ -30,6 +30,11 @@ struct RunConfig {
   std::string device = "cpu";  // cpu | cuda | cuda:N | auto (cuda:0 when a GPU is visible)
   int64_t tp = 1, pp = 1, ep = 1, cp = 1;
   int64_t dp = 0;               // 0 = ranks / (cp x pp)
+  // "auto" (parallel = "auto", parallel.layout = "auto", or per key): the planner picks the value
+  // for the job's world size at startup (plan::choose_auto_layout); the fields above hold the
+  // choice afterwards.
+  bool auto_dp = false, auto_cp = false, auto_ep = false;
+  bool auto_layout() const { return auto_dp || auto_cp || auto_ep; }
   std::string comm = "auto";    // auto | mpi | nccl | emulated (comm/comm.h)
   double comm_timeout_s = 50;   // a collective that takes longer aborts the job
   // [emulate]: the job one process plays a rank of when comm = "emulated" (comm/emulated.h)

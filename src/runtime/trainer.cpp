@@ -311,10 +311,24 @@ ParallelLayout resolve_layout(const RunConfig& cfg, int64_t world_size) {
 
 Trainer::Trainer(const RunConfig& cfg, FILE* log) : Trainer(cfg, log, Corpus{}) {}
 
-Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr base) : cfg_(cfg), log_(log) {
+Trainer::Trainer(const RunConfig& cfg_in, FILE* log, Corpus corpus, comm::GroupPtr base) : cfg_(cfg_in), log_(log) {
   const double t0 = now_s();
-  comm::set_timeout(cfg.comm_timeout_s);
-  if (!base) base = default_world(cfg);
+  comm::set_timeout(cfg_in.comm_timeout_s);
+  if (!base) base = default_world(cfg_in);
+  // parallel = "auto": the planner fills the open degrees for this world before anything else
+  // reads the layout; the rest of the constructor sees the resolved config (`cfg`).
+  if (cfg_in.auto_layout()) {
+    int64_t available = 0;  // CPU ranks: no memory limit
+#ifdef BB_WITH_CUDA
+    const Device d = cfg_in.resolved_device();
+    if (d.is_cuda()) {
+      cuda::set_device(d.index);
+      available = static_cast<int64_t>(0.95 * static_cast<double>(cuda::memory_available(d.index)));
+    }
+#endif
+    cfg_ = plan::choose_auto_layout(cfg_in, base->size(), available, &auto_why_);
+  }
+  const RunConfig& cfg = cfg_;
   // The layout is checked before anything is allocated.
   const ParallelLayout layout = resolve_layout(cfg, base->size());
   const int rank = base->rank();
@@ -362,6 +376,7 @@ Trainer::Trainer(const RunConfig& cfg, FILE* log, Corpus corpus, comm::GroupPtr 
                  static_cast<long long>(cfg.model.hidden_size), static_cast<long long>(cfg.model.num_experts),
                  static_cast<long long>(cfg.model.top_k), human_count(static_cast<double>(cfg.model.num_params())).c_str());
     for (const std::string& n : cfg.model.load_notes) std::fprintf(log_, "%s[startup] model config: %s\n", p, n.c_str());
+    if (!auto_why_.empty()) std::fprintf(log_, "%s[startup] %s\n", p, auto_why_.c_str());
     std::fprintf(log_, "%s[startup] primitives: %s | device %s, weights %s\n", p, cfg.primitives_summary().c_str(),
                  device_.str().c_str(), dtype_name(cfg.resolved_param_dtype()));
     std::fprintf(log_, "%s[startup] parallel: %d rank(s) over %s (launcher %s), layout %s, state %s\n", p,

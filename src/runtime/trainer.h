@@ -153,6 +153,7 @@ class Trainer {
   // Rollout fields for the policy loss, routing for router replay: the data source's or a batch's.
   void check_batch_data(const Corpus& c) const;
   std::vector<MicroBatch>* given_ = nullptr;  // train_on's micro-batches for the next step
+  std::string auto_why_;  // parallel = "auto": the planner's choice in words (startup log)
   std::unique_ptr<DataLoader> data_;
   int64_t step_ = 0;
   Device device_;

@@ -29,5 +29,10 @@ PY
 [ $rc -eq 2 ] && grep -q "nonexistent" "$TMP/e1" || { echo "FAIL: missing config: rc $rc $(cat "$TMP/e1")"; fail=1; }
 "$BB" plan --explain configs/demo.toml --ranks 3 --set parallel.ep=2 > "$TMP/e2" 2>&1; rc=$?
 [ $rc -eq 2 ] && grep -q "parallel.ep" "$TMP/e2" || { echo "FAIL: impossible layout: rc $rc $(cat "$TMP/e2")"; fail=1; }
+# parallel = "auto": the layout the trainer would take, for --ranks; without --ranks an error.
+out=$("$BB" plan --explain configs/demo.toml --set parallel.layout=auto --ranks 4 2>&1) || { echo "FAIL: plan auto: $out"; fail=1; }
+grep -q "parallel = auto chose dp=" <<< "$out" || { echo "FAIL: no auto choice in: $out"; fail=1; }
+"$BB" plan --explain configs/demo.toml --set parallel.layout=auto > "$TMP/e3" 2>&1; rc=$?
+[ $rc -eq 2 ] && grep -q "give the job's size with --ranks N" "$TMP/e3" || { echo "FAIL: auto without ranks: rc $rc $(cat "$TMP/e3")"; fail=1; }
 [ $fail -eq 0 ] && echo "PASS"
 exit $fail

@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <sstream>
+#include <tuple>
 
+#include "common/testing.h"
 #include "plan/estimate.h"
 #include "runtime/run_config.h"
 
@@ -111,6 +113,76 @@ TEST(PlanFit, TheLayoutSearchForTheSeedsCase) {
   const plan::PlanResult none = plan::plan_layouts(base, req);
   for (const plan::PlanCandidate& c : none.candidates) EXPECT_FALSE(c.chosen);
   EXPECT_NE(none.why.find("no layout"), std::string::npos) << none.why;
+}
+
+// ---- parallel = "auto" -----------------------------------------------------------------------
+
+namespace auto_layout {
+
+RunConfig config(const std::string& parallel, const std::vector<std::string>& set = {}) {
+  std::string toml = "[model]\nconfig = \"configs/models/qwen3-30b-a3b-4layer/config.json\"\n[parallel]\ndevice = \"cuda\"\n" +
+                     parallel + "[primitives]\nstate = \"fsdp\"\nrecompute = \"full\"\n";
+  return parse_run_config(toml, "test", set);
+}
+
+}  // namespace auto_layout
+
+TEST(AutoLayout, ParsedFromEveryForm) {
+  using auto_layout::config;
+  EXPECT_FALSE(config("").auto_layout());
+  const RunConfig all = config("layout = \"auto\"\n");
+  EXPECT_TRUE(all.auto_dp && all.auto_cp && all.auto_ep);
+  const RunConfig one = config("ep = \"auto\"\ncp = 2\n");
+  EXPECT_TRUE(one.auto_ep && !one.auto_cp && !one.auto_dp);
+  EXPECT_EQ(one.cp, 2);
+  const RunConfig fixed = config("layout = \"auto\"\ncp = 1\n");  // layout auto leaves a given degree alone
+  EXPECT_TRUE(fixed.auto_ep && fixed.auto_dp && !fixed.auto_cp);
+  const RunConfig top = parse_run_config("parallel = \"auto\"\n[model]\nconfig = \"configs/models/qwen3-30b-a3b-4layer/config.json\"\n", "t");
+  EXPECT_TRUE(top.auto_dp && top.auto_cp && top.auto_ep);
+  EXPECT_TRUE(config("", {"parallel.layout=auto"}).auto_layout());
+  test::expect_error_contains([&] { config("ep = \"four\"\n"); }, "parallel.ep (in test) must be an integer or \"auto\", got \"four\"");
+  test::expect_error_contains([&] { parse_run_config("parallel = \"manual\"\n[model]\nconfig = \"x\"\n", "t"); },
+             "'parallel' in t must be a table ([parallel]) or \"auto\", got \"manual\"");
+}
+
+// The choice is the recipe's order over every candidate the config leaves open, checked here by
+// predicting each candidate independently.
+TEST(AutoLayout, ChoosesTheRecipesLayoutAmongWhatFits) {
+  using auto_layout::config;
+  for (int64_t tokens : {int64_t{8192}, int64_t{65536}}) {
+    SCOPED_TRACE(tokens);
+    const RunConfig cfg = config("layout = \"auto\"\n", {"train.micro_batch_tokens=" + std::to_string(tokens)});
+    std::string why;
+    const RunConfig got = plan::choose_auto_layout(cfg, 8, 140 * GiB, &why);
+    EXPECT_FALSE(got.auto_layout());
+    EXPECT_NE(why.find("parallel = auto chose"), std::string::npos) << why;
+    // Independently: every (cp, ep) of 8 ranks, the smallest cp bringing the tokens to 32K per
+    // rank, then the least wire time, then the smaller ep.
+    std::tuple<int, int64_t, double, int64_t> best{2, 0, 0.0, 0};
+    int64_t best_cp = 0, best_ep = 0;
+    for (int64_t cp : {1, 2, 4, 8})
+      for (int64_t ep : {1, 2, 4, 8}) {
+        RunConfig c = cfg;
+        c.auto_dp = c.auto_cp = c.auto_ep = false;
+        c.cp = cp, c.ep = ep, c.dp = 8 / cp;
+        if (cp > 1) c.prim.set("attention", "cp_ring", "test");
+        const plan::MemoryEstimate e = plan::estimate_memory(c, 8);
+        if (e.peak_total > 140 * GiB) continue;
+        const bool over = (tokens + cp - 1) / cp > 32768;
+        const auto key = std::make_tuple(over ? 1 : 0, over ? -cp : cp, e.comm.total_s(), ep);
+        if (best_cp == 0 || key < best) best = key, best_cp = cp, best_ep = ep;
+      }
+    EXPECT_EQ(got.cp, best_cp);
+    EXPECT_EQ(got.ep, best_ep);
+    EXPECT_EQ(got.dp, 8 / best_cp);
+    EXPECT_EQ(got.cp, tokens <= 32768 ? 1 : 2);  // the smallest cp that brings 64K to 32K per rank
+    if (got.cp > 1) EXPECT_EQ(got.prim.name_of("attention"), "cp_ring");
+  }
+  // A fixed degree stays; nothing fits -> an error naming the closest candidate.
+  const RunConfig fixed = plan::choose_auto_layout(config("ep = \"auto\"\ncp = 2\n"), 8, 140 * GiB, nullptr);
+  EXPECT_EQ(fixed.cp, 2);
+  test::expect_error_contains([&] { plan::choose_auto_layout(config("layout = \"auto\"\n"), 8, GiB, nullptr); },
+             "parallel = auto: no layout of 8 rank(s) fits 1.00 GiB per rank; the smallest predicted peak is");
 }
 
 }  // namespace

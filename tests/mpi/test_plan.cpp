@@ -151,5 +151,41 @@ TEST(Plan, MoeActivationsOfAnEmulatedRankWithin2Percent) {
   }
 }
 
+// parallel = "auto" in a real job: the trainer takes the planner's layout for the job's ranks
+// (CPU ranks: no memory limit), logs it, and trains exactly as the same layout given by hand.
+TEST(Plan, AutoLayoutTrainsAsTheChosenLayout) {
+  const int64_t R = world()->size();
+  if (R == 1) GTEST_SKIP() << "one rank has one layout";
+  const std::string model = write_model("plan_auto", test::small_moe({.heads = 4, .kv_heads = 2, .head_dim = 8}));
+  const RunConfig cfg = config(model, {"parallel.layout=auto", "primitives.state=\"fsdp\""});
+  ASSERT_TRUE(cfg.auto_layout());
+  std::string why;
+  const RunConfig want = plan::choose_auto_layout(cfg, R, 0, &why);
+  EXPECT_NE(why.find("parallel = auto chose"), std::string::npos);
+  char* buf = nullptr;
+  size_t len = 0;
+  FILE* log = open_memstream(&buf, &len);
+  StepMetrics a;
+  {
+    Trainer t(cfg, log, Corpus{}, world());
+    EXPECT_EQ(t.mesh().layout().cp, want.cp);
+    EXPECT_EQ(t.mesh().layout().ep, want.ep);
+    EXPECT_EQ(t.mesh().layout().dp, want.dp);
+    a = t.train_step();
+  }
+  std::fclose(log);
+  const std::string text(buf, len);
+  std::free(buf);
+  if (world()->rank() == 0) EXPECT_NE(text.find("[startup] parallel = auto chose"), std::string::npos) << text;
+  // The same layout by hand: the same step.
+  RunConfig by_hand = config(model, {"primitives.state=\"fsdp\"", "parallel.cp=" + std::to_string(want.cp),
+                                     "parallel.ep=" + std::to_string(want.ep),
+                                     "primitives.attention=\"" + want.prim.name_of("attention") + "\""});
+  Trainer h(by_hand, nullptr, Corpus{}, world());
+  const StepMetrics b = h.train_step();
+  EXPECT_EQ(a.loss, b.loss);
+  EXPECT_EQ(a.grad_norm, b.grad_norm);
+}
+
 }  // namespace
 }  // namespace bb
