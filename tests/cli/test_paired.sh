@@ -43,12 +43,16 @@ expect 1 "a gradient above --tol-grad must fail" --a primitives.loss=full_ce \
   --b primitives.loss=linear_ce --set primitives.loss_fused_chunk_tokens=100 --tol-grad 0
 # The table is there.
 "$BB" paired "${COMMON[@]}" --a primitives.recompute=none --b primitives.recompute=full > "$TMP/t.txt" 2>&1
+code=$?
+[ $code -eq 0 ] || { echo "FAIL: the table's run: exit $code"; cat "$TMP/t.txt"; fail=1; }
 for want in "max |logits A - logits B|" "gradients after step 1" "peak memory" "activations" \
             "ratio B/A" "gnorm A"; do
   grep -qF "$want" "$TMP/t.txt" || { echo "FAIL: paired output lacks '$want'"; fail=1; }
 done
 # An explicit warm-up runs untimed steps of each side first (the default on a GPU).
 "$BB" paired "${COMMON[@]}" --warmup 1 --a primitives.recompute=none --b primitives.recompute=full > "$TMP/w.txt" 2>&1
+code=$?
+[ $code -eq 0 ] || { echo "FAIL: paired --warmup 1: exit $code"; cat "$TMP/w.txt"; fail=1; }
 for want in "warm-up of side A: 1 untimed step" "warm-up of side B: 1 untimed step"; do
   grep -qF "$want" "$TMP/w.txt" || { echo "FAIL: paired --warmup 1 output lacks '$want'"; fail=1; }
 done

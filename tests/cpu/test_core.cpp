@@ -149,13 +149,39 @@ TEST(Rng, CounterBasedAndDistribution) {
   fill_normal(b, 42, 400);  // offset 400 -> the same numbers as a[400:]
   auto va = a.to_floats(), vb = b.to_floats();
   for (int i = 0; i < 600; ++i) EXPECT_EQ(va[400 + i], vb[i]);
-  double mean = 0, var = 0;
-  for (float x : va) mean += x;
-  mean /= va.size();
-  for (float x : va) var += (x - mean) * (x - mean);
-  var /= va.size();
-  EXPECT_NEAR(mean, 0.0, 0.1);
-  EXPECT_NEAR(var, 1.0, 0.15);
+  // Moments of a million draws, each within 5 standard errors of the normal's (mean 0 +-
+  // 5/sqrt(N), variance 1 +- 5 sqrt(2/N), skewness 0 +- 5 sqrt(6/N), kurtosis 3 +- 5 sqrt(24/N)):
+  // a variance off by 1 % or a skewed transform fails; 1,000 draws with +-0.1 could not tell.
+  {
+    const int64_t N = 1'000'000;
+    Tensor big = Tensor::empty({N}, DType::f32, Device::cpu(), MemCategory::other);
+    fill_normal(big, 42, 0);
+    const auto v = big.to_floats();
+    double m1 = 0, m2 = 0, m3 = 0, m4 = 0;
+    for (float x : v) m1 += x;
+    m1 /= N;
+    for (float x : v) {
+      const double d = x - m1;
+      m2 += d * d, m3 += d * d * d, m4 += d * d * d * d;
+    }
+    m2 /= N, m3 /= N, m4 /= N;
+    const double se = 1.0 / std::sqrt(static_cast<double>(N));
+    EXPECT_NEAR(m1, 0.0, 5 * se);
+    EXPECT_NEAR(m2, 1.0, 5 * std::sqrt(2.0) * se);
+    EXPECT_NEAR(m3 / std::pow(m2, 1.5), 0.0, 5 * std::sqrt(6.0) * se);
+    EXPECT_NEAR(m4 / (m2 * m2), 3.0, 5 * std::sqrt(24.0) * se);
+    // Uniform on (-2, 3]: mean 0.5 and variance 25/12, within 5 standard errors.
+    fill_uniform(big, 7, 0, -2.0f, 3.0f);
+    const auto u = big.to_floats();
+    double um = 0, uv = 0;
+    for (float x : u) um += x;
+    um /= N;
+    for (float x : u) uv += (x - um) * (x - um);
+    uv /= N;
+    EXPECT_NEAR(um, 0.5, 5 * std::sqrt(25.0 / 12.0) * se);
+    // sd of a sample variance: sqrt((mu4 - sigma^4) / N), mu4 = 5^4 / 80 for a width of 5.
+    EXPECT_NEAR(uv, 25.0 / 12.0, 5 * std::sqrt(625.0 / 80.0 - (25.0 / 12.0) * (25.0 / 12.0)) * se);
+  }
   fill_normal(b, 43, 400);
   EXPECT_NE(b.to_floats()[0], va[400]);  // another seed, another stream
   fill_uniform(a, 1, 0, -2.0f, 3.0f);

@@ -220,9 +220,13 @@ void write_ulp_perturbed_copy(const std::string& dir, const std::string& out) {
 // transformers' curve stays inside that band of bumblebee's own runs). So the reference is held
 // to bumblebee's own rounding-level sensitivity, measured in the test: both runs of the trainer
 // (original start, one-ulp start) and, per step, the running maximum `spread` of their relative
-// difference; every metric must satisfy |ours - ref| <= max(1e-4, 5 x spread). While the
-// spread is small (the first steps) that is the 1e-4 of the other curves; a wrong optimizer or
-// gradient shows at steps 1-2, where the single-step parity above is tighter still.
+// difference; a step is compared, |ours - ref| <= max(1e-4, 5 x spread), only while that bound
+// stays at or below kCurveCap = 1e-3: once a one-ulp start moves the run further, the curve past
+// it carries no information about the implementation (an uncapped bound passed 0.15 relative by
+// step 9). At least two steps must be compared. What this cannot see (a 1 % error in beta2 moves
+// steps 3+ by ~1e-3, inside the chaos) the non-chaotic Qwen3 / Qwen2 curves catch (at 2e-3; a
+// planted beta2 x 0.99 fails them), and the single-step parity above checks the gradients.
+constexpr double kCurveCap = 1e-3;
 void check_curve_against_own_spread(const std::string& dir, const std::string& loss) {
   SafetensorsReader g(path_join(dir, "golden.safetensors"));
   const test::GoldenCurve ref = test::read_golden_curve(dir);
@@ -235,6 +239,8 @@ void check_curve_against_own_spread(const std::string& dir, const std::string& l
   Trainer b(parse_run_config(test::golden_run_toml(pert, ref, T, "cpu", loss), "golden run, one-ulp start"),
             nullptr, test::golden_corpus(g));
   double spread = 0, worst_ratio = 0;
+  size_t compared = 0;
+  bool informative = true;
   std::printf("  step  rel(ours, ref)  rel(ours, ours one ulp)  bound\n");
   for (size_t i = 0; i < ref.loss.size(); ++i) {
     const StepMetrics ma = a.train_step(), mb = b.train_step();
@@ -243,14 +249,18 @@ void check_curve_against_own_spread(const std::string& dir, const std::string& l
     const double e = std::max({rel_scalar(ma.loss, ref.loss[i]), rel_scalar(ma.aux_loss, ref.aux_loss[i]),
                                rel_scalar(ma.grad_norm, ref.grad_norm[i])});
     const double bound = std::max(1e-4, 5 * spread);
-    std::printf("  %4zu  %14.2e  %23.2e  %.2e\n", i + 1, e, spread, bound);
+    informative = informative && bound <= kCurveCap;
+    std::printf("  %4zu  %14.2e  %23.2e  %.2e%s\n", i + 1, e, spread, bound, informative ? "" : "  (not compared: chaotic)");
+    if (!informative) continue;
+    ++compared;
     EXPECT_LT(e, bound) << "step " << i + 1 << ": loss " << ma.loss << " (ref " << ref.loss[i] << "), grad norm "
                         << ma.grad_norm << " (ref " << ref.grad_norm[i] << "), own one-ulp spread " << spread;
     worst_ratio = std::max(worst_ratio, e / bound);
   }
   std::filesystem::remove_all(pert);
-  std::printf("  %s, %s: %zu steps, loss %.4f -> %.4f, worst |ours - ref| / bound %.2f\n", dir.c_str(),
-              loss.c_str(), ref.loss.size(), ref.loss.front(), ref.loss.back(), worst_ratio);
+  EXPECT_GE(compared, 2u) << "the run is chaotic from its first steps: nothing of the curve can be compared";
+  std::printf("  %s, %s: %zu steps (%zu compared), loss %.4f -> %.4f, worst |ours - ref| / bound %.2f\n", dir.c_str(),
+              loss.c_str(), ref.loss.size(), compared, ref.loss.front(), ref.loss.back(), worst_ratio);
 }
 
 TEST(HfParity, Qwen3_5MoeTinyLossCurve) {

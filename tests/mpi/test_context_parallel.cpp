@@ -9,6 +9,7 @@
 // with chunked_alltoall:3, and full / selective recompute; on 2 ranks CP2 (ring, a2a) and
 // CP2 x EP2; the Qwen3.5 hybrid (Gated DeltaNet layers all-to-all to heads) at CP2 / CP4. The head-tail layout itself and the data movements of the members are tested in
 // test_cp_layout (CPU). Bad layouts are clear errors.
+// mpi-ranks: 2 4   (every test needs 2 or 4 ranks (cp divides the ranks and the heads))
 #include <gtest/gtest.h>
 
 #include <fstream>

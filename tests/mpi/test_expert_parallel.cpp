@@ -9,6 +9,7 @@
 // alltoall bit for bit. The state families shard expert units over the expert-data group;
 // checkpoints move between EP degrees (EP_R -> EP1 and EP1 -> EP_R, and EP4 -> EP2 on 4 ranks);
 // the HF loader reads only a rank's experts; bad layouts are clear errors.
+// mpi-ranks: 2 4   (every test needs 2 or 4 ranks (ep divides the 8 experts and the ranks))
 #include <gtest/gtest.h>
 
 #include <cmath>
