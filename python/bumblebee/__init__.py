@@ -84,6 +84,8 @@ def load_library(path=None):
         "bb_num_metrics": (c.c_int64, []),
         "bb_train_batch": (c.c_int, [c.c_void_p, c.POINTER(_Document), c.c_int64, c.POINTER(c.c_double)]),
         "bb_train_step": (c.c_int, [c.c_void_p, c.POINTER(c.c_double)]),
+        "bb_forward_backward": (c.c_int, [c.c_void_p, c.POINTER(_Document), c.c_int64, c.POINTER(c.c_double)]),
+        "bb_optim_step": (c.c_int, [c.c_void_p, c.POINTER(c.c_double)]),
         "bb_last_logits": (c.c_int, [c.c_void_p, c.POINTER(_Document), c.c_int64, c.POINTER(c.c_float)]),
         "bb_token_logprobs": (c.c_int, [c.c_void_p, c.POINTER(_Document), c.c_int64, c.c_float,
                                         c.POINTER(c.c_float), c.POINTER(c.c_float)]),
@@ -246,6 +248,18 @@ class Trainer:
         ratio_mean, ratio_max, ref_kl, sequences)."""
         docs = _Docs(batch)
         return self._metrics(lambda out: self._lib.bb_train_batch(self._h, docs.array, len(docs.lengths), out))
+
+    def forward_backward(self, batch):
+        """The forward and backward of one step on `batch` (as train_batch), without the update:
+        the step's loss, grad_norm and policy metrics so far. optim_step() applies it; exactly one
+        optim_step follows each forward_backward (gradients do not accumulate across calls)."""
+        docs = _Docs(batch)
+        return self._metrics(lambda out: self._lib.bb_forward_backward(self._h, docs.array, len(docs.lengths), out))
+
+    def optim_step(self):
+        """Applies the pending forward_backward (clipping, the non-finite guard, the update);
+        returns the step's full metrics."""
+        return self._metrics(lambda out: self._lib.bb_optim_step(self._h, out))
 
     def train_step(self):
         """One optimizer step on the run config's own data source."""

@@ -52,6 +52,11 @@ const char* bb_metric_names(void);
 int64_t bb_num_metrics(void);
 /* One optimizer step on these documents (Trainer::train_on); writes bb_num_metrics() doubles. */
 int bb_train_batch(bb_trainer* t, const bb_document* docs, int64_t num_docs, double* metrics);
+/* The two halves of bb_train_batch (Trainer::forward_backward_on / optim_step): the forward and
+ * backward on these documents, with the step's metrics so far (loss, grad_norm, ...); then the
+ * update, with the full metrics. Exactly one optim_step follows each forward_backward. */
+int bb_forward_backward(bb_trainer* t, const bb_document* docs, int64_t num_docs, double* metrics);
+int bb_optim_step(bb_trainer* t, double* metrics);
 /* A data-source step (the run config's data), as `bumblebee train` takes. */
 int bb_train_step(bb_trainer* t, double* metrics);
 

@@ -147,6 +147,20 @@ int bb_train_batch(bb_trainer* t, const bb_document* docs, int64_t num_docs, dou
   });
 }
 
+int bb_forward_backward(bb_trainer* t, const bb_document* docs, int64_t num_docs, double* metrics) {
+  return guard([&] {
+    BB_CHECK(t, "bb_forward_backward: no trainer");
+    write_metrics(t->t->forward_backward_on(corpus_of(docs, num_docs, t->t->config().model.vocab_size)), metrics);
+  });
+}
+
+int bb_optim_step(bb_trainer* t, double* metrics) {
+  return guard([&] {
+    BB_CHECK(t, "bb_optim_step: no trainer");
+    write_metrics(t->t->optim_step(), metrics);
+  });
+}
+
 int bb_train_step(bb_trainer* t, double* metrics) {
   return guard([&] {
     BB_CHECK(t, "bb_train_step: no trainer");

@@ -605,8 +605,13 @@ void Trainer::check_memory_fits([[maybe_unused]] comm::Group& base, [[maybe_unus
 }
 
 StepMetrics Trainer::train_step() {
+  BB_CHECK(!pending_, "train_step: a forward_backward is waiting for its optim_step; call optim_step first");
+  return guarded([&] { return step_impl(false); });
+}
+
+StepMetrics Trainer::guarded(const std::function<StepMetrics()>& fn) {
   try {
-    return step_impl();
+    return fn();
   } catch (const Error& e) {
     // An out-of-memory error says what the estimator expected of this rank.
     if (predicted_memory_.empty() || std::string(e.what()).find("out of GPU memory") == std::string::npos) throw;
@@ -627,24 +632,52 @@ void Trainer::check_batch_data(const Corpus& c) const {
            " (or set policy.kl_coef = 0)");
 }
 
-StepMetrics Trainer::train_on(Corpus batch) {
-  BB_CHECK(batch.num_documents() > 0, "train_on: the batch has no document");
+std::vector<MicroBatch> Trainer::pack_batch(Corpus batch) {
+  BB_CHECK(batch.num_documents() > 0, "the batch has no document");
   check_batch_data(batch);
   DataConfig dc = cfg_.data;
   dc.packing = "whole";
   dc.shuffle = false;
   DataLoader loader(dc, std::move(batch));
   loader.set_sequence_cost([m = cfg_.model](int64_t len) { return model_flops(m, {len}); });
-  std::vector<MicroBatch> mbs = loader.pack_all(mesh_->layout().dp * cfg_.grad_accum);
+  return loader.pack_all(mesh_->layout().dp * cfg_.grad_accum);
+}
+
+StepMetrics Trainer::train_on(Corpus batch) {
+  BB_CHECK(!pending_, "train_on: a forward_backward is waiting for its optim_step; call optim_step first");
+  std::vector<MicroBatch> mbs = pack_batch(std::move(batch));
   given_ = &mbs;
   try {
-    StepMetrics m = train_step();
+    StepMetrics m = guarded([&] { return step_impl(false); });
     given_ = nullptr;
     return m;
   } catch (...) {
     given_ = nullptr;
     throw;
   }
+}
+
+StepMetrics Trainer::forward_backward_on(Corpus batch) {
+  BB_CHECK(!pending_, "forward_backward: the previous forward_backward has not been applied; call optim_step first "
+           "(gradients do not accumulate across calls: give the whole step's documents to one call)");
+  std::vector<MicroBatch> mbs = pack_batch(std::move(batch));
+  given_ = &mbs;
+  try {
+    StepMetrics m = guarded([&] { return step_impl(true); });
+    given_ = nullptr;
+    return m;
+  } catch (...) {
+    given_ = nullptr;
+    pending_.reset();
+    throw;
+  }
+}
+
+StepMetrics Trainer::optim_step() {
+  BB_CHECK(pending_, "optim_step: no forward_backward to apply (call forward_backward first)");
+  std::unique_ptr<PendingStep> p = std::move(pending_);
+  if (p->finished) return p->m;  // a step without targets: nothing to apply
+  return guarded([&] { return finish_step(*p); });
 }
 
 Tensor Trainer::forward_logits(const MicroBatch& mb) {
@@ -655,7 +688,7 @@ Tensor Trainer::forward_logits(const MicroBatch& mb) {
   return logits.to(Device::cpu(), MemCategory::other);
 }
 
-StepMetrics Trainer::step_impl() {
+StepMetrics Trainer::step_impl(bool split) {
   Allocator& alloc = allocator_for(device_);
   alloc.reset_peak();
   const double t0 = now_s();
@@ -697,13 +730,19 @@ StepMetrics Trainer::step_impl() {
     m.tokens = world.sum(m.tokens);
     m.step_time_s = now_s() - t0;
     m.mem = m.mem_max = alloc.stats();
+    if (split) {
+      pending_ = std::make_unique<PendingStep>();
+      pending_->finished = true;
+      pending_->m = m;
+    }
     return m;
   }
 
   // The update during the backward ([backend] optimizer_in_backward): with clipping off nothing
   // global is needed before a unit's update, so the state runs it as soon as the unit's gradient
   // is final. The flags and (skip_step) the backup exist before the first update.
-  const bool early_update = cfg_.backend.optimizer_in_backward && cfg_.grad_clip == 0;
+  // Not with a separate optim_step (split): the update waits for it.
+  const bool early_update = !split && cfg_.backend.optimizer_in_backward && cfg_.grad_clip == 0;
   Tensor flags;
   if (early_update) {
     flags = Tensor::zeros({static_cast<int64_t>(state_->num_units())}, DType::i32, device_, MemCategory::workspace);
@@ -775,6 +814,36 @@ StepMetrics Trainer::step_impl() {
   const double flops = sums[4] / static_cast<double>(world.size());  // per rank
 
   m.grad_norm = state_->grad_norm();
+  auto p = std::make_unique<PendingStep>();
+  p->m = m;
+  p->t0 = t0;
+#ifdef BB_WITH_CUDA
+  p->syncs0 = syncs0;
+#endif
+  p->flops = flops;
+  p->my_rows = my_rows;
+  p->early_update = early_update;
+  p->flags = flags;
+  if (split) {  // the update comes with optim_step()
+    m.lr = lr_at(m.step);
+    pending_ = std::move(p);
+    return m;
+  }
+  return finish_step(*p);
+}
+
+// The update and the step's accounting (step_impl's second half; optim_step's whole).
+StepMetrics Trainer::finish_step(PendingStep& p) {
+  Allocator& alloc = allocator_for(device_);
+  comm::Group& world = *mesh_->world();
+  StepMetrics& m = p.m;
+  const double t0 = p.t0, flops = p.flops;
+  const int64_t my_rows = p.my_rows;
+  const bool early_update = p.early_update;
+  Tensor flags = p.flags;
+#ifdef BB_WITH_CUDA
+  const int64_t syncs0 = p.syncs0;
+#endif
   m.lr = lr_at(m.step);
   // The non-finite guard, part 1: loss and gradient norm are host values already (the same on
   // every rank). A non-finite one means no update is applied.

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -90,6 +91,17 @@ class Trainer {
   // would be (rollout fields for the policy loss, routing for router replay). Collective: every
   // rank passes the same batch (each packs all micro-batches and takes its own).
   StepMetrics train_on(Corpus batch);
+  // The two halves of train_on, for an RL loop that reads the loss and gradient norm before it
+  // applies the update (Tinker-style forward_backward / optim_step): forward_backward_on runs the
+  // forward and backward of one step on the documents (metrics: loss, grad_norm, tokens, the
+  // policy metrics; lr is the one optim_step will use) and optim_step applies it (clipping,
+  // the non-finite guard, the update) and returns the step's full metrics. Exactly one
+  // optim_step follows each forward_backward_on (gradients do not accumulate across calls);
+  // other steps are refused in between. The update is not fused into the backward here
+  // ([backend] optimizer_in_backward waits), with the same result.
+  StepMetrics forward_backward_on(Corpus batch);
+  StepMetrics optim_step();
+  bool step_pending() const { return pending_ != nullptr; }
   // The [T, V] f32 logits of one micro-batch (host), by an evaluation forward. One rank only.
   Tensor forward_logits(const MicroBatch& mb);
   // The whole run: cfg.steps steps with log lines, metrics file and checkpoints; it ends early,
@@ -149,7 +161,20 @@ class Trainer {
   std::string predicted_memory_;
   // GPU runs, before anything is allocated: refuses (on every rank) a run predicted not to fit.
   void check_memory_fits(comm::Group& base, int rank);
-  StepMetrics step_impl();
+  // One step; `split`: stop after the gradient (and its norm), keeping the rest for optim_step.
+  StepMetrics step_impl(bool split);
+  // What a split step keeps between forward_backward and optim_step.
+  struct PendingStep {
+    StepMetrics m;
+    double t0 = 0, flops = 0;
+    int64_t syncs0 = 0, my_rows = 0;
+    bool early_update = false, finished = false;
+    Tensor flags;
+  };
+  StepMetrics finish_step(PendingStep& p);
+  StepMetrics guarded(const std::function<StepMetrics()>& fn);
+  std::vector<MicroBatch> pack_batch(Corpus batch);
+  std::unique_ptr<PendingStep> pending_;
   // Rollout fields for the policy loss, routing for router replay: the data source's or a batch's.
   void check_batch_data(const Corpus& c) const;
   std::vector<MicroBatch>* given_ = nullptr;  // train_on's micro-batches for the next step

@@ -197,6 +197,32 @@ TEST(PolicyLoss, SequenceRatioLayoutsEqualTheSingleRankRun) {
                  "policy.clip_high=0.05", "policy.dual_clip=0"});
 }
 
+// The Python API's two calls on the C++ side: forward_backward_on + optim_step equals train_on
+// (metrics and the weights after), on every rank count; the update waits for optim_step.
+TEST(PolicyLoss, ForwardBackwardThenOptimStepEqualsOneStep) {
+  TestRun run = make_run("policy_split_step");
+  const Corpus all = rollouts();
+  Corpus batch;
+  for (int64_t d = 0; d < 8; ++d) batch.add(all.document(d));
+  const RunConfig cfg = parse_run_config(run.toml, "test run", {"train.grad_clip=0", "data.path=\"none\"", "train.micro_batch_tokens=512"});
+  Trainer a(cfg, nullptr, Corpus{}, world()), b(cfg, nullptr, Corpus{}, world());
+  const StepMetrics ma = a.train_on(batch);
+  const StepMetrics fb = b.forward_backward_on(batch);
+  EXPECT_TRUE(b.step_pending());
+  EXPECT_EQ(b.step(), 0);
+  EXPECT_EQ(fb.loss, ma.loss);
+  EXPECT_EQ(fb.grad_norm, ma.grad_norm);
+  test::expect_error_contains([&] { b.train_on(batch); }, "call optim_step first");
+  const StepMetrics mb = b.optim_step();
+  EXPECT_EQ(mb.loss, ma.loss);
+  EXPECT_EQ(mb.grad_norm, ma.grad_norm);
+  EXPECT_EQ(mb.policy.clip_frac, ma.policy.clip_frac);
+  EXPECT_EQ(b.step(), 1);
+  // The next steps agree too: the weights after the split step are the fused step's.
+  EXPECT_EQ(b.train_on(batch).loss, a.train_on(batch).loss);
+  test::expect_error_contains([&] { b.optim_step(); }, "no forward_backward to apply");
+}
+
 TEST(PolicyLoss, TrainerRefusesWhatCannotRun) {
   TestRun run = make_run("policy_bad");
   // No advantages in the data.

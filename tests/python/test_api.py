@@ -74,7 +74,8 @@ def run(mode):
         check(abs(pm["sequences"] - 5) < 1e-5, mode + ": sequences %r" % pm["sequences"])
 
         # Same seed, same batch: the same step; save / load restores the log-probs exactly.
-        pol2 = bumblebee.Trainer("configs/demo.toml", BASE + ['primitives.loss="policy"'], library=LIB)
+        # (No clipping: pol2's update runs inside its backward, [backend] optimizer_in_backward.)
+        pol2 = bumblebee.Trainer("configs/demo.toml", BASE + ['primitives.loss="policy"', "train.grad_clip=0"], library=LIB)
         pm2 = pol2.train_batch(docs())
         check(pm2["loss"] == pm["loss"] and pm2["grad_norm"] == pm["grad_norm"], mode + ": determinism")
         saved = pol.save(os.path.join(tmp, "ckpt"))
@@ -86,6 +87,32 @@ def run(mode):
         pol.load(saved)
         after = [list(map(float, lp)) for lp, _ in pol.logprobs([d["tokens"] for d in docs()])]
         check(after == before and pol.step == 1, mode + ": load restores the log-probs")
+
+        # forward_backward + optim_step is train_batch split in two: the same metrics, the same
+        # weights after (pol2 took one train_batch, its update fused into the backward, from the
+        # same start as pol3 here, whose update waits for optim_step).
+        pol3 = bumblebee.Trainer("configs/demo.toml", BASE + ['primitives.loss="policy"', "train.grad_clip=0"], library=LIB)
+        fb = pol3.forward_backward(docs())
+        check(fb["loss"] == pm2["loss"] and fb["grad_norm"] == pm2["grad_norm"], mode + ": forward_backward metrics")
+        check(pol3.step == 0, mode + ": no step before optim_step")
+        for call, needle in [(lambda: pol3.forward_backward(docs()), "call optim_step first"),
+                             (lambda: pol3.train_batch(docs()), "call optim_step first")]:
+            try:
+                call()
+                check(False, mode + ": no error for " + needle)
+            except bumblebee.Error as e:
+                check(needle in str(e), mode + ": %r not in %r" % (needle, str(e)))
+        om = pol3.optim_step()
+        check(om["loss"] == pm2["loss"] and om["grad_norm"] == pm2["grad_norm"] and om["step"] == 1, mode + ": optim_step")
+        a2 = [list(map(float, lp)) for lp, _ in pol2.logprobs([d["tokens"] for d in docs()])]
+        a3 = [list(map(float, lp)) for lp, _ in pol3.logprobs([d["tokens"] for d in docs()])]
+        check(a2 == a3, mode + ": the same weights after the split step")
+        try:
+            pol3.optim_step()
+            check(False, mode + ": a second optim_step")
+        except bumblebee.Error as e:
+            check("no forward_backward to apply" in str(e), mode + ": " + str(e))
+        pol3.close()
 
         # Generation: deterministic by seed, new tokens in the vocabulary, stop token honoured.
         g1 = pol.generate([[1, 2, 3], [4, 5]], 6, seed=3)
