@@ -2,12 +2,16 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <chrono>
 #include <filesystem>
+#include <unistd.h>
 
 #include "io/fs.h"
 #include "plan/estimate.h"
 #include "models/hf_io.h"
 #include "runtime/checkpoint.h"
+#include "runtime/data.h"
+#include "runtime/logprobs.h"
 #include "runtime/paired.h"
 #include "runtime/run_config.h"
 #include "runtime/trainer.h"
@@ -79,6 +83,22 @@ With --model, --gpus and --seq it searches the layouts of that many GPUs under t
 GPU's memory less --margin, and picks one by the recipe's rules: the smallest EP whose rank fits,
 then the smallest CP that brings the per-GPU sequence to 32K or less. There is no time model yet:
 the choice is the recipe's, not the fastest predicted.)";
+
+constexpr const char* kLogprobsHelp = R"(Per-token log-probs, entropies and (with --routing) the routed experts of documents
+under a model's weights: the forward-only pass of RL (a rollout's old or ref log-probs; R2 router
+replay records the routing here and replays it in the update).
+
+  bumblebee logprobs --checkpoint hf:DIR|CKPT --data rollouts.jsonl --out scored.jsonl
+                     [--config RUN.toml] [--set KEY=VALUE ...] [--temperature T] [--routing]
+  mpirun -np N bumblebee logprobs ... --set parallel.layout=auto
+CKPT is a step_NNNNNNNN directory or a checkpoint root; hf:DIR a Hugging Face model directory.
+Without --config the model comes from the weights (DIR's config.json, the checkpoint's
+state.json) with the default primitives; --config / --set give the layout (dp, cp, ep; auto),
+the primitives and train.micro_batch_tokens, the budget of one forward. The data is JSON lines
+with "tokens" (other rollout keys are read and ignored); every token is scored. The output has
+one line per record: {"id", "logprobs", "entropy"[, "routing"]}, entry j for token j (entry 0 is
+0), as a rollout record's old_logprobs. Memory: the weights and one forward's activations; no
+gradients, no optimizer state, no [T, V] logits.)";
 
 // --out must not be a checkpoint root or inside one (whatever --force says: exports there would
 // mix with training state), and must be empty or absent unless --force.
@@ -206,6 +226,22 @@ int run(int argc, char** argv) {
   plan->add_flag("--moments", plan_moments, "Print every moment of the step, not one row per phase");
   plan->add_flag("--json", plan_json, "Print the prediction as one JSON object (bytes)");
 
+  // logprobs
+  auto* lpc = app.add_subcommand("logprobs", "Per-token log-probs (and routing) of documents, forward only");
+  lpc->footer(kLogprobsHelp);
+  std::string lp_weights, lp_data, lp_out, lp_config;
+  std::vector<std::string> lp_sets;
+  double lp_temperature = 1.0;
+  bool lp_routing = false;
+  lpc->add_option("--checkpoint", lp_weights, "hf:DIR (a Hugging Face model) or a checkpoint directory / root")->required();
+  lpc->add_option("--data", lp_data, "JSON lines with \"tokens\" (rollout records)")->required();
+  lpc->add_option("--out", lp_out, "Output JSON lines (written atomically)")->required();
+  lpc->add_option("--config,-c", lp_config, "Run config for the layout, primitives and micro-batch budget (optional)");
+  lpc->add_option("--set,-s", lp_sets, "Override a config key: table.key=value (repeatable)");
+  lpc->add_option("--temperature", lp_temperature, "Sampling temperature of the rollouts (default 1)")
+      ->check(CLI::PositiveNumber);
+  lpc->add_flag("--routing", lp_routing, "Also write the experts each token was routed to (MoE models)");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -314,6 +350,57 @@ int run(int argc, char** argv) {
     std::printf("%s", e.table(plan_moments).c_str());
     std::printf("[plan] peak %s at %s\n", format_bytes(e.peak_total).c_str(), e.peak_moment.c_str());
     for (const std::string& n : e.notes) std::printf("[plan] note: %s\n", n.c_str());
+    return 0;
+  }
+  if (lpc->parsed()) {
+    RunConfig cfg;
+    if (!lp_config.empty()) {
+      cfg = load_run_config(lp_config, lp_sets);
+    } else {
+      // The model from the weights: an HF directory's config.json, or the checkpoint's own.
+      std::string model_cfg;
+      std::string tmp;
+      if (lp_weights.rfind("hf:", 0) == 0) {
+        model_cfg = lp_weights.substr(3);
+      } else {
+        BB_CHECK(path_exists(lp_weights), "logprobs: no checkpoint at '", lp_weights, "'");
+        const std::string step = resolve_checkpoint(lp_weights);
+        BB_CHECK(!step.empty(), "logprobs: no checkpoint at '", lp_weights, "'");
+        tmp = path_join(std::filesystem::temp_directory_path().string(),
+                        "bb_logprobs_model_" + std::to_string(::getpid()) + ".json");
+        atomic_write(tmp, read_checkpoint_state(step)["model_config"].dump(2));
+        model_cfg = tmp;
+      }
+      try {
+        cfg = parse_run_config("[model]\nconfig = \"" + model_cfg + "\"\n", "logprobs", lp_sets);
+      } catch (...) {
+        if (!tmp.empty()) std::filesystem::remove(tmp);
+        throw;
+      }
+      if (!tmp.empty()) {
+        std::filesystem::remove(tmp);
+        cfg.model_config = lp_weights + " (its state.json)";
+      }
+    }
+    DataConfig dc = cfg.data;
+    dc.path = lp_data;
+    dc.format = "jsonl";
+    const Corpus docs = load_corpus(dc);
+    LogprobsRunner runner(cfg, lp_weights, stdout);
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::vector<DocLogprobs> out = runner.run(docs, lp_temperature, lp_routing);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (runner.mesh().rank() == 0) {
+      write_logprobs_jsonl(lp_out, docs, out, runner.model().num_moe_layers(), cfg.model.top_k);
+      const MemoryStats m = allocator_for(cfg.resolved_device()).stats();
+      std::printf("[logprobs] %lld documents, %lld tokens in %.2f s (%.0f tokens/s over %lld rank(s)); peak %s "
+                  "(params %s, grads %s, optimizer %s); wrote %s\n",
+                  static_cast<long long>(docs.num_documents()), static_cast<long long>(docs.num_tokens()), s,
+                  static_cast<double>(docs.num_tokens()) / s, static_cast<long long>(runner.mesh().world()->size()),
+                  format_bytes(m.peak_total).c_str(), format_bytes(m.peak[static_cast<int>(MemCategory::params)]).c_str(),
+                  format_bytes(m.peak[static_cast<int>(MemCategory::grads)]).c_str(),
+                  format_bytes(m.peak[static_cast<int>(MemCategory::optimizer)]).c_str(), lp_out.c_str());
+    }
     return 0;
   }
   if (paired->parsed()) {

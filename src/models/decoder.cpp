@@ -2,6 +2,8 @@
 // and head, and the Hugging Face view of its parameters (decoder.h).
 #include "models/decoder.h"
 
+#include "primitives/loss/policy.h"
+
 #include <algorithm>
 #include <cmath>
 
@@ -235,6 +237,14 @@ void DecoderModel::head_eval(const Tensor& x, const MicroBatch& mb, ForwardStats
   st.loss_sum = r.loss_sum;
   st.num_valid = r.num_valid;
   st.policy = r.policy;
+}
+
+void DecoderModel::head_token_stats(const Tensor& x, const MicroBatch& mb, const LossHeadConfig& head, Tensor& logp,
+                                    Tensor& entropy) {
+  Tensor h = rmsnorm_forward(x, final_norm_->value, cfg_.rms_norm_eps, nullptr, MemCategory::activations,
+                             cfg_.zero_centered_norm);
+  BB_RANGE("loss_head");
+  policy_token_stats(h, lm_head_->value, mb.targets, head, logp, entropy);
 }
 
 std::vector<HfTensor> DecoderModel::hf_tensors(HfExperts experts) {

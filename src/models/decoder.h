@@ -118,6 +118,10 @@ class DecoderModel {
   Tensor head_train(const Tensor& x, const MicroBatch& mb, float loss_scale, ForwardStats& st);
   // Evaluation: the loss, and the [T, V] f32 logits if `logits` is non-null.
   void head_eval(const Tensor& x, const MicroBatch& mb, ForwardStats& st, Tensor* logits);
+  // Per-token log-prob of each target and entropy (primitives/loss/policy.h policy_token_stats)
+  // from the last layer's output: the forward-only pass of RL (old / ref log-probs).
+  void head_token_stats(const Tensor& x, const MicroBatch& mb, const LossHeadConfig& head, Tensor& logp,
+                        Tensor& entropy);
 
   // The Hugging Face tensors: the routed experts as `experts` says (native: per-expert
   // gate_proj/up_proj/down_proj slices named with the unit's global expert ids for Qwen3-MoE /

@@ -837,7 +837,7 @@ std::vector<int64_t> lpt_assign(const std::vector<int64_t>& len, const std::vect
 
 }  // namespace
 
-std::vector<MicroBatch> DataLoader::pack_all(int64_t n) const {
+std::vector<MicroBatch> DataLoader::pack_all(int64_t n, std::vector<std::vector<int64_t>>* docs_of) const {
   const int64_t T = cfg_.tokens_per_micro_batch, D = num_documents();
   BB_CHECK(D >= n, "the batch has ", D, " documents for ", n,
            " micro-batches (data ranks x train.grad_accum); give at least one document per micro-batch");
@@ -855,7 +855,11 @@ std::vector<MicroBatch> DataLoader::pack_all(int64_t n) const {
            " micro-batches of ", T, " tokens (train.micro_batch_tokens x data ranks x train.grad_accum); raise "
            "train.micro_batch_tokens or train.grad_accum, or give a smaller batch");
   std::vector<Builder> built(static_cast<size_t>(n));
-  for (int64_t d = 0; d < D; ++d) append_piece(built[static_cast<size_t>(bins[d])], d, 0, lens[d]);
+  if (docs_of) docs_of->assign(static_cast<size_t>(n), {});
+  for (int64_t d = 0; d < D; ++d) {
+    append_piece(built[static_cast<size_t>(bins[d])], d, 0, lens[d]);
+    if (docs_of) (*docs_of)[static_cast<size_t>(bins[d])].push_back(d);
+  }
   std::vector<MicroBatch> out;
   for (Builder& b : built) out.push_back(finish(b));
   return out;

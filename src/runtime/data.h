@@ -170,8 +170,9 @@ class DataLoader {
   // tokens_per_micro_batch tokens balanced as next_step's (the batch an API caller gives for one
   // step). An error names what does not fit: a document longer than a micro-batch, fewer
   // documents than micro-batches, or more tokens than the n micro-batches hold. The position
-  // does not move.
-  std::vector<MicroBatch> pack_all(int64_t n) const;
+  // does not move. `docs_of`, if given, receives each micro-batch's documents in their order
+  // there (indices into the corpus).
+  std::vector<MicroBatch> pack_all(int64_t n, std::vector<std::vector<int64_t>>* docs_of = nullptr) const;
   // The cost of one sequence of `len` tokens for whole packing's balance (default: len + len^2 /
   // 4096, attention being quadratic); the trainer sets the model's FLOPs.
   void set_sequence_cost(std::function<double(int64_t)> cost) { cost_ = std::move(cost); }

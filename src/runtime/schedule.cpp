@@ -177,6 +177,24 @@ void Schedule::end() {
 
 ForwardStats Schedule::forward(const MicroBatch& mb, Tensor* logits) {
   ForwardStats st;
+  const Tensor x = forward_trunk(mb, st);
+  before_end(ModelEnd::head, Pass::eval);
+  model_.head_eval(x, mb, st, logits);
+  after_end(ModelEnd::head, Pass::eval);
+  end();
+  return st;
+}
+
+void Schedule::forward_token_stats(const MicroBatch& mb, const LossHeadConfig& head, Tensor& logp, Tensor& entropy) {
+  ForwardStats st;
+  const Tensor x = forward_trunk(mb, st);
+  before_end(ModelEnd::head, Pass::eval);
+  model_.head_token_stats(x, mb, head, logp, entropy);
+  after_end(ModelEnd::head, Pass::eval);
+  end();
+}
+
+Tensor Schedule::forward_trunk(const MicroBatch& mb, ForwardStats& st) {
   BatchContext ctx = begin(mb, Pass::eval, st);
   before_end(ModelEnd::embed, Pass::eval);
   Tensor x = model_.embed_forward(mb);
@@ -191,11 +209,7 @@ ForwardStats Schedule::forward(const MicroBatch& mb, Tensor* logits) {
     st.aux_loss = aux_.value();
   }
   st.z_loss *= mb.token_share();
-  before_end(ModelEnd::head, Pass::eval);
-  model_.head_eval(x, mb, st, logits);
-  after_end(ModelEnd::head, Pass::eval);
-  end();
-  return st;
+  return x;
 }
 
 }  // namespace bb

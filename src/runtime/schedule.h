@@ -84,6 +84,10 @@ class Schedule {
   ForwardStats forward_backward(const MicroBatch& mb, float loss_scale, double aux_scale);
   // Forward only (nothing kept). If logits is non-null it receives [T, V] f32 logits.
   ForwardStats forward(const MicroBatch& mb, Tensor* logits);
+  // Forward only, with the head's per-token log-prob of each target and entropy at
+  // head.policy.temperature instead of the loss (streamed as the policy head streams; no
+  // [T, V] tensor): logp / entropy [T] f32 on the host, 0 where the target is -1.
+  void forward_token_stats(const MicroBatch& mb, const LossHeadConfig& head, Tensor& logp, Tensor& entropy);
 
   // The routing of the last micro-batch, one [T, K] i32 tensor per MoE layer in layer order
   // (copies, category other).
@@ -106,6 +110,8 @@ class Schedule {
                        bool output_unused = false);
   // Checks the batch, resets the routing stash and the aux pool, and returns the context of
   // one pass over `mb` whose statistics go to `st`.
+  // Embedding and layers of an evaluation forward: the last layer's output.
+  Tensor forward_trunk(const MicroBatch& mb, ForwardStats& st);
   BatchContext begin(const MicroBatch& mb, Pass pass, ForwardStats& st);
   void end();
   void before_end(ModelEnd e, Pass p);

@@ -41,20 +41,6 @@ double now_s() {
   return duration<double>(steady_clock::now().time_since_epoch()).count();
 }
 
-ModelOptions model_options(const RunConfig& c) {
-  ModelOptions o;
-  o.prims = c.prim;
-  o.aux_loss_coef = c.effective_aux_coef();
-  o.z_loss_coef = c.z_loss_coef;
-  o.device = c.resolved_device();
-  o.param_dtype = c.resolved_param_dtype();
-  o.expert_wgrad_stream = c.backend.expert_wgrad_stream;
-  // The start is sharded: the state family allocates and fills only what this rank holds (an
-  // fsdp rank never holds a whole unit), from the initialisation or from the hf: checkpoint's
-  // ranges.
-  o.defer_values = true;
-  return o;
-}
 
 std::vector<int64_t> seq_lens(const MicroBatch& mb) {
   std::vector<int32_t> cu = mb.cu_seqlens.to_ints();
@@ -212,6 +198,21 @@ void check_replay_routing(const RunConfig& cfg, const Corpus& c) {
 }
 
 }  // namespace
+
+ModelOptions model_options(const RunConfig& c) {
+  ModelOptions o;
+  o.prims = c.prim;
+  o.aux_loss_coef = c.effective_aux_coef();
+  o.z_loss_coef = c.z_loss_coef;
+  o.device = c.resolved_device();
+  o.param_dtype = c.resolved_param_dtype();
+  o.expert_wgrad_stream = c.backend.expert_wgrad_stream;
+  // The start is sharded: the state family allocates and fills only what this rank holds (an
+  // fsdp rank never holds a whole unit), from the initialisation or from the hf: checkpoint's
+  // ranges.
+  o.defer_values = true;
+  return o;
+}
 
 MicroBatch to_device(MicroBatch mb, Device d) {
   if (d.is_cpu()) return mb;

@@ -210,6 +210,10 @@ std::string resolve_checkpoint(const std::string& path);
 // uploads them itself; attention plans and packing metadata are host-side).
 MicroBatch to_device(MicroBatch mb, Device d);
 
+// The model options of a run config (primitives, loss coefficients, device and dtype; values
+// deferred: the state family, or the forward-only runner, allocates what each rank holds).
+ModelOptions model_options(const RunConfig& c);
+
 // "12.3K", "4.56M" style for log lines.
 std::string human_count(double v);
 

@@ -16,6 +16,7 @@
 #include "common/testing.h"
 #include "common/tiny_models.h"
 #include "common/trainer_equivalence.h"
+#include "runtime/logprobs.h"
 #include "runtime/run_config.h"
 
 namespace bb {
@@ -221,6 +222,70 @@ TEST(PolicyLoss, ForwardBackwardThenOptimStepEqualsOneStep) {
   // The next steps agree too: the weights after the split step are the fused step's.
   EXPECT_EQ(b.train_on(batch).loss, a.train_on(batch).loss);
   test::expect_error_contains([&] { b.optim_step(); }, "no forward_backward to apply");
+}
+
+// The forward-only pass (runtime/logprobs.h) in every layout equals one rank alone; and R2: the
+// routing it records, replayed in a policy step on the same weights, is the step's own routing
+// (the replayed step equals the unreplayed one).
+TEST(Logprobs, LayoutsEqualOneRankAndTheRecordedRoutingReplays) {
+  TestRun run = make_run("logprobs_layouts");
+  const RunConfig base = parse_run_config(run.toml, "test run", {});
+  const std::string ck = run.dir + "/ck";
+  {
+    RunConfig c = base;
+    c.ckpt_dir = ck;
+    Trainer t(c, nullptr, rollouts(), world());
+    t.train_step();
+    t.save_checkpoint(ck);
+  }
+  const Corpus all = rollouts();
+  Corpus docs;
+  for (int64_t d = 0; d < 12; ++d) docs.add(all.document(d).tokens);
+  LogprobsRunner alone(base, ck, nullptr, comm::self_group());
+  const std::vector<DocLogprobs> want = alone.run(docs, 0.9, true);
+  const int64_t R = world()->size();
+  std::vector<std::vector<std::string>> layouts = {{}};
+  if (R % 2 == 0) layouts.push_back({"parallel.cp=2", "primitives.attention=\"cp_ring\""});
+  if (R % 2 == 0) layouts.push_back({"parallel.ep=2"});
+  if (R == 4) layouts.push_back({"parallel.cp=2", "parallel.ep=2", "primitives.attention=\"cp_ring\""});
+  for (const auto& set : layouts) {
+    std::string name;
+    for (const std::string& s : set) name += s + " ";
+    SCOPED_TRACE(name);
+    LogprobsRunner r(parse_run_config(run.toml, "test run", set), ck, nullptr, world());
+    const std::vector<DocLogprobs> got = r.run(docs, 0.9, true);
+    for (size_t d = 0; d < got.size(); ++d) {
+      for (size_t j = 0; j < got[d].logprobs.size(); ++j) {
+        ASSERT_NEAR(got[d].logprobs[j], want[d].logprobs[j], 1e-5) << "doc " << d << " token " << j;
+        ASSERT_NEAR(got[d].entropy[j], want[d].entropy[j], 1e-5) << "doc " << d << " token " << j;
+      }
+      EXPECT_EQ(got[d].routing, want[d].routing) << "doc " << d;
+    }
+  }
+  // R2: records with the recorded routing, on-policy (no old_logprobs), one step from the
+  // checkpoint with and without replay.
+  std::vector<Document> recs;
+  for (int64_t d = 0; d < docs.num_documents(); ++d) {
+    Document x;
+    x.tokens = docs.document(d).tokens;
+    x.advantages.assign(x.tokens.size(), d % 2 ? 1.0f : -0.5f);
+    x.ref_logprobs.assign(x.tokens.size(), -5.5f);
+    x.routing = want[static_cast<size_t>(d)].routing;
+    x.routing_layers = 2;
+    x.routing_topk = 2;
+    recs.push_back(std::move(x));
+  }
+  const Corpus rl = corpus_from_documents(recs, 264);
+  auto step = [&](bool replay) {
+    RunConfig c = parse_run_config(run.toml, "test run", {"primitives.router_replay=" + std::string(replay ? "true" : "false"),
+                                                          "data.path=\"none\"", "train.micro_batch_tokens=1024"});
+    c.resume = ck;
+    Trainer t(c, nullptr, Corpus{}, world());
+    return t.train_on(rl);
+  };
+  const StepMetrics with = step(true), without = step(false);
+  EXPECT_NEAR(with.loss, without.loss, 1e-6 * std::abs(without.loss) + 1e-9);
+  EXPECT_NEAR(with.grad_norm, without.grad_norm, 1e-6 * without.grad_norm);
 }
 
 TEST(PolicyLoss, TrainerRefusesWhatCannotRun) {
