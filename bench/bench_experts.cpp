@@ -41,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "core/tensor.h"
 #include "primitives/moe/experts.h"
 
@@ -64,11 +65,7 @@ struct Args {
 #ifdef BB_WITH_CUDA
 const Device kGpu = Device::cuda(0);
 
-Tensor randn_dev(const Shape& s, DType dt, float std, uint64_t seed, MemCategory cat) {
-  Tensor t = Tensor::empty(s, dt, kGpu, cat);
-  cuda::fill_random(t.raw(), dt, t.numel(), seed, 0, 0.0f, std, true);
-  return t;
-}
+using bench::randn_dev;
 
 struct Timing {
   double ms = 0, host_ms = 0;

@@ -27,6 +27,7 @@
 
 #include "core/error.h"
 #include "core/memory.h"
+#include "bench_util.h"
 #include "core/tensor.h"
 #include "primitives/loss/linear_ce.h"
 #include "primitives/loss/policy.h"
@@ -42,25 +43,8 @@ namespace {
 #ifdef BB_WITH_CUDA
 const Device kGpu = Device::cuda(0);
 
-Tensor randn_dev(const Shape& s, DType dt, float std, uint64_t seed, MemCategory cat) {
-  Tensor t = Tensor::empty(s, dt, kGpu, cat);
-  cuda::fill_random(t.raw(), dt, t.numel(), seed, 0, 0.0f, std, true);
-  return t;
-}
-
-double median_ms(const std::function<void()>& fn, int warmup, int reps) {
-  for (int i = 0; i < warmup; ++i) fn();
-  cuda::synchronize();
-  std::vector<double> ms;
-  for (int i = 0; i < reps; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    fn();
-    cuda::synchronize();
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
+using bench::median_ms;
+using bench::randn_dev;
 
 struct Args {
   std::vector<int64_t> tokens{16384, 65536, 131072};

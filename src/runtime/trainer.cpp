@@ -644,27 +644,11 @@ std::vector<MicroBatch> Trainer::pack_batch(Corpus batch) {
   return loader.pack_all(mesh_->layout().dp * cfg_.grad_accum);
 }
 
-StepMetrics Trainer::train_on(Corpus batch) {
-  BB_CHECK(!pending_, "train_on: a forward_backward is waiting for its optim_step; call optim_step first");
+StepMetrics Trainer::step_on(Corpus batch, bool split) {
   std::vector<MicroBatch> mbs = pack_batch(std::move(batch));
   given_ = &mbs;
   try {
-    StepMetrics m = guarded([&] { return step_impl(false); });
-    given_ = nullptr;
-    return m;
-  } catch (...) {
-    given_ = nullptr;
-    throw;
-  }
-}
-
-StepMetrics Trainer::forward_backward_on(Corpus batch) {
-  BB_CHECK(!pending_, "forward_backward: the previous forward_backward has not been applied; call optim_step first "
-           "(gradients do not accumulate across calls: give the whole step's documents to one call)");
-  std::vector<MicroBatch> mbs = pack_batch(std::move(batch));
-  given_ = &mbs;
-  try {
-    StepMetrics m = guarded([&] { return step_impl(true); });
+    StepMetrics m = guarded([&] { return step_impl(split); });
     given_ = nullptr;
     return m;
   } catch (...) {
@@ -672,6 +656,17 @@ StepMetrics Trainer::forward_backward_on(Corpus batch) {
     pending_.reset();
     throw;
   }
+}
+
+StepMetrics Trainer::train_on(Corpus batch) {
+  BB_CHECK(!pending_, "train_on: a forward_backward is waiting for its optim_step; call optim_step first");
+  return step_on(std::move(batch), false);
+}
+
+StepMetrics Trainer::forward_backward_on(Corpus batch) {
+  BB_CHECK(!pending_, "forward_backward: the previous forward_backward has not been applied; call optim_step first "
+           "(gradients do not accumulate across calls: give the whole step's documents to one call)");
+  return step_on(std::move(batch), true);
 }
 
 StepMetrics Trainer::optim_step() {

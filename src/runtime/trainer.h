@@ -174,6 +174,7 @@ class Trainer {
   StepMetrics finish_step(PendingStep& p);
   StepMetrics guarded(const std::function<StepMetrics()>& fn);
   std::vector<MicroBatch> pack_batch(Corpus batch);
+  StepMetrics step_on(Corpus batch, bool split);  // train_on / forward_backward_on
   std::unique_ptr<PendingStep> pending_;
   // Rollout fields for the policy loss, routing for router replay: the data source's or a batch's.
   void check_batch_data(const Corpus& c) const;

@@ -55,10 +55,8 @@ __device__ __forceinline__ void lse3_merge(Lse3& a, const Lse3& b) {
   a.m = M;
 }
 
-// Block-wide merge; every thread gets the result. Contains barriers.
-__device__ Lse3 block_lse3(Lse3 a) {
-  __shared__ float sm[32];
-  __shared__ double ss[32], ssz[32];
+// Merge over a warp (lane 0 gets the result).
+__device__ __forceinline__ void warp_lse3(Lse3& a) {
   for (int off = 16; off > 0; off >>= 1) {
     Lse3 o;
     o.m = __shfl_down_sync(0xffffffffu, a.m, off);
@@ -66,6 +64,13 @@ __device__ Lse3 block_lse3(Lse3 a) {
     o.sz = __shfl_down_sync(0xffffffffu, a.sz, off);
     lse3_merge(a, o);
   }
+}
+
+// Block-wide merge; every thread gets the result. Contains barriers.
+__device__ Lse3 block_lse3(Lse3 a) {
+  __shared__ float sm[32];
+  __shared__ double ss[32], ssz[32];
+  warp_lse3(a);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   if (lane == 0) {
     sm[warp] = a.m;
@@ -75,13 +80,7 @@ __device__ Lse3 block_lse3(Lse3 a) {
   __syncthreads();
   if (warp == 0) {
     Lse3 b{lane < warps ? sm[lane] : -INFINITY, lane < warps ? ss[lane] : 0.0, lane < warps ? ssz[lane] : 0.0};
-    for (int off = 16; off > 0; off >>= 1) {
-      Lse3 o;
-      o.m = __shfl_down_sync(0xffffffffu, b.m, off);
-      o.s = __shfl_down_sync(0xffffffffu, b.s, off);
-      o.sz = __shfl_down_sync(0xffffffffu, b.sz, off);
-      lse3_merge(b, o);
-    }
+    warp_lse3(b);
     if (lane == 0) {
       sm[0] = b.m;
       ss[0] = b.s;

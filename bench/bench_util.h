@@ -1,0 +1,43 @@
+// bench_util.h — helpers the GPU benchmarks share: random device tensors and a median wall time
+// around synchronised calls.
+#pragma once
+
+#ifdef BB_WITH_CUDA
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <vector>
+
+#include "backend/cuda/rng_cuda.h"
+#include "backend/cuda/runtime.h"
+#include "core/tensor.h"
+
+namespace bb::bench {
+
+// A [s] tensor of `dt` on cuda:0 filled with normal(0, std) draws of (seed).
+inline Tensor randn_dev(const Shape& s, DType dt, float std, uint64_t seed, MemCategory cat) {
+  Tensor t = Tensor::empty(s, dt, Device::cuda(0), cat);
+  cuda::fill_random(t.raw(), dt, t.numel(), seed, 0, 0.0f, std, true);
+  return t;
+}
+
+// Median wall time in ms of fn() over `reps` calls after `warmup`, with the device drained
+// before and after each call.
+inline double median_ms(const std::function<void()>& fn, int warmup, int reps) {
+  for (int i = 0; i < warmup; ++i) fn();
+  cuda::synchronize();
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    cuda::synchronize();
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+}  // namespace bb::bench
+
+#endif  // BB_WITH_CUDA
