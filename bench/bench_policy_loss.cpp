@@ -84,7 +84,9 @@ void run(const Args& a) {
       adv[t] = static_cast<float>(((t / seq) % 3) - 1);
       old[t] = -12.4f + 0.1f * static_cast<float>((t * 31) % 7 - 3);
       ref[t] = -12.4f + 0.05f * static_cast<float>((t * 17) % 5 - 2);
-      sw[t] = 1.0f / static_cast<float>(seq);
+      // 1 / the length of the token's sequence (the last one may be shorter).
+      const int64_t s0 = t / seq * seq;
+      sw[t] = 1.0f / static_cast<float>(std::min(seq, T - s0));
     }
     std::vector<int32_t> cu{0};
     for (int64_t s = seq; s <= T; s += seq) cu.push_back(static_cast<int32_t>(s));
@@ -121,6 +123,8 @@ void run(const Args& a) {
       std::fflush(stdout);
     }
     if (!a.dump.empty() && T == a.tokens.front()) {
+      BB_CHECK(cfg.policy.ratio == PolicyRatio::token, "bench_policy_loss: --dump covers the token ratio "
+               "(policy_loss_ref.py --check writes that objective); drop --ratio sequence");
       // One call from zero gradients, written for the PyTorch parity check.
       Tensor d_h = Tensor::empty({T, H}, DType::f32, kGpu, MemCategory::activations);
       Tensor dw = Tensor::zeros({V, H}, DType::f32, kGpu, MemCategory::grads);

@@ -9,14 +9,16 @@
 
 A thin layer over the C interface (src/capi/bumblebee_c.h, libbumblebee_c.so) through ctypes:
 no compiled Python extension, so it loads in any CPython 3 with the library built for this
-machine. Documents are dicts with the keys of a JSONL rollout record (skills/rl-data.md); arrays
-may be lists, array.array, numpy arrays or torch tensors (copied). Results are numpy arrays when
+machine. Documents are dicts with the keys of a JSONL rollout record (skills/rl-data.md; "id" is
+accepted and not sent: results come back in the batch's order); arrays may be lists,
+array.array, numpy arrays or torch tensors (copied). Results are numpy arrays when
 numpy is importable, else array.array. Errors raise bumblebee.Error with the library's message.
 Under mpirun each Python process is one rank, as `bumblebee train` is.
 """
 
 import array
 import ctypes
+import numbers
 import os
 
 try:  # optional: results come back as numpy arrays when it is there
@@ -174,17 +176,22 @@ class _Docs:
                 v = d.get(key)
                 if v is None:
                     continue
-                if isinstance(v, (int, float)):
+                if isinstance(v, numbers.Real) or getattr(v, "ndim", None) == 0:
                     v = [float(v)] * n  # one advantage for the whole sequence
                 b = _buffer(v, "f", n, key, i)
                 setattr(c, key, _ptr(b, ctypes.c_float))
                 self.keep.append(b)
             if d.get("routing") is not None:
                 r = _values(d["routing"])
+                if len(r) != n or n == 0 or len(r[0]) == 0 or len(r[0][0]) == 0:
+                    raise Error("document %d: 'routing' must be [tokens][layers][top-k] with one entry per token "
+                                "(%d tokens, got %d entries)" % (i, n, len(r)))
                 layers, topk = len(r[0]), len(r[0][0])
+                for j, tok_r in enumerate(r):
+                    if len(tok_r) != layers or any(len(layer) != topk for layer in tok_r):
+                        raise Error("document %d: 'routing' entry %d is not %d layers x top-k %d (the shape of entry 0)"
+                                    % (i, j, layers, topk))
                 flat = array.array("i", (e for tok_r in r for layer in tok_r for e in layer))
-                if len(flat) != n * layers * topk:
-                    raise Error("document %d: 'routing' is not [tokens][layers][top-k] of %d x %d x %d" % (i, n, layers, topk))
                 c.routing, c.routing_layers, c.routing_topk = _ptr(flat, ctypes.c_int32), layers, topk
                 self.keep.append(flat)
 

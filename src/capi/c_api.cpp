@@ -121,8 +121,13 @@ bb_trainer* bb_trainer_new(const char* config, const char* const* overrides, int
   bb_trainer* out = nullptr;
   guard([&] {
     BB_CHECK(config, "bb_trainer_new: no config");
+    BB_CHECK(num_overrides >= 0 && (num_overrides == 0 || overrides), "bb_trainer_new: ", num_overrides,
+             " overrides but no array");
     std::vector<std::string> ov;
-    for (int64_t i = 0; i < num_overrides; ++i) ov.emplace_back(overrides[i]);
+    for (int64_t i = 0; i < num_overrides; ++i) {
+      BB_CHECK(overrides[i], "bb_trainer_new: override ", i, " is NULL");
+      ov.emplace_back(overrides[i]);
+    }
     const std::string c(config);
     const bb::RunConfig cfg =
         c.find('\n') != std::string::npos ? bb::parse_run_config(c, "the config text", ov) : bb::load_run_config(c, ov);
@@ -250,7 +255,7 @@ int64_t bb_num_weights(bb_trainer* t) {
 
 int bb_weight_info(bb_trainer* t, int64_t i, char* name, int64_t name_cap, int64_t* shape, int64_t* ndim) {
   return guard([&] {
-    BB_CHECK(t, "bb_weight_info: no trainer");
+    BB_CHECK(t && name && shape && ndim && name_cap > 0, "bb_weight_info: no trainer or output");
     const auto& w = weights_of(t);
     BB_CHECK(i >= 0 && i < static_cast<int64_t>(w.size()), "bb_weight_info: index ", i, " outside [0, ", w.size(), ")");
     const bb::HfTensor& h = w[static_cast<size_t>(i)];

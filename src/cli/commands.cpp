@@ -1,6 +1,7 @@
 #include "cli/commands.h"
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 #include <cstdio>
 #include <chrono>
 #include <filesystem>
@@ -372,7 +373,8 @@ int run(int argc, char** argv) {
         model_cfg = tmp;
       }
       try {
-        cfg = parse_run_config("[model]\nconfig = \"" + model_cfg + "\"\n", "logprobs", lp_sets);
+        // A JSON string literal is a TOML basic string (the path quoted and escaped).
+        cfg = parse_run_config("[model]\nconfig = " + nlohmann::json(model_cfg).dump() + "\n", "logprobs", lp_sets);
       } catch (...) {
         if (!tmp.empty()) std::filesystem::remove(tmp);
         throw;

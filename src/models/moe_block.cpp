@@ -175,7 +175,9 @@ Tensor MoeBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) 
     r = router_forward(S.logits, Tensor(), rc, &S.router, &replay);
     ++slot->replays;
   } else {
-    if (cfg_.replay_routing) {
+    // Replay in training; a forward-only pass (generation, log-probs) of a micro-batch without
+    // routing routes itself (it is what records the routing for R2).
+    if (cfg_.replay_routing && (ctx.pass == Pass::train || (ctx.mb && ctx.mb->routing.defined()))) {
       // Router replay: the data's experts for this layer; probabilities from this model's logits.
       const RouterReplay given = routing_from_batch(ctx, T, x.device());
       r = router_forward(S.logits, Tensor(), rc, &S.router, &given);

@@ -48,6 +48,7 @@ struct MoeBlockConfig {
   bool zero_centered_norm = false;  // post_attention_layernorm scales by (1 + w) (Qwen3.5)
   // Route by the micro-batch's routing (MicroBatch::routing, layer moe_index) instead of the
   // router's own top-k; probabilities from this model's logits (primitives.router_replay).
+  // Training forwards need the routing; an evaluation forward without it routes itself.
   bool replay_routing = false;
 };
 

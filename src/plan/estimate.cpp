@@ -899,7 +899,11 @@ RunConfig choose_auto_layout(const RunConfig& cfg, int64_t world, int64_t availa
   BB_CHECK(cfg.pp == 1, "parallel = auto chooses dp, cp and ep with pp = 1 (pipeline parallelism is not implemented)");
   const ModelConfig& mc = cfg.model;
   std::vector<int64_t> cps, eps;
-  if (cfg.auto_cp) {
+  // GSPO's sequence ratio needs each sequence whole on one rank.
+  const bool whole_sequences = cfg.prim.name_of("loss") == "policy" && cfg.prim.loss_chunks.policy.ratio == PolicyRatio::sequence;
+  if (cfg.auto_cp && whole_sequences) {
+    cps.push_back(1);
+  } else if (cfg.auto_cp) {
     for (int64_t cp = 1; cp <= world; cp *= 2)
       if (world % cp == 0 && (cp == 1 || cfg.micro_batch_tokens >= 2 * cp)) cps.push_back(cp);
   } else {

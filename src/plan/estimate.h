@@ -147,7 +147,8 @@ PlanResult plan_layouts(const RunConfig& base, const PlanRequest& req,
 // parallel = "auto" (or dp / cp / ep = "auto"): the degrees the run config leaves to the planner,
 // for `world` ranks (pp 1), keeping every choice the config makes (primitives, the fixed
 // degrees, micro-batch tokens, dtypes); cp > 1 with sdpa attention takes cp_ring. Candidates
-// are every cp (a power of two dividing the ranks, at most half the micro-batch's tokens) and ep
+// are every cp (a power of two dividing the ranks, at most half the micro-batch's tokens; only 1
+// for GSPO, policy.ratio = "sequence", which needs whole sequences on a rank) and ep
 // (dividing the experts and the ranks) the config leaves open; each is predicted
 // (estimate_memory) and kept when its peak fits `available` bytes per rank (<= 0: no limit, CPU
 // ranks). The choice follows plan_layouts' rules: the smallest CP that brings the micro-batch

@@ -872,30 +872,45 @@ std::vector<MicroBatch> DataLoader::pack_whole(int64_t n) {
   auto cost_of = [&](int64_t len) {
     return cost_ ? cost_(len) : static_cast<double>(len) + static_cast<double>(len) * static_cast<double>(len) / 4096.0;
   };
-  // Take documents in visit order while they still fit the step's n micro-batches.
-  std::vector<int64_t> docs, lens, bins;
-  std::vector<double> costs;
+  // The candidates: the next documents in visit order while their tokens fit the step's n
+  // micro-batches, walked on a copy of the position (committed only when the step is packed).
+  DataPosition p = pos_;
+  std::vector<int64_t> order = order_;
+  std::vector<int64_t> docs, lens;
+  std::vector<DataPosition> after;  // the position after each candidate
   int64_t total = 0;
-  while (total < n * T) {
-    const int64_t doc = order_[pos_.doc_index];
+  while (true) {
+    const int64_t doc = order[p.doc_index];
     const int64_t len = corpus_.length(doc);
     BB_CHECK(len <= T, "data.packing = \"whole\": document ", doc,
              corpus_.ids.empty() ? std::string() : " (id " + corpus_.ids[static_cast<size_t>(doc)] + ")", " has ", len,
              " tokens, more than a micro-batch holds (train.micro_batch_tokens = ", T,
              "); raise train.micro_batch_tokens, or use data.packing = \"split\" (which cuts documents)");
-    lens.push_back(len);
-    costs.push_back(cost_of(len));
-    std::vector<int64_t> b = lpt_assign(lens, costs, n, T);
-    if (b.empty()) {
-      lens.pop_back();
-      costs.pop_back();
-      break;
-    }
-    bins = std::move(b);
+    if (total + len > n * T) break;
     docs.push_back(doc);
+    lens.push_back(len);
     total += len;
-    if (++pos_.doc_index == static_cast<uint64_t>(num_documents())) start_epoch(pos_.epoch + 1);
+    if (++p.doc_index == static_cast<uint64_t>(num_documents())) {
+      p = DataPosition{p.epoch + 1, 0, 0};
+      order = epoch_order(p.epoch);
+    }
+    after.push_back(p);
   }
+  // LPT once over the candidates; when the bins cannot take them all, the last ones wait for the
+  // next step (the taken documents stay a prefix of the visit order, so the position is exact).
+  std::vector<double> costs;
+  for (int64_t len : lens) costs.push_back(cost_of(len));
+  std::vector<int64_t> bins = lpt_assign(lens, costs, n, T);
+  while (bins.empty()) {
+    docs.pop_back();
+    lens.pop_back();
+    costs.pop_back();
+    after.pop_back();
+    bins = lpt_assign(lens, costs, n, T);
+  }
+  BB_CHECK(!docs.empty(), "data.packing = \"whole\": no document fits a micro-batch");  // (len <= T: unreachable)
+  if (after.back().epoch != pos_.epoch) order_ = epoch_order(after.back().epoch);
+  pos_ = after.back();
   std::vector<Builder> built(static_cast<size_t>(n));
   for (size_t i = 0; i < docs.size(); ++i) append_piece(built[static_cast<size_t>(bins[i])], docs[i], 0, lens[i]);
   std::vector<MicroBatch> out;

@@ -74,6 +74,7 @@ LogprobsRunner::LogprobsRunner(const RunConfig& cfg_in, const std::string& weigh
 #endif
   mesh_ = std::make_unique<Mesh>(base, layout);
   ModelOptions mo = model_options(cfg_);
+  mo.prims.router_replay = false;  // this pass records the routing (R2); it replays none
   mo.ep_group = mesh_->ep();
   mo.cp_group = mesh_->cp();
   model_ = std::make_unique<DecoderModel>(cfg_.model, mo, cfg_.seed);

@@ -60,7 +60,7 @@ Side run_side(const PairedOptions& o, const std::vector<std::string>& side, cons
   {
     DataLoader first(cfg.data);  // the same first micro-batch the trainer will see
     const int64_t cp = tr.mesh().layout().cp;
-    MicroBatch mb = to_device(shard_micro_batch(first.next(), cp, tr.mesh().cp_rank()), cfg.resolved_device());
+    MicroBatch mb = to_device(shard_micro_batch(first.next_step(1).front(), cp, tr.mesh().cp_rank()), cfg.resolved_device());
     Tensor logits;
     tr.schedule().forward(mb, &logits);
     if (cp == 1) {

@@ -327,6 +327,12 @@ Trainer::Trainer(const RunConfig& cfg_in, FILE* log, Corpus corpus, comm::GroupP
       available = static_cast<int64_t>(0.95 * static_cast<double>(cuda::memory_available(d.index)));
     }
 #endif
+    // Every rank must choose the same layout: the least free memory of any rank bounds it.
+    if (base->size() > 1) {
+      int64_t v = available > 0 ? available : INT64_MAX;
+      base->all_reduce_host(&v, 1, comm::ReduceOp::min);
+      available = v == INT64_MAX ? 0 : v;
+    }
     cfg_ = plan::choose_auto_layout(cfg_in, base->size(), available, &auto_why_);
   }
   const RunConfig& cfg = cfg_;
@@ -812,7 +818,7 @@ StepMetrics Trainer::step_impl(bool split) {
   m.grad_norm = state_->grad_norm();
   auto p = std::make_unique<PendingStep>();
   p->m = m;
-  p->t0 = t0;
+  p->elapsed = now_s() - t0;
 #ifdef BB_WITH_CUDA
   p->syncs0 = syncs0;
 #endif
@@ -833,7 +839,9 @@ StepMetrics Trainer::finish_step(PendingStep& p) {
   Allocator& alloc = allocator_for(device_);
   comm::Group& world = *mesh_->world();
   StepMetrics& m = p.m;
-  const double t0 = p.t0, flops = p.flops;
+  // The step's time is its own work: a split step does not count the caller's time between the
+  // two calls.
+  const double t0 = now_s() - p.elapsed, flops = p.flops;
   const int64_t my_rows = p.my_rows;
   const bool early_update = p.early_update;
   Tensor flags = p.flags;
@@ -1119,6 +1127,7 @@ std::vector<StepMetrics> Trainer::run() {
 
 
 std::string Trainer::save_checkpoint(const std::string& root) {
+  BB_CHECK(!pending_, "save: a forward_backward is waiting for its optim_step; call optim_step first");
   comm::Group& world = *mesh_->world();
   const int rank = world.rank();
   const double t0 = now_s();
@@ -1293,6 +1302,7 @@ std::string Trainer::save_checkpoint(const std::string& root) {
 }
 
 void Trainer::load_checkpoint(const std::string& path) {
+  BB_CHECK(!pending_, "load: a forward_backward is waiting for its optim_step; call optim_step first");
   const std::string dir = resolve_checkpoint(path);
   BB_CHECK(!dir.empty(), "no checkpoint at '", path, "' (expected a step_* directory or a checkpoint root with a 'latest' file)");
   const nlohmann::json st = read_checkpoint_state(dir);

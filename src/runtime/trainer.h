@@ -166,7 +166,7 @@ class Trainer {
   // What a split step keeps between forward_backward and optim_step.
   struct PendingStep {
     StepMetrics m;
-    double t0 = 0, flops = 0;
+    double elapsed = 0, flops = 0;  // seconds the step took up to the gradient norm
     int64_t syncs0 = 0, my_rows = 0;
     bool early_update = false, finished = false;
     Tensor flags;

@@ -50,6 +50,9 @@ for r in rows:
     assert 0 <= p["clip_frac"] <= 1 and p["entropy"] > 0 and p["sequences"] > 0, p
     assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]), r
 PY
+# paired takes its first micro-batch the way the trainer packs (whole documents here).
+"$BB" paired "${common[@]}" --a policy.entropy_coef=0 --b policy.entropy_coef=0 > "$TMP/p.log" 2>&1 ||
+  { echo "FAIL: paired on rollouts: exit $?"; cat "$TMP/p.log"; fail=1; }
 # Bad input: exit 2 with the reason.
 "$BB" train --config configs/demo.toml --steps 1 --set 'checkpoint.dir=""' --set 'primitives.loss="policy"' \
   > "$TMP/e1" 2>&1; rc=$?

@@ -178,6 +178,12 @@ TEST(AutoLayout, ChoosesTheRecipesLayoutAmongWhatFits) {
     EXPECT_EQ(got.cp, tokens <= 32768 ? 1 : 2);  // the smallest cp that brings 64K to 32K per rank
     if (got.cp > 1) EXPECT_EQ(got.prim.name_of("attention"), "cp_ring");
   }
+  // GSPO (the policy loss's sequence ratio) needs whole sequences on a rank: cp stays 1 even where
+  // the recipe would split 64K tokens.
+  const RunConfig gspo = plan::choose_auto_layout(
+      config("layout = \"auto\"\n", {"train.micro_batch_tokens=65536", "primitives.loss=\"policy\"", "policy.ratio=\"sequence\""}),
+      8, 140 * GiB, nullptr);
+  EXPECT_EQ(gspo.cp, 1);
   // A fixed degree stays; nothing fits -> an error naming the closest candidate.
   const RunConfig fixed = plan::choose_auto_layout(config("ep = \"auto\"\ncp = 2\n"), 8, 140 * GiB, nullptr);
   EXPECT_EQ(fixed.cp, 2);

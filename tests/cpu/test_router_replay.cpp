@@ -102,6 +102,12 @@ TEST(RouterReplay, ReplayingTheRecordedRoutingIsBitIdentical) {
   const ForwardStats sb = b.forward(replayed, &lb);
   EXPECT_EQ(sa.loss_sum, sb.loss_sum);
   EXPECT_EQ(la.to_floats(), lb.to_floats());
+  // An evaluation forward without routing (generation, the log-probs pass that records the
+  // routing) routes itself under replay too; only a training forward needs the routing.
+  Tensor lc;
+  b.forward(mb, &lc);
+  EXPECT_EQ(la.to_floats(), lc.to_floats());
+  EXPECT_EQ(b.last_routing()[0].to_ints(), a.last_routing()[0].to_ints());
 }
 
 // Another routing than the model's own: the tokens go exactly where it says, and the result is

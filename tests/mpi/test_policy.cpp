@@ -214,6 +214,8 @@ TEST(PolicyLoss, ForwardBackwardThenOptimStepEqualsOneStep) {
   EXPECT_EQ(fb.loss, ma.loss);
   EXPECT_EQ(fb.grad_norm, ma.grad_norm);
   test::expect_error_contains([&] { b.train_on(batch); }, "call optim_step first");
+  test::expect_error_contains([&] { b.save_checkpoint(run.dir + "/never"); }, "call optim_step first");
+  test::expect_error_contains([&] { b.load_checkpoint(run.dir + "/never"); }, "call optim_step first");
   const StepMetrics mb = b.optim_step();
   EXPECT_EQ(mb.loss, ma.loss);
   EXPECT_EQ(mb.grad_norm, ma.grad_norm);

@@ -160,6 +160,12 @@ LossResult sum_row_stats(const std::vector<float>& st, int64_t T, const PolicyTo
   return r;
 }
 
+// The per-row inputs of the chunk starting at row t0 (the kernel indexes rows from 0).
+cuda::PolicyRowInputs chunk_inputs(const cuda::PolicyRowInputs& in, int64_t t0) {
+  auto at = [t0](const float* p) { return p ? p + t0 : nullptr; };
+  return cuda::PolicyRowInputs{at(in.adv), at(in.old), at(in.ref), at(in.weight), at(in.seq_lr)};
+}
+
 // The CUDA path: the CPU path's blocks and order, with the row kernel (policy_cuda.cu) between
 // the logits GEMM and the two gradient GEMMs; one read of the row statistics at the end (two
 // with ratio = sequence: the log-probs for the sequence ratios).
@@ -210,7 +216,7 @@ LossResult policy_run_cuda(Mode mode, float scale, const Tensor& h, const Tensor
   for (int64_t t0 = 0; t0 < T; t0 += ct) {
     const int64_t nt = std::min(ct, T - t0);
     logits(t0, nt);
-    cuda::policy_rows(block.data<float>(), V, dt, train, tgp + t0, c, ri, scale, nt,
+    cuda::policy_rows(block.data<float>(), V, dt, train, tgp + t0, c, chunk_inputs(ri, t0), scale, nt,
                       stats.data<float>() + t0 * cuda::kPolicyStats);
     if (!train) continue;
     const void* hc = h.narrow(t0, nt).raw();
