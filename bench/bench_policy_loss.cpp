@@ -15,7 +15,6 @@
 //   bf16 values, targets, advantages, old / ref log-probs, the loss, d_h, d_w; raw little-endian
 //   .bin files and meta.json) for bench/policy_loss_ref.py --check DIR (PyTorch parity).
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -25,15 +24,14 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "core/error.h"
 #include "core/memory.h"
-#include "bench_util.h"
 #include "core/tensor.h"
 #include "primitives/loss/linear_ce.h"
 #include "primitives/loss/policy.h"
 
 #ifdef BB_WITH_CUDA
-#include "backend/cuda/rng_cuda.h"
 #include "backend/cuda/runtime.h"
 #endif
 

@@ -24,7 +24,8 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, os.path.join(ROOT, "python"))
 import bumblebee  # noqa: E402
 
 TARGET = ord("a")
@@ -55,7 +56,10 @@ def main():
         "train.micro_batch_tokens=4096", "train.steps=%d" % steps, "train.warmup_steps=0",
         "train.lr=%g" % args.lr, "train.min_lr=%g" % (args.lr / 10), "train.seed=%d" % args.seed,
     ]
-    t = bumblebee.Trainer("configs/demo.toml", overrides=overrides, library=args.library)
+    # The demo config's model path is relative to the repository: run from there.
+    library = os.path.abspath(args.library) if args.library else None
+    os.chdir(ROOT)
+    t = bumblebee.Trainer(os.path.join("configs", "demo.toml"), overrides=overrides, library=library)
     prompts = [list(("Q%d: say a:" % i).encode()) for i in range(args.prompts)]
     history = []
     t0 = time.time()

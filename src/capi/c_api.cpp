@@ -76,8 +76,9 @@ bb::Corpus corpus_of(const bb_document* docs, int64_t n, int64_t vocab) {
   return bb::corpus_from_documents(out, vocab, "the batch");
 }
 
-// The documents as one evaluation micro-batch (no targets), token ids checked.
-bb::MicroBatch forward_batch(const bb_document* docs, int64_t n, int64_t vocab) {
+// The documents as one evaluation micro-batch, token ids checked; with `targets`, each position's
+// next token of its document (-1 at a document's end), else none.
+bb::MicroBatch forward_batch(const bb_document* docs, int64_t n, int64_t vocab, bool targets = false) {
   BB_CHECK(docs && n > 0, "no document given");
   std::vector<int32_t> tok, tgt, pos, cu{0};
   for (int64_t i = 0; i < n; ++i) {
@@ -87,7 +88,7 @@ bb::MicroBatch forward_batch(const bb_document* docs, int64_t n, int64_t vocab) 
       BB_CHECK(d.tokens[j] >= 0 && d.tokens[j] < vocab, "document ", i, ": token ", d.tokens[j], " at index ", j,
                " is outside [0, ", vocab, ")");
       tok.push_back(d.tokens[j]);
-      tgt.push_back(-1);
+      tgt.push_back(targets && j + 1 < d.length ? d.tokens[j + 1] : -1);
       pos.push_back(static_cast<int32_t>(j));
     }
     cu.push_back(static_cast<int32_t>(tok.size()));
@@ -191,27 +192,19 @@ int bb_token_logprobs(bb_trainer* t, const bb_document* docs, int64_t num_docs, 
     BB_CHECK(t && logprobs && entropy, "bb_token_logprobs: no trainer or output");
     BB_CHECK(temperature > 0 && std::isfinite(temperature), "bb_token_logprobs: temperature must be > 0, got ", temperature);
     const int64_t V = t->t->config().model.vocab_size;
-    const bb::MicroBatch mb = forward_batch(docs, num_docs, V);
-    const bb::Tensor logits = t->t->forward_logits(mb);
-    const std::vector<int32_t> cu = mb.cu_seqlens.to_ints(), tok = mb.tokens.to_ints();
-    const float* l = logits.data<float>();
+    const bb::MicroBatch mb = forward_batch(docs, num_docs, V, /*targets=*/true);
+    bb::Tensor lp, ent;
+    t->t->forward_token_stats(mb, temperature, lp, ent);
+    const std::vector<int32_t> cu = mb.cu_seqlens.to_ints();
+    const float* l = lp.data<float>();
+    const float* e = ent.data<float>();
+    // Position j - 1 predicts token j: its statistics are token j's entry; entry 0 is 0.
     for (int64_t i = 0; i < num_docs; ++i) {
       logprobs[cu[i]] = 0.0f;
       entropy[cu[i]] = 0.0f;
       for (int64_t j = cu[i] + 1; j < cu[i + 1]; ++j) {
-        // Token j is predicted by position j - 1; softmax of the tempered logits in double.
-        const float* row = l + (j - 1) * V;
-        double mx = -INFINITY;
-        for (int64_t v = 0; v < V; ++v) mx = std::max(mx, static_cast<double>(row[v]) / temperature);
-        double s = 0, sz = 0;
-        for (int64_t v = 0; v < V; ++v) {
-          const double z = static_cast<double>(row[v]) / temperature, e = std::exp(z - mx);
-          s += e;
-          sz += e * z;
-        }
-        const double lse = mx + std::log(s);
-        logprobs[j] = static_cast<float>(static_cast<double>(row[tok[j]]) / temperature - lse);
-        entropy[j] = static_cast<float>(lse - sz / s);
+        logprobs[j] = l[j - 1];
+        entropy[j] = e[j - 1];
       }
     }
   });

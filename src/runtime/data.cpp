@@ -848,17 +848,29 @@ std::vector<MicroBatch> DataLoader::pack_all(int64_t n, std::vector<std::vector<
     BB_CHECK(lens[d] <= T, "the batch's document ", d,
              corpus_.ids.empty() ? std::string() : " (id " + corpus_.ids[static_cast<size_t>(d)] + ")", " has ", lens[d],
              " tokens, more than a micro-batch holds (train.micro_batch_tokens = ", T, ")");
-    costs[d] = cost_ ? cost_(lens[d]) : static_cast<double>(lens[d]) * (1.0 + static_cast<double>(lens[d]) / 4096.0);
+    costs[d] = sequence_cost(lens[d]);
   }
   const std::vector<int64_t> bins = lpt_assign(lens, costs, n, T);
   BB_CHECK(!bins.empty(), "the batch's ", corpus_.num_tokens(), " tokens in ", D, " documents do not fit ", n,
            " micro-batches of ", T, " tokens (train.micro_batch_tokens x data ranks x train.grad_accum); raise "
            "train.micro_batch_tokens or train.grad_accum, or give a smaller batch");
+  std::vector<int64_t> docs(static_cast<size_t>(D));
+  for (int64_t d = 0; d < D; ++d) docs[static_cast<size_t>(d)] = d;
+  return build_bins(n, docs, lens, bins, docs_of);
+}
+
+double DataLoader::sequence_cost(int64_t len) const {
+  return cost_ ? cost_(len) : static_cast<double>(len) + static_cast<double>(len) * static_cast<double>(len) / 4096.0;
+}
+
+std::vector<MicroBatch> DataLoader::build_bins(int64_t n, const std::vector<int64_t>& docs,
+                                               const std::vector<int64_t>& lens, const std::vector<int64_t>& bins,
+                                               std::vector<std::vector<int64_t>>* docs_of) const {
   std::vector<Builder> built(static_cast<size_t>(n));
   if (docs_of) docs_of->assign(static_cast<size_t>(n), {});
-  for (int64_t d = 0; d < D; ++d) {
-    append_piece(built[static_cast<size_t>(bins[d])], d, 0, lens[d]);
-    if (docs_of) (*docs_of)[static_cast<size_t>(bins[d])].push_back(d);
+  for (size_t i = 0; i < docs.size(); ++i) {
+    append_piece(built[static_cast<size_t>(bins[i])], docs[i], 0, lens[i]);
+    if (docs_of) (*docs_of)[static_cast<size_t>(bins[i])].push_back(docs[i]);
   }
   std::vector<MicroBatch> out;
   for (Builder& b : built) out.push_back(finish(b));
@@ -869,9 +881,6 @@ std::vector<MicroBatch> DataLoader::pack_whole(int64_t n) {
   const int64_t T = cfg_.tokens_per_micro_batch;
   BB_CHECK(pos_.token_offset == 0, "data.packing = \"whole\": the data position is inside a document (token ",
            pos_.token_offset, "); it was saved with data.packing = \"split\"");
-  auto cost_of = [&](int64_t len) {
-    return cost_ ? cost_(len) : static_cast<double>(len) + static_cast<double>(len) * static_cast<double>(len) / 4096.0;
-  };
   // The candidates: the next documents in visit order while their tokens fit the step's n
   // micro-batches, walked on a copy of the position (committed only when the step is packed).
   DataPosition p = pos_;
@@ -899,7 +908,7 @@ std::vector<MicroBatch> DataLoader::pack_whole(int64_t n) {
   // LPT once over the candidates; when the bins cannot take them all, the last ones wait for the
   // next step (the taken documents stay a prefix of the visit order, so the position is exact).
   std::vector<double> costs;
-  for (int64_t len : lens) costs.push_back(cost_of(len));
+  for (int64_t len : lens) costs.push_back(sequence_cost(len));
   std::vector<int64_t> bins = lpt_assign(lens, costs, n, T);
   while (bins.empty()) {
     docs.pop_back();
@@ -911,11 +920,7 @@ std::vector<MicroBatch> DataLoader::pack_whole(int64_t n) {
   BB_CHECK(!docs.empty(), "data.packing = \"whole\": no document fits a micro-batch");  // (len <= T: unreachable)
   if (after.back().epoch != pos_.epoch) order_ = epoch_order(after.back().epoch);
   pos_ = after.back();
-  std::vector<Builder> built(static_cast<size_t>(n));
-  for (size_t i = 0; i < docs.size(); ++i) append_piece(built[static_cast<size_t>(bins[i])], docs[i], 0, lens[i]);
-  std::vector<MicroBatch> out;
-  for (Builder& b : built) out.push_back(finish(b));
-  return out;
+  return build_bins(n, docs, lens, bins, nullptr);
 }
 
 }  // namespace bb

@@ -196,6 +196,10 @@ class DataLoader {
   void append_piece(Builder& b, int64_t doc, int64_t off, int64_t take) const;
   MicroBatch finish(Builder& b) const;
   std::vector<MicroBatch> pack_whole(int64_t n);
+  double sequence_cost(int64_t len) const;  // cost_, or the default of set_sequence_cost
+  // Micro-batch k of n: documents docs[i] (whole, lens[i] tokens) with bins[i] == k, in order.
+  std::vector<MicroBatch> build_bins(int64_t n, const std::vector<int64_t>& docs, const std::vector<int64_t>& lens,
+                                     const std::vector<int64_t>& bins, std::vector<std::vector<int64_t>>* docs_of) const;
 
 
   DataConfig cfg_;

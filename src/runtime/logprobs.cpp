@@ -119,20 +119,16 @@ std::vector<DocLogprobs> LogprobsRunner::run(const Corpus& docs, double temperat
   Corpus plain;
   for (int64_t d = 0; d < D; ++d) plain.add(std::vector<int32_t>(docs.tokens.begin() + docs.offsets[d],
                                                                    docs.tokens.begin() + docs.offsets[d + 1]));
-  DataConfig dc = cfg_.data;
-  dc.packing = "whole";
-  dc.shuffle = false;
-  dc.tokens_per_micro_batch = cfg_.micro_batch_tokens;
-  DataLoader loader(dc, std::move(plain));
-  loader.set_sequence_cost([m = cfg_.model](int64_t len) { return model_flops(m, {len}); });
+  const DataLoader loader = whole_loader(cfg_, std::move(plain));
+  const int64_t budget = cfg_.micro_batch_tokens;
   // As few forwards as the budget allows, a multiple of dp (every data rank runs as many: the
   // expert-parallel collectives need every rank in each forward).
   const int64_t total = docs.num_tokens();
-  int64_t per_rank = std::max<int64_t>(1, (total + dp * dc.tokens_per_micro_batch - 1) / (dp * dc.tokens_per_micro_batch));
+  int64_t per_rank = std::max<int64_t>(1, (total + dp * budget - 1) / (dp * budget));
   std::vector<MicroBatch> mbs;
   std::vector<std::vector<int64_t>> docs_of;
   for (;; ++per_rank) {
-    BB_CHECK(per_rank * dp <= D, "logprobs: the documents do not fit ", D, " forwards of ", dc.tokens_per_micro_batch,
+    BB_CHECK(per_rank * dp <= D, "logprobs: the documents do not fit ", D, " forwards of ", budget,
              " tokens; raise train.micro_batch_tokens");
     try {
       mbs = loader.pack_all(per_rank * dp, &docs_of);

@@ -141,10 +141,6 @@ void agree(comm::Group& g, const std::string& err, const char* phase) {
   BB_FAIL("checkpoint: another rank failed while ", phase, " (see its message)");
 }
 
-}  // namespace
-
-namespace {
-
 void accumulate_policy(PolicyMetrics& a, const PolicyMetrics& b) {
   a.clipped += b.clipped;
   a.dual_clipped += b.dual_clipped;
@@ -198,6 +194,20 @@ void check_replay_routing(const RunConfig& cfg, const Corpus& c) {
 }
 
 }  // namespace
+
+std::function<double(int64_t)> flops_cost(const ModelConfig& m) {
+  return [m](int64_t len) { return model_flops(m, {len}); };
+}
+
+DataLoader whole_loader(const RunConfig& cfg, Corpus docs) {
+  DataConfig dc = cfg.data;
+  dc.packing = "whole";
+  dc.shuffle = false;
+  dc.tokens_per_micro_batch = cfg.micro_batch_tokens;
+  DataLoader loader(dc, std::move(docs));
+  loader.set_sequence_cost(flops_cost(cfg.model));
+  return loader;
+}
 
 ModelOptions model_options(const RunConfig& c) {
   ModelOptions o;
@@ -464,10 +474,10 @@ Trainer::Trainer(const RunConfig& cfg_in, FILE* log, Corpus corpus, comm::GroupP
   if (corpus.num_documents() > 0) data_ = std::make_unique<DataLoader>(cfg.data, std::move(corpus));
   else if (cfg.data.path != "none") data_ = std::make_unique<DataLoader>(cfg.data);
   policy_ = cfg.prim.name_of("loss") == "policy";
-  if (data_) check_batch_data(data_->corpus());
   if (data_) {
+    check_batch_data(data_->corpus());
     // Whole packing balances each step's micro-batches by the model's FLOPs per sequence.
-    data_->set_sequence_cost([m = cfg.model](int64_t len) { return model_flops(m, {len}); });
+    data_->set_sequence_cost(flops_cost(cfg.model));
   }
   if (policy_) {
     BB_CHECK(device_.is_cpu(), "primitives.loss = \"policy\" runs on CPU ranks for now: its CUDA path is written "
@@ -642,12 +652,7 @@ void Trainer::check_batch_data(const Corpus& c) const {
 std::vector<MicroBatch> Trainer::pack_batch(Corpus batch) {
   BB_CHECK(batch.num_documents() > 0, "the batch has no document");
   check_batch_data(batch);
-  DataConfig dc = cfg_.data;
-  dc.packing = "whole";
-  dc.shuffle = false;
-  DataLoader loader(dc, std::move(batch));
-  loader.set_sequence_cost([m = cfg_.model](int64_t len) { return model_flops(m, {len}); });
-  return loader.pack_all(mesh_->layout().dp * cfg_.grad_accum);
+  return whole_loader(cfg_, std::move(batch)).pack_all(mesh_->layout().dp * cfg_.grad_accum);
 }
 
 StepMetrics Trainer::step_on(Corpus batch, bool split) {
@@ -688,6 +693,14 @@ Tensor Trainer::forward_logits(const MicroBatch& mb) {
   Tensor logits;
   schedule_->forward(to_device(mb, device_), &logits);
   return logits.to(Device::cpu(), MemCategory::other);
+}
+
+void Trainer::forward_token_stats(const MicroBatch& mb, double temperature, Tensor& logp, Tensor& entropy) {
+  BB_CHECK(mesh_->world()->size() == 1, "forward_token_stats runs on one rank (this run has ", mesh_->world()->size(),
+           "); the multi-rank forward-only pass is the logprobs command's");
+  LossHeadConfig head = cfg_.prim.loss_chunks;
+  head.policy.temperature = temperature;
+  schedule_->forward_token_stats(to_device(mb, device_), head, logp, entropy);
 }
 
 StepMetrics Trainer::step_impl(bool split) {

@@ -104,6 +104,9 @@ class Trainer {
   bool step_pending() const { return pending_ != nullptr; }
   // The [T, V] f32 logits of one micro-batch (host), by an evaluation forward. One rank only.
   Tensor forward_logits(const MicroBatch& mb);
+  // The per-token log-prob of each target and entropy at `temperature` (Schedule::
+  // forward_token_stats: streamed, no [T, V] tensor; 0 where the target is -1). One rank only.
+  void forward_token_stats(const MicroBatch& mb, double temperature, Tensor& logp, Tensor& entropy);
   // The whole run: cfg.steps steps with log lines, metrics file and checkpoints; it ends early,
   // after saving the step, when a SIGTERM / SIGINT arrived (stopped_by_signal()).
   // Returns the per-step metrics.
@@ -210,6 +213,12 @@ std::string resolve_checkpoint(const std::string& path);
 // host sync); token ids and cu_seqlens stay on the host (the embedding checks the ids there and
 // uploads them itself; attention plans and packing metadata are host-side).
 MicroBatch to_device(MicroBatch mb, Device d);
+
+// The cost of a sequence of `len` tokens for whole packing's balance: the model's FLOPs.
+std::function<double(int64_t)> flops_cost(const ModelConfig& m);
+// A loader over a caller's documents (an API batch, the log-probs pass): whole packing in the
+// given order, at the run's micro-batch budget, balanced by flops_cost.
+DataLoader whole_loader(const RunConfig& cfg, Corpus docs);
 
 // The model options of a run config (primitives, loss coefficients, device and dtype; values
 // deferred: the state family, or the forward-only runner, allocates what each rank holds).
