@@ -117,6 +117,12 @@ def make_impl(name, args):
             return out[0] if isinstance(out, tuple) else out
         return run
     if name == "verl":
+        # kernels.py imports verl.utils.device; stand in empty parents so verl's own __init__ (its
+        # whole dependency tree) does not run.
+        for parent in ("verl", "verl.utils"):
+            stub = types.ModuleType(parent)
+            stub.__path__ = [os.path.join(args.verl_src, *parent.split("."))]
+            sys.modules[parent] = stub
         load_package("bb_verl_kernel", os.path.join(args.verl_src, "verl", "utils", "kernel"))
         lce = importlib.import_module("bb_verl_kernel.linear_cross_entropy").linear_cross_entropy
 

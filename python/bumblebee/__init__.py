@@ -48,7 +48,7 @@ class _Document(ctypes.Structure):
 
 
 _lib = None
-_API_VERSION = 1
+_API_VERSION = 2
 
 
 def _candidates():
@@ -94,6 +94,8 @@ def load_library(path=None):
         "bb_save": (c.c_int, [c.c_void_p, c.c_char_p, c.c_char_p, c.c_int64]),
         "bb_load": (c.c_int, [c.c_void_p, c.c_char_p]),
         "bb_export_hf": (c.c_int, [c.c_void_p, c.c_char_p]),
+        "bb_offload": (c.c_int, [c.c_void_p, c.POINTER(c.c_double)]),
+        "bb_onload": (c.c_int, [c.c_void_p, c.POINTER(c.c_double)]),
         "bb_num_weights": (c.c_int64, [c.c_void_p]),
         "bb_weight_info": (c.c_int, [c.c_void_p, c.c_int64, c.c_char_p, c.c_int64, c.POINTER(c.c_int64),
                                      c.POINTER(c.c_int64)]),
@@ -331,6 +333,24 @@ class Trainer:
     def load(self, path):
         """Loads a checkpoint (a step directory or a checkpoint root; collective)."""
         _check(self._lib.bb_load(self._h, str(path).encode()))
+
+    def _move(self, call):
+        out = (ctypes.c_double * 4)()
+        _check(call(self._h, out))
+        return {"seconds": out[0], "host_bytes": int(out[1]), "allocator_live": int(out[2]),
+                "device_used": int(out[3])}
+
+    def offload(self):
+        """Frees the GPU for a rollout engine: the trainer's state (values, masters, moments) goes
+        to host memory, the model's device buffers and the allocator's cache are released.
+        Returns {"seconds", "host_bytes", "allocator_live", "device_used"} (device_used: the
+        card's memory in use afterwards, every process; -1 on the CPU). Call onload() before the
+        next step."""
+        return self._move(self._lib.bb_offload)
+
+    def onload(self):
+        """Brings the state back after offload(), bit for bit; returns the same keys."""
+        return self._move(self._lib.bb_onload)
 
     def export_hf(self, directory):
         """Writes a Hugging Face model directory of the current weights (one rank)."""

@@ -18,7 +18,7 @@
 extern "C" {
 #endif
 
-#define BB_C_API_VERSION 1
+#define BB_C_API_VERSION 2
 
 typedef struct bb_trainer bb_trainer;
 
@@ -71,6 +71,15 @@ int bb_token_logprobs(bb_trainer* t, const bb_document* docs, int64_t num_docs, 
  * (capacity `cap` bytes); load reads a step directory or a checkpoint root. */
 int bb_save(bb_trainer* t, const char* dir, char* path, int64_t cap);
 int bb_load(bb_trainer* t, const char* path);
+/* Sharing the GPU with a rollout engine (Trainer::offload / onload): offload copies the state
+ * (values, masters, moments) to host memory and frees every device buffer of the model and the
+ * allocator's cache; onload rebuilds the model and restores the state bit for bit. Between them
+ * only offload-free calls work (bb_step, bb_rank, ...). `report`, if not NULL, gets 4 doubles:
+ * seconds, host bytes moved, bytes the allocator still holds live, and the card's memory in use
+ * after the call (every process; -1 on the CPU). Per rank (not collective). */
+int bb_offload(bb_trainer* t, double* report);
+int bb_onload(bb_trainer* t, double* report);
+
 /* A Hugging Face model directory of the current weights (one rank). */
 int bb_export_hf(bb_trainer* t, const char* dir);
 

@@ -228,6 +228,31 @@ int bb_load(bb_trainer* t, const char* path) {
   });
 }
 
+namespace {
+void write_report(const bb::OffloadReport& r, double* out) {
+  if (!out) return;
+  out[0] = r.seconds;
+  out[1] = static_cast<double>(r.host_bytes);
+  out[2] = static_cast<double>(r.allocator_live);
+  out[3] = static_cast<double>(r.device_used);
+}
+}  // namespace
+
+int bb_offload(bb_trainer* t, double* report) {
+  return guard([&] {
+    BB_CHECK(t, "bb_offload: no trainer");
+    t->weights.clear();  // views of the model's buffers, which go
+    write_report(t->t->offload(), report);
+  });
+}
+
+int bb_onload(bb_trainer* t, double* report) {
+  return guard([&] {
+    BB_CHECK(t, "bb_onload: no trainer");
+    write_report(t->t->onload(), report);
+  });
+}
+
 int bb_export_hf(bb_trainer* t, const char* dir) {
   return guard([&] {
     BB_CHECK(t && dir, "bb_export_hf: no trainer or directory");

@@ -92,7 +92,8 @@ replay records the routing here and replays it in the update).
   bumblebee logprobs --checkpoint hf:DIR|CKPT --data rollouts.jsonl --out scored.jsonl
                      [--config RUN.toml] [--set KEY=VALUE ...] [--temperature T] [--routing]
   mpirun -np N bumblebee logprobs ... --set parallel.layout=auto
-CKPT is a step_NNNNNNNN directory or a checkpoint root; hf:DIR a Hugging Face model directory.
+CKPT is a step_NNNNNNNN directory or a checkpoint root; hf:DIR a Hugging Face model directory;
+init the model's seeded initialisation (with --config: smoke tests and throughput checks).
 Without --config the model comes from the weights (DIR's config.json, the checkpoint's
 state.json) with the default primitives; --config / --set give the layout (dp, cp, ep; auto),
 the primitives and train.micro_batch_tokens, the budget of one forward. The data is JSON lines
@@ -361,6 +362,7 @@ int run(int argc, char** argv) {
       // The model from the weights: an HF directory's config.json, or the checkpoint's own.
       std::string model_cfg;
       std::string tmp;
+      BB_CHECK(lp_weights != "init", "logprobs: --checkpoint init takes the model from --config; give one");
       if (lp_weights.rfind("hf:", 0) == 0) {
         model_cfg = lp_weights.substr(3);
       } else {

@@ -36,6 +36,17 @@ std::vector<Tensor> read_weights(const RunConfig& cfg, DecoderModel& model, cons
                                  FILE* log) {
   std::vector<ParamUnit*> units = model.units();
   std::vector<Tensor> out;
+  if (weights == "init") {
+    // The model's own seeded initialisation (benchmarks, smoke tests): each unit whole.
+    for (ParamUnit* u : units) {
+      Tensor t = Tensor::empty({u->numel}, DType::f32, dev, MemCategory::other);
+      model.init_unit_range(*u, 0, u->numel, t);
+      out.push_back(std::move(t));
+    }
+    if (log) std::fprintf(log, "[logprobs] weights: the model's initialisation (seed %llu)\n",
+                          static_cast<unsigned long long>(cfg.seed));
+    return out;
+  }
   if (weights.rfind("hf:", 0) == 0) {
     std::vector<std::pair<int64_t, int64_t>> ranges;
     for (ParamUnit* u : units) ranges.push_back({0, u->numel});
@@ -45,7 +56,7 @@ std::vector<Tensor> read_weights(const RunConfig& cfg, DecoderModel& model, cons
   }
   const std::string dir = resolve_checkpoint(weights);
   BB_CHECK(!dir.empty(), "logprobs: no checkpoint at '", weights,
-           "' (expected hf:DIR, a step_* directory or a checkpoint root with a 'latest' file)");
+           "' (expected hf:DIR, a step_* directory, a checkpoint root with a 'latest' file, or init)");
   const nlohmann::json st = read_checkpoint_state(dir);
   const ModelConfig saved = parse_hf_config(st["model_config"], dir + "/state.json");
   BB_CHECK(saved == cfg.model, "logprobs: checkpoint ", dir, " was written for another model than ", cfg.model_config);

@@ -35,8 +35,8 @@ struct DocLogprobs {
 
 class LogprobsRunner {
  public:
-  // `weights`: "hf:DIR" (a Hugging Face model directory) or a checkpoint (a step directory or a
-  // checkpoint root). cfg gives the model (which must match the weights), primitives, layout,
+  // `weights`: "hf:DIR" (a Hugging Face model directory), a checkpoint (a step directory or a
+  // checkpoint root), or "init" (the model's seeded initialisation: benchmarks, smoke tests). cfg gives the model (which must match the weights), primitives, layout,
   // micro_batch_tokens (the budget of one forward) and [backend]. `log`: rank 0's startup lines
   // (null: none). Collective over `base` (default: the run's world).
   LogprobsRunner(const RunConfig& cfg, const std::string& weights, FILE* log, comm::GroupPtr base = nullptr);

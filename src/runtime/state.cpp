@@ -703,6 +703,25 @@ std::pair<int64_t, int64_t> ModelState::checkpoint_range(size_t i) const {
   return {u.lo, u.len};
 }
 
+std::vector<Tensor> ModelState::resident() {
+  std::vector<Tensor> out;
+  auto add = [&out](const Tensor& t) {
+    if (t.defined() && t.numel() > 0) out.push_back(t);
+  };
+  for (const std::unique_ptr<Unit>& up : units_) {
+    Unit& u = *up;
+    switch (u.mode) {
+      case Mode::whole: add(u.u->value); break;
+      case Mode::zero1: add(u.value_buf); break;
+      case Mode::fsdp: add(u.value_shard); break;
+    }
+    add(u.master);
+    add(u.exp_avg);
+    add(u.exp_avg_sq);
+  }
+  return out;
+}
+
 ModelState::Owned ModelState::owned(size_t i) {
   Unit& u = *units_[i];
   Owned o;

@@ -159,6 +159,14 @@ class ModelState final : public LayerHooks {
   // parameter dtype, on every rank that holds them.
   void values_from_masters();
 
+  // What this rank keeps between steps, tensor by tensor, in an order fixed by the model and the
+  // layout (Trainer::offload copies them out and back into a rebuilt state): per unit the values
+  // it holds at rest (whole: the unit's; zero1: the [N S] buffer; fsdp: its shard), the master
+  // (f32, or a split master's i16 remainder) and both moments; views of the live storage.
+  // Gradients, gathered units, reduction buffers and the skip_step backup are not in it: the
+  // next step rebuilds them. Call between steps (nothing in flight).
+  std::vector<Tensor> resident();
+
   // Whole unit values (f32 on the host) for exports and tests: gathered where sharded.
   // Collective over the unit's group.
   Tensor gather_master(size_t unit);

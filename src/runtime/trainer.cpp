@@ -406,32 +406,7 @@ Trainer::Trainer(const RunConfig& cfg_in, FILE* log, Corpus corpus, comm::GroupP
     std::fprintf(log_, "%s[startup] backend: %s\n", p, cfg.backend.summary().c_str());
     std::fflush(log_);
   }
-  ModelOptions mo = model_options(cfg);
-  mo.ep_group = mesh_->ep();  // the MoE dispatchers move rows over the mesh's expert-parallel group
-  mo.cp_group = mesh_->cp();  // the attention members over its context-parallel group
-  model_ = std::make_unique<DecoderModel>(cfg.model, mo, cfg.seed);
-  schedule_ = std::make_unique<Schedule>(
-      *model_, ScheduleOptions{cfg.prim.recompute.value, false, recompute_parts(cfg.prim.recompute),
-                               cfg.backend.max_layers_ahead});
-  schedule_->set_host_wait([](const Event& e, const std::string& where) { wait_or_abort({e}, where); });
-  if (emulated && model_->num_moe_layers() > 0) {
-    // Balanced routing: the emulated rank's experts get the rows a balanced job would send them.
-    // A bias on the router logits steers the router's own top-k (its count read-back, a host
-    // sync per MoE layer today, stays as in the real run); one bias per token count, shared by
-    // every MoE layer.
-    const ModelConfig& mc = cfg.model;
-    const Device dev = device_;
-    auto cache = std::make_shared<std::map<int64_t, Tensor>>();
-    schedule_->set_routing_source([mc, dev, cache](const MicroBatch& mb, std::vector<RoutingStash::Entry>& layers) {
-      const int64_t T = mb.tokens.numel();
-      auto it = cache->find(T);
-      if (it == cache->end()) {
-        const RouterReplay r = balanced_routing(T, mc.num_experts, mc.top_k, Device::cpu());
-        it = cache->emplace(T, routing_logit_bias(r, mc.num_experts, kBalancedRoutingBias, dev)).first;
-      }
-      for (RoutingStash::Entry& e : layers) e.logit_bias = it->second;
-    });
-  }
+  build_model(emulated);
   std::vector<ParamUnit*> units = model_->units();
   std::vector<Tensor> masters;
   if (cfg.model_init.rfind("hf:", 0) == 0) {
@@ -449,23 +424,9 @@ Trainer::Trainer(const RunConfig& cfg_in, FILE* log, Corpus corpus, comm::GroupP
     }
   }
   // The state family takes the units over (fsdp frees the whole buffers here).
-  const bool split = splits_master(cfg.backend.master_storage, cfg.resolved_param_dtype());
-  state_ = std::make_unique<ModelState>(cfg.prim.state.value, *model_, *mesh_, masters.empty() ? nullptr : &masters,
-                                        cfg.prim.optimizer.value, cfg.seed, split);
-  state_->set_reduction(cfg.backend.grad_reduce_dtype == "bf16" ? DType::bf16 : DType::f32,
-                        cfg.backend.fsdp_reduce == "step");
+  build_state(masters.empty() ? nullptr : &masters);
   masters.clear();
-  schedule_->add_hooks(state_.get());
-  if (layout.cp > 1) {
-    // The aux loss pools its counts and probabilities over the whole micro-batch: summed over
-    // the cp ranks that share it.
-    comm::GroupPtr cpg = mesh_->cp();
-    schedule_->aux_pool().reduce_hook = [cpg](std::vector<double>& counts, Tensor& prob_sum, int64_t& rows) {
-      cpg->all_reduce_host(counts.data(), static_cast<int64_t>(counts.size()), comm::ReduceOp::sum);
-      cpg->all_reduce(prob_sum)->wait();
-      rows = cpg->sum(rows);
-    };
-  }
+  const bool split = splits_master(cfg.backend.master_storage, cfg.resolved_param_dtype());
   if (log_) {
     std::fprintf(log_, "%s[startup] loading data '%s'\n", log_prefix_.c_str(), cfg.data.path.c_str());
     std::fflush(log_);
@@ -522,10 +483,189 @@ Trainer::Trainer(const RunConfig& cfg_in, FILE* log, Corpus corpus, comm::GroupP
   }
 }
 
+// The model and its schedule (the constructor; onload() again).
+void Trainer::build_model(bool emulated) {
+  ModelOptions mo = model_options(cfg_);
+  mo.ep_group = mesh_->ep();  // the MoE dispatchers move rows over the mesh's expert-parallel group
+  mo.cp_group = mesh_->cp();  // the attention members over its context-parallel group
+  model_ = std::make_unique<DecoderModel>(cfg_.model, mo, cfg_.seed);
+  schedule_ = std::make_unique<Schedule>(
+      *model_, ScheduleOptions{cfg_.prim.recompute.value, false, recompute_parts(cfg_.prim.recompute),
+                               cfg_.backend.max_layers_ahead});
+  schedule_->set_host_wait([](const Event& e, const std::string& where) { wait_or_abort({e}, where); });
+  if (emulated && model_->num_moe_layers() > 0) {
+    // Balanced routing: the emulated rank's experts get the rows a balanced job would send them.
+    // A bias on the router logits steers the router's own top-k (its count read-back, a host
+    // sync per MoE layer today, stays as in the real run); one bias per token count, shared by
+    // every MoE layer.
+    const ModelConfig& mc = cfg_.model;
+    const Device dev = device_;
+    auto cache = std::make_shared<std::map<int64_t, Tensor>>();
+    schedule_->set_routing_source([mc, dev, cache](const MicroBatch& mb, std::vector<RoutingStash::Entry>& layers) {
+      const int64_t T = mb.tokens.numel();
+      auto it = cache->find(T);
+      if (it == cache->end()) {
+        const RouterReplay r = balanced_routing(T, mc.num_experts, mc.top_k, Device::cpu());
+        it = cache->emplace(T, routing_logit_bias(r, mc.num_experts, kBalancedRoutingBias, dev)).first;
+      }
+      for (RoutingStash::Entry& e : layers) e.logit_bias = it->second;
+    });
+  }
+}
+
+// The state family over the model's units, hooked into the schedule; `masters` as ModelState
+// takes them (null: the model's initialisation).
+void Trainer::build_state(const std::vector<Tensor>* masters) {
+  const bool split = splits_master(cfg_.backend.master_storage, cfg_.resolved_param_dtype());
+  state_ = std::make_unique<ModelState>(cfg_.prim.state.value, *model_, *mesh_, masters, cfg_.prim.optimizer.value,
+                                        cfg_.seed, split);
+  state_->set_reduction(cfg_.backend.grad_reduce_dtype == "bf16" ? DType::bf16 : DType::f32,
+                        cfg_.backend.fsdp_reduce == "step");
+  schedule_->add_hooks(state_.get());
+  if (mesh_->layout().cp > 1) {
+    // The aux loss pools its counts and probabilities over the whole micro-batch: summed over
+    // the cp ranks that share it.
+    comm::GroupPtr cpg = mesh_->cp();
+    schedule_->aux_pool().reduce_hook = [cpg](std::vector<double>& counts, Tensor& prob_sum, int64_t& rows) {
+      cpg->all_reduce_host(counts.data(), static_cast<int64_t>(counts.size()), comm::ReduceOp::sum);
+      cpg->all_reduce(prob_sum)->wait();
+      rows = cpg->sum(rows);
+    };
+  }
+}
+
+// offload()'s host copy: one buffer (pinned on a GPU) holding every resident tensor at 256-byte
+// aligned offsets.
+struct Trainer::HostStash {
+  bool pinned = false;
+  uint8_t* data = nullptr;
+  size_t capacity = 0;
+  std::vector<uint8_t> plain;  // CPU runs
+  std::vector<size_t> offsets, bytes;
+  HostStash() = default;
+  HostStash(const HostStash&) = delete;
+  HostStash& operator=(const HostStash&) = delete;
+  ~HostStash() {
+#ifdef BB_WITH_CUDA
+    if (pinned) cuda::pinned_free(data);
+#endif
+  }
+  void reserve(size_t n, bool gpu) {
+    if (n <= capacity) return;
+#ifdef BB_WITH_CUDA
+    if (pinned) cuda::pinned_free(data);
+    if (gpu) {
+      data = static_cast<uint8_t*>(cuda::pinned_alloc(n));
+      pinned = true;
+      capacity = n;
+      return;
+    }
+#else
+    (void)gpu;
+#endif
+    pinned = false;
+    plain.assign(n, 0);
+    data = plain.data();
+    capacity = n;
+  }
+};
+
 Trainer::~Trainer() {
+  // The model's buffers go before the stash and the flags (declaration order would free them last).
+  schedule_.reset();
+  state_.reset();
+  model_.reset();
 #ifdef BB_WITH_CUDA
   cuda::pinned_free(pinned_flags_);
 #endif
+}
+
+void Trainer::check_onloaded(const char* what) const {
+  BB_CHECK(!offloaded_, what, ": the trainer is offloaded (its state is in host memory); call onload() first");
+}
+
+namespace {
+
+// Host <-> this run's device, synchronously (both ends plain pointers).
+void copy_bytes(void* dst, Device ddev, const void* src, Device sdev, size_t n) {
+  if (n == 0) return;
+#ifdef BB_WITH_CUDA
+  if (ddev.is_cuda() || sdev.is_cuda()) {
+    cuda::memcpy(dst, ddev, src, sdev, n);
+    return;
+  }
+#endif
+  (void)ddev;
+  (void)sdev;
+  std::memcpy(dst, src, n);
+}
+
+}  // namespace
+
+OffloadReport Trainer::offload() {
+  BB_CHECK(!pending_, "offload: a forward_backward is waiting for its optim_step; call optim_step first");
+  check_onloaded("offload");
+  const double t0 = now_s();
+  synchronize_device(device_);
+  std::vector<Tensor> res = state_->resident();
+  if (!stash_) stash_ = std::make_unique<HostStash>();
+  HostStash& st = *stash_;
+  st.offsets.clear();
+  st.bytes.clear();
+  size_t total = 0;
+  for (const Tensor& t : res) {
+    st.offsets.push_back(total);
+    st.bytes.push_back(t.nbytes());
+    total += (t.nbytes() + 255) / 256 * 256;
+  }
+  st.reserve(total, device_.is_cuda());
+  for (size_t i = 0; i < res.size(); ++i)
+    copy_bytes(st.data + st.offsets[i], Device::cpu(), res[i].raw(), device_, st.bytes[i]);
+  res.clear();
+  // Every device buffer of the model, its schedule and the state family goes with them.
+  schedule_.reset();
+  state_.reset();
+  model_.reset();
+  nonfinite_flags_ = Tensor();
+  offloaded_ = true;
+  OffloadReport r;
+#ifdef BB_WITH_CUDA
+  if (device_.is_cuda()) {
+    cuda::release_cached_memory(device_.index);
+    r.device_used = cuda::device_memory_used(device_.index);
+  }
+#endif
+  r.seconds = now_s() - t0;
+  for (size_t b : st.bytes) r.host_bytes += static_cast<int64_t>(b);
+  r.allocator_live = allocator_for(device_).stats().live_total;
+  return r;
+}
+
+OffloadReport Trainer::onload() {
+  BB_CHECK(offloaded_, "onload: the trainer is not offloaded (call offload() first)");
+  const double t0 = now_s();
+  build_model(mesh_->world()->backend() == comm::Backend::emulated);
+  build_state(nullptr);  // the model's initialisation, overwritten below
+  std::vector<Tensor> res = state_->resident();
+  const HostStash& st = *stash_;
+  BB_CHECK(res.size() == st.bytes.size(), "onload: the rebuilt state has ", res.size(), " resident tensors, the "
+           "offloaded one ", st.bytes.size());
+  OffloadReport r;
+  for (size_t i = 0; i < res.size(); ++i) {
+    BB_CHECK(res[i].nbytes() == st.bytes[i], "onload: resident tensor ", i, " has ", res[i].nbytes(),
+             " bytes, the offloaded one ", st.bytes[i]);
+    copy_bytes(res[i].raw(), device_, st.data + st.offsets[i], Device::cpu(), st.bytes[i]);
+    r.host_bytes += static_cast<int64_t>(st.bytes[i]);
+  }
+  res.clear();
+  synchronize_device(device_);
+  offloaded_ = false;
+#ifdef BB_WITH_CUDA
+  if (device_.is_cuda()) r.device_used = cuda::device_memory_used(device_.index);
+#endif
+  r.seconds = now_s() - t0;
+  r.allocator_live = allocator_for(device_).stats().live_total;
+  return r;
 }
 
 void Trainer::world_broadcast_run_id() {
@@ -622,6 +762,7 @@ void Trainer::check_memory_fits([[maybe_unused]] comm::Group& base, [[maybe_unus
 }
 
 StepMetrics Trainer::train_step() {
+  check_onloaded("train_step");
   BB_CHECK(!pending_, "train_step: a forward_backward is waiting for its optim_step; call optim_step first");
   return guarded([&] { return step_impl(false); });
 }
@@ -670,11 +811,13 @@ StepMetrics Trainer::step_on(Corpus batch, bool split) {
 }
 
 StepMetrics Trainer::train_on(Corpus batch) {
+  check_onloaded("train_on");
   BB_CHECK(!pending_, "train_on: a forward_backward is waiting for its optim_step; call optim_step first");
   return step_on(std::move(batch), false);
 }
 
 StepMetrics Trainer::forward_backward_on(Corpus batch) {
+  check_onloaded("forward_backward");
   BB_CHECK(!pending_, "forward_backward: the previous forward_backward has not been applied; call optim_step first "
            "(gradients do not accumulate across calls: give the whole step's documents to one call)");
   return step_on(std::move(batch), true);
@@ -688,6 +831,7 @@ StepMetrics Trainer::optim_step() {
 }
 
 Tensor Trainer::forward_logits(const MicroBatch& mb) {
+  check_onloaded("forward_logits");
   BB_CHECK(mesh_->world()->size() == 1, "forward_logits runs on one rank (this run has ", mesh_->world()->size(),
            "); the multi-rank forward-only pass is the logprobs command's");
   Tensor logits;
@@ -696,6 +840,7 @@ Tensor Trainer::forward_logits(const MicroBatch& mb) {
 }
 
 void Trainer::forward_token_stats(const MicroBatch& mb, double temperature, Tensor& logp, Tensor& entropy) {
+  check_onloaded("forward_token_stats");
   BB_CHECK(mesh_->world()->size() == 1, "forward_token_stats runs on one rank (this run has ", mesh_->world()->size(),
            "); the multi-rank forward-only pass is the logprobs command's");
   LossHeadConfig head = cfg_.prim.loss_chunks;
@@ -1018,6 +1163,7 @@ void Trainer::check_loss_spike(StepMetrics& m) {
 }
 
 std::vector<StepMetrics> Trainer::run() {
+  check_onloaded("run");
   std::vector<StepMetrics> out;
   std::unique_ptr<std::ofstream> metrics;
   const std::string& mpath = cfg_.metrics_path;
@@ -1140,6 +1286,7 @@ std::vector<StepMetrics> Trainer::run() {
 
 
 std::string Trainer::save_checkpoint(const std::string& root) {
+  check_onloaded("save");
   BB_CHECK(!pending_, "save: a forward_backward is waiting for its optim_step; call optim_step first");
   comm::Group& world = *mesh_->world();
   const int rank = world.rank();
@@ -1315,6 +1462,7 @@ std::string Trainer::save_checkpoint(const std::string& root) {
 }
 
 void Trainer::load_checkpoint(const std::string& path) {
+  check_onloaded("load");
   BB_CHECK(!pending_, "load: a forward_backward is waiting for its optim_step; call optim_step first");
   const std::string dir = resolve_checkpoint(path);
   BB_CHECK(!dir.empty(), "no checkpoint at '", path, "' (expected a step_* directory or a checkpoint root with a 'latest' file)");

@@ -73,6 +73,14 @@ struct StepMetrics {
   int stop_signal = 0;
 };
 
+// What Trainer::offload / onload did (this rank).
+struct OffloadReport {
+  double seconds = 0;
+  int64_t host_bytes = 0;        // the state copied to (offload) or from (onload) host memory
+  int64_t allocator_live = 0;    // bytes still allocated by the trainer's allocator on its device after the call
+  int64_t device_used = -1;      // GPU: the card's memory in use after the call (every process; -1 on the CPU)
+};
+
 class Trainer {
  public:
   // Builds mesh, model, state and data loader; resumes if cfg.resume says so. The ranks are
@@ -114,12 +122,21 @@ class Trainer {
 
   int64_t step() const { return step_; }
   double lr_at(int64_t step) const;  // learning rate of (1-based) step
-  DecoderModel& model() { return *model_; }
-  Schedule& schedule() { return *schedule_; }
+  DecoderModel& model() {
+    check_onloaded("model()");
+    return *model_;
+  }
+  Schedule& schedule() {
+    check_onloaded("schedule()");
+    return *schedule_;
+  }
   DataLoader& data() { return *data_; }  // data.path = "none": no loader (has_data() false)
   bool has_data() const { return data_ != nullptr; }
   const Mesh& mesh() const { return *mesh_; }
-  ModelState& state() { return *state_; }
+  ModelState& state() {
+    check_onloaded("state()");
+    return *state_;
+  }
   const RunConfig& config() const { return cfg_; }
   // The run's id: new for a fresh run, the checkpoint's for a resumed one (state.json run_id).
   const std::string& run_id() const { return run_id_; }
@@ -135,6 +152,19 @@ class Trainer {
   // The signal that made run() stop early (after saving the step it ended on), 0 if none.
   int stopped_by_signal() const { return stopped_by_; }
 
+  // Sharing the GPU with a rollout engine (skills/gpu-sharing.md): offload() copies what this rank
+  // keeps between steps (ModelState::resident: values, masters, moments) to host memory (pinned
+  // on a GPU: 12-18 bytes a held parameter, kept for the trainer's life so that later offloads
+  // reuse it), destroys the model, its schedule and the state family (every device buffer they
+  // own: gradients, activations' pools, workspaces they allocated) and gives the allocator's
+  // cached pool back to the driver. onload() rebuilds them and copies the state back: the same
+  // bytes, so training continues bit for bit. Between the two, every call that needs the model
+  // refuses with a message naming onload(). Neither is allowed while a forward_backward waits.
+  // Not collective (each rank moves its own state); the communicators stay.
+  OffloadReport offload();
+  OffloadReport onload();
+  bool offloaded() const { return offloaded_; }
+
   // Writes <dir>/step_NNNNNNNN atomically (temp dir + rename) and points <dir>/latest at it
   // once every rank wrote its shard. Collective.
   std::string save_checkpoint(const std::string& dir);
@@ -144,6 +174,9 @@ class Trainer {
   void load_checkpoint(const std::string& path);
 
  private:
+  void build_model(bool emulated);
+  void build_state(const std::vector<Tensor>* masters);
+  void check_onloaded(const char* what) const;
   void log_line(const StepMetrics& m);
   void check_loss_spike(StepMetrics& m);
   std::string resolve_auto_resume(const std::string& root);
@@ -195,6 +228,10 @@ class Trainer {
   int64_t loss_mean_n_ = 0;
   Tensor nonfinite_flags_;           // per unit, set by the update of the current step
   int32_t* pinned_flags_ = nullptr;  // GPU: their host copy, read after the end-of-step sync
+  // offload(): the resident state's host copy (pinned on a GPU), kept after onload for reuse.
+  bool offloaded_ = false;
+  struct HostStash;
+  std::unique_ptr<HostStash> stash_;
   int64_t pinned_flags_n_ = 0;
 };
 

@@ -48,5 +48,13 @@ PY
 "$BB" logprobs --checkpoint "$TMP/ck" --data "$TMP/r.jsonl" --out "$TMP/x.jsonl" --set train.micro_batch_tokens=16 > "$TMP/e2" 2>&1; rc=$?
 [ $rc -eq 2 ] && grep -q "more than a micro-batch holds" "$TMP/e2" || { echo "FAIL: long record: rc $rc $(cat "$TMP/e2")"; fail=1; }
 [ ! -e "$TMP/x.jsonl" ] || { echo "FAIL: an output was written for a failed run"; fail=1; }
+"$BB" logprobs --checkpoint init --data "$TMP/r.jsonl" --out "$TMP/x.jsonl" > "$TMP/e3" 2>&1; rc=$?
+[ $rc -eq 2 ] && grep -q "init takes the model from --config" "$TMP/e3" || { echo "FAIL: init without config: rc $rc $(cat "$TMP/e3")"; fail=1; }
+# init: the model's seeded initialisation (throughput checks); deterministic.
+for o in i1 i2; do
+  "$BB" logprobs --checkpoint init --config configs/demo.toml --data "$TMP/r.jsonl" --out "$TMP/$o.jsonl" > "$TMP/$o.log" 2>&1 ||
+    { echo "FAIL: logprobs from init: $(cat "$TMP/$o.log")"; fail=1; }
+done
+cmp -s "$TMP/i1.jsonl" "$TMP/i2.jsonl" && ! cmp -s "$TMP/i1.jsonl" "$TMP/a.jsonl" || { echo "FAIL: init scores"; fail=1; }
 [ $fail -eq 0 ] && echo "PASS"
 exit $fail

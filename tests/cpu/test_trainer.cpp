@@ -466,6 +466,10 @@ TEST(Optimizer, SkipStepUndoesUpdatesMadeDuringTheBackward) {
     for (float v : p->value.to_floats()) ASSERT_TRUE(std::isfinite(v)) << p->name;
 }
 
+const std::string kSplitMaster = "backend.master_storage=\"split\"";
+const std::string kF32Master = "backend.master_storage=\"f32\"";
+const std::string kBf16Params = "model.dtype=\"bf16\"";
+
 // Masters, moments and parameter values of a trainer's state: what skip_step's backup restores.
 std::vector<std::vector<float>> state_snapshot(Trainer& t) {
   std::vector<std::vector<float>> v;
@@ -477,6 +481,71 @@ std::vector<std::vector<float>> state_snapshot(Trainer& t) {
   }
   for (Param* p : t.model().params()) v.push_back(p->value.to_floats());
   return v;
+}
+
+// offload() / onload() (sharing the GPU with a rollout engine): the state goes to host memory
+// and the model with its device buffers is destroyed; onload() rebuilds it and copies the state
+// back. Training then continues bit for bit as if nothing happened: losses, gradient norms,
+// masters, moments and values, with an f32 master, a split master on bf16 values (its i16
+// remainder and bf16 upper half), bf16 moments with skip_step (its backup rebuilt), and across
+// two offload cycles (the host copy reused). Between the two, the model is gone: every call that
+// needs it is a clear error.
+TEST(Trainer, OffloadOnloadContinuesBitForBit) {
+  const std::string dir = make_tmpdir();
+  const std::string run = write_run(dir, small_model());
+  const std::vector<std::vector<std::string>> variants = {
+      {"checkpoint.dir=\"\""},
+      {"checkpoint.dir=\"\"", kSplitMaster, kBf16Params},
+      {"checkpoint.dir=\"\"", "primitives.optimizer=\"adamw_bf16_moments\"", "train.on_nonfinite=\"skip_step\""}};
+  for (const std::vector<std::string>& ov : variants) {
+    SCOPED_TRACE(ov.back());
+    Trainer straight(load_run_config(run, ov), nullptr);
+    std::vector<StepMetrics> want;
+    for (int i = 0; i < 6; ++i) want.push_back(straight.train_step());
+
+    Trainer t(load_run_config(run, ov), nullptr);
+    std::vector<StepMetrics> got;
+    for (int cycle = 0; cycle < 2; ++cycle) {
+      for (int i = 0; i < 3 - cycle; ++i) got.push_back(t.train_step());
+      const int64_t live_before = allocator_for(Device::cpu()).stats().live_total;
+      const OffloadReport off = t.offload();
+      EXPECT_TRUE(t.offloaded());
+      // Values, masters and moments: at least the optimizer's 12 (8 with bf16 moments) bytes a
+      // parameter less the split master's 2.
+      EXPECT_GE(off.host_bytes, 6 * t.config().model.num_params());
+      // The allocator lost at least what was stashed (the gradients went too).
+      EXPECT_LE(off.allocator_live, live_before - off.host_bytes);
+      EXPECT_EQ(off.device_used, -1);
+      test::expect_error_contains([&] { t.train_step(); }, "call onload() first");
+      test::expect_error_contains([&] { t.model(); }, "call onload() first");
+      test::expect_error_contains([&] { t.save_checkpoint(dir + "/nope"); }, "call onload() first");
+      test::expect_error_contains([&] { t.offload(); }, "call onload() first");
+      const OffloadReport on = t.onload();
+      EXPECT_FALSE(t.offloaded());
+      EXPECT_EQ(on.host_bytes, off.host_bytes);
+      test::expect_error_contains([&] { t.onload(); }, "not offloaded");
+    }
+    got.push_back(t.train_step());  // 3 + 2 + 1 steps around two cycles
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_EQ(got[i].loss, want[i].loss) << "step " << i + 1;
+      EXPECT_EQ(got[i].grad_norm, want[i].grad_norm) << "step " << i + 1;
+    }
+    EXPECT_EQ(state_snapshot(t), state_snapshot(straight));
+  }
+}
+
+TEST(Trainer, OffloadWaitsForAPendingStep) {
+  const std::string dir = make_tmpdir();
+  Trainer t(load_run_config(write_run(dir, small_model()), {"checkpoint.dir=\"\""}), nullptr);
+  Corpus batch;
+  batch.add(std::vector<int32_t>{1, 2, 3, 4, 5, 6, 7, 8});
+  t.forward_backward_on(batch);
+  test::expect_error_contains([&] { t.offload(); }, "call optim_step first");
+  t.optim_step();
+  t.offload();
+  t.onload();
+  EXPECT_TRUE(std::isfinite(t.train_step().loss));
 }
 
 // [backend] expert_wgrad_stream moves the experts' weight gradient onto the wgrad stream and
@@ -519,9 +588,6 @@ void expect_backup_restores_the_state(Trainer& t) {
 
 // ---- [backend] master_storage = "split" (bf16 parameters) ------------------------------------------
 
-const std::string kSplitMaster = "backend.master_storage=\"split\"";
-const std::string kF32Master = "backend.master_storage=\"f32\"";
-const std::string kBf16Params = "model.dtype=\"bf16\"";
 
 // On bf16 parameters the split master trains as the separate f32 master does (its values differ
 // only where a master sits exactly on a bf16 tie); 10 steps, save, resume, 10 steps == 20

@@ -3,7 +3,8 @@
 // checkpoints (same-layout resume bit-exact, resume on fewer ranks, export); the memory, resume
 // and data-parallel checks also with primitives.optimizer = "adamw_bf16_moments", the memory and
 // resume checks and a sharded-vs-whole run with a split master ([backend] master_storage =
-// "split" on bf16 parameters; on a GPU every run's parameters are bf16 and split by default).
+// "split" on bf16 parameters; on a GPU every run's parameters are bf16 and split by default);
+// offload / onload continuing bit for bit on every rank.
 // Runs at any world size; the 4 -> 2 resharding test needs 4 ranks.
 #include <gtest/gtest.h>
 
@@ -403,6 +404,50 @@ TEST(State, SameLayoutResumeIsBitExact) {
         EXPECT_EQ(ob.exp_avg.to_floats(), oa.exp_avg.to_floats()) << a.model().units()[i]->name;
         EXPECT_EQ(ob.exp_avg_sq.to_floats(), oa.exp_avg_sq.to_floats()) << a.model().units()[i]->name;
       }
+    }
+  }
+}
+
+// offload() / onload() on every rank (each moves its own shard of the state): 3 steps, offload,
+// onload, 3 steps equal 6 straight steps of the same layout, with each state family and
+// optimizer setting, and with expert parallelism over the world (ep = world size, fsdp): bit for
+// bit on the CPU (losses, grad norms, every rank's masters and moments).
+TEST(State, OffloadOnloadContinuesBitForBit) {
+  TestRun run = make_run("offload");
+  const int R = world()->size();
+  std::vector<std::vector<std::string>> layouts;
+  for (const char* opt : kOptimizers)
+    for (const char* kind : kKinds)
+      layouts.push_back({std::string("primitives.state=\"") + kind + "\"", optimizer_override(opt)});
+  if (R > 1 && 4 % R == 0)
+    layouts.push_back({"primitives.state=\"fsdp\"", "parallel.ep=" + std::to_string(R)});
+  for (const std::vector<std::string>& ov : layouts) {
+    SCOPED_TRACE(ov[0] + " " + ov[1]);
+    std::vector<StepMetrics> want;
+    Trainer b(config(run, ov), nullptr, Corpus{}, world());
+    for (int s = 0; s < 6; ++s) want.push_back(b.train_step());
+    Trainer a(config(run, ov), nullptr, Corpus{}, world());
+    std::vector<StepMetrics> got;
+    for (int s = 0; s < 3; ++s) got.push_back(a.train_step());
+    const OffloadReport off = a.offload();
+    EXPECT_GT(off.host_bytes, 0);
+    a.onload();
+    for (int s = 0; s < 3; ++s) got.push_back(a.train_step());
+    for (size_t s = 0; s < want.size(); ++s) {
+      if (on_gpu()) {
+        EXPECT_LE(rel(got[s].loss, want[s].loss), tol_loss()) << "step " << s + 1;
+      } else {
+        EXPECT_EQ(got[s].loss, want[s].loss) << "step " << s + 1;
+        EXPECT_EQ(got[s].grad_norm, want[s].grad_norm) << "step " << s + 1;
+      }
+    }
+    for (size_t i = 0; i < a.model().units().size(); ++i) {
+      const ModelState::Owned oa = a.state().owned(i), ob = b.state().owned(i);
+      ASSERT_EQ(oa.len, ob.len);
+      if (on_gpu() || oa.len == 0) continue;
+      EXPECT_EQ(a.state().master_f32(i, 0, oa.len).to_floats(), b.state().master_f32(i, 0, ob.len).to_floats());
+      EXPECT_EQ(oa.exp_avg.to_floats(), ob.exp_avg.to_floats()) << a.model().units()[i]->name;
+      EXPECT_EQ(oa.exp_avg_sq.to_floats(), ob.exp_avg_sq.to_floats()) << a.model().units()[i]->name;
     }
   }
 }

@@ -3,6 +3,7 @@
 - logprobs() (C logits, softmax in double) against the cross-entropy head's loss of a step on
   the same documents, and its entropies against the policy head's entropy metric;
 - two trainers of one seed give the same steps; save / load restores the log-probs exactly;
+- offload() / onload() in between steps changes nothing (the next step against a twin's);
 - weights() against the model's Hugging Face names and shapes; export_hf writes a model;
 - errors arrive as bumblebee.Error with the library's message.
 Runs with and without numpy (the results' two forms). Usage: test_api.py LIBRARY
@@ -113,6 +114,24 @@ def run(mode):
         except bumblebee.Error as e:
             check("no forward_backward to apply" in str(e), mode + ": " + str(e))
         pol3.close()
+
+        # offload() / onload(): the next step after them is the step without them (pol2 and a
+        # fresh pol4 from the same start, the same two batches), and the model is refused between.
+        pol4 = bumblebee.Trainer("configs/demo.toml", BASE + ['primitives.loss="policy"', "train.grad_clip=0"], library=LIB)
+        pol4.train_batch(docs())
+        off = pol4.offload()
+        check(off["host_bytes"] > 0 and off["device_used"] == -1 and off["seconds"] >= 0, mode + ": offload %r" % off)
+        try:
+            pol4.train_batch(docs())
+            check(False, mode + ": a step while offloaded")
+        except bumblebee.Error as e:
+            check("call onload() first" in str(e), mode + ": " + str(e))
+        on = pol4.onload()
+        check(on["host_bytes"] == off["host_bytes"], mode + ": onload %r" % on)
+        s4 = pol4.train_batch(docs())
+        s2 = pol2.train_batch(docs())
+        check(s4["loss"] == s2["loss"] and s4["grad_norm"] == s2["grad_norm"], mode + ": the step after onload")
+        pol4.close()
 
         # Generation: deterministic by seed, new tokens in the vocabulary, stop token honoured.
         g1 = pol.generate([[1, 2, 3], [4, 5]], 6, seed=3)

@@ -467,6 +467,19 @@ void set_pool_cross_stream_reuse(bool on) {
     }
 }
 
+void release_cached_memory(int dev) {
+  DeviceState& st = state(dev);
+  synchronize_device(dev);
+  BB_CHECK_CUDA(cudaMemPoolTrimTo(st.pool, 0));
+}
+
+int64_t device_memory_used(int dev) {
+  set_device(dev);
+  size_t free_b = 0, total_b = 0;
+  BB_CHECK_CUDA(cudaMemGetInfo(&free_b, &total_b));
+  return static_cast<int64_t>(total_b - free_b);
+}
+
 int64_t memory_available(int dev) {
   DeviceState& st = state(dev);
   set_device(dev);

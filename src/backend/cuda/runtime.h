@@ -86,6 +86,14 @@ int64_t memory_limit(int dev);
 // card's free memory plus what the pool holds unused (cudaMemGetInfo, the pool's reserve).
 int64_t memory_available(int dev);
 
+// Gives the pool's unused memory on `dev` back to the driver (after draining the device, so that
+// every pending free has completed): what Trainer::offload leaves is then only what is still
+// allocated. The pool grows again on the next allocations.
+void release_cached_memory(int dev);
+// The device memory in use on `dev` by every process, as the driver reports it (cudaMemGetInfo's
+// total - free: what nvidia-smi shows, this process's context included).
+int64_t device_memory_used(int dev);
+
 // Fresh device memory reads as NaN (0xFF bytes) while on, so that an output a kernel forgot to
 // write cannot pass as zeros. The GPU tests turn it on; off by default.
 void set_poison_allocations(bool on);
