@@ -3,8 +3,11 @@
 //
 //   bench_gdn [--seq LIST] [--hk 16] [--hv 32] [--k 128] [--v 128] [--dtype bf16|f32]
 //             [--do-dtype same|f32] [--no-l2norm] [--vt auto|16|32|64] [--state-warps auto|4|8]
-//             [--no-overlap] [--block-order auto|chunk|head] [--host-ahead] [--kernels]
-//             [--iters 10] [--warmup 2]
+//             [--no-overlap] [--block-order auto|chunk|head] [--resident-prep]
+//             [--fwd-split auto|0-100] [--host-ahead] [--kernels] [--iters 10] [--warmup 2]
+//   The kernel-variant flags (--vt, --state-warps, --no-overlap, --block-order, --resident-prep,
+//   --fwd-split) set cuda::GdnVariant (gated_delta_rule_cuda.h); every variant computes the same
+//   bits.
 //   LIST: comma-separated shapes, each N (one sequence of N tokens) or NxM (M packed sequences of
 //   N tokens); default 32768,4096x8,131072,262144.
 //
@@ -60,7 +63,8 @@ struct Args {
   int64_t hk = 16, hv = 32, k = 128, v = 128;
   std::string dtype = "bf16", do_dtype = "same", vt = "auto", state_warps = "auto",
               block_order = "auto";
-  bool l2norm = true, overlap = true, host_ahead = false, kernels = false;
+  bool l2norm = true, overlap = true, host_ahead = false, kernels = false, resident_prep = false;
+  int fwd_split = -1;
   int iters = 10, warmup = 2;
 };
 
@@ -71,7 +75,8 @@ struct Args {
       "usage: bench_gdn [--seq N|NxM[,...]] [--hk 16] [--hv 32] [--k 128] [--v 128]\n"
       "                 [--dtype bf16|f32] [--do-dtype same|f32] [--no-l2norm] [--vt auto|16|32|64]\n"
       "                 [--state-warps auto|4|8] [--no-overlap] [--block-order auto|chunk|head]\n"
-      "                 [--host-ahead] [--kernels] [--iters 10] [--warmup 2]\n",
+      "                 [--resident-prep] [--fwd-split auto|0-100] [--host-ahead] [--kernels]\n"
+      "                 [--iters 10] [--warmup 2]\n",
       why.c_str());
   std::exit(2);
 }
@@ -126,10 +131,15 @@ Args parse(int argc, char** argv) {
       a.kernels = true;
       continue;
     }
+    if (k == "--resident-prep") {
+      a.resident_prep = true;
+      continue;
+    }
     if (k == "--help" || k == "-h") usage("help");
     static const char* kValued[] = {"--seq",      "--hk",    "--hv",         "--k",
                                     "--v",        "--iters", "--warmup",     "--dtype",
-                                    "--do-dtype", "--vt",    "--state-warps", "--block-order"};
+                                    "--do-dtype", "--vt",    "--state-warps", "--block-order",
+                                    "--fwd-split"};
     if (std::find(std::begin(kValued), std::end(kValued), k) == std::end(kValued))
       usage("unknown option " + k);
     if (i + 1 >= argc) usage("option " + k + " needs a value");
@@ -166,6 +176,14 @@ Args parse(int argc, char** argv) {
       if (v != "auto" && v != "chunk" && v != "head")
         usage("--block-order must be auto, chunk or head, got '" + v + "'");
       a.block_order = v;
+    } else if (k == "--fwd-split") {
+      if (v == "auto") {
+        a.fwd_split = -1;
+      } else {
+        const int64_t p = v == "0" ? 0 : positive(k, v);
+        if (p > 100) usage("--fwd-split must be auto or a percent 0-100, got '" + v + "'");
+        a.fwd_split = static_cast<int>(p);
+      }
     } else
       usage("unknown option " + k);
   }
@@ -275,10 +293,14 @@ void print_kernels(bench::GpuActivity& act, const char* what, const char* shape,
 }
 
 int run(const Args& a) {
-  if (a.vt != "auto") setenv("BB_GDN_VT", a.vt.c_str(), 1);
-  if (a.state_warps != "auto") setenv("BB_GDN_STATE_WARPS", a.state_warps.c_str(), 1);
-  if (!a.overlap) setenv("BB_GDN_OVERLAP", "0", 1);
-  if (a.block_order != "auto") setenv("BB_GDN_BLOCK_ORDER", a.block_order.c_str(), 1);
+  cuda::GdnVariant var;
+  if (a.vt != "auto") var.vt = std::stoi(a.vt);
+  if (a.state_warps != "auto") var.state_warps = std::stoi(a.state_warps);
+  var.overlap = a.overlap;
+  var.chunk_fastest = a.block_order == "chunk";
+  var.prep_reload = !a.resident_prep;
+  var.fwd_split = a.fwd_split;
+  cuda::set_gdn_variant(var);
   cudaDeviceProp prop{};
   BB_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   const DType dt = a.dtype == "bf16" ? DType::bf16 : DType::f32;

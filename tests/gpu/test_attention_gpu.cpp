@@ -212,8 +212,6 @@ TEST(AttentionCudnnSingle, GraphCacheReusedWithinBucket) {
 // (with Tq == Tkv bottom-right is top-left) and both head dims; the dense calls are counted.
 TEST(AttentionCudnnSingle, OneWholeSequenceRunsDenseGraphs) {
   BB_REQUIRE_GPU();
-  const char* knob = std::getenv("BB_ATTN_DENSE");
-  const bool dense_on = !(knob && std::string(knob) == "0");
   for (int64_t d : {128, 256}) {
     for (AttentionMask mask :
          {AttentionMask::causal, AttentionMask::causal_bottom_right, AttentionMask::none}) {
@@ -226,9 +224,9 @@ TEST(AttentionCudnnSingle, OneWholeSequenceRunsDenseGraphs) {
       const Result cpu = run_cpu(whole, whole_args);
       const int64_t calls = attention_cudnn_dense_calls();
       const Result dense = run_gpu(whole, whole_args);
-      EXPECT_EQ(attention_cudnn_dense_calls(), calls + (dense_on ? 2 : 0)) << what;
+      EXPECT_EQ(attention_cudnn_dense_calls(), calls + 2) << what;
       const Result ragged = run_gpu(packed, packed_args);
-      EXPECT_EQ(attention_cudnn_dense_calls(), calls + (dense_on ? 2 : 0)) << what;
+      EXPECT_EQ(attention_cudnn_dense_calls(), calls + 2) << what;
       expect_close(dense, cpu, "dense " + what);
       expect_close(ragged, cpu, "packed " + what);
       expect_close(dense, ragged, "dense vs packed " + what);

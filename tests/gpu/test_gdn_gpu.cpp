@@ -26,6 +26,7 @@
 #include "core/tensor.h"
 #include "primitives/conv/causal_conv1d.h"
 #include "primitives/gdn/gated_delta_rule.h"
+#include "primitives/gdn/gated_delta_rule_cuda.h"
 #include "primitives/gdn/gated_delta_rule_ref.h"
 
 namespace bb {
@@ -300,8 +301,8 @@ TEST(GatedDeltaGpu, RepeatedCallsAreBitwiseEqual) {
 }
 
 // The backward runs its two state passes on two streams (the rebuild on a side stream that forks
-// from and joins the current one). The result must not depend on it: BB_GDN_OVERLAP=0 runs both
-// on the current stream, bit for bit the same; so must the kernel-lab knobs below. Long enough (1000 + 3000 tokens) that the passes
+// from and joins the current one). The result must not depend on it: GdnVariant::overlap = false
+// runs both on the current stream, bit for bit the same; so must the other variants below. Long enough (1000 + 3000 tokens) that the passes
 // really run side by side, and the outputs are read on the current stream right after the call,
 // so a missing join would read unfinished states.
 TEST(GatedDeltaGpu, BackwardSideStreamAndKernelKnobsAreBitwiseEqual) {
@@ -317,46 +318,47 @@ TEST(GatedDeltaGpu, BackwardSideStreamAndKernelKnobsAreBitwiseEqual) {
   const Tensor g = Tensor::from_floats(test::randu(T * Hv, 34, -0.3f, -0.01f), {T, Hv}).to(kGpu);
   const Tensor b = Tensor::from_floats(test::randu(T * Hv, 35, 0.1f, 0.9f), {T, Hv}).to(kGpu);
   const GatedDeltaGrads two = gated_delta_rule_backward(d_o, q, k, v, g, b, cut);
-  setenv("BB_GDN_OVERLAP", "0", 1);
+  const cuda::GdnVariant base = cuda::gdn_variant();
+  auto with = [&](auto change) {
+    cuda::GdnVariant v = base;
+    change(v);
+    cuda::set_gdn_variant(v);
+  };
+  with([](cuda::GdnVariant& v) { v.overlap = false; });
   const GatedDeltaGrads one = gated_delta_rule_backward(d_o, q, k, v, g, b, cut);
-  unsetenv("BB_GDN_OVERLAP");
+  cuda::set_gdn_variant(base);
   expect_bitwise_equal(two, one);
   // The block order of the per-(chunk, head) kernels (value heads fastest instead of chunks)
   // changes only which block runs when.
   const Tensor o = gated_delta_rule_forward(q, k, v, g, b, cut);
-  const char* prev = std::getenv("BB_GDN_BLOCK_ORDER");
-  const std::string flip = prev != nullptr && std::string(prev) == "head" ? "chunk" : "head";
-  const std::string keep_prev = prev != nullptr ? prev : "";
-  setenv("BB_GDN_BLOCK_ORDER", flip.c_str(), 1);
+  with([](cuda::GdnVariant& v) { v.chunk_fastest = !v.chunk_fastest; });
   const Tensor o2 = gated_delta_rule_forward(q, k, v, g, b, cut);
   const GatedDeltaGrads other = gated_delta_rule_backward(d_o, q, k, v, g, b, cut);
-  if (prev != nullptr)
-    setenv("BB_GDN_BLOCK_ORDER", keep_prev.c_str(), 1);
-  else
-    unsetenv("BB_GDN_BLOCK_ORDER");
+  cuda::set_gdn_variant(base);
   EXPECT_EQ(o2.to_floats(), o.to_floats());
   expect_bitwise_equal(other, two);
   // chunk_prep with K^ resident (3 blocks an SM) instead of loaded again after the solve.
-  setenv("BB_GDN_PREP_RELOAD", "0", 1);
+  with([](cuda::GdnVariant& v) { v.prep_reload = false; });
   const Tensor o3 = gated_delta_rule_forward(q, k, v, g, b, cut);
   const GatedDeltaGrads resident = gated_delta_rule_backward(d_o, q, k, v, g, b, cut);
-  unsetenv("BB_GDN_PREP_RELOAD");
+  cuda::set_gdn_variant(base);
   EXPECT_EQ(o3.to_floats(), o.to_floats());
   expect_bitwise_equal(resident, two);
   // The state passes' column slices and warps (16 columns: 4 warps always; this shape's default
   // is 16): which block and warp computes an element, not how.
-  for (const char* vt : {"16", "32", "64"})
-    for (const char* warps : {"4", "8"}) {
-      SCOPED_TRACE(std::string("BB_GDN_VT=") + vt + " BB_GDN_STATE_WARPS=" + warps);
-      setenv("BB_GDN_VT", vt, 1);
-      setenv("BB_GDN_STATE_WARPS", warps, 1);
+  for (int vt : {16, 32, 64})
+    for (int warps : {4, 8}) {
+      SCOPED_TRACE("vt " + std::to_string(vt) + ", state_warps " + std::to_string(warps));
+      with([&](cuda::GdnVariant& v) {
+        v.vt = vt;
+        v.state_warps = warps;
+      });
       const Tensor o4 = gated_delta_rule_forward(q, k, v, g, b, cut);
       const GatedDeltaGrads sliced = gated_delta_rule_backward(d_o, q, k, v, g, b, cut);
       EXPECT_EQ(o4.to_floats(), o.to_floats());
       expect_bitwise_equal(sliced, two);
     }
-  unsetenv("BB_GDN_VT");
-  unsetenv("BB_GDN_STATE_WARPS");
+  cuda::set_gdn_variant(base);
 }
 
 // A workspace limit below what one call needs runs the call in time segments (token ranges cut
@@ -390,9 +392,11 @@ TEST(GatedDeltaGpu, TimeSegmentsUnderAWorkspaceLimitAreBitwiseEqual) {
       const GatedDeltaGrads ain = gated_delta_rule_backward(d_oin, q, k, v, g, b, cut, whole);
       const size_t bwd_bytes = T * (dt == DType::bf16 ? 512 * 4 + 3336 * 8 + 256 * 8 : 1024 * 4 + 5640 * 8 + 512 * 8);
       for (size_t limit : {size_t{1}, bwd_bytes / 2, bwd_bytes / 3})
-        for (const char* split : {"50", "100"}) {
-          SCOPED_TRACE("limit " + std::to_string(limit) + ", BB_GDN_FWD_SPLIT=" + split);
-          setenv("BB_GDN_FWD_SPLIT", split, 1);
+        for (int split : {50, 100}) {
+          SCOPED_TRACE("limit " + std::to_string(limit) + ", fwd_split " + std::to_string(split));
+          cuda::GdnVariant var = cuda::gdn_variant();
+          var.fwd_split = split;
+          cuda::set_gdn_variant(var);
           GatedDeltaOptions seg;
           seg.max_workspace_bytes = limit;
           EXPECT_EQ(gated_delta_rule_forward(q, k, v, g, b, cut, seg).to_floats(), o.to_floats());
@@ -405,7 +409,7 @@ TEST(GatedDeltaGpu, TimeSegmentsUnderAWorkspaceLimitAreBitwiseEqual) {
           expect_bitwise_equal(gated_delta_rule_backward(d_o32, q, k, v, g, b, cut, seg, &prep), a32);
           expect_bitwise_equal(gated_delta_rule_backward(d_oin, q, k, v, g, b, cut, seg), ain);
         }
-      unsetenv("BB_GDN_FWD_SPLIT");
+      cuda::set_gdn_variant(cuda::GdnVariant{});
     }
 }
 
@@ -473,7 +477,7 @@ TEST(GatedDeltaGpu, KeptForwardPrepGivesBitwiseEqualGradients) {
 
 // The bf16 forward runs chunk_prep of the later chunks beside the state pass (flags per chunk
 // and value head, the state pass on a higher-priority stream). Bitwise the plain order
-// (BB_GDN_FWD_SPLIT=100) at several splits, for one long sequence and a packed batch whose
+// (GdnVariant::fwd_split = 100) at several splits, for one long sequence and a packed batch whose
 // sequences straddle the split, with and without a kept prep (whose backward must match too);
 // the output is read on the current stream right after the call, so a missing join or a chunk
 // loaded before its flag would show.
@@ -494,19 +498,22 @@ TEST(GatedDeltaGpu, ForwardBesideChunkPrepIsBitwiseThePlainOrder) {
                  v = bf(T * Hv * K, 53, {T, Hv, K}), d_o = bf(T * Hv * K, 56, {T, Hv, K});
     const Tensor g = Tensor::from_floats(test::randu(T * Hv, 54, -0.3f, -0.01f), {T, Hv}).to(kGpu);
     const Tensor b = Tensor::from_floats(test::randu(T * Hv, 55, 0.1f, 0.9f), {T, Hv}).to(kGpu);
-    setenv("BB_GDN_FWD_SPLIT", "100", 1);
+    cuda::GdnVariant var;
+    var.fwd_split = 100;
+    cuda::set_gdn_variant(var);
     const std::vector<float> plain = gated_delta_rule_forward(q, k, v, g, b, cut).to_floats();
     const GatedDeltaGrads ref = gated_delta_rule_backward(d_o, q, k, v, g, b, cut);
-    for (const char* split : {"1", "30", "50", "90"}) {
-      SCOPED_TRACE(std::string("BB_GDN_FWD_SPLIT=") + split);
-      setenv("BB_GDN_FWD_SPLIT", split, 1);
+    for (int split : {1, 30, 50, 90}) {
+      SCOPED_TRACE("fwd_split " + std::to_string(split));
+      var.fwd_split = split;
+      cuda::set_gdn_variant(var);
       for (int rep = 0; rep < 2; ++rep) EXPECT_EQ(gated_delta_rule_forward(q, k, v, g, b, cut).to_floats(), plain);
       GatedDeltaPrep prep;
       EXPECT_EQ(gated_delta_rule_forward(q, k, v, g, b, cut, {}, MemCategory::activations, &prep).to_floats(), plain);
       ASSERT_TRUE(prep.defined());
       expect_bitwise_equal(gated_delta_rule_backward(d_o, q, k, v, g, b, cut, {}, &prep), ref);
     }
-    unsetenv("BB_GDN_FWD_SPLIT");
+    cuda::set_gdn_variant(cuda::GdnVariant{});
     EXPECT_EQ(gated_delta_rule_forward(q, k, v, g, b, cut).to_floats(), plain);  // the default split
   }
 }

@@ -696,7 +696,7 @@ std::vector<cuda::GemmProblem> wgrad_problems(const std::vector<int64_t>& counts
 // and N = 264 (partial tiles), C f32 (the gradients) or bf16, beta 0, 1 and 0.5. A K = 0 problem
 // gives C = beta C. f32 C goes out through the half-tile staging buffer when beta != 0 and K is
 // short (as here) and from the consumers' registers otherwise; forcing the other path
-// (BB_TMA_F32_HALVES) must give the same bits.
+// (cuda::set_grouped_tma_f32_halves) must give the same bits.
 TEST(GemmGroupedTma, WgradLayoutMatchesDoubleReference) {
   BB_REQUIRE_GPU();
 #ifdef BB_WITH_CUDA
@@ -732,9 +732,9 @@ TEST(GemmGroupedTma, WgradLayoutMatchesDoubleReference) {
         Tensor C2 = on_gpu(cv, {E * M, ldc}, out);
         for (cuda::GemmProblem& p : ps)
           p.C = static_cast<char*>(C2.raw()) + (static_cast<char*>(p.C) - static_cast<char*>(C.raw()));
-        setenv("BB_TMA_F32_HALVES", beta != 0.0f ? "0" : "1", 1);
+        cuda::set_grouped_tma_f32_halves(beta != 0.0f ? 0 : 1);
         cuda::gemm_grouped(true, false, ps, alpha, DType::bf16, lda, ldb, beta, out, ldc, 0, cfg);
-        unsetenv("BB_TMA_F32_HALVES");
+        cuda::set_grouped_tma_f32_halves(-1);
         EXPECT_EQ(C2.to_floats(), got_all) << what << ": the other f32 store path gives other bits";
       }
       int64_t off = 0;
@@ -773,7 +773,7 @@ TEST(GemmGroupedTma, WgradLayoutMatchesDoubleReference) {
 // stores of 32-column boxes (kStore): ragged K (0, 1, 63, 64, 65, 200, 513 rows), N = 264 (a
 // partial column tile: the map clips it, the columns past N keep their values), the C matrices
 // in reverse order of the problems with a gap of rows between them. The same bits as the
-// register stores (BB_TMA_F32_STORE=0), and the double reference.
+// register stores (set_grouped_tma_f32_store(false)), and the double reference.
 TEST(GemmGroupedTma, WgradTmaStoresMatchRegisterStores) {
   BB_REQUIRE_GPU();
 #ifdef BB_WITH_CUDA
@@ -788,21 +788,21 @@ TEST(GemmGroupedTma, WgradTmaStoresMatchRegisterStores) {
   const auto bv = stored(test::randn(rows * ldb, 9302), DType::bf16);
   const auto cv = stored(test::randn(E * slot * ldc, 9303), DType::f32);
   Tensor A = on_gpu(av, {rows, lda}, DType::bf16), B = on_gpu(bv, {rows, ldb}, DType::bf16);
-  auto run = [&](const char* store) {
+  auto run = [&](bool store) {
     Tensor C = on_gpu(cv, {E * slot, ldc}, DType::f32);
     const std::vector<cuda::GemmProblem> ps = wgrad_problems(
         counts, M, N, A, lda, B, ldb, [&](int64_t e) { return static_cast<float*>(C.raw()) + (E - 1 - e) * slot * ldc; });
     EXPECT_EQ(cuda::grouped_tma_refusal(true, false, ps, DType::bf16, lda, ldb, DType::f32, 0), "");
     cuda::GroupedConfig cfg;
     cfg.algo = cuda::GroupedAlgo::mma;
-    setenv("BB_TMA_F32_STORE", store, 1);
+    cuda::set_grouped_tma_f32_store(store);
     const int64_t calls = cuda::grouped_tma_calls();
     cuda::gemm_grouped(true, false, ps, 0.75f, DType::bf16, lda, ldb, 0.0f, DType::f32, ldc, 0, cfg);
-    unsetenv("BB_TMA_F32_STORE");
+    cuda::set_grouped_tma_f32_store(true);
     EXPECT_EQ(cuda::grouped_tma_calls(), calls + 1) << "the call did not take the TMA kernel";
     return C.to_floats();
   };
-  const std::vector<float> got_all = run("1"), regs = run("0");
+  const std::vector<float> got_all = run(true), regs = run(false);
   EXPECT_EQ(got_all, regs) << "TMA stores and register stores give other bits";
   int64_t off = 0;
   for (int64_t e = 0; e < E; off += counts[e], ++e) {

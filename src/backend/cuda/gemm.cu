@@ -1054,12 +1054,8 @@ void gemm_grouped(bool ta, bool tb, const std::vector<GemmProblem>& problems, fl
   // than the other algorithms at 256-2048 rows per expert (skills/experts.md; the wgrad that adds,
   // beta 1 on later micro-batches, level with multi_stream at 512-1024 rows and 3-18 % faster
   // elsewhere, without multi_stream's 1-2 ms of host enqueue); then the dtype defaults and the
-  // FLOP line. BB_GROUPED_TMA_WGRAD=0 sends every wgrad to `widening` (kernel-lab knob).
-  static const bool tma_wgrad = [] {
-    const char* e = std::getenv("BB_GROUPED_TMA_WGRAD");
-    return !(e != nullptr && e[0] == '0');
-  }();
-  const bool tma_first = algo == GroupedAlgo::automatic && tma && (!ta || tma_wgrad) &&
+  // FLOP line.
+  const bool tma_first = algo == GroupedAlgo::automatic && tma &&
                          grouped_tma_refusal(ta, tb, problems, ab, lda, ldb, cdt, dev).empty();
   if (tma_first) {
     algo = GroupedAlgo::mma;

@@ -73,6 +73,13 @@ bool grouped_tma(bool trans_a, bool trans_b, const std::vector<GemmProblem>& ps,
                  DType ab, int64_t lda, int64_t ldb, float beta, DType c_dt, int64_t ldc, int device);
 // Calls the TMA kernel has run, process-wide (tests check which kernel a call took).
 int64_t grouped_tma_calls();
+// How an f32 C that the TMA kernel writes leaves the tile: -1 automatic (through the half-tile
+// staging buffer when C is added to and K is short), 0 register stores, 1 the staging buffer,
+// for every call. The same bits either way; tests compare the two. Process-wide.
+void set_grouped_tma_f32_halves(int mode);
+// Whether an f32 C that a wgrad writes (beta 0) leaves through TMA stores where the layout
+// allows (default true; false: the register stores). The same bits; tests compare the two.
+void set_grouped_tma_f32_store(bool on);
 
 }  // namespace bb::cuda
 

@@ -627,19 +627,22 @@ RowMap row_map(const std::vector<const void*>& ptrs, const std::vector<int64_t>&
 
 std::atomic<int64_t> g_tma_calls{0};
 
+std::atomic<int> g_f32_halves{-1};      // set_grouped_tma_f32_halves
+std::atomic<bool> g_f32_store{true};    // set_grouped_tma_f32_store
+
 // f32 C through the half-tile staging buffer when C is added to and K is short (SmemPlan says
-// why). BB_TMA_F32_HALVES=0 / 1 forces the register stores / the staging buffer for every call
-// (kernel-lab knob for comparisons; the same bits either way).
+// why). set_grouped_tma_f32_halves forces one path for every call (tests compare the two: the
+// same bits either way).
 bool f32_halves(float beta, int64_t mean_k) {
-  const char* e = std::getenv("BB_TMA_F32_HALVES");
-  if (e != nullptr && (e[0] == '0' || e[0] == '1')) return e[0] == '1';
+  const int forced = g_f32_halves.load();
+  if (forced >= 0) return forced == 1;
   return beta != 0.0f && mean_k < 1024;
 }
 
 // Where f32 C goes out through TMA stores: one map over every problem's C rows (`base` its
 // first byte), when the call writes (beta 0), every problem's M is whole 128-row tiles (a tile's
 // rows past M would be another problem's) and the C matrices sit whole rows apart from the
-// first. BB_TMA_F32_STORE=0 (kernel-lab knob) turns it off for comparisons.
+// first. set_grouped_tma_f32_store(false) takes the register stores instead (tests compare).
 struct StoreMap {
   bool ok = false;
   const char* base = nullptr;
@@ -679,9 +682,7 @@ void launch(const CUtensorMap& ma, const CUtensorMap& mb, const StoreMap& sm, co
 
 StoreMap store_map(const std::vector<GemmProblem>& live, DType cdt, int64_t ldc, float beta) {
   StoreMap sm;
-  const char* e = std::getenv("BB_TMA_F32_STORE");
-  if (e != nullptr && e[0] == '0') return sm;
-  if (cdt != DType::f32 || beta != 0.0f || ldc % 4 != 0) return sm;
+  if (!g_f32_store.load() || cdt != DType::f32 || beta != 0.0f || ldc % 4 != 0) return sm;
   const char* base = nullptr;
   for (const GemmProblem& p : live) {
     if (p.M % kBM != 0 || p.N != live.front().N) return sm;
@@ -832,5 +833,12 @@ bool grouped_tma(bool ta, bool tb, const std::vector<GemmProblem>& ps, float alp
 }
 
 int64_t grouped_tma_calls() { return g_tma_calls.load(std::memory_order_relaxed); }
+
+void set_grouped_tma_f32_store(bool on) { g_f32_store.store(on); }
+
+void set_grouped_tma_f32_halves(int mode) {
+  BB_CHECK(mode >= -1 && mode <= 1, "set_grouped_tma_f32_halves: -1, 0 or 1, got ", mode);
+  g_f32_halves.store(mode);
+}
 
 }  // namespace bb::cuda

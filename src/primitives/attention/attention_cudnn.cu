@@ -23,7 +23,7 @@
 // ragged offsets, lengths or padding mask, with the stats in lse's own [Hq, T] layout. They skip
 // the two transposes and cuDNN's ragged dO.O row-sum kernel, which on an H200 (cuDNN 9.19) read
 // at ~250 GB/s (0.5 ms a layer at 8K tokens, 2 ms at 32K). When cuDNN refuses a dense graph the
-// call prints one line and runs the packed graph; BB_ATTN_DENSE=0 turns dense graphs off.
+// call prints one line and runs the packed graph.
 #include "primitives/attention/attention_cudnn.h"
 
 #include <algorithm>
@@ -587,15 +587,6 @@ std::shared_ptr<Graph> graph_for(const GraphKey& key, const char* op, int64_t Tq
   return graph;
 }
 
-// Dense graphs (BB_ATTN_DENSE=0 turns them off, for A/B measurements): the packed graphs of one
-// sequence spend their time in cuDNN's ragged dO.O row-sum kernel and two stats transposes.
-bool dense_graphs_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("BB_ATTN_DENSE");
-    return !(e && std::string(e) == "0");
-  }();
-  return on;
-}
 
 // Runs a plan with the pointers of every non-virtual tensor (missing ones are a bug here).
 void execute(const Graph& graph, int device, const std::map<int64_t, void*>& ptrs, void* ws) {
@@ -706,7 +697,7 @@ CallDims check_cuda_inputs(const char* op, const NamedTensors& ts, const Tensor&
 // of distinct dense graphs as small as the packed ones'.
 std::optional<GraphKey> dense_key_for(bool backward, const CallDims& c, DType dt,
                                       AttentionMask mask) {
-  if (!dense_graphs_enabled() || c.B != 1 || c.Tq != c.Tkv ||
+  if (c.B != 1 || c.Tq != c.Tkv ||
       c.Tq != attention_cudnn_token_bucket(c.Tq))
     return std::nullopt;
   GraphKey key{backward, c.device, 1, c.Tq, c.Tkv, c.hq, c.hkv, c.d, dt, mask, true};

@@ -26,7 +26,7 @@
 // (mode A) can finalize.
 // One sequence that fills its token bucket exactly (Tq == Tkv) runs dense graphs (no ragged
 // offsets, stats in [Hq, T], no transposes) when cuDNN accepts them, the packed ones otherwise
-// (one line on stderr per refused shape; BB_ATTN_DENSE=0 turns them off).
+// (one line on stderr per refused shape).
 // A configuration cuDNN cannot run packed throws bb::Error naming the shape.
 // f32 (or f16) inputs are rejected: cuDNN's fused attention has no f32 I/O.
 #pragma once

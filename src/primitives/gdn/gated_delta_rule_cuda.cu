@@ -56,11 +56,13 @@
 namespace bb::cuda {
 namespace {
 
+GdnVariant g_variant;  // set_gdn_variant (benchmarks and tests); the defaults in a run
+
 constexpr int kC = 64;         // tokens per chunk
 constexpr int kD = 128;        // padded K and V
 constexpr int kThreads = 128;  // every kernel but the state passes
 constexpr int kWarps = kThreads / 32;
-// The state passes run 8 warps a block (or 4: BB_GDN_STATE_WARPS, see pick_state_warps).
+// The state passes run 8 warps a block (or 4: GdnVariant::state_warps, see pick_state_warps).
 
 // ---- device intrinsics (all PTX in one place) -------------------------------------------------
 __device__ __forceinline__ uint16_t f2bf(float x) {
@@ -1670,10 +1672,9 @@ Dims make_dims(const GdnDims& g, const int32_t* table) {
   d.tab = table;
   d.cin_seq = d.cout_seq = -1;
   // Value heads fastest by default: the backward measured 6.38-6.42 against 6.50-6.52 ms at
-  // 1 x 32K and 8 x 4K (H200, Qwen3.5 shapes), the forward the same. BB_GDN_BLOCK_ORDER=chunk
-  // restores chunks fastest (kernel-lab knob; results are bitwise the same).
-  const char* e = std::getenv("BB_GDN_BLOCK_ORDER");
-  d.head_fastest = e != nullptr && std::string(e) == "chunk" ? 0 : 1;
+  // 1 x 32K and 8 x 4K (H200, Qwen3.5 shapes), the forward the same. GdnVariant::chunk_fastest
+  // restores chunks fastest (results are bitwise the same).
+  d.head_fastest = g_variant.chunk_fastest ? 0 : 1;
   if (static_cast<int64_t>(d.NC) * d.Hv > 0x7fffffff) d.head_fastest = 0;
   return d;
 }
@@ -1689,12 +1690,9 @@ dim3 chunk_grid(const Dims& d, int count = -1) {
 // the GPU twice with them; 16 when even 32 columns would leave more than half of the SMs
 // without a block (few heads over long sequences: a context-parallel rank's share of the heads,
 // a call's heads at batch 1), so that the sequential passes get twice the blocks, each with half
-// the work per chunk; else 32. BB_GDN_VT=16|32|64 overrides (kernel-lab knob).
+// the work per chunk; else 32. GdnVariant::vt overrides.
 int pick_vt(const GdnDims& g) {
-  if (const char* e = std::getenv("BB_GDN_VT")) {
-    const int v = std::atoi(e);
-    if (v == 16 || v == 32 || v == 64) return v;
-  }
+  if (const int v = g_variant.vt; v == 16 || v == 32 || v == 64) return v;
   const int64_t pairs = static_cast<int64_t>(g.num_seqs) * g.Hv;
   if (pairs * 2 >= 2LL * num_sms()) return 64;
   return pairs * (kD / 32) * 2 <= num_sms() ? 16 : 32;
@@ -1702,15 +1700,12 @@ int pick_vt(const GdnDims& g) {
 
 // Warps per state-pass block. Measured on an H200 (1 x 32K, bf16): the forward pass (which also
 // forms O) is faster with 4 (0.90 against 0.96 ms), the backward's rebuild and reverse pass with
-// 8 (0.96 / 1.35 against 1.05 / 1.42 ms). BB_GDN_STATE_WARPS=4|8 sets all three (kernel-lab knob).
+// 8 (0.96 / 1.35 against 1.05 / 1.42 ms). GdnVariant::state_warps sets all three.
 // At 16 columns a block always runs 4 warps (the products take their n tiles in pairs: 8 warps
 // would leave one 8-column tile each).
 int pick_state_warps(bool forward_output, int vt) {
   if (vt == 16) return 4;
-  if (const char* e = std::getenv("BB_GDN_STATE_WARPS")) {
-    const int v = std::atoi(e);
-    if (v == 4 || v == 8) return v;
-  }
+  if (const int v = g_variant.state_warps; v == 4 || v == 8) return v;
   return forward_output ? 4 : 8;
 }
 
@@ -1751,10 +1746,9 @@ void run_chunk_prep(const Dims& dims, const FwdBuffers& b, const Tin* v, const f
   if (n1 <= n0) return;
   Dims d = dims;
   d.n0 = n0;
-  // BB_GDN_PREP_RELOAD=0 keeps K^ resident (3 blocks an SM for bf16; kernel-lab knob, bitwise
-  // the same results).
-  const char* e = std::getenv("BB_GDN_PREP_RELOAD");
-  if (e != nullptr && e[0] == '0')
+  // GdnVariant::prep_reload = false keeps K^ resident (3 blocks an SM for bf16; bitwise the
+  // same results).
+  if (!g_variant.prep_reload)
     launch(chunk_prep_kernel<Tin, kStoreT, false>, chunk_grid(d, n1 - n0), kThreads,
            PrepLayout<NPL, false>::kBytes, d, static_cast<const uint16_t*>(b.qh),
            static_cast<const uint16_t*>(b.kh), v, g, beta, b.gcum, b.w, b.u, b.pm, b.tm, ready);
@@ -1817,7 +1811,7 @@ void run_state_fwd(const Dims& d, int vt, int nw, const FwdBuffers& b, Tin* o, u
 // 8 x 4K hung). chunk_prep of the later chunks is enqueued (host order) before the state pass, so
 // a device that serializes kernels (a debugger, CUDA_LAUNCH_BLOCKING=1) runs it first.
 //
-// BB_GDN_FWD_SPLIT = percent of the chunks whose chunk_prep runs before the state pass starts
+// GdnVariant::fwd_split = percent of the chunks whose chunk_prep runs before the state pass starts
 // (default 60; 100 = the plain order). forward_run() below. q / k are normalised for all
 // chunks first: normalising the later chunks beside the state pass measured slower (2.02-2.03
 // against 1.88-1.91 ms at 1 x 32K), as it delays their chunk_prep, which the state pass waits for.
@@ -1853,10 +1847,7 @@ SideStream& side_stream(int kind = 0) {
 }
 
 int fwd_split_percent() {
-  if (const char* e = std::getenv("BB_GDN_FWD_SPLIT")) {
-    const int v = std::atoi(e);
-    if (v >= 0 && v <= 100) return v;
-  }
+  if (const int v = g_variant.fwd_split; v >= 0 && v <= 100) return v;
   // Measured at 1 x 32K on an H200 (bench/results/2026-12-03-h200.md): 60 % gave 1.88-1.91 ms
   // against 1.97-2.02 for the plain order; 50-90 % lie between, 30 % is slower.
   return 60;
@@ -1937,12 +1928,9 @@ int fwd_split_chunk(const Dims& d, int vt, int nw) {
 // warps; 84.5 + 136.5 KiB of shared memory for bf16 at VT 32) so that they share SMs. The side
 // stream (one per thread and device, created on first use, non-blocking) forks from the current
 // stream after chunk_prep and joins it before dqkw, so callers see one stream-ordered call and
-// the workspace is released in the current stream's order. BB_GDN_OVERLAP=0 runs both on the
-// current stream (kernel-lab knob, bench_gdn --no-overlap).
-bool overlap_state_passes() {
-  const char* e = std::getenv("BB_GDN_OVERLAP");
-  return !(e != nullptr && e[0] == '0');
-}
+// the workspace is released in the current stream's order. GdnVariant::overlap = false runs
+// both on the current stream (bench_gdn --no-overlap).
+bool overlap_state_passes() { return g_variant.overlap; }
 
 template <int NPL, int NW>
 void run_state_bwd(const Dims& d, int vt, const uint16_t* kh, const uint16_t* qh, const uint16_t* w,
@@ -2232,5 +2220,15 @@ void gdn_backward(float* dq, float* dk, float* dv, float* dg, float* dbeta, cons
                             static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), g,
                             beta, table, dims, dt, ws, prep, carry);
 }
+
+void set_gdn_variant(const GdnVariant& v) {
+  BB_CHECK(v.vt == 0 || v.vt == 16 || v.vt == 32 || v.vt == 64, "GdnVariant: vt is 16, 32, 64 or 0, got ", v.vt);
+  BB_CHECK(v.state_warps == 0 || v.state_warps == 4 || v.state_warps == 8, "GdnVariant: state_warps is 4, 8 or 0, got ",
+           v.state_warps);
+  BB_CHECK(v.fwd_split >= -1 && v.fwd_split <= 100, "GdnVariant: fwd_split is a percent or -1, got ", v.fwd_split);
+  g_variant = v;
+}
+
+GdnVariant gdn_variant() { return g_variant; }
 
 }  // namespace bb::cuda

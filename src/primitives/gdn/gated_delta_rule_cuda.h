@@ -80,4 +80,19 @@ void gdn_backward(float* dq, float* dk, float* dv, float* dg, float* dbeta, cons
                   const float* beta, const int32_t* table, const GdnDims& dims, DType dt, void* ws,
                   void* prep = nullptr, const GdnCarry* carry = nullptr);
 
+// Kernel variants, for the benchmarks and tests that compare them (bench_gdn, tests/gpu/
+// test_gdn_gpu.cpp): every variant computes bitwise the same results, only which block or stream
+// runs what differs. A run uses the defaults, each field's measured automatic choice.
+// Process-wide; change it between calls, not during one.
+struct GdnVariant {
+  int vt = 0;                  // value columns per state-pass block: 16, 32 or 64; 0 automatic
+  int state_warps = 0;         // warps per state-pass block (32 and 64 columns): 4 or 8; 0 automatic
+  bool chunk_fastest = false;  // per-(chunk, head) grids with chunks fastest (default: value heads)
+  bool prep_reload = true;     // chunk_prep loads K^ again after the solve (false: keeps it resident)
+  int fwd_split = -1;          // % of the forward's chunk_prep run before the state pass; -1: 60
+  bool overlap = true;         // the backward's two state passes on two streams (false: one)
+};
+void set_gdn_variant(const GdnVariant& v);
+GdnVariant gdn_variant();
+
 }  // namespace bb::cuda

@@ -371,23 +371,6 @@ unsigned update_blocks(int64_t work, bool short_blocks) {
   return static_cast<unsigned>(std::clamp<int64_t>(ceil_div(work, kThreads * kShortAccesses), 1, 0x7fffffff));
 }
 
-// Kernel-lab knob BB_UPDATE_SMEM_KB: an update launched in short blocks (the one beside the
-// backward) reserves that much dynamic shared memory per block, unused, so that its blocks
-// cannot share an SM with a kernel that holds most of the SM's shared memory (cuDNN attention,
-// the GEMMs) and run only on SMs the step's kernels leave free. Unset or 0: no reservation.
-template <class K>
-size_t yield_smem(K* kernel, bool short_blocks) {
-  static const size_t bytes = [] {
-    const char* e = std::getenv("BB_UPDATE_SMEM_KB");
-    const long kb = e != nullptr ? std::atol(e) : 0;
-    return kb > 0 && kb <= 227 ? static_cast<size_t>(kb) * 1024 : size_t{0};
-  }();
-  if (!short_blocks || bytes == 0) return 0;
-  if (bytes > 48 * 1024)
-    BB_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-  return bytes;
-}
-
 // The master's 16-byte (f32) or 8-byte (a split master's remainder) alignment for 4-wide
 // accesses.
 size_t master_align(bool split) { return split ? 8 : 16; }
@@ -555,7 +538,7 @@ int64_t adamw_step_sum_squares(void* master, const float* grad, void* exp_avg, v
   auto go = [&](auto tm, auto b16, auto split) {
     using TM = decltype(tm);
     constexpr bool B = decltype(b16)::value, P = decltype(split)::value;
-    adamw_sq_kernel<TM, B, P><<<blocks, kThreads, yield_smem(adamw_sq_kernel<TM, B, P>, s.short_blocks), stream()>>>(
+    adamw_sq_kernel<TM, B, P><<<blocks, kThreads, 0, stream()>>>(
         master, grad, exp_avg, exp_avg_sq, static_cast<TM*>(model), n, s, key, first_element, nonfinite, partial);
   };
   using T = std::true_type;
@@ -583,8 +566,7 @@ void adamw_step_rows(void* master, const float* grad, void* exp_avg, void* exp_a
     using TM = decltype(tm);
     constexpr int V = decltype(v)::value;
     constexpr bool B = decltype(b16)::value, P = decltype(split)::value;
-    const size_t smem = yield_smem(adamw_rows_kernel<TM, V, B, P>, s.short_blocks);
-    adamw_rows_kernel<TM, V, B, P><<<blocks, kThreads, smem, stream()>>>(master, grad, exp_avg, exp_avg_sq,
+    adamw_rows_kernel<TM, V, B, P><<<blocks, kThreads, 0, stream()>>>(master, grad, exp_avg, exp_avg_sq,
                                                                           static_cast<TM*>(model), n, rows, row_len,
                                                                           s, key, first_element, nonfinite);
   };
