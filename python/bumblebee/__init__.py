@@ -100,6 +100,7 @@ def load_library(path=None):
         "bb_weight_info": (c.c_int, [c.c_void_p, c.c_int64, c.c_char_p, c.c_int64, c.POINTER(c.c_int64),
                                      c.POINTER(c.c_int64)]),
         "bb_weight_copy": (c.c_int, [c.c_void_p, c.c_int64, c.POINTER(c.c_float)]),
+        "bb_weight_copy_bf16": (c.c_int, [c.c_void_p, c.c_int64, c.POINTER(c.c_uint16)]),
     }
     for name, (res, args) in sig.items():
         f = getattr(lib, name)
@@ -133,7 +134,7 @@ def _buffer(x, typecode, n, name, i):
 
 
 def _out(typecode, n):
-    return _np.zeros(n, dtype={"f": _np.float32, "d": _np.float64}[typecode]) if _np is not None \
+    return _np.zeros(n, dtype={"f": _np.float32, "d": _np.float64, "H": _np.uint16}[typecode]) if _np is not None \
         else array.array(typecode, bytes(array.array(typecode).itemsize * n))
 
 
@@ -356,9 +357,20 @@ class Trainer:
         """Writes a Hugging Face model directory of the current weights (one rank)."""
         _check(self._lib.bb_export_hf(self._h, str(directory).encode()))
 
-    def weights(self):
-        """Yields (hf_name, f32 array with .shape when numpy is there) for every weight: what an
-        inference engine's weight update takes (one rank)."""
+    def weights(self, dtype="float32"):
+        """Yields (hf_name, array) for every weight: what an inference engine's weight update
+        takes (one rank). dtype "float32": f32 arrays (numpy with .shape when numpy is there);
+        "bfloat16": the bf16 values, as a torch.bfloat16 tensor when torch is importable, else
+        their uint16 bit patterns (numpy uint16 with .shape, or array.array('H'))."""
+        if dtype not in ("float32", "bfloat16"):
+            raise Error("weights: dtype is 'float32' or 'bfloat16', got %r" % (dtype,))
+        bf16 = dtype == "bfloat16"
+        torch = None
+        if bf16:
+            try:
+                import torch  # noqa: F401 - only for the bf16 view
+            except ImportError:
+                torch = None
         n = self._lib.bb_num_weights(self._h)
         if n < 0:
             _check(-1)
@@ -371,6 +383,30 @@ class Trainer:
             count = 1
             for s in dims:
                 count *= s
+            if bf16:
+                out = _out("H", count)
+                _check(self._lib.bb_weight_copy_bf16(self._h, i, _ptr(out, ctypes.c_uint16)))
+                if torch is not None and _np is not None:
+                    yield name.value.decode(), torch.from_numpy(out.view(_np.int16)).view(torch.bfloat16).reshape(dims)
+                else:
+                    yield name.value.decode(), (out.reshape(dims) if _np is not None else out)
+                continue
             out = _out("f", count)
             _check(self._lib.bb_weight_copy(self._h, i, _ptr(out, ctypes.c_float)))
             yield name.value.decode(), (out.reshape(dims) if _np is not None else out)
+
+    def weight_buckets(self, bucket_bytes=1 << 30, dtype="bfloat16"):
+        """Yields lists of (hf_name, array) of about bucket_bytes each (a weight larger than a
+        bucket is a bucket of its own), in weights() order: the unit an RL loop pushes to its
+        inference engine per call, so that host memory holds one bucket, not the model."""
+        bucket, size = [], 0
+        for name, w in self.weights(dtype):
+            n = w.numel() * w.element_size() if hasattr(w, "element_size") else \
+                (w.nbytes if hasattr(w, "nbytes") else len(w) * w.itemsize)
+            if bucket and size + n > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, w))
+            size += n
+        if bucket:
+            yield bucket

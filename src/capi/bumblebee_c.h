@@ -87,6 +87,9 @@ int bb_export_hf(bb_trainer* t, const char* dir);
 int64_t bb_num_weights(bb_trainer* t);
 int bb_weight_info(bb_trainer* t, int64_t i, char* name, int64_t name_cap, int64_t* shape, int64_t* ndim);
 int bb_weight_copy(bb_trainer* t, int64_t i, float* out);
+/* The same weight as bf16 bit patterns (what an inference engine loads; f32-valued weights are
+ * rounded to nearest even). */
+int bb_weight_copy_bf16(bb_trainer* t, int64_t i, uint16_t* out);
 
 #ifdef __cplusplus
 }

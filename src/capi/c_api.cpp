@@ -295,4 +295,17 @@ int bb_weight_copy(bb_trainer* t, int64_t i, float* out) {
   });
 }
 
+int bb_weight_copy_bf16(bb_trainer* t, int64_t i, uint16_t* out) {
+  return guard([&] {
+    BB_CHECK(t && out, "bb_weight_copy_bf16: no trainer or output");
+    const auto& w = weights_of(t);
+    BB_CHECK(i >= 0 && i < static_cast<int64_t>(w.size()), "bb_weight_copy_bf16: index ", i, " outside [0, ", w.size(),
+             ")");
+    const bb::Tensor v = w[static_cast<size_t>(i)].value();
+    const bb::Tensor b = v.dtype() == bb::DType::bf16 ? v : v.to_dtype(bb::DType::bf16, bb::MemCategory::other);
+    const bb::Tensor h = b.device().is_cpu() ? b : b.to(bb::Device::cpu(), bb::MemCategory::other);
+    std::memcpy(out, h.raw(), static_cast<size_t>(h.numel()) * sizeof(uint16_t));
+  });
+}
+
 }  // extern "C"

@@ -4,7 +4,9 @@
   the same documents, and its entropies against the policy head's entropy metric;
 - two trainers of one seed give the same steps; save / load restores the log-probs exactly;
 - offload() / onload() in between steps changes nothing (the next step against a twin's);
-- weights() against the model's Hugging Face names and shapes; export_hf writes a model;
+- weights() against the model's Hugging Face names and shapes, its bf16 form against Python's
+  own round-to-nearest-even of the f32 values, weight_buckets() covering them in order;
+  export_hf writes a model;
 - errors arrive as bumblebee.Error with the library's message.
 Runs with and without numpy (the results' two forms). Usage: test_api.py LIBRARY
 """
@@ -12,6 +14,7 @@ Runs with and without numpy (the results' two forms). Usage: test_api.py LIBRARY
 import math
 import os
 import shutil
+import struct
 import sys
 import tempfile
 
@@ -147,6 +150,27 @@ def run(mode):
         emb = w["model.embed_tokens.weight"]
         check(emb.shape == (264, 128) if mode == "numpy" else len(emb) == 264 * 128, mode + ": embedding shape")
         check("model.layers.1.mlp.experts.0.down_proj.weight" in w, mode + ": per-expert names")
+        # bf16 weights: the f32 values rounded to nearest even (Python's own rounding of the bits).
+        emb16 = dict(pol.weights("bfloat16"))["model.embed_tokens.weight"]
+        f32 = [float(x) for x in (emb.reshape(-1) if mode == "numpy" else emb)]
+        if hasattr(emb16, "view") and hasattr(emb16, "dtype") and "bfloat16" in str(emb16.dtype):
+            import torch
+            got16 = emb16.reshape(-1).view(torch.int16).numpy().astype("uint16").tolist()
+        else:
+            got16 = [int(x) for x in (emb16.reshape(-1) if mode == "numpy" else emb16)]
+        want16 = []
+        for x in f32:
+            b = struct.unpack("<I", struct.pack("<f", x))[0]
+            want16.append(((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF)
+        check(got16 == want16, mode + ": bf16 weights are the f32 weights rounded to nearest even")
+        buckets = list(pol.weight_buckets(bucket_bytes=64 * 1024))
+        check(sum(len(b) for b in buckets) == len(w) and len(buckets) > 1, mode + ": weight buckets cover every weight")
+        check([n for b in buckets for n, _ in b] == list(w.keys()), mode + ": buckets in weights() order")
+        try:
+            next(pol.weights("float16"))
+            check(False, mode + ": no error for dtype float16")
+        except bumblebee.Error as e:
+            check("'float32' or 'bfloat16'" in str(e), mode + ": " + str(e))
         pol.export_hf(os.path.join(tmp, "hf"))
         check(os.path.exists(os.path.join(tmp, "hf", "config.json")) and
               os.path.exists(os.path.join(tmp, "hf", "model.safetensors")), mode + ": export_hf files")
