@@ -287,7 +287,8 @@ class Trainer:
 
     def logprobs(self, docs, temperature=1.0):
         """Per document: (log p(token_j | tokens < j), entropy at j), entry 0 being 0: the
-        old_logprobs / ref_logprobs of a rollout record (forward only, one rank)."""
+        old_logprobs / ref_logprobs of a rollout record (forward only; under mpirun collective,
+        every rank passing the same documents)."""
         d = _Docs(docs)
         total = sum(d.lengths)
         lp, ent = _out("f", total), _out("f", total)

@@ -62,8 +62,11 @@ int bb_train_step(bb_trainer* t, double* metrics);
 
 /* Forward only, one rank: the logits of the documents' LAST tokens, [num_docs, vocab] f32. */
 int bb_last_logits(bb_trainer* t, const bb_document* docs, int64_t num_docs, float* out);
-/* Forward only, one rank: per token j of every document (concatenated), log p(token_j | tokens
- * < j) and the entropy of that distribution, at `temperature`; entry 0 of each document is 0. */
+/* Forward only: per token j of every document (concatenated), log p(token_j | tokens < j) and
+ * the entropy of that distribution, at `temperature`; entry 0 of each document is 0. Documents
+ * are scored whole, packed into forwards of train.micro_batch_tokens (Trainer::score). Under a
+ * launcher it is collective (any layout): every rank passes the same documents, at least one per
+ * data rank, and gets every result. */
 int bb_token_logprobs(bb_trainer* t, const bb_document* docs, int64_t num_docs, float temperature, float* logprobs,
                       float* entropy);
 

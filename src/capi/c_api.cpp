@@ -191,21 +191,19 @@ int bb_token_logprobs(bb_trainer* t, const bb_document* docs, int64_t num_docs, 
   return guard([&] {
     BB_CHECK(t && logprobs && entropy, "bb_token_logprobs: no trainer or output");
     BB_CHECK(temperature > 0 && std::isfinite(temperature), "bb_token_logprobs: temperature must be > 0, got ", temperature);
-    const int64_t V = t->t->config().model.vocab_size;
-    const bb::MicroBatch mb = forward_batch(docs, num_docs, V, /*targets=*/true);
-    bb::Tensor lp, ent;
-    t->t->forward_token_stats(mb, temperature, lp, ent);
-    const std::vector<int32_t> cu = mb.cu_seqlens.to_ints();
-    const float* l = lp.data<float>();
-    const float* e = ent.data<float>();
-    // Position j - 1 predicts token j: its statistics are token j's entry; entry 0 is 0.
+    // Token ids only: the scoring needs no rollout field (and ignores any given).
+    std::vector<bb_document> plain(static_cast<size_t>(std::max<int64_t>(num_docs, 0)));
     for (int64_t i = 0; i < num_docs; ++i) {
-      logprobs[cu[i]] = 0.0f;
-      entropy[cu[i]] = 0.0f;
-      for (int64_t j = cu[i] + 1; j < cu[i + 1]; ++j) {
-        logprobs[j] = l[j - 1];
-        entropy[j] = e[j - 1];
-      }
+      plain[static_cast<size_t>(i)].tokens = docs[i].tokens;
+      plain[static_cast<size_t>(i)].length = docs[i].length;
+    }
+    const bb::Corpus c = corpus_of(num_docs > 0 ? plain.data() : nullptr, num_docs, t->t->config().model.vocab_size);
+    const std::vector<bb::DocLogprobs> out = t->t->score(c, temperature);
+    int64_t at = 0;
+    for (const bb::DocLogprobs& d : out) {
+      std::memcpy(logprobs + at, d.logprobs.data(), d.logprobs.size() * sizeof(float));
+      std::memcpy(entropy + at, d.entropy.data(), d.entropy.size() * sizeof(float));
+      at += static_cast<int64_t>(d.logprobs.size());
     }
   });
 }

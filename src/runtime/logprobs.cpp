@@ -113,25 +113,33 @@ LogprobsRunner::LogprobsRunner(const RunConfig& cfg_in, const std::string& weigh
 LogprobsRunner::~LogprobsRunner() = default;
 
 std::vector<DocLogprobs> LogprobsRunner::run(const Corpus& docs, double temperature, bool routing) {
-  BB_CHECK(temperature > 0 && std::isfinite(temperature), "logprobs: the temperature must be > 0, got ", temperature);
   allocator_for(device_).reset_peak();  // the pass's peak, not the weights' f32 staging
+  return score_documents(cfg_, *mesh_, *model_, *schedule_, device_, docs, temperature, routing, &forwards_);
+}
+
+std::vector<DocLogprobs> score_documents(const RunConfig& cfg, const Mesh& mesh, DecoderModel& model,
+                                         Schedule& schedule, const Device& device, const Corpus& docs,
+                                         double temperature, bool routing, int64_t* forwards) {
+  int64_t local_forwards = 0;
+  int64_t& count = forwards ? *forwards : local_forwards;
+  BB_CHECK(temperature > 0 && std::isfinite(temperature), "logprobs: the temperature must be > 0, got ", temperature);
   const int64_t D = docs.num_documents();
   BB_CHECK(D > 0, "logprobs: no document");
-  const int64_t L = model_->num_moe_layers(), K = cfg_.model.top_k;
+  const int64_t L = model.num_moe_layers(), K = cfg.model.top_k;
   BB_CHECK(!routing || L > 0, "logprobs: the routing was asked for, but the model has no MoE layer");
-  const int64_t dp = mesh_->layout().dp, cp = mesh_->layout().cp;
+  const int64_t dp = mesh.layout().dp, cp = mesh.layout().cp;
   BB_CHECK(D >= dp, "logprobs: ", D, " document(s) for ", dp, " data ranks; give at least one per data rank");
   for (int64_t d = 0; d < D; ++d)
-    BB_CHECK(docs.length(d) <= cfg_.micro_batch_tokens, "logprobs: document ", d,
+    BB_CHECK(docs.length(d) <= cfg.micro_batch_tokens, "logprobs: document ", d,
              docs.ids.empty() ? std::string() : " (id " + docs.ids[static_cast<size_t>(d)] + ")", " has ", docs.length(d),
-             " tokens, more than a micro-batch holds (train.micro_batch_tokens = ", cfg_.micro_batch_tokens,
+             " tokens, more than a micro-batch holds (train.micro_batch_tokens = ", cfg.micro_batch_tokens,
              "); raise train.micro_batch_tokens (--set train.micro_batch_tokens=N)");
   // Every token scored: targets from the tokens alone (no loss mask, no RL fields).
   Corpus plain;
   for (int64_t d = 0; d < D; ++d) plain.add(std::vector<int32_t>(docs.tokens.begin() + docs.offsets[d],
                                                                    docs.tokens.begin() + docs.offsets[d + 1]));
-  const DataLoader loader = whole_loader(cfg_, std::move(plain));
-  const int64_t budget = cfg_.micro_batch_tokens;
+  const DataLoader loader = whole_loader(cfg, std::move(plain));
+  const int64_t budget = cfg.micro_batch_tokens;
   // As few forwards as the budget allows, a multiple of dp (every data rank runs as many: the
   // expert-parallel collectives need every rank in each forward).
   const int64_t total = docs.num_tokens();
@@ -151,15 +159,15 @@ std::vector<DocLogprobs> LogprobsRunner::run(const Corpus& docs, double temperat
   // Results on every rank, written where this rank computed them.
   std::vector<double> lp(static_cast<size_t>(total), 0.0), ent(static_cast<size_t>(total), 0.0);
   std::vector<int64_t> rt(routing ? static_cast<size_t>(total * L * K) : 0, 0);
-  LossHeadConfig head = cfg_.prim.loss_chunks;
+  LossHeadConfig head = cfg.prim.loss_chunks;
   head.policy.temperature = temperature;
-  forwards_ = 0;
-  for (size_t i = static_cast<size_t>(mesh_->dp_rank()); i < mbs.size(); i += static_cast<size_t>(dp)) {
+  count = 0;
+  for (size_t i = static_cast<size_t>(mesh.dp_rank()); i < mbs.size(); i += static_cast<size_t>(dp)) {
     const MicroBatch& whole = mbs[i];
-    const MicroBatch mb = shard_micro_batch(whole, cp, mesh_->cp_rank());
+    const MicroBatch mb = shard_micro_batch(whole, cp, mesh.cp_rank());
     std::vector<int64_t> rows;  // this shard's positions in the whole micro-batch
     if (cp > 1) {
-      rows = cp_layout::global_rows(mb.shard.seqlens, cp, mesh_->cp_rank());
+      rows = cp_layout::global_rows(mb.shard.seqlens, cp, mesh.cp_rank());
     } else {
       rows.resize(static_cast<size_t>(whole.tokens.numel()));
       for (size_t r = 0; r < rows.size(); ++r) rows[r] = static_cast<int64_t>(r);
@@ -169,8 +177,8 @@ std::vector<DocLogprobs> LogprobsRunner::run(const Corpus& docs, double temperat
     for (int64_t d : docs_of[i])
       for (int64_t j = 0; j < docs.length(d); ++j) doc_at.push_back(d), off_at.push_back(j);
     Tensor logp, entropy;
-    schedule_->forward_token_stats(to_device(mb, device_), head, logp, entropy);
-    ++forwards_;
+    schedule.forward_token_stats(to_device(mb, device), head, logp, entropy);
+    ++count;
     const std::vector<float> l = logp.to_floats(), e = entropy.to_floats();
     const std::vector<int32_t> tg = mb.targets.to_ints();
     for (size_t r = 0; r < rows.size(); ++r) {
@@ -181,7 +189,7 @@ std::vector<DocLogprobs> LogprobsRunner::run(const Corpus& docs, double temperat
       ent[at] = e[r];
     }
     if (routing) {
-      const std::vector<Tensor>& layers = schedule_->last_routing();
+      const std::vector<Tensor>& layers = schedule.last_routing();
       for (int64_t layer = 0; layer < L; ++layer) {
         const std::vector<int32_t> ids = layers[static_cast<size_t>(layer)].to_ints();
         for (size_t r = 0; r < rows.size(); ++r) {
@@ -192,7 +200,7 @@ std::vector<DocLogprobs> LogprobsRunner::run(const Corpus& docs, double temperat
       }
     }
   }
-  comm::Group& world = *mesh_->world();
+  comm::Group& world = *mesh.world();
   world.all_reduce_host(lp.data(), total, comm::ReduceOp::sum);
   world.all_reduce_host(ent.data(), total, comm::ReduceOp::sum);
   if (routing) world.all_reduce_host(rt.data(), static_cast<int64_t>(rt.size()), comm::ReduceOp::sum);

@@ -60,6 +60,15 @@ class LogprobsRunner {
   int64_t forwards_ = 0;
 };
 
+// What LogprobsRunner::run computes, with a model already built on `mesh` and its values in
+// place: the runner's, or a trainer's under any state family (its layer hooks gather what each
+// forward needs: Trainer::score). cfg gives micro_batch_tokens (the budget of one forward) and
+// the loss head's chunking. Collective over mesh.world(); every rank returns every document's
+// results. `forwards`: the forwards this rank ran.
+std::vector<DocLogprobs> score_documents(const RunConfig& cfg, const Mesh& mesh, DecoderModel& model,
+                                         Schedule& schedule, const Device& device, const Corpus& docs,
+                                         double temperature, bool routing, int64_t* forwards = nullptr);
+
 // Writes the results as JSON lines (one per document: "id" (the record's, else its index),
 // "logprobs", "entropy", and "routing" when present) to `path` atomically (a temporary name,
 // then a rename).

@@ -839,13 +839,10 @@ Tensor Trainer::forward_logits(const MicroBatch& mb) {
   return logits.to(Device::cpu(), MemCategory::other);
 }
 
-void Trainer::forward_token_stats(const MicroBatch& mb, double temperature, Tensor& logp, Tensor& entropy) {
-  check_onloaded("forward_token_stats");
-  BB_CHECK(mesh_->world()->size() == 1, "forward_token_stats runs on one rank (this run has ", mesh_->world()->size(),
-           "); the multi-rank forward-only pass is the logprobs command's");
-  LossHeadConfig head = cfg_.prim.loss_chunks;
-  head.policy.temperature = temperature;
-  schedule_->forward_token_stats(to_device(mb, device_), head, logp, entropy);
+std::vector<DocLogprobs> Trainer::score(const Corpus& docs, double temperature, bool routing) {
+  check_onloaded("score");
+  BB_CHECK(!pending_, "logprobs: a forward_backward is waiting for its optim_step; call optim_step first");
+  return score_documents(cfg_, *mesh_, *model_, *schedule_, device_, docs, temperature, routing);
 }
 
 StepMetrics Trainer::step_impl(bool split) {

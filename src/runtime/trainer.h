@@ -25,6 +25,7 @@
 #include "runtime/ckpt_root.h"
 #include "runtime/state.h"
 #include "runtime/data.h"
+#include "runtime/logprobs.h"
 #include "runtime/run_config.h"
 #include "runtime/schedule.h"
 
@@ -112,9 +113,12 @@ class Trainer {
   bool step_pending() const { return pending_ != nullptr; }
   // The [T, V] f32 logits of one micro-batch (host), by an evaluation forward. One rank only.
   Tensor forward_logits(const MicroBatch& mb);
-  // The per-token log-prob of each target and entropy at `temperature` (Schedule::
-  // forward_token_stats: streamed, no [T, V] tensor; 0 where the target is -1). One rank only.
-  void forward_token_stats(const MicroBatch& mb, double temperature, Tensor& logp, Tensor& entropy);
+  // Per-token log-probs and entropies (and with `routing` the experts each token took) of the
+  // documents under the current weights at `temperature`: forward only, every document whole,
+  // packed into forwards of micro_batch_tokens over the data ranks (score_documents). Any
+  // layout and state family (fsdp gathers as in training). Collective: every rank passes the
+  // same documents and gets every result. The RL loop's old / ref log-probs without a checkpoint.
+  std::vector<DocLogprobs> score(const Corpus& docs, double temperature, bool routing = false);
   // The whole run: cfg.steps steps with log lines, metrics file and checkpoints; it ends early,
   // after saving the step, when a SIGTERM / SIGINT arrived (stopped_by_signal()).
   // Returns the per-step metrics.

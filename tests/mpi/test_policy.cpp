@@ -226,6 +226,46 @@ TEST(PolicyLoss, ForwardBackwardThenOptimStepEqualsOneStep) {
   test::expect_error_contains([&] { b.optim_step(); }, "no forward_backward to apply");
 }
 
+// A trainer's own scoring (Trainer::score, the Python API's logprobs) under every layout and
+// state family equals the forward-only runner alone on one rank with the same weights (the
+// trainer's checkpoint): fsdp gathers its units for the forward as in training.
+TEST(Logprobs, TrainerScoresInEveryLayoutAsTheRunnerAlone) {
+  TestRun run = make_run("trainer_score");
+  const std::string ck = run.dir + "/ck";
+  const Corpus all = rollouts();
+  Corpus docs;
+  for (int64_t d = 0; d < 8; ++d) docs.add(all.document(d).tokens);
+  const int64_t R = world()->size();
+  std::vector<std::vector<std::string>> layouts = {{"primitives.state=\"replicated\""},
+                                                   {"primitives.state=\"fsdp\""},
+                                                   {"primitives.state=\"zero1\""}};
+  if (R % 2 == 0) layouts.push_back({"primitives.state=\"fsdp\"", "parallel.ep=2"});
+  if (R % 2 == 0) layouts.push_back({"parallel.cp=2", "primitives.attention=\"cp_ring\""});
+  for (const auto& set : layouts) {
+    std::string name;
+    for (const std::string& x : set) name += x + " ";
+    SCOPED_TRACE(name);
+    Trainer t(parse_run_config(run.toml, "test run", set), nullptr, rollouts(), world());
+    t.train_step();
+    const std::string saved = t.save_checkpoint(ck + "_" + std::to_string(&set - layouts.data()));
+    const std::vector<DocLogprobs> got = t.score(docs, 0.8, true);
+    LogprobsRunner alone(parse_run_config(run.toml, "test run", {}), saved, nullptr, comm::self_group());
+    const std::vector<DocLogprobs> want = alone.run(docs, 0.8, true);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t d = 0; d < got.size(); ++d) {
+      for (size_t j = 0; j < got[d].logprobs.size(); ++j) {
+        ASSERT_NEAR(got[d].logprobs[j], want[d].logprobs[j], 1e-5) << "doc " << d << " token " << j;
+        ASSERT_NEAR(got[d].entropy[j], want[d].entropy[j], 1e-5) << "doc " << d << " token " << j;
+      }
+      EXPECT_EQ(got[d].routing, want[d].routing) << "doc " << d;
+    }
+    // The scoring changed nothing the next step reads: it is the step a twin takes.
+    Trainer twin(parse_run_config(run.toml, "test run", set), nullptr, rollouts(), world());
+    twin.train_step();
+    EXPECT_EQ(t.train_step().loss, twin.train_step().loss);
+  }
+}
+
 // The forward-only pass (runtime/logprobs.h) in every layout equals one rank alone; and R2: the
 // routing it records, replayed in a policy step on the same weights, is the step's own routing
 // (the replayed step equals the unreplayed one).
