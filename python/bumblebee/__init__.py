@@ -126,8 +126,21 @@ def _values(x):
     return x
 
 
+def _typed(x, typecode):
+    """x as a contiguous host buffer of typecode's C type. numpy arrays and torch tensors go
+    through numpy without a Python list (no copy at all for a contiguous host array of that
+    dtype; a GPU tensor is copied to the host once); anything else through array.array."""
+    if _np is not None:
+        if hasattr(x, "detach"):  # torch
+            x = x.detach().cpu().numpy()
+        if isinstance(x, _np.ndarray):
+            dt = {"i": _np.int32, "f": _np.float32, "B": _np.uint8}[typecode]
+            return _np.ascontiguousarray(x.reshape(-1), dtype=dt)
+    return array.array(typecode, _values(x))
+
+
 def _buffer(x, typecode, n, name, i):
-    a = array.array(typecode, _values(x))
+    a = _typed(x, typecode)
     if len(a) != n:
         raise Error("document %d: '%s' has %d entries for %d tokens" % (i, name, len(a), n))
     return a
@@ -165,7 +178,7 @@ class _Docs:
                 raise Error("document %d: unknown key(s) %s (expected %s)" % (i, sorted(unknown), sorted(self.KEYS)))
             if "tokens" not in d:
                 raise Error("document %d has no 'tokens'" % i)
-            tok = array.array("i", _values(d["tokens"]))
+            tok = _typed(d["tokens"], "i")
             n = len(tok)
             self.lengths.append(n)
             c = self.array[i]
@@ -184,7 +197,15 @@ class _Docs:
                 b = _buffer(v, "f", n, key, i)
                 setattr(c, key, _ptr(b, ctypes.c_float))
                 self.keep.append(b)
-            if d.get("routing") is not None:
+            shape = getattr(d.get("routing"), "shape", None)
+            if shape is not None and len(shape) == 3:  # an array [tokens, layers, top-k]
+                if shape[0] != n or shape[1] == 0 or shape[2] == 0:
+                    raise Error("document %d: 'routing' must be [tokens][layers][top-k] with one entry per token "
+                                "(%d tokens, got shape %s)" % (i, n, tuple(shape)))
+                flat = _typed(d["routing"], "i")
+                c.routing, c.routing_layers, c.routing_topk = _ptr(flat, ctypes.c_int32), shape[1], shape[2]
+                self.keep.append(flat)
+            elif d.get("routing") is not None:
                 r = _values(d["routing"])
                 if len(r) != n or n == 0 or len(r[0]) == 0 or len(r[0][0]) == 0:
                     raise Error("document %d: 'routing' must be [tokens][layers][top-k] with one entry per token "

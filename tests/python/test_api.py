@@ -92,6 +92,32 @@ def run(mode):
         after = [list(map(float, lp)) for lp, _ in pol.logprobs([d["tokens"] for d in docs()])]
         check(after == before and pol.step == 1, mode + ": load restores the log-probs")
 
+        # numpy arrays (and torch tensors, through numpy) as documents: the step the lists give,
+        # routing as a [tokens, layers, top-k] array included (router replay reads it).
+        if mode == "numpy":
+            np = bumblebee._np
+            rep = BASE + ['primitives.loss="policy"', "train.grad_clip=0", "primitives.router_replay=true"]
+            listed = []
+            for i, d in enumerate(docs()):
+                n = len(d["tokens"])
+                routing = [[[(i + j + l) % 8, (i + j + l + 3) % 8] for l in range(3)] for j in range(n)]
+                listed.append(dict(d, routing=routing))
+            arrays = [{"tokens": np.array(d["tokens"], dtype=np.int64), "loss_mask": np.array(d["loss_mask"], dtype=bool),
+                       "advantages": np.float64(d["advantages"]), "routing": np.array(d["routing"], dtype=np.int16)}
+                      for d in listed]
+            ta = bumblebee.Trainer("configs/demo.toml", rep, library=LIB)
+            tb = bumblebee.Trainer("configs/demo.toml", rep, library=LIB)
+            ma, mb = ta.train_batch(arrays), tb.train_batch(listed)
+            check(ma["loss"] == mb["loss"] and ma["grad_norm"] == mb["grad_norm"], mode + ": arrays train as lists")
+            bad = [dict(arrays[0], routing=arrays[0]["routing"][1:])]
+            try:
+                ta.train_batch(bad)
+                check(False, mode + ": no error for a short routing array")
+            except bumblebee.Error as e:
+                check("one entry per token" in str(e), mode + ": " + str(e))
+            ta.close()
+            tb.close()
+
         # forward_backward + optim_step is train_batch split in two: the same metrics, the same
         # weights after (pol2 took one train_batch, its update fused into the backward, from the
         # same start as pol3 here, whose update waits for optim_step).
