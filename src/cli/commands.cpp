@@ -14,6 +14,7 @@
 #include "runtime/data.h"
 #include "runtime/logprobs.h"
 #include "runtime/paired.h"
+#include "runtime/report.h"
 #include "runtime/run_config.h"
 #include "runtime/trainer.h"
 
@@ -101,6 +102,28 @@ with "tokens" (other rollout keys are read and ignored); every token is scored. 
 one line per record: {"id", "logprobs", "entropy"[, "routing"]}, entry j for token j (entry 0 is
 0), as a rollout record's old_logprobs. Memory: the weights and one forward's activations; no
 gradients, no optimizer state, no [T, V] logits.)";
+
+constexpr const char* kReportHelp = R"(Write one self-contained HTML page of runs' metrics over steps (inline SVG and CSS: no
+script, nothing fetched; it opens from a file, offline, and can be mailed or archived).
+
+  bumblebee report runs/demo --out runs/demo/report.html
+  bumblebee report a.jsonl b.jsonl [--label A --label B] --out report.html
+Each input is a metrics file (JSON lines, what log.metrics writes) or a run directory holding
+metrics.jsonl. The page has a table (per run: run id, steps, final loss, median tokens/s and
+model TFLOP/s, peak memory, ranks) and one plot per quantity: loss, grad norm, learning rate,
+tokens/s, model TFLOP/s, peak memory per category (a plot per run, on one scale) and, for
+policy-loss runs, the policy metrics. Inputs overlay, a colour per run; a file holding rows of
+several run ids gives one run per id. Skipped steps and missing values are gaps in the lines.
+
+paired writes no metrics files (its sides run with log.metrics cleared). To overlay a pair's two
+sides over many steps, train each side with its overrides and its own metrics file, then pass both:
+  bumblebee train -c configs/demo.toml --steps 50 --set 'checkpoint.dir=""' \
+      --set primitives.loss=full_ce --set 'log.metrics="a.jsonl"'
+  bumblebee train -c configs/demo.toml --steps 50 --set 'checkpoint.dir=""' \
+      --set primitives.loss=linear_ce --set 'log.metrics="b.jsonl"'
+  bumblebee report a.jsonl b.jsonl --label full_ce --label linear_ce --out pair.html
+A last line cut off mid-write (a killed run) is skipped with a warning; any other bad line is an
+error naming file:line (exit 2). The page is written atomically (skills/run-report.md).)";
 
 // --out must not be a checkpoint root or inside one (whatever --force says: exports there would
 // mix with training state), and must be empty or absent unless --force.
@@ -243,6 +266,16 @@ int run(int argc, char** argv) {
   lpc->add_option("--temperature", lp_temperature, "Sampling temperature of the rollouts (default 1)")
       ->check(CLI::PositiveNumber);
   lpc->add_flag("--routing", lp_routing, "Also write the experts each token was routed to (MoE models)");
+
+  // report
+  auto* rep = app.add_subcommand("report", "Write an HTML page of runs' metrics (loss, speed, memory) over steps");
+  rep->footer(kReportHelp);
+  std::vector<std::string> rep_inputs, rep_labels;
+  std::string rep_out;
+  rep->add_option("inputs", rep_inputs, "Metrics files (JSON lines) or run directories; several overlay")->required();
+  rep->add_option("--out,-o", rep_out, "Output HTML file (written atomically)")->required();
+  rep->add_option("--label", rep_labels,
+                  "Legend name of each input, in order (repeatable; default: the file's or run directory's name)");
 
   try {
     app.parse(argc, argv);
@@ -405,6 +438,16 @@ int run(int argc, char** argv) {
                   format_bytes(m.peak[static_cast<int>(MemCategory::grads)]).c_str(),
                   format_bytes(m.peak[static_cast<int>(MemCategory::optimizer)]).c_str(), lp_out.c_str());
     }
+    return 0;
+  }
+  if (rep->parsed()) {
+    const ReportSummary r = write_report(rep_inputs, rep_labels, rep_out);
+    for (const std::string& w : r.warnings) std::fprintf(stderr, "[report] warning: %s\n", w.c_str());
+    std::string runs;
+    for (const MetricsRun& m : r.runs)
+      runs += (runs.empty() ? "" : ", ") + m.label + ": " + std::to_string(m.rows.size()) + " steps";
+    std::printf("[report] %zu run(s) (%s), %lld plots, %lld series -> %s\n", r.runs.size(), runs.c_str(),
+                static_cast<long long>(r.num_plots), static_cast<long long>(r.num_series), rep_out.c_str());
     return 0;
   }
   if (paired->parsed()) {
