@@ -402,6 +402,7 @@ RunConfig build(toml::value root, const std::string& src) {
   ck.read("every", c.ckpt_every, 0, kMaxSteps);
   ck.read("save_final", c.ckpt_save_final);
   ck.read("keep", c.ckpt_keep, 0, 1'000'000);
+  ck.read("async", c.ckpt_async);
   ck.read("resume", c.resume);
   ck.finish();
   BB_CHECK(c.ckpt_every >= 0 && c.ckpt_keep >= 0, "checkpoint.every and checkpoint.keep must be >= 0");

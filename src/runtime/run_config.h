@@ -65,6 +65,7 @@ struct RunConfig {
   int64_t ckpt_every = 0;       // 0 = only the final one (if save_final)
   bool ckpt_save_final = true;
   int64_t ckpt_keep = 2;        // newest N kept; 0 = keep all
+  bool ckpt_async = false;      // periodic saves: snapshot to host, write beside training
   std::string resume;           // "" | "auto" (latest in ckpt_dir, if any) | a checkpoint path
   // [log]
   int64_t log_every = 1;

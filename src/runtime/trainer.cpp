@@ -571,6 +571,10 @@ struct Trainer::HostStash {
 };
 
 Trainer::~Trainer() {
+  // A shard still being written is waited for, not committed (a destructor cannot run the
+  // collective commit): its temporary directory stays, as after a crash, and `latest` still
+  // names the previous checkpoint.
+  if (save_job_ && save_job_->writer.joinable()) save_job_->writer.join();
   // The model's buffers go before the stash and the flags (declaration order would free them last).
   schedule_.reset();
   state_.reset();
@@ -1263,8 +1267,14 @@ std::vector<StepMetrics> Trainer::run() {
     const bool periodic = cfg_.ckpt_every > 0 && m.step % cfg_.ckpt_every == 0;
     const bool final = m.step == cfg_.steps && cfg_.ckpt_save_final;
     const bool stopping = m.stop_signal != 0;
-    // A stop asked by a signal saves the step it ended on (once), then leaves the loop.
-    if (!cfg_.ckpt_dir.empty() && (periodic || final || stopping)) save_checkpoint(cfg_.ckpt_dir);
+    poll_save();  // a shard written beside the steps since: committed once every rank's is done
+    // A stop asked by a signal saves the step it ended on (once), then leaves the loop. The
+    // final and stopping saves are written before run() returns; a periodic one beside the
+    // next steps with checkpoint.async.
+    if (!cfg_.ckpt_dir.empty() && (periodic || final || stopping)) {
+      if (cfg_.ckpt_async && periodic && !final && !stopping) start_save(cfg_.ckpt_dir);
+      else save_checkpoint(cfg_.ckpt_dir);
+    }
     if (stopping) {
       stopped_by_ = m.stop_signal;
       if (log_) {
@@ -1278,21 +1288,26 @@ std::vector<StepMetrics> Trainer::run() {
       break;
     }
   }
+  finish_save();
   return out;
 }
 
 
-std::string Trainer::save_checkpoint(const std::string& root) {
-  check_onloaded("save");
-  BB_CHECK(!pending_, "save: a forward_backward is waiting for its optim_step; call optim_step first");
+// Phase 1 of a save (collective): the shard's tensors (host copies with `to_host`), the finite
+// check, the temporary directory, and rank 0's state.json as of this step.
+std::unique_ptr<Trainer::SaveJob> Trainer::begin_save(const std::string& root, bool to_host) {
   comm::Group& world = *mesh_->world();
   const int rank = world.rank();
-  const double t0 = now_s();
-  const std::string name = step_dir_name(step_);
-  const std::string final_dir = path_join(root, name);
+  auto job = std::make_unique<SaveJob>();
+  job->t0 = now_s();
+  job->root = root;
+  job->name = step_dir_name(step_);
+  const std::string& name = job->name;
+  const std::string final_dir = job->final_dir = path_join(root, name);
   // One temporary directory for every rank, named by rank 0.
   std::string tmp_dir = path_join(root, "." + name + ".tmp." + std::to_string(::getpid()));
   world.broadcast_host(tmp_dir, 0);
+  job->tmp_dir = tmp_dir;
   if (log_) {
     std::fprintf(log_, "%s[checkpoint] saving step %lld to %s ...\n", log_prefix_.c_str(), static_cast<long long>(step_),
                  final_dir.c_str());
@@ -1302,10 +1317,11 @@ std::string Trainer::save_checkpoint(const std::string& root) {
   // This rank's shard: what the state family owns (replicated: its 1/N of every unit), in
   // global coordinates (checkpoint.h): an expert unit of an expert-parallel rank writes its
   // experts' runs of the global unit; every other unit its range as it is.
-  std::map<std::string, std::string> meta = {{"format", "bumblebee-shard"},
+  std::map<std::string, std::string>& meta = job->meta;
+  meta = {{"format", "bumblebee-shard"},
                                              {"rank", std::to_string(rank)},
                                              {"world", std::to_string(world.size())}};
-  std::vector<std::pair<std::string, Tensor>> tensors;
+  std::vector<std::pair<std::string, Tensor>>& tensors = job->tensors;
   try {
     std::vector<ParamUnit*> units = model_->units();
     for (size_t i = 0; i < units.size(); ++i) {
@@ -1394,13 +1410,62 @@ std::string Trainer::save_checkpoint(const std::string& root) {
     }
   }
   agree(world, err, "creating the checkpoint directory");
+  if (to_host) {
+    // The snapshot: training changes the state from the next step on, so every tensor is copied
+    // to host memory of its own now (what the step waits for; views of a CPU run's state too)
+    // and the shard file is written from the copies.
+    for (auto& [n, t] : tensors) {
+      Tensor copy = Tensor::empty(t.shape(), t.dtype(), Device::cpu(), MemCategory::other);
+      copy.copy_from(t);
+      t = copy;
+    }
+  }
+  if (rank == 0) {
+    nlohmann::json st;
+    st["format_version"] = kCheckpointFormat;
+    st["step"] = step_;
+    st["run_id"] = run_id_;
+    st["seed"] = cfg_.seed;
+    st["data_position"] = data_ ? data_->position() : DataPosition{};
+    st["model_config"] = cfg_.model.to_hf_json();
+    st["primitives"] = cfg_.primitives_summary();
+    st["optimizer"] = cfg_.prim.optimizer.name;  // the moments' dtype in the shards
+    st["backend"] = cfg_.backend;
+    const ParallelLayout& l = mesh_->layout();
+    st["layout"] = {{"dp", l.dp}, {"cp", l.cp}, {"ep", l.ep}, {"pp", l.pp}, {"world", world.size()},
+                    {"state", cfg_.prim.state.name}, {"grad_accum", cfg_.grad_accum}};
+    st["units"] = unit_table(model_->units(), cfg_.model.num_experts);
+    nlohmann::json files = nlohmann::json::array();
+    for (int r = 0; r < world.size(); ++r) files.push_back(shard_name(r));
+    st["shards"] = files;
+    job->state = st.dump(2);
+  }
+  return job;
+}
+
+// Phase 2 (this rank alone, any thread): the shard file.
+void Trainer::write_shard(SaveJob& job) {
   try {
     // Every tensor's checksum goes into the shard's metadata; a load verifies it (a flipped bit
     // or a torn write would otherwise load silently when the values stay finite).
-    write_safetensors_with_checksums(path_join(tmp_dir, shard_name(rank)), tensors, meta);
+    write_safetensors_with_checksums(path_join(job.tmp_dir, shard_name(mesh_->world()->rank())), job.tensors, job.meta);
   } catch (const std::exception& e) {
-    err = e.what();
+    job.err = e.what();
   }
+  job.tensors.clear();  // the host snapshot goes as soon as it is written
+  job.done.store(true);
+}
+
+// Phase 3 (collective): every rank's shard written, rank 0 renames the directory, moves
+// `latest` and prunes.
+std::string Trainer::commit_save(SaveJob& job) {
+  comm::Group& world = *mesh_->world();
+  const int rank = world.rank();
+  const std::string& name = job.name;
+  const std::string& root = job.root;
+  const std::string& final_dir = job.final_dir;
+  const std::string& tmp_dir = job.tmp_dir;
+  std::string err = job.err;
   try {
     agree(world, err, "writing its shard");
   } catch (...) {
@@ -1409,24 +1474,7 @@ std::string Trainer::save_checkpoint(const std::string& root) {
   }
   if (rank == 0) {
     try {
-      nlohmann::json st;
-      st["format_version"] = kCheckpointFormat;
-      st["step"] = step_;
-      st["run_id"] = run_id_;
-      st["seed"] = cfg_.seed;
-      st["data_position"] = data_ ? data_->position() : DataPosition{};
-      st["model_config"] = cfg_.model.to_hf_json();
-      st["primitives"] = cfg_.primitives_summary();
-      st["optimizer"] = cfg_.prim.optimizer.name;  // the moments' dtype in the shards
-      st["backend"] = cfg_.backend;
-      const ParallelLayout& l = mesh_->layout();
-      st["layout"] = {{"dp", l.dp}, {"cp", l.cp}, {"ep", l.ep}, {"pp", l.pp}, {"world", world.size()},
-                      {"state", cfg_.prim.state.name}, {"grad_accum", cfg_.grad_accum}};
-      st["units"] = unit_table(model_->units(), cfg_.model.num_experts);
-      nlohmann::json files = nlohmann::json::array();
-      for (int r = 0; r < world.size(); ++r) files.push_back(shard_name(r));
-      st["shards"] = files;
-      atomic_write(path_join(tmp_dir, "state.json"), st.dump(2));
+      atomic_write(path_join(tmp_dir, "state.json"), job.state);
       atomic_write(path_join(tmp_dir, "config.json"), cfg_.model.to_hf_json().dump(2));
       remove_tree(final_dir);  // this run's own directory of the same step (checked above)
       BB_CHECK(::rename(tmp_dir.c_str(), final_dir.c_str()) == 0, "checkpoint: cannot rename ", tmp_dir, " to ",
@@ -1452,10 +1500,49 @@ std::string Trainer::save_checkpoint(const std::string& root) {
   }
   agree(world, err, "committing the checkpoint");
   if (log_) {
-    std::fprintf(log_, "%s[checkpoint] saved %s in %.2fs\n", log_prefix_.c_str(), final_dir.c_str(), now_s() - t0);
+    std::fprintf(log_, "%s[checkpoint] saved %s in %.2fs%s\n", log_prefix_.c_str(), final_dir.c_str(), now_s() - job.t0,
+                 job.background ? " (written beside training)" : "");
     std::fflush(log_);
   }
   return final_dir;
+}
+
+std::string Trainer::save_checkpoint(const std::string& root) {
+  check_onloaded("save");
+  BB_CHECK(!pending_, "save: a forward_backward is waiting for its optim_step; call optim_step first");
+  finish_save();  // one save at a time, in order
+  std::unique_ptr<SaveJob> job = begin_save(root, false);
+  write_shard(*job);
+  return commit_save(*job);
+}
+
+void Trainer::start_save(const std::string& root) {
+  finish_save();  // a save still being written delays the next one, never overlaps it
+  const double t0 = now_s();
+  save_job_ = begin_save(root, true);
+  save_job_->background = true;
+  if (log_) {
+    std::fprintf(log_, "%s[checkpoint] step %lld snapshot taken in %.2fs; its shard is written beside training\n",
+                 log_prefix_.c_str(), static_cast<long long>(step_), now_s() - t0);
+    std::fflush(log_);
+  }
+  SaveJob* job = save_job_.get();
+  save_job_->writer = std::thread([this, job] { write_shard(*job); });
+}
+
+void Trainer::poll_save() {
+  if (!save_job_) return;
+  // Every rank commits at the same step: once every rank's writer is done.
+  int64_t done = save_job_->done.load() ? 1 : 0;
+  mesh_->world()->all_reduce_host(&done, 1, comm::ReduceOp::min);
+  if (done) finish_save();
+}
+
+void Trainer::finish_save() {
+  if (!save_job_) return;
+  std::unique_ptr<SaveJob> job = std::move(save_job_);
+  if (job->writer.joinable()) job->writer.join();
+  commit_save(*job);
 }
 
 void Trainer::load_checkpoint(const std::string& path) {

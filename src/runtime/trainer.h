@@ -13,8 +13,11 @@
 // metrics file; checkpoints are collective (runtime/checkpoint.h).
 #pragma once
 
+#include <atomic>
 #include <cstdio>
 #include <functional>
+#include <map>
+#include <thread>
 #include <memory>
 #include <string>
 #include <vector>
@@ -170,7 +173,8 @@ class Trainer {
   bool offloaded() const { return offloaded_; }
 
   // Writes <dir>/step_NNNNNNNN atomically (temp dir + rename) and points <dir>/latest at it
-  // once every rank wrote its shard. Collective.
+  // once every rank wrote its shard. Collective. A save run() started beside training
+  // (checkpoint.async) is committed first.
   std::string save_checkpoint(const std::string& dir);
   // Loads a checkpoint directory (a step_* dir, or a checkpoint root with `latest`). Everything
   // is validated and staged before any state changes: on error nothing is modified. Any
@@ -178,6 +182,27 @@ class Trainer {
   void load_checkpoint(const std::string& path);
 
  private:
+  // A checkpoint save in its three phases (save_checkpoint runs them in a row; run() with
+  // checkpoint.async writes the shard on a thread while the next steps train and commits it at
+  // the first step end where every rank's writer is done).
+  struct SaveJob {
+    std::string root, name, final_dir, tmp_dir;
+    std::vector<std::pair<std::string, Tensor>> tensors;  // the shard (host copies when async)
+    std::map<std::string, std::string> meta;
+    std::string state;  // rank 0: state.json as of the snapshot's step
+    double t0 = 0;
+    bool background = false;
+    std::thread writer;
+    std::atomic<bool> done{false};
+    std::string err;  // the writer's
+  };
+  std::unique_ptr<SaveJob> begin_save(const std::string& root, bool to_host);
+  void write_shard(SaveJob& job);
+  std::string commit_save(SaveJob& job);
+  void start_save(const std::string& root);  // snapshot now, write beside training
+  void poll_save();                          // collective: commit when every writer is done
+  void finish_save();                        // wait for the writer, commit (collective)
+  std::unique_ptr<SaveJob> save_job_;
   void build_model(bool emulated);
   void build_state(const std::vector<Tensor>* masters);
   void check_onloaded(const char* what) const;

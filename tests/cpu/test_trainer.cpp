@@ -110,6 +110,52 @@ TEST(Trainer, CheckpointsKeepTheNewest) {
   EXPECT_EQ(resolve_checkpoint(dir + "/ckpt"), dir + "/ckpt/step_00000006");
 }
 
+// checkpoint.async: periodic saves written by a thread beside the next steps hold the same
+// bytes as saves written in the step (every shard, and state.json but for the run id), every
+// one is committed by the end of run(), the losses are those of the run without checkpoints,
+// and a resume from the last asynchronous one continues it exactly.
+TEST(Trainer, AsyncCheckpointsEqualSyncOnes) {
+  const std::string dir = make_tmpdir();
+  const std::string run = write_run(dir, small_model(), "");
+  const std::vector<std::string> base = {"train.steps=9", "checkpoint.every=2", "checkpoint.keep=0",
+                                         "checkpoint.save_final=false"};
+  std::vector<std::string> sync_ov = base, async_ov = base;
+  sync_ov.push_back("checkpoint.dir=\"" + dir + "/sync\"");
+  async_ov.push_back("checkpoint.dir=\"" + dir + "/async\"");
+  async_ov.push_back("checkpoint.async=true");
+  const std::vector<double> l_sync = losses(Trainer(load_run_config(run, sync_ov), nullptr).run());
+  const std::string log_path = dir + "/async.log";
+  FILE* log = std::fopen(log_path.c_str(), "w");
+  ASSERT_NE(log, nullptr);
+  const std::vector<double> l_async = losses(Trainer(load_run_config(run, async_ov), log).run());
+  std::fclose(log);
+  EXPECT_EQ(l_async, l_sync);
+  // The saves took the background path: a snapshot, then a commit noting the written shard.
+  const std::string text = read_file(log_path);
+  size_t snapshots = 0, beside = 0;
+  for (size_t at = 0; (at = text.find("snapshot taken", at)) != std::string::npos; ++at) ++snapshots;
+  for (size_t at = 0; (at = text.find("(written beside training)", at)) != std::string::npos; ++at) ++beside;
+  EXPECT_EQ(snapshots, 4u);
+  EXPECT_EQ(beside, 4u);
+  auto without_run_id = [](const std::string& path) {
+    nlohmann::json j = nlohmann::json::parse(read_file(path));
+    j.erase("run_id");
+    return j.dump();
+  };
+  for (const char* step : {"step_00000002", "step_00000004", "step_00000006", "step_00000008"}) {
+    SCOPED_TRACE(step);
+    const std::string a = dir + "/async/" + step, b = dir + "/sync/" + step;
+    ASSERT_TRUE(path_exists(a + "/state.json"));
+    EXPECT_EQ(read_file(a + "/shards/rank_00000.safetensors"), read_file(b + "/shards/rank_00000.safetensors"));
+    EXPECT_EQ(without_run_id(a + "/state.json"), without_run_id(b + "/state.json"));
+  }
+  EXPECT_EQ(resolve_checkpoint(dir + "/async"), dir + "/async/step_00000008");
+  Trainer resumed(load_run_config(run, {"train.steps=9", "checkpoint.dir=\"\"",
+                                        "checkpoint.resume=\"" + dir + "/async/step_00000008\""}),
+                  nullptr);
+  EXPECT_EQ(resumed.train_step().loss, l_sync.back());
+}
+
 // A checkpoint that pruning cannot remove stays, with a warning (it used to stay silently).
 // Needs a directory this process cannot change: not as root, who may remove anything.
 TEST(Trainer, PruningThatCannotRemoveACheckpointWarns) {

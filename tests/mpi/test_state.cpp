@@ -364,6 +364,31 @@ TEST(State, ShardedStartHoldsOnlyItsShardsAndEqualsTheWholeStart) {
 
 // 8 steps straight == 4 steps, save, resume, 4 steps: losses, grad norms, masters and (bf16 or
 // f32) moments bit for bit on the CPU, for every state family and both optimizers.
+// checkpoint.async on every rank (fsdp): the periodic saves written beside training hold each
+// rank's shard as the saves written in the step do, and every rank commits at the same step.
+TEST(State, AsyncCheckpointsEqualSyncOnes) {
+  TestRun run = make_run("async_ckpt");
+  auto go = [&](const std::string& sub, bool async) {
+    RunConfig c = config(run, {"primitives.state=\"fsdp\"", "train.steps=6", "checkpoint.every=2", "checkpoint.keep=0",
+                               "checkpoint.save_final=false", std::string("checkpoint.async=") + (async ? "true" : "false")});
+    c.ckpt_dir = run.dir + "/" + sub;
+    std::vector<double> l;
+    for (const StepMetrics& m : Trainer(c, nullptr, Corpus{}, world()).run()) l.push_back(m.loss);
+    return l;
+  };
+  const std::vector<double> l_sync = go("sync", false), l_async = go("async", true);
+  EXPECT_EQ(l_async, l_sync);
+  const std::string shard = "shards/rank_" + std::string(5 - std::to_string(world()->rank()).size(), '0') +
+                            std::to_string(world()->rank()) + ".safetensors";
+  for (const char* step : {"step_00000002", "step_00000004", "step_00000006"}) {
+    SCOPED_TRACE(step);
+    const std::string a = run.dir + "/async/" + step + "/" + shard, b = run.dir + "/sync/" + step + "/" + shard;
+    ASSERT_TRUE(path_exists(a));
+    EXPECT_EQ(read_file(a), read_file(b));
+  }
+  EXPECT_EQ(resolve_checkpoint(run.dir + "/async"), run.dir + "/async/step_00000006");
+}
+
 TEST(State, SameLayoutResumeIsBitExact) {
   TestRun run = make_run("resume");
   for (const char* opt : kOptimizers)
