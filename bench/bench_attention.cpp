@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "core/rng.h"
 #include "core/tensor.h"
 #include "primitives/attention/attention.h"
@@ -28,14 +29,6 @@
 using namespace bb;
 
 namespace {
-
-std::vector<int64_t> parse_list(const std::string& s) {
-  std::vector<int64_t> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) out.push_back(std::stoll(item));
-  return out;
-}
 
 #ifdef BB_WITH_CUDA
 // A [S, H, D] bf16 device tensor filled by tiling a random block of up to 4096 tokens (timing
@@ -95,7 +88,7 @@ int main(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (a == "--seq") seqs = parse_list(next());
+    if (a == "--seq") seqs = bench::parse_list(next());
     else if (a == "--hq") Hq = std::stoll(next());
     else if (a == "--hkv") Hkv = std::stoll(next());
     else if (a == "--d") D = std::stoll(next());

@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "core/memory.h"
 #include "core/rng.h"
 #include "runtime/logprobs.h"
@@ -33,14 +34,6 @@
 using namespace bb;
 
 namespace {
-
-std::vector<int64_t> parse_list(const std::string& s) {
-  std::vector<int64_t> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) out.push_back(std::stoll(item));
-  return out;
-}
 
 Corpus documents(int64_t total, int64_t doc_len, int64_t vocab) {
   Corpus c;
@@ -75,7 +68,7 @@ int main(int argc, char** argv) {
       return argv[++i];
     };
     if (a == "--config") config = next();
-    else if (a == "--tokens") sizes = parse_list(next());
+    else if (a == "--tokens") sizes = bench::parse_list(next());
     else if (a == "--doc-len") doc_len = std::stoll(next());
     else if (a == "--reps") reps = std::stoi(next());
     else if (a == "--routing") routing = true;

@@ -59,6 +59,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "comm/comm.h"
 #include "comm/emulated.h"
 #include "comm/mesh.h"
@@ -103,14 +104,6 @@ struct Args {
   int64_t comm_blocks = 16;
   std::string timeline;
 };
-
-std::vector<int64_t> parse_list(const std::string& s) {
-  std::vector<int64_t> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) out.push_back(std::stoll(item));
-  return out;
-}
 
 // Time marks on the compute stream: CUDA events on a GPU (read after a synchronize), the wall
 // clock on the CPU (where every call is synchronous).
@@ -496,8 +489,8 @@ int run(int argc, char** argv) {
       return argv[++i];
     };
     if (a == "--shape") args.shape = next();
-    else if (a == "--tokens") args.tokens = parse_list(next());
-    else if (a == "--chunks") args.chunks = parse_list(next());
+    else if (a == "--tokens") args.tokens = bench::parse_list(next());
+    else if (a == "--chunks") args.chunks = bench::parse_list(next());
     else if (a == "--steps") args.steps = std::stoi(next());
     else if (a == "--warmup") args.warmup = std::stoi(next());
     else if (a == "--device") args.device = next();

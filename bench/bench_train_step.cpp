@@ -42,6 +42,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #ifdef BB_WITH_CUDA
 #include "gpu_activity.h"
 #include "timeline.h"
@@ -54,14 +55,6 @@
 using namespace bb;
 
 namespace {
-std::vector<int64_t> parse_list(const std::string& s) {
-  std::vector<int64_t> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) out.push_back(std::stoll(item));
-  return out;
-}
-
 // Documents of exactly `len` tokens, one per step when `len` is the step's token count: the model
 // sees one sequence of S tokens and trains S - 1 next-token targets, as the PyTorch reference
 // (bench/hf_train_step.py) does. (Documents of S + 1 tokens would leave a one-token remainder,
@@ -176,7 +169,7 @@ int main(int argc, char** argv) {
       return argv[++i];
     };
     if (a == "--config") config = next();
-    else if (a == "--seq") seqs = parse_list(next());
+    else if (a == "--seq") seqs = bench::parse_list(next());
     else if (a == "--steps") steps = std::stoll(next());
     else if (a == "--warmup") warmup = std::stoll(next());
     else if (a == "--set") sets.push_back(next());

@@ -1,6 +1,24 @@
-// bench_util.h — helpers the GPU benchmarks share: random device tensors and a median wall time
-// around synchronised calls.
+// bench_util.h — helpers the benchmarks share: a comma-separated size list from the command
+// line; on a GPU, random device tensors and a median wall time around synchronised calls.
 #pragma once
+
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace bb::bench {
+
+// "8192,32768" -> {8192, 32768} (std::stoll's errors for a bad item).
+inline std::vector<int64_t> parse_list(const std::string& s) {
+  std::vector<int64_t> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(std::stoll(item));
+  return out;
+}
+
+}  // namespace bb::bench
 
 #ifdef BB_WITH_CUDA
 
