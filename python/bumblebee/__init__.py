@@ -126,21 +126,40 @@ def _values(x):
     return x
 
 
-def _typed(x, typecode):
+def _typed(x, typecode, what="an array"):
     """x as a contiguous host buffer of typecode's C type. numpy arrays and torch tensors go
     through numpy without a Python list (no copy at all for a contiguous host array of that
-    dtype; a GPU tensor is copied to the host once); anything else through array.array."""
+    dtype; a GPU tensor is copied to the host once); anything else through array.array. Values
+    the C type cannot hold are an error, never wrapped or truncated."""
     if _np is not None:
         if hasattr(x, "detach"):  # torch
-            x = x.detach().cpu().numpy()
+            x = x.detach().cpu()
+            try:
+                x = x.numpy()
+            except TypeError:  # bfloat16 and other dtypes numpy lacks
+                x = x.float().numpy()
+        if isinstance(x, _np.generic):
+            x = _np.asarray(x)
         if isinstance(x, _np.ndarray):
+            if x.ndim == 0:
+                raise Error("%s must be an array, got a scalar" % what)
+            if typecode in "iB":
+                if x.dtype.kind not in "iub":
+                    raise Error("%s must hold integers, got %s" % (what, x.dtype))
+                lo, hi = (-(2 ** 31), 2 ** 31 - 1) if typecode == "i" else (0, 255)
+                if x.size and (int(x.min()) < lo or int(x.max()) > hi):
+                    raise Error("%s holds %d .. %d, outside what it can be (%d .. %d)"
+                                % (what, int(x.min()), int(x.max()), lo, hi))
             dt = {"i": _np.int32, "f": _np.float32, "B": _np.uint8}[typecode]
             return _np.ascontiguousarray(x.reshape(-1), dtype=dt)
-    return array.array(typecode, _values(x))
+    try:
+        return array.array(typecode, _values(x))
+    except (TypeError, OverflowError) as e:
+        raise Error("%s: %s" % (what, e)) from None
 
 
 def _buffer(x, typecode, n, name, i):
-    a = _typed(x, typecode)
+    a = _typed(x, typecode, "document %d: '%s'" % (i, name))
     if len(a) != n:
         raise Error("document %d: '%s' has %d entries for %d tokens" % (i, name, len(a), n))
     return a
@@ -178,7 +197,7 @@ class _Docs:
                 raise Error("document %d: unknown key(s) %s (expected %s)" % (i, sorted(unknown), sorted(self.KEYS)))
             if "tokens" not in d:
                 raise Error("document %d has no 'tokens'" % i)
-            tok = _typed(d["tokens"], "i")
+            tok = _typed(d["tokens"], "i", "document %d: 'tokens'" % i)
             n = len(tok)
             self.lengths.append(n)
             c = self.array[i]
@@ -202,7 +221,7 @@ class _Docs:
                 if shape[0] != n or shape[1] == 0 or shape[2] == 0:
                     raise Error("document %d: 'routing' must be [tokens][layers][top-k] with one entry per token "
                                 "(%d tokens, got shape %s)" % (i, n, tuple(shape)))
-                flat = _typed(d["routing"], "i")
+                flat = _typed(d["routing"], "i", "document %d: 'routing'" % i)
                 c.routing, c.routing_layers, c.routing_topk = _ptr(flat, ctypes.c_int32), shape[1], shape[2]
                 self.keep.append(flat)
             elif d.get("routing") is not None:
@@ -382,7 +401,7 @@ class Trainer:
     def weights(self, dtype="float32"):
         """Yields (hf_name, array) for every weight: what an inference engine's weight update
         takes (one rank). dtype "float32": f32 arrays (numpy with .shape when numpy is there);
-        "bfloat16": the bf16 values, as a torch.bfloat16 tensor when torch is importable, else
+        "bfloat16": the bf16 values, as a torch.bfloat16 tensor when torch and numpy are importable, else
         their uint16 bit patterns (numpy uint16 with .shape, or array.array('H'))."""
         if dtype not in ("float32", "bfloat16"):
             raise Error("weights: dtype is 'float32' or 'bfloat16', got %r" % (dtype,))

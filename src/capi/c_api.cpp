@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/comm.h"
 #include "core/error.h"
 #include "models/hf_io.h"
 #include "runtime/data.h"
@@ -120,6 +121,15 @@ int64_t bb_num_metrics(void) { return kNumMetrics; }
 
 bb_trainer* bb_trainer_new(const char* config, const char* const* overrides, int64_t num_overrides) {
   bb_trainer* out = nullptr;
+  // Under a launcher (mpirun, srun) this process is one rank of the job, as `bumblebee train`
+  // is: MPI starts with the first trainer and ends when the process exits (after the language
+  // runtime has freed its trainers).
+  static const bool joined = [] {
+    bb::comm::init(nullptr, nullptr);
+    if (bb::comm::world().mpi) std::atexit([] { bb::comm::finalize(); });
+    return true;
+  }();
+  (void)joined;
   guard([&] {
     BB_CHECK(config, "bb_trainer_new: no config");
     BB_CHECK(num_overrides >= 0 && (num_overrides == 0 || overrides), "bb_trainer_new: ", num_overrides,

@@ -552,8 +552,17 @@ struct Trainer::HostStash {
   }
   void reserve(size_t n, bool gpu) {
     if (n <= capacity) return;
+    // The old buffer goes first (both at once may not fit); nothing points at it if the new
+    // allocation throws.
 #ifdef BB_WITH_CUDA
     if (pinned) cuda::pinned_free(data);
+#endif
+    pinned = false;
+    data = nullptr;
+    capacity = 0;
+    plain.clear();
+    plain.shrink_to_fit();
+#ifdef BB_WITH_CUDA
     if (gpu) {
       data = static_cast<uint8_t*>(cuda::pinned_alloc(n));
       pinned = true;
@@ -563,7 +572,6 @@ struct Trainer::HostStash {
 #else
     (void)gpu;
 #endif
-    pinned = false;
     plain.assign(n, 0);
     data = plain.data();
     capacity = n;
@@ -648,21 +656,36 @@ OffloadReport Trainer::offload() {
 OffloadReport Trainer::onload() {
   BB_CHECK(offloaded_, "onload: the trainer is not offloaded (call offload() first)");
   const double t0 = now_s();
-  build_model(mesh_->world()->backend() == comm::Backend::emulated);
-  build_state(nullptr);  // the model's initialisation, overwritten below
-  std::vector<Tensor> res = state_->resident();
-  const HostStash& st = *stash_;
-  BB_CHECK(res.size() == st.bytes.size(), "onload: the rebuilt state has ", res.size(), " resident tensors, the "
-           "offloaded one ", st.bytes.size());
   OffloadReport r;
-  for (size_t i = 0; i < res.size(); ++i) {
-    BB_CHECK(res[i].nbytes() == st.bytes[i], "onload: resident tensor ", i, " has ", res[i].nbytes(),
-             " bytes, the offloaded one ", st.bytes[i]);
-    copy_bytes(res[i].raw(), device_, st.data + st.offsets[i], Device::cpu(), st.bytes[i]);
-    r.host_bytes += static_cast<int64_t>(st.bytes[i]);
+  // A failed attempt (the GPU still full, say) frees what it built and stays offloaded, with
+  // the host copy intact: onload() can be called again.
+  auto drop = [this] {
+    schedule_.reset();
+    state_.reset();
+    model_.reset();
+#ifdef BB_WITH_CUDA
+    if (device_.is_cuda()) cuda::release_cached_memory(device_.index);
+#endif
+  };
+  try {
+    build_model(mesh_->world()->backend() == comm::Backend::emulated);
+    build_state(nullptr);  // the model's initialisation, overwritten below
+    std::vector<Tensor> res = state_->resident();
+    const HostStash& st = *stash_;
+    BB_CHECK(res.size() == st.bytes.size(), "onload: the rebuilt state has ", res.size(), " resident tensors, the "
+             "offloaded one ", st.bytes.size());
+    for (size_t i = 0; i < res.size(); ++i) {
+      BB_CHECK(res[i].nbytes() == st.bytes[i], "onload: resident tensor ", i, " has ", res[i].nbytes(),
+               " bytes, the offloaded one ", st.bytes[i]);
+      copy_bytes(res[i].raw(), device_, st.data + st.offsets[i], Device::cpu(), st.bytes[i]);
+      r.host_bytes += static_cast<int64_t>(st.bytes[i]);
+    }
+    res.clear();
+    synchronize_device(device_);
+  } catch (...) {
+    drop();
+    throw;
   }
-  res.clear();
-  synchronize_device(device_);
   offloaded_ = false;
 #ifdef BB_WITH_CUDA
   if (device_.is_cuda()) r.device_used = cuda::device_memory_used(device_.index);
@@ -1224,7 +1247,27 @@ std::vector<StepMetrics> Trainer::run() {
     BB_CHECK(metrics->good(), "cannot open log.metrics file '", mpath, "' for writing");
   }
   while (step_ < cfg_.steps) {
-    StepMetrics m = train_step();
+    StepMetrics m;
+    try {
+      m = train_step();
+    } catch (...) {
+      // A save being written beside the failed step holds a good step. In one process it is
+      // committed now; with peers the commit is a collective that ranks which did not fail
+      // would not join, so its temporary directory stays, as after a crash (removed at the next
+      // start), and `latest` names the checkpoint before it.
+      if (save_job_) {
+        std::unique_ptr<SaveJob> job = std::move(save_job_);
+        if (job->writer.joinable()) job->writer.join();
+        if (mesh_->world()->size() == 1) {
+          try {
+            commit_save(*job);
+          } catch (const std::exception& e) {
+            if (log_) std::fprintf(log_, "%s[checkpoint] %s\n", log_prefix_.c_str(), e.what());
+          }
+        }
+      }
+      throw;
+    }
     if (m.skipped.empty()) check_loss_spike(m);
     out.push_back(m);
     if (m.step % cfg_.log_every == 0 || m.step == cfg_.steps || m.step == 1 || !m.skipped.empty()) log_line(m);
@@ -1413,11 +1456,22 @@ std::unique_ptr<Trainer::SaveJob> Trainer::begin_save(const std::string& root, b
   if (to_host) {
     // The snapshot: training changes the state from the next step on, so every tensor is copied
     // to host memory of its own now (what the step waits for; views of a CPU run's state too)
-    // and the shard file is written from the copies.
-    for (auto& [n, t] : tensors) {
-      Tensor copy = Tensor::empty(t.shape(), t.dtype(), Device::cpu(), MemCategory::other);
-      copy.copy_from(t);
-      t = copy;
+    // and the shard file is written from the copies. A rank that cannot (out of host memory)
+    // fails the save on every rank.
+    try {
+      for (auto& [n, t] : tensors) {
+        Tensor copy = Tensor::empty(t.shape(), t.dtype(), Device::cpu(), MemCategory::other);
+        copy.copy_from(t);
+        t = copy;
+      }
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+    try {
+      agree(world, err, "copying its shard to host memory");
+    } catch (...) {
+      if (rank == 0) remove_tree(tmp_dir);
+      throw;
     }
   }
   if (rank == 0) {
@@ -1527,7 +1581,11 @@ void Trainer::start_save(const std::string& root) {
     std::fflush(log_);
   }
   SaveJob* job = save_job_.get();
-  save_job_->writer = std::thread([this, job] { write_shard(*job); });
+  try {
+    save_job_->writer = std::thread([this, job] { write_shard(*job); });
+  } catch (const std::exception& e) {
+    write_shard(*job);  // no thread to be had: written now, committed at the next step end
+  }
 }
 
 void Trainer::poll_save() {

@@ -156,6 +156,26 @@ TEST(Trainer, AsyncCheckpointsEqualSyncOnes) {
   EXPECT_EQ(resumed.train_step().loss, l_sync.back());
 }
 
+// A step that fails while an asynchronous save is being written (a non-finite update aborts
+// the run) does not lose that save: in one process it is committed before the error leaves
+// run(), and `latest` names it, as it would the same save written in the step.
+TEST(Trainer, AsyncCheckpointBeforeAFailedStepIsCommitted) {
+  const std::string dir = make_tmpdir();
+  const std::string run = write_run(dir, small_model(), "");
+  std::string latest[2];
+  for (int async = 0; async < 2; ++async) {
+    const std::string root = dir + (async ? "/async" : "/sync");
+    Trainer t(load_run_config(run, {"train.steps=40", "checkpoint.every=1", "checkpoint.save_final=false",
+                                    "checkpoint.dir=\"" + root + "\"", std::string("checkpoint.async=") + (async ? "true" : "false"),
+                                    "train.lr=1e5"}),
+              nullptr);
+    EXPECT_THROW(t.run(), Error);
+    latest[async] = resolve_checkpoint(root);
+    ASSERT_FALSE(latest[async].empty()) << root;
+  }
+  EXPECT_EQ(latest[1].substr(latest[1].size() - 13), latest[0].substr(latest[0].size() - 13));
+}
+
 // A checkpoint that pruning cannot remove stays, with a warning (it used to stay silently).
 // Needs a directory this process cannot change: not as root, who may remove anything.
 TEST(Trainer, PruningThatCannotRemoveACheckpointWarns) {

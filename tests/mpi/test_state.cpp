@@ -362,8 +362,6 @@ TEST(State, ShardedStartHoldsOnlyItsShardsAndEqualsTheWholeStart) {
   }
 }
 
-// 8 steps straight == 4 steps, save, resume, 4 steps: losses, grad norms, masters and (bf16 or
-// f32) moments bit for bit on the CPU, for every state family and both optimizers.
 // checkpoint.async on every rank (fsdp): the periodic saves written beside training hold each
 // rank's shard as the saves written in the step do, and every rank commits at the same step.
 TEST(State, AsyncCheckpointsEqualSyncOnes) {
@@ -389,6 +387,8 @@ TEST(State, AsyncCheckpointsEqualSyncOnes) {
   EXPECT_EQ(resolve_checkpoint(run.dir + "/async"), run.dir + "/async/step_00000006");
 }
 
+// 8 steps straight == 4 steps, save, resume, 4 steps: losses, grad norms, masters and (bf16 or
+// f32) moments bit for bit on the CPU, for every state family and both optimizers.
 TEST(State, SameLayoutResumeIsBitExact) {
   TestRun run = make_run("resume");
   for (const char* opt : kOptimizers)

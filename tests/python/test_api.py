@@ -109,12 +109,18 @@ def run(mode):
             tb = bumblebee.Trainer("configs/demo.toml", rep, library=LIB)
             ma, mb = ta.train_batch(arrays), tb.train_batch(listed)
             check(ma["loss"] == mb["loss"] and ma["grad_norm"] == mb["grad_norm"], mode + ": arrays train as lists")
-            bad = [dict(arrays[0], routing=arrays[0]["routing"][1:])]
-            try:
-                ta.train_batch(bad)
-                check(False, mode + ": no error for a short routing array")
-            except bumblebee.Error as e:
-                check("one entry per token" in str(e), mode + ": " + str(e))
+            for bad, needle in [
+                (dict(arrays[0], routing=arrays[0]["routing"][1:]), "one entry per token"),
+                (dict(arrays[0], tokens=np.array([2 ** 32 + 5, 6], dtype=np.int64)), "outside what it can be"),
+                (dict(arrays[0], tokens=np.array([1.5, 2.0])), "must hold integers"),
+                (dict(arrays[0], tokens=np.int64(7)), "must be an array, got a scalar"),
+                (dict(arrays[0], loss_mask=np.full(len(arrays[0]["tokens"]), 256)), "outside what it can be"),
+            ]:
+                try:
+                    ta.train_batch([bad])
+                    check(False, mode + ": no error for " + needle)
+                except bumblebee.Error as e:
+                    check(needle in str(e), mode + ": %r not in %r" % (needle, str(e)))
             ta.close()
             tb.close()
 
