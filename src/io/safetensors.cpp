@@ -302,9 +302,21 @@ Tensor SafetensorsReader::read_as(const std::string& name, DType as, MemCategory
 
 // ---- writer ----------------------------------------------------------------------------------
 
+std::vector<TensorSpec> tensor_specs(const std::vector<std::pair<std::string, Tensor>>& tensors) {
+  check_tensor_list(tensors, "write_safetensors");
+  std::vector<TensorSpec> out;
+  out.reserve(tensors.size());
+  for (const auto& [name, t] : tensors) out.push_back({name, t.shape(), t.dtype()});
+  return out;
+}
+
 std::string safetensors_header_bytes(const std::vector<std::pair<std::string, Tensor>>& tensors,
                                      const std::map<std::string, std::string>& metadata) {
-  check_tensor_list(tensors, "write_safetensors");
+  return safetensors_header_bytes(tensor_specs(tensors), metadata);
+}
+
+std::string safetensors_header_bytes(const std::vector<TensorSpec>& tensors,
+                                     const std::map<std::string, std::string>& metadata) {
   // Written by hand rather than through nlohmann so the key order is the reference writer's
   // (metadata first, tensors in data order, dtype/shape/data_offsets); readers do not care,
   // but byte-identical output makes files comparable.
@@ -322,16 +334,16 @@ std::string safetensors_header_bytes(const std::vector<std::pair<std::string, Te
     first = false;
   }
   uint64_t offset = 0;
-  for (const auto& [name, t] : tensors) {
+  for (const TensorSpec& t : tensors) {
     if (!first) json += ",";
     first = false;
-    json += json_quote(name, "a tensor name");
+    json += json_quote(t.name, "a tensor name");
     json += ":{\"dtype\":\"";
-    json += safetensors_dtype_name(t.dtype());
+    json += safetensors_dtype_name(t.dtype);
     json += "\",\"shape\":[";
-    for (int i = 0; i < t.dim(); ++i) {
+    for (size_t i = 0; i < t.shape.size(); ++i) {
       if (i) json += ',';
-      json += std::to_string(t.size(i));
+      json += std::to_string(t.shape[i]);
     }
     const uint64_t end = offset + t.nbytes();
     json += "],\"data_offsets\":[";
@@ -424,58 +436,93 @@ bool verify_checksum(const std::map<std::string, std::string>& metadata, const s
   return true;
 }
 
+namespace {
+
+// Tensors [first, first + specs.size()) of a producer into one file: the header from the specs,
+// then each tensor as the producer makes it (checked against its spec), one at a time.
+void write_streamed(const std::string& path, const std::vector<TensorSpec>& specs, size_t first,
+                    const TensorProducer& produce, const std::map<std::string, std::string>& metadata) {
+  const std::string header = safetensors_header_bytes(specs, metadata);
+  atomic_write(path, [&](FileWriter& w) {
+    w.write(header);
+    for (size_t i = 0; i < specs.size(); ++i) {
+      if (specs[i].nbytes() == 0) continue;
+      Tensor t = produce(first + i);
+      if (!t.defined() || t.dtype() != specs[i].dtype || t.shape() != specs[i].shape) {
+        std::string dims;
+        for (int64_t d : specs[i].shape) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
+        BB_FAIL("write_safetensors ", path, ": tensor '", specs[i].name, "' was announced as ",
+                dtype_name(specs[i].dtype), "[", dims, "] and came as ", t.defined() ? t.str() : std::string("undefined"));
+      }
+      // One tensor at a time on the host keeps the extra memory to the largest tensor.
+      if (!t.device().is_cpu()) t = t.to(Device::cpu(), MemCategory::workspace);
+      w.write(t.raw(), t.nbytes());
+    }
+  });
+}
+
+}  // namespace
+
 void write_safetensors(const std::string& path,
                        const std::vector<std::pair<std::string, Tensor>>& tensors,
                        const std::map<std::string, std::string>& metadata) {
-  const std::string header = safetensors_header_bytes(tensors, metadata);
-  atomic_write(path, [&](FileWriter& w) {
-    w.write(header);
-    for (const auto& [name, t] : tensors) {
-      if (t.nbytes() == 0) continue;
-      if (t.device().is_cpu()) {
-        w.write(t.raw(), t.nbytes());
-      } else {
-        // One tensor at a time on the host keeps the extra memory to the largest tensor.
-        Tensor host = t.to(Device::cpu(), MemCategory::workspace);
-        w.write(host.raw(), host.nbytes());
-      }
-    }
-  });
+  write_streamed(path, tensor_specs(tensors), 0, [&](size_t i) { return tensors[i].second; }, metadata);
 }
 
 void write_sharded_safetensors(const std::string& dir,
                                const std::vector<std::pair<std::string, Tensor>>& tensors,
                                uint64_t max_shard_bytes,
                                const std::map<std::string, std::string>& metadata) {
-  BB_CHECK(max_shard_bytes > 0, "write_sharded_safetensors ", dir, ": max_shard_bytes must be > 0");
   check_tensor_list(tensors, "write_sharded_safetensors");
+  write_sharded_safetensors(dir, tensor_specs(tensors), [&](size_t i) { return tensors[i].second; }, max_shard_bytes,
+                            metadata);
+}
 
-  std::vector<std::vector<std::pair<std::string, Tensor>>> shards(1);
+void write_sharded_safetensors(const std::string& dir, const std::vector<TensorSpec>& specs,
+                               const TensorProducer& produce, uint64_t max_shard_bytes,
+                               const std::map<std::string, std::string>& metadata) {
+  BB_CHECK(max_shard_bytes > 0, "write_sharded_safetensors ", dir, ": max_shard_bytes must be > 0");
+  {
+    std::unordered_set<std::string> seen;
+    for (const TensorSpec& t : specs) {
+      BB_CHECK(!t.name.empty() && t.name != "__metadata__", "write_sharded_safetensors ", dir, ": bad tensor name '",
+               t.name, "'");
+      BB_CHECK(seen.insert(t.name).second, "write_sharded_safetensors ", dir, ": duplicate tensor name '", t.name, "'");
+    }
+  }
+  // Shards as runs of consecutive tensors: [starts[i], starts[i + 1]).
+  std::vector<size_t> starts = {0};
   uint64_t shard_bytes = 0, total = 0;
-  for (const auto& nt : tensors) {
-    const uint64_t b = nt.second.nbytes();
-    if (!shards.back().empty() && shard_bytes + b > max_shard_bytes) {
-      shards.emplace_back();
+  for (size_t k = 0; k < specs.size(); ++k) {
+    const uint64_t b = specs[k].nbytes();
+    if (k > starts.back() && shard_bytes + b > max_shard_bytes) {
+      starts.push_back(k);
       shard_bytes = 0;
     }
-    shards.back().push_back(nt);
     shard_bytes += b;
     total += b;
   }
+  starts.push_back(specs.size());
+  auto shard_specs = [&](size_t i) {
+    return std::vector<TensorSpec>(specs.begin() + static_cast<std::ptrdiff_t>(starts[i]),
+                                   specs.begin() + static_cast<std::ptrdiff_t>(starts[i + 1]));
+  };
 
   make_dirs(dir);
-  const int n = static_cast<int>(shards.size());
+  const int n = static_cast<int>(starts.size()) - 1;
   std::set<std::string> keep;
   if (n == 1) {
-    write_safetensors(path_join(dir, kSafetensorsSingleFile), shards[0], metadata);
+    write_streamed(path_join(dir, kSafetensorsSingleFile), shard_specs(0), 0, produce, metadata);
     keep.insert(kSafetensorsSingleFile);
   } else {
     nlohmann::json weight_map = nlohmann::json::object();
     for (int i = 0; i < n; ++i) {
       const std::string file = safetensors_shard_name(i + 1, n);
-      write_safetensors(path_join(dir, file), shards[i], metadata);
+      write_streamed(path_join(dir, file), shard_specs(static_cast<size_t>(i)), starts[static_cast<size_t>(i)], produce,
+                     metadata);
       keep.insert(file);
-      for (const auto& nt : shards[i]) weight_map[nt.first] = file;
+      for (size_t k = starts[static_cast<size_t>(i)]; k < starts[static_cast<size_t>(i) + 1]; ++k)
+        weight_map[specs[k].name] = file;
     }
     nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
     // The index goes last, so it never names a shard that is not completely on disk.

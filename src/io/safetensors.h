@@ -28,6 +28,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <unordered_map>
@@ -121,6 +122,19 @@ bool verify_checksum(const std::map<std::string, std::string>& metadata, const s
 std::string safetensors_header_bytes(const std::vector<std::pair<std::string, Tensor>>& tensors,
                                      const std::map<std::string, std::string>& metadata = {});
 
+// What a streamed write announces in the header before the tensor exists.
+struct TensorSpec {
+  std::string name;
+  Shape shape;
+  DType dtype;
+  uint64_t nbytes() const { return static_cast<uint64_t>(shape_nbytes(shape, dtype)); }
+};
+std::string safetensors_header_bytes(const std::vector<TensorSpec>& tensors,
+                                     const std::map<std::string, std::string>& metadata = {});
+// Tensor i of a streamed write, made when the file gets to it (then released): host memory
+// holds one tensor at a time, not the list.
+using TensorProducer = std::function<Tensor(size_t)>;
+
 // Hugging Face sharded layout in `dir` (created if missing). Tensors are packed greedily in the
 // given order: a new shard starts when adding the next tensor would push the current shard's
 // data past max_shard_bytes (a tensor larger than the limit gets a shard of its own). With one
@@ -130,6 +144,11 @@ std::string safetensors_header_bytes(const std::vector<std::pair<std::string, Te
 void write_sharded_safetensors(const std::string& dir,
                                const std::vector<std::pair<std::string, Tensor>>& tensors,
                                uint64_t max_shard_bytes,
+                               const std::map<std::string, std::string>& metadata = {});
+// The same from specs and a producer (the same bytes as the tensor list would give): tensor i
+// is asked for once, in order, and must match specs[i]'s dtype and shape.
+void write_sharded_safetensors(const std::string& dir, const std::vector<TensorSpec>& specs,
+                               const TensorProducer& produce, uint64_t max_shard_bytes,
                                const std::map<std::string, std::string>& metadata = {});
 
 // DIR/model.safetensors or DIR/model.safetensors.index.json (+ its shards) as one name space.

@@ -360,16 +360,29 @@ HfLoadReport load_hf_weight_ranges(DecoderModel& model, const std::string& dir,
 }
 
 void export_hf(DecoderModel& model, const std::string& dir, const HfExportOptions& opts) {
+  const std::vector<HfTensor> tensors = model.hf_tensors();
+  export_hf_streamed(model.config(), tensors, [&](size_t i) { return tensors[i].value(); }, dir, opts);
+}
+
+void export_hf_streamed(const ModelConfig& config, const std::vector<HfTensor>& tensors,
+                        const std::function<Tensor(size_t)>& value, const std::string& dir,
+                        const HfExportOptions& opts) {
   const char* torch_dtype = hf_dtype_name(opts.dtype);
   BB_CHECK(opts.max_shard_bytes > 0, "export: max shard size must be > 0");
   make_dirs(dir);
-  for (const HfTensor& t : model.hf_tensors())
+  std::vector<TensorSpec> specs;
+  for (const HfTensor& t : tensors) {
     BB_CHECK(t.whole(), "export: ", t.name, " holds experts ", t.hf_first_row, "..",
              t.hf_first_row + t.shape[0] - 1, " of ", t.hf_num_rows,
              ": export a model that holds every expert (bumblebee export consolidates a "
              "training checkpoint into one)");
-  std::vector<std::pair<std::string, Tensor>> tensors;
-  for (auto& [name, t] : hf_state(model)) {
+    specs.push_back({t.name, t.shape, opts.dtype});
+  }
+  // Each weight is made, checked and converted when its file gets to it: host memory holds one
+  // weight (in its dtype and the export's), not the model.
+  write_sharded_safetensors(dir, specs, [&](size_t i) {
+    const std::string& name = tensors[i].name;
+    Tensor t = value(i);
     Tensor h = t.device().is_cpu() ? t : t.to(Device::cpu(), MemCategory::other);
     if (!opts.allow_nonfinite) {
       const std::vector<float> v = h.to_floats();
@@ -378,16 +391,15 @@ void export_hf(DecoderModel& model, const std::string& dir, const HfExportOption
                  "); nothing was written. Export an earlier checkpoint, or pass --allow-nonfinite to write it anyway");
     }
     if (h.dtype() != opts.dtype) h = h.to_dtype(opts.dtype, MemCategory::other);
-    tensors.emplace_back(name, h);
-  }
-  write_sharded_safetensors(dir, tensors, opts.max_shard_bytes, {{"format", "pt"}});
+    return h;
+  }, opts.max_shard_bytes, {{"format", "pt"}});
 
-  nlohmann::json cfg = model.config().to_hf_json();
+  nlohmann::json cfg = config.to_hf_json();
   cfg["torch_dtype"] = torch_dtype;
   atomic_write(path_join(dir, "config.json"), cfg.dump(2) + "\n");
   nlohmann::json gen = nlohmann::json::object();
-  if (model.config().bos_token_id >= 0) gen["bos_token_id"] = model.config().bos_token_id;
-  if (model.config().eos_token_id >= 0) gen["eos_token_id"] = model.config().eos_token_id;
+  if (config.bos_token_id >= 0) gen["bos_token_id"] = config.bos_token_id;
+  if (config.eos_token_id >= 0) gen["eos_token_id"] = config.eos_token_id;
   atomic_write(path_join(dir, "generation_config.json"), gen.dump(2) + "\n");
 }
 

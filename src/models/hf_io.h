@@ -35,6 +35,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -95,6 +96,13 @@ struct HfExportOptions {
 // Tensors are the names of hf_tensors() (per-expert for Qwen3-MoE / Qwen2-MoE, fused experts
 // for Qwen3.5), converted to opts.dtype. The model must hold every expert.
 void export_hf(DecoderModel& model, const std::string& dir, const HfExportOptions& opts = {});
+// The same files from a list of whole HF tensors (hf_tensors() of a model, which may hold no
+// values) and `value(i)`, tensor i's values in any float dtype, asked for once each as its file
+// is written: host memory holds one weight at a time (`bumblebee export` reads each from the
+// checkpoint's shards).
+void export_hf_streamed(const ModelConfig& config, const std::vector<HfTensor>& tensors,
+                        const std::function<Tensor(size_t)>& value, const std::string& dir,
+                        const HfExportOptions& opts = {});
 
 // `bumblebee export`: builds the model a training checkpoint step directory describes
 // (STEP/config.json, as the trainer writes it), loads STEP/model.safetensors through

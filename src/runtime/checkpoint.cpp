@@ -246,17 +246,31 @@ void export_distributed_checkpoint(const std::string& step_dir, const std::strin
                                    const HfExportOptions& opts) {
   const nlohmann::json st = read_checkpoint_state(step_dir);
   const ModelConfig cfg = parse_hf_config(st["model_config"], step_dir + "/state.json");
-  DecoderModel model(cfg, ModelOptions{}, 0);  // CPU f32, every expert; every weight is overwritten below
+  // The layout only (every expert; no values allocated): each weight is cut from its unit's
+  // masters when the export writes it. The shard files hold a unit's masters as one tensor
+  // (read, and checksummed, whole), so the last two units read stay (a layer's weights
+  // alternate between its dense and expert units): host memory holds two units, not the model.
+  ModelOptions mo;
+  mo.defer_values = true;
+  DecoderModel model(cfg, mo, 0);
   std::vector<ParamUnit*> units = model.units();
   check_unit_table(st["units"], units, cfg.num_experts, step_dir);
   ShardSet shards(step_dir, st);
-  shards.set_check_finite(false);  // export_hf checks the weights it writes (or not: --allow-nonfinite)
-  for (ParamUnit* u : units) {
-    // The whole unit at full precision (padding zero).
-    const GlobalUnit g = global_unit(*u, cfg.num_experts);
-    u->value.copy_from(shards.read_runs(u->name, "master", global_runs(g, 0, u->numel), 0, u->numel));
-  }
-  export_hf(model, out_dir, opts);
+  shards.set_check_finite(false);  // the export checks the weights it writes (or not: --allow-nonfinite)
+  const std::vector<HfTensor> tensors = model.hf_tensors();
+  std::vector<std::pair<const ParamUnit*, Tensor>> cache;
+  auto unit_values = [&](const ParamUnit& u) -> Tensor {
+    for (const auto& [p, t] : cache)
+      if (p == &u) return t;
+    if (cache.size() == 2) cache.erase(cache.begin());
+    const GlobalUnit g = global_unit(u, cfg.num_experts);
+    cache.emplace_back(&u, shards.read_runs(u.name, "master", global_runs(g, 0, u.numel), 0, u.numel));
+    return cache.back().second;
+  };
+  export_hf_streamed(cfg, tensors, [&](size_t i) {
+    const HfTensor& t = tensors[i];
+    return unit_slice(unit_values(*t.param->unit), *t.param, t.offset, t.shape);
+  }, out_dir, opts);
 }
 
 }  // namespace bb

@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <sys/file.h>
 #include <unistd.h>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -803,6 +804,35 @@ TEST(Optimizer, OptimizerBytesAndSkipStepBackupCoverTheMoments) {
 
 // An fp32 Hugging Face checkpoint loaded into bf16 parameters: the fp32 master weights take the
 // checkpoint's values, not the bf16-rounded parameters; `export --dtype f32` writes the masters.
+// `bumblebee export` streams: each weight is read from the checkpoint's shards when its file
+// gets to it (the model holds no values). Its files are byte for byte what export_hf writes
+// from a model holding the same weights, in one file and across several shard files (index
+// included), in f32 and bf16.
+TEST(Trainer, StreamedExportWritesExportHfsBytes) {
+  const std::string dir = make_tmpdir();
+  Trainer t(load_run_config(write_run(dir, small_model()), {"checkpoint.dir=\"\""}), nullptr);
+  for (int i = 0; i < 3; ++i) t.train_step();
+  const std::string step = t.save_checkpoint(dir + "/ckpt");
+  for (DType dt : {DType::f32, DType::bf16})
+    for (uint64_t shard : {uint64_t{5'000'000'000}, uint64_t{40'000}}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + " shards of " + std::to_string(shard));
+      HfExportOptions o;
+      o.dtype = dt;
+      o.max_shard_bytes = shard;
+      const std::string a = dir + "/from_model", b = dir + "/streamed";
+      std::filesystem::remove_all(a);
+      std::filesystem::remove_all(b);
+      export_hf(t.model(), a, o);
+      export_distributed_checkpoint(step, b, o);
+      std::vector<std::string> files;
+      for (const auto& e : std::filesystem::directory_iterator(a)) files.push_back(e.path().filename().string());
+      // model.safetensors + config.json + generation_config.json, or several shards and the index.
+      if (shard > 1'000'000) EXPECT_EQ(files.size(), 3u);
+      else EXPECT_GE(files.size(), 5u);
+      for (const std::string& f : files) EXPECT_EQ(read_file(b + "/" + f), read_file(a + "/" + f)) << f;
+    }
+}
+
 TEST(Trainer, HfInitKeepsFp32MastersAndExportWritesThem) {
   const std::string dir = make_tmpdir();
   const ModelConfig mc = small_model();
