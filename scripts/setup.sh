@@ -12,9 +12,11 @@
 #     BUILD_TYPE=RelWithDebInfo CMAKE_ARGS="-DBUMBLEBEE_FUZZ=ON" ./scripts/setup.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# (chromium: tests/cli/test_report.sh renders the run report headless.)
 pkgs=(build-essential cmake ninja-build pkg-config libopenblas-dev libopenmpi-dev openmpi-bin
-      nlohmann-json3-dev libtoml11-dev libcli11-dev libgtest-dev libgmock-dev python3 python3-numpy chromium)
+      nlohmann-json3-dev libtoml11-dev libcli11-dev libgtest-dev libgmock-dev python3 python3-numpy)
+# A build of everything is for the tests: tests/cli/test_report.sh renders the run report in a
+# headless browser. Building only some targets (the demo's `bumblebee`) does not need it.
+[ $# -eq 0 ] && pkgs+=(chromium)
 read -r -a extra_pkgs <<< "${EXTRA_PKGS:-}"
 pkgs+=("${extra_pkgs[@]}")
 missing=()
