@@ -83,7 +83,10 @@ DecoderModel::DecoderModel(const ModelConfig& cfg, const ModelOptions& opts, uin
       case LayerType::linear_attention: {
         // A_log and dt_bias stay fp32 whatever the parameter dtype: their own unit.
         ParamUnit& f32 = store_.add_unit(unit + "dense_f32", UnitKind::dense, l, /*f32_values=*/true);
-        L.blocks.push_back(std::make_unique<GdnBlock>(store_, dense, f32, prefix, gc, HeadExchange(opts_.cp_group)));
+        L.blocks.push_back(std::make_unique<GdnBlock>(
+            store_, dense, f32, prefix, gc,
+            GdnContextParallel(opts_.cp_group, opts_.prims.gdn_cp.value, gc.num_key_heads, gc.num_value_heads,
+                               gc.conv_kernel)));
         L.blocks.back()->units = {&dense, &f32};
         break;
       }

@@ -33,6 +33,7 @@ struct GdnBlock::Saved final : BlockSaved {
   Tensor g, beta;  // [T, Hv] f32 gates
   Tensor o;        // [T, Hv, Dv] gated delta rule output (activation dtype)
   GatedDeltaPrep prep;  // the rule's chunk_prep outputs for its backward (CUDA; see forward)
+  GdnCpSaved cp;        // context parallelism by states: the conv halo, the pieces' start states
   Tensor y;        // [T, Hv Dv] gated-norm output in the weight dtype: out_proj's input
 };
 
@@ -57,8 +58,8 @@ Tensor row_linear_backward(BatchContext& ctx, BlockSaved& saved, const Tensor& d
 }  // namespace
 
 GdnBlock::GdnBlock(ParamStore& store, ParamUnit& unit, ParamUnit& f32_unit,
-                   const std::string& prefix, const GdnBlockConfig& cfg, HeadExchange exchange)
-    : cfg_(cfg), xchg_(std::move(exchange)) {
+                   const std::string& prefix, const GdnBlockConfig& cfg, GdnContextParallel cp)
+    : cfg_(cfg), cpx_(std::move(cp)) {
   const int64_t H = cfg.hidden, Hk = cfg.num_key_heads, Hv = cfg.num_value_heads;
   const int64_t Dk = cfg.key_head_dim, Dv = cfg.value_head_dim, W = cfg.conv_kernel;
   BB_CHECK(H > 0 && Hk > 0 && Hv > 0 && Dk > 0 && Dv > 0 && Hv % Hk == 0,
@@ -85,16 +86,15 @@ std::unique_ptr<BlockSaved> GdnBlock::make_saved() const {
   return std::make_unique<Saved>();
 }
 
-Tensor GdnBlock::conv_act(int i, const Tensor& pre, const MicroBatch& mb, const Tensor& x) const {
+Tensor GdnBlock::conv_act(int i, const Tensor& pre, const MicroBatch& mb, const Tensor& x, Tensor* halo) const {
   const auto [row0, rows] = my_conv_rows(i, mb);
   const Tensor filters = conv_->value.view({conv_->shape[0], cfg_.conv_kernel});
   // On a GPU the gated delta rule takes q, k, v in the activation dtype (bf16: its tensor-core
   // products run on bf16 operands; f32 inputs cost three products per multiply); its CPU
   // reference takes f32.
   // The conv writes that dtype itself (one pass over the activations, not a second cast).
-  return causal_conv1d_forward(pre, block::as_dtype(filters.narrow(row0, rows), DType::f32),
-                               xchg_.cu_seqlens(mb), /*silu=*/true, MemCategory::activations,
-                               x.device().is_cpu() ? DType::f32 : x.dtype());
+  return cpx_.conv_forward(pre, block::as_dtype(filters.narrow(row0, rows), DType::f32), mb,
+                           x.device().is_cpu() ? DType::f32 : x.dtype(), halo);
 }
 
 std::pair<int64_t, int64_t> GdnBlock::qkv_rows(int i) const {
@@ -112,7 +112,7 @@ std::pair<int64_t, int64_t> GdnBlock::qkv_heads(int i) const {
 
 std::pair<int64_t, int64_t> GdnBlock::my_conv_rows(int i, const MicroBatch& mb) const {
   const auto [heads, dim] = qkv_heads(i);
-  const auto [first, count] = xchg_.my_heads(heads, mb, "Gated DeltaNet under context parallelism");
+  const auto [first, count] = cpx_.my_heads(heads, mb);
   return {qkv_rows(i).first + first * dim, count * dim};
 }
 
@@ -134,22 +134,22 @@ Tensor GdnBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) 
   PendingExchange pre[3];
   for (int i = 0; i < 3; ++i) {
     const auto [row0, rows] = qkv_rows(i);
-    pre[i] = xchg_.start_to_heads(linear_forward(S.h, w_qkv_->value.narrow(row0, rows), Tensor()),
+    pre[i] = cpx_.start_to_heads(linear_forward(S.h, w_qkv_->value.narrow(row0, rows), Tensor()),
                                   qkv_heads(i).first, mb, kAct);
   }
-  PendingExchange z = xchg_.start_to_heads(linear_forward(S.h, w_z_->value, Tensor()), Hv, mb, kAct);
-  PendingExchange a = xchg_.start_to_heads(linear_forward(S.h, w_a_->value, Tensor()), Hv, mb, kAct);
-  PendingExchange b = xchg_.start_to_heads(linear_forward(S.h, w_b_->value, Tensor()), Hv, mb, kAct);
+  PendingExchange z = cpx_.start_to_heads(linear_forward(S.h, w_z_->value, Tensor()), Hv, mb, kAct);
+  PendingExchange a = cpx_.start_to_heads(linear_forward(S.h, w_a_->value, Tensor()), Hv, mb, kAct);
+  PendingExchange b = cpx_.start_to_heads(linear_forward(S.h, w_b_->value, Tensor()), Hv, mb, kAct);
   // q, k, v: (to heads) -> depthwise causal conv -> SiLU.
   for (int i = 0; i < 3; ++i) {
     S.pre[i] = block::as_dtype(pre[i].get(), DType::f32);
-    S.act[i] = conv_act(i, S.pre[i], mb, x);
+    S.act[i] = conv_act(i, S.pre[i], mb, x, &S.cp.halo[i]);
   }
   S.z = z.get();
   S.a = a.get();
-  const auto [vh0, hv] = xchg_.my_heads(Hv, mb, "Gated DeltaNet under context parallelism");
+  const auto [vh0, hv] = cpx_.my_heads(Hv, mb);
   const int64_t hk = hv * Hk / Hv;
-  const int64_t T = S.a.size(0);  // rows of the head-sharded tensors (the whole sequences under cp)
+  const int64_t T = S.a.size(0);  // rows of the head-sharded tensors (the whole sequences under heads)
   {
     GdnGates gates = gdn_gates_forward(S.a, b.get(), a_log_->value.narrow(vh0, hv), dt_bias_->value.narrow(vh0, hv));
     S.g = gates.g;
@@ -164,12 +164,11 @@ Tensor GdnBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) 
   // drops them with the conv outputs. Under full recompute this is the recompute pass, right
   // before the backward, whose workspace would hold the same buffers anyway.
   const bool keep_prep = saved != nullptr && !ctx.recompute_drop.has(RecomputePart::gdn);
-  S.o = gated_delta_rule_forward(S.act[0].view({T, hk, Dk}), S.act[1].view({T, hk, Dk}),
-                                 S.act[2].view({T, hv, Dv}), S.g, S.beta, xchg_.cu_seqlens(mb), opts,
-                                 MemCategory::activations, keep_prep ? &S.prep : nullptr);
+  S.o = cpx_.rule_forward(S.act[0].view({T, hk, Dk}), S.act[1].view({T, hk, Dk}), S.act[2].view({T, hv, Dv}), S.g,
+                          S.beta, mb, opts, keep_prep ? &S.prep : nullptr, saved ? &S.cp : nullptr);
   const Tensor y = gated_rmsnorm_forward(S.o.view({T * hv, Dv}), S.z.view({T * hv, Dv}),
                                          norm_->value, cfg_.rms_norm_eps);
-  S.y = xchg_.from_heads(block::as_dtype(y.view({T, hv * Dv}), w_out_->value.dtype()), Hv, mb, kAct);
+  S.y = cpx_.from_heads(block::as_dtype(y.view({T, hv * Dv}), w_out_->value.dtype()), Hv, mb, kAct);
   Tensor out = linear_forward(S.y, w_out_->value, Tensor());
   if (saved) {  // selective recompute: backward_data rebuilds what is dropped here
     if (ctx.recompute_drop.has(RecomputePart::gdn))
@@ -186,26 +185,23 @@ Tensor GdnBlock::backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved&
   const int64_t Hk = cfg_.num_key_heads, Hv = cfg_.num_value_heads;
   const int64_t Dk = cfg_.key_head_dim, Dv = cfg_.value_head_dim;
   constexpr MemCategory kAct = MemCategory::activations;
-  const auto [vh0, hv] = xchg_.my_heads(Hv, mb, "Gated DeltaNet under context parallelism");
+  const auto [vh0, hv] = cpx_.my_heads(Hv, mb);
   const int64_t hk = hv * Hk / Hv, T = S.a.size(0);
-  const Tensor cu = xchg_.cu_seqlens(mb);
 
   const Tensor d_norm_out =
-      xchg_.to_heads(block::linear_backward(ctx, S, d_y, S.y, w_out_, nullptr), Hv, mb, kAct);
+      cpx_.to_heads(block::linear_backward(ctx, S, d_y, S.y, w_out_, nullptr), Hv, mb, kAct);
   auto [d_o, d_z] =
       gated_rmsnorm_backward(d_norm_out.view({T * hv, Dv}), S.o.view({T * hv, Dv}),
                              S.z.view({T * hv, Dv}), norm_->value, cfg_.rms_norm_eps, norm_->grad);
   // Selective recompute of `gdn`: the convs again on the kept conv inputs (bit-identical).
   for (int i = 0; i < 3; ++i)
-    if (!S.act[i].defined()) S.act[i] = conv_act(i, S.pre[i], mb, S.x);
+    if (!S.act[i].defined()) S.act[i] = conv_act(i, S.pre[i], mb, S.x, &S.cp.halo[i]);
   GatedDeltaOptions opts;
   opts.scale = 1.0 / std::sqrt(static_cast<double>(Dk));
   opts.l2norm = true;
   opts.eps = 1e-6;
-  GatedDeltaGrads gg = gated_delta_rule_backward(d_o.view({T, hv, Dv}), S.act[0].view({T, hk, Dk}),
-                                                 S.act[1].view({T, hk, Dk}),
-                                                 S.act[2].view({T, hv, Dv}), S.g, S.beta, cu, opts,
-                                                 &S.prep);
+  GatedDeltaGrads gg = cpx_.rule_backward(d_o.view({T, hv, Dv}), S.act[0].view({T, hk, Dk}), S.act[1].view({T, hk, Dk}),
+                                          S.act[2].view({T, hv, Dv}), S.g, S.beta, mb, opts, &S.prep, S.cp);
   d_o = Tensor();
   // This rank's heads' slices of A_log and dt_bias (and of their gradients: the other ranks add
   // theirs, and the dense gradient reduction sums them).
@@ -216,10 +212,10 @@ Tensor GdnBlock::backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved&
   // weight dtype (the projections' backward rounds it to that dtype first anyway: the same
   // values at half the bytes on a GPU), and the convs' backward runs while z's, b's and a's
   // travel; the projections' backward then takes them in the order as before.
-  PendingExchange back_z = xchg_.start_from_heads(block::as_dtype(d_z.view({T, hv * Dv}), w_z_->value.dtype()), Hv,
+  PendingExchange back_z = cpx_.start_from_heads(block::as_dtype(d_z.view({T, hv * Dv}), w_z_->value.dtype()), Hv,
                                                   mb, kAct);
-  PendingExchange back_b = xchg_.start_from_heads(block::as_dtype(d_b, w_b_->value.dtype()), Hv, mb, kAct);
-  PendingExchange back_a = xchg_.start_from_heads(block::as_dtype(d_a, w_a_->value.dtype()), Hv, mb, kAct);
+  PendingExchange back_b = cpx_.start_from_heads(block::as_dtype(d_b, w_b_->value.dtype()), Hv, mb, kAct);
+  PendingExchange back_a = cpx_.start_from_heads(block::as_dtype(d_a, w_a_->value.dtype()), Hv, mb, kAct);
   d_z = d_b = d_a = Tensor();
 
   // Through the convs (their filter gradients added here) and the projections.
@@ -230,10 +226,9 @@ Tensor GdnBlock::backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved&
   for (int i = 0; i < 3; ++i) {
     const auto [c0, crows] = my_conv_rows(i, mb);
     Tensor d_w = filter_grads.narrow(c0, crows);
-    back_pre[i] = xchg_.start_from_heads(
-        block::as_dtype(causal_conv1d_backward(d_act[i]->view({T, crows}), S.pre[i],
-                                               block::as_dtype(filters.narrow(c0, crows), DType::f32), cu,
-                                               /*silu=*/true, d_w),
+    back_pre[i] = cpx_.start_from_heads(
+        block::as_dtype(cpx_.conv_backward(d_act[i]->view({T, crows}), S.pre[i],
+                                           block::as_dtype(filters.narrow(c0, crows), DType::f32), mb, S.cp.halo[i], d_w),
                         w_qkv_->value.dtype()),
         qkv_heads(i).first, mb, kAct);
   }

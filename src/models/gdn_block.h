@@ -16,16 +16,18 @@
 // Backward convention as every block (block.h): d_x written; the projection weight gradients
 // through the deferred-wgrad queue; the vector-like gradients (both norms, conv1d, A_log,
 // dt_bias) added in backward_data, since their primitives compute them with the data gradient.
-// Context parallelism (a micro-batch sharded over cp ranks): everything from the conv to the
-// output norm is per channel or per head, so the block sends its projections to heads
-// (HeadExchange: each rank gets Hk / cp key and Hv / cp value heads of every row of the whole
-// sequences), runs the conv, gates, recurrence and norm there, and brings the normed output back
-// to its rows before out_proj. Unsharded, the exchange is the identity.
+// Context parallelism (a micro-batch sharded over cp ranks) goes through the family object
+// GdnContextParallel (primitives.gdn_cp, primitives/gdn/gdn_context_parallel.h): under `heads`
+// the projections go to heads (each rank gets Hk / cp key and Hv / cp value heads of every row of
+// the whole sequences), the conv, gates, recurrence and norm run there, and the normed output
+// comes back to its rows before out_proj; under `states` every rank keeps its rows and all heads,
+// and only the conv's halo and the recurrence's state summaries cross ranks. Unsharded, every
+// call is the plain primitive.
 // Legend: T tokens, H hidden, Hk / Hv key / value heads, Dk / Dv their dims, W conv width.
 #pragma once
 
 #include "models/block.h"
-#include "primitives/attention/context_parallel.h"
+#include "primitives/gdn/gdn_context_parallel.h"
 #include "primitives/gdn/gdn_gates.h"  // the gates (gdn_gates_forward/backward), used by the tests too
 #include "primitives/norm/rmsnorm.h"
 
@@ -43,7 +45,7 @@ class GdnBlock final : public Block {
   // Declares the parameters: matrices and norms in `unit` (the layer's dense unit), A_log and
   // dt_bias in `f32_unit` (a unit whose values stay f32).
   GdnBlock(ParamStore& store, ParamUnit& unit, ParamUnit& f32_unit, const std::string& prefix,
-           const GdnBlockConfig& cfg, HeadExchange exchange = HeadExchange());
+           const GdnBlockConfig& cfg, GdnContextParallel cp = GdnContextParallel());
   const char* kind() const override { return "gated_delta_net"; }
   std::unique_ptr<BlockSaved> make_saved() const override;
   Tensor forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) override;
@@ -60,10 +62,11 @@ class GdnBlock final : public Block {
   // The conv filter rows of row block i that this rank's heads of mb use (first row, rows).
   std::pair<int64_t, int64_t> my_conv_rows(int i, const MicroBatch& mb) const;
   // silu(causal_conv1d(pre)) of row block i (this rank's heads) in the gated delta rule's input
-  // dtype (the forward's, and the rebuild of selective recompute's `gdn` part).
-  Tensor conv_act(int i, const Tensor& pre, const MicroBatch& mb, const Tensor& x) const;
+  // dtype (the forward's, and the rebuild of selective recompute's `gdn` part). halo: the
+  // conv's halo under context parallelism by states (kept by the forward, reused by a rebuild).
+  Tensor conv_act(int i, const Tensor& pre, const MicroBatch& mb, const Tensor& x, Tensor* halo) const;
   GdnBlockConfig cfg_;
-  HeadExchange xchg_;
+  GdnContextParallel cpx_;
   Param *ln_ = nullptr, *w_qkv_ = nullptr, *w_z_ = nullptr, *w_b_ = nullptr, *w_a_ = nullptr;
   Param *conv_ = nullptr, *norm_ = nullptr, *w_out_ = nullptr;
   Param *a_log_ = nullptr, *dt_bias_ = nullptr;

@@ -696,6 +696,30 @@ MemoryEstimate estimate_memory(const RunConfig& cfg, int64_t world_size, const E
       const int64_t passes = policy == RecomputePolicy::full ? 2 : 1;
       ce.cp_bytes += A * n_attn * (P - 1) * (passes * kv + kv + dkv);
       ce.cp_s += A * n_attn * (P - 1) * (passes * shift + shift_d);
+      // Gated DeltaNet layers (primitives.gdn_cp; skills/gdn-cp-states.md), one sequence per
+      // micro-batch taken: `heads` all-to-alls the projections (2 Hk Dk + 2 Hv Dv + 2 Hv) there
+      // and the output (Hv Dv) back in each forward, the same in the backward; `states`
+      // all-gathers each of the 2 pieces' K x K and K x V summaries (f32) once a forward and once
+      // a backward (the conv halo's few rows are left out).
+      const int64_t n_gdn = mc.num_linear_attention_layers();
+      if (n_gdn > 0) {
+        const int64_t Hk = mc.linear_num_key_heads, Hv = mc.linear_num_value_heads;
+        const int64_t Dk = mc.linear_key_head_dim, Dv = mc.linear_value_head_dim;
+        const GdnCpMode mode = cfg.prim.gdn_cp.value;
+        const bool split = Hk % P == 0 && Hv % P == 0;
+        const bool states = mode == GdnCpMode::states || (mode == GdnCpMode::automatic && !split);
+        if (states) {
+          const int64_t mine = 2 * Hv * Dk * (Dk + Dv) * 4;
+          ce.cp_bytes += A * n_gdn * (passes + 1) * mine * (P - 1);
+          ce.cp_s += A * n_gdn * (passes + 1) * link.all_gather_s(wr, mine * P);
+        } else {
+          const int64_t row = (2 * Hk * Dk + 3 * Hv * Dv + 2 * Hv) * d.a;
+          std::vector<int64_t> per(static_cast<size_t>(P), d.T / P * row);
+          const double one = link.all_to_all_s(wr, static_cast<int>(me), per, per);
+          ce.cp_bytes += A * n_gdn * (passes + 1) * (d.T / P) * row * (P - 1);
+          ce.cp_s += A * n_gdn * (passes + 1) * one;
+        }
+      }
     }
   }
 

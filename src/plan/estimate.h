@@ -73,7 +73,9 @@ struct EstimateOptions {
 // recompute reuses the backward's gather) and its gradient reduce-scattered once; per MoE layer
 // five all-to-alls of the routed rows (dispatch and combine forward, the recompute's dispatch,
 // two backward); per attention layer with cp > 1 the ring's cp - 1 shifts of K and V forward and in
-// the recompute, and of K, V and their f32 gradients backward.
+// the recompute, and of K, V and their f32 gradients backward; per Gated DeltaNet layer with cp > 1
+// the head all-to-alls (gdn_cp heads) or the state summaries' all-gathers (states) of each forward
+// and backward, one sequence per micro-batch taken.
 struct CommEstimate {
   double param_gather_s = 0, grad_reduce_s = 0, ep_s = 0, cp_s = 0;
   int64_t param_gather_bytes = 0, grad_reduce_bytes = 0, ep_bytes = 0, cp_bytes = 0;

@@ -79,6 +79,18 @@ const Family<SelfAttentionFactory>& attention_family() {
   return f;
 }
 
+const Family<GdnCpMode>& gdn_cp_family() {
+  static const Family<GdnCpMode> f(
+      "gdn_cp", "auto",
+      {{"auto", GdnCpMode::automatic, "heads where cp divides the key and value head counts, else states"},
+       {"heads", GdnCpMode::heads,
+        "Gated DeltaNet layers under cp: all-to-all of the projections to heads and back (cp divides the heads)"},
+       {"states", GdnCpMode::states,
+        "Gated DeltaNet layers under cp: each rank runs its own tokens; only the conv halo and per-piece state "
+        "summaries (K x K transition, K x V end state) cross ranks (any head count)"}});
+  return f;
+}
+
 const Family<DispatcherFactory>& moe_dispatch_family() {
   static const Family<DispatcherFactory> f(
       "moe_dispatch", "allgather",
@@ -123,6 +135,7 @@ void for_each_family(Set& s, F&& f) {
   f(s.experts, experts_family());
   f(s.permute, permute_family());
   f(s.attention, attention_family());
+  f(s.gdn_cp, gdn_cp_family());
   f(s.moe_dispatch, moe_dispatch_family());
   f(s.state, state_family());
   f(s.optimizer, optimizer_family());

@@ -16,6 +16,7 @@
 
 #include "core/error.h"
 #include "primitives/attention/context_parallel.h"
+#include "primitives/gdn/gdn_context_parallel.h"
 #include "primitives/loss/loss_head.h"
 #include "primitives/moe/dispatcher.h"
 #include "primitives/moe/experts.h"
@@ -146,6 +147,7 @@ const Family<RouterScore>& router_family();
 const Family<ExpertsImpl>& experts_family();
 const Family<PermuteMode>& permute_family();
 const Family<SelfAttentionFactory>& attention_family();
+const Family<GdnCpMode>& gdn_cp_family();
 const Family<DispatcherFactory>& moe_dispatch_family();
 const Family<StateKind>& state_family();
 const Family<OptimizerKind>& optimizer_family();
@@ -162,6 +164,7 @@ struct PrimitiveSet {
   Choice<ExpertsImpl> experts = experts_family().default_choice();
   Choice<PermuteMode> permute = permute_family().default_choice();
   Choice<SelfAttentionFactory> attention = attention_family().default_choice();
+  Choice<GdnCpMode> gdn_cp = gdn_cp_family().default_choice();
   Choice<DispatcherFactory> moe_dispatch = moe_dispatch_family().default_choice();
   Choice<StateKind> state = state_family().default_choice();
   Choice<OptimizerKind> optimizer = optimizer_family().default_choice();

@@ -312,8 +312,9 @@ ParallelLayout resolve_layout(const RunConfig& cfg, int64_t world_size) {
              "\"cp_a2a\" (query heads divisible by cp)");
     if (attn == "cp_a2a") check_cp_a2a_heads(cfg.model.num_heads, cfg.model.num_kv_heads, l.cp);
     for (int64_t i = 0; i < cfg.model.num_layers; ++i)
-      if (cfg.model.layer_type(i) == LayerType::linear_attention) {  // all-to-all to heads (HeadExchange)
-        check_cp_gdn_heads(cfg.model.linear_num_key_heads, cfg.model.linear_num_value_heads, l.cp);
+      if (cfg.model.layer_type(i) == LayerType::linear_attention) {  // primitives.gdn_cp = heads needs cp | heads
+        (void)gdn_cp_by_states(cfg.prim.gdn_cp.value, cfg.model.linear_num_key_heads, cfg.model.linear_num_value_heads,
+                               l.cp);
         break;
       }
   }
@@ -399,6 +400,18 @@ Trainer::Trainer(const RunConfig& cfg_in, FILE* log, Corpus corpus, comm::GroupP
     std::fprintf(log_, "%s[startup] parallel: %d rank(s) over %s (launcher %s), layout %s, state %s\n", p,
                  base->size(), comm::backend_name(base->backend()), comm::world().launcher.c_str(),
                  layout.str().c_str(), cfg.prim.state.name.c_str());
+    if (layout.cp > 1)
+      for (int64_t i = 0; i < cfg.model.num_layers; ++i)
+        if (cfg.model.layer_type(i) == LayerType::linear_attention) {
+          const bool st = gdn_cp_by_states(cfg.prim.gdn_cp.value, cfg.model.linear_num_key_heads,
+                                           cfg.model.linear_num_value_heads, layout.cp);
+          std::fprintf(log_, "%s[startup] gated deltanet layers over cp %lld: %s (primitives.gdn_cp = \"%s\")\n", p,
+                       static_cast<long long>(layout.cp),
+                       st ? "states (own tokens; conv halo and state summaries cross ranks)"
+                          : "heads (projections all-to-all to heads and back)",
+                       cfg.prim.gdn_cp.name.c_str());
+          break;
+        }
     if (emulated)
       std::fprintf(log_, "%s[startup] %s: compute, memory and streams are this rank's, the wire time is modelled; "
                    "routing is balanced and every peer is a copy of this rank, so losses are not the real job's\n",

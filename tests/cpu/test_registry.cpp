@@ -126,14 +126,15 @@ TEST(Registry, PrimitiveSetDefaultsKeysAndSummary) {
   EXPECT_EQ(s.loss.name, "linear_ce");
   EXPECT_EQ(s.recompute.name, "none");
   EXPECT_EQ(s.experts.name, "sequential");
-  EXPECT_EQ(PrimitiveSet::keys().size(), 9u);
+  EXPECT_EQ(PrimitiveSet::keys().size(), 10u);
+  EXPECT_EQ(s.gdn_cp.value, GdnCpMode::automatic);
   for (const std::string& k : PrimitiveSet::keys()) EXPECT_FALSE(s.name_of(k).empty()) << k;
   s.set("experts", "grouped", "test");
   s.set("recompute", "full", "test");
   EXPECT_EQ(s.experts.value, ExpertsImpl::grouped);
   EXPECT_EQ(s.summary(),
             "loss=linear_ce recompute=full router=softmax_topk experts=grouped permute=standard "
-            "attention=sdpa moe_dispatch=allgather state=replicated optimizer=adamw");
+            "attention=sdpa gdn_cp=auto moe_dispatch=allgather state=replicated optimizer=adamw");
   test::expect_error_contains([&] { s.set("losses", "full_ce", "test"); },
                               "unknown primitive family 'losses'");
   test::expect_error_contains([&] { s.set("router", "topk", "cfg.toml"); },

@@ -20,6 +20,7 @@
 #include "common/trainer_equivalence.h"
 #include "common/tiny_models.h"
 #include "models/config.h"
+#include "primitives/gdn/gdn_context_parallel.h"
 #include "runtime/run_config.h"
 
 namespace bb {
@@ -203,9 +204,11 @@ TEST(ContextParallel, BadLayoutsAreClearErrors) {
         },
         "cp_a2a");
   }
-  // Gated DeltaNet layers split their key and value heads over cp: 16 / 32 heads, cp 3 (on 3
-  // ranks a layout cannot be built, so the check itself is called).
-  test::expect_error_contains([] { check_cp_gdn_heads(16, 32, 3); }, "common divisors of 16 and 32");
+  // Gated DeltaNet layers by heads split their key and value heads over cp: 16 / 32 heads, cp 3
+  // (on 3 ranks a layout cannot be built, so the check itself is called); auto takes states.
+  test::expect_error_contains([] { gdn_cp_by_states(GdnCpMode::heads, 16, 32, 3); }, "common divisors of 16 and 32");
+  EXPECT_TRUE(gdn_cp_by_states(GdnCpMode::automatic, 16, 32, 3));
+  EXPECT_FALSE(gdn_cp_by_states(GdnCpMode::automatic, 16, 32, 4));
 }
 
 }  // namespace

@@ -417,13 +417,6 @@ void check_cp_a2a_heads(int64_t num_heads, int64_t num_kv_heads, int64_t cp) {
            "(needs kv heads % cp == 0 or cp % kv heads == 0); use primitives.attention = \"cp_ring\"");
 }
 
-void check_cp_gdn_heads(int64_t num_key_heads, int64_t num_value_heads, int64_t cp) {
-  BB_CHECK(num_key_heads % cp == 0 && num_value_heads % cp == 0, "parallel.cp = ", cp,
-           ": the Gated DeltaNet layers split their ", num_key_heads, " key and ", num_value_heads,
-           " value heads over the context-parallel ranks (all-to-all to heads), which needs cp to divide both; "
-           "choose cp among the common divisors of ", num_key_heads, " and ", num_value_heads);
-}
-
 struct HeadExchange::Orders {
   std::vector<int64_t> seqlens;
   int64_t cp = 0, rank = 0;

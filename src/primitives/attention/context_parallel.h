@@ -107,8 +107,5 @@ class HeadExchange {
   mutable std::shared_ptr<const Orders> cache_;
 };
 
-// Errors naming the heads and parallel.cp when a Gated DeltaNet layer cannot split its key and
-// value heads over `cp` ranks (HeadExchange). Checked at startup by the trainer.
-void check_cp_gdn_heads(int64_t num_key_heads, int64_t num_value_heads, int64_t cp);
 
 }  // namespace bb

@@ -202,22 +202,209 @@ std::vector<CudaPlan> segment_plans(const ref::GdnShape& s, const std::vector<Se
   for (const Segment& seg : segs) plans.push_back(cuda_plan(s, seg.b - seg.a, seg.cu, dev));
   return plans;
 }
+
+// One sequence of the batch as calls of its own (time segments when one call's workspace would
+// exceed the limit), its carried states in the kernels' padded layout ([Hv][128][128]). The
+// tensors are the sequence's rows (views); v may be a zero stand-in of another width (the
+// transition: s.V = K).
+struct SeqRun {
+  Tensor q, k, v, g, beta;
+  ref::GdnShape s;
+  DType dt = DType::f32;
+  size_t limit = 0;
+};
+
+std::vector<Segment> seq_segments(const SeqRun& r, const std::vector<int32_t>& cu,
+                                  const std::function<size_t(const cuda::GdnDims&)>& ws, size_t* one) {
+  cuda::GdnDims d;
+  d.T = r.s.T;
+  d.Hk = static_cast<int>(r.s.Hk);
+  d.Hv = static_cast<int>(r.s.Hv);
+  d.K = static_cast<int>(r.s.K);
+  d.V = static_cast<int>(r.s.V);
+  (void)cuda::gdn_chunk_table(cu.data(), 1, d);
+  *one = ws(d);
+  return *one <= r.limit ? time_segments(cu, r.s.T) : fitting_segments(r.s, cu, *one, r.limit, ws);
+}
+
+// The forward of one sequence from s0 (null: zero): outputs into *o (null: none), the end state
+// into s_end (null: not wanted).
+void seq_forward(const SeqRun& r, Tensor* o, const float* s0, float* s_end) {
+  const Device dev = r.q.device();
+  const std::vector<int32_t> cu = {0, static_cast<int32_t>(r.s.T)};
+  auto fwd_ws = [&](const cuda::GdnDims& d) { return cuda::gdn_forward_workspace_bytes(d, r.dt); };
+  size_t one = 0;
+  const std::vector<Segment> segs = seq_segments(r, cu, fwd_ws, &one);
+  const std::vector<CudaPlan> plans = segment_plans(r.s, segs, dev);
+  size_t need = 0;
+  for (const CudaPlan& sp : plans) need = std::max(need, fwd_ws(sp.dims));
+  const Tensor ws = workspace(need, dev);
+  const int64_t per = r.s.Hv * cuda::kGdnCarryFloatsPerHead;
+  const Tensor pp = segs.size() > 1 ? Tensor::empty({2, per}, DType::f32, dev, MemCategory::workspace) : Tensor();
+  for (size_t i = 0; i < segs.size(); ++i) {
+    const Segment& seg = segs[i];
+    const CudaPlan& sp = plans[i];
+    const bool last = i + 1 == segs.size();
+    cuda::GdnCarry c = carry_of(seg, sp);
+    const int only = cuda::gdn_table_seq(sp.host, sp.dims, 0);
+    if (i == 0 && s0 != nullptr) {
+      c.seq_in = only;
+      c.s_in = s0;
+    } else if (i > 0) {
+      c.s_in = pp.data<float>() + static_cast<int64_t>((i + 1) % 2) * per;
+    }
+    if (last && s_end != nullptr) {
+      c.seq_out = only;
+      c.s_out = s_end;
+    } else if (!last) {
+      c.s_out = pp.data<float>() + static_cast<int64_t>(i % 2) * per;
+    }
+    if (o != nullptr) {
+      Tensor os = rows(*o, seg);
+      cuda::gdn_forward(os.raw(), rows(r.q, seg).raw(), rows(r.k, seg).raw(), rows(r.v, seg).raw(),
+                        rows(r.g, seg).data<float>(), rows(r.beta, seg).data<float>(), sp.table.data<int32_t>(),
+                        sp.dims, r.dt, ws.raw(), false, &c);
+    } else if (c.seq_out >= 0) {
+      cuda::gdn_end_state(rows(r.q, seg).raw(), rows(r.k, seg).raw(), rows(r.v, seg).raw(),
+                          rows(r.g, seg).data<float>(), rows(r.beta, seg).data<float>(), sp.table.data<int32_t>(),
+                          sp.dims, r.dt, ws.raw(), c);
+    }
+  }
+}
+
+// The backward of one sequence: its gradients into `out` (the sequence's rows), from s0 (null:
+// zero) and the end state's gradient ds_end (null: zero).
+void seq_backward(const SeqRun& r, GatedDeltaGrads& out, const Tensor& d_o, const float* s0, const float* ds_end) {
+  const Device dev = r.q.device();
+  const DType do_dt = d_o.dtype();
+  const std::vector<int32_t> cu = {0, static_cast<int32_t>(r.s.T)};
+  auto bwd_ws = [&](const cuda::GdnDims& d) { return cuda::gdn_backward_workspace_bytes(d, r.dt, do_dt); };
+  size_t one = 0;
+  const std::vector<Segment> segs = seq_segments(r, cu, bwd_ws, &one);
+  const std::vector<CudaPlan> plans = segment_plans(r.s, segs, dev);
+  size_t need = 0;
+  for (const CudaPlan& sp : plans) need = std::max({need, bwd_ws(sp.dims), cuda::gdn_forward_workspace_bytes(sp.dims, r.dt)});
+  const Tensor ws = workspace(need, dev);
+  const int64_t per = r.s.Hv * cuda::kGdnCarryFloatsPerHead;
+  const auto nseg = static_cast<int64_t>(segs.size());
+  const Tensor starts = nseg > 1 ? Tensor::empty({nseg, per}, DType::f32, dev, MemCategory::workspace) : Tensor();
+  const Tensor grads = nseg > 1 ? Tensor::empty({2, per}, DType::f32, dev, MemCategory::workspace) : Tensor();
+  auto start_of = [&](int64_t i) { return i == 0 ? s0 : starts.data<float>() + i * per; };
+  for (int64_t i = 0; i + 1 < nseg; ++i) {  // the segments' start states
+    const Segment& seg = segs[static_cast<size_t>(i)];
+    const CudaPlan& sp = plans[static_cast<size_t>(i)];
+    cuda::GdnCarry c = carry_of(seg, sp);
+    if (i == 0 && s0 != nullptr) c.seq_in = cuda::gdn_table_seq(sp.host, sp.dims, 0);
+    c.s_in = start_of(i);
+    c.s_out = starts.data<float>() + (i + 1) * per;
+    cuda::gdn_end_state(rows(r.q, seg).raw(), rows(r.k, seg).raw(), rows(r.v, seg).raw(), rows(r.g, seg).data<float>(),
+                        rows(r.beta, seg).data<float>(), sp.table.data<int32_t>(), sp.dims, r.dt, ws.raw(), c);
+  }
+  for (int64_t i = nseg - 1; i >= 0; --i) {
+    const Segment& seg = segs[static_cast<size_t>(i)];
+    const CudaPlan& sp = plans[static_cast<size_t>(i)];
+    const int only = cuda::gdn_table_seq(sp.host, sp.dims, 0);
+    cuda::GdnCarry c = carry_of(seg, sp);
+    if (i == 0 && s0 != nullptr) c.seq_in = only;
+    c.s_in = start_of(i);
+    if (i == nseg - 1) {
+      if (ds_end != nullptr) {
+        c.seq_out = only;
+        c.ds_in = ds_end;
+      }
+    } else {
+      c.ds_in = grads.data<float>() + ((i + 1) % 2) * per;
+    }
+    if (i > 0) c.ds_out = grads.data<float>() + (i % 2) * per;
+    Tensor dq = rows(out.d_q, seg), dk = rows(out.d_k, seg), dv = rows(out.d_v, seg), dg = rows(out.d_g, seg),
+           db = rows(out.d_beta, seg);
+    cuda::gdn_backward(dq.data<float>(), dk.data<float>(), dv.data<float>(), dg.data<float>(), db.data<float>(),
+                       rows(d_o, seg).raw(), do_dt, rows(r.q, seg).raw(), rows(r.k, seg).raw(), rows(r.v, seg).raw(),
+                       rows(r.g, seg).data<float>(), rows(r.beta, seg).data<float>(), sp.table.data<int32_t>(), sp.dims,
+                       r.dt, ws.raw(), nullptr, &c);
+  }
+}
+
+// The start-state gradient of one sequence from its outputs' gradient alone (into ds0): the
+// backward's reverse state pass over its segments, last to first, carrying the gradient.
+void seq_start_grad(const SeqRun& r, const Tensor& d_o, float* ds0) {
+  const Device dev = r.q.device();
+  const DType do_dt = d_o.dtype();
+  const std::vector<int32_t> cu = {0, static_cast<int32_t>(r.s.T)};
+  auto bwd_ws = [&](const cuda::GdnDims& d) { return cuda::gdn_backward_workspace_bytes(d, r.dt, do_dt); };
+  size_t one = 0;
+  const std::vector<Segment> segs = seq_segments(r, cu, bwd_ws, &one);
+  const std::vector<CudaPlan> plans = segment_plans(r.s, segs, dev);
+  size_t need = 0;
+  for (const CudaPlan& sp : plans) need = std::max(need, bwd_ws(sp.dims));
+  const Tensor ws = workspace(need, dev);
+  const int64_t per = r.s.Hv * cuda::kGdnCarryFloatsPerHead;
+  const auto nseg = static_cast<int64_t>(segs.size());
+  const Tensor grads = nseg > 1 ? Tensor::empty({2, per}, DType::f32, dev, MemCategory::workspace) : Tensor();
+  for (int64_t i = nseg - 1; i >= 0; --i) {
+    const Segment& seg = segs[static_cast<size_t>(i)];
+    const CudaPlan& sp = plans[static_cast<size_t>(i)];
+    cuda::GdnCarry c = carry_of(seg, sp);
+    if (i == 0) c.seq_in = cuda::gdn_table_seq(sp.host, sp.dims, 0);
+    if (i < nseg - 1) c.ds_in = grads.data<float>() + ((i + 1) % 2) * per;
+    c.ds_out = i == 0 ? ds0 : grads.data<float>() + (i % 2) * per;
+    cuda::gdn_start_grad(rows(d_o, seg).raw(), do_dt, rows(r.q, seg).raw(), rows(r.k, seg).raw(), rows(r.v, seg).raw(),
+                         rows(r.g, seg).data<float>(), rows(r.beta, seg).data<float>(), sp.table.data<int32_t>(),
+                         sp.dims, r.dt, ws.raw(), c);
+  }
+}
+
+// Sequence n's run: the rows [cu[n], cu[n + 1]) of the inputs.
+SeqRun seq_run(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+               const std::vector<int32_t>& cu, int64_t n, const ref::GdnShape& s, size_t limit) {
+  const int64_t a = cu[static_cast<size_t>(n)], len = cu[static_cast<size_t>(n + 1)] - a;
+  SeqRun r{q.narrow(a, len), k.narrow(a, len), v.narrow(a, len), g.narrow(a, len), beta.narrow(a, len), s,
+           q.dtype(), limit};
+  r.s.T = len;
+  return r;
+}
 #endif
+
+// Checks a states argument: f32 [n, Hv, K, cols] on the inputs' device.
+void check_states(const Tensor& st, const char* op, const char* name, int64_t n, const ref::GdnShape& s, int64_t cols,
+                  Device dev) {
+  check_defined(st, op, name);
+  check_dtype(st, DType::f32, op, name);
+  check_shape(st, {n, s.Hv, s.K, cols}, op, name);
+  BB_CHECK(st.device() == dev, op, ": ", name, " is on ", st.device().str(), " but the inputs are on ", dev.str());
+}
 
 }  // namespace
 
 Tensor gated_delta_rule_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                 const Tensor& beta, const Tensor& cu_seqlens,
                                 const GatedDeltaOptions& opts, MemCategory out_cat,
-                                GatedDeltaPrep* keep) {
+                                GatedDeltaPrep* keep, const Tensor* initial_state) {
   BB_RANGE("gated_delta_rule_forward");
-  const ref::GdnShape s = check("gated_delta_rule_forward", q, k, v, g, beta, cu_seqlens, opts);
+  const char* op = "gated_delta_rule_forward";
+  const ref::GdnShape s = check(op, q, k, v, g, beta, cu_seqlens, opts);
+  const int64_t nseq = cu_seqlens.numel() - 1;
+  if (initial_state != nullptr) check_states(*initial_state, op, "initial_state", nseq, s, s.V, q.device());
   Tensor o = Tensor::empty(v.shape(), v.dtype(), v.device(), out_cat);
   if (keep != nullptr) *keep = GatedDeltaPrep{};
 #ifdef BB_WITH_CUDA
   if (q.device().is_cuda()) {
     if (s.T == 0) return o;
     const std::vector<int32_t> cu = cu_seqlens.to_ints();
+    if (initial_state != nullptr) {  // one sequence a call, each from its own start state
+      const Tensor pad = Tensor::empty({s.Hv * cuda::kGdnCarryFloatsPerHead}, DType::f32, q.device(),
+                                       MemCategory::workspace);
+      const int64_t KV = s.Hv * s.K * s.V;
+      for (int64_t n = 0; n < nseq; ++n) {
+        if (cu[static_cast<size_t>(n + 1)] == cu[static_cast<size_t>(n)]) continue;
+        const SeqRun r = seq_run(q, k, v, g, beta, cu, n, s, opts.max_workspace_bytes);
+        cuda::gdn_pad_state(pad.data<float>(), initial_state->data<float>() + n * KV, static_cast<int>(s.Hv),
+                            static_cast<int>(s.K), static_cast<int>(s.V));
+        Tensor on = o.narrow(cu[static_cast<size_t>(n)], r.s.T);
+        seq_forward(r, &on, pad.data<float>(), nullptr);
+      }
+      return o;
+    }
     const CudaPlan p = cuda_plan(s, s.T, cu, q.device());
     const DType dt = q.dtype();
     const size_t one_call = cuda::gdn_forward_workspace_bytes(p.dims, dt);
@@ -260,17 +447,23 @@ Tensor gated_delta_rule_forward(const Tensor& q, const Tensor& k, const Tensor& 
 #endif
   ref::gated_delta_forward<float>(o.data<float>(), q.data<float>(), k.data<float>(),
                                   v.data<float>(), g.data<float>(), beta.data<float>(),
-                                  cu_seqlens.data<int32_t>(), cu_seqlens.numel() - 1, s);
+                                  cu_seqlens.data<int32_t>(), nseq, s,
+                                  initial_state != nullptr ? initial_state->data<float>() : nullptr);
   return o;
 }
 
 GatedDeltaGrads gated_delta_rule_backward(const Tensor& d_o, const Tensor& q, const Tensor& k,
                                           const Tensor& v, const Tensor& g, const Tensor& beta,
                                           const Tensor& cu_seqlens, const GatedDeltaOptions& opts,
-                                          GatedDeltaPrep* prep) {
+                                          GatedDeltaPrep* prep, const Tensor* initial_state,
+                                          const Tensor* d_final_state) {
   BB_RANGE("gated_delta_rule_backward");
   const char* op = "gated_delta_rule_backward";
   const ref::GdnShape s = check(op, q, k, v, g, beta, cu_seqlens, opts);
+  const int64_t nseq = cu_seqlens.numel() - 1;
+  if (initial_state != nullptr) check_states(*initial_state, op, "initial_state", nseq, s, s.V, q.device());
+  if (d_final_state != nullptr) check_states(*d_final_state, op, "d_final_state", nseq, s, s.V, q.device());
+  const bool carried = initial_state != nullptr || d_final_state != nullptr;
   check_defined(d_o, op, "d_o");
   check_shape(d_o, v.shape(), op, "d_o");
   BB_CHECK(d_o.device() == q.device(), op, ": d_o is on ", d_o.device().str(),
@@ -302,6 +495,28 @@ GatedDeltaGrads gated_delta_rule_backward(const Tensor& d_o, const Tensor& q, co
   if (dev.is_cuda()) {
     if (s.T == 0) return r;
     const std::vector<int32_t> cu = cu_seqlens.to_ints();
+    if (carried) {  // one sequence a call, each with its own start state and end-state gradient
+      const int64_t per = s.Hv * cuda::kGdnCarryFloatsPerHead, KV = s.Hv * s.K * s.V;
+      const Tensor pad = Tensor::empty({2, per}, DType::f32, dev, MemCategory::workspace);
+      float* s0 = pad.data<float>();
+      float* dse = pad.data<float>() + per;
+      for (int64_t n = 0; n < nseq; ++n) {
+        const int64_t a = cu[static_cast<size_t>(n)], len = cu[static_cast<size_t>(n + 1)] - a;
+        if (len == 0) continue;
+        const SeqRun sr = seq_run(q, k, v, g, beta, cu, n, s, opts.max_workspace_bytes);
+        if (initial_state != nullptr)
+          cuda::gdn_pad_state(s0, initial_state->data<float>() + n * KV, static_cast<int>(s.Hv), static_cast<int>(s.K),
+                              static_cast<int>(s.V));
+        if (d_final_state != nullptr)
+          cuda::gdn_pad_state(dse, d_final_state->data<float>() + n * KV, static_cast<int>(s.Hv),
+                              static_cast<int>(s.K), static_cast<int>(s.V));
+        GatedDeltaGrads part{r.d_q.narrow(a, len), r.d_k.narrow(a, len), r.d_v.narrow(a, len), r.d_g.narrow(a, len),
+                             r.d_beta.narrow(a, len)};
+        seq_backward(sr, part, d_o.narrow(a, len), initial_state != nullptr ? s0 : nullptr,
+                     d_final_state != nullptr ? dse : nullptr);
+      }
+      return r;
+    }
     const CudaPlan p = cuda_plan(s, s.T, cu, dev, kept.defined() ? &kept.table : nullptr);
     const DType dt = q.dtype(), do_dt = d_o.dtype();
     // A kept prep serves one call; when the rest of the workspace does not fit one, it is dropped
@@ -364,8 +579,90 @@ GatedDeltaGrads gated_delta_rule_backward(const Tensor& d_o, const Tensor& q, co
   ref::gated_delta_backward<float>(
       r.d_q.data<float>(), r.d_k.data<float>(), r.d_v.data<float>(), r.d_g.data<float>(),
       r.d_beta.data<float>(), d_o.data<float>(), q.data<float>(), k.data<float>(), v.data<float>(),
-      g.data<float>(), beta.data<float>(), cu_seqlens.data<int32_t>(), cu_seqlens.numel() - 1, s);
+      g.data<float>(), beta.data<float>(), cu_seqlens.data<int32_t>(), nseq, s,
+      initial_state != nullptr ? initial_state->data<float>() : nullptr,
+      d_final_state != nullptr ? d_final_state->data<float>() : nullptr);
   return r;
+}
+
+GatedDeltaSummary gated_delta_rule_summary(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                           const Tensor& beta, const Tensor& cu_seqlens,
+                                           const GatedDeltaOptions& opts, MemCategory cat) {
+  BB_RANGE("gated_delta_rule_summary");
+  const ref::GdnShape s = check("gated_delta_rule_summary", q, k, v, g, beta, cu_seqlens, opts);
+  const int64_t nseq = cu_seqlens.numel() - 1;
+  const Device dev = q.device();
+  GatedDeltaSummary out{Tensor::empty({nseq, s.Hv, s.K, s.K}, DType::f32, dev, cat),
+                        Tensor::zeros({nseq, s.Hv, s.K, s.V}, DType::f32, dev, cat)};
+#ifdef BB_WITH_CUDA
+  if (dev.is_cuda()) {
+    const std::vector<int32_t> cu = cu_seqlens.to_ints();
+    const int64_t per = s.Hv * cuda::kGdnCarryFloatsPerHead;
+    const Tensor pad = Tensor::empty({2, per}, DType::f32, dev, MemCategory::workspace);
+    float* eye = pad.data<float>();
+    float* end = pad.data<float>() + per;
+    const int Hv = static_cast<int>(s.Hv), K = static_cast<int>(s.K), V = static_cast<int>(s.V);
+    for (int64_t n = 0; n < nseq; ++n) {
+      float* P = out.transition.data<float>() + n * s.Hv * s.K * s.K;
+      cuda::gdn_pad_state(eye, nullptr, Hv, K, K, /*identity=*/true);
+      const int64_t len = cu[static_cast<size_t>(n + 1)] - cu[static_cast<size_t>(n)];
+      if (len == 0) {  // the identity; the end state stays zero
+        cuda::gdn_unpad_state(P, eye, Hv, K, K);
+        continue;
+      }
+      SeqRun r = seq_run(q, k, v, g, beta, cu, n, s, opts.max_workspace_bytes);
+      seq_forward(r, nullptr, nullptr, end);
+      cuda::gdn_unpad_state(out.end_state.data<float>() + n * s.Hv * s.K * s.V, end, Hv, K, V);
+      // The transition is the end state of a run from the identity with zero values (K columns).
+      r.v = Tensor::zeros({len, s.Hv, s.K}, q.dtype(), dev, MemCategory::workspace);
+      r.s.V = s.K;
+      seq_forward(r, nullptr, eye, end);
+      cuda::gdn_unpad_state(P, end, Hv, K, K);
+    }
+    return out;
+  }
+#endif
+  ref::gated_delta_transition<float>(out.transition.data<float>(), k.data<float>(), g.data<float>(),
+                                     beta.data<float>(), cu_seqlens.data<int32_t>(), nseq, s);
+  ref::gated_delta_forward<float>(nullptr, q.data<float>(), k.data<float>(), v.data<float>(), g.data<float>(),
+                                  beta.data<float>(), cu_seqlens.data<int32_t>(), nseq, s, nullptr,
+                                  out.end_state.data<float>());
+  return out;
+}
+
+Tensor gated_delta_rule_start_grad(const Tensor& d_o, const Tensor& q, const Tensor& k, const Tensor& v,
+                                   const Tensor& g, const Tensor& beta, const Tensor& cu_seqlens,
+                                   const GatedDeltaOptions& opts, MemCategory cat) {
+  BB_RANGE("gated_delta_rule_start_grad");
+  const char* op = "gated_delta_rule_start_grad";
+  const ref::GdnShape s = check(op, q, k, v, g, beta, cu_seqlens, opts);
+  check_defined(d_o, op, "d_o");
+  check_shape(d_o, v.shape(), op, "d_o");
+  const Device dev = q.device();
+  BB_CHECK(d_o.device() == dev, op, ": d_o is on ", d_o.device().str(), " but the inputs are on ", dev.str());
+  const int64_t nseq = cu_seqlens.numel() - 1;
+  Tensor out = Tensor::zeros({nseq, s.Hv, s.K, s.V}, DType::f32, dev, cat);
+#ifdef BB_WITH_CUDA
+  if (dev.is_cuda()) {
+    BB_CHECK(d_o.dtype() == DType::f32 || d_o.dtype() == v.dtype(), op, ": d_o must be f32 or v's dtype (",
+             dtype_name(v.dtype()), "), got ", d_o.str());
+    const std::vector<int32_t> cu = cu_seqlens.to_ints();
+    const Tensor pad = Tensor::empty({s.Hv * cuda::kGdnCarryFloatsPerHead}, DType::f32, dev, MemCategory::workspace);
+    for (int64_t n = 0; n < nseq; ++n) {
+      const int64_t a = cu[static_cast<size_t>(n)], len = cu[static_cast<size_t>(n + 1)] - a;
+      if (len == 0) continue;
+      const SeqRun r = seq_run(q, k, v, g, beta, cu, n, s, opts.max_workspace_bytes);
+      seq_start_grad(r, d_o.narrow(a, len), pad.data<float>());
+      cuda::gdn_unpad_state(out.data<float>() + n * s.Hv * s.K * s.V, pad.data<float>(), static_cast<int>(s.Hv),
+                            static_cast<int>(s.K), static_cast<int>(s.V));
+    }
+    return out;
+  }
+#endif
+  check_dtype(d_o, DType::f32, op, "d_o");
+  ref::gated_delta_start_grad<float>(out.data<float>(), d_o.data<float>(), q.data<float>(), k.data<float>(),
+                                     g.data<float>(), beta.data<float>(), cu_seqlens.data<int32_t>(), nseq, s);
+  return out;
 }
 
 }  // namespace bb

@@ -69,18 +69,47 @@ struct GatedDeltaPrep {
   bool defined() const { return buffer.defined(); }
 };
 
+// initial_state: null (every sequence starts from zero) or f32 [n, Hv, K, V], sequence i's start
+// state (context parallelism by state summaries, below). A call with start states does not keep
+// a prep.
 Tensor gated_delta_rule_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                 const Tensor& beta, const Tensor& cu_seqlens,
                                 const GatedDeltaOptions& opts = {},
                                 MemCategory out_cat = MemCategory::activations,
-                                GatedDeltaPrep* keep = nullptr);
+                                GatedDeltaPrep* keep = nullptr, const Tensor* initial_state = nullptr);
 
 // prep: what the forward on these inputs kept (or null / empty). A prep made for other inputs
 // (shapes, dtype, cu_seqlens, options) is an error; it is released when the call returns.
+// initial_state: the forward's (null: zero); d_final_state: null or f32 [n, Hv, K, V], the
+// gradient reaching sequence i's end state from beyond the call (the later ranks' tokens).
 GatedDeltaGrads gated_delta_rule_backward(const Tensor& d_o, const Tensor& q, const Tensor& k,
                                           const Tensor& v, const Tensor& g, const Tensor& beta,
                                           const Tensor& cu_seqlens,
                                           const GatedDeltaOptions& opts = {},
-                                          GatedDeltaPrep* prep = nullptr);
+                                          GatedDeltaPrep* prep = nullptr,
+                                          const Tensor* initial_state = nullptr,
+                                          const Tensor* d_final_state = nullptr);
+
+// Context parallelism by state summaries (skills/gdn-cp-states.md). A sequence maps its start
+// state affinely, S_end = P S_start + E (per value head; P [K, K] the product of its tokens'
+// exp(g_t) (I - beta_t k_t k_t^T), E the end state from a zero start), and the gradient of its
+// start state is P^T dS_end + D, D what its own outputs give. Tensors f32, category `cat`:
+//   transition [n, Hv, K, K]   P of each sequence of cu_seqlens (the identity for an empty one)
+//   end_state  [n, Hv, K, V]   E
+//   start_grad [n, Hv, K, V]   D from d_o (independent of the start state and of v)
+// q and v are checked with the rest (shapes, devices) but summary reads neither q nor, for
+// transition, v. CUDA: one call per sequence of the existing chunked kernels (skills page:
+// costs).
+struct GatedDeltaSummary {
+  Tensor transition, end_state;
+};
+GatedDeltaSummary gated_delta_rule_summary(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                           const Tensor& beta, const Tensor& cu_seqlens,
+                                           const GatedDeltaOptions& opts = {},
+                                           MemCategory cat = MemCategory::activations);
+Tensor gated_delta_rule_start_grad(const Tensor& d_o, const Tensor& q, const Tensor& k, const Tensor& v,
+                                   const Tensor& g, const Tensor& beta, const Tensor& cu_seqlens,
+                                   const GatedDeltaOptions& opts = {},
+                                   MemCategory cat = MemCategory::workspace);
 
 }  // namespace bb

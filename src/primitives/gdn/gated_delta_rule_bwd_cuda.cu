@@ -846,7 +846,47 @@ void backward_impl(float* dq, float* dk, float* dv, float* dg, float* dbeta, con
          q, k, static_cast<const float*>(b.dqp), static_cast<const float*>(b.dkp));
 }
 
+// The start-state gradient of carry.seq_in from d_o (and carry.ds_in at carry.seq_out's end)
+// alone: the prep and the reverse state pass, which reads neither the rebuilt states nor Delta;
+// no input gradient is written.
+template <class Tin>
+void start_grad_impl(const void* d_o, DType do_dt, const Tin* q, const Tin* k, const Tin* v, const float* g,
+                     const float* beta, const int32_t* table, const GdnDims& gd, DType dt, void* ws,
+                     const GdnCarry& carry) {
+  constexpr int NPL = planes_of<Tin>();
+  Dims d = make_dims(gd, table);
+  apply_carry(d, &carry);
+  const bool own_do = do_needs_planes(gd, dt, do_dt);
+  Carve c{static_cast<unsigned char*>(ws)};
+  const BwdBuffers b = carve_bwd<NPL>(c, gd, own_do, nullptr);
+  const int vt = pick_vt(gd);
+  run_prep<Tin, true>(d, b.f, q, k, v, g, beta);
+  const int nw = pick_state_warps(false, vt);
+  const uint16_t* dop = static_cast<const uint16_t*>(d_o);
+  const int64_t psdo = gd.T * gd.Hv * kD;
+  if (own_do) {
+    const unsigned blocks = blocks_for(gd.T * gd.Hv * (kD / 4), kThreads);
+    if (do_dt == DType::f32)
+      launch(convert_do_kernel<float, NPL>, dim3(blocks), kThreads, 0, d, b.dop, static_cast<const float*>(d_o));
+    else
+      launch(convert_do_kernel<uint16_t, NPL>, dim3(blocks), kThreads, 0, d, b.dop,
+             static_cast<const uint16_t*>(d_o));
+    dop = b.dop;
+  }
+  if (nw == 4)
+    run_state_bwd<NPL, 4>(d, vt, b.f.kh, b.f.qh, b.f.w, b.f.pm, dop, psdo, static_cast<const float*>(b.f.gcum),
+                          b.dhs, b.ddl);
+  else
+    run_state_bwd<NPL, 8>(d, vt, b.f.kh, b.f.qh, b.f.w, b.f.pm, dop, psdo, static_cast<const float*>(b.f.gcum),
+                          b.dhs, b.ddl);
+}
+
 // What gated_delta_rule_cuda.cu calls (gdn_cuda_common.cuh).
+template void start_grad_impl<float>(const void*, DType, const float*, const float*, const float*, const float*,
+                                     const float*, const int32_t*, const GdnDims&, DType, void*, const GdnCarry&);
+template void start_grad_impl<uint16_t>(const void*, DType, const uint16_t*, const uint16_t*, const uint16_t*,
+                                        const float*, const float*, const int32_t*, const GdnDims&, DType, void*,
+                                        const GdnCarry&);
 template size_t backward_ws<float>(const GdnDims&, bool, bool);
 template size_t backward_ws<uint16_t>(const GdnDims&, bool, bool);
 template void backward_impl<float>(float*, float*, float*, float*, float*, const void*, DType,

@@ -103,6 +103,18 @@ void gdn_end_state(const void* q, const void* k, const void* v, const float* g, 
                              static_cast<const uint16_t*>(v), g, beta, table, dims, ws, carry);
 }
 
+void gdn_start_grad(const void* d_o, DType do_dt, const void* q, const void* k, const void* v, const float* g,
+                    const float* beta, const int32_t* table, const GdnDims& dims, DType dt, void* ws,
+                    const GdnCarry& carry) {
+  if (dims.T == 0 || dims.num_chunks == 0 || carry.seq_in < 0 || carry.ds_out == nullptr) return;
+  if (dt == DType::f32)
+    start_grad_impl<float>(d_o, do_dt, static_cast<const float*>(q), static_cast<const float*>(k),
+                           static_cast<const float*>(v), g, beta, table, dims, dt, ws, carry);
+  else
+    start_grad_impl<uint16_t>(d_o, do_dt, static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k),
+                              static_cast<const uint16_t*>(v), g, beta, table, dims, dt, ws, carry);
+}
+
 std::vector<int32_t> gdn_chunk_table(const int32_t* cu, int64_t nseq, GdnDims& dims) {
   std::vector<int32_t> starts, lens, order;
   std::vector<int32_t> first(static_cast<size_t>(nseq)), count(static_cast<size_t>(nseq));
@@ -172,6 +184,42 @@ void gdn_backward(float* dq, float* dk, float* dv, float* dg, float* dbeta, cons
     backward_impl<uint16_t>(dq, dk, dv, dg, dbeta, d_o, do_dt, static_cast<const uint16_t*>(q),
                             static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), g,
                             beta, table, dims, dt, ws, prep, carry);
+}
+
+namespace {
+// dst [Hv][128][128] from src [Hv][K][V] (null: zeros, or the K x K identity), pad zero.
+__global__ void pad_state_kernel(float* dst, const float* src, int Hv, int K, int V, bool identity) {
+  const int64_t n = static_cast<int64_t>(Hv) * 128 * 128;
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < n; e += int64_t{gridDim.x} * blockDim.x) {
+    const int j = static_cast<int>(e % 128), i = static_cast<int>((e / 128) % 128), h = static_cast<int>(e / (128 * 128));
+    float x = 0.f;
+    if (i < K && j < V) {
+      if (src != nullptr) x = src[(static_cast<int64_t>(h) * K + i) * V + j];
+      else if (identity && i == j) x = 1.f;
+    }
+    dst[e] = x;
+  }
+}
+__global__ void unpad_state_kernel(float* dst, const float* src, int Hv, int K, int V) {
+  const int64_t n = static_cast<int64_t>(Hv) * K * V;
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < n; e += int64_t{gridDim.x} * blockDim.x) {
+    const int j = static_cast<int>(e % V), i = static_cast<int>((e / V) % K), h = static_cast<int>(e / (static_cast<int64_t>(K) * V));
+    dst[e] = src[(static_cast<int64_t>(h) * 128 + i) * 128 + j];
+  }
+}
+}  // namespace
+
+void gdn_pad_state(float* dst, const float* src, int Hv, int K, int V, bool identity) {
+  const int64_t n = static_cast<int64_t>(Hv) * 128 * 128;
+  launch(pad_state_kernel, dim3(static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 4096))), 256, 0,
+         dst, src, Hv, K, V, identity);
+}
+
+void gdn_unpad_state(float* dst, const float* src, int Hv, int K, int V) {
+  const int64_t n = static_cast<int64_t>(Hv) * K * V;
+  if (n == 0) return;
+  launch(unpad_state_kernel, dim3(static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 4096))), 256, 0,
+         dst, src, Hv, K, V);
 }
 
 void set_gdn_variant(const GdnVariant& v) {

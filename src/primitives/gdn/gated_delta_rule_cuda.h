@@ -45,6 +45,12 @@ struct GdnCarry {
 };
 constexpr int64_t kGdnCarryFloatsPerHead = 128 * 128;
 
+// Carried states between a caller's f32 [Hv][K][V] and the kernels' [Hv][128][128]: pad writes
+// every entry of dst (src null: zeros, or with `identity` the K x K identity, V = K), unpad the
+// K x V block back.
+void gdn_pad_state(float* dst, const float* src, int Hv, int K, int V, bool identity = false);
+void gdn_unpad_state(float* dst, const float* src, int Hv, int K, int V);
+
 // Host: the chunk table for cu_seqlens (host, nseq + 1 entries): chunks of 64 tokens that never
 // cross a sequence boundary (the last of a sequence may be partial), and the non-empty sequences
 // longest first (the sequential state passes of long sequences start first). Layout, ints:
@@ -69,6 +75,13 @@ int gdn_table_seq(const std::vector<int32_t>& table, const GdnDims& dims, int32_
 void gdn_end_state(const void* q, const void* k, const void* v, const float* g, const float* beta,
                    const int32_t* table, const GdnDims& dims, DType dt, void* ws,
                    const GdnCarry& carry);
+
+// The gradient of carry.seq_in's start state from d_o alone (into carry.ds_out), plus, when
+// carry.seq_out is set, what carry.ds_in at its end state gives: qk_norm, chunk_prep and the
+// backward's reverse state pass, no input gradient. ws: backward workspace (no prep).
+void gdn_start_grad(const void* d_o, DType do_dt, const void* q, const void* k, const void* v, const float* g,
+                    const float* beta, const int32_t* table, const GdnDims& dims, DType dt, void* ws,
+                    const GdnCarry& carry);
 
 // The backward. prep: null (qk_norm and chunk_prep run here) or the buffer of a keep_prep
 // forward on the same inputs, dims and table; the backward then skips both and consumes it

@@ -61,17 +61,24 @@ void prep_backward(const T* x, const T* dy, int64_t K, bool l2norm, T r, double 
 
 }  // namespace gdn_detail
 
-// o [T, Hv, V] written.
+// o [T, Hv, V] written (o null: no outputs, the end states only). States [nseq, Hv, K, V]:
+// s_init (null: zero) is each sequence's start state, s_final (null: not wanted) receives its end
+// state (the start state for an empty sequence).
 template <class T>
 void gated_delta_forward(T* o, const T* q, const T* k, const T* v, const T* g, const T* beta,
-                         const int32_t* cu, int64_t nseq, const GdnShape& s) {
+                         const int32_t* cu, int64_t nseq, const GdnShape& s, const T* s_init = nullptr,
+                         T* s_final = nullptr) {
   const int64_t G = s.Hv / s.Hk, K = s.K, V = s.V;
   std::vector<T> S(static_cast<size_t>(K * V)), qn(static_cast<size_t>(K)), kn(static_cast<size_t>(K)),
       m(static_cast<size_t>(V)), d(static_cast<size_t>(V));
   for (int64_t n = 0; n < nseq; ++n)
     for (int64_t h = 0; h < s.Hv; ++h) {
       const int64_t hk = h / G;
-      std::fill(S.begin(), S.end(), T(0));
+      const size_t at = static_cast<size_t>((n * s.Hv + h) * K * V);
+      if (s_init != nullptr)
+        std::copy(s_init + at, s_init + at + S.size(), S.begin());
+      else
+        std::fill(S.begin(), S.end(), T(0));
       for (int64_t t = cu[n]; t < cu[n + 1]; ++t) {
         T r;
         gdn_detail::prep(q + (t * s.Hk + hk) * K, K, s.l2norm, s.eps, s.scale, qn.data(), &r);
@@ -87,6 +94,7 @@ void gated_delta_forward(T* o, const T* q, const T* k, const T* v, const T* g, c
         }
         for (int64_t i = 0; i < K; ++i)
           for (int64_t j = 0; j < V; ++j) S[static_cast<size_t>(i * V + j)] += kn[static_cast<size_t>(i)] * d[static_cast<size_t>(j)];
+        if (o == nullptr) continue;
         T* ot = o + (t * s.Hv + h) * V;
         for (int64_t j = 0; j < V; ++j) {
           T acc = 0;
@@ -94,14 +102,18 @@ void gated_delta_forward(T* o, const T* q, const T* k, const T* v, const T* g, c
           ot[j] = acc;
         }
       }
+      if (s_final != nullptr) std::copy(S.begin(), S.end(), s_final + at);
     }
 }
 
-// Gradients written (=): dq, dk [T, Hk, K], dv [T, Hv, V], dg, dbeta [T, Hv].
+// Gradients written (=): dq, dk [T, Hk, K], dv [T, Hv, V], dg, dbeta [T, Hv]. States [nseq, Hv, K,
+// V]: s_init the forward's start states (null: zero); ds_final the gradient reaching each end state
+// from outside (null: zero); ds_init (null: not wanted) receives the start states' gradients.
 template <class T>
 void gated_delta_backward(T* dq, T* dk, T* dv, T* dg, T* dbeta, const T* d_o, const T* q, const T* k,
                           const T* v, const T* g, const T* beta, const int32_t* cu, int64_t nseq,
-                          const GdnShape& s) {
+                          const GdnShape& s, const T* s_init = nullptr, const T* ds_final = nullptr,
+                          T* ds_init = nullptr) {
   const int64_t G = s.Hv / s.Hk, K = s.K, V = s.V;
   const size_t KV = static_cast<size_t>(K * V);
   std::fill(dq, dq + s.T * s.Hk * K, T(0));
@@ -111,6 +123,8 @@ void gated_delta_backward(T* dq, T* dk, T* dv, T* dg, T* dbeta, const T* d_o, co
       const int64_t hk = h / G, t0 = cu[n], L = cu[n + 1] - cu[n];
       // Rebuild every state of the sequence: states[u] = S_{t0 + u}, states[-1] = 0 (index 0 here).
       std::vector<T> states(static_cast<size_t>(L + 1) * KV, T(0));
+      const size_t at = static_cast<size_t>(n * s.Hv + h) * KV;
+      if (s_init != nullptr) std::copy(s_init + at, s_init + at + KV, states.begin());
       std::vector<T> qn(static_cast<size_t>(L * K)), kn(static_cast<size_t>(L * K)), rq(static_cast<size_t>(L)),
           rk(static_cast<size_t>(L)), dvec(static_cast<size_t>(L * V)), mvec(static_cast<size_t>(L * V));
       for (int64_t u = 0; u < L; ++u) {
@@ -134,6 +148,7 @@ void gated_delta_backward(T* dq, T* dk, T* dv, T* dg, T* dbeta, const T* d_o, co
       }
       std::vector<T> dS(KV, T(0)), dA(KV), dqn(static_cast<size_t>(K)), dkn(static_cast<size_t>(K)),
           A(KV), dd(static_cast<size_t>(V)), dm(static_cast<size_t>(V));
+      if (ds_final != nullptr) std::copy(ds_final + at, ds_final + at + KV, dS.begin());
       for (int64_t u = L - 1; u >= 0; --u) {
         const int64_t t = t0 + u;
         const T decay = std::exp(g[t * s.Hv + h]), b = beta[t * s.Hv + h];
@@ -190,6 +205,74 @@ void gated_delta_backward(T* dq, T* dk, T* dv, T* dg, T* dbeta, const T* d_o, co
                                   dq + (t * s.Hk + hk) * K);
         gdn_detail::prep_backward(k + (t * s.Hk + hk) * K, dkn.data(), K, s.l2norm, rk[static_cast<size_t>(u)], 1.0,
                                   dk + (t * s.Hk + hk) * K);
+      }
+      if (ds_init != nullptr) std::copy(dS.begin(), dS.end(), ds_init + at);
+    }
+}
+
+// Context parallelism by state summaries (skills/gdn-cp-states.md). Per value head, token t acts
+// on the state as S_t = A_t S_{t-1} + beta_t k_t v_t^T with A_t = exp(g_t) (I - beta_t k_t k_t^T)
+// (k_t normalised; A_t symmetric), so a sequence maps its start state affinely: S_end = P S_start +
+// E, with P = A_L ... A_1 its transition and E its end state from a zero start.
+//
+// transition [nseq, Hv, K, K] written: P of each sequence (the identity for an empty one).
+template <class T>
+void gated_delta_transition(T* transition, const T* k, const T* g, const T* beta, const int32_t* cu,
+                            int64_t nseq, const GdnShape& s) {
+  const int64_t G = s.Hv / s.Hk, K = s.K;
+  std::vector<T> kn(static_cast<size_t>(K)), kp(static_cast<size_t>(K));
+  for (int64_t n = 0; n < nseq; ++n)
+    for (int64_t h = 0; h < s.Hv; ++h) {
+      T* P = transition + (n * s.Hv + h) * K * K;
+      std::fill(P, P + K * K, T(0));
+      for (int64_t i = 0; i < K; ++i) P[i * K + i] = T(1);
+      for (int64_t t = cu[n]; t < cu[n + 1]; ++t) {
+        T r;
+        gdn_detail::prep(k + (t * s.Hk + h / G) * K, K, s.l2norm, s.eps, 1.0, kn.data(), &r);
+        const T decay = std::exp(g[t * s.Hv + h]), b = beta[t * s.Hv + h];
+        // P <- decay (P - beta k (k^T P))
+        for (int64_t j = 0; j < K; ++j) {
+          T acc = 0;
+          for (int64_t i = 0; i < K; ++i) acc += kn[static_cast<size_t>(i)] * P[i * K + j];
+          kp[static_cast<size_t>(j)] = acc;
+        }
+        for (int64_t i = 0; i < K; ++i)
+          for (int64_t j = 0; j < K; ++j)
+            P[i * K + j] = decay * (P[i * K + j] - b * kn[static_cast<size_t>(i)] * kp[static_cast<size_t>(j)]);
+      }
+    }
+}
+
+// ds_start [nseq, Hv, K, V] written: the gradient of each sequence's start state from its outputs'
+// gradients d_o alone (none reaching its end state): sum_t (A_t ... A_1)^T q_t do_t^T. It does not
+// depend on the start state or on v.
+template <class T>
+void gated_delta_start_grad(T* ds_start, const T* d_o, const T* q, const T* k, const T* g, const T* beta,
+                            const int32_t* cu, int64_t nseq, const GdnShape& s) {
+  const int64_t G = s.Hv / s.Hk, K = s.K, V = s.V;
+  std::vector<T> qn(static_cast<size_t>(K)), kn(static_cast<size_t>(K)), kd(static_cast<size_t>(V));
+  for (int64_t n = 0; n < nseq; ++n)
+    for (int64_t h = 0; h < s.Hv; ++h) {
+      const int64_t hk = h / G;
+      T* D = ds_start + (n * s.Hv + h) * K * V;
+      std::fill(D, D + K * V, T(0));
+      for (int64_t t = cu[n + 1] - 1; t >= cu[n]; --t) {
+        T r;
+        gdn_detail::prep(q + (t * s.Hk + hk) * K, K, s.l2norm, s.eps, s.scale, qn.data(), &r);
+        gdn_detail::prep(k + (t * s.Hk + hk) * K, K, s.l2norm, s.eps, 1.0, kn.data(), &r);
+        const T decay = std::exp(g[t * s.Hv + h]), b = beta[t * s.Hv + h];
+        const T* dot = d_o + (t * s.Hv + h) * V;
+        // D <- A_t^T (D + q_t do_t^T) = decay ((D + q do^T) - beta k (k^T (D + q do^T)))
+        for (int64_t i = 0; i < K; ++i)
+          for (int64_t j = 0; j < V; ++j) D[i * V + j] += qn[static_cast<size_t>(i)] * dot[j];
+        for (int64_t j = 0; j < V; ++j) {
+          T acc = 0;
+          for (int64_t i = 0; i < K; ++i) acc += kn[static_cast<size_t>(i)] * D[i * V + j];
+          kd[static_cast<size_t>(j)] = acc;
+        }
+        for (int64_t i = 0; i < K; ++i)
+          for (int64_t j = 0; j < V; ++j)
+            D[i * V + j] = decay * (D[i * V + j] - b * kn[static_cast<size_t>(i)] * kd[static_cast<size_t>(j)]);
       }
     }
 }

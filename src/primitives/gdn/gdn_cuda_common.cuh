@@ -609,5 +609,9 @@ void backward_impl(float* dq, float* dk, float* dv, float* dg, float* dbeta, con
                    DType do_dt, const Tin* q, const Tin* k, const Tin* v, const float* g,
                    const float* beta, const int32_t* table, const GdnDims& gd, DType dt, void* ws,
                    void* prep, const GdnCarry* carry);
+template <class Tin>
+void start_grad_impl(const void* d_o, DType do_dt, const Tin* q, const Tin* k, const Tin* v, const float* g,
+                     const float* beta, const int32_t* table, const GdnDims& gd, DType dt, void* ws,
+                     const GdnCarry& carry);
 
 }  // namespace bb::cuda::gdn

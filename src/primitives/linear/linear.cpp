@@ -57,6 +57,38 @@ void matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float
                    c.data<float>());
 }
 
+void matmul_batched(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, float alpha, float beta) {
+  check_float(a, "matmul_batched", "a");
+  check_float(b, "matmul_batched", "b");
+  check_dtype(c, DType::f32, "matmul_batched", "c");
+  BB_CHECK(a.dim() == 3 && b.dim() == 3 && c.dim() == 3 && a.size(0) == b.size(0) && a.size(0) == c.size(0),
+           "matmul_batched: expects 3-d tensors with one batch size, got a ", shape_str(a.shape()), ", b ",
+           shape_str(b.shape()), ", c ", shape_str(c.shape()));
+  const int64_t n = a.size(0), M = ta ? a.size(2) : a.size(1), K = ta ? a.size(1) : a.size(2);
+  const int64_t Kb = tb ? b.size(2) : b.size(1), N = tb ? b.size(1) : b.size(2);
+  BB_CHECK(K == Kb, "matmul_batched: inner dimensions differ: op(a) is [", M, ", ", K, "], op(b) is [", Kb, ", ", N,
+           "]");
+  check_shape(c, {n, M, N}, "matmul_batched", "c");
+  check_same_device(a, b, "matmul_batched");
+  check_same_device(a, c, "matmul_batched");
+  if (n == 0) return;
+  if (a.device().is_cuda()) {
+#ifdef BB_WITH_CUDA
+    cuda::gemm_strided_batched(ta, tb, M, N, K, alpha, a.raw(), a.dtype(), std::max<int64_t>(a.size(2), 1),
+                               a.size(1) * a.size(2), b.raw(), b.dtype(), std::max<int64_t>(b.size(2), 1),
+                               b.size(1) * b.size(2), beta, c.raw(), DType::f32, std::max<int64_t>(N, 1), M * N, n,
+                               a.device().index);
+    return;
+#else
+    no_cuda("matmul_batched", a);
+#endif
+  }
+  Tensor af = cpu::as_f32(a), bf = cpu::as_f32(b);
+  for (int64_t i = 0; i < n; ++i)
+    cpu::gemm<float>(ta, tb, M, N, K, alpha, af.data<float>() + i * a.size(1) * a.size(2),
+                     bf.data<float>() + i * b.size(1) * b.size(2), beta, c.data<float>() + i * M * N);
+}
+
 Tensor linear_forward(const Tensor& x, const Tensor& w, const Tensor& bias, MemCategory out_cat) {
   BB_RANGE("linear_forward");
   check_float(x, "linear_forward", "x");

@@ -19,6 +19,10 @@ namespace bb {
 // c is f32 [M, N]; a, b f32 or bf16 (2-d). op(A) = A or A^T, op(B) = B or B^T.
 void matmul(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
             float alpha = 1.0f, float beta = 0.0f);
+// The same for n independent products of one shape: a [n, ., .], b [n, ., .], c [n, M, N] f32
+// (3-d, contiguous); one cuBLASLt call on a GPU.
+void matmul_batched(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
+                    float alpha = 1.0f, float beta = 0.0f);
 
 Tensor linear_forward(const Tensor& x, const Tensor& w, const Tensor& bias /* may be undefined */,
                       MemCategory out_cat = MemCategory::activations);
