@@ -15,6 +15,7 @@
 #include "comm/mesh.h"
 #include "common/run.h"
 #include "common/testing.h"
+#include "common/tiny_models.h"
 #include "primitives/moe/router.h"
 #include "runtime/paired.h"
 #include "runtime/run_config.h"
@@ -387,6 +388,52 @@ TEST(EmulatedTrainer, ReductionSettingsChangeWhatTheWireCarries) {
   // stay, so the ratio is a little above 1/2.
   EXPECT_GT(static_cast<double>(bf16.bytes), 0.49 * static_cast<double>(micro.bytes));
   EXPECT_LT(static_cast<double>(bf16.bytes), 0.52 * static_cast<double>(micro.bytes));
+}
+
+// Gated DeltaNet layers under cp (skills/gdn-cp-states.md): what each member puts on the cp wire
+// in one step of one emulated rank (rank 0 of cp 4), one 512-token sequence per micro-batch,
+// recompute none. Per GDN layer, P = 4, f32 projections on the CPU (4 bytes):
+//   heads   14 all-to-alls, each moving (P-1)/P of T_local rows each way: 2 x 2 (P-1)/P T (2 Hk Dk
+//           + 3 Hv Dv + 2 Hv) 4 bytes (sent + received) over the forward and backward;
+//   states  2 all-gathers of the pieces' summaries, 2 (P-1) x 2 Hv K (K + V) 4 bytes each, and 6 of
+//           the conv halo (3 forward, 3 backward), 2 x 2 (P-1)(W-1) C_i 4 bytes each for rank 0
+//           (C = Hk Dk, Hk Dk, Hv Dv).
+// The attention layer's ring is the same under both, so the difference is the GDN layers' alone.
+TEST(EmulatedTrainer, GdnCpStatesMovesSummariesNotActivations) {
+  const std::string dir = make_tmpdir();
+  ModelConfig m = test::qwen35_config({.vocab = 264, .hidden = 32, .layers = 4, .lin_key_heads = 4, .lin_value_heads = 8});
+  m.eos_token_id = 256;
+  const std::string run = write_run(dir, m, "");
+  Corpus c;
+  std::vector<int32_t> doc;
+  for (int i = 0; i < 512; ++i) doc.push_back((i * 37 + 11) % 200);
+  for (int i = 0; i < 4; ++i) c.add(doc);
+  struct Wire {
+    int64_t ops = 0, bytes = 0;
+  };
+  auto wire_of = [&](const char* member) {
+    Trainer t(load_run_config(run, {"parallel.comm=\"emulated\"", "emulate.ranks=4", "parallel.cp=4",
+                                    "primitives.attention=\"cp_ring\"", std::string("primitives.gdn_cp=\"") + member + "\"",
+                                    "checkpoint.dir=\"\"", "train.micro_batch_tokens=512", "data.shuffle=false",
+                                    "train.grad_clip=0"}),
+              nullptr, c);
+    comm::reset_emulated_totals();
+    t.train_step();
+    const comm::EmulatedTotals e = comm::emulated_totals();
+    Wire w;
+    for (int k = 0; k < comm::EmulatedTotals::kClasses; ++k)
+      if (std::string(comm::EmulatedTotals::class_name(k)) == "cp") w = {e.ops[k], e.bytes[k]};
+    return w;
+  };
+  const Wire heads = wire_of("heads"), states = wire_of("states");
+  const int64_t P = 4, T = 512 / P, W = m.linear_conv_kernel_dim, L = 3;
+  const int64_t Hk = m.linear_num_key_heads, Hv = m.linear_num_value_heads, Dk = m.linear_key_head_dim,
+                Dv = m.linear_value_head_dim;
+  const int64_t heads_b = L * 2 * 2 * (P - 1) * T / P * (2 * Hk * Dk + 3 * Hv * Dv + 2 * Hv) * 4;
+  const int64_t states_b = L * (2 * 2 * (P - 1) * 2 * Hv * Dk * (Dk + Dv) * 4 +
+                                2 * 2 * 2 * (P - 1) * (W - 1) * (2 * Hk * Dk + Hv * Dv) * 4);
+  EXPECT_EQ(heads.ops - states.ops, L * (14 - 8));
+  EXPECT_EQ(heads.bytes - states.bytes, heads_b - states_b);
 }
 
 // Every shipped run config parses, and the 8-GPU recipe's layout fits an emulated job of 8 as it
