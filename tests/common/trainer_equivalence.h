@@ -45,6 +45,23 @@ inline Reference reference_run(const RunConfig& cfg, const Corpus& corpus, int s
   return ref;
 }
 
+// Documents of lengths 1..7 (shorter than 2 x cp for cp 4), mid-size and longer than a 96-token
+// micro-batch, three times over, random ids below 250 (the test models' EOS is above).
+inline Corpus mixed_length_corpus(uint64_t seed) {
+  const std::vector<int64_t> lens = {1, 70, 3, 5, 140, 2, 7, 33, 1, 6, 90, 4, 25, 200, 3, 12, 60, 2, 45, 9, 130, 1, 17};
+  Corpus c;
+  uint64_t state = seed;
+  for (int rep = 0; rep < 3; ++rep)
+    for (int64_t len : lens) {
+      for (int64_t i = 0; i < len; ++i) {
+        state = state * 6364136223846793005ull + 1442695040888963407ull;
+        c.tokens.push_back(static_cast<int32_t>((state >> 33) % 250));
+      }
+      c.offsets.push_back(static_cast<int64_t>(c.tokens.size()));
+    }
+  return c;
+}
+
 inline std::vector<StepMetrics> train_steps(Trainer& t, int steps) {
   t.set_record_routing(true);
   std::vector<StepMetrics> out;

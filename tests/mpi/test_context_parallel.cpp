@@ -32,23 +32,6 @@ constexpr int kSteps = 5;
 
 ModelConfig small_model() { return test::small_moe({.heads = 4, .kv_heads = 2, .head_dim = 8}); }
 
-// Documents of lengths 1..7 (shorter than 2 x cp for cp 4), mid-size and longer than the 96-token
-// micro-batch, random ids below the EOS id.
-Corpus mixed_corpus() {
-  const std::vector<int64_t> lens = {1, 70, 3, 5, 140, 2, 7, 33, 1, 6, 90, 4, 25, 200, 3, 12, 60, 2, 45, 9, 130, 1, 17};
-  Corpus c;
-  uint64_t state = 42;
-  for (int rep = 0; rep < 3; ++rep)
-    for (int64_t len : lens) {
-      for (int64_t i = 0; i < len; ++i) {
-        state = state * 6364136223846793005ull + 1442695040888963407ull;
-        c.tokens.push_back(static_cast<int32_t>((state >> 33) % 250));
-      }
-      c.offsets.push_back(static_cast<int64_t>(c.tokens.size()));
-    }
-  return c;
-}
-
 struct TestRun {
   std::string dir, toml;
 };
@@ -96,7 +79,7 @@ std::vector<std::string> overrides(const Layout& l) {
 
 void check_layouts(const char* tag, const std::vector<Layout>& layouts, const std::vector<std::string>& common = {}) {
   TestRun run = make_run(tag);
-  const Corpus corpus = mixed_corpus();
+  const Corpus corpus = test::mixed_length_corpus(42);
   // One reference per data-parallel degree (the reference reads dp micro-batches per step).
   std::map<int64_t, test::Reference> refs;
   for (const Layout& l : layouts) {

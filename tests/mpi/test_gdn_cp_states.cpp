@@ -36,21 +36,6 @@ ModelConfig small_qwen35(int64_t key_heads, int64_t value_heads) {
   return c;
 }
 
-Corpus mixed_corpus() {
-  const std::vector<int64_t> lens = {1, 70, 3, 5, 140, 2, 7, 33, 1, 6, 90, 4, 25, 200, 3, 12, 60, 2, 45, 9, 130, 1, 17};
-  Corpus c;
-  uint64_t state = 7;
-  for (int rep = 0; rep < 3; ++rep)
-    for (int64_t len : lens) {
-      for (int64_t i = 0; i < len; ++i) {
-        state = state * 6364136223846793005ull + 1442695040888963407ull;
-        c.tokens.push_back(static_cast<int32_t>((state >> 33) % 250));
-      }
-      c.offsets.push_back(static_cast<int64_t>(c.tokens.size()));
-    }
-  return c;
-}
-
 struct TestRun {
   std::string dir, toml;
 };
@@ -82,7 +67,7 @@ std::string name(const Layout& l) {
 }
 
 void check_layouts(const TestRun& run, const std::vector<Layout>& layouts) {
-  const Corpus corpus = mixed_corpus();
+  const Corpus corpus = test::mixed_length_corpus(7);
   std::map<std::string, test::Reference> refs;  // by dp and recompute
   for (const Layout& l : layouts) {
     SCOPED_TRACE(name(l));

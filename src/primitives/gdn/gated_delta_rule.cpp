@@ -214,8 +214,16 @@ struct SeqRun {
   size_t limit = 0;
 };
 
-std::vector<Segment> seq_segments(const SeqRun& r, const std::vector<int32_t>& cu,
-                                  const std::function<size_t(const cuda::GdnDims&)>& ws, size_t* one) {
+// The sequence's time segments (one unless its call's workspace `ws` exceeds the limit), their
+// plans, and a workspace for the largest (at least `also` of a plan's dims bytes too).
+struct SeqCalls {
+  std::vector<Segment> segs;
+  std::vector<CudaPlan> plans;
+  Tensor ws;
+};
+SeqCalls seq_calls(const SeqRun& r, const std::function<size_t(const cuda::GdnDims&)>& ws,
+                   const std::function<size_t(const cuda::GdnDims&)>& also = nullptr) {
+  const std::vector<int32_t> cu = {0, static_cast<int32_t>(r.s.T)};
   cuda::GdnDims d;
   d.T = r.s.T;
   d.Hk = static_cast<int>(r.s.Hk);
@@ -223,22 +231,24 @@ std::vector<Segment> seq_segments(const SeqRun& r, const std::vector<int32_t>& c
   d.K = static_cast<int>(r.s.K);
   d.V = static_cast<int>(r.s.V);
   (void)cuda::gdn_chunk_table(cu.data(), 1, d);
-  *one = ws(d);
-  return *one <= r.limit ? time_segments(cu, r.s.T) : fitting_segments(r.s, cu, *one, r.limit, ws);
+  const size_t one = ws(d);
+  SeqCalls c;
+  c.segs = one <= r.limit ? time_segments(cu, r.s.T) : fitting_segments(r.s, cu, one, r.limit, ws);
+  c.plans = segment_plans(r.s, c.segs, r.q.device());
+  size_t need = 0;
+  for (const CudaPlan& sp : c.plans) need = std::max({need, ws(sp.dims), also ? also(sp.dims) : size_t{0}});
+  c.ws = workspace(need, r.q.device());
+  return c;
 }
 
 // The forward of one sequence from s0 (null: zero): outputs into *o (null: none), the end state
 // into s_end (null: not wanted).
 void seq_forward(const SeqRun& r, Tensor* o, const float* s0, float* s_end) {
   const Device dev = r.q.device();
-  const std::vector<int32_t> cu = {0, static_cast<int32_t>(r.s.T)};
-  auto fwd_ws = [&](const cuda::GdnDims& d) { return cuda::gdn_forward_workspace_bytes(d, r.dt); };
-  size_t one = 0;
-  const std::vector<Segment> segs = seq_segments(r, cu, fwd_ws, &one);
-  const std::vector<CudaPlan> plans = segment_plans(r.s, segs, dev);
-  size_t need = 0;
-  for (const CudaPlan& sp : plans) need = std::max(need, fwd_ws(sp.dims));
-  const Tensor ws = workspace(need, dev);
+  const SeqCalls calls = seq_calls(r, [&](const cuda::GdnDims& d) { return cuda::gdn_forward_workspace_bytes(d, r.dt); });
+  const std::vector<Segment>& segs = calls.segs;
+  const std::vector<CudaPlan>& plans = calls.plans;
+  const Tensor& ws = calls.ws;
   const int64_t per = r.s.Hv * cuda::kGdnCarryFloatsPerHead;
   const Tensor pp = segs.size() > 1 ? Tensor::empty({2, per}, DType::f32, dev, MemCategory::workspace) : Tensor();
   for (size_t i = 0; i < segs.size(); ++i) {
@@ -277,14 +287,13 @@ void seq_forward(const SeqRun& r, Tensor* o, const float* s0, float* s_end) {
 void seq_backward(const SeqRun& r, GatedDeltaGrads& out, const Tensor& d_o, const float* s0, const float* ds_end) {
   const Device dev = r.q.device();
   const DType do_dt = d_o.dtype();
-  const std::vector<int32_t> cu = {0, static_cast<int32_t>(r.s.T)};
-  auto bwd_ws = [&](const cuda::GdnDims& d) { return cuda::gdn_backward_workspace_bytes(d, r.dt, do_dt); };
-  size_t one = 0;
-  const std::vector<Segment> segs = seq_segments(r, cu, bwd_ws, &one);
-  const std::vector<CudaPlan> plans = segment_plans(r.s, segs, dev);
-  size_t need = 0;
-  for (const CudaPlan& sp : plans) need = std::max({need, bwd_ws(sp.dims), cuda::gdn_forward_workspace_bytes(sp.dims, r.dt)});
-  const Tensor ws = workspace(need, dev);
+  // The sweep of the segments' start states takes a forward's workspace, the rest a backward's.
+  const SeqCalls calls =
+      seq_calls(r, [&](const cuda::GdnDims& d) { return cuda::gdn_backward_workspace_bytes(d, r.dt, do_dt); },
+                [&](const cuda::GdnDims& d) { return cuda::gdn_forward_workspace_bytes(d, r.dt); });
+  const std::vector<Segment>& segs = calls.segs;
+  const std::vector<CudaPlan>& plans = calls.plans;
+  const Tensor& ws = calls.ws;
   const int64_t per = r.s.Hv * cuda::kGdnCarryFloatsPerHead;
   const auto nseg = static_cast<int64_t>(segs.size());
   const Tensor starts = nseg > 1 ? Tensor::empty({nseg, per}, DType::f32, dev, MemCategory::workspace) : Tensor();
@@ -330,14 +339,11 @@ void seq_backward(const SeqRun& r, GatedDeltaGrads& out, const Tensor& d_o, cons
 void seq_start_grad(const SeqRun& r, const Tensor& d_o, float* ds0) {
   const Device dev = r.q.device();
   const DType do_dt = d_o.dtype();
-  const std::vector<int32_t> cu = {0, static_cast<int32_t>(r.s.T)};
-  auto bwd_ws = [&](const cuda::GdnDims& d) { return cuda::gdn_backward_workspace_bytes(d, r.dt, do_dt); };
-  size_t one = 0;
-  const std::vector<Segment> segs = seq_segments(r, cu, bwd_ws, &one);
-  const std::vector<CudaPlan> plans = segment_plans(r.s, segs, dev);
-  size_t need = 0;
-  for (const CudaPlan& sp : plans) need = std::max(need, bwd_ws(sp.dims));
-  const Tensor ws = workspace(need, dev);
+  const SeqCalls calls =
+      seq_calls(r, [&](const cuda::GdnDims& d) { return cuda::gdn_backward_workspace_bytes(d, r.dt, do_dt); });
+  const std::vector<Segment>& segs = calls.segs;
+  const std::vector<CudaPlan>& plans = calls.plans;
+  const Tensor& ws = calls.ws;
   const int64_t per = r.s.Hv * cuda::kGdnCarryFloatsPerHead;
   const auto nseg = static_cast<int64_t>(segs.size());
   const Tensor grads = nseg > 1 ? Tensor::empty({2, per}, DType::f32, dev, MemCategory::workspace) : Tensor();

@@ -339,18 +339,32 @@ namespace {
 int64_t owner_of(int64_t c, int64_t P) { return c < P ? c : 2 * P - 1 - c; }
 int64_t slot_of(int64_t b, int64_t c, int64_t P) { return 2 * b + (c < P ? 0 : 1); }
 
-// Every rank's [a [2B, Hv, K, K] | b [2B, Hv, K, X]] in one all-gather; the result [P x (..)].
-Tensor gather_pair(comm::Group& group, const Tensor& a, const Tensor& b) {
-  const int64_t na = a.numel(), nb = b.numel();
-  Tensor send = Tensor::empty({na + nb}, DType::f32, a.device(), MemCategory::workspace);
-  Tensor sa = send.narrow(0, na).view(a.shape());
-  sa.copy_from(a);
-  Tensor sb = send.narrow(na, nb).view(b.shape());
-  sb.copy_from(b);
-  Tensor got = Tensor::empty({group.size() * (na + nb)}, DType::f32, a.device(), MemCategory::workspace);
-  group.all_gather(send, got)->wait();
-  return got;
-}
+// Every rank's pieces' transitions P [2B, Hv, K, K] and a state-shaped companion X [2B, Hv, K, V]
+// (the end states forward, the start-state gradients backward), all-gathered in one collective,
+// and the views of chunk c of sequence b.
+struct Gathered {
+  Tensor all;  // [P x (2B Hv K K + 2B Hv K V)] f32
+  int64_t P = 0, B = 0, Hv = 0, K = 0, V = 0;
+  Gathered(comm::Group& group, const Tensor& trans, const Tensor& x, int64_t B_)
+      : P(group.size()), B(B_), Hv(x.size(1)), K(x.size(2)), V(x.size(3)) {
+    const int64_t na = trans.numel(), nb = x.numel();
+    Tensor send = Tensor::empty({na + nb}, DType::f32, x.device(), MemCategory::workspace);
+    Tensor sa = send.narrow(0, na).view(trans.shape());
+    sa.copy_from(trans);
+    Tensor sb = send.narrow(na, nb).view(x.shape());
+    sb.copy_from(x);
+    all = Tensor::empty({P * (na + nb)}, DType::f32, x.device(), MemCategory::workspace);
+    group.all_gather(send, all)->wait();
+  }
+  int64_t per() const { return 2 * B * Hv * K * (K + V); }
+  Tensor trans(int64_t b, int64_t c) const {
+    return all.narrow(owner_of(c, P) * per() + slot_of(b, c, P) * Hv * K * K, Hv * K * K).view({Hv, K, K});
+  }
+  Tensor state(int64_t b, int64_t c) const {
+    return all.narrow(owner_of(c, P) * per() + 2 * B * Hv * K * K + slot_of(b, c, P) * Hv * K * V, Hv * K * V)
+        .view({Hv, K, V});
+  }
+};
 
 }  // namespace
 
@@ -364,16 +378,9 @@ Tensor GdnContextParallel::rule_forward(const Tensor& q, const Tensor& k, const 
   if (keep != nullptr) *keep = GatedDeltaPrep{};
   const Pieces& pc = pieces(mb);
   const int64_t P = pc.P, r = pc.r, B = static_cast<int64_t>(pc.seqlens.size());
-  const int64_t Hv = v.size(1), K = k.size(2), V = v.size(2), KK = Hv * K * K, KV = Hv * K * V;
+  const int64_t Hv = v.size(1), K = k.size(2), V = v.size(2);
   GatedDeltaSummary sum = gated_delta_rule_summary(q, k, v, g, beta, cu, opts, MemCategory::activations);
-  const Tensor all = gather_pair(*group_, sum.transition, sum.end_state);
-  const int64_t per = 2 * B * (KK + KV);
-  auto trans = [&](int64_t b, int64_t c) {
-    return all.narrow(owner_of(c, P) * per + slot_of(b, c, P) * KK, KK).view({Hv, K, K});
-  };
-  auto end = [&](int64_t b, int64_t c) {
-    return all.narrow(owner_of(c, P) * per + 2 * B * KK + slot_of(b, c, P) * KV, KV).view({Hv, K, V});
-  };
+  const Gathered all(*group_, sum.transition, sum.end_state, B);
   // S_start(c) = P_{c-1} S_start(c-1) + E_{c-1}, from zero at chunk 0, up to this rank's chunks.
   Tensor start = Tensor::empty({2 * B, Hv, K, V}, DType::f32, q.device(), MemCategory::activations);
   for (int64_t b = 0; b < B; ++b) {
@@ -384,8 +391,8 @@ Tensor GdnContextParallel::rule_forward(const Tensor& q, const Tensor& k, const 
         dst.copy_from(S);
         if (c == 2 * P - 1 - r) break;
       }
-      Tensor next = end(b, c).clone(MemCategory::workspace);
-      matmul_batched(trans(b, c), false, S, false, next, 1.f, 1.f);
+      Tensor next = all.state(b, c).clone(MemCategory::workspace);
+      matmul_batched(all.trans(b, c), false, S, false, next, 1.f, 1.f);
       S = std::move(next);
     }
   }
@@ -408,16 +415,8 @@ GatedDeltaGrads GdnContextParallel::rule_backward(const Tensor& d_o, const Tenso
            "GdnContextParallel::rule_backward: the forward's start states are missing");
   const Pieces& pc = pieces(mb);
   const int64_t P = pc.P, r = pc.r, B = static_cast<int64_t>(pc.seqlens.size());
-  const int64_t Hv = v.size(1), K = k.size(2), V = v.size(2), KK = Hv * K * K, KV = Hv * K * V;
-  const Tensor D = gated_delta_rule_start_grad(d_o, q, k, v, g, beta, cu, opts);
-  const Tensor all = gather_pair(*group_, saved.transition, D);
-  const int64_t per = 2 * B * (KK + KV);
-  auto trans = [&](int64_t b, int64_t c) {
-    return all.narrow(owner_of(c, P) * per + slot_of(b, c, P) * KK, KK).view({Hv, K, K});
-  };
-  auto own = [&](int64_t b, int64_t c) {
-    return all.narrow(owner_of(c, P) * per + 2 * B * KK + slot_of(b, c, P) * KV, KV).view({Hv, K, V});
-  };
+  const int64_t Hv = v.size(1), K = k.size(2), V = v.size(2);
+  const Gathered all(*group_, saved.transition, gated_delta_rule_start_grad(d_o, q, k, v, g, beta, cu, opts), B);
   // dS_end(c) = D_{c+1} + P_{c+1}^T dS_end(c+1), zero after the last chunk, down to this rank's.
   Tensor d_end = Tensor::empty({2 * B, Hv, K, V}, DType::f32, q.device(), MemCategory::workspace);
   for (int64_t b = 0; b < B; ++b) {
@@ -428,8 +427,8 @@ GatedDeltaGrads GdnContextParallel::rule_backward(const Tensor& d_o, const Tenso
         dst.copy_from(G);
         if (c == r) break;
       }
-      Tensor next = own(b, c).clone(MemCategory::workspace);
-      matmul_batched(trans(b, c), true, G, false, next, 1.f, 1.f);
+      Tensor next = all.state(b, c).clone(MemCategory::workspace);
+      matmul_batched(all.trans(b, c), true, G, false, next, 1.f, 1.f);
       G = std::move(next);
     }
   }
