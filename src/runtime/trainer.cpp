@@ -453,10 +453,6 @@ Trainer::Trainer(const RunConfig& cfg_in, FILE* log, Corpus corpus, comm::GroupP
     // Whole packing balances each step's micro-batches by the model's FLOPs per sequence.
     data_->set_sequence_cost(flops_cost(cfg.model));
   }
-  if (policy_) {
-    BB_CHECK(device_.is_cpu(), "primitives.loss = \"policy\" runs on CPU ranks for now: its CUDA path is written "
-             "but has not yet passed its GPU test (tests/gpu/test_policy_gpu.cpp); set parallel.device = \"cpu\"");
-  }
   if (!cfg.resume.empty()) {
     std::string resolved;
     if (cfg.resume == "auto") {
