@@ -3,7 +3,7 @@
 #include "primitives/gdn/gdn_context_parallel.h"
 
 #include <algorithm>
-#include <map>
+#include <set>
 
 #include "core/context_shard.h"
 #include "core/trace.h"
@@ -37,6 +37,13 @@ GdnContextParallel::Route GdnContextParallel::route(const MicroBatch& mb) const 
 }
 
 // ---- every rank's pieces (host arithmetic) ----
+
+namespace {
+// Chunk c of a sequence: its rank and its slot there (2b + 0 for the head chunk, + 1 the tail).
+int64_t owner_of(int64_t c, int64_t P) { return c < P ? c : 2 * P - 1 - c; }
+int64_t slot_of(int64_t b, int64_t c, int64_t P) { return 2 * b + (c < P ? 0 : 1); }
+
+}  // namespace
 
 struct GdnContextParallel::Pieces {
   struct Piece {
@@ -86,9 +93,6 @@ const GdnContextParallel::Pieces& GdnContextParallel::pieces(const MicroBatch& m
       v.push_back({s.local_begin + s.head, s.tail, s.tail_pos});
     }
   }
-  // Owner and slot of chunk c of sequence b.
-  auto owner = [P](int64_t c) { return c < P ? c : 2 * P - 1 - c; };
-  auto slot = [P](int64_t b, int64_t c) { return 2 * b + (c < P ? 0 : 1); };
   {
     std::vector<int32_t> cu{0};
     for (const Pieces::Piece& pc : p->ranks[static_cast<size_t>(p->r)])
@@ -129,7 +133,7 @@ const GdnContextParallel::Pieces& GdnContextParallel::pieces(const MicroBatch& m
           if (pos < 0) continue;
           int64_t c = 0;  // the chunk holding pos
           while (cp_layout::chunk_begin(len, P, c + 1) <= pos) ++c;
-          const int64_t oq = owner(c), os = slot(b, c);
+          const int64_t oq = owner_of(c, P), os = slot_of(b, c, P);
           const Pieces::Piece& src = p->ranks[static_cast<size_t>(oq)][static_cast<size_t>(os)];
           const int64_t k = std::min(h, src.len), first_sent = src.pos + src.len - k;
           BB_CHECK(pos >= first_sent && pos < src.pos + src.len, "Gated DeltaNet context parallelism: halo position ", pos,
@@ -206,14 +210,14 @@ void add_rows(Tensor& dst, const Tensor& src, const std::vector<int64_t>& src_ro
   for (size_t i = 0; i < rows.size(); ++i) pending[i] = static_cast<int64_t>(i);
   while (!pending.empty()) {
     std::vector<int64_t> take, to, rest;
-    std::map<int64_t, bool> used;
+    std::set<int64_t> used;
     for (int64_t i : pending) {
       const int64_t row = rows[static_cast<size_t>(i)];
       if (used.count(row)) {
         rest.push_back(i);
         continue;
       }
-      used[row] = true;
+      used.insert(row);
       take.push_back(src_rows[static_cast<size_t>(i)]);
       to.push_back(row);
     }
@@ -334,10 +338,6 @@ Tensor GdnContextParallel::conv_backward(Tensor d_y, const Tensor& pre, const Te
 // ---- the rule ----
 
 namespace {
-
-// Chunk c of a sequence: its rank and its slot there (2b + 0 for the head chunk, + 1 the tail).
-int64_t owner_of(int64_t c, int64_t P) { return c < P ? c : 2 * P - 1 - c; }
-int64_t slot_of(int64_t b, int64_t c, int64_t P) { return 2 * b + (c < P ? 0 : 1); }
 
 // Every rank's pieces' transitions P [2B, Hv, K, K] and a state-shaped companion X [2B, Hv, K, V]
 // (the end states forward, the start-state gradients backward), all-gathered in one collective,
