@@ -6,7 +6,8 @@ Two jobs, on the GPU machine's torch:
 1. Time and memory of other implementations of the same objective (GRPO / DAPO style: clipped
    ratio 0.2 / 0.28, k3 KL 0.01 to a reference, entropy 0.001, token mean) at V = 248320,
    H = 2048, bf16, T = 16K / 64K / 128K, rollouts of --seq tokens, one call = loss + backward:
-     torch   plain PyTorch with materialised logits, torch.compile'd (the strongest plain form)
+     torch   plain PyTorch with materialised logits, torch.compile'd (the strongest plain form);
+             torch_eager the same uncompiled
      liger   Liger-Kernel's LigerFusedLinearGRPOLoss (pure Python + Triton), from --liger-src
      verl    verl's fused linear log-prob + entropy kernel (Triton), from --verl-src, with the
              objective on its per-token outputs in PyTorch
@@ -100,8 +101,10 @@ def load_package(name, directory):
 
 
 def make_impl(name, args):
-    if name == "torch":
-        f = torch.compile(objective)
+    if name in ("torch", "torch_eager"):
+        # torch: compiled (the strongest plain form); torch_eager: the same without torch.compile,
+        # for a torch / Triton pair whose compiler refuses the graph.
+        f = torch.compile(objective) if name == "torch" else objective
         return lambda h, w, tg, adv, old, ref, mask, adv_seq: f(h @ w.t(), tg, adv, old, ref, mask)
     if name == "liger":
         sys.path.insert(0, args.liger_src)
@@ -112,7 +115,9 @@ def make_impl(name, args):
 
         def run(h, w, tg, adv, old, ref, mask, adv_seq):
             B = h.shape[0] // seq
-            out = loss(h, w, tg.view(B, seq), mask.view(B, seq), adv_seq, ref_per_token_logps=ref.view(B, seq),
+            # Liger takes the hidden states as [batch, seq, H].
+            out = loss(h.view(B, seq, h.shape[-1]), w, tg.view(B, seq), mask.view(B, seq), adv_seq,
+                       ref_per_token_logps=ref.view(B, seq),
                        old_per_token_logps=old.view(B, seq))
             return out[0] if isinstance(out, tuple) else out
         return run
@@ -134,7 +139,7 @@ def make_impl(name, args):
             logp = -a if a.float().mean() > 0 else a  # some versions return -log p
             return loss_from_logp(logp.float(), e.float(), adv, old, ref, mask)
         return run
-    raise SystemExit("unknown --impl %s (torch, liger, verl)" % name)
+    raise SystemExit("unknown --impl %s (torch, torch_eager, liger, verl)" % name)
 
 
 def bench(args):
@@ -158,7 +163,7 @@ def bench(args):
                     h.grad = w.grad = None
                     loss = impl(h, w, tg, adv, old, ref, mask, adv_seq)
                     loss.backward()
-                    out["loss"] = float(loss)
+                    out["loss"] = float(loss.detach())
                 ms, gib = timed(call, args.iters)
                 print("| %s | %dK | %.2f | %.2f | %.6f |" % (name, T // 1024, ms, gib, out["loss"]), flush=True)
             except Exception as e:  # noqa: BLE001 - OOM and refusals are results
@@ -191,7 +196,8 @@ def check(directory):
         directory, T, V, H, meta["dtype"]))
     print("| quantity | relative error |")
     print("|---|---:|")
-    print("| loss | %.3e |" % (abs(got_loss - float(loss)) / abs(float(loss))))
+    loss = float(loss.detach())
+    print("| loss | %.3e |" % (abs(got_loss - loss) / abs(loss)))
     print("| d_h | %.3e |" % rel(d_h, h.grad))
     print("| d_w | %.3e |" % rel(d_w, w.grad))
 
