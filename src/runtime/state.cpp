@@ -265,6 +265,15 @@ Tensor ModelState::master_f32(size_t i, int64_t from, int64_t len) {
   return master_f32(u, from, len);
 }
 
+std::pair<Tensor, Tensor> ModelState::master_halves(size_t i, int64_t from, int64_t len) {
+  Unit& u = *units_[i];
+  const int64_t owned_len = u.mode == Mode::whole ? u.u->numel : u.len;
+  BB_CHECK(from >= 0 && len >= 0 && from + len <= owned_len, "ModelState::master_halves: elements [", from, ", ",
+           from + len, ") are outside the ", owned_len, " unit ", u.u->name, " owns here");
+  if (!u.split) return {};
+  return {owned_values(u).narrow(from, len), u.master.narrow(from, len)};
+}
+
 // A split master's halves of the owned elements [0, m.numel()) from the f32 master m (any device).
 void ModelState::set_split_master(Unit& u, const Tensor& m) {
   const int64_t len = m.numel();

@@ -38,6 +38,7 @@
 #pragma once
 
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "comm/mesh.h"
@@ -148,6 +149,10 @@ class ModelState final : public LayerHooks {
   // The f32 master of owned elements [from, from + len) of unit i (offsets within the owned
   // range): a view of an f32 master, or a split master joined on the host (those elements only).
   Tensor master_f32(size_t unit, int64_t from, int64_t len);
+  // A split master's halves of the owned elements [from, from + len), as views where they live:
+  // {bf16 upper half (the values), i16 remainder}; join_master (adamw.h) makes the f32 master of
+  // them. Both undefined when the unit's master is not split (read master_f32 then).
+  std::pair<Tensor, Tensor> master_halves(size_t unit, int64_t from, int64_t len);
   // Sets the f32 master of the elements unit i owns ([len], any device); then
   // values_from_masters() makes the parameter values follow (a split master sets its bf16 half,
   // the value, here).

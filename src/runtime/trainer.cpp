@@ -587,6 +587,50 @@ struct Trainer::HostStash {
   }
 };
 
+// The async save's host copies (Trainer::snapshot_): buffer k holds the snapshot's k-th tensor,
+// reused by the next snapshot when its shape and dtype match (they do from one save to the
+// next), page-locked when its source is on a GPU so that the device -> host copy runs at the
+// link's rate instead of through the driver's pageable staging, with first-touch page faults.
+// The first snapshot pays the allocation and the locking (about what a pinned allocation of the
+// shard's bytes costs); later ones only the copies.
+struct Trainer::SnapshotBuffers {
+  std::vector<Tensor> bufs;
+  std::vector<void*> locked;  // per buffer: its page-locked address, or null
+  SnapshotBuffers() = default;
+  SnapshotBuffers(const SnapshotBuffers&) = delete;
+  SnapshotBuffers& operator=(const SnapshotBuffers&) = delete;
+  ~SnapshotBuffers() { trim(0); }
+  void release(size_t k) {
+#ifdef BB_WITH_CUDA
+    if (locked[k]) cuda::host_unregister(locked[k]);
+#endif
+    locked[k] = nullptr;
+    bufs[k] = Tensor();
+  }
+  // Host buffer k shaped like t.
+  Tensor take(size_t k, const Tensor& t) {
+    if (k >= bufs.size()) {
+      bufs.resize(k + 1);
+      locked.resize(k + 1, nullptr);
+    }
+    if (bufs[k].defined() && bufs[k].shape() == t.shape() && bufs[k].dtype() == t.dtype()) return bufs[k];
+    release(k);
+    bufs[k] = Tensor::empty(t.shape(), t.dtype(), Device::cpu(), MemCategory::other);
+#ifdef BB_WITH_CUDA
+    if (t.device().is_cuda() && bufs[k].nbytes() > 0 && cuda::host_register(bufs[k].raw(), bufs[k].nbytes()))
+      locked[k] = bufs[k].raw();
+#endif
+    return bufs[k];
+  }
+  void trim(size_t n) {
+    while (bufs.size() > n) {
+      release(bufs.size() - 1);
+      bufs.pop_back();
+      locked.pop_back();
+    }
+  }
+};
+
 Trainer::~Trainer() {
   // A shard still being written is waited for, not committed (a destructor cannot run the
   // collective commit): its temporary directory stays, as after a crash, and `latest` still
@@ -1404,8 +1448,17 @@ std::unique_ptr<Trainer::SaveJob> Trainer::begin_save(const std::string& root, b
         }
         return out;
       };
-      tensors.emplace_back(units[i]->name + ".master",
-                           take([&](int64_t from, int64_t n) { return state_->master_f32(i, from, n); }));
+      if (to_host && state_->master_halves(i, 0, 0).first.defined()) {
+        // A split master in an async save: its halves are copied as they are and the writer
+        // joins them, so that the step waits neither for the join nor for its host pass.
+        tensors.emplace_back(units[i]->name + ".master", Tensor());
+        job->joins.push_back({tensors.size() - 1,
+                              take([&](int64_t from, int64_t n) { return state_->master_halves(i, from, n).first; }),
+                              take([&](int64_t from, int64_t n) { return state_->master_halves(i, from, n).second; })});
+      } else {
+        tensors.emplace_back(units[i]->name + ".master",
+                             take([&](int64_t from, int64_t n) { return state_->master_f32(i, from, n); }));
+      }
       tensors.emplace_back(units[i]->name + ".exp_avg",
                            take([&](int64_t from, int64_t n) { return o.exp_avg.narrow(from, n); }));
       tensors.emplace_back(units[i]->name + ".exp_avg_sq",
@@ -1413,16 +1466,23 @@ std::unique_ptr<Trainer::SaveJob> Trainer::begin_save(const std::string& root, b
     }
     // Never write Inf/NaN: the step guard stops such values earlier; this is the last line. Each
     // tensor is checked where it lives (a split master's joined elements are on the host); the
-    // ranks' shards together hold every element.
+    // ranks' shards together hold every element. A split master still in halves is checked by
+    // its upper half: an f32 is Inf or NaN exactly when its exponent bits are all ones, and they
+    // all lie in the upper half, which keeps them under rounding to nearest (it could only turn
+    // a finite master above 3.39e38 into Inf, a false refusal of values no model holds).
+    std::vector<std::pair<const std::string*, Tensor>> checked;
+    for (const auto& [n, t] : tensors)
+      if (t.defined()) checked.emplace_back(&n, t);
+    for (const SaveJob::Join& j : job->joins) checked.emplace_back(&tensors[j.index].first, j.hi);
     std::vector<Device> devices = {device_};
     if (!device_.is_cpu()) devices.push_back(Device::cpu());
     for (const Device& d : devices) {
       std::vector<Tensor> ts;
       std::vector<const std::string*> names;
-      for (const auto& [n, t] : tensors) {
+      for (const auto& [n, t] : checked) {
         if (t.device() != d) continue;
         ts.push_back(t);
-        names.push_back(&n);
+        names.push_back(n);
       }
       if (ts.empty() || !err.empty()) continue;
       Tensor flags = Tensor::zeros({static_cast<int64_t>(ts.size())}, DType::i32, d, MemCategory::workspace);
@@ -1468,11 +1528,24 @@ std::unique_ptr<Trainer::SaveJob> Trainer::begin_save(const std::string& root, b
     // and the shard file is written from the copies. A rank that cannot (out of host memory)
     // fails the save on every rank.
     try {
-      for (auto& [n, t] : tensors) {
-        Tensor copy = Tensor::empty(t.shape(), t.dtype(), Device::cpu(), MemCategory::other);
+      if (!snapshot_) snapshot_ = std::make_unique<SnapshotBuffers>();
+      size_t k = 0;
+      auto snap = [&](Tensor& t) {
+        const bool fresh = k >= snapshot_->bufs.size() || !snapshot_->bufs[k].defined() ||
+                           snapshot_->bufs[k].shape() != t.shape() || snapshot_->bufs[k].dtype() != t.dtype();
+        Tensor copy = snapshot_->take(k++, t);
+        if (fresh) job->snapshot_new_bytes += static_cast<int64_t>(copy.nbytes());
         copy.copy_from(t);
+        job->snapshot_bytes += static_cast<int64_t>(copy.nbytes());
         t = copy;
+      };
+      for (auto& [n, t] : tensors)
+        if (t.defined()) snap(t);
+      for (SaveJob::Join& j : job->joins) {
+        snap(j.hi);
+        snap(j.lo);
       }
+      snapshot_->trim(k);
     } catch (const std::exception& e) {
       err = e.what();
     }
@@ -1509,13 +1582,20 @@ std::unique_ptr<Trainer::SaveJob> Trainer::begin_save(const std::string& root, b
 // Phase 2 (this rank alone, any thread): the shard file.
 void Trainer::write_shard(SaveJob& job) {
   try {
+    for (const SaveJob::Join& j : job.joins) {
+      Tensor full = Tensor::empty({j.hi.numel()}, DType::f32, Device::cpu(), MemCategory::other);
+      join_master(j.hi, j.lo, full);
+      job.tensors[j.index].second = full;
+    }
+    job.joins.clear();
     // Every tensor's checksum goes into the shard's metadata; a load verifies it (a flipped bit
     // or a torn write would otherwise load silently when the values stay finite).
     write_safetensors_with_checksums(path_join(job.tmp_dir, shard_name(mesh_->world()->rank())), job.tensors, job.meta);
   } catch (const std::exception& e) {
     job.err = e.what();
   }
-  job.tensors.clear();  // the host snapshot goes as soon as it is written
+  job.tensors.clear();  // the job's references to the snapshot go as soon as it is written
+  job.joins.clear();
   job.done.store(true);
 }
 
@@ -1585,8 +1665,13 @@ void Trainer::start_save(const std::string& root) {
   save_job_ = begin_save(root, true);
   save_job_->background = true;
   if (log_) {
-    std::fprintf(log_, "%s[checkpoint] step %lld snapshot taken in %.2fs; its shard is written beside training\n",
-                 log_prefix_.c_str(), static_cast<long long>(step_), now_s() - t0);
+    const std::string fresh = save_job_->snapshot_new_bytes == 0
+                                  ? std::string()
+                                  : ", " + format_bytes(save_job_->snapshot_new_bytes) +
+                                        " of host buffers allocated (kept for the next saves)";
+    std::fprintf(log_, "%s[checkpoint] step %lld snapshot taken in %.2fs (%s%s); its shard is written beside training\n",
+                 log_prefix_.c_str(), static_cast<long long>(step_), now_s() - t0,
+                 format_bytes(save_job_->snapshot_bytes).c_str(), fresh.c_str());
     std::fflush(log_);
   }
   SaveJob* job = save_job_.get();

@@ -188,6 +188,14 @@ class Trainer {
   struct SaveJob {
     std::string root, name, final_dir, tmp_dir;
     std::vector<std::pair<std::string, Tensor>> tensors;  // the shard (host copies when async)
+    // Async snapshots of split masters: tensors[index] is made by the writer, join_master of the
+    // host copies of the two halves (the step does not wait for the join).
+    struct Join {
+      size_t index = 0;
+      Tensor hi, lo;
+    };
+    std::vector<Join> joins;
+    int64_t snapshot_bytes = 0, snapshot_new_bytes = 0;  // async: copied; of that, into new buffers
     std::map<std::string, std::string> meta;
     std::string state;  // rank 0: state.json as of the snapshot's step
     double t0 = 0;
@@ -261,6 +269,10 @@ class Trainer {
   bool offloaded_ = false;
   struct HostStash;
   std::unique_ptr<HostStash> stash_;
+  // The async save's host copies, kept from one save to the next (page-locked on a GPU), so
+  // that a snapshot after the first costs only the copies at the link's rate.
+  struct SnapshotBuffers;
+  std::unique_ptr<SnapshotBuffers> snapshot_;
   int64_t pinned_flags_n_ = 0;
 };
 

@@ -23,6 +23,10 @@
 namespace bb {
 namespace {
 
+const std::string kSplitMaster = "backend.master_storage=\"split\"";
+const std::string kF32Master = "backend.master_storage=\"f32\"";
+const std::string kBf16Params = "model.dtype=\"bf16\"";
+
 std::vector<double> losses(const std::vector<StepMetrics>& v) {
   std::vector<double> out;
   for (const auto& m : v) out.push_back(m.loss);
@@ -116,45 +120,55 @@ TEST(Trainer, CheckpointsKeepTheNewest) {
 // one is committed by the end of run(), the losses are those of the run without checkpoints,
 // and a resume from the last asynchronous one continues it exactly.
 TEST(Trainer, AsyncCheckpointsEqualSyncOnes) {
-  const std::string dir = make_tmpdir();
-  const std::string run = write_run(dir, small_model(), "");
-  const std::vector<std::string> base = {"train.steps=9", "checkpoint.every=2", "checkpoint.keep=0",
-                                         "checkpoint.save_final=false"};
-  std::vector<std::string> sync_ov = base, async_ov = base;
-  sync_ov.push_back("checkpoint.dir=\"" + dir + "/sync\"");
-  async_ov.push_back("checkpoint.dir=\"" + dir + "/async\"");
-  async_ov.push_back("checkpoint.async=true");
-  const std::vector<double> l_sync = losses(Trainer(load_run_config(run, sync_ov), nullptr).run());
-  const std::string log_path = dir + "/async.log";
-  FILE* log = std::fopen(log_path.c_str(), "w");
-  ASSERT_NE(log, nullptr);
-  const std::vector<double> l_async = losses(Trainer(load_run_config(run, async_ov), log).run());
-  std::fclose(log);
-  EXPECT_EQ(l_async, l_sync);
-  // The saves took the background path: a snapshot, then a commit noting the written shard.
-  const std::string text = read_file(log_path);
-  size_t snapshots = 0, beside = 0;
-  for (size_t at = 0; (at = text.find("snapshot taken", at)) != std::string::npos; ++at) ++snapshots;
-  for (size_t at = 0; (at = text.find("(written beside training)", at)) != std::string::npos; ++at) ++beside;
-  EXPECT_EQ(snapshots, 4u);
-  EXPECT_EQ(beside, 4u);
-  auto without_run_id = [](const std::string& path) {
-    nlohmann::json j = nlohmann::json::parse(read_file(path));
-    j.erase("run_id");
-    return j.dump();
-  };
-  for (const char* step : {"step_00000002", "step_00000004", "step_00000006", "step_00000008"}) {
-    SCOPED_TRACE(step);
-    const std::string a = dir + "/async/" + step, b = dir + "/sync/" + step;
-    ASSERT_TRUE(path_exists(a + "/state.json"));
-    EXPECT_EQ(read_file(a + "/shards/rank_00000.safetensors"), read_file(b + "/shards/rank_00000.safetensors"));
-    EXPECT_EQ(without_run_id(a + "/state.json"), without_run_id(b + "/state.json"));
+  // f32 values and master; bf16 values with a split master (the snapshot copies its halves and
+  // the writer joins them).
+  for (const std::vector<std::string>& variant : std::vector<std::vector<std::string>>{{}, {kSplitMaster, kBf16Params}}) {
+    SCOPED_TRACE(variant.empty() ? "f32" : "split master");
+    const std::string dir = make_tmpdir();
+    const std::string run = write_run(dir, small_model(), "");
+    std::vector<std::string> base = {"train.steps=9", "checkpoint.every=2", "checkpoint.keep=0",
+                                     "checkpoint.save_final=false"};
+    base.insert(base.end(), variant.begin(), variant.end());
+    std::vector<std::string> sync_ov = base, async_ov = base;
+    sync_ov.push_back("checkpoint.dir=\"" + dir + "/sync\"");
+    async_ov.push_back("checkpoint.dir=\"" + dir + "/async\"");
+    async_ov.push_back("checkpoint.async=true");
+    const std::vector<double> l_sync = losses(Trainer(load_run_config(run, sync_ov), nullptr).run());
+    const std::string log_path = dir + "/async.log";
+    FILE* log = std::fopen(log_path.c_str(), "w");
+    ASSERT_NE(log, nullptr);
+    const std::vector<double> l_async = losses(Trainer(load_run_config(run, async_ov), log).run());
+    std::fclose(log);
+    EXPECT_EQ(l_async, l_sync);
+    // The saves took the background path: a snapshot, then a commit noting the written shard;
+    // the host buffers are allocated by the first snapshot only.
+    const std::string text = read_file(log_path);
+    size_t snapshots = 0, beside = 0, allocated = 0;
+    for (size_t at = 0; (at = text.find("snapshot taken", at)) != std::string::npos; ++at) ++snapshots;
+    for (size_t at = 0; (at = text.find("(written beside training)", at)) != std::string::npos; ++at) ++beside;
+    for (size_t at = 0; (at = text.find("of host buffers allocated", at)) != std::string::npos; ++at) ++allocated;
+    EXPECT_EQ(snapshots, 4u);
+    EXPECT_EQ(beside, 4u);
+    EXPECT_EQ(allocated, 1u);
+    auto without_run_id = [](const std::string& path) {
+      nlohmann::json j = nlohmann::json::parse(read_file(path));
+      j.erase("run_id");
+      return j.dump();
+    };
+    for (const char* step : {"step_00000002", "step_00000004", "step_00000006", "step_00000008"}) {
+      SCOPED_TRACE(step);
+      const std::string a = dir + "/async/" + step, b = dir + "/sync/" + step;
+      ASSERT_TRUE(path_exists(a + "/state.json"));
+      EXPECT_EQ(read_file(a + "/shards/rank_00000.safetensors"), read_file(b + "/shards/rank_00000.safetensors"));
+      EXPECT_EQ(without_run_id(a + "/state.json"), without_run_id(b + "/state.json"));
+    }
+    EXPECT_EQ(resolve_checkpoint(dir + "/async"), dir + "/async/step_00000008");
+    std::vector<std::string> resume = {"train.steps=9", "checkpoint.dir=\"\"",
+                                       "checkpoint.resume=\"" + dir + "/async/step_00000008\""};
+    resume.insert(resume.end(), variant.begin(), variant.end());
+    Trainer resumed(load_run_config(run, resume), nullptr);
+    EXPECT_EQ(resumed.train_step().loss, l_sync.back());
   }
-  EXPECT_EQ(resolve_checkpoint(dir + "/async"), dir + "/async/step_00000008");
-  Trainer resumed(load_run_config(run, {"train.steps=9", "checkpoint.dir=\"\"",
-                                        "checkpoint.resume=\"" + dir + "/async/step_00000008\""}),
-                  nullptr);
-  EXPECT_EQ(resumed.train_step().loss, l_sync.back());
 }
 
 // A step that fails while an asynchronous save is being written (a non-finite update aborts
@@ -532,10 +546,6 @@ TEST(Optimizer, SkipStepUndoesUpdatesMadeDuringTheBackward) {
   for (Param* p : t.model().params())
     for (float v : p->value.to_floats()) ASSERT_TRUE(std::isfinite(v)) << p->name;
 }
-
-const std::string kSplitMaster = "backend.master_storage=\"split\"";
-const std::string kF32Master = "backend.master_storage=\"f32\"";
-const std::string kBf16Params = "model.dtype=\"bf16\"";
 
 // Masters, moments and parameter values of a trainer's state: what skip_step's backup restores.
 std::vector<std::vector<float>> state_snapshot(Trainer& t) {

@@ -347,6 +347,17 @@ void pinned_free(void* p) {
   if (p) cudaFreeHost(p);
 }
 
+bool host_register(void* p, size_t bytes) {
+  if (p == nullptr || bytes == 0) return false;
+  if (cudaHostRegister(p, bytes, cudaHostRegisterDefault) == cudaSuccess) return true;
+  cudaGetLastError();  // not sticky: clear it
+  return false;
+}
+
+void host_unregister(void* p) {
+  if (p && cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();
+}
+
 void copy_to_pinned_async(void* pinned_dst, const void* src, size_t bytes) {
   if (bytes) BB_CHECK_CUDA(cudaMemcpyAsync(pinned_dst, src, bytes, cudaMemcpyDeviceToHost, stream()));
 }

@@ -53,6 +53,11 @@ void memset_zero(void* p, size_t bytes);
 void* pinned_alloc(size_t bytes);
 void pinned_free(void* p);
 void copy_to_pinned_async(void* pinned_dst, const void* src, size_t bytes);
+// Page-locks existing host memory (cudaHostRegister), so that copies into it run at the link's
+// rate; host_unregister before the memory is freed. host_register reports failure (false)
+// instead of throwing: the memory then stays pageable, which is slower but correct.
+bool host_register(void* p, size_t bytes);
+void host_unregister(void* p);
 // Element conversion between float dtypes on the device (f32/bf16/f16).
 void convert(void* dst, DType dt, const void* src, DType st, int64_t n);
 // Waits for all work on the current stream.
