@@ -53,7 +53,8 @@ Prints loss and grad norm per step, max |logits A - logits B| on the first micro
 training), the ten parameters whose gradients after step 1 differ most (relative), peak memory
 per category and the step-time ratio B/A. Exits 0 when every step's loss and grad norm, the
 logits and every gradient agree within the tolerances, 1 when they do not, 2 on errors.
-Checkpoints and metrics files of the run config are not touched.)";
+Checkpoints and metrics files of the run config are not touched; --metrics PREFIX writes each
+side's steps to PREFIX.a.jsonl and PREFIX.b.jsonl, which `bumblebee report` overlays.)";
 
 constexpr const char* kExportHelp =
     R"(Export a training checkpoint as a Hugging Face model directory.
@@ -199,6 +200,9 @@ int run(int argc, char** argv) {
                      "Max |logits A - logits B| on the first micro-batch (default 1e-3)");
   paired->add_option("--tol-grad", po.tol_grad,
                      "Max relative difference of any parameter's gradient after step 1 (default 1e-3)");
+  paired->add_option("--metrics", po.metrics,
+                     "Write each side's steps as log.metrics rows to PREFIX.a.jsonl and PREFIX.b.jsonl "
+                     "(for bumblebee report)");
   bool paired_force = false;
   paired->add_flag("--force", paired_force,
                    "Start both sides even when their predicted GPU memory exceeds the device (train.memory_check = \"warn\")");

@@ -1,6 +1,7 @@
 #include "runtime/paired.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 
 #include "io/fs.h"
@@ -111,6 +112,32 @@ Side run_side(const PairedOptions& o, const std::vector<std::string>& side, cons
     if (out) {
       std::fprintf(out, "[paired] side %s step %lld/%lld loss %.6f\n", label,
                    static_cast<long long>(i + 1), static_cast<long long>(o.steps), s.steps.back().loss);
+      std::fflush(out);
+    }
+  }
+  if (!o.metrics.empty()) {
+    // The side's first rank writes; every rank of the side learns whether it could.
+    std::string side_name = label, err;
+    for (char& c : side_name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    const std::string path = o.metrics + "." + side_name + ".jsonl";
+    int64_t failed = 0;
+    if (group->rank() == 0) {
+      try {
+        std::string rows;
+        for (const StepMetrics& m : s.steps) rows += tr.metrics_line(m) + "\n";
+        const auto slash = path.find_last_of('/');
+        if (slash != std::string::npos && slash > 0) make_dirs(path.substr(0, slash));
+        atomic_write(path, rows);
+      } catch (const std::exception& e) {
+        err = e.what();
+        failed = 1;
+      }
+    }
+    group->all_reduce_host(&failed, 1, comm::ReduceOp::max);
+    BB_CHECK(failed == 0, "paired --metrics: cannot write side ", label, "'s metrics file ", path,
+             err.empty() ? std::string(" (see the side's first rank)") : ": " + err);
+    if (out) {
+      std::fprintf(out, "[paired] side %s metrics: %s\n", label, path.c_str());
       std::fflush(out);
     }
   }

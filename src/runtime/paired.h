@@ -24,6 +24,10 @@ struct PairedOptions {
   // process (GPU memory pool growth, attention graph builds, GEMM heuristics) do not land on side
   // A's timed steps only. -1: 1 on a GPU, 0 on the CPU.
   int64_t warmup_steps = -1;
+  // Non-empty: each side's steps as log.metrics rows (Trainer::metrics_line), in
+  // <metrics>.a.jsonl and <metrics>.b.jsonl (written whole by the side's first rank, through a
+  // temporary name), for `bumblebee report` to overlay. The sides' run ids differ.
+  std::string metrics;
 };
 
 struct PairedResult {

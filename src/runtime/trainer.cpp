@@ -1239,6 +1239,41 @@ void Trainer::check_loss_spike(StepMetrics& m) {
   ++loss_mean_n_;
 }
 
+// One row of log.metrics (JSON, no newline): the step's metrics as the run writes them.
+std::string Trainer::metrics_line(const StepMetrics& m) const {
+  nlohmann::json j;
+  j["step"] = m.step;
+  j["run_id"] = run_id_;
+  if (!m.skipped.empty()) j["skipped"] = m.skipped;
+  if (m.loss_spike) j["loss_spike"] = true;
+  j["loss"] = m.loss;
+  j["aux_loss"] = m.aux_loss;
+  j["z_loss"] = m.z_loss;
+  j["grad_norm"] = m.grad_norm;
+  j["lr"] = m.lr;
+  j["tokens"] = m.tokens;
+  j["valid_tokens"] = m.valid_tokens;
+  j["step_time_s"] = m.step_time_s;
+  j["tokens_per_s"] = m.tokens_per_s;
+  j["tflops"] = m.model_tflops;
+  nlohmann::json pk;
+  for (int c = 0; c < kNumMemCategories; ++c) pk[category_name(static_cast<MemCategory>(c))] = m.mem_max.peak[c];
+  pk["total"] = m.mem_max.peak_total;
+  j["peak_bytes"] = pk;  // maxima over ranks
+  j["reserved_peak_bytes"] = m.mem_max.reserved_peak;
+  j["ranks"] = mesh_->world()->size();
+  if (mesh_->world()->backend() == comm::Backend::emulated) j["emulated"] = cfg_.emulate.str();
+  j["host_syncs"] = m.host_syncs;
+  j["moe_rows_max"] = m.moe_rows_max;  // expert rows received per rank: max and mean
+  j["moe_rows_mean"] = m.moe_rows_mean;
+  if (policy_ && m.skipped != "no_targets")
+    j["policy"] = {{"clip_frac", m.policy.clip_frac},   {"dual_clip_frac", m.policy.dual_clip_frac},
+                   {"approx_kl", m.policy.approx_kl},   {"entropy", m.policy.entropy},
+                   {"ratio_mean", m.policy.ratio_mean}, {"ratio_max", m.policy.ratio_max},
+                   {"ref_kl", m.policy.ref_kl},         {"sequences", m.policy.sequences}};
+  return j.dump();
+}
+
 std::vector<StepMetrics> Trainer::run() {
   check_onloaded("run");
   std::vector<StepMetrics> out;
@@ -1325,37 +1360,7 @@ std::vector<StepMetrics> Trainer::run() {
     out.push_back(m);
     if (m.step % cfg_.log_every == 0 || m.step == cfg_.steps || m.step == 1 || !m.skipped.empty()) log_line(m);
     if (metrics) {
-      nlohmann::json j;
-      j["step"] = m.step;
-      j["run_id"] = run_id_;
-      if (!m.skipped.empty()) j["skipped"] = m.skipped;
-      if (m.loss_spike) j["loss_spike"] = true;
-      j["loss"] = m.loss;
-      j["aux_loss"] = m.aux_loss;
-      j["z_loss"] = m.z_loss;
-      j["grad_norm"] = m.grad_norm;
-      j["lr"] = m.lr;
-      j["tokens"] = m.tokens;
-      j["valid_tokens"] = m.valid_tokens;
-      j["step_time_s"] = m.step_time_s;
-      j["tokens_per_s"] = m.tokens_per_s;
-      j["tflops"] = m.model_tflops;
-      nlohmann::json pk;
-      for (int c = 0; c < kNumMemCategories; ++c) pk[category_name(static_cast<MemCategory>(c))] = m.mem_max.peak[c];
-      pk["total"] = m.mem_max.peak_total;
-      j["peak_bytes"] = pk;  // maxima over ranks
-      j["reserved_peak_bytes"] = m.mem_max.reserved_peak;
-      j["ranks"] = mesh_->world()->size();
-      if (mesh_->world()->backend() == comm::Backend::emulated) j["emulated"] = cfg_.emulate.str();
-      j["host_syncs"] = m.host_syncs;
-      j["moe_rows_max"] = m.moe_rows_max;  // expert rows received per rank: max and mean
-      j["moe_rows_mean"] = m.moe_rows_mean;
-      if (policy_ && m.skipped != "no_targets")
-        j["policy"] = {{"clip_frac", m.policy.clip_frac},   {"dual_clip_frac", m.policy.dual_clip_frac},
-                       {"approx_kl", m.policy.approx_kl},   {"entropy", m.policy.entropy},
-                       {"ratio_mean", m.policy.ratio_mean}, {"ratio_max", m.policy.ratio_max},
-                       {"ref_kl", m.policy.ref_kl},         {"sequences", m.policy.sequences}};
-      *metrics << j.dump() << "\n";
+      *metrics << metrics_line(m) << "\n";
       metrics->flush();
       BB_CHECK(metrics->good(), "cannot write log.metrics file '", mpath, "' at step ", m.step,
                " (disk full or file system error); the run stops rather than lose its metrics");

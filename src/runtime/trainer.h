@@ -126,6 +126,9 @@ class Trainer {
   // after saving the step, when a SIGTERM / SIGINT arrived (stopped_by_signal()).
   // Returns the per-step metrics.
   std::vector<StepMetrics> run();
+  // One row of log.metrics (a JSON object, no newline) for a step's metrics: what run() writes,
+  // for callers that drive train_step themselves (bumblebee paired --metrics).
+  std::string metrics_line(const StepMetrics& m) const;
 
   int64_t step() const { return step_; }
   double lr_at(int64_t step) const;  // learning rate of (1-based) step

@@ -84,6 +84,24 @@ for b in "data.path=\"$TMP/bad.jsonl\"" "model.init=\"hf:$TMP/no_such_model\""; 
     echo "FAIL: a bad side B ($b): exit $code"; cat "$TMP/e.txt"; fail=1
   fi
 done
+# --metrics: each side's steps as log.metrics rows, one file a side, which `report` overlays.
+"$BB" paired "${COMMON[@]}" --metrics "$TMP/m/pair" --a primitives.recompute=none --b primitives.recompute=full > "$TMP/m.txt" 2>&1
+code=$?
+if [ $code -ne 0 ]; then echo "FAIL: paired --metrics: exit $code"; cat "$TMP/m.txt"; fail=1; fi
+for side in a b; do
+  f="$TMP/m/pair.$side.jsonl"
+  rows=$(grep -c '"grad_norm"' "$f" 2>/dev/null)
+  [ "${rows:-0}" -eq 3 ] || { echo "FAIL: paired --metrics: $f has ${rows:-no} rows, expected 3"; fail=1; }
+done
+ids=$(cat "$TMP/m/pair.a.jsonl" "$TMP/m/pair.b.jsonl" 2>/dev/null | grep -o '"run_id":"[^"]*"' | sort -u | wc -l)
+[ "$ids" -eq 2 ] || { echo "FAIL: paired --metrics: $ids run ids across the sides, expected 2"; fail=1; }
+"$BB" report "$TMP/m/pair.a.jsonl" "$TMP/m/pair.b.jsonl" --out "$TMP/m/r.html" > "$TMP/r.txt" 2>&1 ||
+  { echo "FAIL: report of the paired metrics"; cat "$TMP/r.txt"; fail=1; }
+"$BB" paired "${COMMON[@]}" --metrics /proc/no/such/dir/x --b primitives.recompute=full > "$TMP/e.txt" 2>&1
+code=$?
+if [ $code -ne 2 ] || ! grep -q "cannot write side A's metrics file" "$TMP/e.txt"; then
+  echo "FAIL: paired --metrics into an unwritable place: exit $code"; cat "$TMP/e.txt"; fail=1
+fi
 # Bad usage is an error (exit 2) with a message.
 "$BB" paired "${COMMON[@]}" --a primitives.loss=nope > "$TMP/e.txt" 2>&1
 code=$?
