@@ -1471,10 +1471,9 @@ std::unique_ptr<Trainer::SaveJob> Trainer::begin_save(const std::string& root, b
     }
     // Never write Inf/NaN: the step guard stops such values earlier; this is the last line. Each
     // tensor is checked where it lives (a split master's joined elements are on the host); the
-    // ranks' shards together hold every element. A split master still in halves is checked by
-    // its upper half: an f32 is Inf or NaN exactly when its exponent bits are all ones, and they
-    // all lie in the upper half, which keeps them under rounding to nearest (it could only turn
-    // a finite master above 3.39e38 into Inf, a false refusal of values no model holds).
+    // ranks' shards together hold every element. A split master still in halves is checked here
+    // by its upper half (the values: Inf and the usual NaNs show there), and whole by the writer
+    // once joined: a NaN whose payload is near all ones rounds to a finite upper half.
     std::vector<std::pair<const std::string*, Tensor>> checked;
     for (const auto& [n, t] : tensors)
       if (t.defined()) checked.emplace_back(&n, t);
@@ -1590,6 +1589,10 @@ void Trainer::write_shard(SaveJob& job) {
     for (const SaveJob::Join& j : job.joins) {
       Tensor full = Tensor::empty({j.hi.numel()}, DType::f32, Device::cpu(), MemCategory::other);
       join_master(j.hi, j.lo, full);
+      const float* p = full.data<float>();
+      for (int64_t e = 0; e < full.numel(); ++e)
+        BB_CHECK(std::isfinite(p[e]), "checkpoint: refusing to save ", job.name, ": ", job.tensors[j.index].first,
+                 " holds Inf/NaN values (the last good checkpoint stays the newest)");
       job.tensors[j.index].second = full;
     }
     job.joins.clear();
