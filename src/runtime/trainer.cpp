@@ -607,13 +607,14 @@ struct Trainer::SnapshotBuffers {
     locked[k] = nullptr;
     bufs[k] = Tensor();
   }
-  // Host buffer k shaped like t.
-  Tensor take(size_t k, const Tensor& t) {
+  // Host buffer k shaped like t; *fresh: whether it was allocated now.
+  Tensor take(size_t k, const Tensor& t, bool* fresh) {
     if (k >= bufs.size()) {
       bufs.resize(k + 1);
       locked.resize(k + 1, nullptr);
     }
-    if (bufs[k].defined() && bufs[k].shape() == t.shape() && bufs[k].dtype() == t.dtype()) return bufs[k];
+    *fresh = !(bufs[k].defined() && bufs[k].shape() == t.shape() && bufs[k].dtype() == t.dtype());
+    if (!*fresh) return bufs[k];
     release(k);
     bufs[k] = Tensor::empty(t.shape(), t.dtype(), Device::cpu(), MemCategory::other);
 #ifdef BB_WITH_CUDA
@@ -1535,9 +1536,8 @@ std::unique_ptr<Trainer::SaveJob> Trainer::begin_save(const std::string& root, b
       if (!snapshot_) snapshot_ = std::make_unique<SnapshotBuffers>();
       size_t k = 0;
       auto snap = [&](Tensor& t) {
-        const bool fresh = k >= snapshot_->bufs.size() || !snapshot_->bufs[k].defined() ||
-                           snapshot_->bufs[k].shape() != t.shape() || snapshot_->bufs[k].dtype() != t.dtype();
-        Tensor copy = snapshot_->take(k++, t);
+        bool fresh = false;
+        Tensor copy = snapshot_->take(k++, t, &fresh);
         if (fresh) job->snapshot_new_bytes += static_cast<int64_t>(copy.nbytes());
         copy.copy_from(t);
         job->snapshot_bytes += static_cast<int64_t>(copy.nbytes());
