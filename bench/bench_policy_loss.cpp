@@ -10,7 +10,9 @@
 //   The objective: clip 0.2 / 0.28, k3 KL 0.01, entropy 0.001, token mean (GRPO / DAPO style).
 //
 //   build/bench/bench_policy_loss [--tokens 16384,65536,131072] [--vocab N] [--hidden N]
-//                                 [--chunk N] [--iters N] [--ratio token|sequence] [--dump DIR]
+//                                 [--chunk N|auto] [--iters N] [--ratio token|sequence] [--dump DIR]
+//   --chunk: rows of the [rows, V] logits block for both heads; auto (the default) is what a run
+//   uses: linear_ce 2048, policy policy_chunk_rows (T / 64 as a power of two in [256, 2048]).
 //   --dump DIR: after the table, one call at the first T written to DIR (h, w as f32 of their
 //   bf16 values, targets, advantages, old / ref log-probs, the loss, d_h, d_w; raw little-endian
 //   .bin files and meta.json) for bench/policy_loss_ref.py --check DIR (PyTorch parity).
@@ -46,7 +48,7 @@ using bench::randn_dev;
 
 struct Args {
   std::vector<int64_t> tokens{16384, 65536, 131072};
-  int64_t vocab = 248320, hidden = 2048, chunk = 2048;
+  int64_t vocab = 248320, hidden = 2048, chunk = 0;  // chunk 0: auto
   int iters = 5;
   std::string ratio = "token";
   std::string dump;
@@ -62,11 +64,11 @@ void write_bin(const std::string& path, const void* p, size_t bytes) {
 
 void run(const Args& a) {
   const int64_t V = a.vocab, H = a.hidden;
-  std::printf("bench_policy_loss: V %lld, H %lld, bf16 h / w, chunk %lld tokens, ratio %s, median of %d\n",
-              static_cast<long long>(V), static_cast<long long>(H), static_cast<long long>(a.chunk), a.ratio.c_str(),
-              a.iters);
-  std::printf("| T | head | ms | TFLOP/s | logits peak GiB | full f32 logits GiB | ratio | call's device peak GiB |\n");
-  std::printf("|---:|---|---:|---:|---:|---:|---:|---:|\n");
+  std::printf("bench_policy_loss: V %lld, H %lld, bf16 h / w, chunk %s, ratio %s, median of %d\n",
+              static_cast<long long>(V), static_cast<long long>(H),
+              a.chunk > 0 ? (std::to_string(a.chunk) + " tokens").c_str() : "auto", a.ratio.c_str(), a.iters);
+  std::printf("| T | head | rows | ms | TFLOP/s | logits peak GiB | full f32 logits GiB | ratio | call's device peak GiB |\n");
+  std::printf("|---:|---|---:|---:|---:|---:|---:|---:|---:|\n");
   Allocator& alloc = allocator_for(kGpu);
   const Tensor w = randn_dev({V, H}, DType::bf16, 0.02f, 2, MemCategory::params);
   Tensor d_w = Tensor::zeros({V, H}, DType::f32, kGpu, MemCategory::grads);
@@ -94,7 +96,7 @@ void run(const Args& a) {
                           Tensor::from_floats(sw, {T}),
                           Tensor::from_ints(cu, {static_cast<int64_t>(cu.size())})};
     LossHeadConfig cfg;
-    cfg.fused_chunk_tokens = a.chunk;
+    if (a.chunk > 0) cfg.fused_chunk_tokens = cfg.policy.chunk_tokens = a.chunk;
     cfg.policy.clip_high = 0.28;
     cfg.policy.kl_coef = 0.01;
     cfg.policy.entropy_coef = 0.001;
@@ -115,8 +117,9 @@ void run(const Args& a) {
       const double ms = median_ms(call, 0, a.iters);
       const double flops = (policy && cfg.policy.ratio == PolicyRatio::sequence ? 8.0 : 6.0) * T * V * H;
       const int64_t lp = alloc.stats().peak_of(MemCategory::logits);
-      std::printf("| %lldK | %s | %.2f | %.1f | %.3f | %.2f | 1/%.0f | %.2f |\n", static_cast<long long>(T / 1024), head,
-                  ms, flops / (ms * 1e-3) / 1e12, gib(static_cast<double>(lp)), gib(full), full / std::max<double>(1, lp),
+      const int64_t rows = policy ? policy_chunk_rows(cfg.policy, T) : std::min(cfg.fused_chunk_tokens, T);
+      std::printf("| %lldK | %s | %lld | %.2f | %.1f | %.3f | %.2f | 1/%.0f | %.2f |\n", static_cast<long long>(T / 1024),
+                  head, static_cast<long long>(rows), ms, flops / (ms * 1e-3) / 1e12, gib(static_cast<double>(lp)), gib(full), full / std::max<double>(1, lp),
                   gib(static_cast<double>(alloc.stats().peak_total - base)));
       std::fflush(stdout);
     }
@@ -175,12 +178,19 @@ int main(int argc, char** argv) {
       for (std::string p; std::getline(ss, p, ',');) a.tokens.push_back(std::atoll(p.c_str()));
     } else if (k == "--vocab") a.vocab = std::atoll(val().c_str());
     else if (k == "--hidden") a.hidden = std::atoll(val().c_str());
-    else if (k == "--chunk") a.chunk = std::atoll(val().c_str());
+    else if (k == "--chunk") {
+      const std::string v = val();
+      a.chunk = v == "auto" ? 0 : std::atoll(v.c_str());
+      if (v != "auto" && a.chunk <= 0) {
+        std::fprintf(stderr, "bench_policy_loss: --chunk must be a positive integer or auto, got %s\n", v.c_str());
+        return 2;
+      }
+    }
     else if (k == "--iters") a.iters = std::atoi(val().c_str());
     else if (k == "--ratio") a.ratio = val();
     else if (k == "--dump") a.dump = val();
     else {
-      std::fprintf(stderr, "usage: bench_policy_loss [--tokens N,N,...] [--vocab N] [--hidden N] [--chunk N] "
+      std::fprintf(stderr, "usage: bench_policy_loss [--tokens N,N,...] [--vocab N] [--hidden N] [--chunk N|auto] "
                            "[--iters N] [--ratio token|sequence] [--dump DIR]\n");
       return 2;
     }

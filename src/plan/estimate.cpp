@@ -584,12 +584,14 @@ MemoryEstimate estimate_memory(const RunConfig& cfg, int64_t world_size, const E
     Bytes b;
     b[C::activations] = kept_below[static_cast<size_t>(nl)] + X + 4 * T + std::max(d.a * T * d.H + 4 * T * d.H, 8 * T * d.H);
     b[C::moe] = moe_below[static_cast<size_t>(nl)];
-    // linear_ce and policy stream [fused_chunk_tokens, V] blocks (policy's are always f32).
+    // linear_ce and policy stream [rows, V] blocks (policy's are always f32, its rows by T when auto).
     const bool linear = cfg.prim.loss.name == "linear_ce" || cfg.prim.loss.name == "policy";
     const LossHeadConfig& lc = cfg.prim.loss_chunks;
     if (linear) {
       const int64_t lb = lc.bf16_logits && d.cuda && d.a == 2 && cfg.prim.loss.name == "linear_ce" ? 2 : 4;
-      b[C::logits] = std::min<int64_t>(lc.fused_chunk_tokens, T) * d.V * lb;
+      const int64_t rows = cfg.prim.loss.name == "policy" ? policy_chunk_rows(lc.policy, T)
+                                                           : std::min<int64_t>(lc.fused_chunk_tokens, T);
+      b[C::logits] = rows * d.V * lb;
     } else {
       b[C::logits] = d.cuda ? T * d.V * (4 + d.a) : 8 * T * d.V;
       b[C::activations] += 4 * T;

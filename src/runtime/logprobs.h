@@ -5,7 +5,7 @@
 //
 // Memory: the weights (values only: no gradient buffers, no master weights, no optimizer
 // moments; every unit whole on the ranks that hold it, experts split by EP) and one micro-batch's
-// activations; the head streams [loss_fused_chunk_tokens, V] blocks (no [T, V] logits). Loading
+// activations; the head streams [policy_chunk_rows(T), V] blocks (no [T, V] logits). Loading
 // stages the rank's weights in f32 once (4 bytes a parameter, freed before the first forward).
 // Layouts: dp, cp and ep of the run config (parallel = "auto" too); every rank returns every
 // document's results.

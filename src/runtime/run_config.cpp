@@ -263,7 +263,12 @@ RunConfig build(toml::value root, const std::string& src) {
   constexpr int64_t kMaxChunk = (int64_t{1} << 31) - 1;
   p.read("loss_chunk_tokens", pc.loss_chunks.chunk_tokens, 1, kMaxChunk);
   p.read("loss_chunk_vocab", pc.loss_chunks.chunk_vocab, 1, kMaxChunk);
-  p.read("loss_fused_chunk_tokens", pc.loss_chunks.fused_chunk_tokens, 1, kMaxChunk);
+  // "auto" (the default) keeps linear_ce's 2048 rows and lets the policy head size its block by
+  // the call's tokens (policy_chunk_rows); an integer sets both.
+  bool chunk_auto = false;
+  int64_t fused_rows = 0;
+  p.read_or_auto("loss_fused_chunk_tokens", fused_rows, chunk_auto, 1, kMaxChunk);
+  if (fused_rows > 0) pc.loss_chunks.fused_chunk_tokens = pc.loss_chunks.policy.chunk_tokens = fused_rows;
   std::string logits = pc.loss_chunks.bf16_logits ? "bf16" : "f32";
   p.read("loss_logits", logits);
   BB_CHECK(logits == "f32" || logits == "bf16", "primitives.loss_logits must be \"f32\" or \"bf16\" in ", src,

@@ -103,6 +103,7 @@ LossHeadConfig head_cfg(const PolicyLossConfig& pc, int64_t chunk = 4) {
   LossHeadConfig cfg;
   cfg.fused_chunk_tokens = chunk;
   cfg.policy = pc;
+  cfg.policy.chunk_tokens = chunk;
   return cfg;
 }
 
@@ -316,6 +317,39 @@ TEST(PolicyLoss, LogitsPeakIsExactlyOneBlock) {
       EXPECT_EQ(a.stats().live_of(MemCategory::logits), 0);
     }
   }
+}
+
+// The auto block (chunk_tokens 0): a power of two at or below T / 64 in [256, 2048], never over T;
+// from 16K tokens up it holds at most 1/64 of the call's full f32 logits (the RL issue asks for
+// <= 1/16), and a call's logits peak is that block.
+TEST(PolicyLoss, AutoChunkFollowsTheCallsTokens) {
+  PolicyLossConfig pc;
+  ASSERT_EQ(pc.chunk_tokens, 0);
+  const std::vector<std::pair<int64_t, int64_t>> want{{1, 1},         {100, 100},       {4096, 256},
+                                                      {16383, 256},   {16384, 256},     {32768, 512},
+                                                      {65536, 1024},  {131071, 1024},   {131072, 2048},
+                                                      {1 << 20, 2048}};
+  for (const auto& [T, rows] : want) {
+    SCOPED_TRACE("T " + std::to_string(T));
+    EXPECT_EQ(policy_chunk_rows(pc, T), rows);
+    if (T >= 16384) EXPECT_LE(policy_chunk_rows(pc, T) * 64, T);
+  }
+  pc.chunk_tokens = 3000;  // an explicit size is taken as is, clamped to T
+  EXPECT_EQ(policy_chunk_rows(pc, 131072), 3000);
+  EXPECT_EQ(policy_chunk_rows(pc, 2000), 2000);
+  LossHeadConfig cfg;
+  EXPECT_EQ(policy_logits_bytes(65536, 248320, cfg), int64_t{1024} * 248320 * 4);
+  // A run measures the block it predicts (T = 40 < 256: the block is the whole call).
+  Case c = make_case(91, false, 0.6, 40, 50, 6);
+  Inputs x = inputs(c);
+  Allocator& a = allocator_for(Device::cpu());
+  Tensor d_h, d_w = Tensor::zeros({c.V, c.H}, DType::f32, Device::cpu(), MemCategory::grads);
+  a.reset_peak();
+  policy_loss_train(1.0f, x.h, x.w, x.tg, x.in, cfg, d_h, d_w);
+  EXPECT_EQ(a.stats().peak_of(MemCategory::logits), c.T * c.V * 4);
+  cfg.policy.chunk_tokens = -1;
+  test::expect_error_contains([&] { policy_loss_train(1.0f, x.h, x.w, x.tg, x.in, cfg, d_h, d_w); },
+                              "primitives.loss_fused_chunk_tokens must be > 0 or \"auto\"");
 }
 
 // A large stale log-ratio is clamped: finite loss, no gradient through that token's ratio.

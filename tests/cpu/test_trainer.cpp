@@ -372,6 +372,17 @@ TEST(RunConfig, LossChunksAreSetSeparatelyAndDefaultToTheLossHeadDefaults) {
   EXPECT_EQ(c.prim.loss_chunks.chunk_vocab, defaults.chunk_vocab);
   test::expect_error_contains([&] { load_run_config(run, {"primitives.loss_fused_chunk_tokens=0"}); },
                               "primitives.loss_fused_chunk_tokens (in");
+  // "auto" (the default): linear_ce's 2048 rows, the policy head's rows by its tokens; an integer
+  // sets both heads.
+  EXPECT_EQ(load_run_config(run).prim.loss_chunks.policy.chunk_tokens, 0);
+  EXPECT_EQ(c.prim.loss_chunks.policy.chunk_tokens, 64);
+  c = load_run_config(run, {"primitives.loss_fused_chunk_tokens=\"auto\"", "primitives.loss=\"policy\""});
+  EXPECT_EQ(c.prim.loss_chunks.fused_chunk_tokens, 2048);
+  EXPECT_EQ(c.prim.loss_chunks.policy.chunk_tokens, 0);
+  EXPECT_NE(c.primitives_summary().find(" chunk_tokens=auto)"), std::string::npos);
+  test::expect_error_contains([&] { load_run_config(run, {"primitives.loss_fused_chunk_tokens=\"big\""}); },
+                              "must be an integer or \"auto\"");
+  c = load_run_config(run, {"primitives.loss_chunk_tokens=100", "primitives.loss_fused_chunk_tokens=64"});
   // primitives.loss_logits: f32 by default; "bf16" for linear_ce only; other names refused.
   EXPECT_FALSE(c.prim.loss_chunks.bf16_logits);
   c = load_run_config(run, {"primitives.loss=\"linear_ce\"", "primitives.loss_logits=\"bf16\""});

@@ -64,7 +64,7 @@ TEST_P(PolicyGpu, MatchesCpu) {
   const Case c = GetParam();
   const Inputs in = make(c);
   LossHeadConfig cfg;
-  cfg.fused_chunk_tokens = c.chunk;
+  cfg.policy.chunk_tokens = c.chunk;
   cfg.policy.temperature = 0.8;
   cfg.policy.clip_high = 0.28;
   cfg.policy.dual_clip = 2.0;
@@ -121,7 +121,7 @@ TEST(PolicyGpuRuns, TokenStatsLogitsPeakAndBadTarget) {
   const Case c{40, 3001, 64, 16, DType::f32, PolicyRatio::token, PolicyAggregation::token_mean};
   Inputs in = make(c);
   LossHeadConfig cfg;
-  cfg.fused_chunk_tokens = c.chunk;
+  cfg.policy.chunk_tokens = c.chunk;
   cfg.policy.temperature = 0.7;
   const Tensor h = Tensor::from_floats(in.h, {c.T, c.H}), w = Tensor::from_floats(in.w, {c.V, c.H});
   const Tensor tg = Tensor::from_ints(in.tg, {c.T});

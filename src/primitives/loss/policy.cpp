@@ -1,7 +1,7 @@
 // policy.cpp — the policy loss head on the CPU (policy.h): BLAS for the block GEMMs, the row
 // statistics, per-token objective and gradient rows here.
 //
-// NOTES: each block is [ct, V] f32 (ct = min(fused_chunk_tokens, T)), allocated once and reused;
+// NOTES: each block is [ct, V] f32 (ct = policy_chunk_rows(cfg.policy, T)), allocated once and reused;
 // the gradient overwrites the logits in place, so the logits peak is exactly that block. The
 // row statistics are one sweep over exp(z - max) (sum, and sum of p z for the entropy, in
 // double); the gradient row a second. On CUDA the head refuses with a clear error: its kernels
@@ -177,7 +177,7 @@ LossResult policy_run_cuda(Mode mode, float scale, const Tensor& h, const Tensor
   const Device dev = h.device();
   const int idx = dev.index;
   const int64_t T = dims.num_tokens, V = dims.vocab, H = dims.hidden;
-  const int64_t ct = std::min(cfg.fused_chunk_tokens, T);
+  const int64_t ct = policy_chunk_rows(cfg.policy, T);
   const DType dt = h.dtype();  // GEMM operands; the gradient block has this dtype
   const int64_t ldd = cuda::ce_fused_grad_ld(V, DType::f32, dt);
   Tensor tg = detail::targets_on(targets, dev);
@@ -239,7 +239,6 @@ LossResult policy_run(Mode mode, float scale, const Tensor& h, const Tensor& w, 
                       bool overwrite_dw, const char* op) {
   const PolicyLossConfig& c = cfg.policy;
   validate_policy_config(c, std::string(" (") + op + ")");
-  BB_CHECK(cfg.fused_chunk_tokens > 0, op, ": cfg.fused_chunk_tokens must be > 0, got ", cfg.fused_chunk_tokens);
   const detail::LossHeadDims dims = detail::check_loss_head_inputs(h, w, targets, op);
   if (mode == Mode::train) detail::check_head_grad_args(dims, h, *d_h, *d_w, op);
   const int64_t T = dims.num_tokens, V = dims.vocab, H = dims.hidden;
@@ -252,7 +251,7 @@ LossResult policy_run(Mode mode, float scale, const Tensor& h, const Tensor& w, 
 #endif
   if (mode == Mode::train && overwrite_dw) d_w->zero_();
 
-  const int64_t ct = std::min(cfg.fused_chunk_tokens, T);
+  const int64_t ct = policy_chunk_rows(cfg.policy, T);
   const double inv_temp = 1.0 / c.temperature;
   Tensor wf = cpu::as_f32(w);
   Tensor block = Tensor::empty({ct * V}, DType::f32, Device::cpu(), MemCategory::logits);
@@ -363,6 +362,8 @@ void validate_policy_config(const PolicyLossConfig& c, const std::string& where)
   BB_CHECK(std::isfinite(c.kl_coef) && c.kl_coef >= 0, "policy.kl_coef must be >= 0", where, ", got ", c.kl_coef);
   BB_CHECK(std::isfinite(c.entropy_coef), "policy.entropy_coef must be finite", where, ", got ", c.entropy_coef);
   BB_CHECK(c.max_log_ratio > 0, "policy.max_log_ratio must be > 0", where, ", got ", c.max_log_ratio);
+  BB_CHECK(c.chunk_tokens >= 0, "primitives.loss_fused_chunk_tokens must be > 0 or \"auto\"", where, ", got ",
+           c.chunk_tokens);
 }
 
 LossResult policy_loss_train(float scale, const Tensor& h, const Tensor& w, const Tensor& targets,
@@ -383,7 +384,6 @@ void policy_token_stats(const Tensor& h, const Tensor& w, const Tensor& targets,
   BB_RANGE("policy_token_stats");
   const char* op = "policy_token_stats";
   validate_policy_config(cfg.policy, op);
-  BB_CHECK(cfg.fused_chunk_tokens > 0, op, ": cfg.fused_chunk_tokens must be > 0");
   const detail::LossHeadDims dims = detail::check_loss_head_inputs(h, w, targets, op);
   const int64_t T = dims.num_tokens, V = dims.vocab, H = dims.hidden;
 #ifdef BB_WITH_CUDA
@@ -405,7 +405,7 @@ void policy_token_stats(const Tensor& h, const Tensor& w, const Tensor& targets,
     return;
   }
 #endif
-  const int64_t ct = std::min(cfg.fused_chunk_tokens, T);
+  const int64_t ct = policy_chunk_rows(cfg.policy, T);
   const double inv_temp = 1.0 / cfg.policy.temperature;
   Tensor wf = cpu::as_f32(w);
   Tensor block = Tensor::empty({ct * V}, DType::f32, Device::cpu(), MemCategory::logits);
@@ -425,7 +425,7 @@ void policy_token_stats(const Tensor& h, const Tensor& w, const Tensor& targets,
 }
 
 int64_t policy_logits_bytes(int64_t num_tokens, int64_t vocab, const LossHeadConfig& cfg) {
-  return std::min(cfg.fused_chunk_tokens, num_tokens) * vocab * 4;
+  return policy_chunk_rows(cfg.policy, num_tokens) * vocab * 4;
 }
 
 std::unique_ptr<LossHead> make_policy_head(const LossHeadConfig& cfg) {

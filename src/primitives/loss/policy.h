@@ -22,7 +22,7 @@
 //   d z_tv     = g_lp (onehot_v - p_tv) - g_H p_tv (log p_tv + H_t);   d x = d z / tau
 //   d_h (=) d x @ w,  d_w (+=) d x^T @ h
 // Without old_logprobs the update is on-policy: old = logp detached, so r = 1 and dr/dlogp = 1.
-// Training streams whole-vocabulary blocks of min(fused_chunk_tokens, T) rows (one [ct, V] f32
+// Training streams whole-vocabulary blocks of policy_chunk_rows(cfg.policy, T) rows (one [ct, V] f32
 // block, the logits peak, as linear_ce_fused); ratio = sequence takes one forward sweep first
 // for the sequence ratios, then the fused sweep (the logits GEMM twice). On CUDA the same blocks
 // with one row kernel (policy_cuda.h) between the GEMMs; with bf16 h / w the gradient is bf16,
@@ -65,7 +65,7 @@ LossResult policy_loss_forward(const Tensor& h, const Tensor& w, const Tensor& t
 void policy_token_stats(const Tensor& h, const Tensor& w, const Tensor& targets,
                         const LossHeadConfig& cfg, Tensor& logp, Tensor& entropy);
 
-// The policy head's logits peak: min(fused_chunk_tokens, T) * V * 4 bytes.
+// The policy head's logits peak: policy_chunk_rows(cfg.policy, T) * V * 4 bytes.
 int64_t policy_logits_bytes(int64_t num_tokens, int64_t vocab, const LossHeadConfig& cfg);
 
 }  // namespace bb

@@ -34,7 +34,22 @@ struct PolicyLossConfig {
   // Log-ratios (and the k3 exponent) are clamped to [-max_log_ratio, max_log_ratio] before exp,
   // with no gradient through a clamped value: a stale rollout cannot overflow the step.
   double max_log_ratio = 20;
+  // Token rows of the head's [rows, V] f32 logits block (primitives.loss_fused_chunk_tokens):
+  // > 0 that many (at most T); 0 = auto, policy_chunk_rows' rule.
+  int64_t chunk_tokens = 0;
 };
+
+// The rows of the policy head's logits block for a call of T tokens (T >= 1). chunk_tokens > 0:
+// min(chunk_tokens, T). Auto: the power of two at or below T / 64, clamped to [256, 2048] (and
+// to T). The block then holds at most 1/64 of the call's full f32 logits from T = 16K up, which
+// keeps the head below fused log-prob kernels whose memory grows with T (bench/results/
+// 2026-12-05-rl-gpu.md), while 256-row blocks still keep the GEMMs on the GPU's fast path.
+inline int64_t policy_chunk_rows(const PolicyLossConfig& c, int64_t T) {
+  if (c.chunk_tokens > 0) return c.chunk_tokens < T ? c.chunk_tokens : T;
+  int64_t rows = 256;
+  while (rows < 2048 && rows * 2 * 64 <= T) rows *= 2;
+  return rows < T ? rows : T;
+}
 
 // Sums over the valid tokens of one call (or, after the trainer's reductions, of a step).
 struct PolicyMetrics {
