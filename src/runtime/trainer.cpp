@@ -591,37 +591,83 @@ struct Trainer::HostStash {
 // reused by the next snapshot when its shape and dtype match (they do from one save to the
 // next), page-locked when its source is on a GPU so that the device -> host copy runs at the
 // link's rate instead of through the driver's pageable staging, with first-touch page faults.
-// The first snapshot pays the allocation and the locking (about what a pinned allocation of the
-// shard's bytes costs); later ones only the copies.
+// Locking goes in pieces of kPiece bytes, each its own registration (after the pages are
+// faulted in by several threads), and the snapshot copies piece by piece, never across two
+// registrations. Whoever allocates pays the locking (run() does before the first step, with
+// periodic async saves); later snapshots only the copies.
 struct Trainer::SnapshotBuffers {
+  static constexpr size_t kPiece = size_t{256} << 20;
   std::vector<Tensor> bufs;
-  std::vector<void*> locked;  // per buffer: its page-locked address, or null
+  std::vector<std::vector<void*>> locked;  // per buffer: its page-locked pieces
   SnapshotBuffers() = default;
   SnapshotBuffers(const SnapshotBuffers&) = delete;
   SnapshotBuffers& operator=(const SnapshotBuffers&) = delete;
   ~SnapshotBuffers() { trim(0); }
   void release(size_t k) {
 #ifdef BB_WITH_CUDA
-    if (locked[k]) cuda::host_unregister(locked[k]);
+    for (void* p : locked[k]) cuda::host_unregister(p);
 #endif
-    locked[k] = nullptr;
+    locked[k].clear();
     bufs[k] = Tensor();
   }
   // Host buffer k shaped like t; *fresh: whether it was allocated now.
-  Tensor take(size_t k, const Tensor& t, bool* fresh) {
+  Tensor take(size_t k, const Tensor& t, bool* fresh) { return take(k, t.shape(), t.dtype(), t.device().is_cuda(), fresh); }
+  // The same by shape and dtype; lock: page-lock a new buffer (its source is on a GPU).
+  Tensor take(size_t k, const std::vector<int64_t>& shape, DType dtype, bool lock, bool* fresh) {
     if (k >= bufs.size()) {
       bufs.resize(k + 1);
-      locked.resize(k + 1, nullptr);
+      locked.resize(k + 1);
     }
-    *fresh = !(bufs[k].defined() && bufs[k].shape() == t.shape() && bufs[k].dtype() == t.dtype());
+    *fresh = !(bufs[k].defined() && bufs[k].shape() == shape && bufs[k].dtype() == dtype);
     if (!*fresh) return bufs[k];
     release(k);
-    bufs[k] = Tensor::empty(t.shape(), t.dtype(), Device::cpu(), MemCategory::other);
+    bufs[k] = Tensor::empty(shape, dtype, Device::cpu(), MemCategory::other);
 #ifdef BB_WITH_CUDA
-    if (t.device().is_cuda() && bufs[k].nbytes() > 0 && cuda::host_register(bufs[k].raw(), bufs[k].nbytes()))
-      locked[k] = bufs[k].raw();
+    char* base = static_cast<char*>(bufs[k].raw());
+    const size_t n = bufs[k].nbytes();
+    if (lock) prefault(base, n);
+    // A piece that cannot be locked stays pageable (its copy is slower, not wrong).
+    for (size_t at = 0; lock && at < n; at += kPiece)
+      if (cuda::host_register(base + at, std::min(kPiece, n - at))) locked[k].push_back(base + at);
+#else
+    (void)lock;
 #endif
     return bufs[k];
+  }
+  // Touches every page of [p, p + n) from several threads: page-locking a range faults its
+  // pages in one by one on the calling thread, which then only pins them.
+  static void prefault(char* p, size_t n) {
+    constexpr size_t kPage = 4096;
+    const size_t threads = std::min<size_t>({8, std::max(1u, std::thread::hardware_concurrency()), n / (64u << 20) + 1});
+    auto touch = [p, n](size_t lo, size_t hi) {
+      for (size_t at = lo; at < hi && at < n; at += kPage) p[at] = 0;
+    };
+    const size_t per = (n / threads + kPage - 1) / kPage * kPage;
+    std::vector<std::thread> pool;
+    try {
+      for (size_t t = 1; t < threads; ++t) pool.emplace_back(touch, t * per, (t + 1) * per);
+    } catch (const std::exception&) {
+      // fewer threads: this one touches what is left
+    }
+    touch(0, per);
+    for (size_t t = pool.size() + 1; t < threads; ++t) touch(t * per, (t + 1) * per);
+    for (std::thread& th : pool) th.join();
+  }
+  // Copies src into buffer k (src: its shape and dtype), kPiece bytes at a time.
+  void fill(size_t k, const Tensor& src) {
+    const Tensor dst = bufs[k].view({-1});
+    const Tensor from = src.view({-1});
+    const int64_t step = static_cast<int64_t>(kPiece / dtype_size(src.dtype()));
+    for (int64_t at = 0; at < dst.numel(); at += step) {
+      const int64_t len = std::min(step, dst.numel() - at);
+      dst.narrow(at, len).copy_from(from.narrow(at, len));
+    }
+  }
+  int64_t bytes() const {
+    int64_t n = 0;
+    for (const Tensor& b : bufs)
+      if (b.defined()) n += static_cast<int64_t>(b.nbytes());
+    return n;
   }
   void trim(size_t n) {
     while (bufs.size() > n) {
@@ -1335,6 +1381,10 @@ std::vector<StepMetrics> Trainer::run() {
     metrics = std::make_unique<std::ofstream>(mpath, step_ > 0 ? std::ios::app : std::ios::trunc);
     BB_CHECK(metrics->good(), "cannot open log.metrics file '", mpath, "' for writing");
   }
+  // A periodic async save will come before the last step: its host buffers are made now.
+  if (!cfg_.ckpt_dir.empty() && cfg_.ckpt_async && cfg_.ckpt_every > 0 &&
+      (step_ / cfg_.ckpt_every + 1) * cfg_.ckpt_every < cfg_.steps)
+    prepare_snapshot_buffers();
   while (step_ < cfg_.steps) {
     StepMetrics m;
     try {
@@ -1397,6 +1447,67 @@ std::vector<StepMetrics> Trainer::run() {
 
 // Phase 1 of a save (collective): the shard's tensors (host copies with `to_host`), the finite
 // check, the temporary directory, and rank 0's state.json as of this step.
+namespace {
+
+// The runs of unit i's owned elements a checkpoint shard holds, in global coordinates: an
+// expert unit of an expert-parallel rank its experts' runs of the global unit; every other unit
+// its range as it is.
+std::vector<GlobalUnit::Run> save_runs(ModelState& state, ParamUnit& unit, size_t i, int64_t num_experts) {
+  const auto [lo, len] = state.checkpoint_range(i);
+  const GlobalUnit g = global_unit(unit, num_experts);
+  return g.identity ? std::vector<GlobalUnit::Run>{{lo, lo, len}} : global_runs(g, lo, len);
+}
+
+}  // namespace
+
+std::vector<std::pair<std::vector<int64_t>, DType>> Trainer::snapshot_layout() {
+  // begin_save's order: per unit the master (unless split), exp_avg and exp_avg_sq; then the
+  // split masters' halves, upper and lower, unit by unit.
+  std::vector<std::pair<std::vector<int64_t>, DType>> out, halves;
+  std::vector<ParamUnit*> units = model_->units();
+  for (size_t i = 0; i < units.size(); ++i) {
+    int64_t total = 0;
+    for (const GlobalUnit::Run& r : save_runs(*state_, *units[i], i, cfg_.model.num_experts)) total += r.n;
+    if (total == 0) continue;
+    const ModelState::Owned o = state_->owned(i);
+    const std::pair<Tensor, Tensor> split = state_->master_halves(i, 0, 0);
+    if (split.first.defined()) {
+      halves.push_back({{total}, split.first.dtype()});
+      halves.push_back({{total}, split.second.dtype()});
+    } else {
+      out.push_back({{total}, DType::f32});
+    }
+    out.push_back({{total}, o.exp_avg.dtype()});
+    out.push_back({{total}, o.exp_avg_sq.dtype()});
+  }
+  out.insert(out.end(), halves.begin(), halves.end());
+  return out;
+}
+
+void Trainer::prepare_snapshot_buffers() {
+  if (offloaded_) return;
+  if (!snapshot_) snapshot_ = std::make_unique<SnapshotBuffers>();
+  const std::vector<std::pair<std::vector<int64_t>, DType>> layout = snapshot_layout();
+  const bool lock = device_.is_cuda();
+  const double t0 = now_s();
+  try {
+    bool fresh = false;
+    for (size_t k = 0; k < layout.size(); ++k) snapshot_->take(k, layout[k].first, layout[k].second, lock, &fresh);
+    if (log_) {
+      std::fprintf(log_, "%s[checkpoint] async-save host buffers ready before the first step: %s in %.2fs%s\n",
+                   log_prefix_.c_str(), format_bytes(snapshot_->bytes()).c_str(), now_s() - t0,
+                   lock ? " (page-locked; the saves reuse them)" : " (the saves reuse them)");
+      std::fflush(log_);
+    }
+  } catch (const std::exception& e) {
+    // Out of host memory, say: the first snapshot allocates what is missing (and fails there,
+    // on every rank, if it still cannot).
+    if (log_)
+      std::fprintf(log_, "%s[checkpoint] could not prepare the async-save host buffers (%s); the first save "
+                   "allocates them\n", log_prefix_.c_str(), e.what());
+  }
+}
+
 std::unique_ptr<Trainer::SaveJob> Trainer::begin_save(const std::string& root, bool to_host) {
   comm::Group& world = *mesh_->world();
   const int rank = world.rank();
@@ -1427,11 +1538,8 @@ std::unique_ptr<Trainer::SaveJob> Trainer::begin_save(const std::string& root, b
   try {
     std::vector<ParamUnit*> units = model_->units();
     for (size_t i = 0; i < units.size(); ++i) {
-      const auto [lo, len] = state_->checkpoint_range(i);
       const ModelState::Owned o = state_->owned(i);
-      const GlobalUnit g = global_unit(*units[i], cfg_.model.num_experts);
-      const std::vector<GlobalUnit::Run> runs =
-          g.identity ? std::vector<GlobalUnit::Run>{{lo, lo, len}} : global_runs(g, lo, len);
+      const std::vector<GlobalUnit::Run> runs = save_runs(*state_, *units[i], i, cfg_.model.num_experts);
       std::string range;
       int64_t total = 0;
       for (const GlobalUnit::Run& r : runs) {
@@ -1537,9 +1645,9 @@ std::unique_ptr<Trainer::SaveJob> Trainer::begin_save(const std::string& root, b
       size_t k = 0;
       auto snap = [&](Tensor& t) {
         bool fresh = false;
-        Tensor copy = snapshot_->take(k++, t, &fresh);
+        Tensor copy = snapshot_->take(k, t, &fresh);
         if (fresh) job->snapshot_new_bytes += static_cast<int64_t>(copy.nbytes());
-        copy.copy_from(t);
+        snapshot_->fill(k++, t);
         job->snapshot_bytes += static_cast<int64_t>(copy.nbytes());
         t = copy;
       };

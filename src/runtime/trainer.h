@@ -276,6 +276,12 @@ class Trainer {
   // that a snapshot after the first costs only the copies at the link's rate.
   struct SnapshotBuffers;
   std::unique_ptr<SnapshotBuffers> snapshot_;
+  // run() with periodic async saves: the buffers are allocated and page-locked before the
+  // first step, so that no save pays for them (page-locking holds the driver: beside training
+  // it would stall the steps instead).
+  void prepare_snapshot_buffers();
+  // The host tensors an async snapshot of this rank takes, in its order (shape, dtype).
+  std::vector<std::pair<std::vector<int64_t>, DType>> snapshot_layout();
   int64_t pinned_flags_n_ = 0;
 };
 
