@@ -1,7 +1,10 @@
 #include "core/tensor.h"
 
+#include <algorithm>
 #include <cstring>
 #include <sstream>
+#include <thread>
+#include <vector>
 
 #ifdef BB_WITH_CUDA
 #include "backend/cuda/runtime.h"
@@ -184,8 +187,35 @@ Tensor Tensor::to_dtype(DType dt, MemCategory cat) const {
   BB_CHECK(is_floating(dt) && is_floating(dtype_), "to_dtype: only float conversions, got ",
            dtype_name(dtype_), " -> ", dtype_name(dt));
   if (device().is_cpu()) {
-    std::vector<float> v = to_floats();
     Tensor t = empty(shape_, dt, Device::cpu(), cat);
+    if (dtype_ == DType::f32 && (dt == DType::bf16 || dt == DType::f16)) {
+      // Straight from the values (no widened copy: exports convert whole models this way).
+      const float* s = static_cast<const float*>(raw());
+      uint16_t* p = static_cast<uint16_t*>(t.raw());
+      const bool bf = dt == DType::bf16;
+      auto convert = [s, p, bf](int64_t lo, int64_t hi) {
+        if (bf)
+          for (int64_t i = lo; i < hi; ++i) p[i] = f32_to_bf16(s[i]);
+        else
+          for (int64_t i = lo; i < hi; ++i) p[i] = f32_to_f16(s[i]);
+      };
+      // Large tensors (a model's weights in an export) on several threads.
+      const int64_t n = numel();
+      const int64_t threads =
+          std::min<int64_t>({8, std::max<int64_t>(1, std::thread::hardware_concurrency()), n / (int64_t{1} << 22) + 1});
+      const int64_t per = (n + threads - 1) / threads;
+      std::vector<std::thread> pool;
+      try {
+        for (int64_t k = 1; k < threads; ++k) pool.emplace_back(convert, k * per, std::min(n, (k + 1) * per));
+      } catch (const std::exception&) {
+        // fewer threads: this one converts what is left
+      }
+      convert(0, std::min(n, per));
+      for (int64_t k = static_cast<int64_t>(pool.size()) + 1; k < threads; ++k) convert(k * per, std::min(n, (k + 1) * per));
+      for (std::thread& th : pool) th.join();
+      return t;
+    }
+    std::vector<float> v = to_floats();
     if (dt == DType::f32) {
       if (!v.empty()) std::memcpy(t.raw(), v.data(), v.size() * 4);  // an empty tensor may have no buffer
     } else {

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <future>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <regex>
@@ -445,18 +446,35 @@ void write_streamed(const std::string& path, const std::vector<TensorSpec>& spec
   const std::string header = safetensors_header_bytes(specs, metadata);
   atomic_write(path, [&](FileWriter& w) {
     w.write(header);
-    for (size_t i = 0; i < specs.size(); ++i) {
-      if (specs[i].nbytes() == 0) continue;
-      Tensor t = produce(first + i);
-      if (!t.defined() || t.dtype() != specs[i].dtype || t.shape() != specs[i].shape) {
-        std::string dims;
-        for (int64_t d : specs[i].shape) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
-        BB_FAIL("write_safetensors ", path, ": tensor '", specs[i].name, "' was announced as ",
-                dtype_name(specs[i].dtype), "[", dims, "] and came as ", t.defined() ? t.str() : std::string("undefined"));
+    // Tensor i is written by a thread of its own while this one produces tensor i + 1 (the
+    // producer's reads, slicing and conversion overlap the file system's copy): host memory
+    // holds two tensors. The producer stays on this thread (it may use the GPU).
+    std::future<void> writing;
+    Tensor in_flight;
+    auto wait = [&] {
+      if (writing.valid()) writing.get();
+      in_flight = Tensor();
+    };
+    try {
+      for (size_t i = 0; i < specs.size(); ++i) {
+        if (specs[i].nbytes() == 0) continue;
+        Tensor t = produce(first + i);
+        if (!t.defined() || t.dtype() != specs[i].dtype || t.shape() != specs[i].shape) {
+          std::string dims;
+          for (int64_t d : specs[i].shape) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
+          BB_FAIL("write_safetensors ", path, ": tensor '", specs[i].name, "' was announced as ",
+                  dtype_name(specs[i].dtype), "[", dims, "] and came as ", t.defined() ? t.str() : std::string("undefined"));
+        }
+        if (!t.device().is_cpu()) t = t.to(Device::cpu(), MemCategory::workspace);
+        wait();
+        in_flight = t;
+        writing = std::async(std::launch::async, [&w, t] { w.write(t.raw(), t.nbytes()); });
       }
-      // One tensor at a time on the host keeps the extra memory to the largest tensor.
-      if (!t.device().is_cpu()) t = t.to(Device::cpu(), MemCategory::workspace);
-      w.write(t.raw(), t.nbytes());
+      wait();
+    } catch (...) {
+      // The file is abandoned (atomic_write removes it); a write still running finishes first.
+      if (writing.valid()) writing.wait();
+      throw;
     }
   });
 }
@@ -518,11 +536,29 @@ void write_sharded_safetensors(const std::string& dir, const std::vector<TensorS
     nlohmann::json weight_map = nlohmann::json::object();
     for (int i = 0; i < n; ++i) {
       const std::string file = safetensors_shard_name(i + 1, n);
-      write_streamed(path_join(dir, file), shard_specs(static_cast<size_t>(i)), starts[static_cast<size_t>(i)], produce,
-                     metadata);
       keep.insert(file);
       for (size_t k = starts[static_cast<size_t>(i)]; k < starts[static_cast<size_t>(i) + 1]; ++k)
         weight_map[specs[k].name] = file;
+    }
+    // Every shard goes to a pending name first and all are renamed once the last is complete: a
+    // producer that fails in a later shard (a non-finite weight) leaves no file of this write,
+    // and no earlier directory's shards of the same names replaced by half of a new set.
+    std::vector<std::string> pending;
+    auto pending_name = [&](int i) { return path_join(dir, "." + safetensors_shard_name(i + 1, n) + ".pending"); };
+    try {
+      for (int i = 0; i < n; ++i) {
+        pending.push_back(pending_name(i));
+        write_streamed(pending.back(), shard_specs(static_cast<size_t>(i)), starts[static_cast<size_t>(i)], produce,
+                       metadata);
+      }
+    } catch (...) {
+      for (const std::string& f : pending) ::unlink(f.c_str());
+      throw;
+    }
+    for (int i = 0; i < n; ++i) {
+      const std::string to = path_join(dir, safetensors_shard_name(i + 1, n));
+      BB_CHECK(::rename(pending[static_cast<size_t>(i)].c_str(), to.c_str()) == 0, "write_sharded_safetensors ",
+               dir, ": cannot rename ", pending[static_cast<size_t>(i)], " to ", to, ": ", std::strerror(errno));
     }
     nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
     // The index goes last, so it never names a shard that is not completely on disk.

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <future>
 #include <set>
 
 #include "io/fs.h"
@@ -194,8 +195,9 @@ ShardSet::ShardSet(const std::string& dir, const nlohmann::json& state) : dir_(d
 
 Tensor ShardSet::read(const std::string& unit, const std::string& which, int64_t lo, int64_t len,
                       DType dtype) const {
-  Tensor out = Tensor::zeros({len}, dtype, Device::cpu(), MemCategory::other);
-  if (len == 0) return out;
+  if (len == 0) return Tensor::zeros({0}, dtype, Device::cpu(), MemCategory::other);
+  // Every element is written below or the coverage check fails: no zero fill.
+  Tensor out;
   int64_t covered = 0;
   auto it = pieces_.find(unit);
   if (it != pieces_.end()) {
@@ -204,12 +206,29 @@ Tensor ShardSet::read(const std::string& unit, const std::string& which, int64_t
       if (a >= b) continue;
       const std::string name = unit + "." + which;
       BB_CHECK(p.file->has(name), "checkpoint ", dir_, ": ", p.file->path(), " lacks ", name);
-      Tensor t = p.file->read(name, MemCategory::other);
-      BB_CHECK(t.dtype() == dtype && t.numel() == p.total, "checkpoint ", dir_, ": ", p.file->path(), ": ", name,
-               " is ", t.str(), ", expected ", dtype_name(dtype), "[", p.total, "]");
-      // Shards written since checksums exist carry one per tensor; older ones load as before.
-      verify_checksum(p.file->metadata(), "checkpoint " + dir_ + ": " + p.file->path(), name, t);
-      out.narrow(a - lo, b - a).copy_from(t.narrow(p.at + a - p.lo, b - a));
+      // A unit's runs are read one after another (read_runs): the file's tensor, read and
+      // checksummed once, serves them all.
+      Tensor t;
+      if (cached_.defined() && cached_file_ == p.file.get() && cached_name_ == name) {
+        t = cached_;
+      } else {
+        cached_ = Tensor();
+        t = p.file->read(name, MemCategory::other);
+        BB_CHECK(t.dtype() == dtype && t.numel() == p.total, "checkpoint ", dir_, ": ", p.file->path(), ": ", name,
+                 " is ", t.str(), ", expected ", dtype_name(dtype), "[", p.total, "]");
+        // Shards written since checksums exist carry one per tensor; older ones load as before.
+        verify_checksum(p.file->metadata(), "checkpoint " + dir_ + ": " + p.file->path(), name, t);
+      }
+      if (a == lo && b - a == len && p.at + a - p.lo == 0 && p.total == len) {
+        out = t;  // the file's tensor is exactly the range (one shard holds it all): no copy
+        cached_ = Tensor();  // handed to the caller, who may change it
+      } else {
+        cached_ = t;
+        cached_file_ = p.file.get();
+        cached_name_ = name;
+        if (!out.defined()) out = Tensor::empty({len}, dtype, Device::cpu(), MemCategory::other);
+        out.narrow(a - lo, b - a).copy_from(t.narrow(p.at + a - p.lo, b - a));
+      }
       covered += b - a;
     }
   }
@@ -234,6 +253,7 @@ Tensor ShardSet::read(const std::string& unit, const std::string& which, int64_t
 
 Tensor ShardSet::read_runs(const std::string& unit, const std::string& which, const std::vector<GlobalUnit::Run>& runs,
                            int64_t lo, int64_t len, DType dtype) const {
+  if (runs.size() == 1 && runs[0].local == lo && runs[0].n == len) return read(unit, which, runs[0].global, len, dtype);
   Tensor out = Tensor::zeros({len}, dtype, Device::cpu(), MemCategory::other);
   for (const GlobalUnit::Run& r : runs) {
     BB_CHECK(r.local >= lo && r.local + r.n <= lo + len, "ShardSet::read_runs: run outside the range");
@@ -258,14 +278,50 @@ void export_distributed_checkpoint(const std::string& step_dir, const std::strin
   ShardSet shards(step_dir, st);
   shards.set_check_finite(false);  // the export checks the weights it writes (or not: --allow-nonfinite)
   const std::vector<HfTensor> tensors = model.hf_tensors();
+  auto read_unit = [&](const ParamUnit* u) {
+    // A unit whose local elements are the global ones is read whole (from a one-shard
+    // checkpoint: the file's tensor as it is); only the parameters' elements are exported, so
+    // its padding need not be zeroed as read_runs does.
+    const GlobalUnit g = global_unit(*u, cfg.num_experts);
+    return g.identity ? shards.read(u->name, "master", 0, u->numel)
+                      : shards.read_runs(u->name, "master", global_runs(g, 0, u->numel), 0, u->numel);
+  };
+  // The units in the order the weights first need them. While the weights of one are converted
+  // and written, the next is read on a thread of its own (one read at a time: the ShardSet is
+  // not shared), so the disk reads overlap the writes; host memory holds three units.
+  std::vector<const ParamUnit*> order;
+  for (const HfTensor& t : tensors)
+    if (std::find(order.begin(), order.end(), t.param->unit) == order.end()) order.push_back(t.param->unit);
   std::vector<std::pair<const ParamUnit*, Tensor>> cache;
+  auto cached = [&](const ParamUnit* u) {
+    for (const auto& [p, t] : cache)
+      if (p == u) return true;
+    return false;
+  };
+  std::future<Tensor> ahead;
+  const ParamUnit* ahead_unit = nullptr;
   auto unit_values = [&](const ParamUnit& u) -> Tensor {
     for (const auto& [p, t] : cache)
       if (p == &u) return t;
+    Tensor v;
+    if (ahead_unit == &u) {
+      v = ahead.get();
+    } else {
+      if (ahead.valid()) ahead.wait();  // its unit is read again when it is needed
+      v = read_unit(&u);
+    }
+    ahead_unit = nullptr;
+    ahead = std::future<Tensor>();
     if (cache.size() == 2) cache.erase(cache.begin());
-    const GlobalUnit g = global_unit(u, cfg.num_experts);
-    cache.emplace_back(&u, shards.read_runs(u.name, "master", global_runs(g, 0, u.numel), 0, u.numel));
-    return cache.back().second;
+    cache.emplace_back(&u, v);
+    // Read ahead: the first unit after this one in the order that is not at hand.
+    size_t at = static_cast<size_t>(std::find(order.begin(), order.end(), &u) - order.begin()) + 1;
+    while (at < order.size() && cached(order[at])) ++at;
+    if (at < order.size()) {
+      ahead_unit = order[at];
+      ahead = std::async(std::launch::async, read_unit, ahead_unit);
+    }
+    return v;
   };
   export_hf_streamed(cfg, tensors, [&](size_t i) {
     const HfTensor& t = tensors[i];

@@ -100,6 +100,10 @@ class ShardSet {
   std::string dir_;
   bool check_finite_ = true;
   std::map<std::string, std::vector<Piece>> pieces_;
+  // The last file tensor read (a unit's runs come one after another), kept for the next run.
+  mutable Tensor cached_;
+  mutable const SafetensorsReader* cached_file_ = nullptr;
+  mutable std::string cached_name_;
 };
 
 // Parses state.json of a step directory (clear errors for missing or foreign files).

@@ -1,6 +1,8 @@
 // Core: dtypes, tensors, memory accounting, rng, errors.
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include <cmath>
 #include <cstring>
 
@@ -75,6 +77,16 @@ TEST(Tensor, DtypeConversionAndClone) {
   EXPECT_EQ(b.dtype(), DType::bf16);
   auto back = b.to_floats();
   for (size_t i = 0; i < vals.size(); ++i) EXPECT_EQ(back[i], round_bf16(vals[i]));
+  // Inf, NaN, a value that rounds up to Inf, denormals: bf16 and f16 bits as the scalar
+  // conversions give them (the host path converts without a widened copy).
+  const std::vector<float> edge = {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                                   std::numeric_limits<float>::quiet_NaN(), 3.4e38f, 70000.0f, 1e-40f, -0.0f, 1.0f};
+  const Tensor e = Tensor::from_floats(edge, {static_cast<int64_t>(edge.size())});
+  const Tensor eb = e.to_dtype(DType::bf16), eh = e.to_dtype(DType::f16);
+  for (size_t i = 0; i < edge.size(); ++i) {
+    EXPECT_EQ(eb.data<uint16_t>()[i], f32_to_bf16(edge[i])) << i;
+    EXPECT_EQ(eh.data<uint16_t>()[i], f32_to_f16(edge[i])) << i;
+  }
   Tensor c = t.clone(MemCategory::params);
   c.data<float>()[0] += 1;
   EXPECT_NE(c.to_floats()[0], t.to_floats()[0]);
