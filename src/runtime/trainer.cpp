@@ -598,7 +598,9 @@ struct Trainer::HostStash {
 struct Trainer::SnapshotBuffers {
   static constexpr size_t kPiece = size_t{256} << 20;
   std::vector<Tensor> bufs;
-  std::vector<std::vector<void*>> locked;  // per buffer: its page-locked pieces
+  std::vector<std::vector<size_t>> starts;  // per buffer: its pieces' first bytes
+  std::vector<std::vector<void*>> locked;   // per buffer: its page-locked pieces
+  int64_t unlocked_bytes = 0;               // of buffers to lock, the bytes that stayed pageable
   SnapshotBuffers() = default;
   SnapshotBuffers(const SnapshotBuffers&) = delete;
   SnapshotBuffers& operator=(const SnapshotBuffers&) = delete;
@@ -608,7 +610,17 @@ struct Trainer::SnapshotBuffers {
     for (void* p : locked[k]) cuda::host_unregister(p);
 #endif
     locked[k].clear();
+    starts[k].clear();
     bufs[k] = Tensor();
+  }
+  // Pieces of kPiece bytes whose boundaries fall on page starts (the buffer itself need not
+  // start on one), so that no two registrations share a page. Offsets stay multiples of the
+  // allocation's 64-byte alignment: every piece starts on an element.
+  static std::vector<size_t> piece_starts(const char* base, size_t n) {
+    std::vector<size_t> s{0};
+    const uintptr_t a = reinterpret_cast<uintptr_t>(base);
+    for (size_t at = ((a + 4095) & ~uintptr_t{4095}) - a + kPiece; at < n; at += kPiece) s.push_back(at);
+    return s;
   }
   // Host buffer k shaped like t; *fresh: whether it was allocated now.
   Tensor take(size_t k, const Tensor& t, bool* fresh) { return take(k, t.shape(), t.dtype(), t.device().is_cuda(), fresh); }
@@ -616,19 +628,26 @@ struct Trainer::SnapshotBuffers {
   Tensor take(size_t k, const std::vector<int64_t>& shape, DType dtype, bool lock, bool* fresh) {
     if (k >= bufs.size()) {
       bufs.resize(k + 1);
+      starts.resize(k + 1);
       locked.resize(k + 1);
     }
     *fresh = !(bufs[k].defined() && bufs[k].shape() == shape && bufs[k].dtype() == dtype);
     if (!*fresh) return bufs[k];
     release(k);
     bufs[k] = Tensor::empty(shape, dtype, Device::cpu(), MemCategory::other);
-#ifdef BB_WITH_CUDA
     char* base = static_cast<char*>(bufs[k].raw());
     const size_t n = bufs[k].nbytes();
-    if (lock) prefault(base, n);
-    // A piece that cannot be locked stays pageable (its copy is slower, not wrong).
-    for (size_t at = 0; lock && at < n; at += kPiece)
-      if (cuda::host_register(base + at, std::min(kPiece, n - at))) locked[k].push_back(base + at);
+    starts[k] = piece_starts(base, n);
+#ifdef BB_WITH_CUDA
+    if (lock && n > 0) {
+      prefault(base, n);
+      // A piece that cannot be locked stays pageable (its copy is slower, not wrong; counted).
+      for (size_t i = 0; i < starts[k].size(); ++i) {
+        const size_t end = i + 1 < starts[k].size() ? starts[k][i + 1] : n;
+        if (cuda::host_register(base + starts[k][i], end - starts[k][i])) locked[k].push_back(base + starts[k][i]);
+        else unlocked_bytes += static_cast<int64_t>(end - starts[k][i]);
+      }
+    }
 #else
     (void)lock;
 #endif
@@ -653,14 +672,15 @@ struct Trainer::SnapshotBuffers {
     for (size_t t = pool.size() + 1; t < threads; ++t) touch(t * per, (t + 1) * per);
     for (std::thread& th : pool) th.join();
   }
-  // Copies src into buffer k (src: its shape and dtype), kPiece bytes at a time.
+  // Copies src into buffer k (src: its shape and dtype) piece by piece.
   void fill(size_t k, const Tensor& src) {
     const Tensor dst = bufs[k].view({-1});
     const Tensor from = src.view({-1});
-    const int64_t step = static_cast<int64_t>(kPiece / dtype_size(src.dtype()));
-    for (int64_t at = 0; at < dst.numel(); at += step) {
-      const int64_t len = std::min(step, dst.numel() - at);
-      dst.narrow(at, len).copy_from(from.narrow(at, len));
+    const int64_t es = static_cast<int64_t>(dtype_size(src.dtype()));
+    for (size_t i = 0; i < starts[k].size(); ++i) {
+      const int64_t lo = static_cast<int64_t>(starts[k][i]) / es;
+      const int64_t hi = i + 1 < starts[k].size() ? static_cast<int64_t>(starts[k][i + 1]) / es : dst.numel();
+      if (hi > lo) dst.narrow(lo, hi - lo).copy_from(from.narrow(lo, hi - lo));
     }
   }
   int64_t bytes() const {
@@ -673,6 +693,7 @@ struct Trainer::SnapshotBuffers {
     while (bufs.size() > n) {
       release(bufs.size() - 1);
       bufs.pop_back();
+      starts.pop_back();
       locked.pop_back();
     }
   }
@@ -1445,8 +1466,6 @@ std::vector<StepMetrics> Trainer::run() {
 }
 
 
-// Phase 1 of a save (collective): the shard's tensors (host copies with `to_host`), the finite
-// check, the temporary directory, and rank 0's state.json as of this step.
 namespace {
 
 // The runs of unit i's owned elements a checkpoint shard holds, in global coordinates: an
@@ -1494,9 +1513,14 @@ void Trainer::prepare_snapshot_buffers() {
     bool fresh = false;
     for (size_t k = 0; k < layout.size(); ++k) snapshot_->take(k, layout[k].first, layout[k].second, lock, &fresh);
     if (log_) {
+      const std::string how =
+          !lock ? " (the saves reuse them)"
+          : snapshot_->unlocked_bytes == 0
+              ? " (page-locked; the saves reuse them)"
+              : " (the saves reuse them; " + format_bytes(snapshot_->unlocked_bytes) +
+                    " could not be page-locked and copies slower)";
       std::fprintf(log_, "%s[checkpoint] async-save host buffers ready before the first step: %s in %.2fs%s\n",
-                   log_prefix_.c_str(), format_bytes(snapshot_->bytes()).c_str(), now_s() - t0,
-                   lock ? " (page-locked; the saves reuse them)" : " (the saves reuse them)");
+                   log_prefix_.c_str(), format_bytes(snapshot_->bytes()).c_str(), now_s() - t0, how.c_str());
       std::fflush(log_);
     }
   } catch (const std::exception& e) {
@@ -1508,6 +1532,8 @@ void Trainer::prepare_snapshot_buffers() {
   }
 }
 
+// Phase 1 of a save (collective): the shard's tensors (host copies with `to_host`), the finite
+// check, the temporary directory, and rank 0's state.json as of this step.
 std::unique_ptr<Trainer::SaveJob> Trainer::begin_save(const std::string& root, bool to_host) {
   comm::Group& world = *mesh_->world();
   const int rank = world.rank();
