@@ -449,11 +449,9 @@ void write_streamed(const std::string& path, const std::vector<TensorSpec>& spec
     // Tensor i is written by a thread of its own while this one produces tensor i + 1 (the
     // producer's reads, slicing and conversion overlap the file system's copy): host memory
     // holds two tensors. The producer stays on this thread (it may use the GPU).
-    std::future<void> writing;
-    Tensor in_flight;
+    std::future<void> writing;  // its task holds the tensor being written
     auto wait = [&] {
       if (writing.valid()) writing.get();
-      in_flight = Tensor();
     };
     try {
       for (size_t i = 0; i < specs.size(); ++i) {
@@ -467,7 +465,6 @@ void write_streamed(const std::string& path, const std::vector<TensorSpec>& spec
         }
         if (!t.device().is_cpu()) t = t.to(Device::cpu(), MemCategory::workspace);
         wait();
-        in_flight = t;
         writing = std::async(std::launch::async, [&w, t] { w.write(t.raw(), t.nbytes()); });
       }
       wait();
