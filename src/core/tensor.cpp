@@ -1,10 +1,10 @@
 #include "core/tensor.h"
 
-#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <sstream>
-#include <thread>
-#include <vector>
+
+#include "core/parallel.h"
 
 #ifdef BB_WITH_CUDA
 #include "backend/cuda/runtime.h"
@@ -200,19 +200,7 @@ Tensor Tensor::to_dtype(DType dt, MemCategory cat) const {
           for (int64_t i = lo; i < hi; ++i) p[i] = f32_to_f16(s[i]);
       };
       // Large tensors (a model's weights in an export) on several threads.
-      const int64_t n = numel();
-      const int64_t threads =
-          std::min<int64_t>({8, std::max<int64_t>(1, std::thread::hardware_concurrency()), n / (int64_t{1} << 22) + 1});
-      const int64_t per = (n + threads - 1) / threads;
-      std::vector<std::thread> pool;
-      try {
-        for (int64_t k = 1; k < threads; ++k) pool.emplace_back(convert, k * per, std::min(n, (k + 1) * per));
-      } catch (const std::exception&) {
-        // fewer threads: this one converts what is left
-      }
-      convert(0, std::min(n, per));
-      for (int64_t k = static_cast<int64_t>(pool.size()) + 1; k < threads; ++k) convert(k * per, std::min(n, (k + 1) * per));
-      for (std::thread& th : pool) th.join();
+      parallel_ranges(numel(), int64_t{1} << 22, convert);
       return t;
     }
     std::vector<float> v = to_floats();
@@ -232,6 +220,27 @@ Tensor Tensor::to_dtype(DType dt, MemCategory cat) const {
 #else
   BB_FAIL("to_dtype on ", device().str(), " needs a CUDA build");
 #endif
+}
+
+int64_t first_nonfinite(const Tensor& h) {
+  BB_CHECK(h.device().is_cpu(), "first_nonfinite: ", h.str(), " must be a host tensor");
+  const int64_t n = h.numel();
+  if (h.dtype() == DType::f32) {
+    const uint32_t* p = static_cast<const uint32_t*>(h.raw());
+    for (int64_t k = 0; k < n; ++k)
+      if ((p[k] & 0x7f800000u) == 0x7f800000u) return k;
+    return -1;
+  }
+  if (h.dtype() == DType::bf16) {
+    const uint16_t* p = static_cast<const uint16_t*>(h.raw());
+    for (int64_t k = 0; k < n; ++k)
+      if ((p[k] & 0x7f80u) == 0x7f80u) return k;
+    return -1;
+  }
+  const std::vector<float> v = h.to_floats();
+  for (size_t k = 0; k < v.size(); ++k)
+    if (!std::isfinite(v[k])) return static_cast<int64_t>(k);
+  return -1;
 }
 
 void Tensor::copy_from(const Tensor& src) {

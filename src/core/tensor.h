@@ -126,6 +126,10 @@ class Tensor {
   DType dtype_ = DType::f32;
 };
 
+// The first element of a host float tensor that is Inf or NaN, or -1. f32 and bf16 are read in
+// place (an exponent of all ones), without a widened copy.
+int64_t first_nonfinite(const Tensor& host);
+
 // Element count of a shape (1 for []). Throws bb::Error naming the shape when the product
 // overflows int64 (a zero dim makes any shape valid: the count is 0).
 int64_t shape_numel(const Shape& s);

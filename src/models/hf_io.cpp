@@ -364,32 +364,6 @@ void export_hf(DecoderModel& model, const std::string& dir, const HfExportOption
   export_hf_streamed(model.config(), tensors, [&](size_t i) { return tensors[i].value(); }, dir, opts);
 }
 
-namespace {
-
-// The first element of a host float tensor that is Inf or NaN, or -1; read in place (f32 and
-// bf16: an exponent of all ones), without a widened copy.
-int64_t first_nonfinite(const Tensor& h) {
-  const int64_t n = h.numel();
-  if (h.dtype() == DType::f32) {
-    const uint32_t* p = static_cast<const uint32_t*>(h.raw());
-    for (int64_t k = 0; k < n; ++k)
-      if ((p[k] & 0x7f800000u) == 0x7f800000u) return k;
-    return -1;
-  }
-  if (h.dtype() == DType::bf16) {
-    const uint16_t* p = static_cast<const uint16_t*>(h.raw());
-    for (int64_t k = 0; k < n; ++k)
-      if ((p[k] & 0x7f80u) == 0x7f80u) return k;
-    return -1;
-  }
-  const std::vector<float> v = h.to_floats();
-  for (size_t k = 0; k < v.size(); ++k)
-    if (!std::isfinite(v[k])) return static_cast<int64_t>(k);
-  return -1;
-}
-
-}  // namespace
-
 void export_hf_streamed(const ModelConfig& config, const std::vector<HfTensor>& tensors,
                         const std::function<Tensor(size_t)>& value, const std::string& dir,
                         const HfExportOptions& opts) {

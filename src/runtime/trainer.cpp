@@ -1,5 +1,6 @@
 #include "runtime/trainer.h"
 
+#include "core/parallel.h"
 #include "core/trace.h"
 
 #include <algorithm>
@@ -656,21 +657,10 @@ struct Trainer::SnapshotBuffers {
   // Touches every page of [p, p + n) from several threads: page-locking a range faults its
   // pages in one by one on the calling thread, which then only pins them.
   static void prefault(char* p, size_t n) {
-    constexpr size_t kPage = 4096;
-    const size_t threads = std::min<size_t>({8, std::max(1u, std::thread::hardware_concurrency()), n / (64u << 20) + 1});
-    auto touch = [p, n](size_t lo, size_t hi) {
-      for (size_t at = lo; at < hi && at < n; at += kPage) p[at] = 0;
-    };
-    const size_t per = (n / threads + kPage - 1) / kPage * kPage;
-    std::vector<std::thread> pool;
-    try {
-      for (size_t t = 1; t < threads; ++t) pool.emplace_back(touch, t * per, (t + 1) * per);
-    } catch (const std::exception&) {
-      // fewer threads: this one touches what is left
-    }
-    touch(0, per);
-    for (size_t t = pool.size() + 1; t < threads; ++t) touch(t * per, (t + 1) * per);
-    for (std::thread& th : pool) th.join();
+    constexpr int64_t kPage = 4096;
+    parallel_ranges((static_cast<int64_t>(n) + kPage - 1) / kPage, (int64_t{64} << 20) / kPage, [p](int64_t lo, int64_t hi) {
+      for (int64_t page = lo; page < hi; ++page) p[page * kPage] = 0;
+    });
   }
   // Copies src into buffer k (src: its shape and dtype) piece by piece.
   void fill(size_t k, const Tensor& src) {
@@ -1723,10 +1713,8 @@ void Trainer::write_shard(SaveJob& job) {
     for (const SaveJob::Join& j : job.joins) {
       Tensor full = Tensor::empty({j.hi.numel()}, DType::f32, Device::cpu(), MemCategory::other);
       join_master(j.hi, j.lo, full);
-      const float* p = full.data<float>();
-      for (int64_t e = 0; e < full.numel(); ++e)
-        BB_CHECK(std::isfinite(p[e]), "checkpoint: refusing to save ", job.name, ": ", job.tensors[j.index].first,
-                 " holds Inf/NaN values (the last good checkpoint stays the newest)");
+      BB_CHECK(first_nonfinite(full) < 0, "checkpoint: refusing to save ", job.name, ": ", job.tensors[j.index].first,
+               " holds Inf/NaN values (the last good checkpoint stays the newest)");
       job.tensors[j.index].second = full;
     }
     job.joins.clear();

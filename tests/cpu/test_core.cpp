@@ -1,10 +1,10 @@
 // Core: dtypes, tensors, memory accounting, rng, errors.
 #include <gtest/gtest.h>
 
-#include <limits>
-
+#include <bit>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "common/testing.h"
 #include "core/dtype.h"
@@ -94,6 +94,22 @@ TEST(Tensor, DtypeConversionAndClone) {
   Tensor z = Tensor::zeros({5}, DType::i32, Device::cpu(), MemCategory::other);
   z.fill_(7);
   EXPECT_EQ(z.to_ints(), (std::vector<int32_t>{7, 7, 7, 7, 7}));
+}
+
+// first_nonfinite reads f32 and bf16 in place and widens other dtypes: the first Inf or NaN
+// (a NaN whose payload is all ones included), or -1.
+TEST(Tensor, FirstNonfiniteFindsTheFirstInfOrNan) {
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    EXPECT_EQ(first_nonfinite(Tensor::from_floats({1, -2, 3e38f, 0}, {4}, dt)), dt == DType::f16 ? 2 : -1);
+    EXPECT_EQ(first_nonfinite(Tensor::from_floats({1, nan, -inf}, {3}, dt)), 1);
+    EXPECT_EQ(first_nonfinite(Tensor::from_floats({0, 0, 0, -inf}, {4}, dt)), 3);
+    EXPECT_EQ(first_nonfinite(Tensor::zeros({0}, dt, Device::cpu(), MemCategory::other)), -1);
+  }
+  Tensor t = Tensor::from_floats({1, 2}, {2});
+  t.data<float>()[1] = std::bit_cast<float>(0xffffffffu);  // NaN, every payload bit set
+  EXPECT_EQ(first_nonfinite(t), 1);
 }
 
 TEST(Memory, CategoriesLiveAndPeak) {
