@@ -4,15 +4,19 @@
 //   V = 248320 (Qwen3.5 vocab), H = 2048, bf16 h and w, T = 16K / 64K / 128K tokens by default.
 //   One call = loss + d_h + d_w (training), median of --iters after one warm-up, wall clock
 //   around a synchronised call (the loss head reads its statistics back anyway). Achieved
-//   TFLOP/s counts 6TVH (8TVH for --ratio sequence, whose forward sweep runs the logits GEMM
-//   again). Memory: the peak of the `logits` category over the call against the full f32 logits
+//   TFLOP/s counts the GEMMs run: 6TVH, 8TVH where the logits GEMM runs twice (the vocab sweep;
+//   --ratio sequence on the row sweep). Memory: the peak of the `logits` category over the call against the full f32 logits
 //   T x V x 4 (the goal: <= 1/16), and the peak of all device memory the call added.
 //   The objective: clip 0.2 / 0.28, k3 KL 0.01, entropy 0.001, token mean (GRPO / DAPO style).
 //
 //   build/bench/bench_policy_loss [--tokens 16384,65536,131072] [--vocab N] [--hidden N]
-//                                 [--chunk N|auto] [--iters N] [--ratio token|sequence] [--dump DIR]
+//                                 [--chunk N|auto] [--blocks auto|rows|vocab] [--iters N]
+//                                 [--ratio token|sequence] [--dump DIR]
 //   --chunk: rows of the [rows, V] logits block for both heads; auto (the default) is what a run
 //   uses: linear_ce 2048, policy policy_chunk_rows (T / 64 as a power of two in [256, 2048]).
+//   --blocks: the policy head's block order (primitives.policy_blocks): auto (the default) as a
+//   run, rows ([rows, V] blocks, one sweep) or vocab ([T, cols] blocks, two sweeps); the table's
+//   block column names the one taken.
 //   --dump DIR: after the table, one call at the first T written to DIR (h, w as f32 of their
 //   bf16 values, targets, advantages, old / ref log-probs, the loss, d_h, d_w; raw little-endian
 //   .bin files and meta.json) for bench/policy_loss_ref.py --check DIR (PyTorch parity).
@@ -51,6 +55,7 @@ struct Args {
   int64_t vocab = 248320, hidden = 2048, chunk = 0;  // chunk 0: auto
   int iters = 5;
   std::string ratio = "token";
+  std::string blocks = "auto";
   std::string dump;
 };
 
@@ -64,10 +69,11 @@ void write_bin(const std::string& path, const void* p, size_t bytes) {
 
 void run(const Args& a) {
   const int64_t V = a.vocab, H = a.hidden;
-  std::printf("bench_policy_loss: V %lld, H %lld, bf16 h / w, chunk %s, ratio %s, median of %d\n",
+  std::printf("bench_policy_loss: V %lld, H %lld, bf16 h / w, chunk %s, policy blocks %s, ratio %s, median of %d\n",
               static_cast<long long>(V), static_cast<long long>(H),
-              a.chunk > 0 ? (std::to_string(a.chunk) + " tokens").c_str() : "auto", a.ratio.c_str(), a.iters);
-  std::printf("| T | head | rows | ms | TFLOP/s | logits peak GiB | full f32 logits GiB | ratio | call's device peak GiB |\n");
+              a.chunk > 0 ? (std::to_string(a.chunk) + " tokens").c_str() : "auto", a.blocks.c_str(), a.ratio.c_str(),
+              a.iters);
+  std::printf("| T | head | block | ms | TFLOP/s | logits peak GiB | full f32 logits GiB | ratio | call's device peak GiB |\n");
   std::printf("|---:|---|---:|---:|---:|---:|---:|---:|---:|\n");
   Allocator& alloc = allocator_for(kGpu);
   const Tensor w = randn_dev({V, H}, DType::bf16, 0.02f, 2, MemCategory::params);
@@ -101,6 +107,9 @@ void run(const Args& a) {
     cfg.policy.kl_coef = 0.01;
     cfg.policy.entropy_coef = 0.001;
     cfg.policy.ratio = a.ratio == "sequence" ? PolicyRatio::sequence : PolicyRatio::token;
+    cfg.policy.blocks = a.blocks == "rows" ? PolicyBlocks::rows : a.blocks == "vocab" ? PolicyBlocks::vocab
+                                                                                      : PolicyBlocks::auto_;
+    const int64_t cols = policy_vocab_cols(cfg.policy, true, T, V, H);
     const double full = static_cast<double>(T) * static_cast<double>(V) * 4.0;
     const float scale = 1.0f / static_cast<float>(T);
     for (const char* head : {"policy", "linear_ce_fused"}) {
@@ -115,11 +124,14 @@ void run(const Args& a) {
       const int64_t base = alloc.stats().live_total;
       alloc.reset_peak();
       const double ms = median_ms(call, 0, a.iters);
-      const double flops = (policy && cfg.policy.ratio == PolicyRatio::sequence ? 8.0 : 6.0) * T * V * H;
+      const bool twice = policy && (cols > 0 || cfg.policy.ratio == PolicyRatio::sequence);
+      const double flops = (twice ? 8.0 : 6.0) * T * V * H;
       const int64_t lp = alloc.stats().peak_of(MemCategory::logits);
       const int64_t rows = policy ? policy_chunk_rows(cfg.policy, T) : std::min(cfg.fused_chunk_tokens, T);
-      std::printf("| %lldK | %s | %lld | %.2f | %.1f | %.3f | %.2f | 1/%.0f | %.2f |\n", static_cast<long long>(T / 1024),
-                  head, static_cast<long long>(rows), ms, flops / (ms * 1e-3) / 1e12, gib(static_cast<double>(lp)), gib(full), full / std::max<double>(1, lp),
+      const std::string block = policy && cols > 0 ? "vocab: T x " + std::to_string(cols)
+                                                   : "rows: " + std::to_string(rows) + " x V";
+      std::printf("| %lldK | %s | %s | %.2f | %.1f | %.3f | %.2f | 1/%.0f | %.2f |\n", static_cast<long long>(T / 1024),
+                  head, block.c_str(), ms, flops / (ms * 1e-3) / 1e12, gib(static_cast<double>(lp)), gib(full), full / std::max<double>(1, lp),
                   gib(static_cast<double>(alloc.stats().peak_total - base)));
       std::fflush(stdout);
     }
@@ -188,10 +200,17 @@ int main(int argc, char** argv) {
     }
     else if (k == "--iters") a.iters = std::atoi(val().c_str());
     else if (k == "--ratio") a.ratio = val();
+    else if (k == "--blocks") {
+      a.blocks = val();
+      if (a.blocks != "auto" && a.blocks != "rows" && a.blocks != "vocab") {
+        std::fprintf(stderr, "bench_policy_loss: --blocks must be auto, rows or vocab, got %s\n", a.blocks.c_str());
+        return 2;
+      }
+    }
     else if (k == "--dump") a.dump = val();
     else {
       std::fprintf(stderr, "usage: bench_policy_loss [--tokens N,N,...] [--vocab N] [--hidden N] [--chunk N|auto] "
-                           "[--iters N] [--ratio token|sequence] [--dump DIR]\n");
+                           "[--blocks auto|rows|vocab] [--iters N] [--ratio token|sequence] [--dump DIR]\n");
       return 2;
     }
   }

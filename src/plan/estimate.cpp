@@ -10,6 +10,7 @@
 #include "comm/link_model.h"
 #include "core/error.h"
 #include "models/decoder.h"
+#include "primitives/loss/policy.h"
 #include "runtime/state.h"
 #include "runtime/trainer.h"
 
@@ -584,14 +585,15 @@ MemoryEstimate estimate_memory(const RunConfig& cfg, int64_t world_size, const E
     Bytes b;
     b[C::activations] = kept_below[static_cast<size_t>(nl)] + X + 4 * T + std::max(d.a * T * d.H + 4 * T * d.H, 8 * T * d.H);
     b[C::moe] = moe_below[static_cast<size_t>(nl)];
-    // linear_ce and policy stream [rows, V] blocks (policy's are always f32, its rows by T when auto).
-    const bool linear = cfg.prim.loss.name == "linear_ce" || cfg.prim.loss.name == "policy";
+    // linear_ce streams [rows, V] blocks; policy f32 [rows, V] blocks (rows by T when auto) or
+    // [T, cols] column blocks with an f32 d_h accumulator (policy_vocab_cols).
     const LossHeadConfig& lc = cfg.prim.loss_chunks;
-    if (linear) {
-      const int64_t lb = lc.bf16_logits && d.cuda && d.a == 2 && cfg.prim.loss.name == "linear_ce" ? 2 : 4;
-      const int64_t rows = cfg.prim.loss.name == "policy" ? policy_chunk_rows(lc.policy, T)
-                                                           : std::min<int64_t>(lc.fused_chunk_tokens, T);
-      b[C::logits] = rows * d.V * lb;
+    if (cfg.prim.loss.name == "policy") {
+      b[C::logits] = policy_logits_bytes(T, d.V, d.H, lc);
+      b[C::workspace] += policy_dh_accumulator_bytes(T, d.V, d.H, lc);
+    } else if (cfg.prim.loss.name == "linear_ce") {
+      const int64_t lb = lc.bf16_logits && d.cuda && d.a == 2 ? 2 : 4;
+      b[C::logits] = std::min<int64_t>(lc.fused_chunk_tokens, T) * d.V * lb;
     } else {
       b[C::logits] = d.cuda ? T * d.V * (4 + d.a) : 8 * T * d.V;
       b[C::activations] += 4 * T;

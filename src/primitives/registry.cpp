@@ -199,7 +199,9 @@ std::string PrimitiveSet::summary() const {
                                                                     : "seq_mean_token_mean")
        << " kl=" << (p.kl == KlEstimator::k1 ? "k1" : "k3") << " kl_coef=" << p.kl_coef
        << " entropy_coef=" << p.entropy_coef << " max_log_ratio=" << p.max_log_ratio
-       << " chunk_tokens=" << (p.chunk_tokens > 0 ? std::to_string(p.chunk_tokens) : std::string("auto")) << ")";
+       << " chunk_tokens=" << (p.chunk_tokens > 0 ? std::to_string(p.chunk_tokens) : std::string("auto"))
+       << " blocks="
+       << (p.blocks == PolicyBlocks::rows ? "rows" : p.blocks == PolicyBlocks::vocab ? "vocab" : "auto") << ")";
   }
   return os.str();
 }

@@ -269,6 +269,13 @@ RunConfig build(toml::value root, const std::string& src) {
   int64_t fused_rows = 0;
   p.read_or_auto("loss_fused_chunk_tokens", fused_rows, chunk_auto, 1, kMaxChunk);
   if (fused_rows > 0) pc.loss_chunks.fused_chunk_tokens = pc.loss_chunks.policy.chunk_tokens = fused_rows;
+  // The policy head's block order (policy_config.h PolicyBlocks).
+  const PolicyBlocks pb = pc.loss_chunks.policy.blocks;
+  std::string blocks = pb == PolicyBlocks::rows ? "rows" : pb == PolicyBlocks::vocab ? "vocab" : "auto";
+  p.read_choice("policy_blocks", blocks, {"auto", "rows", "vocab"});
+  pc.loss_chunks.policy.blocks = blocks == "rows"    ? PolicyBlocks::rows
+                                 : blocks == "vocab" ? PolicyBlocks::vocab
+                                                     : PolicyBlocks::auto_;
   std::string logits = pc.loss_chunks.bf16_logits ? "bf16" : "f32";
   p.read("loss_logits", logits);
   BB_CHECK(logits == "f32" || logits == "bf16", "primitives.loss_logits must be \"f32\" or \"bf16\" in ", src,

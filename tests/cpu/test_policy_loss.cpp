@@ -313,7 +313,7 @@ TEST(PolicyLoss, LogitsPeakIsExactlyOneBlock) {
       a.reset_peak();
       policy_loss_train(1.0f, x.h, x.w, x.tg, x.in, cfg, d_h, d_w);
       EXPECT_EQ(a.stats().peak_of(MemCategory::logits), std::min<int64_t>(ct, c.T) * c.V * 4);
-      EXPECT_EQ(a.stats().peak_of(MemCategory::logits), policy_logits_bytes(c.T, c.V, cfg));
+      EXPECT_EQ(a.stats().peak_of(MemCategory::logits), policy_logits_bytes(c.T, c.V, c.H, cfg));
       EXPECT_EQ(a.stats().live_of(MemCategory::logits), 0);
     }
   }
@@ -338,7 +338,7 @@ TEST(PolicyLoss, AutoChunkFollowsTheCallsTokens) {
   EXPECT_EQ(policy_chunk_rows(pc, 131072), 3000);
   EXPECT_EQ(policy_chunk_rows(pc, 2000), 2000);
   LossHeadConfig cfg;
-  EXPECT_EQ(policy_logits_bytes(65536, 248320, cfg), int64_t{1024} * 248320 * 4);
+  EXPECT_EQ(policy_logits_bytes(65536, 248320, 2048, cfg), int64_t{1024} * 248320 * 4);
   // A run measures the block it predicts (T = 40 < 256: the block is the whole call).
   Case c = make_case(91, false, 0.6, 40, 50, 6);
   Inputs x = inputs(c);
@@ -350,6 +350,102 @@ TEST(PolicyLoss, AutoChunkFollowsTheCallsTokens) {
   cfg.policy.chunk_tokens = -1;
   test::expect_error_contains([&] { policy_loss_train(1.0f, x.h, x.w, x.tg, x.in, cfg, d_h, d_w); },
                               "primitives.loss_fused_chunk_tokens must be > 0 or \"auto\"");
+}
+
+// The vocab sweep (policy_blocks = "vocab"): the reference objective and its finite-difference
+// gradients for every objective, through column blocks of 8 (five) and of 32 (two, the last of
+// 8), and the row sweep's numbers to f32 rounding; a bf16 d_h goes through the f32 accumulator.
+TEST(PolicyLoss, VocabSweepMatchesReferenceAndRowSweep) {
+  for (const Named& o : objectives()) {
+    for (int64_t chunk : {int64_t{4}, int64_t{100}}) {
+      SCOPED_TRACE(std::string(o.name) + " chunk " + std::to_string(chunk));
+      Case c = make_case(33, o.per_seq_adv, 0.6, 9, 40, 5);
+      Inputs x = inputs(c);
+      LossHeadConfig cfg = head_cfg(o.pc, chunk);
+      cfg.policy.blocks = PolicyBlocks::vocab;
+      ASSERT_EQ(policy_vocab_cols(cfg.policy, true, c.T, c.V, c.H), chunk == 4 ? 8 : 32);
+      LossHeadConfig rows_cfg = cfg;
+      rows_cfg.policy.blocks = PolicyBlocks::rows;
+      const float scale = 0.37f;
+      auto dw0 = test::randn(c.V * c.H, 5);
+      Out v = run(c, x, cfg, scale, dw0);
+      Out r = run(c, x, rows_cfg, scale, dw0);
+      const double want = ref_objective(c, o.pc, flat(c));
+      EXPECT_NEAR(v.r.loss_sum, want, 1e-5 * (1 + std::abs(want)));
+      EXPECT_EQ(v.r.num_valid, 7);
+      auto fd = test::finite_diff([&](const std::vector<double>& hw) { return scale * ref_objective(c, o.pc, hw); },
+                                  flat(c));
+      std::vector<double> fd_h(fd.begin(), fd.begin() + c.T * c.H), fd_w(fd.begin() + c.T * c.H, fd.end());
+      EXPECT_LT(test::rel_error(v.d_h, fd_h), test::kGradTol);
+      EXPECT_LT(test::rel_error(v.d_w, fd_w), test::kGradTol);
+      EXPECT_LT(test::rel_error(v.d_h, test::cast<double>(r.d_h)), 1e-5);
+      EXPECT_LT(test::rel_error(v.d_w, test::cast<double>(r.d_w)), 1e-5);
+      EXPECT_NEAR(v.r.loss_sum, r.r.loss_sum, 1e-6 * (1 + std::abs(r.r.loss_sum)));
+      const PolicyMetrics &a = v.r.policy, &b = r.r.policy;
+      EXPECT_EQ(a.clipped, b.clipped);
+      EXPECT_EQ(a.dual_clipped, b.dual_clipped);
+      EXPECT_NEAR(a.entropy, b.entropy, 1e-9 * (1 + std::abs(b.entropy)));
+      EXPECT_NEAR(a.ratio, b.ratio, 1e-9 * (1 + b.ratio));
+      EXPECT_NEAR(a.ratio_max, b.ratio_max, 1e-9 * (1 + b.ratio_max));
+      EXPECT_NEAR(a.approx_kl, b.approx_kl, 1e-9);
+      EXPECT_NEAR(a.ref_kl, b.ref_kl, 1e-9 * (1 + std::abs(b.ref_kl)));
+      EXPECT_DOUBLE_EQ(a.sequences, b.sequences);
+      Out vb = run(c, x, cfg, scale, dw0, DType::bf16);
+      EXPECT_LT(test::rel_error(vb.d_h, test::cast<double>(v.d_h)), 1e-2);  // d_h stored in bf16
+      EXPECT_EQ(vb.d_w, v.d_w);
+    }
+  }
+}
+
+// Auto takes the vocab sweep only for training calls whose auto row block is small (<= 512 rows,
+// T >= 4 rows) and whose columns stay wide (>= 1024), in the row sweep's memory; a call then
+// measures the block it predicts and matches the row sweep.
+TEST(PolicyLoss, AutoVocabSweepWhereRowBlocksAreSmall) {
+  PolicyLossConfig pc;
+  ASSERT_EQ(pc.blocks, PolicyBlocks::auto_);
+  const int64_t V = 248320, H = 2048;
+  const std::vector<std::pair<int64_t, int64_t>> want{{512, 0},      {1023, 0},     {1024, 60032},
+                                                      {16384, 1792}, {32768, 1792}, {40000, 1024},
+                                                      {50000, 0},    {65536, 0},    {131072, 0}};
+  for (const auto& [T, cols] : want) {
+    SCOPED_TRACE("T " + std::to_string(T));
+    EXPECT_EQ(policy_vocab_cols(pc, true, T, V, H), cols);
+    if (cols > 0) EXPECT_LE((cols + H) * T, policy_chunk_rows(pc, T) * V);  // the row sweep's memory
+  }
+  EXPECT_EQ(policy_vocab_cols(pc, false, 16384, V, H), 0);       // forward only: rows
+  EXPECT_EQ(policy_vocab_cols(pc, true, 16384, 151936, H), 0);   // columns too narrow (326)
+  PolicyLossConfig fixed = pc;
+  fixed.chunk_tokens = 256;  // an explicit row block is taken as such
+  EXPECT_EQ(policy_vocab_cols(fixed, true, 16384, V, H), 0);
+  PolicyLossConfig rows = pc, vocab = pc;
+  rows.blocks = PolicyBlocks::rows;
+  vocab.blocks = PolicyBlocks::vocab;
+  EXPECT_EQ(policy_vocab_cols(rows, true, 16384, V, H), 0);
+  EXPECT_EQ(policy_vocab_cols(vocab, true, 65536, V, H), 1792);
+  EXPECT_EQ(policy_vocab_cols(vocab, false, 65536, V, H), 0);
+  LossHeadConfig cfg;
+  EXPECT_EQ(policy_logits_bytes(16384, V, H, cfg), int64_t{16384} * 1792 * 4);
+  EXPECT_EQ(policy_dh_accumulator_bytes(16384, V, H, cfg), int64_t{16384} * H * 4);
+  EXPECT_EQ(policy_dh_accumulator_bytes(65536, V, H, cfg), 0);
+
+  // T = 1024, V = 4200, H = 8: rows 256, cols 256 x 4200 / 1024 - 8 = 1042 -> 1024 (two blocks).
+  Case c = make_case(97, false, 0.6, 1024, 4200, 8);
+  Inputs x = inputs(c);
+  ASSERT_EQ(policy_vocab_cols(cfg.policy, true, c.T, c.V, c.H), 1024);
+  Allocator& a = allocator_for(Device::cpu());
+  auto dw0 = test::randn(c.V * c.H, 6);
+  a.reset_peak();
+  Out v = run(c, x, cfg, 0.5f, dw0, DType::bf16);
+  EXPECT_EQ(a.stats().peak_of(MemCategory::logits), c.T * 1024 * 4);
+  EXPECT_EQ(a.stats().peak_of(MemCategory::logits), policy_logits_bytes(c.T, c.V, c.H, cfg));
+  LossHeadConfig rows_cfg = cfg;
+  rows_cfg.policy.blocks = PolicyBlocks::rows;
+  a.reset_peak();
+  Out r = run(c, x, rows_cfg, 0.5f, dw0, DType::bf16);
+  EXPECT_EQ(a.stats().peak_of(MemCategory::logits), 256 * c.V * 4);
+  EXPECT_NEAR(v.r.loss_sum, r.r.loss_sum, 1e-6 * (1 + std::abs(r.r.loss_sum)));
+  EXPECT_LT(test::rel_error(v.d_w, test::cast<double>(r.d_w)), 1e-5);
+  EXPECT_LT(test::rel_error(v.d_h, test::cast<double>(r.d_h)), 1e-2);  // both bf16
 }
 
 // A large stale log-ratio is clamped: finite loss, no gradient through that token's ratio.

@@ -382,7 +382,16 @@ TEST(RunConfig, LossChunksAreSetSeparatelyAndDefaultToTheLossHeadDefaults) {
   c = load_run_config(run, {"primitives.loss_fused_chunk_tokens=\"auto\"", "primitives.loss=\"policy\""});
   EXPECT_EQ(c.prim.loss_chunks.fused_chunk_tokens, 2048);
   EXPECT_EQ(c.prim.loss_chunks.policy.chunk_tokens, 0);
-  EXPECT_NE(c.primitives_summary().find(" chunk_tokens=auto)"), std::string::npos);
+  EXPECT_NE(c.primitives_summary().find(" chunk_tokens=auto blocks=auto)"), std::string::npos);
+  // primitives.policy_blocks: auto (the default), rows or vocab (policy_config.h PolicyBlocks).
+  EXPECT_EQ(c.prim.loss_chunks.policy.blocks, PolicyBlocks::auto_);
+  c = load_run_config(run, {"primitives.policy_blocks=\"vocab\"", "primitives.loss=\"policy\""});
+  EXPECT_EQ(c.prim.loss_chunks.policy.blocks, PolicyBlocks::vocab);
+  EXPECT_NE(c.primitives_summary().find(" blocks=vocab)"), std::string::npos);
+  EXPECT_EQ(load_run_config(run, {"primitives.policy_blocks=\"rows\""}).prim.loss_chunks.policy.blocks,
+            PolicyBlocks::rows);
+  test::expect_error_contains([&] { load_run_config(run, {"primitives.policy_blocks=\"cols\""}); },
+                              "primitives.policy_blocks");
   test::expect_error_contains([&] { load_run_config(run, {"primitives.loss_fused_chunk_tokens=\"big\""}); },
                               "must be an integer or \"auto\"");
   c = load_run_config(run, {"primitives.loss_chunk_tokens=100", "primitives.loss_fused_chunk_tokens=64"});

@@ -2,7 +2,9 @@
 // checks against the reference and finite differences): loss, metrics, d_h and d_w, for f32 and
 // bf16 operands (bf16: the gradient written over the f32 logits in place), chunks that do and do
 // not divide T, a vocabulary that is no multiple of the block, masked rows, GSPO's two sweeps, a
-// bad target, the per-token statistics, and the logits peak of one block. Skips without a GPU.
+// bad target, the per-token statistics, and the logits peak of one block; the same for the vocab
+// sweep's column blocks (float4 and scalar kernels, a last block of any width). Skips without a
+// GPU.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -23,6 +25,7 @@ struct Case {
   DType dt;
   PolicyRatio ratio;
   PolicyAggregation agg;
+  PolicyBlocks blocks = PolicyBlocks::rows;
 };
 
 struct Inputs {
@@ -72,6 +75,7 @@ TEST_P(PolicyGpu, MatchesCpu) {
   cfg.policy.entropy_coef = 0.01;
   cfg.policy.ratio = c.ratio;
   cfg.policy.aggregation = c.agg;
+  cfg.policy.blocks = c.blocks;
   const Tensor h = Tensor::from_floats(in.h, {c.T, c.H}, c.dt), w = Tensor::from_floats(in.w, {c.V, c.H}, c.dt);
   const Tensor tg = Tensor::from_ints(in.tg, {c.T});
   const PolicyTokens pt = tokens(in, c.T);
@@ -80,7 +84,9 @@ TEST_P(PolicyGpu, MatchesCpu) {
   // CPU: f32 copies of the same (rounded) values.
   Tensor h32 = Tensor::from_floats(h.to_floats(), {c.T, c.H}), w32 = Tensor::from_floats(w.to_floats(), {c.V, c.H});
   Tensor dh_c, dw_c = Tensor::from_floats(dw0, {c.V, c.H});
-  const LossResult rc = policy_loss_train(scale, h32, w32, tg, pt, cfg, dh_c, dw_c);
+  LossHeadConfig cpu_cfg = cfg;  // the CPU row sweep, whatever the GPU runs
+  cpu_cfg.policy.blocks = PolicyBlocks::rows;
+  const LossResult rc = policy_loss_train(scale, h32, w32, tg, pt, cpu_cfg, dh_c, dw_c);
   // GPU, device targets; d_h starts as NaN bytes (poisoned): every element must be written.
   Tensor d_h = Tensor::empty({c.T, c.H}, c.dt, kGpu, MemCategory::activations);
   Tensor d_w = Tensor::from_floats(dw0, {c.V, c.H}).to(kGpu, MemCategory::grads);
@@ -114,7 +120,19 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{37, 1000, 64, 16, DType::bf16, PolicyRatio::token, PolicyAggregation::token_mean},
                       Case{64, 4099, 128, 64, DType::bf16, PolicyRatio::token, PolicyAggregation::seq_mean_token_mean},
                       Case{50, 777, 32, 7, DType::f32, PolicyRatio::sequence, PolicyAggregation::seq_mean_token_mean},
-                      Case{50, 777, 32, 100, DType::bf16, PolicyRatio::sequence, PolicyAggregation::seq_mean_token_sum}));
+                      Case{50, 777, 32, 100, DType::bf16, PolicyRatio::sequence, PolicyAggregation::seq_mean_token_sum},
+                      // The vocab sweep: columns 368 (float4; last block 264), 3968 (last 131,
+                      // scalar), 72 (last 57), 744 (last 33).
+                      Case{37, 1000, 64, 16, DType::f32, PolicyRatio::token, PolicyAggregation::token_mean,
+                           PolicyBlocks::vocab},
+                      Case{37, 1000, 64, 16, DType::bf16, PolicyRatio::token, PolicyAggregation::token_mean,
+                           PolicyBlocks::vocab},
+                      Case{64, 4099, 128, 64, DType::bf16, PolicyRatio::token, PolicyAggregation::seq_mean_token_mean,
+                           PolicyBlocks::vocab},
+                      Case{50, 777, 32, 7, DType::f32, PolicyRatio::sequence, PolicyAggregation::seq_mean_token_mean,
+                           PolicyBlocks::vocab},
+                      Case{50, 777, 32, 100, DType::bf16, PolicyRatio::sequence, PolicyAggregation::seq_mean_token_sum,
+                           PolicyBlocks::vocab}));
 
 TEST(PolicyGpuRuns, TokenStatsLogitsPeakAndBadTarget) {
   BB_REQUIRE_GPU();
@@ -136,12 +154,22 @@ TEST(PolicyGpuRuns, TokenStatsLogitsPeakAndBadTarget) {
   Tensor d_h, d_w = Tensor::zeros({c.V, c.H}, DType::f32, kGpu, MemCategory::grads);
   a.reset_peak();
   policy_loss_train(1.0f, hg, wg, tgg, tokens(in, c.T), cfg, d_h, d_w);
-  EXPECT_EQ(a.stats().peak_of(MemCategory::logits), policy_logits_bytes(c.T, c.V, cfg));
-  // A target >= V is reported.
+  EXPECT_EQ(a.stats().peak_of(MemCategory::logits), policy_logits_bytes(c.T, c.V, c.H, cfg));
+  // The vocab sweep: one [T, cols] block in the logits category (cols 16 x 3001 / 40 - 64 = 1136,
+  // rounded down to 1024).
+  LossHeadConfig vcfg = cfg;
+  vcfg.policy.blocks = PolicyBlocks::vocab;
+  ASSERT_EQ(policy_vocab_cols(vcfg.policy, true, c.T, c.V, c.H), 1024);
+  a.reset_peak();
+  policy_loss_train(1.0f, hg, wg, tgg, tokens(in, c.T), vcfg, d_h, d_w);
+  EXPECT_EQ(a.stats().peak_of(MemCategory::logits), c.T * 1024 * 4);
+  EXPECT_EQ(a.stats().peak_of(MemCategory::logits), policy_logits_bytes(c.T, c.V, c.H, vcfg));
+  // A target >= V is reported by both sweeps.
   in.tg[5] = static_cast<int32_t>(c.V);
-  test::expect_error_contains(
-      [&] { policy_loss_train(1.0f, hg, wg, Tensor::from_ints(in.tg, {c.T}).to(kGpu), tokens(in, c.T), cfg, d_h, d_w); },
-      "target at row 5 is outside the vocabulary; d_h and d_w are invalid");
+  for (const LossHeadConfig* k : {&cfg, &vcfg})
+    test::expect_error_contains(
+        [&] { policy_loss_train(1.0f, hg, wg, Tensor::from_ints(in.tg, {c.T}).to(kGpu), tokens(in, c.T), *k, d_h, d_w); },
+        "target at row 5 is outside the vocabulary; d_h and d_w are invalid");
 }
 
 }  // namespace

@@ -71,6 +71,58 @@ void grad_row(float* x, int64_t V, double inv_temp, const RowStats& st, int32_t 
 
 const float* f32_or_null(const Tensor& t) { return t.defined() ? t.data<float>() : nullptr; }
 
+// Row statistics merged over column blocks (the vocab sweep): the running max m of z, s = sum
+// exp(z - m) and sz = sum exp(z - m) (z - m), in double, and the target's z.
+struct RowAcc {
+  double m = -std::numeric_limits<double>::infinity(), s = 0, sz = 0, zt = 0;
+};
+
+// Adds the n columns x[0, n) of one row (tempered by inv_temp) to a.
+void acc_add_block(RowAcc& a, const float* x, int64_t n, double inv_temp) {
+  double mx = -std::numeric_limits<double>::infinity();
+  for (int64_t v = 0; v < n; ++v) mx = std::max(mx, static_cast<double>(x[v]) * inv_temp);
+  if (n == 0) return;
+  double s = 0, sz = 0;
+  for (int64_t v = 0; v < n; ++v) {
+    const double d = static_cast<double>(x[v]) * inv_temp - mx;
+    const double e = std::exp(d);
+    s += e;
+    sz += e * d;
+  }
+  if (a.s == 0) {
+    a.m = mx, a.s = s, a.sz = sz;
+    return;
+  }
+  // Both sums moved to M = max(a.m, mx): sum e' (z - M) = k (sum e (z - m) + (m - M) sum e).
+  const double M = std::max(a.m, mx), ka = std::exp(a.m - M), kb = std::exp(mx - M);
+  a.sz = ka * (a.sz + (a.m - M) * a.s) + kb * (sz + (mx - M) * s);
+  a.s = ka * a.s + kb * s;
+  a.m = M;
+}
+
+RowStats acc_finish(const RowAcc& a) {
+  RowStats r;
+  r.lse = a.m + std::log(a.s);
+  r.entropy = std::log(a.s) - a.sz / a.s;  // lse - E_p[z] = log s - E_p[z - m]
+  r.logp = a.zt - r.lse;
+  return r;
+}
+
+// Adds one valid token's terms to the call's sums.
+void add_token(LossResult& r, const TokenTerms& tt, const RowStats& st, double wt, const float* sw, int64_t t) {
+  PolicyMetrics& pm = r.policy;
+  r.loss_sum += wt * tt.loss;
+  ++r.num_valid;
+  pm.clipped += tt.clipped;
+  pm.dual_clipped += tt.dual_clipped;
+  pm.approx_kl += tt.ratio - 1.0 - tt.log_ratio;
+  pm.entropy += st.entropy;
+  pm.ratio += tt.ratio;
+  pm.ratio_max = std::max(pm.ratio_max, tt.ratio);
+  pm.ref_kl += tt.ref_kl;
+  if (sw) pm.sequences += sw[t];
+}
+
 void check_token_field(const Tensor& t, int64_t T, const char* op, const char* name) {
   if (!t.defined()) return;
   BB_CHECK(t.device().is_cpu(), op, ": ", name, " must be a host tensor");
@@ -166,6 +218,71 @@ cuda::PolicyRowInputs chunk_inputs(const cuda::PolicyRowInputs& in, int64_t t0) 
   return cuda::PolicyRowInputs{at(in.adv), at(in.old), at(in.ref), at(in.weight), at(in.seq_lr)};
 }
 
+// The vocab sweep on CUDA (policy_run_cpu_vocab's order): the column-statistics kernel after
+// each logits GEMM, one row-terms kernel, then per block the gradient kernel and the two GEMMs
+// (d_w's rows of the block written once; d_h accumulated over the blocks in f32).
+LossResult policy_run_cuda_vocab(Mode mode, float scale, const Tensor& h, const Tensor& w, const Tensor& targets,
+                                 const PolicyTokens& in, const PolicyLossConfig& c, Tensor* d_h, Tensor* d_w,
+                                 bool overwrite_dw, const detail::LossHeadDims& dims, int64_t cols, const char* op) {
+  const Device dev = h.device();
+  const int idx = dev.index;
+  const int64_t T = dims.num_tokens, V = dims.vocab, H = dims.hidden;
+  const DType dt = h.dtype();
+  Tensor tg = detail::targets_on(targets, dev);
+  const int32_t* tgp = tg.data<int32_t>();
+  auto up = [&](const Tensor& t) { return t.defined() ? t.to(dev, MemCategory::workspace) : Tensor(); };
+  const Tensor adv = up(in.advantages), old = up(in.old_logprobs), ref = up(in.ref_logprobs);
+  const Tensor weight = up(row_weights(in, c));
+  auto ptr = [](const Tensor& t) { return t.defined() ? t.data<float>() : nullptr; };
+  cuda::PolicyRowInputs ri{ptr(adv), ptr(old), ptr(ref), ptr(weight), nullptr};
+  Tensor stats = Tensor::empty({T * cuda::kPolicyStats}, DType::f32, dev, MemCategory::workspace);
+  Tensor acc_buf = Tensor::empty({T * 8}, DType::f32, dev, MemCategory::workspace);  // f64 [T][4]
+  double* acc = static_cast<double*>(acc_buf.raw());
+  Tensor coef = Tensor::empty({T * 4}, DType::f32, dev, MemCategory::workspace);
+  Tensor block = Tensor::empty({T * cols}, DType::f32, dev, MemCategory::logits);
+  auto logits = [&](int64_t v0, int64_t nv) {
+    cuda::gemm(false, true, T, nv, H, 1.0f, h.raw(), dt, H, w.narrow(v0, nv).raw(), dt, H, 0.0f, block.raw(),
+               DType::f32, nv, idx);
+  };
+  for (int64_t v0 = 0; v0 < V; v0 += cols) {
+    const int64_t nv = std::min(cols, V - v0);
+    logits(v0, nv);
+    cuda::policy_col_stats(block.data<float>(), nv, v0, V, tgp, c.temperature, v0 == 0, T, acc);
+  }
+  Tensor seq_lr;
+  if (c.ratio == PolicyRatio::sequence) {  // the rows' log-probs first, then the sequences' ratios
+    cuda::policy_row_terms(acc, V, tgp, c, cuda::PolicyRowInputs{}, 0.0f, T, stats.data<float>(),
+                           coef.data<float>());
+    const std::vector<float> st = stats.to_floats();
+    std::vector<double> logp(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) logp[static_cast<size_t>(t)] = st[t * cuda::kPolicyStats + cuda::kStatLogp];
+    const Tensor host_tg = targets.device().is_cpu() ? targets : targets.to(Device::cpu(), MemCategory::workspace);
+    const std::vector<double> lr = sequence_log_ratios(in, logp, host_tg.data<int32_t>(), op);
+    std::vector<float> lrf(lr.begin(), lr.end());
+    seq_lr = Tensor::from_floats(lrf, {T}, DType::f32, MemCategory::workspace).to(dev, MemCategory::workspace);
+    ri.seq_lr = seq_lr.data<float>();
+  }
+  cuda::policy_row_terms(acc, V, tgp, c, ri, scale, T, stats.data<float>(), coef.data<float>());
+  if (mode == Mode::train) {
+    const bool dh_direct = d_h->dtype() == DType::f32;
+    Tensor dh_acc = dh_direct ? Tensor() : Tensor::empty({T, H}, DType::f32, dev, MemCategory::workspace);
+    void* dh = dh_direct ? d_h->raw() : dh_acc.raw();
+    for (int64_t v0 = 0; v0 < V; v0 += cols) {
+      const int64_t nv = std::min(cols, V - v0);
+      const int64_t ldd = cuda::ce_fused_grad_ld(nv, DType::f32, dt);
+      logits(v0, nv);
+      cuda::policy_col_grad(block.data<float>(), nv, v0, tgp, c.temperature, coef.data<float>(), dt, T);
+      cuda::gemm(false, false, T, H, nv, 1.0f, block.raw(), dt, ldd, w.narrow(v0, nv).raw(), dt, H,
+                 v0 == 0 ? 0.0f : 1.0f, dh, DType::f32, H, idx);
+      cuda::gemm(true, false, nv, H, T, 1.0f, block.raw(), dt, ldd, h.raw(), dt, H, overwrite_dw ? 0.0f : 1.0f,
+                 d_w->narrow(v0, nv).raw(), DType::f32, H, idx);
+    }
+    if (!dh_direct) cuda::convert(d_h->raw(), d_h->dtype(), dh_acc.raw(), DType::f32, T * H);
+  }
+  const std::vector<float> st = stats.to_floats();
+  return sum_row_stats(st, T, in, op, mode == Mode::train ? "; d_h and d_w are invalid" : "");
+}
+
 // The CUDA path: the CPU path's blocks and order, with the row kernel (policy_cuda.cu) between
 // the logits GEMM and the two gradient GEMMs; one read of the row statistics at the end (two
 // with ratio = sequence: the log-probs for the sequence ratios).
@@ -177,6 +294,8 @@ LossResult policy_run_cuda(Mode mode, float scale, const Tensor& h, const Tensor
   const Device dev = h.device();
   const int idx = dev.index;
   const int64_t T = dims.num_tokens, V = dims.vocab, H = dims.hidden;
+  if (const int64_t cols = policy_vocab_cols(c, mode == Mode::train, T, V, H); cols > 0 && !stats_out)
+    return policy_run_cuda_vocab(mode, scale, h, w, targets, in, c, d_h, d_w, overwrite_dw, dims, cols, op);
   const int64_t ct = policy_chunk_rows(cfg.policy, T);
   const DType dt = h.dtype();  // GEMM operands; the gradient block has this dtype
   const int64_t ldd = cuda::ce_fused_grad_ld(V, DType::f32, dt);
@@ -234,6 +353,80 @@ LossResult policy_run_cuda(Mode mode, float scale, const Tensor& h, const Tensor
 }
 #endif
 
+// The vocab sweep on the CPU (policy_vocab_cols; the CUDA path's order): [T, cols] blocks,
+// first the row statistics over every column block, then the rows' objectives, then the
+// gradient block by block (d_w's rows of the block written once, d_h accumulated in f32).
+LossResult policy_run_cpu_vocab(Mode mode, float scale, const Tensor& h, const Tensor& w, const Tensor& targets,
+                                const PolicyTokens& in, const PolicyLossConfig& c, Tensor* d_h, Tensor* d_w,
+                                const detail::LossHeadDims& dims, int64_t cols, const char* op) {
+  const int64_t T = dims.num_tokens, V = dims.vocab, H = dims.hidden;
+  const double inv_temp = 1.0 / c.temperature;
+  const Tensor wf = cpu::as_f32(w), hf = cpu::as_f32(h);
+  Tensor block = Tensor::empty({T * cols}, DType::f32, Device::cpu(), MemCategory::logits);
+  float* x = block.data<float>();
+  const int32_t* tg = targets.data<int32_t>();
+  const float* sw = f32_or_null(in.seq_weight);
+  auto logits = [&](int64_t v0, int64_t nv) {
+    cpu::gemm<float>(false, true, T, nv, H, 1.0f, hf.data<float>(), H, wf.data<float>() + v0 * H, H, 0.0f, x, nv);
+  };
+  std::vector<RowAcc> acc(static_cast<size_t>(T));
+  for (int64_t v0 = 0; v0 < V; v0 += cols) {
+    const int64_t nv = std::min(cols, V - v0);
+    logits(v0, nv);
+    for (int64_t t = 0; t < T; ++t) {
+      if (tg[t] < 0) continue;
+      RowAcc& a = acc[static_cast<size_t>(t)];
+      acc_add_block(a, x + t * nv, nv, inv_temp);
+      if (tg[t] >= v0 && tg[t] < v0 + nv) a.zt = static_cast<double>(x[t * nv + tg[t] - v0]) * inv_temp;
+    }
+  }
+  std::vector<RowStats> st(static_cast<size_t>(T));
+  std::vector<double> logp(static_cast<size_t>(T), 0.0);
+  for (int64_t t = 0; t < T; ++t) {
+    if (tg[t] < 0) continue;
+    st[static_cast<size_t>(t)] = acc_finish(acc[static_cast<size_t>(t)]);
+    logp[static_cast<size_t>(t)] = st[static_cast<size_t>(t)].logp;
+  }
+  std::vector<double> seq_lr;
+  if (c.ratio == PolicyRatio::sequence) seq_lr = sequence_log_ratios(in, logp, tg, op);
+  const float* adv = in.advantages.data<float>();
+  const float* old = f32_or_null(in.old_logprobs);
+  const float* ref = f32_or_null(in.ref_logprobs);
+  LossResult r;
+  std::vector<double> g_lp(static_cast<size_t>(T), 0.0), g_h(static_cast<size_t>(T), 0.0);
+  for (int64_t t = 0; t < T; ++t) {
+    if (tg[t] < 0) continue;
+    const size_t i = static_cast<size_t>(t);
+    const TokenTerms tt = token_terms(c, st[i].logp, st[i].entropy, adv[t], old ? old[t] : kNaN, ref ? ref[t] : kNaN,
+                                      seq_lr.empty() ? kNaN : seq_lr[i]);
+    const double wt = c.aggregation == PolicyAggregation::seq_mean_token_mean ? sw[t] : 1.0;
+    add_token(r, tt, st[i], wt, sw, t);
+    g_lp[i] = static_cast<double>(scale) * wt * tt.d_logp;
+    g_h[i] = static_cast<double>(scale) * wt * tt.d_entropy;
+  }
+  if (mode == Mode::forward) return r;
+  const bool dh_direct = d_h->dtype() == DType::f32;
+  Tensor dh_acc = dh_direct ? Tensor() : cpu::empty_f32({T, H}, MemCategory::workspace);
+  float* dh = dh_direct ? d_h->data<float>() : dh_acc.data<float>();
+  for (int64_t v0 = 0; v0 < V; v0 += cols) {
+    const int64_t nv = std::min(cols, V - v0);
+    logits(v0, nv);
+    for (int64_t t = 0; t < T; ++t) {
+      float* row = x + t * nv;
+      if (tg[t] < 0) {
+        std::fill(row, row + nv, 0.0f);
+        continue;
+      }
+      const size_t i = static_cast<size_t>(t);
+      grad_row(row, nv, inv_temp, st[i], tg[t] - static_cast<int32_t>(v0), g_lp[i], g_h[i]);
+    }
+    cpu::gemm<float>(false, false, T, H, nv, 1.0f, x, nv, wf.data<float>() + v0 * H, H, v0 == 0 ? 0.0f : 1.0f, dh, H);
+    cpu::gemm<float>(true, false, nv, H, T, 1.0f, x, nv, hf.data<float>(), H, 1.0f, d_w->data<float>() + v0 * H, H);
+  }
+  if (!dh_direct) cpu::store_f32(*d_h, dh_acc);
+  return r;
+}
+
 LossResult policy_run(Mode mode, float scale, const Tensor& h, const Tensor& w, const Tensor& targets,
                       const PolicyTokens& in, const LossHeadConfig& cfg, Tensor* d_h, Tensor* d_w,
                       bool overwrite_dw, const char* op) {
@@ -250,6 +443,8 @@ LossResult policy_run(Mode mode, float scale, const Tensor& h, const Tensor& w, 
   }
 #endif
   if (mode == Mode::train && overwrite_dw) d_w->zero_();
+  if (const int64_t cols = policy_vocab_cols(c, mode == Mode::train, T, V, H); cols > 0)
+    return policy_run_cpu_vocab(mode, scale, h, w, targets, in, c, d_h, d_w, dims, cols, op);
 
   const int64_t ct = policy_chunk_rows(cfg.policy, T);
   const double inv_temp = 1.0 / c.temperature;
@@ -279,7 +474,6 @@ LossResult policy_run(Mode mode, float scale, const Tensor& h, const Tensor& w, 
   const bool dh_direct = mode == Mode::train && d_h->dtype() == DType::f32;
   Tensor dh_acc = mode == Mode::train && !dh_direct ? cpu::empty_f32({ct, H}, MemCategory::workspace) : Tensor();
   LossResult r;
-  PolicyMetrics& pm = r.policy;
   for (int64_t t0 = 0; t0 < T; t0 += ct) {
     const int64_t nt = std::min(ct, T - t0);
     Tensor hc = cpu::as_f32(h.narrow(t0, nt));
@@ -295,16 +489,7 @@ LossResult policy_run(Mode mode, float scale, const Tensor& h, const Tensor& w, 
       const TokenTerms tt = token_terms(c, st.logp, st.entropy, adv[t], old ? old[t] : kNaN,
                                         ref ? ref[t] : kNaN, seq_lr.empty() ? kNaN : seq_lr[static_cast<size_t>(t)]);
       const double wt = c.aggregation == PolicyAggregation::seq_mean_token_mean ? sw[t] : 1.0;
-      r.loss_sum += wt * tt.loss;
-      ++r.num_valid;
-      pm.clipped += tt.clipped;
-      pm.dual_clipped += tt.dual_clipped;
-      pm.approx_kl += tt.ratio - 1.0 - tt.log_ratio;
-      pm.entropy += st.entropy;
-      pm.ratio += tt.ratio;
-      pm.ratio_max = std::max(pm.ratio_max, tt.ratio);
-      pm.ref_kl += tt.ref_kl;
-      if (sw) pm.sequences += sw[t];
+      add_token(r, tt, st, wt, sw, t);
       if (mode == Mode::train) {
         const double g = static_cast<double>(scale) * wt;
         grad_row(row, V, inv_temp, st, tg[t], g * tt.d_logp, g * tt.d_entropy);
@@ -424,8 +609,13 @@ void policy_token_stats(const Tensor& h, const Tensor& w, const Tensor& targets,
   }
 }
 
-int64_t policy_logits_bytes(int64_t num_tokens, int64_t vocab, const LossHeadConfig& cfg) {
-  return policy_chunk_rows(cfg.policy, num_tokens) * vocab * 4;
+int64_t policy_logits_bytes(int64_t num_tokens, int64_t vocab, int64_t hidden, const LossHeadConfig& cfg) {
+  const int64_t cols = policy_vocab_cols(cfg.policy, true, num_tokens, vocab, hidden);
+  return cols > 0 ? num_tokens * cols * 4 : std::min(policy_chunk_rows(cfg.policy, num_tokens), num_tokens) * vocab * 4;
+}
+
+int64_t policy_dh_accumulator_bytes(int64_t num_tokens, int64_t vocab, int64_t hidden, const LossHeadConfig& cfg) {
+  return policy_vocab_cols(cfg.policy, true, num_tokens, vocab, hidden) > 0 ? num_tokens * hidden * 4 : 0;
 }
 
 std::unique_ptr<LossHead> make_policy_head(const LossHeadConfig& cfg) {

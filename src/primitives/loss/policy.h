@@ -22,11 +22,16 @@
 //   d z_tv     = g_lp (onehot_v - p_tv) - g_H p_tv (log p_tv + H_t);   d x = d z / tau
 //   d_h (=) d x @ w,  d_w (+=) d x^T @ h
 // Without old_logprobs the update is on-policy: old = logp detached, so r = 1 and dr/dlogp = 1.
-// Training streams whole-vocabulary blocks of policy_chunk_rows(cfg.policy, T) rows (one [ct, V] f32
-// block, the logits peak, as linear_ce_fused); ratio = sequence takes one forward sweep first
-// for the sequence ratios, then the fused sweep (the logits GEMM twice). On CUDA the same blocks
-// with one row kernel (policy_cuda.h) between the GEMMs; with bf16 h / w the gradient is bf16,
-// written over the f32 logits in place, as linear_ce_fused's.
+// Training takes one of two block orders (policy_config.h PolicyBlocks, policy_vocab_cols):
+// - the row sweep streams whole-vocabulary blocks of policy_chunk_rows(cfg.policy, T) rows (one
+//   [ct, V] f32 block, the logits peak, as linear_ce_fused); ratio = sequence takes one forward
+//   sweep first for the sequence ratios, then the fused sweep (the logits GEMM twice);
+// - the vocab sweep streams [T, cols] column blocks twice: the row statistics merged over the
+//   blocks (online log-sum-exp), every row's objective (and the sequence ratios) once, then the
+//   gradient block by block, each block's rows of d_w written once, d_h summed in f32.
+// Forward-only calls take the row sweep. On CUDA the same blocks with kernels (policy_cuda.h)
+// between the GEMMs; with bf16 h / w the gradient is bf16, written over the f32 logits in place,
+// as linear_ce_fused's.
 // Accumulation convention: d_w ACCUMULATED (+=, f32 [V, H]) or written with overwrite_dw; d_h
 // WRITTEN (=, any float dtype; allocated f32 under activations when undefined).
 #pragma once
@@ -65,7 +70,11 @@ LossResult policy_loss_forward(const Tensor& h, const Tensor& w, const Tensor& t
 void policy_token_stats(const Tensor& h, const Tensor& w, const Tensor& targets,
                         const LossHeadConfig& cfg, Tensor& logp, Tensor& entropy);
 
-// The policy head's logits peak: policy_chunk_rows(cfg.policy, T) * V * 4 bytes.
-int64_t policy_logits_bytes(int64_t num_tokens, int64_t vocab, const LossHeadConfig& cfg);
+// A training call's logits peak: the [policy_chunk_rows, V] f32 block of the row sweep, or the
+// [T, policy_vocab_cols] f32 block of the vocab sweep.
+int64_t policy_logits_bytes(int64_t num_tokens, int64_t vocab, int64_t hidden, const LossHeadConfig& cfg);
+// The vocab sweep's f32 d_h accumulator [T, H] (workspace; 0 for the row sweep). With the block
+// it stays within the row sweep's block (policy_vocab_cols); a d_h given in f32 is used instead.
+int64_t policy_dh_accumulator_bytes(int64_t num_tokens, int64_t vocab, int64_t hidden, const LossHeadConfig& cfg);
 
 }  // namespace bb

@@ -20,6 +20,15 @@ enum class KlEstimator : uint8_t { k1, k3 };
 // r_t = s = exp(mean over the sequence's valid tokens of (logp - old)), with the gradient of the
 // GSPO-token form (d r_t / d logp_t = s).
 enum class PolicyRatio : uint8_t { token, sequence };
+// The order of the head's blocks (primitives.policy_blocks):
+//   rows   [rows, V] f32 blocks, one sweep: the logits GEMM once per block, but every block adds
+//          its share into all of d_w (f32 [V, H] read and written: 8 V H bytes per block)
+//   vocab  [T, cols] f32 blocks, two sweeps: the row statistics merged over the column blocks,
+//          then the gradient (the logits GEMM twice: 8 T V H FLOPs against 6), each block
+//          writing its own rows of d_w once; d_h accumulates in an f32 [T, H] buffer
+//   auto   vocab where the row sweep's blocks would be small enough for the d_w traffic to cost
+//          more than a second logits GEMM (policy_vocab_cols), rows elsewhere
+enum class PolicyBlocks : uint8_t { auto_, rows, vocab };
 
 struct PolicyLossConfig {
   double temperature = 1.0;  // logits are divided by it before the softmax (> 0)
@@ -37,6 +46,7 @@ struct PolicyLossConfig {
   // Token rows of the head's [rows, V] f32 logits block (primitives.loss_fused_chunk_tokens):
   // > 0 that many (at most T); 0 = auto, policy_chunk_rows' rule.
   int64_t chunk_tokens = 0;
+  PolicyBlocks blocks = PolicyBlocks::auto_;
 };
 
 // The rows of the policy head's logits block for a call of T tokens (T >= 1). chunk_tokens > 0:
@@ -49,6 +59,26 @@ inline int64_t policy_chunk_rows(const PolicyLossConfig& c, int64_t T) {
   int64_t rows = 256;
   while (rows < 2048 && rows * 2 * 64 <= T) rows *= 2;
   return rows < T ? rows : T;
+}
+
+// The columns of the vocab sweep's [T, cols] block for a training call of T >= 1 tokens, or 0
+// for the row sweep (forward-only calls always take the row sweep: without d_w it has no traffic
+// to save). The vocab sweep keeps the row sweep's memory: its block and its f32 d_h accumulator
+// together hold at most the [policy_chunk_rows, V] f32 block: cols = rows V / T - H, rounded down
+// to a multiple of 128 (of 8 below 1024; at least 8, at most V). Auto takes it for an auto-sized
+// block with rows <= 512, T >= 4 rows and cols >= 1024: with [rows, V] blocks d_w moves 8 V H
+// bytes per rows tokens, which costs more than the second logits GEMM's 2 rows V H FLOPs once
+// rows < 4 F / B (F the GEMM rate, B the memory bandwidth: about 730 on an H100), and 1024
+// columns keep the GEMMs on the fast path. At V = 248,320, H = 2048 that is T in [1K, 64K)
+// (1792 columns from 16K).
+inline int64_t policy_vocab_cols(const PolicyLossConfig& c, bool train, int64_t T, int64_t V, int64_t H) {
+  if (!train || c.blocks == PolicyBlocks::rows || T < 1 || V < 1) return 0;
+  const int64_t rows = policy_chunk_rows(c, T);
+  int64_t cols = rows * V / T - H;
+  cols = cols >= 1024 ? cols / 128 * 128 : cols / 8 * 8;
+  if (c.blocks == PolicyBlocks::auto_ && (c.chunk_tokens > 0 || rows > 512 || T < 4 * rows || cols < 1024)) return 0;
+  if (cols < 8) cols = 8;
+  return cols < V ? cols : V;
 }
 
 // Sums over the valid tokens of one call (or, after the trainer's reductions, of a step).

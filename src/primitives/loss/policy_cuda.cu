@@ -91,6 +91,28 @@ __device__ Lse3 block_lse3(Lse3 a) {
   return Lse3{sm[0], ss[0], ssz[0]};
 }
 
+// One valid row's objective from its log-prob and entropy: the statistics st[kPolicyStats] and
+// the gradient's factors g = {scale w g_lp, scale w g_H}.
+__device__ void row_terms(float* st, double logp, double ent, int64_t r, const PolicyLossConfig& c,
+                          const PolicyRowInputs& in, float scale, double* g) {
+  const double w = in.weight ? static_cast<double>(in.weight[r]) : 1.0;
+  const policy::TokenTerms t =
+      policy::token_terms(c, logp, ent, in.adv ? in.adv[r] : 0.0, in.old ? in.old[r] : NAN, in.ref ? in.ref[r] : NAN,
+                          in.seq_lr ? in.seq_lr[r] : NAN);
+  st[kStatLoss] = static_cast<float>(w * t.loss);
+  st[kStatLogp] = static_cast<float>(logp);
+  st[kStatEntropy] = static_cast<float>(ent);
+  st[kStatRatio] = static_cast<float>(t.ratio);
+  st[kStatClipped] = t.clipped ? 1.0f : 0.0f;
+  st[kStatDual] = t.dual_clipped ? 1.0f : 0.0f;
+  st[kStatApproxKl] = static_cast<float>(t.ratio - 1.0 - t.log_ratio);
+  st[kStatRefKl] = static_cast<float>(t.ref_kl);
+  st[kStatValid] = 1.0f;
+  st[kStatBadTarget] = 0.0f;
+  g[0] = static_cast<double>(scale) * w * t.d_logp;
+  g[1] = static_cast<double>(scale) * w * t.d_entropy;
+}
+
 template <class TO>
 __global__ void __launch_bounds__(kThreads)
     policy_rows_kernel(float* __restrict__ x, int64_t V, bool write_grad, const int32_t* __restrict__ targets,
@@ -118,25 +140,7 @@ __global__ void __launch_bounds__(kThreads)
   a = block_lse3(a);
   const double lse = static_cast<double>(a.m) + log(a.s);
   const double ent = lse - a.sz / a.s;
-  if (threadIdx.x == 0) {
-    const double logp = static_cast<double>(sh_target) - lse;
-    const double w = in.weight ? static_cast<double>(in.weight[r]) : 1.0;
-    const policy::TokenTerms t =
-        policy::token_terms(c, logp, ent, in.adv ? in.adv[r] : 0.0, in.old ? in.old[r] : NAN, in.ref ? in.ref[r] : NAN,
-                            in.seq_lr ? in.seq_lr[r] : NAN);
-    st[kStatLoss] = static_cast<float>(w * t.loss);
-    st[kStatLogp] = static_cast<float>(logp);
-    st[kStatEntropy] = static_cast<float>(ent);
-    st[kStatRatio] = static_cast<float>(t.ratio);
-    st[kStatClipped] = t.clipped ? 1.0f : 0.0f;
-    st[kStatDual] = t.dual_clipped ? 1.0f : 0.0f;
-    st[kStatApproxKl] = static_cast<float>(t.ratio - 1.0 - t.log_ratio);
-    st[kStatRefKl] = static_cast<float>(t.ref_kl);
-    st[kStatValid] = 1.0f;
-    st[kStatBadTarget] = 0.0f;
-    sh_g[0] = static_cast<double>(scale) * w * t.d_logp;
-    sh_g[1] = static_cast<double>(scale) * w * t.d_entropy;
-  }
+  if (threadIdx.x == 0) row_terms(st, static_cast<double>(sh_target) - lse, ent, r, c, in, scale, sh_g);
   __syncthreads();
   if (!write_grad) return;
   const float g_lp = static_cast<float>(sh_g[0]), g_h = static_cast<float>(sh_g[1]);
@@ -157,7 +161,195 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ---- The vocab sweep: one warp per row of a [rows, cols] column block. ----
+
+constexpr int kColWarps = 8;  // rows per thread block
+
+// A row's partial statistics in the shifted form: max m, s = sum exp(z - m), sz = sum exp(z - m)
+// (z - m); s = 0 when empty. Exponentials in f32 (each term to ~1 ulp), sums in f64.
+struct ColAcc {
+  float m;
+  double s, sz;
+};
+
+__device__ __forceinline__ void col_add(ColAcc& a, float z) {
+  if (z > a.m) {
+    if (a.s != 0.0) {
+      const double d = static_cast<double>(a.m) - static_cast<double>(z);
+      const double k = exp(d);
+      a.sz = k * (a.sz + d * a.s);
+      a.s *= k;
+    }
+    a.m = z;
+  }
+  const float d = z - a.m;
+  const double e = static_cast<double>(expf(d));
+  a.s += e;
+  a.sz += e * static_cast<double>(d);
+}
+
+// Merges b into a; the maxima as doubles (a row's running max across blocks is kept in f64).
+__device__ __forceinline__ void col_merge(double& am, double& as, double& asz, double bm, double bs, double bsz) {
+  if (bs == 0.0) return;
+  if (as == 0.0) {
+    am = bm, as = bs, asz = bsz;
+    return;
+  }
+  const double M = fmax(am, bm), ka = exp(am - M), kb = exp(bm - M);
+  asz = ka * (asz + (am - M) * as) + kb * (bsz + (bm - M) * bs);
+  as = ka * as + kb * bs;
+  am = M;
+}
+
+// VEC = 4: float4 loads (cols % 4 == 0, so every row starts 16-byte aligned); VEC = 1: scalar.
+template <int VEC>
+__global__ void __launch_bounds__(kColWarps * 32)
+    policy_col_stats_kernel(const float* __restrict__ x, int64_t cols, int64_t v0, int64_t V,
+                            const int32_t* __restrict__ targets, float inv, bool first, int64_t rows,
+                            double* __restrict__ acc) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kColWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (r >= rows) return;
+  const int64_t tg = targets[r];
+  if (tg < 0 || tg >= V) return;
+  const float* xr = x + r * cols;
+  ColAcc a{-INFINITY, 0.0, 0.0};
+  if constexpr (VEC == 4) {
+    const float4* x4 = reinterpret_cast<const float4*>(xr);
+    for (int64_t j = lane; j < cols / 4; j += 32) {
+      const float4 v = x4[j];
+      col_add(a, v.x * inv);
+      col_add(a, v.y * inv);
+      col_add(a, v.z * inv);
+      col_add(a, v.w * inv);
+    }
+  } else {
+    for (int64_t j = lane; j < cols; j += 32) col_add(a, xr[j] * inv);
+  }
+  double m = a.s == 0.0 ? 0.0 : static_cast<double>(a.m), s = a.s, sz = a.sz;
+  for (int off = 16; off > 0; off >>= 1) {
+    const double om = __shfl_down_sync(0xffffffffu, m, off), os = __shfl_down_sync(0xffffffffu, s, off),
+                 osz = __shfl_down_sync(0xffffffffu, sz, off);
+    col_merge(m, s, sz, om, os, osz);
+  }
+  if (lane != 0) return;
+  double* ar = acc + r * 4;
+  if (first) {
+    ar[0] = m, ar[1] = s, ar[2] = sz, ar[3] = 0.0;
+  } else {
+    col_merge(ar[0], ar[1], ar[2], m, s, sz);
+  }
+  if (tg >= v0 && tg < v0 + cols) ar[3] = static_cast<double>(xr[tg - v0] * inv);
+}
+
+__global__ void policy_row_terms_kernel(const double* __restrict__ acc, int64_t V, const int32_t* __restrict__ targets,
+                                        PolicyLossConfig c, PolicyRowInputs in, float scale, int64_t rows,
+                                        float* __restrict__ stats, float* __restrict__ coef) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  float* st = stats + r * kPolicyStats;
+  float* cf = coef + r * 4;
+  const int64_t tg = targets[r];
+  if (tg < 0 || tg >= V) {
+    for (int k = 0; k < kPolicyStats; ++k) st[k] = k == kStatBadTarget && tg >= V ? 1.0f : 0.0f;
+    cf[0] = cf[1] = cf[2] = cf[3] = 0.0f;
+    return;
+  }
+  const double* ar = acc + r * 4;
+  const double ls = log(ar[1]), lse = ar[0] + ls, ent = ls - ar[2] / ar[1];
+  double g[2];
+  row_terms(st, ar[3] - lse, ent, r, c, in, scale, g);
+  cf[0] = static_cast<float>(lse);
+  cf[1] = static_cast<float>(ent);
+  cf[2] = static_cast<float>(g[0]);
+  cf[3] = static_cast<float>(g[1]);
+}
+
+// In place with a bf16 gradient, step k reads f32 columns [k S, (k + 1) S) (S = 32 VEC) and writes
+// bf16 columns [k S, (k + 1) S), i.e. the bytes of f32 columns below (k + 1) S / 2, all read at
+// steps <= k; the warp barrier between each step's reads and its writes orders them.
+template <class TO, int VEC>
+__global__ void __launch_bounds__(kColWarps * 32)
+    policy_col_grad_kernel(float* __restrict__ x, int64_t cols, int64_t v0, const int32_t* __restrict__ targets,
+                           float inv, const float* __restrict__ coef, int64_t rows) {
+  constexpr bool kNarrow = sizeof(TO) < sizeof(float);
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kColWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (r >= rows) return;
+  float* xr = x + r * cols;
+  TO* dr = reinterpret_cast<TO*>(xr);
+  const float* cf = coef + r * 4;
+  const float lse = cf[0], ent = cf[1], g_lp = cf[2], g_h = cf[3];
+  const bool zero = g_lp == 0.0f && g_h == 0.0f;  // a masked row (its lse is not a row's)
+  const int64_t tcol = targets[r] - v0;
+  auto grad = [&](float xv, int64_t j) {
+    const float lp = xv * inv - lse;
+    const float p = expf(lp);
+    float d = -g_lp * p - g_h * p * (lp + ent);
+    if (j == tcol) d += g_lp;
+    return d * inv;
+  };
+  constexpr int64_t S = 32 * VEC;
+  for (int64_t base = 0; base < cols; base += S) {  // the same steps on every lane
+    const int64_t j = base + lane * VEC;
+    float d[VEC];
+    if constexpr (VEC == 4) {
+      if (j < cols) {
+        const float4 v = *reinterpret_cast<const float4*>(xr + j);
+        d[0] = zero ? 0.0f : grad(v.x, j);
+        d[1] = zero ? 0.0f : grad(v.y, j + 1);
+        d[2] = zero ? 0.0f : grad(v.z, j + 2);
+        d[3] = zero ? 0.0f : grad(v.w, j + 3);
+      }
+    } else {
+      if (j < cols) d[0] = zero ? 0.0f : grad(xr[j], j);
+    }
+    if constexpr (kNarrow) __syncwarp();
+    if (j < cols)
+      for (int k = 0; k < VEC; ++k) dr[j + k] = from_f32<TO>(d[k]);
+  }
+}
+
 }  // namespace
+
+void policy_col_stats(const float* x, int64_t cols, int64_t v0, int64_t V, const int32_t* targets, double temperature,
+                      bool first, int64_t rows, double* acc) {
+  if (rows == 0 || cols == 0) return;
+  const unsigned grid = static_cast<unsigned>(ceil_div(rows, int64_t{kColWarps}));
+  const float inv = static_cast<float>(1.0 / temperature);
+  if (cols % 4 == 0)
+    policy_col_stats_kernel<4><<<grid, kColWarps * 32, 0, stream()>>>(x, cols, v0, V, targets, inv, first, rows, acc);
+  else
+    policy_col_stats_kernel<1><<<grid, kColWarps * 32, 0, stream()>>>(x, cols, v0, V, targets, inv, first, rows, acc);
+  BB_CHECK_LAUNCH();
+}
+
+void policy_row_terms(const double* acc, int64_t V, const int32_t* targets, const PolicyLossConfig& cfg,
+                      const PolicyRowInputs& in, float scale, int64_t rows, float* stats, float* coef) {
+  if (rows == 0) return;
+  const unsigned grid = static_cast<unsigned>(ceil_div(rows, int64_t{256}));
+  policy_row_terms_kernel<<<grid, 256, 0, stream()>>>(acc, V, targets, cfg, in, scale, rows, stats, coef);
+  BB_CHECK_LAUNCH();
+}
+
+void policy_col_grad(float* x, int64_t cols, int64_t v0, const int32_t* targets, double temperature,
+                     const float* coef, DType d_dt, int64_t rows) {
+  if (rows == 0 || cols == 0) return;
+  BB_CHECK(d_dt == DType::f32 || d_dt == DType::bf16, "policy loss on CUDA: gradient dtype ", dtype_name(d_dt),
+           " is not supported (f32 or bf16)");
+  const unsigned grid = static_cast<unsigned>(ceil_div(rows, int64_t{kColWarps}));
+  const float inv = static_cast<float>(1.0 / temperature);
+  const int threads = kColWarps * 32;
+  const bool v4 = cols % 4 == 0;
+  if (d_dt == DType::f32) {
+    if (v4) policy_col_grad_kernel<float, 4><<<grid, threads, 0, stream()>>>(x, cols, v0, targets, inv, coef, rows);
+    else policy_col_grad_kernel<float, 1><<<grid, threads, 0, stream()>>>(x, cols, v0, targets, inv, coef, rows);
+  } else {
+    if (v4) policy_col_grad_kernel<bf16_t, 4><<<grid, threads, 0, stream()>>>(x, cols, v0, targets, inv, coef, rows);
+    else policy_col_grad_kernel<bf16_t, 1><<<grid, threads, 0, stream()>>>(x, cols, v0, targets, inv, coef, rows);
+  }
+  BB_CHECK_LAUNCH();
+}
 
 void policy_rows(float* x, int64_t V, DType d_dt, bool write_grad, const int32_t* targets, const PolicyLossConfig& cfg,
                  const PolicyRowInputs& in, float scale, int64_t rows, float* stats) {

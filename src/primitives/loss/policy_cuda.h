@@ -42,6 +42,22 @@ enum PolicyStat : int {
 void policy_rows(float* x, int64_t V, DType d_dt, bool write_grad, const int32_t* targets,
                  const PolicyLossConfig& cfg, const PolicyRowInputs& in, float scale, int64_t rows, float* stats);
 
+// The vocab sweep (policy_vocab_cols): column blocks x [rows, cols] f32 (row stride cols) of
+// the logits' columns [v0, v0 + cols). Row state acc, f64 [rows][4]: the running max m of z,
+// sum exp(z - m), sum exp(z - m) (z - m) and the target's z.
+// policy_col_stats: merges the block into acc (first: starts it), one warp per row; rows whose
+// target is not in [0, V) are skipped.
+void policy_col_stats(const float* x, int64_t cols, int64_t v0, int64_t V, const int32_t* targets, double temperature,
+                      bool first, int64_t rows, double* acc);
+// policy_row_terms: one thread per row, from acc: the statistics (as policy_rows) and coef, f32
+// [rows][4] = {lse, entropy, g_lp, g_H} with the gradient's factors (all 0 on a masked row).
+void policy_row_terms(const double* acc, int64_t V, const int32_t* targets, const PolicyLossConfig& cfg,
+                      const PolicyRowInputs& in, float scale, int64_t rows, float* stats, float* coef);
+// policy_col_grad: the gradient of the block from coef, IN PLACE in dtype d_dt (bf16: row stride
+// 2 cols bf16 elements, as policy_rows), one warp per row; zero on rows with g_lp = g_H = 0.
+void policy_col_grad(float* x, int64_t cols, int64_t v0, const int32_t* targets, double temperature,
+                     const float* coef, DType d_dt, int64_t rows);
+
 }  // namespace bb::cuda
 
 #endif  // BB_WITH_CUDA
