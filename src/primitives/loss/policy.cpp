@@ -218,6 +218,36 @@ cuda::PolicyRowInputs chunk_inputs(const cuda::PolicyRowInputs& in, int64_t t0) 
   return cuda::PolicyRowInputs{at(in.adv), at(in.old), at(in.ref), at(in.weight), at(in.seq_lr)};
 }
 
+// The per-row inputs of a CUDA call on the device (cuda::PolicyRowInputs over tensors kept
+// here), the device targets and the row statistics buffer.
+struct DeviceRows {
+  Tensor tg, adv, old, ref, weight, seq_lr, stats;
+  cuda::PolicyRowInputs ri;
+
+  DeviceRows(const Tensor& targets, const PolicyTokens& in, const PolicyLossConfig& c, Device dev, int64_t T)
+      : tg(detail::targets_on(targets, dev)) {
+    auto up = [&](const Tensor& t) { return t.defined() ? t.to(dev, MemCategory::workspace) : Tensor(); };
+    adv = up(in.advantages), old = up(in.old_logprobs), ref = up(in.ref_logprobs), weight = up(row_weights(in, c));
+    auto ptr = [](const Tensor& t) { return t.defined() ? t.data<float>() : nullptr; };
+    ri = cuda::PolicyRowInputs{ptr(adv), ptr(old), ptr(ref), ptr(weight), nullptr};
+    stats = Tensor::empty({T * cuda::kPolicyStats}, DType::f32, dev, MemCategory::workspace);
+  }
+  const int32_t* targets() const { return tg.data<int32_t>(); }
+  float* stats_at(int64_t t0) { return stats.data<float>() + t0 * cuda::kPolicyStats; }
+  // ratio = sequence: the sequences' mean log-ratios from the log-probs in `stats`, on the device.
+  void set_sequence_ratios(const Tensor& targets, const PolicyTokens& in, const char* op) {
+    const std::vector<float> st = stats.to_floats();
+    const int64_t T = static_cast<int64_t>(st.size()) / cuda::kPolicyStats;
+    std::vector<double> logp(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) logp[static_cast<size_t>(t)] = st[t * cuda::kPolicyStats + cuda::kStatLogp];
+    const Tensor host_tg = targets.device().is_cpu() ? targets : targets.to(Device::cpu(), MemCategory::workspace);
+    const std::vector<double> lr = sequence_log_ratios(in, logp, host_tg.data<int32_t>(), op);
+    std::vector<float> lrf(lr.begin(), lr.end());
+    seq_lr = Tensor::from_floats(lrf, {T}, DType::f32, MemCategory::workspace).to(stats.device(), MemCategory::workspace);
+    ri.seq_lr = seq_lr.data<float>();
+  }
+};
+
 // The vocab sweep on CUDA (policy_run_cpu_vocab's order): the column-statistics kernel after
 // each logits GEMM, one row-terms kernel, then per block the gradient kernel and the two GEMMs
 // (d_w's rows of the block written once; d_h accumulated over the blocks in f32).
@@ -228,14 +258,8 @@ LossResult policy_run_cuda_vocab(Mode mode, float scale, const Tensor& h, const 
   const int idx = dev.index;
   const int64_t T = dims.num_tokens, V = dims.vocab, H = dims.hidden;
   const DType dt = h.dtype();
-  Tensor tg = detail::targets_on(targets, dev);
-  const int32_t* tgp = tg.data<int32_t>();
-  auto up = [&](const Tensor& t) { return t.defined() ? t.to(dev, MemCategory::workspace) : Tensor(); };
-  const Tensor adv = up(in.advantages), old = up(in.old_logprobs), ref = up(in.ref_logprobs);
-  const Tensor weight = up(row_weights(in, c));
-  auto ptr = [](const Tensor& t) { return t.defined() ? t.data<float>() : nullptr; };
-  cuda::PolicyRowInputs ri{ptr(adv), ptr(old), ptr(ref), ptr(weight), nullptr};
-  Tensor stats = Tensor::empty({T * cuda::kPolicyStats}, DType::f32, dev, MemCategory::workspace);
+  DeviceRows rows(targets, in, c, dev, T);
+  const int32_t* tgp = rows.targets();
   Tensor acc_buf = Tensor::empty({T * 8}, DType::f32, dev, MemCategory::workspace);  // f64 [T][4]
   double* acc = static_cast<double*>(acc_buf.raw());
   Tensor coef = Tensor::empty({T * 4}, DType::f32, dev, MemCategory::workspace);
@@ -249,20 +273,11 @@ LossResult policy_run_cuda_vocab(Mode mode, float scale, const Tensor& h, const 
     logits(v0, nv);
     cuda::policy_col_stats(block.data<float>(), nv, v0, V, tgp, c.temperature, v0 == 0, T, acc);
   }
-  Tensor seq_lr;
   if (c.ratio == PolicyRatio::sequence) {  // the rows' log-probs first, then the sequences' ratios
-    cuda::policy_row_terms(acc, V, tgp, c, cuda::PolicyRowInputs{}, 0.0f, T, stats.data<float>(),
-                           coef.data<float>());
-    const std::vector<float> st = stats.to_floats();
-    std::vector<double> logp(static_cast<size_t>(T));
-    for (int64_t t = 0; t < T; ++t) logp[static_cast<size_t>(t)] = st[t * cuda::kPolicyStats + cuda::kStatLogp];
-    const Tensor host_tg = targets.device().is_cpu() ? targets : targets.to(Device::cpu(), MemCategory::workspace);
-    const std::vector<double> lr = sequence_log_ratios(in, logp, host_tg.data<int32_t>(), op);
-    std::vector<float> lrf(lr.begin(), lr.end());
-    seq_lr = Tensor::from_floats(lrf, {T}, DType::f32, MemCategory::workspace).to(dev, MemCategory::workspace);
-    ri.seq_lr = seq_lr.data<float>();
+    cuda::policy_row_terms(acc, V, tgp, c, cuda::PolicyRowInputs{}, 0.0f, T, rows.stats_at(0), coef.data<float>());
+    rows.set_sequence_ratios(targets, in, op);
   }
-  cuda::policy_row_terms(acc, V, tgp, c, ri, scale, T, stats.data<float>(), coef.data<float>());
+  cuda::policy_row_terms(acc, V, tgp, c, rows.ri, scale, T, rows.stats_at(0), coef.data<float>());
   if (mode == Mode::train) {
     const bool dh_direct = d_h->dtype() == DType::f32;
     Tensor dh_acc = dh_direct ? Tensor() : Tensor::empty({T, H}, DType::f32, dev, MemCategory::workspace);
@@ -279,8 +294,7 @@ LossResult policy_run_cuda_vocab(Mode mode, float scale, const Tensor& h, const 
     }
     if (!dh_direct) cuda::convert(d_h->raw(), d_h->dtype(), dh_acc.raw(), DType::f32, T * H);
   }
-  const std::vector<float> st = stats.to_floats();
-  return sum_row_stats(st, T, in, op, mode == Mode::train ? "; d_h and d_w are invalid" : "");
+  return sum_row_stats(rows.stats.to_floats(), T, in, op, mode == Mode::train ? "; d_h and d_w are invalid" : "");
 }
 
 // The CUDA path: the CPU path's blocks and order, with the row kernel (policy_cuda.cu) between
@@ -299,35 +313,21 @@ LossResult policy_run_cuda(Mode mode, float scale, const Tensor& h, const Tensor
   const int64_t ct = policy_chunk_rows(cfg.policy, T);
   const DType dt = h.dtype();  // GEMM operands; the gradient block has this dtype
   const int64_t ldd = cuda::ce_fused_grad_ld(V, DType::f32, dt);
-  Tensor tg = detail::targets_on(targets, dev);
-  const int32_t* tgp = tg.data<int32_t>();
-  auto up = [&](const Tensor& t) { return t.defined() ? t.to(dev, MemCategory::workspace) : Tensor(); };
-  const Tensor adv = up(in.advantages), old = up(in.old_logprobs), ref = up(in.ref_logprobs);
-  const Tensor weight = up(row_weights(in, c));
-  auto ptr = [](const Tensor& t) { return t.defined() ? t.data<float>() : nullptr; };
-  cuda::PolicyRowInputs ri{ptr(adv), ptr(old), ptr(ref), ptr(weight), nullptr};
-  Tensor stats = Tensor::empty({T * cuda::kPolicyStats}, DType::f32, dev, MemCategory::workspace);
+  DeviceRows rows(targets, in, c, dev, T);
+  const int32_t* tgp = rows.targets();
   Tensor block = Tensor::empty({ct * V}, DType::f32, dev, MemCategory::logits);
   auto logits = [&](int64_t t0, int64_t nt) {
     cuda::gemm(false, true, nt, V, H, 1.0f, h.narrow(t0, nt).raw(), dt, H, w.raw(), dt, H, 0.0f, block.raw(),
                DType::f32, V, idx);
   };
-  Tensor seq_lr;
   if (c.ratio == PolicyRatio::sequence) {
     for (int64_t t0 = 0; t0 < T; t0 += ct) {
       const int64_t nt = std::min(ct, T - t0);
       logits(t0, nt);
       cuda::policy_rows(block.data<float>(), V, dt, false, tgp + t0, c, cuda::PolicyRowInputs{}, 0.0f, nt,
-                        stats.data<float>() + t0 * cuda::kPolicyStats);
+                        rows.stats_at(t0));
     }
-    const std::vector<float> st = stats.to_floats();
-    std::vector<double> logp(static_cast<size_t>(T));
-    for (int64_t t = 0; t < T; ++t) logp[static_cast<size_t>(t)] = st[t * cuda::kPolicyStats + cuda::kStatLogp];
-    const Tensor host_tg = targets.device().is_cpu() ? targets : targets.to(Device::cpu(), MemCategory::workspace);
-    const std::vector<double> lr = sequence_log_ratios(in, logp, host_tg.data<int32_t>(), op);
-    std::vector<float> lrf(lr.begin(), lr.end());
-    seq_lr = Tensor::from_floats(lrf, {T}, DType::f32, MemCategory::workspace).to(dev, MemCategory::workspace);
-    ri.seq_lr = seq_lr.data<float>();
+    rows.set_sequence_ratios(targets, in, op);
   }
   const bool train = mode == Mode::train;
   const bool dh_direct = train && (d_h->dtype() == DType::f32 || d_h->dtype() == dt);
@@ -335,8 +335,8 @@ LossResult policy_run_cuda(Mode mode, float scale, const Tensor& h, const Tensor
   for (int64_t t0 = 0; t0 < T; t0 += ct) {
     const int64_t nt = std::min(ct, T - t0);
     logits(t0, nt);
-    cuda::policy_rows(block.data<float>(), V, dt, train, tgp + t0, c, chunk_inputs(ri, t0), scale, nt,
-                      stats.data<float>() + t0 * cuda::kPolicyStats);
+    cuda::policy_rows(block.data<float>(), V, dt, train, tgp + t0, c, chunk_inputs(rows.ri, t0), scale, nt,
+                      rows.stats_at(t0));
     if (!train) continue;
     const void* hc = h.narrow(t0, nt).raw();
     Tensor dh_dst = d_h->narrow(t0, nt);
@@ -346,7 +346,7 @@ LossResult policy_run_cuda(Mode mode, float scale, const Tensor& h, const Tensor
     const float beta = overwrite_dw && t0 == 0 ? 0.0f : 1.0f;
     cuda::gemm(true, false, V, H, nt, 1.0f, block.raw(), dt, ldd, hc, dt, H, beta, d_w->raw(), DType::f32, H, idx);
   }
-  std::vector<float> st = stats.to_floats();
+  std::vector<float> st = rows.stats.to_floats();
   LossResult r = sum_row_stats(st, T, in, op, train ? "; d_h and d_w are invalid" : "");
   if (stats_out) *stats_out = std::move(st);
   return r;
