@@ -1,11 +1,13 @@
-// policy.cpp — the policy loss head on the CPU (policy.h): BLAS for the block GEMMs, the row
-// statistics, per-token objective and gradient rows here.
+// policy.cpp — the policy loss head (policy.h): the CPU path (BLAS for the block GEMMs, the row
+// statistics, per-token objective and gradient rows here) and the CUDA path's host side (the
+// GEMMs between the kernels of policy_cuda.cu).
 //
-// NOTES: each block is [ct, V] f32 (ct = policy_chunk_rows(cfg.policy, T)), allocated once and reused;
-// the gradient overwrites the logits in place, so the logits peak is exactly that block. The
-// row statistics are one sweep over exp(z - max) (sum, and sum of p z for the entropy, in
-// double); the gradient row a second. On CUDA the head refuses with a clear error: its kernels
-// are not written yet (the CPU path is the reference they will be checked against).
+// NOTES: row sweep: each block is [ct, V] f32 (ct = policy_chunk_rows(cfg.policy, T)), allocated
+// once and reused; the gradient overwrites the logits in place, so the logits peak is exactly that
+// block. The row statistics are one sweep over exp(z - max) (sum, and sum of p z for the entropy,
+// in double); the gradient row a second. Vocab sweep (policy_vocab_cols): one [T, cols] f32 block,
+// the row statistics merged over the column blocks in the shifted form (RowAcc), then the
+// gradient block by block; both paths evaluate each token's objective with policy::token_terms.
 #include "primitives/loss/policy.h"
 
 #include <algorithm>

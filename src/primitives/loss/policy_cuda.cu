@@ -1,13 +1,15 @@
-// policy_cuda.cu — the policy loss's row kernel (policy_cuda.h).
+// policy_cuda.cu — the policy loss's kernels (policy_cuda.h): the row sweep's row kernel and the
+// vocab sweep's column-statistics, row-terms and column-gradient kernels.
 //
-// NOTES: one block per row. Sweep 1 keeps an online (max, sum of exp, sum of exp x z) per thread
+// NOTES: row kernel: one block per row. Sweep 1 keeps an online (max, sum of exp, sum of exp x z) per thread
 // (the sums in double: V up to ~250K terms), merged over the block; thread 0 then evaluates the
 // token's objective (policy::token_terms, the CPU path's function) and shares the two upstream
 // gradients. Sweep 2 recomputes p from the row and writes the gradient. In place with a bf16
 // gradient, step k writes bf16 columns [k B, (k + 1) B), i.e. bytes of f32 columns below
 // (k + 1) B / 2, all read at steps <= k; the barrier between each step's reads and its writes
 // keeps every read ahead of any write that could cover it (ce_fused_rows' argument, one element
-// per thread per step).
+// per thread per step). The vocab sweep's kernels take a warp per row of a column block; the
+// same in-place argument holds per warp step (a warp barrier between reads and writes).
 #include <cuda_bf16.h>
 
 #include <algorithm>
