@@ -159,6 +159,17 @@ std::vector<Named> objectives() {
   return v;
 }
 
+// A call's loss and gradients against the reference objective and its finite differences.
+void expect_matches_reference(const Case& c, const PolicyLossConfig& pc, float scale, const Out& out) {
+  const double want = ref_objective(c, pc, flat(c));
+  EXPECT_NEAR(out.r.loss_sum, want, 1e-5 * (1 + std::abs(want)));
+  EXPECT_EQ(out.r.num_valid, 7);
+  auto fd = test::finite_diff([&](const std::vector<double>& hw) { return scale * ref_objective(c, pc, hw); }, flat(c));
+  std::vector<double> fd_h(fd.begin(), fd.begin() + c.T * c.H), fd_w(fd.begin() + c.T * c.H, fd.end());
+  EXPECT_LT(test::rel_error(out.d_h, fd_h), test::kGradTol);
+  EXPECT_LT(test::rel_error(out.d_w, fd_w), test::kGradTol);
+}
+
 TEST(PolicyLoss, ValuesAndGradientsMatchReference) {
   for (const Named& o : objectives()) {
     for (int64_t chunk : {int64_t{1}, int64_t{4}, int64_t{100}}) {  // one row, not dividing T, clamped to T
@@ -168,14 +179,7 @@ TEST(PolicyLoss, ValuesAndGradientsMatchReference) {
       const float scale = 0.37f;
       auto dw0 = test::randn(c.V * c.H, 5);
       Out out = run(c, x, head_cfg(o.pc, chunk), scale, dw0);
-      const double want = ref_objective(c, o.pc, flat(c));
-      EXPECT_NEAR(out.r.loss_sum, want, 1e-5 * (1 + std::abs(want)));
-      EXPECT_EQ(out.r.num_valid, 7);
-      auto fd = test::finite_diff([&](const std::vector<double>& hw) { return scale * ref_objective(c, o.pc, hw); },
-                                  flat(c));
-      std::vector<double> fd_h(fd.begin(), fd.begin() + c.T * c.H), fd_w(fd.begin() + c.T * c.H, fd.end());
-      EXPECT_LT(test::rel_error(out.d_h, fd_h), test::kGradTol);
-      EXPECT_LT(test::rel_error(out.d_w, fd_w), test::kGradTol);
+      expect_matches_reference(c, o.pc, scale, out);
       for (int64_t t = 0; t < c.T; ++t)
         if (c.targets[t] < 0)
           for (int64_t k = 0; k < c.H; ++k) EXPECT_EQ(out.d_h[t * c.H + k], 0.0f);
@@ -370,14 +374,7 @@ TEST(PolicyLoss, VocabSweepMatchesReferenceAndRowSweep) {
       auto dw0 = test::randn(c.V * c.H, 5);
       Out v = run(c, x, cfg, scale, dw0);
       Out r = run(c, x, rows_cfg, scale, dw0);
-      const double want = ref_objective(c, o.pc, flat(c));
-      EXPECT_NEAR(v.r.loss_sum, want, 1e-5 * (1 + std::abs(want)));
-      EXPECT_EQ(v.r.num_valid, 7);
-      auto fd = test::finite_diff([&](const std::vector<double>& hw) { return scale * ref_objective(c, o.pc, hw); },
-                                  flat(c));
-      std::vector<double> fd_h(fd.begin(), fd.begin() + c.T * c.H), fd_w(fd.begin() + c.T * c.H, fd.end());
-      EXPECT_LT(test::rel_error(v.d_h, fd_h), test::kGradTol);
-      EXPECT_LT(test::rel_error(v.d_w, fd_w), test::kGradTol);
+      expect_matches_reference(c, o.pc, scale, v);
       EXPECT_LT(test::rel_error(v.d_h, test::cast<double>(r.d_h)), 1e-5);
       EXPECT_LT(test::rel_error(v.d_w, test::cast<double>(r.d_w)), 1e-5);
       EXPECT_NEAR(v.r.loss_sum, r.r.loss_sum, 1e-6 * (1 + std::abs(r.r.loss_sum)));
