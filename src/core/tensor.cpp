@@ -1,5 +1,7 @@
 #include "core/tensor.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <sstream>
@@ -225,18 +227,27 @@ Tensor Tensor::to_dtype(DType dt, MemCategory cat) const {
 int64_t first_nonfinite(const Tensor& h) {
   BB_CHECK(h.device().is_cpu(), "first_nonfinite: ", h.str(), " must be a host tensor");
   const int64_t n = h.numel();
-  if (h.dtype() == DType::f32) {
-    const uint32_t* p = static_cast<const uint32_t*>(h.raw());
-    for (int64_t k = 0; k < n; ++k)
-      if ((p[k] & 0x7f800000u) == 0x7f800000u) return k;
-    return -1;
-  }
-  if (h.dtype() == DType::bf16) {
-    const uint16_t* p = static_cast<const uint16_t*>(h.raw());
-    for (int64_t k = 0; k < n; ++k)
-      if ((p[k] & 0x7f80u) == 0x7f80u) return k;
-    return -1;
-  }
+  // Exponent all ones: Inf or NaN. Ranges scan on a few threads (an export scans every weight);
+  // each keeps the smallest index found, and stops once an earlier one is known.
+  auto scan = [n](const auto* p, auto mask) -> int64_t {
+    std::atomic<int64_t> first{n};
+    parallel_ranges(n, int64_t{1} << 22, [&](int64_t lo, int64_t hi) {
+      constexpr int64_t kStep = 1 << 14;
+      for (int64_t a = lo; a < hi && a < first.load(std::memory_order_relaxed); a += kStep) {
+        const int64_t b = std::min(hi, a + kStep);
+        for (int64_t k = a; k < b; ++k)
+          if ((p[k] & mask) == mask) {
+            int64_t cur = first.load();
+            while (k < cur && !first.compare_exchange_weak(cur, k)) {
+            }
+            return;
+          }
+      }
+    });
+    return first.load() == n ? -1 : first.load();
+  };
+  if (h.dtype() == DType::f32) return scan(static_cast<const uint32_t*>(h.raw()), uint32_t{0x7f800000u});
+  if (h.dtype() == DType::bf16) return scan(static_cast<const uint16_t*>(h.raw()), uint16_t{0x7f80u});
   const std::vector<float> v = h.to_floats();
   for (size_t k = 0; k < v.size(); ++k)
     if (!std::isfinite(v[k])) return static_cast<int64_t>(k);

@@ -110,6 +110,24 @@ TEST(Tensor, FirstNonfiniteFindsTheFirstInfOrNan) {
   Tensor t = Tensor::from_floats({1, 2}, {2});
   t.data<float>()[1] = std::bit_cast<float>(0xffffffffu);  // NaN, every payload bit set
   EXPECT_EQ(first_nonfinite(t), 1);
+  // Long tensors are scanned in ranges on several threads: still the smallest index, whichever
+  // range finds its hit first.
+  const int64_t n = 3 * (int64_t{1} << 22) + 5;
+  for (DType dt : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    Tensor big = Tensor::zeros({n}, dt, Device::cpu(), MemCategory::other);
+    auto set = [&](int64_t k, float v) {
+      if (dt == DType::f32) big.data<float>()[k] = v;
+      else big.data<uint16_t>()[k] = f32_to_bf16(v);
+    };
+    EXPECT_EQ(first_nonfinite(big), -1);
+    set(n - 1, nan);
+    EXPECT_EQ(first_nonfinite(big), n - 1);
+    set(n / 2 + 7, inf);
+    EXPECT_EQ(first_nonfinite(big), n / 2 + 7);
+    set(3, -inf);
+    EXPECT_EQ(first_nonfinite(big), 3);
+  }
 }
 
 TEST(Memory, CategoriesLiveAndPeak) {
