@@ -91,15 +91,7 @@ void acc_add_block(RowAcc& a, const float* x, int64_t n, double inv_temp) {
     s += e;
     sz += e * d;
   }
-  if (a.s == 0) {
-    a.m = mx, a.s = s, a.sz = sz;
-    return;
-  }
-  // Both sums moved to M = max(a.m, mx): sum e' (z - M) = k (sum e (z - m) + (m - M) sum e).
-  const double M = std::max(a.m, mx), ka = std::exp(a.m - M), kb = std::exp(mx - M);
-  a.sz = ka * (a.sz + (a.m - M) * a.s) + kb * (sz + (mx - M) * s);
-  a.s = ka * a.s + kb * s;
-  a.m = M;
+  policy::merge_shifted(a.m, a.s, a.sz, mx, s, sz);
 }
 
 RowStats acc_finish(const RowAcc& a) {

@@ -69,8 +69,8 @@ inline int64_t policy_chunk_rows(const PolicyLossConfig& c, int64_t T) {
 // block with rows <= 512, T >= 4 rows and cols >= 1024: with [rows, V] blocks d_w moves 8 V H
 // bytes per rows tokens, which costs more than the second logits GEMM's 2 rows V H FLOPs once
 // rows < 4 F / B (F the GEMM rate, B the memory bandwidth: about 730 on an H100), and 1024
-// columns keep the GEMMs on the fast path. At V = 248,320, H = 2048 that is T in [1K, 64K)
-// (1792 columns from 16K).
+// columns keep the GEMMs on the fast path. At V = 248,320, H = 2048 that is T from 1K to about
+// 45K (1792 columns from 16K).
 inline int64_t policy_vocab_cols(const PolicyLossConfig& c, bool train, int64_t T, int64_t V, int64_t H) {
   if (!train || c.blocks == PolicyBlocks::rows || T < 1 || V < 1) return 0;
   const int64_t rows = policy_chunk_rows(c, T);

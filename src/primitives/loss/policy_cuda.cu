@@ -190,19 +190,6 @@ __device__ __forceinline__ void col_add(ColAcc& a, float z) {
   a.sz += e * static_cast<double>(d);
 }
 
-// Merges b into a; the maxima as doubles (a row's running max across blocks is kept in f64).
-__device__ __forceinline__ void col_merge(double& am, double& as, double& asz, double bm, double bs, double bsz) {
-  if (bs == 0.0) return;
-  if (as == 0.0) {
-    am = bm, as = bs, asz = bsz;
-    return;
-  }
-  const double M = fmax(am, bm), ka = exp(am - M), kb = exp(bm - M);
-  asz = ka * (asz + (am - M) * as) + kb * (bsz + (bm - M) * bs);
-  as = ka * as + kb * bs;
-  am = M;
-}
-
 // VEC = 4: float4 loads (cols % 4 == 0, so every row starts 16-byte aligned); VEC = 1: scalar.
 template <int VEC>
 __global__ void __launch_bounds__(kColWarps * 32)
@@ -232,14 +219,14 @@ __global__ void __launch_bounds__(kColWarps * 32)
   for (int off = 16; off > 0; off >>= 1) {
     const double om = __shfl_down_sync(0xffffffffu, m, off), os = __shfl_down_sync(0xffffffffu, s, off),
                  osz = __shfl_down_sync(0xffffffffu, sz, off);
-    col_merge(m, s, sz, om, os, osz);
+    policy::merge_shifted(m, s, sz, om, os, osz);
   }
   if (lane != 0) return;
   double* ar = acc + r * 4;
   if (first) {
     ar[0] = m, ar[1] = s, ar[2] = sz, ar[3] = 0.0;
   } else {
-    col_merge(ar[0], ar[1], ar[2], m, s, sz);
+    policy::merge_shifted(ar[0], ar[1], ar[2], m, s, sz);  // the running max in f64
   }
   if (tg >= v0 && tg < v0 + cols) ar[3] = static_cast<double>(xr[tg - v0] * inv);
 }

@@ -74,4 +74,20 @@ BB_POLICY_HD inline TokenTerms token_terms(const PolicyLossConfig& c, double log
   return o;
 }
 
+// Row statistics in the shifted form over a set of columns: the max m of z, s = sum exp(z - m)
+// and sz = sum exp(z - m) (z - m); s = 0 for an empty set. Merges (bm, bs, bsz) into (m, s, sz),
+// both moved to M = max(m, bm): sum e' (z - M) = k (sum e (z - m) + (m - M) sum e), k = e^(m-M).
+// lse = m + log s, entropy = log s - sz / s. The vocab sweep's CPU path and CUDA kernels.
+BB_POLICY_HD inline void merge_shifted(double& m, double& s, double& sz, double bm, double bs, double bsz) {
+  if (bs == 0.0) return;
+  if (s == 0.0) {
+    m = bm, s = bs, sz = bsz;
+    return;
+  }
+  const double M = fmax(m, bm), ka = exp(m - M), kb = exp(bm - M);
+  sz = ka * (sz + (m - M) * s) + kb * (bsz + (bm - M) * bs);
+  s = ka * s + kb * bs;
+  m = M;
+}
+
 }  // namespace bb::policy
