@@ -32,6 +32,12 @@
 // one rank of an N-rank job (comm/emulated.h); the table is per GPU (a micro-batch of S tokens
 // is split over parallel.cp ranks) and labelled EMULATED with the link model, and the modelled
 // wire time of the step per communication class is printed beside it.
+// --predict CAL: beside each measured step, the planner's prediction of the same run
+// (plan::estimate_memory and plan::estimate_time with the calibration file CAL, or "builtin"):
+// step ms, its error against the measured median, the predicted live peak against the measured
+// peak and reserved peak (skills/planner.md, validation), and the predicted categories.
+// --predict-only: no training; the prediction of each size for a GPU run (parallel.device =
+// "cuda"), on any machine (to re-predict a measured table after a change of the model).
 // Default model: the 4-layer slice of Qwen3-30B-A3B with recompute=full, loss=linear_ce,
 // experts=grouped, on cuda:0 (falls back to a tiny CPU run if no GPU is visible).
 #include <algorithm>
@@ -50,6 +56,7 @@
 #include "comm/emulated.h"
 #include "core/rng.h"
 #include "core/trace.h"
+#include "plan/estimate.h"
 #include "runtime/trainer.h"
 
 using namespace bb;
@@ -162,6 +169,8 @@ int main(int argc, char** argv) {
   int64_t top_kernels = 0;
   bool host_calls = false;  // --host-calls
   std::string timeline;     // --timeline PREFIX
+  std::string predict;      // --predict CALIBRATION|builtin
+  bool predict_only = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -183,6 +192,10 @@ int main(int argc, char** argv) {
       host_calls = true;
     } else if (a == "--timeline") {
       timeline = next();
+    } else if (a == "--predict") {
+      predict = next();
+    } else if (a == "--predict-only") {
+      predict_only = true;
     } else { std::fprintf(stderr, "unknown argument %s (see the header of bench_train_step.cpp)\n", a.c_str()); return 2; }
   }
   if (host_calls && top_kernels == 0) top_kernels = 20, gpu_idle = true;  // the gaps are listed with --kernels
@@ -196,6 +209,9 @@ int main(int argc, char** argv) {
     std::string kernels;  // --kernels: its table
     std::string comm;     // emulated: modelled wire ms per class of one step
     std::string overlap;  // --timeline: the traced step's hidden communication
+    double pred_ms = 0;   // --predict: the planner's step time
+    int64_t pred_peak = 0;
+    std::string pred_table;
   };
 #ifdef BB_WITH_CUDA
   std::unique_ptr<bench::GpuActivity> activity;
@@ -206,8 +222,10 @@ int main(int argc, char** argv) {
 #endif
   std::vector<Row> rows;
   std::string summary, emulated;
+  plan::Calibration cal;
+  if (!predict.empty()) cal = predict == "builtin" ? plan::Calibration::builtin() : plan::Calibration::load(predict);
   for (int64_t S : seqs) {
-    Row r{S, 0, 0, 0, 0, {}, 0, "", "", "", "", ""};
+    Row r{S, 0, 0, 0, 0, {}, 0, "", "", "", "", "", 0, 0, ""};
     try {
       std::ostringstream toml;
       toml << "[model]\nconfig = \"" << config << "\"\n"
@@ -217,6 +235,16 @@ int main(int argc, char** argv) {
            << "\nwarmup_steps = 1\nlr = 1e-4\nmin_lr = 1e-5\n";
       std::vector<std::string> ov = sets;
       RunConfig cfg = parse_run_config(toml.str(), "bench_train_step", ov);
+      if (predict_only) {
+        RunConfig pc = cfg;
+        pc.device = "cuda";
+        const int64_t world = pc.comm == "emulated" ? pc.emulate.ranks : 1;
+        const plan::MemoryEstimate pm = plan::estimate_memory(pc, world);
+        const plan::TimeEstimate pt = plan::estimate_time(pc, pm, predict.empty() ? plan::Calibration::builtin() : cal);
+        std::printf("PREDICTED at %lld tokens: step %.1f ms, live peak %.2f GiB\n%s\n", static_cast<long long>(S),
+                    pt.step_s * 1e3, static_cast<double>(pm.peak_total) / double(int64_t{1} << 30), pt.table().c_str());
+        continue;
+      }
       Trainer tr(cfg, nullptr, one_long_document(S, cfg.model.vocab_size, 2));
       {  // what the start left on the device: the model's units taken over by the state family
         const MemoryStats st = allocator_for(tr.config().resolved_device()).stats();
@@ -356,11 +384,22 @@ int main(int argc, char** argv) {
       if (summary.empty()) summary = cfg.primitives_summary() + "\nbackend: " + cfg.backend.summary();
       r.mem = med.mem;
       r.syncs = med.host_syncs;
+      if (!predict.empty()) {
+        const int64_t world = tr.mesh().world()->size();
+        RunConfig pc = cfg;
+        if (pc.device == "auto") pc.device = tr.config().resolved_device().is_cuda() ? "cuda" : "cpu";
+        const plan::MemoryEstimate pm = plan::estimate_memory(pc, world);
+        const plan::TimeEstimate pt = plan::estimate_time(pc, pm, cal);
+        r.pred_ms = pt.step_s * 1e3;
+        r.pred_peak = pm.peak_total;
+        r.pred_table = pt.table();
+      }
     } catch (const std::exception& e) {
       r.err = e.what();
     }
     rows.push_back(r);
   }
+  if (predict_only) return 0;
   std::printf("\nend-to-end training step: %s\nprimitives: %s\n", config.c_str(), summary.c_str());
   if (!emulated.empty())
     std::printf("%s\nEMULATED: one rank of the job; compute, memory and streams measured, the wire time modelled. "
@@ -379,6 +418,20 @@ int main(int argc, char** argv) {
     std::printf("%8lld | %10.1f | %12.0f | %10.1f | %10.1f | %8lld | %9.2fG %9.2fG %9.2fG %9.2fG %9.2fG %9.2fG %9.2fG | %9.2fG\n",
                 static_cast<long long>(r.S), r.step_ms, r.tok_s, r.model_tf, r.hw_tf, static_cast<long long>(r.syncs),
                 g(p[0]), g(p[1]), g(p[2]), g(p[3]), g(p[4]), g(p[5]), g(p[7]), g(r.mem.reserved_peak));
+  }
+  if (!predict.empty()) {
+    std::printf("\nPREDICTED (bumblebee's planner, calibration: %s) against the measured step above:\n", cal.device.c_str());
+    std::printf("| tokens | measured step ms | predicted ms | error | measured peak GiB | predicted peak GiB | error | "
+                "measured reserved GiB |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (const Row& r : rows) {
+      if (!r.err.empty() || r.pred_ms <= 0) continue;
+      std::printf("| %lld | %.1f | %.1f | %+.1f %% | %.2f | %.2f | %+.1f %% | %.2f |\n", static_cast<long long>(r.S),
+                  r.step_ms, r.pred_ms, 100 * (r.pred_ms / r.step_ms - 1), g(r.mem.peak_total), g(r.pred_peak),
+                  100 * (static_cast<double>(r.pred_peak) / static_cast<double>(std::max<int64_t>(1, r.mem.peak_total)) - 1),
+                  g(r.mem.reserved_peak));
+    }
+    for (const Row& r : rows)
+      if (!r.pred_table.empty()) std::printf("\nat %lld tokens:\n%s", static_cast<long long>(r.S), r.pred_table.c_str());
   }
   for (const Row& r : rows)
     if (!r.comm.empty())

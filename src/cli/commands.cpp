@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "io/fs.h"
+#include "plan/calibrate.h"
 #include "plan/estimate.h"
 #include "models/hf_io.h"
 #include "runtime/checkpoint.h"
@@ -17,6 +18,10 @@
 #include "runtime/report.h"
 #include "runtime/run_config.h"
 #include "runtime/trainer.h"
+
+#ifdef BB_WITH_CUDA
+#include "backend/cuda/runtime.h"
+#endif
 
 namespace bb::cli {
 
@@ -69,23 +74,29 @@ config.json, generation_config.json and model.safetensors, or model-0000i-of-000
 classic per-expert Qwen3MoeForCausalLM / Qwen2MoeForCausalLM names, so
 AutoModelForCausalLM.from_pretrained(OUT) loads it; model.init = "hf:OUT" loads it back here.)";
 
-constexpr const char* kPlanHelp = R"(Predict the memory a run needs per rank, phase by phase, without allocating.
+constexpr const char* kPlanHelp = R"(Predict a run's memory per rank, phase by phase, and its step time, without allocating.
 
   bumblebee plan --explain configs/qwen3-30b-a3b-8gpu.toml [--ranks 8] [--set KEY=VALUE ...]
   bumblebee plan --model configs/models/qwen3.5-35b-a3b --gpus 32 --seq 131072 [--gpu-memory 80]
+                 [--gpus-per-node 8] [--global-batch-tokens B] [--json]
+  bumblebee plan --calibrate [--out calibration.json] [--quick]
 Prints, per category (params, grads, optimizer, activations, logits, moe, comm, workspace,
 other), the bytes live at the largest moment of each phase of a training step (startup, each
 layer's forward, the loss head, each layer's recompute and backward, the embedding backward,
 the update) and each category's peak over the step. params, grads, optimizer and comm are exact;
 activations, logits and moe follow the blocks' formulas (skills/planner.md gives them and the
 measured errors); routing is taken as balanced unless --expert-load says how much more the
-busiest rank receives.
+busiest rank receives. For a GPU run it also predicts the step's time by category: GEMMs,
+attention, Gated DeltaNet and memory-bound kernels priced from a calibration table, and the
+communication the schedule does not hide (the [emulate] link model).
 
 With --model, --gpus and --seq it searches the layouts of that many GPUs under the default recipe
 (fsdp, full recompute, linear_ce, chunked_alltoall:2, cp_ring), predicts each, drops those above the
-GPU's memory less --margin, and picks one by the recipe's rules: the smallest EP whose rank fits,
-then the smallest CP that brings the per-GPU sequence to 32K or less. There is no time model yet:
-the choice is the recipe's, not the fastest predicted.)";
+GPU's memory less --margin, and picks the one with the most predicted tokens/s per GPU, saying why
+this CP and this EP.
+
+--calibrate measures the rates on this machine's GPU (about a minute) and writes them to --out;
+--calibration FILE uses such a file instead of the built-in one (measured on an H200).)";
 
 constexpr const char* kLogprobsHelp = R"(Per-token log-probs, entropies and (with --routing) the routed experts of documents
 under a model's weights: the forward-only pass of RL (a rollout's old or ref log-probs; R2 router
@@ -251,6 +262,15 @@ int run(int argc, char** argv) {
   plan->add_option("--expert-load", plan_expert_load,
                    "The busiest rank's routed rows over the balanced count (default 1: balanced routing)")
       ->check(CLI::Range(1.0, 1000.0));
+  plan->add_option("--global-batch-tokens", preq.global_batch_tokens,
+                   "Tokens of a step over all GPUs (with --model; default: one sequence per data rank)")
+      ->check(CLI::NonNegativeNumber);
+  std::string plan_calibration, plan_out;
+  bool plan_calibrate = false, plan_quick = false;
+  plan->add_option("--calibration", plan_calibration, "Calibration file of the time model (default: the built-in H200 one)");
+  plan->add_flag("--calibrate", plan_calibrate, "Measure the time model's rates on this machine's GPU");
+  plan->add_option("--out", plan_out, "With --calibrate: the file to write (default: print it)");
+  plan->add_flag("--quick", plan_quick, "With --calibrate: small shapes (a smoke test; runs on the CPU without a GPU)");
   bool plan_moments = false, plan_json = false;
   plan->add_flag("--moments", plan_moments, "Print every moment of the step, not one row per phase");
   plan->add_flag("--json", plan_json, "Print the prediction as one JSON object (bytes)");
@@ -324,6 +344,28 @@ int run(int argc, char** argv) {
     std::printf("[export] %s -> %s (%s)\n", step.c_str(), exp_out.c_str(), exp_dtype.c_str());
     return 0;
   }
+  if (plan->parsed() && plan_calibrate) {
+    Device dev = Device::cpu();
+#ifdef BB_WITH_CUDA
+    if (cuda::device_count() > 0) dev = Device::cuda(0);
+#endif
+    BB_CHECK(dev.is_cuda() || plan_quick, "plan --calibrate: no usable GPU here; the time model's rates must be "
+             "measured on the GPU the runs will use (--quick runs small shapes on the CPU as a smoke test)");
+    std::fprintf(stderr, "[plan] calibrating on %s%s\n", dev.str().c_str(), plan_quick ? " (--quick: small shapes)" : "");
+    const plan::Calibration cal =
+        plan::calibrate(dev, plan_quick, [](const std::string& m) { std::fprintf(stderr, "[plan] %s\n", m.c_str()); });
+    if (plan_out.empty()) {
+      std::printf("%s\n", cal.to_json().dump(2).c_str());
+    } else {
+      cal.save(plan_out);
+      std::fprintf(stderr, "[plan] wrote %s\n", plan_out.c_str());
+    }
+    return 0;
+  }
+  plan::Calibration loaded_cal;
+  if (!plan_calibration.empty()) loaded_cal = plan::Calibration::load(plan_calibration);
+  const plan::Calibration& cal = plan_calibration.empty() ? plan::Calibration::builtin() : loaded_cal;
+  preq.calibration = &cal;
   if (plan->parsed() && plan_explain.empty()) {
     BB_CHECK(!plan_model.empty() && plan->count("--gpus") && plan->count("--seq"),
              "plan: give --explain RUN.toml, or --model CONFIG --gpus N --seq TOKENS to search layouts (see plan --help)");
@@ -335,22 +377,41 @@ int run(int argc, char** argv) {
       if (done % 16 == 0 || done == total)
         std::fprintf(stderr, "[plan] %lld / %lld layouts predicted\n", static_cast<long long>(done), static_cast<long long>(total));
     });
+    if (plan_json) {
+      nlohmann::json j;
+      j["usable_bytes"] = r.usable;
+      j["why"] = r.why;
+      j["calibration"] = cal.device;
+      j["candidates"] = nlohmann::json::array();
+      for (const plan::PlanCandidate& c : r.candidates) {
+        nlohmann::json cj = nlohmann::json::parse(c.estimate.json());
+        cj["fits"] = c.fits;
+        cj["chosen"] = c.chosen;
+        cj["time"] = c.time.json();
+        j["candidates"].push_back(cj);
+      }
+      std::printf("%s\n", j.dump(2).c_str());
+      return 0;
+    }
     std::printf("[plan] %s, %lld GPUs (%lld per node), %.1f GiB each (%s usable after the %.0f %% margin), %lld tokens "
-                "per sequence: predicted peak per rank (PREDICTED, not measured)\n",
+                "per sequence: predicted peak per rank and step time (PREDICTED, not measured; calibration: %s)\n",
                 plan_model.c_str(), static_cast<long long>(preq.gpus), static_cast<long long>(preq.gpus_per_node),
-                preq.gpu_memory_gib, format_bytes(r.usable).c_str(), preq.margin * 100, static_cast<long long>(preq.seq));
+                preq.gpu_memory_gib, format_bytes(r.usable).c_str(), preq.margin * 100, static_cast<long long>(preq.seq),
+                cal.device.c_str());
     std::printf("| layout | tokens/GPU | peak GiB | params+grads+optim | activations | moe | comm | logits | fits | "
-                "wire ms/step (gather, reduce, ep, cp; not overlapped) |\n");
-    std::printf("|---|---:|---:|---:|---:|---:|---:|---:|---|---|\n");
+                "step ms | tokens/s/GPU | TFLOP/s/GPU | not hidden ms (gather, reduce, ep, cp) | wire ms |\n");
+    std::printf("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---:|\n");
     auto g = [](int64_t b) { return static_cast<double>(b) / double(int64_t{1} << 30); };
     for (const plan::PlanCandidate& c : r.candidates) {
       const plan::Bytes& p = c.estimate.peak;
       const plan::CommEstimate& ce = c.estimate.comm;
-      std::printf("| %s%s | %lld | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %s | %.1f (%.1f, %.1f, %.1f, %.1f) |\n",
+      const plan::TimeEstimate& t = c.time;
+      std::printf("| %s%s | %lld | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %s | %.1f | %.0f | %.1f | %.1f, %.1f, %.1f, %.1f | %.1f |\n",
                   c.layout.str().c_str(), c.chosen ? " **chosen**" : "", static_cast<long long>(c.estimate.tokens_local),
                   g(c.estimate.peak_total), g(c.estimate.persistent.total()), g(p[MemCategory::activations]),
                   g(p[MemCategory::moe]), g(p[MemCategory::comm]), g(p[MemCategory::logits]), c.fits ? "yes" : "no",
-                  ce.total_s() * 1e3, ce.param_gather_s * 1e3, ce.grad_reduce_s * 1e3, ce.ep_s * 1e3, ce.cp_s * 1e3);
+                  t.step_s * 1e3, t.tokens_per_s(), t.tflops(), t.exposed_gather * 1e3, t.exposed_reduce * 1e3,
+                  t.exposed_ep * 1e3, t.exposed_cp * 1e3, ce.total_s() * 1e3);
     }
     std::printf("[plan] %s\n", r.why.c_str());
     return 0;
@@ -378,8 +439,13 @@ int run(int argc, char** argv) {
     eo.rank = plan_rank;
     eo.expert_load = plan_expert_load;
     const plan::MemoryEstimate e = plan::estimate_memory(cfg, world, eo);
+    const bool timed = e.device.is_cuda();
+    plan::TimeEstimate te;
+    if (timed) te = plan::estimate_time(cfg, e, cal);
     if (plan_json) {
-      std::printf("%s\n", e.json().c_str());
+      nlohmann::json j = nlohmann::json::parse(e.json());
+      if (timed) j["time"] = te.json();
+      std::printf("%s\n", j.dump().c_str());
       return 0;
     }
     std::printf("[plan] %s on %lld rank(s), layout %s, %s, %lld tokens per micro-batch on this rank (x %lld "
@@ -389,6 +455,12 @@ int run(int argc, char** argv) {
     std::printf("%s", e.table(plan_moments).c_str());
     std::printf("[plan] peak %s at %s\n", format_bytes(e.peak_total).c_str(), e.peak_moment.c_str());
     for (const std::string& n : e.notes) std::printf("[plan] note: %s\n", n.c_str());
+    if (timed) {
+      std::printf("\n[plan] step time of this rank (PREDICTED, calibration: %s)\n%s", cal.device.c_str(), te.table().c_str());
+      for (const std::string& n : te.assumptions) std::printf("[plan] assumed: %s\n", n.c_str());
+    } else {
+      std::printf("[plan] no step time: the time model is calibrated for GPUs (parallel.device = \"cuda\")\n");
+    }
     return 0;
   }
   if (lpc->parsed()) {

@@ -663,21 +663,29 @@ MemoryEstimate estimate_memory(const RunConfig& cfg, int64_t world_size, const E
     const comm::LinkModel& link = cfg.emulate.link;
     CommEstimate& ce = est.comm;
     const int64_t reduce_b = bf16_reduce ? 2 : 4;
+    ce.layer_gather_s.assign(static_cast<size_t>(nl + 1), 0.0);
+    ce.layer_reduce_s.assign(static_cast<size_t>(nl + 1), 0.0);
     for (ParamUnit* pu : model.units()) {
       const comm::GroupPtr g = pu->kind == UnitKind::experts ? mesh.edp() : mesh.dense();
       const int64_t N = g->size();
       if (N == 1) continue;
+      const size_t at = static_cast<size_t>(pu->layer >= 0 ? pu->layer : nl);
       const int64_t S = ceil_div(pu->numel, N), vb = static_cast<int64_t>(dtype_size(model.param_store().value_dtype(*pu)));
       const int64_t gathers = kind == StateKind::fsdp ? 2 * A : kind == StateKind::zero1 ? 1 : 0;
       const int64_t reduces = kind == StateKind::fsdp && cfg.backend.fsdp_reduce != "step" ? A : 1;
+      const double gather = link.all_gather_s(g->world_ranks(), vb * S * N);
       ce.param_gather_bytes += gathers * vb * S * (N - 1);
-      ce.param_gather_s += gathers * link.all_gather_s(g->world_ranks(), vb * S * N);
+      ce.param_gather_s += gathers * gather;
+      if (gathers > 0) ce.layer_gather_s[at] += gather;
+      const double reduce = kind == StateKind::replicated ? link.all_reduce_s(g->world_ranks(), reduce_b * pu->numel)
+                                                          : link.reduce_scatter_s(g->world_ranks(), reduce_b * S * N);
+      ce.layer_reduce_s[at] += reduce;
       if (kind == StateKind::replicated) {
         ce.grad_reduce_bytes += 2 * reduce_b * pu->numel * (N - 1) / N;
-        ce.grad_reduce_s += link.all_reduce_s(g->world_ranks(), reduce_b * pu->numel);
+        ce.grad_reduce_s += reduce;
       } else {
         ce.grad_reduce_bytes += reduces * reduce_b * S * (N - 1);
-        ce.grad_reduce_s += reduces * link.reduce_scatter_s(g->world_ranks(), reduce_b * S * N);
+        ce.grad_reduce_s += reduces * reduce;
       }
     }
     const comm::GroupPtr ep = mesh.ep();
@@ -688,6 +696,7 @@ MemoryEstimate estimate_memory(const RunConfig& cfg, int64_t world_size, const E
       const int64_t n_moe = mc.num_moe_layers();
       ce.ep_bytes += 5 * A * n_moe * (d.N / P) * row * (P - 1);
       ce.ep_s += 5 * A * n_moe * one;
+      ce.ep_one_s = one;
     }
     const comm::GroupPtr cpg = mesh.cp();
     if (cpg->size() > 1) {
@@ -700,6 +709,8 @@ MemoryEstimate estimate_memory(const RunConfig& cfg, int64_t world_size, const E
       const int64_t passes = policy == RecomputePolicy::full ? 2 : 1;
       ce.cp_bytes += A * n_attn * (P - 1) * (passes * kv + kv + dkv);
       ce.cp_s += A * n_attn * (P - 1) * (passes * shift + shift_d);
+      ce.cp_shift_s = shift;
+      ce.cp_shift_bwd_s = shift_d;
       // Gated DeltaNet layers (primitives.gdn_cp; skills/gdn-cp-states.md), one sequence per
       // micro-batch taken: `heads` all-to-alls the projections (2 Hk Dk + 2 Hv Dv + 2 Hv) there
       // and the output (Hv Dv) back in each forward, the same in the backward; `states`
@@ -715,12 +726,14 @@ MemoryEstimate estimate_memory(const RunConfig& cfg, int64_t world_size, const E
         if (states) {
           const int64_t mine = 2 * Hv * Dk * (Dk + Dv) * 4;
           ce.cp_bytes += A * n_gdn * (passes + 1) * mine * (P - 1);
-          ce.cp_s += A * n_gdn * (passes + 1) * link.all_gather_s(wr, mine * P);
+          ce.gdn_pass_s = link.all_gather_s(wr, mine * P);
+          ce.cp_s += A * n_gdn * (passes + 1) * ce.gdn_pass_s;
         } else {
           const int64_t row = (2 * Hk * Dk + 3 * Hv * Dv + 2 * Hv) * d.a;
           std::vector<int64_t> per(static_cast<size_t>(P), d.T / P * row);
           const double one = link.all_to_all_s(wr, static_cast<int>(me), per, per);
           ce.cp_bytes += A * n_gdn * (passes + 1) * (d.T / P) * row * (P - 1);
+          ce.gdn_pass_s = one;
           ce.cp_s += A * n_gdn * (passes + 1) * one;
         }
       }
@@ -919,6 +932,13 @@ auto recipe_key(int64_t seq, const ParallelLayout& l, const MemoryEstimate& e) {
   return std::make_tuple(over ? 1 : 0, over ? -l.cp : l.cp, e.comm.total_s(), l.ep);
 }
 
+// The time model's order: more predicted tokens/s per GPU, then the smaller cp, then the smaller ep.
+bool faster(const TimeEstimate& a, const ParallelLayout& la, const TimeEstimate& b, const ParallelLayout& lb) {
+  const double ta = a.tokens_per_s(), tb = b.tokens_per_s();
+  if (ta != tb) return ta > tb;
+  return std::make_pair(la.cp, la.ep) < std::make_pair(lb.cp, lb.ep);
+}
+
 }  // namespace
 
 RunConfig choose_auto_layout(const RunConfig& cfg, int64_t world, int64_t available, std::string* why) {
@@ -947,7 +967,9 @@ RunConfig choose_auto_layout(const RunConfig& cfg, int64_t world, int64_t availa
     RunConfig c;
     MemoryEstimate e;
     bool fits;
+    TimeEstimate t;
   };
+  const bool timed = cfg.device.rfind("cuda", 0) == 0;
   std::vector<Cand> cands;
   std::string last_error;
   for (int64_t cp : cps) {
@@ -966,7 +988,8 @@ RunConfig choose_auto_layout(const RunConfig& cfg, int64_t world, int64_t availa
         l.validate(world, mc.num_experts);
         MemoryEstimate e = estimate_memory(c, world);
         const bool fits = available <= 0 || e.peak_total <= available;
-        cands.push_back({std::move(c), std::move(e), fits});
+        TimeEstimate t = timed ? estimate_time(c, e, Calibration::builtin()) : TimeEstimate{};
+        cands.push_back({std::move(c), std::move(e), fits, std::move(t)});
       } catch (const Error& err) {
         last_error = err.what();  // a layout the model or the ranks cannot take: not a candidate
       }
@@ -980,8 +1003,11 @@ RunConfig choose_auto_layout(const RunConfig& cfg, int64_t world, int64_t availa
   for (const Cand& k : cands) {
     if (!smallest || k.e.peak_total < smallest->e.peak_total) smallest = &k;
     if (!k.fits) continue;
-    if (!best || recipe_key(cfg.micro_batch_tokens, k.e.layout, k.e) < recipe_key(cfg.micro_batch_tokens, best->e.layout, best->e))
-      best = &k;
+    const bool better = !best ? true
+                        : timed ? faster(k.t, k.e.layout, best->t, best->e.layout)
+                                : recipe_key(cfg.micro_batch_tokens, k.e.layout, k.e) <
+                                      recipe_key(cfg.micro_batch_tokens, best->e.layout, best->e);
+    if (better) best = &k;
   }
   if (!best) {
     // The closest candidate's largest categories.
@@ -1000,10 +1026,25 @@ RunConfig choose_auto_layout(const RunConfig& cfg, int64_t world, int64_t availa
   if (why) {
     const ParallelLayout& L = best->e.layout;
     char buf[768];
+    if (timed) {
+      std::snprintf(buf, sizeof buf,
+                    "parallel = auto chose %s of %zu candidate layout(s) for %lld rank(s): the most predicted tokens/s per "
+                    "GPU among those that fit (%.0f tokens/s/GPU, %.1f model TFLOP/s/GPU, %.1f ms a step of which %.1f ms "
+                    "communication not hidden; cp %lld: %lld tokens per rank); predicted peak %s%s%s (PREDICTED, "
+                    "calibration: %s)",
+                    L.str().c_str(), cands.size(), static_cast<long long>(world), best->t.tokens_per_s(), best->t.tflops(),
+                    best->t.step_s * 1e3,
+                    (best->t.exposed_gather + best->t.exposed_reduce + best->t.exposed_ep + best->t.exposed_cp) * 1e3,
+                    static_cast<long long>(L.cp), static_cast<long long>(ceil_div(cfg.micro_batch_tokens, L.cp)),
+                    format_bytes(best->e.peak_total).c_str(), available > 0 ? " of " : "",
+                    available > 0 ? format_bytes(available).c_str() : "", Calibration::builtin().device.c_str());
+      *why = buf;
+      return best->c;
+    }
     std::snprintf(buf, sizeof buf,
                   "parallel = auto chose %s of %zu candidate layout(s) for %lld rank(s): cp %lld (%lld tokens per rank%s), "
                   "then the least predicted wire time (%.1f ms a step if nothing overlapped); predicted peak %s%s%s "
-                  "(PREDICTED; no compute-time model yet)",
+                  "(PREDICTED; CPU ranks have no time model)",
                   L.str().c_str(), cands.size(), static_cast<long long>(world), static_cast<long long>(L.cp),
                   static_cast<long long>(ceil_div(cfg.micro_batch_tokens, L.cp)),
                   ceil_div(cfg.micro_batch_tokens, L.cp) > 32768 ? ", above the 32K target: no larger cp fits" : "",
@@ -1052,28 +1093,30 @@ PlanResult plan_layouts(const RunConfig& base, const PlanRequest& req,
     c.prim.set("attention", cp > 1 ? "cp_ring" : "sdpa", "the plan");
     c.emulate.ranks = req.gpus;
     c.emulate.link.gpus_per_node = req.gpus_per_node;
+    if (req.global_batch_tokens > 0) {
+      // Sequences per data rank (dp = gpus / cp, pp 1) become micro-batches of its step.
+      const int64_t dp = req.gpus / cp;
+      c.grad_accum = std::max<int64_t>(1, ceil_div(req.global_batch_tokens, req.seq * dp));
+    }
     PlanCandidate pc;
     try {
       pc.estimate = estimate_memory(c, req.gpus);
       pc.layout = pc.estimate.layout;
       pc.fits = pc.estimate.peak_total <= r.usable;
+      pc.time = estimate_time(c, pc.estimate, req.calibration ? *req.calibration : Calibration::builtin());
       r.candidates.push_back(pc);
     } catch (const Error&) {
       // A layout the model cannot take (e.g. heads that cp cannot split): not a candidate.
     }
     if (progress) progress(++done, total);
   }
-  // The recipe: the smallest EP that fits (EP grows only as far as the expert state needs: each
-  // doubling halves the experts a rank holds but spreads every token's rows over more GPUs), then
-  // the smallest CP that brings the per-GPU sequence to 32K or less (ring shifts hide behind
-  // attention from there; more CP only adds steps).
+  // The choice: the most predicted tokens/s per GPU among the layouts that fit.
   PlanCandidate* best = nullptr;
   for (PlanCandidate& pc : r.candidates) {
     if (!pc.fits) continue;
-    auto key = [&](const PlanCandidate& x) { return recipe_key(req.seq, x.layout, x.estimate); };
-    if (!best || key(pc) < key(*best)) best = &pc;
+    if (!best || faster(pc.time, pc.layout, best->time, best->layout)) best = &pc;
   }
-  char buf[1024];
+  char buf[1536];
   if (!best) {
     std::snprintf(buf, sizeof buf,
                   "no layout of %lld GPUs fits %.1f GiB per GPU (less a %.0f %% margin) at %lld tokens per sequence "
@@ -1084,21 +1127,61 @@ PlanResult plan_layouts(const RunConfig& base, const PlanRequest& req,
   }
   best->chosen = true;
   const ParallelLayout& L = best->layout;
+  // Why this CP and this EP: the best layout at another CP (same EP) and at another EP (same CP).
+  const PlanCandidate* other_cp = nullptr;
+  const PlanCandidate* other_ep = nullptr;
+  for (const PlanCandidate& pc : r.candidates) {
+    if (!pc.fits || &pc == best) continue;
+    if (pc.layout.ep == L.ep && pc.layout.cp != L.cp && (!other_cp || faster(pc.time, pc.layout, other_cp->time, other_cp->layout)))
+      other_cp = &pc;
+    if (pc.layout.cp == L.cp && pc.layout.ep != L.ep && (!other_ep || faster(pc.time, pc.layout, other_ep->time, other_ep->layout)))
+      other_ep = &pc;
+  }
+  const TimeEstimate& t = best->time;
+  const double hidden_not = t.exposed_gather + t.exposed_reduce + t.exposed_ep + t.exposed_cp;
   const int64_t experts_per_rank = mc.num_experts > 0 ? mc.num_experts / L.ep : 0;
+  std::string s;
   std::snprintf(buf, sizeof buf,
-                "CP %lld: %lld tokens per GPU%s; EP %lld: among the layouts that fit at this CP, the one whose "
-                "collectives take the least wire time (%.1f ms a step if none overlapped: %lld of %lld experts per rank, "
-                "predicted peak %s of %s usable); dp %lld; fsdp, full recompute, linear_ce%s. Compute time is not "
-                "modelled yet, so the ranking is by memory and wire time only: it does not see that a smaller EP gives "
-                "each expert's GEMM fewer rows (tokens x top_k x EP / experts), which the seed's measurements favour EP 8 "
-                "for.",
-                static_cast<long long>(L.cp),
-                static_cast<long long>(ceil_div(req.seq, L.cp)),
-                ceil_div(req.seq, L.cp) > 32768 ? " (no CP that fits brings it to 32K)" : " (the smallest CP that brings it to 32K or less)",
-                static_cast<long long>(L.ep), best->estimate.comm.total_s() * 1e3, static_cast<long long>(experts_per_rank),
-                static_cast<long long>(mc.num_experts), format_bytes(best->estimate.peak_total).c_str(),
-                format_bytes(r.usable).c_str(), static_cast<long long>(L.dp), L.ep > 1 ? ", chunked_alltoall:2" : "");
-  r.why = buf;
+                "%s: %.0f tokens/s/GPU, %.1f model TFLOP/s/GPU predicted (a step of %.1f ms, %.1f ms of it "
+                "communication the schedule does not hide, of %.1f ms on the wire), peak %s of %s usable. ",
+                L.str().c_str(), t.tokens_per_s(), t.tflops(), t.step_s * 1e3, hidden_not * 1e3, t.wire_s * 1e3,
+                format_bytes(best->estimate.peak_total).c_str(), format_bytes(r.usable).c_str());
+  s += buf;
+  std::snprintf(buf, sizeof buf, "CP %lld: %lld tokens per GPU", static_cast<long long>(L.cp),
+                static_cast<long long>(ceil_div(req.seq, L.cp)));
+  s += buf;
+  if (other_cp) {
+    std::snprintf(buf, sizeof buf, "; CP %lld would give %.0f tokens/s/GPU at a peak of %s",
+                  static_cast<long long>(other_cp->layout.cp), other_cp->time.tokens_per_s(),
+                  format_bytes(other_cp->estimate.peak_total).c_str());
+    s += buf;
+  }
+  bool smaller_cp_fails = false;
+  for (const PlanCandidate& pc : r.candidates)
+    if (pc.layout.ep == L.ep && pc.layout.cp < L.cp && !pc.fits) smaller_cp_fails = true;
+  if (smaller_cp_fails) s += " (a smaller CP does not fit: the sequence's activations need the split)";
+  s += ". ";
+  if (mc.num_experts > 0) {
+    std::snprintf(buf, sizeof buf, "EP %lld: %lld of %lld experts per GPU, %.0f rows per expert a micro-batch",
+                  static_cast<long long>(L.ep), static_cast<long long>(experts_per_rank),
+                  static_cast<long long>(mc.num_experts),
+                  static_cast<double>(ceil_div(req.seq, L.cp) * mc.top_k) / static_cast<double>(std::max<int64_t>(1, experts_per_rank)));
+    s += buf;
+    if (other_ep) {
+      std::snprintf(buf, sizeof buf, "; EP %lld would give %.0f tokens/s/GPU (expert GEMMs %.1f ms, all-to-alls not hidden %.1f ms, "
+                    "parameter gathers not hidden %.1f ms a step; here %.1f, %.1f, %.1f)",
+                    static_cast<long long>(other_ep->layout.ep), other_ep->time.tokens_per_s(),
+                    other_ep->time.expert_gemm * 1e3, other_ep->time.exposed_ep * 1e3, other_ep->time.exposed_gather * 1e3,
+                    t.expert_gemm * 1e3, t.exposed_ep * 1e3, t.exposed_gather * 1e3);
+      s += buf;
+    }
+    s += ". ";
+  }
+  std::snprintf(buf, sizeof buf, "dp %lld; fsdp, full recompute, linear_ce%s. PREDICTED with the calibration of %s.",
+                static_cast<long long>(L.dp), L.ep > 1 ? ", chunked_alltoall:2" : "",
+                (req.calibration ? *req.calibration : Calibration::builtin()).device.c_str());
+  s += buf;
+  r.why = s;
   return r;
 }
 

@@ -35,6 +35,7 @@
 
 #include "comm/mesh.h"
 #include "core/memory.h"
+#include "plan/time_model.h"
 #include "runtime/run_config.h"
 
 namespace bb::plan {
@@ -80,6 +81,13 @@ struct CommEstimate {
   double param_gather_s = 0, grad_reduce_s = 0, ep_s = 0, cp_s = 0;
   int64_t param_gather_bytes = 0, grad_reduce_bytes = 0, ep_bytes = 0, cp_bytes = 0;
   double total_s() const { return param_gather_s + grad_reduce_s + ep_s + cp_s; }
+  // One operation each, for the time model's overlaps (plan/time_model.h): per layer, one gather
+  // of its units and one reduction of their gradients (index num_layers: the embedding's and the
+  // head's); one all-to-all of a MoE layer's routed rows; one ring shift of K and V forward and
+  // of K, V and their gradients backward; one forward (or backward) pass's Gated DeltaNet
+  // exchange of one layer.
+  std::vector<double> layer_gather_s, layer_reduce_s;
+  double ep_one_s = 0, cp_shift_s = 0, cp_shift_bwd_s = 0, gdn_pass_s = 0;
 };
 
 struct MemoryEstimate {
@@ -121,18 +129,21 @@ FitCheck check_fit(const RunConfig& cfg, int64_t world_size, int64_t rank, int64
 // The recipe search of `bumblebee plan --gpus N` (DESIGN.md sec. 4): layouts of N GPUs for one
 // sequence length under the default recipe (fsdp, full recompute, linear_ce, chunked_alltoall:2
 // over EP > 1, cp_ring over CP > 1), each predicted and checked against the GPU's memory less a
-// margin. No time model yet: the choice follows the recipe's rules (the smallest EP whose rank
-// fits, then the smallest CP that brings the per-GPU sequence to 32K or less and fits).
+// margin, and timed (estimate_time with the request's calibration). The choice: the layout that
+// fits with the most predicted tokens/s per GPU.
 struct PlanRequest {
   int64_t gpus = 8;
   int64_t gpus_per_node = 8;
   double gpu_memory_gib = 80;  // the card's memory, GiB
   double margin = 0.05;        // kept free: workspace scratch, fragmentation
   int64_t seq = 4096;          // tokens of one sequence (one per micro-batch)
+  int64_t global_batch_tokens = 0;  // tokens of a step over all GPUs (0: one sequence per data rank)
+  const Calibration* calibration = nullptr;  // the time model's rates (null: Calibration::builtin())
 };
 struct PlanCandidate {
   ParallelLayout layout;
   MemoryEstimate estimate;
+  TimeEstimate time;
   bool fits = false;
   bool chosen = false;
 };
@@ -153,8 +164,9 @@ PlanResult plan_layouts(const RunConfig& base, const PlanRequest& req,
 // for GSPO, policy.ratio = "sequence", which needs whole sequences on a rank) and ep
 // (dividing the experts and the ranks) the config leaves open; each is predicted
 // (estimate_memory) and kept when its peak fits `available` bytes per rank (<= 0: no limit, CPU
-// ranks). The choice follows plan_layouts' rules: the smallest CP that brings the micro-batch
-// to 32K tokens per rank, then the least predicted wire time, then the smaller EP. Returns the
+// ranks). The choice on a GPU: the most predicted tokens/s per GPU (estimate_time with the
+// built-in calibration); on CPU ranks (no calibration): the smallest CP that brings the
+// micro-batch to 32K tokens per rank, then the least predicted wire time, then the smaller EP. Returns the
 // config with the degrees set (auto flags cleared) and, in *why, the choice in words; throws
 // when nothing fits, naming the closest candidate's peak and largest categories.
 RunConfig choose_auto_layout(const RunConfig& cfg, int64_t world, int64_t available, std::string* why);

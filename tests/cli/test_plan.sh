@@ -34,5 +34,30 @@ out=$("$BB" plan --explain configs/demo.toml --set parallel.layout=auto --ranks 
 grep -q "parallel = auto chose dp=" <<< "$out" || { echo "FAIL: no auto choice in: $out"; fail=1; }
 "$BB" plan --explain configs/demo.toml --set parallel.layout=auto > "$TMP/e3" 2>&1; rc=$?
 [ $rc -eq 2 ] && grep -q "give the job's size with --ranks N" "$TMP/e3" || { echo "FAIL: auto without ranks: rc $rc $(cat "$TMP/e3")"; fail=1; }
+# The time model: a GPU run's explain ends with its predicted step time; --calibrate --quick writes
+# a calibration (small shapes on the CPU) that --calibration then uses; a bad file is refused.
+out=$("$BB" plan --explain configs/qwen3-30b-a3b-4layer-gpu.toml 2>&1) || { echo "FAIL: explain gpu: $out"; fail=1; }
+for want in "PREDICTED step time" "| expert GEMMs |" "| **step** |" "model TFLOP/s/GPU" "calibration: NVIDIA"; do
+  grep -qF "$want" <<< "$out" || { echo "FAIL: no '$want' in: $out"; fail=1; }
+done
+"$BB" plan --calibrate --quick --out "$TMP/cal.json" > "$TMP/cal.log" 2>&1 || { echo "FAIL: calibrate --quick: $(cat "$TMP/cal.log")"; fail=1; }
+grep -q "wrote $TMP/cal.json" "$TMP/cal.log" || { echo "FAIL: calibrate log: $(cat "$TMP/cal.log")"; fail=1; }
+out=$("$BB" plan --explain configs/qwen3-30b-a3b-4layer-gpu.toml --calibration "$TMP/cal.json" 2>&1) || { echo "FAIL: explain with calibration: $out"; fail=1; }
+grep -q "calibration: cpu" <<< "$out" || { echo "FAIL: the calibration file was not used: $out"; fail=1; }
+echo '{"format": "bumblebee-calibration-1"}' > "$TMP/bad.json"
+"$BB" plan --explain configs/qwen3-30b-a3b-4layer-gpu.toml --calibration "$TMP/bad.json" > "$TMP/e4" 2>&1; rc=$?
+[ $rc -eq 2 ] && grep -q "gemm_tflops" "$TMP/e4" || { echo "FAIL: bad calibration: rc $rc $(cat "$TMP/e4")"; fail=1; }
+# The layout search ranks by predicted tokens/s per GPU and says why this CP and this EP.
+out=$("$BB" plan --model configs/models/qwen3-30b-a3b --gpus 8 --seq 32768 --gpu-memory 139 2>/dev/null) || { echo "FAIL: plan --model: $out"; fail=1; }
+for want in "tokens/s/GPU" "**chosen**" "CP " "EP "; do
+  grep -qF -- "$want" <<< "$out" || { echo "FAIL: no '$want' in: $out"; fail=1; }
+done
+"$BB" plan --model configs/models/qwen3-30b-a3b --gpus 8 --seq 32768 --json 2>/dev/null | python3 -c '
+import json, sys
+j = json.load(sys.stdin)
+fit = [c for c in j["candidates"] if c["fits"]]
+best = max(fit, key=lambda c: c["time"]["tokens_per_s_per_gpu"])
+assert best["chosen"], "the chosen layout is not the fastest predicted"
+' || { echo "FAIL: plan --model --json"; fail=1; }
 [ $fail -eq 0 ] && echo "PASS"
 exit $fail

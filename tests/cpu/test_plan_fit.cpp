@@ -94,20 +94,27 @@ TEST(PlanFit, TheLayoutSearchForTheSeedsCase) {
   ASSERT_FALSE(r.candidates.empty());
   EXPECT_GT(calls, 0);
   int chosen = 0, cp1_refused = 0;
+  double fastest = 0, chosen_tps = 0;
   for (const plan::PlanCandidate& c : r.candidates) {
     EXPECT_EQ(c.layout.world(), 32);
     EXPECT_EQ(256 % c.layout.ep, 0);
     EXPECT_EQ(c.fits, c.estimate.peak_total <= r.usable) << c.layout.str();
     if (c.layout.cp == 1 && !c.fits) ++cp1_refused;
+    // The timing is the one estimate_time gives the candidate's config.
+    EXPECT_GT(c.time.step_s, 0) << c.layout.str();
+    if (c.fits) fastest = std::max(fastest, c.time.tokens_per_s());
     if (c.chosen) {
       ++chosen;
       EXPECT_TRUE(c.fits);
-      EXPECT_EQ(c.layout.cp, 4);
+      chosen_tps = c.time.tokens_per_s();
+      EXPECT_NE(r.why.find("CP " + std::to_string(c.layout.cp)), std::string::npos) << r.why;
+      EXPECT_NE(r.why.find("EP " + std::to_string(c.layout.ep)), std::string::npos) << r.why;
     }
   }
   EXPECT_EQ(chosen, 1);
+  EXPECT_EQ(chosen_tps, fastest);  // the most predicted tokens/s per GPU among what fits
   EXPECT_GT(cp1_refused, 0);  // 128K tokens on one GPU do not fit with most EPs
-  EXPECT_NE(r.why.find("CP 4"), std::string::npos) << r.why;
+  EXPECT_NE(r.why.find("PREDICTED"), std::string::npos) << r.why;
   // Nothing fits on 8 GB GPUs: no choice, and the reason says so.
   req.gpu_memory_gib = 8;
   const plan::PlanResult none = plan::plan_layouts(base, req);
@@ -119,9 +126,9 @@ TEST(PlanFit, TheLayoutSearchForTheSeedsCase) {
 
 namespace auto_layout {
 
-RunConfig config(const std::string& parallel, const std::vector<std::string>& set = {}) {
-  std::string toml = "[model]\nconfig = \"configs/models/qwen3-30b-a3b-4layer/config.json\"\n[parallel]\ndevice = \"cuda\"\n" +
-                     parallel + "[primitives]\nstate = \"fsdp\"\nrecompute = \"full\"\n";
+RunConfig config(const std::string& parallel, const std::vector<std::string>& set = {}, const std::string& device = "cuda") {
+  std::string toml = "[model]\nconfig = \"configs/models/qwen3-30b-a3b-4layer/config.json\"\n[parallel]\ndevice = \"" + device +
+                     "\"\n" + parallel + "[primitives]\nstate = \"fsdp\"\nrecompute = \"full\"\n";
   return parse_run_config(toml, "test", set);
 }
 
@@ -145,13 +152,13 @@ TEST(AutoLayout, ParsedFromEveryForm) {
              "'parallel' in t must be a table ([parallel]) or \"auto\", got \"manual\"");
 }
 
-// The choice is the recipe's order over every candidate the config leaves open, checked here by
-// predicting each candidate independently.
-TEST(AutoLayout, ChoosesTheRecipesLayoutAmongWhatFits) {
+// CPU ranks (no time model): the choice is the recipe's order over every candidate the config
+// leaves open, checked here by predicting each candidate independently.
+TEST(AutoLayout, ChoosesTheRecipesLayoutAmongWhatFitsOnCpuRanks) {
   using auto_layout::config;
   for (int64_t tokens : {int64_t{8192}, int64_t{65536}}) {
     SCOPED_TRACE(tokens);
-    const RunConfig cfg = config("layout = \"auto\"\n", {"train.micro_batch_tokens=" + std::to_string(tokens)});
+    const RunConfig cfg = config("layout = \"auto\"\n", {"train.micro_batch_tokens=" + std::to_string(tokens)}, "cpu");
     std::string why;
     const RunConfig got = plan::choose_auto_layout(cfg, 8, 140 * GiB, &why);
     EXPECT_FALSE(got.auto_layout());
@@ -177,6 +184,38 @@ TEST(AutoLayout, ChoosesTheRecipesLayoutAmongWhatFits) {
     EXPECT_EQ(got.dp, 8 / best_cp);
     EXPECT_EQ(got.cp, tokens <= 32768 ? 1 : 2);  // the smallest cp that brings 64K to 32K per rank
     if (got.cp > 1) EXPECT_EQ(got.prim.name_of("attention"), "cp_ring");
+  }
+}
+
+// GPU runs: the most predicted tokens/s per GPU among the candidates that fit, checked by timing
+// every candidate independently.
+TEST(AutoLayout, ChoosesTheFastestPredictedLayoutOnGpus) {
+  using auto_layout::config;
+  for (int64_t tokens : {int64_t{8192}, int64_t{65536}}) {
+    SCOPED_TRACE(tokens);
+    const RunConfig cfg = config("layout = \"auto\"\n", {"train.micro_batch_tokens=" + std::to_string(tokens)});
+    const int64_t avail = 60 * GiB;
+    std::string why;
+    const RunConfig got = plan::choose_auto_layout(cfg, 8, avail, &why);
+    EXPECT_NE(why.find("tokens/s/GPU"), std::string::npos) << why;
+    double best = -1;
+    int64_t best_cp = 0, best_ep = 0, fitting = 0;
+    for (int64_t cp : {1, 2, 4, 8})
+      for (int64_t ep : {1, 2, 4, 8}) {
+        RunConfig c = cfg;
+        c.auto_dp = c.auto_cp = c.auto_ep = false;
+        c.cp = cp, c.ep = ep, c.dp = 8 / cp;
+        if (cp > 1) c.prim.set("attention", "cp_ring", "test");
+        const plan::MemoryEstimate e = plan::estimate_memory(c, 8);
+        if (e.peak_total > avail) continue;
+        ++fitting;
+        const double tps = plan::estimate_time(c, e, plan::Calibration::builtin()).tokens_per_s();
+        if (tps > best) best = tps, best_cp = cp, best_ep = ep;
+      }
+    ASSERT_GT(fitting, 1);
+    EXPECT_EQ(got.cp, best_cp);
+    EXPECT_EQ(got.ep, best_ep);
+    EXPECT_EQ(got.dp, 8 / best_cp);
   }
   // GSPO (the policy loss's sequence ratio) needs whole sequences on a rank: cp stays 1 even where
   // the recipe would split 64K tokens.

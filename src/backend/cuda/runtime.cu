@@ -309,6 +309,12 @@ int compute_capability(int dev) { return state(dev).cc; }
 
 int device_count() { return visible_devices(); }
 
+std::string device_name(int dev) {
+  cudaDeviceProp prop{};
+  BB_CHECK_CUDA(cudaGetDeviceProperties(&prop, dev));
+  return prop.name;
+}
+
 const char* unavailable_reason() {
   int n = 0;
   cudaError_t e = cudaGetDeviceCount(&n);

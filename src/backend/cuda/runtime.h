@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "core/dtype.h"
 #include "core/memory.h"
@@ -25,6 +26,8 @@ namespace bb::cuda {
 int device_count();
 // Human-readable reason why no device is usable, or "" when one is.
 const char* unavailable_reason();
+// The device's name as the driver gives it ("NVIDIA H200").
+std::string device_name(int dev);
 
 // Makes `dev` current for this thread (a no-op when it already is; cached per thread).
 void set_device(int dev);
