@@ -96,7 +96,7 @@ GPU's memory less --margin, and picks the one with the most predicted tokens/s p
 this CP and this EP.
 
 --calibrate measures the rates on this machine's GPU (about a minute) and writes them to --out;
---calibration FILE uses such a file instead of the built-in one (measured on an H200).)";
+--calibration FILE uses such a file instead of the built-in one (measured on an H100 80GB HBM3).)";
 
 constexpr const char* kLogprobsHelp = R"(Per-token log-probs, entropies and (with --routing) the routed experts of documents
 under a model's weights: the forward-only pass of RL (a rollout's old or ref log-probs; R2 router
@@ -267,7 +267,7 @@ int run(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   std::string plan_calibration, plan_out;
   bool plan_calibrate = false, plan_quick = false;
-  plan->add_option("--calibration", plan_calibration, "Calibration file of the time model (default: the built-in H200 one)");
+  plan->add_option("--calibration", plan_calibration, "Calibration file of the time model (default: the built-in one, measured on an H100)");
   plan->add_flag("--calibrate", plan_calibrate, "Measure the time model's rates on this machine's GPU");
   plan->add_option("--out", plan_out, "With --calibrate: the file to write (default: print it)");
   plan->add_flag("--quick", plan_quick, "With --calibrate: small shapes (a smoke test; runs on the CPU without a GPU)");

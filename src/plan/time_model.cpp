@@ -146,16 +146,17 @@ void Calibration::save(const std::string& path) const {
 const Calibration& Calibration::builtin() {
   static const Calibration c = [] {
     Calibration k;
-    k.device = "NVIDIA H200";
-    k.source = "provisional: rounded from the H200 profiles of bench/results/2026-12-04-h200-split-master.md (not a calibrate run)";
-    k.gemm_tflops.pts = {{1e9, 150}, {1e10, 450}, {1e11, 620}, {1e12, 680}, {1e13, 700}};
-    k.grouped_tflops.pts = {{32, 120}, {128, 300}, {512, 480}, {2048, 560}, {8192, 600}};
-    k.attn_fwd_tflops.pts = {{4096, 380}, {16384, 470}, {65536, 500}, {262144, 500}};
-    k.attn_bwd_tflops.pts = {{4096, 300}, {16384, 380}, {65536, 410}, {262144, 410}};
-    k.gdn_fwd_ns.pts = {{4096, 0.06}, {262144, 0.06}};
-    k.gdn_bwd_ns.pts = {{4096, 0.15}, {262144, 0.15}};
-    k.elementwise_gbps = 2500;
-    k.copy_gbps = 3700;
+    // `bumblebee plan --calibrate` on an H100 80GB HBM3, 2026-12-06 (rounded to 4 digits).
+    k.device = "NVIDIA H100 80GB HBM3";
+    k.source = "bumblebee plan --calibrate, 2026-12-06 (bench/results/2026-12-06-h100-plan-time.md)";
+    k.gemm_tflops.pts = {{5.369e+08, 28.79}, {2.147e+09, 105.9}, {8.59e+09, 286.4}, {1.718e+10, 387.7}, {3.436e+10, 580.4}, {5.154e+10, 628.9}, {6.872e+10, 664.6}, {1.374e+11, 741.4}, {2.062e+11, 752.8}, {2.749e+11, 760.9}, {5.498e+11, 776.9}, {8.246e+11, 784.7}, {1.1e+12, 759.2}, {1.649e+12, 792.1}};
+    k.grouped_tflops.pts = {{32, 36.11}, {128, 135.5}, {512, 375.1}, {2048, 563.7}, {8192, 572.2}};
+    k.attn_fwd_tflops.pts = {{4096, 503.2}, {8192, 613.3}, {1.638e+04, 661.5}, {3.277e+04, 624.7}, {6.554e+04, 616.9}, {1.311e+05, 555.1}};
+    k.attn_bwd_tflops.pts = {{4096, 424.1}, {8192, 518.5}, {1.638e+04, 576.3}, {3.277e+04, 544.1}, {6.554e+04, 532.6}, {1.311e+05, 534.6}};
+    k.gdn_fwd_ns.pts = {{4096, 2.479}, {1.638e+04, 1.976}, {6.554e+04, 1.812}, {1.311e+05, 1.806}};
+    k.gdn_bwd_ns.pts = {{4096, 7.527}, {1.638e+04, 6.273}, {6.554e+04, 7.277}, {1.311e+05, 7.739}};
+    k.elementwise_gbps = 3148;
+    k.copy_gbps = 2993;
     k.grouped_hidden = 2048;
     k.grouped_ffn = 768;
     k.attn_heads = 32;
@@ -466,6 +467,10 @@ TimeEstimate estimate_time(const RunConfig& cfg, const MemoryEstimate& mem, cons
     te.assumptions.push_back("chunked all-to-all: the expert GEMMs run at full speed beside the wire (a collective "
                              "that shares the SMs slows them; measured in bench/results/2026-12-05-h200-emulated.md)");
   if (te.wire_s > 0) te.assumptions.push_back("wire times from the [emulate] link model: " + cfg.emulate.link.str());
+  if (cal.attn_head_dim > 0 && mc.num_layers > mc.num_linear_attention_layers() && mc.head_dim != cal.attn_head_dim)
+    te.assumptions.push_back("attention priced at the calibrated head dim " + std::to_string(cal.attn_head_dim) +
+                             "; this model's is " + std::to_string(mc.head_dim) +
+                             " (cuDNN ran head dim 256 at about 2/3 of the rate of 128 on an H100: skills/planner.md)");
   return te;
 }
 

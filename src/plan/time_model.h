@@ -6,7 +6,7 @@
 // the memory-bound kernels (norms, activations, permutes, the optimizer update) by the bytes they
 // move at the measured elementwise and copy rates. The rates come from a Calibration, measured on
 // the GPU by `bumblebee plan --calibrate` (plan/calibrate.h); the built-in one was measured on an
-// H200. Communication is the memory estimator's wire time per operation (the [emulate] link
+// H100 80GB HBM3. Communication is the memory estimator's wire time per operation (the [emulate] link
 // model, comm/link_model.h) with the overlaps the schedule performs (skills/planner.md lists them
 // and what is assumed). Everything is a prediction: tables made from it say PREDICTED.
 #pragma once
@@ -53,7 +53,7 @@ struct Calibration {
   // Reads (errors name the file) and validates; save writes to a temporary name, then renames.
   static Calibration load(const std::string& path);
   void save(const std::string& path) const;
-  // The rates of an H200 (`source` says where they come from).
+  // The rates `bumblebee plan --calibrate` measured on an H100 80GB HBM3 (`source` names the results file).
   static const Calibration& builtin();
 };
 

@@ -37,7 +37,7 @@ grep -q "parallel = auto chose dp=" <<< "$out" || { echo "FAIL: no auto choice i
 # The time model: a GPU run's explain ends with its predicted step time; --calibrate --quick writes
 # a calibration (small shapes on the CPU) that --calibration then uses; a bad file is refused.
 out=$("$BB" plan --explain configs/qwen3-30b-a3b-4layer-gpu.toml 2>&1) || { echo "FAIL: explain gpu: $out"; fail=1; }
-for want in "PREDICTED step time" "| expert GEMMs |" "| **step** |" "model TFLOP/s/GPU" "calibration: NVIDIA"; do
+for want in "PREDICTED step time" "| expert GEMMs |" "| **step** |" "model TFLOP/s/GPU" "calibration: NVIDIA H100"; do
   grep -qF "$want" <<< "$out" || { echo "FAIL: no '$want' in: $out"; fail=1; }
 done
 "$BB" plan --calibrate --quick --out "$TMP/cal.json" > "$TMP/cal.log" 2>&1 || { echo "FAIL: calibrate --quick: $(cat "$TMP/cal.log")"; fail=1; }

@@ -536,6 +536,15 @@ class CudaAllocator final : public Allocator {
     cudaStream_t s = cuda::stream_of(dev_, static_cast<Stream>(stream));
     void* p = nullptr;
     cudaError_t e = cudaMallocAsync(&p, bytes, s);
+    if (e == cudaErrorMemoryAllocation) {
+      // The pool may hold enough free memory in pieces, or freed on other streams behind work not
+      // yet done: wait for every stream, give the pool's unused memory back, and try once more
+      // (measured: one emulated rank of Qwen3.5-35B-A3B failed a 2.75 GiB workspace with 29 GiB
+      // live and 77.5 GiB held, bench/results/2026-12-06-h100-plan-time.md).
+      cudaGetLastError();
+      cuda::release_cached_memory(dev_);
+      e = cudaMallocAsync(&p, bytes, s);
+    }
     if (e != cudaSuccess) {
       cudaGetLastError();
       const int64_t cap = cuda::memory_limit(dev_);
