@@ -132,6 +132,15 @@ RunConfig config(const std::string& parallel, const std::vector<std::string>& se
   return parse_run_config(toml, "test", set);
 }
 
+// The layout (cp, ep) of 8 ranks given by hand, as the planner would set it.
+RunConfig candidate(const RunConfig& cfg, int64_t cp, int64_t ep) {
+  RunConfig c = cfg;
+  c.auto_dp = c.auto_cp = c.auto_ep = false;
+  c.cp = cp, c.ep = ep, c.dp = 8 / cp;
+  if (cp > 1) c.prim.set("attention", "cp_ring", "test");
+  return c;
+}
+
 }  // namespace auto_layout
 
 TEST(AutoLayout, ParsedFromEveryForm) {
@@ -155,6 +164,7 @@ TEST(AutoLayout, ParsedFromEveryForm) {
 // CPU ranks (no time model): the choice is the recipe's order over every candidate the config
 // leaves open, checked here by predicting each candidate independently.
 TEST(AutoLayout, ChoosesTheRecipesLayoutAmongWhatFitsOnCpuRanks) {
+  using auto_layout::candidate;
   using auto_layout::config;
   for (int64_t tokens : {int64_t{8192}, int64_t{65536}}) {
     SCOPED_TRACE(tokens);
@@ -169,10 +179,7 @@ TEST(AutoLayout, ChoosesTheRecipesLayoutAmongWhatFitsOnCpuRanks) {
     int64_t best_cp = 0, best_ep = 0;
     for (int64_t cp : {1, 2, 4, 8})
       for (int64_t ep : {1, 2, 4, 8}) {
-        RunConfig c = cfg;
-        c.auto_dp = c.auto_cp = c.auto_ep = false;
-        c.cp = cp, c.ep = ep, c.dp = 8 / cp;
-        if (cp > 1) c.prim.set("attention", "cp_ring", "test");
+        const RunConfig c = candidate(cfg, cp, ep);
         const plan::MemoryEstimate e = plan::estimate_memory(c, 8);
         if (e.peak_total > 140 * GiB) continue;
         const bool over = (tokens + cp - 1) / cp > 32768;
@@ -190,6 +197,7 @@ TEST(AutoLayout, ChoosesTheRecipesLayoutAmongWhatFitsOnCpuRanks) {
 // GPU runs: the most predicted tokens/s per GPU among the candidates that fit, checked by timing
 // every candidate independently.
 TEST(AutoLayout, ChoosesTheFastestPredictedLayoutOnGpus) {
+  using auto_layout::candidate;
   using auto_layout::config;
   for (int64_t tokens : {int64_t{8192}, int64_t{65536}}) {
     SCOPED_TRACE(tokens);
@@ -202,10 +210,7 @@ TEST(AutoLayout, ChoosesTheFastestPredictedLayoutOnGpus) {
     int64_t best_cp = 0, best_ep = 0, fitting = 0;
     for (int64_t cp : {1, 2, 4, 8})
       for (int64_t ep : {1, 2, 4, 8}) {
-        RunConfig c = cfg;
-        c.auto_dp = c.auto_cp = c.auto_ep = false;
-        c.cp = cp, c.ep = ep, c.dp = 8 / cp;
-        if (cp > 1) c.prim.set("attention", "cp_ring", "test");
+        const RunConfig c = candidate(cfg, cp, ep);
         const plan::MemoryEstimate e = plan::estimate_memory(c, 8);
         if (e.peak_total > avail) continue;
         ++fitting;
