@@ -110,11 +110,10 @@ void category_table(const std::vector<trace::RangeTotal>& totals, const RunConfi
   const double attn = full * 4.0 * (T * T / 2) * static_cast<double>(m.num_heads) * static_cast<double>(m.head_dim);
   const double gdn = lin * 6.0 * static_cast<double>(m.linear_key_head_dim) * static_cast<double>(m.linear_value_head_dim) *
                      static_cast<double>(m.linear_num_value_heads) * T;
-  // AdamW per parameter: read grad f32, m, v and the master; write m, v and the master and the
-  // bf16 weight: an f32 master 4 + 4 + 2 bytes, a split one its two halves both ways, 2 x (2 + 2).
-  const double moment_bytes = cfg.prim.optimizer.value == OptimizerKind::adamw_bf16_moments ? 2.0 : 4.0;
-  const bool split = splits_master(cfg.backend.master_storage, cfg.resolved_param_dtype());
-  const double opt_bytes = static_cast<double>(m.num_params()) * (4 + 4 * moment_bytes + (split ? 8 : 10));
+  // AdamW per parameter (plan::adamw_update_bytes: 28 bytes with a split master and f32 moments).
+  const double opt_bytes = static_cast<double>(m.num_params()) *
+                           plan::adamw_update_bytes(cfg.prim.optimizer.value, cfg.resolved_param_dtype(),
+                                                    cfg.backend.master_storage);
   const double gemm = 769e12, hbm = 3.87e12;
   std::vector<Category> cats = {
       {"dense GEMMs", {"linear_forward", "linear_backward_data", "linear_backward_weight"}, dense * layer_passes, "TFLOP/s", gemm},

@@ -169,6 +169,12 @@ const Calibration& Calibration::builtin() {
   return c;
 }
 
+double adamw_update_bytes(OptimizerKind opt, DType param_dtype, const std::string& master_storage) {
+  const double moment = opt == OptimizerKind::adamw_bf16_moments ? 2 : 4;
+  const double master = param_dtype == DType::f32 || splits_master(master_storage, param_dtype) ? 8 : 10;
+  return 4 + 4 * moment + master;
+}
+
 double chunk_pipeline_s(double a, double b, double c, int64_t C) {
   BB_CHECK(C >= 1, "chunk_pipeline_s: chunks must be >= 1, got ", C);
   const double n = static_cast<double>(C);
@@ -242,17 +248,17 @@ TimeEstimate estimate_time(const RunConfig& cfg, const MemoryEstimate& mem, cons
     p.flops += flops;
   };
   // Forward GEMM of `flops` in the forward (and recompute), dgrad + wgrad of as many in the backward.
-  auto linear = [&](LayerTime& lt, double flops, double Pass::*cat, bool in_rec = true) {
+  auto linear = [&](LayerTime& lt, double flops, double Pass::*cat) {
     gemm(lt.fwd, flops, cat);
-    if (in_rec) gemm(lt.rec, flops, cat);
+    gemm(lt.rec, flops, cat);
     gemm(lt.bwd, flops, cat);
     gemm(lt.bwd, flops, cat);
   };
   // Elementwise bytes of the forward; the backward reads the saved input and the incoming gradient
   // and writes the gradient: twice the forward's bytes.
-  auto elem = [&](LayerTime& lt, double fwd_bytes, bool in_rec = true) {
+  auto elem = [&](LayerTime& lt, double fwd_bytes) {
     lt.fwd.elem += pr.bytes(fwd_bytes);
-    if (in_rec) lt.rec.elem += pr.bytes(fwd_bytes);
+    lt.rec.elem += pr.bytes(fwd_bytes);
     lt.bwd.elem += pr.bytes(2 * fwd_bytes);
   };
 
@@ -361,7 +367,7 @@ TimeEstimate estimate_time(const RunConfig& cfg, const MemoryEstimate& mem, cons
   auto lg = [&](size_t i) { return i < ce.layer_gather_s.size() ? ce.layer_gather_s[i] : 0.0; };
   auto lr = [&](size_t i) { return i < ce.layer_reduce_s.size() ? ce.layer_reduce_s[i] : 0.0; };
   const StateKind kind = cfg.prim.state.value;
-  double gather_mb = 0, reduce_mb = 0, reduce_last = 0, ep_mb = 0, cp_mb = 0;
+  double gather_mb = 0, reduce_last = 0, ep_mb = 0, cp_mb = 0;
   if (kind == StateKind::fsdp) {
     // Forward: the ends' units first (exposed), layer l's gather prefetched during layer l - 1's
     // forward. Backward: layer l's gather (before its recompute) during layer l + 1's recompute
@@ -379,7 +385,6 @@ TimeEstimate estimate_time(const RunConfig& cfg, const MemoryEstimate& mem, cons
   for (size_t l = 1; l < nl; ++l) reduce_last += std::max(0.0, lr(l) - (layers[l - 1].rec.total() + layers[l - 1].bwd.total()));
   reduce_last += (nl > 0 ? lr(0) : 0.0) + lr(nl);
   const bool reduce_each = kind == StateKind::fsdp && cfg.backend.fsdp_reduce != "step";
-  if (reduce_each) reduce_mb = reduce_last;
   // EP: each MoE layer's dispatch and combine around its experts, chunked or not.
   const std::string& disp = cfg.prim.moe_dispatch.name;
   const int64_t C = disp.rfind("chunked_alltoall", 0) == 0 ? std::max<int64_t>(1, cfg.prim.moe_dispatch.count) : 1;
@@ -414,21 +419,19 @@ TimeEstimate estimate_time(const RunConfig& cfg, const MemoryEstimate& mem, cons
   te.elementwise = A * all.elem;
   te.flops_counted = A * all.flops;
   te.exposed_gather = A * gather_mb;
-  te.exposed_reduce = reduce_each ? A * reduce_mb : reduce_last;
+  te.exposed_reduce = reduce_each ? A * reduce_last : reduce_last;
   te.exposed_ep = A * ep_mb;
   te.exposed_cp = A * cp_mb;
   if (kind == StateKind::zero1)  // the updated shards gathered after the update
     for (size_t i = 0; i <= nl; ++i) te.exposed_gather += lg(i);
 
-  // The optimizer: AdamW reads the f32 gradient, the moments and the master and writes the
-  // moments, the master and the 16-bit weight (28 bytes an element with a split master and f32
-  // moments, 30 with an f32 master; bf16 moments 8 fewer); the gradient norm reads the gradients
-  // once more (grad_clip > 0), and the next step zeroes them.
+  // The optimizer: the update's bytes (adamw_update_bytes), the gradient norm reading the
+  // gradients once more (grad_clip > 0), and the next step zeroing them.
   {
     const double owned = static_cast<double>(mem.persistent[MemCategory::grads]) / 4.0;
-    const double mb = cfg.prim.optimizer.value == OptimizerKind::adamw_bf16_moments ? 2 : 4;
-    const bool split = a == 2 && splits_master(cfg.backend.master_storage, a == 2 ? DType::bf16 : DType::f32);
-    const double per = 4 + 4 * mb + (a == 2 ? (split ? 8 : 10) : 8) + (cfg.grad_clip > 0 ? 4 : 0) + 4;
+    const double per = adamw_update_bytes(cfg.prim.optimizer.value, a == 2 ? DType::bf16 : DType::f32,
+                                          cfg.backend.master_storage) +
+                       (cfg.grad_clip > 0 ? 4 : 0) + 4;
     const double update = owned * per / (cal.copy_gbps * 1e9);
     // In the backward (optimizer_in_backward, no clipping, units held whole): each layer's update
     // runs on the copy stream once its backward is done; the step waits for what is left after the

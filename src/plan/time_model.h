@@ -83,6 +83,12 @@ struct TimeEstimate {
 // its collectives. Throws for a run the model cannot price (pp > 1).
 TimeEstimate estimate_time(const RunConfig& cfg, const MemoryEstimate& mem, const Calibration& cal);
 
+// Bytes one AdamW update moves per owned element: it reads the f32 gradient, both moments and the
+// master and writes the moments and the master: 4 + 4 x (4, or 2 for bf16 moments) + the master's
+// 8 (an f32 parameter read and written; a split master's two 16-bit halves both ways) or 10 (a
+// separate f32 master read and written, the bf16 weight written). 28 with the defaults.
+double adamw_update_bytes(OptimizerKind opt, DType param_dtype, const std::string& master_storage);
+
 // The three-stage pipeline of a chunked MoE dispatcher: `C` chunks of a send (a), the experts (b)
 // and a return (c), each stage one chunk at a time, a chunk's stages in order: (a + b + c) / C +
 // (C - 1) / C x max(a, b, c), and at least a + c (the send and the return share the link). C = 1
