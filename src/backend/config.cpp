@@ -38,6 +38,8 @@ void BackendConfig::validate(const std::string& where) const {
   check_one_of(where, "fsdp_reduce", fsdp_reduce, {"micro_batch", "step"});
   BB_CHECK(max_layers_ahead >= 0 && max_layers_ahead <= 1000, "backend.max_layers_ahead = ", max_layers_ahead, in,
            " is not in [0, 1000] (0 = no limit)");
+  BB_CHECK(moe_chunk_tokens >= 0, "backend.moe_chunk_tokens = ", moe_chunk_tokens, in,
+           " must be >= 0 (0 = the whole micro-batch at once)");
 }
 
 std::string BackendConfig::summary() const {
@@ -54,6 +56,7 @@ std::string BackendConfig::summary() const {
      << " expert_wgrad_stream=" << (expert_wgrad_stream ? "true" : "false")
      << " grad_reduce_dtype=" << grad_reduce_dtype << " fsdp_reduce=" << fsdp_reduce
      << " pool_cross_stream_reuse=" << (pool_cross_stream_reuse ? "true" : "false")
+     << " moe_chunk_tokens=" << moe_chunk_tokens
      << " cudnn_library=" << (cudnn_library.empty() ? "(default)" : cudnn_library);
   return os.str();
 }
@@ -73,6 +76,7 @@ void to_json(nlohmann::json& j, const BackendConfig& c) {
                      {"grad_reduce_dtype", c.grad_reduce_dtype},
                      {"fsdp_reduce", c.fsdp_reduce},
                      {"pool_cross_stream_reuse", c.pool_cross_stream_reuse},
+                     {"moe_chunk_tokens", c.moe_chunk_tokens},
                      {"cudnn_library", c.cudnn_library}};
 }
 
@@ -97,6 +101,7 @@ void from_json(const nlohmann::json& j, BackendConfig& c) {
       else if (k == "grad_reduce_dtype") c.grad_reduce_dtype = it->get<std::string>();
       else if (k == "fsdp_reduce") c.fsdp_reduce = it->get<std::string>();
       else if (k == "pool_cross_stream_reuse") c.pool_cross_stream_reuse = it->get<bool>();
+      else if (k == "moe_chunk_tokens") c.moe_chunk_tokens = it->get<int64_t>();
       else if (k == "cudnn_library") c.cudnn_library = it->get<std::string>();
       else BB_FAIL("unknown backend setting '", k, "'");
     }

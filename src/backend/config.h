@@ -74,6 +74,13 @@ struct BackendConfig {
   // but where the pool cannot grow (the card's end, or emulate.device_memory_gib) it reuses: the
   // same rank then ran at the same speed inside a 79.6 GiB cap. Off until measured on a real job.
   bool pool_cross_stream_reuse = false;
+  // Token-chunked MoE: every MoE layer runs its routed path (permute, dispatch, experts, combine,
+  // unpermute) over at most this many tokens at a time, in ceil(tokens per rank / this)
+  // sequential chunks (tokens per rank = train.micro_batch_tokens / cp), so that the moe buffers
+  // hold one chunk's rows; under full recompute the backward rebuilds one chunk at a time.
+  // The same outputs and data gradients; the experts' weight gradient is summed chunk by chunk
+  // (rounding only). 0 = off (the whole micro-batch at once). skills/moe-token-chunks.md.
+  int64_t moe_chunk_tokens = 0;
 
   // Throws bb::Error naming the key (as `backend.<key>` in `where`) when a value is not allowed.
   void validate(const std::string& where) const;

@@ -72,10 +72,13 @@ struct RoutingStash {
     bool valid = false;
     int64_t replays = 0;  // recompute passes that reused it
     Tensor logit_bias;    // [T, E] f32 on the model's device, or undefined
-    // How the dispatcher moved this micro-batch's rows in the training forward; a recompute
-    // hands it back (DispatchState::plan), so the replayed routing moves the rows again without
-    // a second exchange of the per-expert counts (a host exchange over the EP group per layer).
-    std::shared_ptr<const DispatchPlan> dispatch_plan;
+    // Per token chunk (one unless ModelOptions::moe_token_chunks > 1): the chunk's per-expert
+    // counts (host) and how the dispatcher moved its rows in the training forward. A recompute
+    // (or the chunk-by-chunk rebuild in the backward) hands the plan back (DispatchState::plan),
+    // so the replayed routing moves the rows again without reading counts back or a second
+    // exchange of them (a host exchange over the EP group per layer).
+    std::vector<std::vector<int64_t>> chunk_counts;
+    std::vector<std::shared_ptr<const DispatchPlan>> chunk_plans;
   };
   std::vector<Entry> layers;
 };

@@ -22,6 +22,8 @@ namespace bb {
 void ModelOptions::validate() const {
   prims.validate("");
   BB_CHECK(is_floating(param_dtype), "model parameter dtype must be a float type");
+  BB_CHECK(moe_token_chunks >= 1 && moe_token_chunks <= kMaxMoeTokenChunks, "moe_token_chunks = ", moe_token_chunks,
+           " is not in [1, ", kMaxMoeTokenChunks, "]");
   BB_CHECK(std::isfinite(aux_loss_coef) && aux_loss_coef >= 0 && std::isfinite(z_loss_coef) &&
                z_loss_coef >= 0,
            "aux and z loss coefficients must be finite and >= 0, got ", aux_loss_coef, " and ",
@@ -108,6 +110,7 @@ DecoderModel::DecoderModel(const ModelConfig& cfg, const ModelOptions& opts, uin
       mc.num_moe_layers = num_moe_layers_;
       mc.zero_centered_norm = cfg.zero_centered_norm;
       mc.replay_routing = opts_.prims.router_replay;
+      mc.token_chunks = opts_.moe_token_chunks;
       DispatcherConfig dc;
       dc.num_experts = cfg.num_experts;
       dc.group = opts_.ep_group;

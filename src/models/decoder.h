@@ -48,6 +48,10 @@ struct ModelOptions {
   // The MoE layers' expert weight gradient on the wgrad stream ([backend] expert_wgrad_stream,
   // DispatcherConfig::wgrad_stream): where work runs, not what it computes.
   bool expert_wgrad_stream = false;
+  // Token-chunked MoE: every MoE layer runs its routed path over the micro-batch's tokens in
+  // this many sequential chunks (MoeBlockConfig::token_chunks; the runtime derives it from
+  // [backend] moe_chunk_tokens). 1 = off.
+  int64_t moe_token_chunks = 1;
   // Sharded start: the model lays its units out without allocating or initialising them
   // (ParamStore::allocate with materialize = false); whoever takes the units over allocates what
   // it holds and fills it with init_unit_range (the state family: runtime/state.h). The values

@@ -12,15 +12,27 @@
 
 namespace bb {
 
+struct MoeBlock::Chunk {
+  PermuteMap map;          // this chunk's tokens' rows grouped by expert
+  DispatchState dispatch;  // the experts' rows [M, H], probabilities [M], saved intermediates
+  Tensor y_perm;           // [N_c, H] the combined expert outputs (standard permute only)
+};
+
 struct MoeBlock::Saved final : BlockSaved {
   Tensor x, h;  // block input, norm output [T, H]
   RMSNormSaved rms;
   Tensor logits;      // [T, E] f32 router logits
   RouterSaved router;
+  Tensor topk_idx;    // [T, K] i32
   Tensor topk_prob;   // [T, K] f32
-  PermuteMap map;
-  DispatchState dispatch;  // the experts' rows [M, H], probabilities [M], saved intermediates
-  Tensor y_perm;      // [N, H] the combined expert outputs (standard permute only)
+  // The routed rows, one entry per token chunk. Empty when rebuild_chunks: a token-chunked
+  // full-recompute forward keeps none, and backward_data rebuilds each chunk before its backward.
+  std::vector<Chunk> chunks;
+  bool rebuild_chunks = false;
+  // Per token chunk: its per-expert counts (host; empty = not known yet, read back by
+  // make_permute_map) and its dispatch plan (null = not made yet).
+  std::vector<std::vector<int64_t>> chunk_counts;
+  std::vector<std::shared_ptr<const DispatchPlan>> chunk_plans;
   Tensor s_gate_up, s_act, s_out, s_gate;  // shared expert; s_gate = sigmoid(gate logit) [T]
 };
 
@@ -33,6 +45,8 @@ MoeBlock::MoeBlock(ParamStore& store, ParamUnit& dense_unit, ParamUnit& expert_u
   BB_CHECK(H > 0 && E > 0 && F > 0 && cfg.top_k >= 1 && cfg.top_k <= E,
            "MoeBlock: bad shape (hidden ", H, ", experts ", E, ", top-k ", cfg.top_k, ", ffn ", F,
            ")");
+  BB_CHECK(cfg.token_chunks >= 1 && cfg.token_chunks <= kMaxMoeTokenChunks, "MoeBlock: token_chunks = ",
+           cfg.token_chunks, " is not in [1, ", kMaxMoeTokenChunks, "]");
   expert_unit.num_experts = dispatcher_->num_local_experts(E);
   expert_unit.first_expert = dispatcher_->first_local_expert(E);
   const int64_t El = expert_unit.num_experts;
@@ -56,6 +70,49 @@ MoeBlock::MoeBlock(ParamStore& store, ParamUnit& dense_unit, ParamUnit& expert_u
 }
 
 std::unique_ptr<BlockSaved> MoeBlock::make_saved() const { return std::make_unique<Saved>(); }
+
+std::pair<int64_t, int64_t> MoeBlock::chunk_span(int64_t c, int64_t T) const {
+  const int64_t C = cfg_.token_chunks;
+  const int64_t first = c * T / C, last = (c + 1) * T / C;
+  return {first, last - first};
+}
+
+bool MoeBlock::collective() const { return dispatcher_->num_local_experts(cfg_.num_experts) < cfg_.num_experts; }
+
+Tensor MoeBlock::route_chunk(Saved& S, int64_t c, BatchContext& ctx, Chunk& ch, bool for_backward) {
+  BB_RANGE("moe_token_chunk");
+  const auto [t0, tc] = chunk_span(c, S.topk_idx.size(0));
+  const int64_t H = cfg_.hidden, K = cfg_.top_k, E = cfg_.num_experts;
+  const bool mem_eff = cfg_.permute == PermuteMode::memory_efficient;
+  const Device dev = S.topk_idx.device();
+  std::vector<int64_t>& counts = S.chunk_counts[static_cast<size_t>(c)];
+  Tensor x_perm, row_prob;
+  if (tc == 0) {  // no tokens of this rank in the chunk: its collectives with zero rows
+    ch.map.num_tokens = 0;
+    ch.map.top_k = K;
+    ch.map.num_experts = E;
+    ch.map.row_token = Tensor::empty({0}, DType::i32, dev, MemCategory::moe);
+    ch.map.slot_row = Tensor::empty({0, K}, DType::i32, dev, MemCategory::moe);
+    ch.map.tokens_per_expert.assign(static_cast<size_t>(E), 0);
+    x_perm = Tensor::empty({0, H}, S.x.dtype(), dev, MemCategory::moe);
+    if (mem_eff) row_prob = Tensor::empty({0}, DType::f32, dev, MemCategory::moe);
+  } else {
+    ch.map = make_permute_map(S.topk_idx.narrow(t0, tc), E, counts.empty() ? nullptr : &counts);
+    x_perm = permute_forward(S.h.narrow(t0, tc), ch.map);
+    if (mem_eff) row_prob = permute_probs(S.topk_prob.narrow(t0, tc), ch.map);
+  }
+  if (counts.empty()) counts = ch.map.tokens_per_expert;
+  // A plan made for these rows earlier (the training forward's, for a recompute or a rebuild)
+  // is reused: the counts are not exchanged again.
+  ch.dispatch.plan = S.chunk_plans[static_cast<size_t>(c)];
+  Tensor y_perm;
+  if (for_backward && mem_eff)
+    dispatcher_->forward_for_backward(x_perm, row_prob, ch.map.tokens_per_expert, expert_calls(ctx, S), ch.dispatch);
+  else
+    y_perm = dispatcher_->forward(x_perm, row_prob, ch.map.tokens_per_expert, expert_calls(ctx, S), ch.dispatch);
+  S.chunk_plans[static_cast<size_t>(c)] = ch.dispatch.plan;
+  return y_perm;
+}
 
 ExpertCalls MoeBlock::expert_calls(BatchContext& ctx, BlockSaved& saved) {
   // The weights are read when a call runs (state sharding rebinds them around the layer).
@@ -193,27 +250,53 @@ Tensor MoeBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) 
     if (ctx.aux) ctx.aux->add(S.router.scores, r.tokens_per_expert);
     if (ctx.stats) ctx.stats->z_loss += r.z_loss / static_cast<double>(cfg_.num_moe_layers);
   }
+  S.topk_idx = r.topk_idx;
   S.topk_prob = r.topk_prob;
 
-  // Permute -> dispatch -> experts -> combine -> unpermute (the dispatcher runs the experts on
-  // the rows it brings, in as many chunks as it moves them).
-  S.map = make_permute_map(r.topk_idx, E, &r.tokens_per_expert);
-  Tensor x_perm = permute_forward(S.h, S.map);
-  Tensor row_prob = mem_eff ? permute_probs(r.topk_prob, S.map) : Tensor();
-  Tensor y_perm;
-  // A recompute moves the rows as the training forward did (the same replayed routing): the
-  // forward's dispatch plan is handed back, so the counts are not exchanged again.
-  if (ctx.pass == Pass::recompute && slot && slot->dispatch_plan) S.dispatch.plan = slot->dispatch_plan;
-  if (rebuild_only && mem_eff)
-    dispatcher_->forward_for_backward(x_perm, row_prob, r.tokens_per_expert, expert_calls(ctx, S), S.dispatch);
-  else
-    y_perm = dispatcher_->forward(x_perm, row_prob, r.tokens_per_expert, expert_calls(ctx, S), S.dispatch);
-  x_perm = row_prob = Tensor();
-  if (ctx.pass == Pass::train && slot) slot->dispatch_plan = S.dispatch.plan;
-  if (ctx.stats && ctx.pass != Pass::recompute) ctx.stats->moe_rows_received += S.dispatch.num_rows();
-  if (!mem_eff) S.y_perm = y_perm;  // unpermute's backward needs it to form d_prob
-  Tensor out = rebuild_only ? Tensor() : unpermute_forward(y_perm, S.map, mem_eff ? Tensor() : r.topk_prob);
-  y_perm = Tensor();
+  // Permute -> dispatch -> experts -> combine -> unpermute, per token chunk (the dispatcher runs
+  // the experts on the rows it brings, in as many chunks as it moves them).
+  const int64_t C = cfg_.token_chunks;
+  if (ctx.pass == Pass::recompute && slot && static_cast<int64_t>(slot->chunk_counts.size()) == C) {
+    // A recompute moves the rows as the training forward did (the same replayed routing): the
+    // forward's counts and dispatch plans are handed back, so nothing is read back or exchanged.
+    S.chunk_counts = slot->chunk_counts;
+    S.chunk_plans = slot->chunk_plans;
+  } else {
+    S.chunk_counts.assign(static_cast<size_t>(C), {});
+    S.chunk_plans.assign(static_cast<size_t>(C), nullptr);
+    if (C == 1) S.chunk_counts[0] = r.tokens_per_expert;
+  }
+  // Token-chunked under full recompute: keep no routed rows; backward_data rebuilds each chunk.
+  S.rebuild_chunks = rebuild_only && C > 1;
+  Tensor out;
+  if (!S.rebuild_chunks) {
+    S.chunks.clear();
+    if (saved) S.chunks.resize(static_cast<size_t>(C));
+    for (int64_t c = 0; c < C; ++c) {
+      const auto [t0, tc] = chunk_span(c, T);
+      if (tc == 0 && !collective()) continue;
+      Chunk local_chunk;
+      Chunk& ch = saved ? S.chunks[static_cast<size_t>(c)] : local_chunk;
+      Tensor y_perm = route_chunk(S, c, ctx, ch, /*for_backward=*/rebuild_only);
+      if (ctx.stats && ctx.pass != Pass::recompute) ctx.stats->moe_rows_received += ch.dispatch.num_rows();
+      if (!rebuild_only && tc > 0) {
+        Tensor o = unpermute_forward(y_perm, ch.map, mem_eff ? Tensor() : S.topk_prob.narrow(t0, tc));
+        if (C == 1) {
+          out = o;
+        } else {
+          if (!out.defined()) out = Tensor::empty({T, cfg_.hidden}, o.dtype(), x.device(), MemCategory::activations);
+          Tensor rows = out.narrow(t0, tc);
+          rows.copy_from(o);
+        }
+      }
+      if (!mem_eff) ch.y_perm = y_perm;  // unpermute's backward needs it to form d_prob
+      if (saved && ctx.recompute_drop.has(RecomputePart::moe_experts)) ch.dispatch.experts = ExpertsSaved{};
+    }
+  }
+  if (ctx.pass == Pass::train && slot) {
+    slot->chunk_counts = S.chunk_counts;
+    slot->chunk_plans = S.chunk_plans;
+  }
 
   if (shared_gate_up_) {
     S.s_gate_up = linear_forward(S.h, shared_gate_up_->value, Tensor());
@@ -229,7 +312,6 @@ Tensor MoeBlock::forward(const Tensor& x, BatchContext& ctx, BlockSaved* saved) 
   }
   if (saved) {  // selective recompute: backward_data rebuilds what is dropped here
     const RecomputeParts& drop = ctx.recompute_drop;
-    if (drop.has(RecomputePart::moe_experts)) S.dispatch.experts = ExpertsSaved{};
     if (drop.has(RecomputePart::shared_expert)) S.s_gate_up = S.s_act = Tensor();
     if (drop.has(RecomputePart::norms)) S.h = Tensor();
   }
@@ -243,22 +325,60 @@ Tensor MoeBlock::backward_data(const Tensor& d_y, BatchContext& ctx, BlockSaved&
   const RouterConfig rc = router_config();
   const bool mem_eff = cfg_.permute == PermuteMode::memory_efficient;
 
-  // Selective recompute of `moe_experts`: the fc1 output and activation of the rows the experts
-  // received, rebuilt without fc2 (its output would be discarded).
-  if (!S.dispatch.experts.gate_up.defined())
-    experts_forward_saved(cfg_.experts, S.dispatch.rows, S.dispatch.tokens_per_local_expert,
-                          experts_gate_up_->value, experts_down_->value, S.dispatch.row_prob,
-                          S.dispatch.experts);
-
-  // Unpermute -> combine -> experts -> dispatch -> permute, backwards.
-  UnpermuteGrads ug = unpermute_backward(block::as_dtype(d_y, S.x.dtype()), S.y_perm, S.map,
-                                         mem_eff ? Tensor() : S.topk_prob);
-  DispatchRows back = dispatcher_->backward(ug.d_y_perm, expert_calls(ctx, S), S.dispatch);
-  S.dispatch = DispatchState{};
-  Tensor d_topk_prob = mem_eff ? unpermute_probs_grad(back.row_prob, S.map) : ug.d_topk_prob;
-  // d_h continues in f32 (the router's and shared expert's data gradients add into it): the
-  // gather writes the f32 sum itself instead of rounding it to the rows' dtype and widening.
-  Tensor d_h = permute_backward(back.rows, S.map, /*out_f32=*/true);
+  const int64_t T = S.x.size(0), K = cfg_.top_k, C = cfg_.token_chunks;
+  if (S.rebuild_chunks && !S.h.defined())
+    S.h = rmsnorm_forward(S.x, ln_->value, cfg_.rms_norm_eps, nullptr, MemCategory::activations,
+                          cfg_.zero_centered_norm);
+  // Unpermute -> combine -> experts -> dispatch -> permute, backwards, per token chunk.
+  Tensor d_out = block::as_dtype(d_y, S.x.dtype());
+  Tensor d_h, d_topk_prob;  // [T, H] f32, [T, K] f32
+  for (int64_t c = 0; c < C; ++c) {
+    const auto [t0, tc] = chunk_span(c, T);
+    if (tc == 0 && !collective()) continue;
+    Chunk rebuilt;
+    Chunk& ch = S.rebuild_chunks ? rebuilt : S.chunks[static_cast<size_t>(c)];
+    if (S.rebuild_chunks) {  // this chunk's rows, as the training forward moved them
+      Tensor y_perm = route_chunk(S, c, ctx, ch, /*for_backward=*/true);
+      if (!mem_eff) ch.y_perm = y_perm;
+    }
+    // Selective recompute of `moe_experts`: the fc1 output and activation of the rows the
+    // experts received, rebuilt without fc2 (its output would be discarded).
+    if (!ch.dispatch.experts.gate_up.defined())
+      experts_forward_saved(cfg_.experts, ch.dispatch.rows, ch.dispatch.tokens_per_local_expert,
+                            experts_gate_up_->value, experts_down_->value, ch.dispatch.row_prob,
+                            ch.dispatch.experts);
+    if (tc == 0) {  // no rows of this rank: only the chunk's collectives, with zero rows
+      dispatcher_->backward(Tensor::empty({0, cfg_.hidden}, d_out.dtype(), d_out.device(), MemCategory::moe),
+                            expert_calls(ctx, S), ch.dispatch);
+      ch = Chunk{};
+      continue;
+    }
+    const Tensor prob = S.topk_prob.narrow(t0, tc);
+    UnpermuteGrads ug = unpermute_backward(d_out.narrow(t0, tc), ch.y_perm, ch.map, mem_eff ? Tensor() : prob);
+    ch.y_perm = Tensor();
+    DispatchRows back = dispatcher_->backward(ug.d_y_perm, expert_calls(ctx, S), ch.dispatch);
+    ch.dispatch = DispatchState{};
+    ug.d_y_perm = Tensor();
+    Tensor dp = mem_eff ? unpermute_probs_grad(back.row_prob, ch.map) : ug.d_topk_prob;
+    // d_h continues in f32 (the router's and shared expert's data gradients add into it): the
+    // gather writes the f32 sum itself instead of rounding it to the rows' dtype and widening.
+    Tensor dh = permute_backward(back.rows, ch.map, /*out_f32=*/true);
+    ch = Chunk{};
+    if (C == 1) {
+      d_h = dh;
+      d_topk_prob = dp;
+    } else {
+      if (!d_h.defined()) {
+        d_h = Tensor::empty({T, cfg_.hidden}, DType::f32, d_out.device(), MemCategory::activations);
+        d_topk_prob = Tensor::empty({T, K}, DType::f32, d_out.device(), MemCategory::activations);
+      }
+      Tensor h_rows = d_h.narrow(t0, tc), p_rows = d_topk_prob.narrow(t0, tc);
+      h_rows.copy_from(dh);
+      p_rows.copy_from(dp);
+    }
+  }
+  S.chunks.clear();
+  d_out = Tensor();
 
   // Selective recompute of `norms` / `shared_expert`, rebuilt where they are first needed.
   if (!S.h.defined())

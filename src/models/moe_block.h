@@ -20,6 +20,15 @@
 // forward_for_backward (rows dispatched, fc1 + activation, no fc2, no combine); with standard
 // the combined y_perm is read by backward (d_prob), so fc2 and the combine still run; either way
 // no unpermute, shared-expert gating or residual add. It returns an undefined tensor then.
+// Token chunks (MoeBlockConfig::token_chunks = C > 1): chunk c is tokens [c T / C, (c+1) T / C);
+// each runs permute -> dispatch -> experts -> combine -> unpermute alone and writes its rows of
+// the routed output. Every token's rows, and so the output and d_x, are those of the unchunked
+// layer; the experts' weight gradient is the sum of the chunks' (bit-identical where the
+// experts' wgrad adds row by row in order, as the CPU grouped path does; on a GPU it is rounded
+// per chunk). Under full recompute the recompute forward keeps no routed rows at all: the
+// backward rebuilds each chunk just before that chunk's backward, so only one chunk's rows are
+// alive. Every chunk is a dispatcher call, so with expert parallelism every rank runs all C
+// (a chunk without tokens of this rank still joins its collectives with zero rows).
 // Parameters under `prefix`: post_attention_layernorm.weight [H], mlp.gate.weight [E, H] and
 // the shared expert's mlp.shared_expert.gate_up_proj [2S, H], .down_proj.weight [H, S],
 // mlp.shared_expert_gate.weight [1, H] in the dense unit; mlp.experts.gate_up_proj
@@ -36,6 +45,9 @@
 
 namespace bb {
 
+// The most token chunks a MoE layer accepts (MoeBlockConfig::token_chunks).
+constexpr int64_t kMaxMoeTokenChunks = 4096;
+
 struct MoeBlockConfig {
   int64_t hidden = 0, num_experts = 0, top_k = 0, expert_ffn = 0, shared_ffn = 0;
   bool norm_topk_prob = true;
@@ -50,6 +62,11 @@ struct MoeBlockConfig {
   // router's own top-k; probabilities from this model's logits (primitives.router_replay).
   // Training forwards need the routing; an evaluation forward without it routes itself.
   bool replay_routing = false;
+  // Token-chunked MoE (ModelOptions::moe_token_chunks): the routed path (permute, dispatch,
+  // experts, combine, unpermute) runs over the micro-batch's tokens in this many sequential
+  // chunks of near-equal size, so that its buffers (category moe) hold one chunk's rows, not
+  // the whole micro-batch's. Routing, the shared expert and the norm stay whole. 1 = off.
+  int64_t token_chunks = 1;
 };
 
 class MoeBlock final : public Block {
@@ -70,7 +87,17 @@ class MoeBlock final : public Block {
   RouterReplay routing_from_batch(const BatchContext& ctx, int64_t T, Device dev) const;
 
   struct Saved;
+  struct Chunk;
   RouterConfig router_config() const;
+  // Tokens [first, first + count) of token chunk c of a T-token micro-batch.
+  std::pair<int64_t, int64_t> chunk_span(int64_t c, int64_t T) const;
+  // Whether a chunk must run even without tokens of this rank (its dispatcher moves rows over
+  // ranks, so every rank makes every call).
+  bool collective() const;
+  // Permute -> dispatch -> experts of token chunk c into `ch` (forward_for_backward when
+  // for_backward with the memory_efficient permute: no fc2, no combine); returns the combined
+  // y_perm of the chunk, or undefined. Fills the chunk's counts and plan in S when unknown.
+  Tensor route_chunk(Saved& S, int64_t c, BatchContext& ctx, Chunk& ch, bool for_backward);
   // The expert MLPs as the dispatcher calls them; wgrad goes through block::weight_grad(ctx,
   // saved), so ctx and saved must outlive the dispatcher call.
   ExpertCalls expert_calls(BatchContext& ctx, BlockSaved& saved);

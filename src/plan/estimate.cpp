@@ -81,6 +81,11 @@ struct BlockMem {
   int64_t moe_bwd = 0;      // moe-category peak of the backward beyond moe_keep
   int64_t moe_after = 0;    // moe-category bytes held while the token mixer runs backward
   int64_t moe_rebuild = 0;  // moe-category peak of a full-recompute forward
+  // MoE terms a token-chunked layer recombines (moe_block): the experts' fc1 output and
+  // activation, the routed forward's transient beyond them, the routed backward's transient
+  // (b1 without a selective rebuild), the row-probability gradient, and the activations held
+  // after the routed backward relative to the kept state.
+  int64_t exp = 0, route_f = 0, b1r = 0, rd = 0, after_local = 0;
 };
 
 BlockMem attention_block(const Dims& d, const RecomputeParts& drop, const RunConfig& cfg) {
@@ -171,7 +176,7 @@ int64_t chunk_len(int64_t n, int64_t k, int64_t C) { return n * (k + 1) / C - n 
 
 // The MoE block: router, permute, the dispatcher's buffers, the experts, the shared expert
 // (skills/planner.md; on CPU ranks each term is checked to the byte).
-BlockMem moe_block(const Dims& d, const RecomputeParts& drop, const RunConfig& cfg, Holds holds) {
+BlockMem moe_block_whole(const Dims& d, const RecomputeParts& drop, const RunConfig& cfg, Holds holds) {
   const int64_t T = d.T, a = d.a, H = d.H, E = d.E, Kt = d.top_k, F = d.F, S = d.Ssh, N = d.N, M = d.M;
   const int64_t sh = S > 0 ? 1 : 0;
   const bool me = cfg.prim.permute.value == PermuteMode::memory_efficient;
@@ -201,7 +206,9 @@ BlockMem moe_block(const Dims& d, const RecomputeParts& drop, const RunConfig& c
   for (int64_t x : Mk) Mk_max = std::max(Mk_max, x);
 
   // Forward (activations, relative to the block's entry).
-  const int64_t f_out = a * T * H + 4 * T + 8 * T * E + 8 * T * Kt + EXP + std::max(a * T * H, chunked ? 3 * a * Mk_max * F : 0);
+  b.exp = EXP;
+  b.route_f = std::max(a * T * H, chunked ? 3 * a * Mk_max * F : 0);
+  const int64_t f_out = a * T * H + 4 * T + 8 * T * E + 8 * T * Kt + EXP + b.route_f;
   const int64_t f_gated = sh ? b.keep_none + a * T * H + 4 * T * H + (d.c ? 4 * T * H : 0) : 0;
   const int64_t f_add = b.keep + a * T * H + 4 * T * H + d.c * a * T * H;
   b.fwd_total = std::max({f_out, f_gated, f_add});
@@ -226,8 +233,11 @@ BlockMem moe_block(const Dims& d, const RecomputeParts& drop, const RunConfig& c
   } else {
     D_act += mem * (4 * M + c * 4 * M + 4 * N);
   }
-  const int64_t b1 = dE * EXP + std_ * 4 * T * Kt + D_act;
+  b.b1r = std_ * 4 * T * Kt + D_act;
+  b.rd = R_d;
+  const int64_t b1 = dE * EXP + b.b1r;
   const int64_t after = -(1 - dE) * EXP + 4 * T * Kt + R_d + 4 * T * H + dn * a * T * H + dS * sh * 3 * a * T * S + 4 * T * E;
+  b.after_local = after;
   const int64_t b2 = sh ? after + 4 * T * H + 4 * T + 4 * T * S + 2 * a * T * S : 0;
   const int64_t b3 = after + 4 * T * H;
   b.bwd_total = b.keep + 4 * T * H + std::max({b1, b2, b3}) + d.c * a * T * H;
@@ -235,7 +245,9 @@ BlockMem moe_block(const Dims& d, const RecomputeParts& drop, const RunConfig& c
   // moe category.
   const int64_t Y = N;  // y_perm rows (allgather: its [Nmax, H] storage; Nmax = N when balanced)
   b.moe_keep = 8 * N + R * M + mem * 4 * M + std_ * R * Y;
-  b.moe_after = b.moe_keep - R * M - mem * 4 * M;
+  // The block frees its routed state (map, y_perm, the dispatcher's rows) as soon as the routed
+  // backward is done, before the router's and the shared expert's backward.
+  b.moe_after = 0;
   int64_t Fm = 0, Bm = 0, Rb = 0;
   if (holds == Holds::until_return) {
     // NCCL / emulated GPU: the dispatcher's handles keep their buffers to its end (not verified
@@ -258,7 +270,7 @@ BlockMem moe_block(const Dims& d, const RecomputeParts& drop, const RunConfig& c
       bw = c ? 3 * N + 4 * M : 3 * N + 3 * M;
       rb = N + 2 * M;
     }
-    if (me) bw -= N;  // no y_perm
+    bw -= N;  // no y_perm (standard: freed once unpermute's backward has read it)
     Fm = 8 * N + f * R + mem * 4 * (N + M);
     Bm = std::max<int64_t>(0, bw * R - (M * R + std_ * N * R));
     Rb = 8 * N + (me ? rb : f) * R + mem * 4 * (N + M);
@@ -306,9 +318,59 @@ BlockMem moe_block(const Dims& d, const RecomputeParts& drop, const RunConfig& c
     Bm = R * (2 * N + (2 + c) * M);
     Rb = 8 * N + R * (N + (1 + c) * M) + 4 * (N + (1 + c) * M);
   }
+  // Standard permute: y_perm is freed once unpermute's backward (which writes d_y_perm, N rows)
+  // has read it, before the dispatcher's backward; the CPU terms above count it as kept.
+  if (holds != Holds::until_return) Bm = std::max(R * N, Bm - std_ * R * Y);
   b.moe_fwd = Fm;
   b.moe_bwd = Bm;
   b.moe_rebuild = me ? Rb : Fm;
+  return b;
+}
+
+// The MoE block with its routed path over `chunks` sequential token chunks ([backend]
+// moe_chunk_tokens; models/moe_block.h): the routed terms are those of the largest chunk, the
+// router, norm, shared expert and the output / gradient rows stay whole. Under full recompute
+// nothing routed is kept: the backward rebuilds each chunk before its backward.
+BlockMem moe_block(const Dims& d, const RecomputeParts& drop, const RunConfig& cfg, Holds holds, int64_t chunks) {
+  if (chunks <= 1) return moe_block_whole(d, drop, cfg, holds);
+  Dims dc = d;
+  dc.T = ceil_div(d.T, chunks);
+  dc.N = dc.T * d.top_k;
+  dc.M = d.N > 0 ? dc.N * d.M / d.N : 0;
+  BlockMem b = moe_block_whole(d, drop, cfg, holds);
+  const BlockMem c = moe_block_whole(dc, drop, cfg, holds);
+  const int64_t T = d.T, a = d.a, H = d.H, E = d.E, Kt = d.top_k, S = d.Ssh, sh = S > 0 ? 1 : 0;
+  const bool full = cfg.prim.recompute.value == RecomputePolicy::full;
+  const int64_t dE = drop.has(RecomputePart::moe_experts);
+  // Activations.
+  if (full) {  // the recompute keeps no routed rows
+    b.keep_none -= b.exp;
+    b.keep -= b.exp;
+  }
+  const int64_t exp_fwd = full ? c.exp : b.exp;  // experts' state alive at the forward's last chunk
+  const int64_t f_out = a * T * H + 4 * T + 8 * T * E + 8 * T * Kt + exp_fwd + a * T * H + c.route_f;
+  const int64_t f_gated = sh ? b.keep_none + a * T * H + 4 * T * H + (d.c ? 4 * T * H : 0) : 0;
+  const int64_t f_add = b.keep + a * T * H + 4 * T * H + d.c * a * T * H;
+  b.fwd_total = std::max({f_out, f_gated, f_add});
+  // Backward: d_h [T, H] and d_topk_prob [T, K] (f32) gather the chunks' rows; each chunk's
+  // experts' state is rebuilt (full; selective moe_experts) or kept (none), its row gradients
+  // freed with the chunk.
+  const int64_t b1 = ((full ? 1 : dE) * c.exp) + c.b1r + 4 * T * H + 4 * T * Kt;
+  const int64_t after = b.after_local - b.rd + (full ? b.exp : 0);
+  const int64_t b2 = sh ? after + 4 * T * H + 4 * T + 4 * T * S + 2 * a * T * S : 0;
+  const int64_t b3 = after + 4 * T * H;
+  b.bwd_total = b.keep + 4 * T * H + std::max({b1, b2, b3}) + d.c * a * T * H;
+  // moe category: one chunk's rows at a time (without recompute every chunk's are kept).
+  if (full) {
+    b.moe_fwd = c.moe_fwd;
+    b.moe_rebuild = 0;
+    b.moe_keep = 0;
+    b.moe_bwd = std::max(c.moe_rebuild, c.moe_keep + c.moe_bwd);
+  } else {
+    b.moe_fwd = b.moe_keep - c.moe_keep + c.moe_fwd;
+    b.moe_bwd = c.moe_bwd;
+  }
+  b.moe_after = 0;
   return b;
 }
 
@@ -463,13 +525,15 @@ MemoryEstimate estimate_memory(const RunConfig& cfg, int64_t world_size, const E
   RecomputeParts drop;
   if (policy == RecomputePolicy::selective) drop = recompute_parts(cfg.prim.recompute);
 
+  // [backend] moe_chunk_tokens: the MoE layers' token chunks (runtime/trainer.h moe_token_chunks).
+  const int64_t moe_chunks = cfg.backend.moe_chunk_tokens > 0 ? ceil_div(d.T, cfg.backend.moe_chunk_tokens) : 1;
   std::vector<LayerMem> layers(static_cast<size_t>(nl));
   for (int64_t l = 0; l < nl; ++l) {
     LayerMem& lm = layers[static_cast<size_t>(l)];
     lm.gdn = mc.layer_type(l) == LayerType::linear_attention;
     lm.moe = mc.is_moe_layer(l);
     lm.mix = lm.gdn ? gdn_block(d, drop) : attention_block(d, drop, cfg);
-    lm.mlp = lm.moe ? moe_block(d, drop, cfg, holds) : mlp_block(d, drop);
+    lm.mlp = lm.moe ? moe_block(d, drop, cfg, holds, moe_chunks) : mlp_block(d, drop);
     lm.units = by_layer[static_cast<size_t>(l)];
   }
 
@@ -839,8 +903,13 @@ FitCheck check_fit(const RunConfig& cfg, int64_t world_size, int64_t rank, int64
   std::vector<std::vector<std::string>> tries;
   if (cfg.prim.recompute.value != RecomputePolicy::full) tries.push_back({"primitives.recompute=\"full\""});
   if (cfg.prim.loss.name != "linear_ce") tries.push_back({"primitives.loss=\"linear_ce\""});
-  if (cfg.prim.state.value != StateKind::fsdp) tries.push_back({"primitives.state=\"fsdp\""});
+  // Token-chunked MoE: the routed rows of 32K tokens at a time (same math, about the same time).
   const ParallelLayout& L = e.layout;
+  constexpr int64_t kMoeChunk = 32768;
+  if (cfg.model.num_moe_layers() > 0 && ceil_div(cfg.micro_batch_tokens, L.cp) > kMoeChunk &&
+      (cfg.backend.moe_chunk_tokens == 0 || cfg.backend.moe_chunk_tokens > kMoeChunk))
+    tries.push_back({"backend.moe_chunk_tokens=" + std::to_string(kMoeChunk)});
+  if (cfg.prim.state.value != StateKind::fsdp) tries.push_back({"primitives.state=\"fsdp\""});
   if (cfg.model.num_experts > 0)
     for (int64_t ep = L.ep * 2; ep <= L.dp * L.cp; ep *= 2)
       if (cfg.model.num_experts % ep == 0 && (L.dp * L.cp) % ep == 0) {
@@ -872,6 +941,7 @@ FitCheck check_fit(const RunConfig& cfg, int64_t world_size, int64_t rank, int64
         }
         else if (key == "train.micro_batch_tokens") c.micro_batch_tokens = std::stoll(val);
         else if (key == "train.grad_accum") c.grad_accum = std::stoll(val);
+        else if (key == "backend.moe_chunk_tokens") c.backend.moe_chunk_tokens = std::stoll(val);
       }
       EstimateOptions o;
       o.rank = rank;
@@ -915,7 +985,7 @@ FitCheck check_fit(const RunConfig& cfg, int64_t world_size, int64_t rank, int64
   if (!fix.empty())
     msg += "The nearest setting that fits (predicted " + format_bytes(fix_peak) + "):" + fix + "\n";
   else
-    msg += "No single change of recompute, loss, state, ep, cp or micro-batch size fits; use more GPUs.\n";
+    msg += "No single change of recompute, loss, MoE token chunks, state, ep, cp or micro-batch size fits; use more GPUs.\n";
   msg += "To start anyway: bumblebee train --force (train.memory_check = \"warn\").";
   fc.message = msg;
   return fc;

@@ -22,6 +22,7 @@
 #include "io/fs.h"
 #include "io/safetensors.h"
 #include "models/hf_io.h"
+#include "models/moe_block.h"
 #include "plan/estimate.h"
 #include "primitives/moe/router.h"
 #include "primitives/optim/adamw.h"
@@ -218,11 +219,25 @@ ModelOptions model_options(const RunConfig& c) {
   o.device = c.resolved_device();
   o.param_dtype = c.resolved_param_dtype();
   o.expert_wgrad_stream = c.backend.expert_wgrad_stream;
+  o.moe_token_chunks = moe_token_chunks(c, std::max<int64_t>(1, c.cp));
   // The start is sharded: the state family allocates and fills only what this rank holds (an
   // fsdp rank never holds a whole unit), from the initialisation or from the hf: checkpoint's
   // ranges.
   o.defer_values = true;
   return o;
+}
+
+int64_t moe_token_chunks(const RunConfig& c, int64_t cp) {
+  const int64_t chunk = c.backend.moe_chunk_tokens;
+  if (chunk <= 0) return 1;
+  BB_CHECK(cp >= 1, "moe_token_chunks: cp = ", cp);
+  const int64_t per_rank = (c.micro_batch_tokens + cp - 1) / cp;
+  const int64_t n = (per_rank + chunk - 1) / chunk;
+  BB_CHECK(n <= kMaxMoeTokenChunks, "backend.moe_chunk_tokens = ", chunk, " cuts the ", per_rank,
+           " tokens per rank (train.micro_batch_tokens / cp) into ", n, " MoE chunks, more than the ",
+           kMaxMoeTokenChunks, " a layer accepts; raise backend.moe_chunk_tokens to at least ",
+           (per_rank + kMaxMoeTokenChunks - 1) / kMaxMoeTokenChunks);
+  return n;
 }
 
 MicroBatch to_device(MicroBatch mb, Device d) {
@@ -418,6 +433,14 @@ Trainer::Trainer(const RunConfig& cfg_in, FILE* log, Corpus corpus, comm::GroupP
                    "routing is balanced and every peer is a copy of this rank, so losses are not the real job's\n",
                    p, cfg.emulate.str().c_str());
     std::fprintf(log_, "%s[startup] backend: %s\n", p, cfg.backend.summary().c_str());
+    if (cfg.backend.moe_chunk_tokens > 0 && cfg.model.num_moe_layers() > 0) {
+      const int64_t n = moe_token_chunks(cfg, layout.cp);
+      const int64_t per_rank = (cfg.micro_batch_tokens + layout.cp - 1) / layout.cp;
+      std::fprintf(log_, "%s[startup] MoE token chunks: %lld per layer of <= %lld tokens (%lld tokens per rank, "
+                   "backend.moe_chunk_tokens = %lld)\n", p, static_cast<long long>(n),
+                   static_cast<long long>((per_rank + n - 1) / n), static_cast<long long>(per_rank),
+                   static_cast<long long>(cfg.backend.moe_chunk_tokens));
+    }
     std::fflush(log_);
   }
   build_model(emulated);
@@ -496,6 +519,7 @@ Trainer::Trainer(const RunConfig& cfg_in, FILE* log, Corpus corpus, comm::GroupP
 // The model and its schedule (the constructor; onload() again).
 void Trainer::build_model(bool emulated) {
   ModelOptions mo = model_options(cfg_);
+  mo.moe_token_chunks = moe_token_chunks(cfg_, mesh_->layout().cp);
   mo.ep_group = mesh_->ep();  // the MoE dispatchers move rows over the mesh's expert-parallel group
   mo.cp_group = mesh_->cp();  // the attention members over its context-parallel group
   model_ = std::make_unique<DecoderModel>(cfg_.model, mo, cfg_.seed);

@@ -310,6 +310,11 @@ DataLoader whole_loader(const RunConfig& cfg, Corpus docs);
 // The model options of a run config (primitives, loss coefficients, device and dtype; values
 // deferred: the state family, or the forward-only runner, allocates what each rank holds).
 ModelOptions model_options(const RunConfig& c);
+// The MoE layers' token chunks for [backend] moe_chunk_tokens on a rank of a context-parallel
+// group of `cp` ranks: ceil(ceil(micro_batch_tokens / cp) / moe_chunk_tokens), the same on every
+// rank (expert parallelism needs every rank to make the same dispatcher calls); 1 when off.
+// Throws naming the keys when that is more chunks than a layer accepts.
+int64_t moe_token_chunks(const RunConfig& c, int64_t cp);
 
 // "12.3K", "4.56M" style for log lines.
 std::string human_count(double v);

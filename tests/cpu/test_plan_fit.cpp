@@ -46,6 +46,24 @@ TEST(PlanFit, AMillionTokensWithoutRecomputeIsRefusedWithASettingThatFits) {
   EXPECT_TRUE(again.fits) << again.message;
 }
 
+// The Qwen3-30B-A3B slice at 512K tokens under full recompute: the routed rows of the whole
+// micro-batch (48 GiB of moe buffers predicted) do not fit 140 GiB; the check names token-chunked
+// MoE as the nearest setting, which fits with the moe category bounded by one 32K-token chunk.
+TEST(PlanFit, HalfAMillionTokensFitWithMoeTokenChunks) {
+  const std::vector<std::string> set = {"train.micro_batch_tokens=524288", "primitives.permute=\"memory_efficient\"",
+                                        "primitives.optimizer=\"adamw_bf16_moments\""};
+  const plan::FitCheck fc = plan::check_fit(load("configs/qwen3-30b-a3b-4layer-gpu.toml", set), 1, 0, 140 * GiB);
+  ASSERT_FALSE(fc.fits);
+  const std::vector<std::string> fix = suggested(fc.message);
+  ASSERT_EQ(fix, std::vector<std::string>{"backend.moe_chunk_tokens=32768"}) << fc.message;
+  std::vector<std::string> with = set;
+  with.insert(with.end(), fix.begin(), fix.end());
+  const plan::FitCheck again = plan::check_fit(load("configs/qwen3-30b-a3b-4layer-gpu.toml", with), 1, 0, 140 * GiB);
+  EXPECT_TRUE(again.fits) << again.message;
+  EXPECT_GT(fc.estimate.peak[MemCategory::moe], 40 * GiB);
+  EXPECT_LT(again.estimate.peak[MemCategory::moe], 4 * GiB);
+}
+
 TEST(PlanFit, TheShippedSliceFitsAndTheCheckIsMonotone) {
   const RunConfig cfg = load("configs/qwen3-30b-a3b-4layer-gpu.toml");
   const plan::FitCheck fc = plan::check_fit(cfg, 1, 0, 140 * GiB);

@@ -83,6 +83,51 @@ TEST(ModelGpu, RecomputeFullGivesTheSameGradientsOnGpu) {
   }
 }
 
+// Token-chunked MoE on the GPU ([backend] moe_chunk_tokens = 128: 4 chunks of the 512-token
+// micro-batch) under full recompute, with either permute: the loss of the unchunked run (every
+// token's rows are the same; printed whether bitwise), every gradient within bf16-level noise
+// (the experts' weight gradient is summed chunk by chunk), a moe peak under half the unchunked
+// one, and no host synchronisation in the recompute (the chunks' counts are stashed; the
+// training forward reads each chunk's counts once).
+TEST(ModelGpu, TokenChunkedMoeMatchesUnchunked) {
+  BB_REQUIRE_GPU();
+  char tmpl[] = "/tmp/bb_model_gpu_XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  const std::string run = tiny_run(dir);
+  for (const char* permute : {"memory_efficient", "standard"}) {
+    SCOPED_TRACE(permute);
+    const std::vector<std::string> common = {"parallel.device=\"cuda\"", "train.steps=3", "primitives.recompute=\"full\"",
+                                             std::string("primitives.permute=\"") + permute + "\""};
+    std::vector<std::string> chunked = common;
+    chunked.push_back("backend.moe_chunk_tokens=128");
+    Trainer a(load_run_config(run, common), nullptr);
+    Trainer b(load_run_config(run, chunked), nullptr);
+    for (int i = 0; i < 3; ++i) {
+      const StepMetrics x = a.train_step(), y = b.train_step();
+      EXPECT_NEAR(x.loss, y.loss, 1e-6 * std::fabs(x.loss)) << "step " << i + 1;
+      EXPECT_LT(y.mem.peak_of(MemCategory::moe), x.mem.peak_of(MemCategory::moe) / 2) << "step " << i + 1;
+      std::vector<Param*> pa = a.model().params(), pb = b.model().params();
+      ASSERT_EQ(pa.size(), pb.size());
+      double worst = 0;
+      for (size_t j = 0; j < pa.size(); ++j) {
+        const std::vector<float> ga = pa[j]->grad.to_floats(), gb = pb[j]->grad.to_floats();
+        double na = 0;
+        for (float g : ga) na += double(g) * g;
+        if (na == 0) continue;
+        const double e = test::rel_error(gb, ga);
+        worst = std::max(worst, e);
+        EXPECT_LT(e, 5e-3) << "step " << i + 1 << ": gradient of " << pa[j]->name;
+      }
+      std::printf("%s step %d: loss %.9f vs %.9f (%s), worst gradient rel. diff %.2e, moe peak %lld vs %lld B, "
+                  "host syncs %lld vs %lld\n",
+                  permute, i + 1, x.loss, y.loss, x.loss == y.loss ? "bitwise" : "not bitwise", worst,
+                  static_cast<long long>(y.mem.peak_of(MemCategory::moe)),
+                  static_cast<long long>(x.mem.peak_of(MemCategory::moe)), static_cast<long long>(y.host_syncs),
+                  static_cast<long long>(x.host_syncs));
+    }
+  }
+}
+
 // On one rank each unit's sum of squares runs on the copy stream as soon as its layer's backward
 // is done (ModelState::early_norm): the step's grad norm must be bitwise the norm of the
 // gradients the step left, summed unit by unit with the same kernels, with the early sums on

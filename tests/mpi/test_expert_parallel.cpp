@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <tuple>
 
 #include "common/mpi_main.h"
 #include "common/testing.h"
@@ -224,6 +225,59 @@ TEST(ExpertParallel, ChunkedEqualsAllToAllBitForBitWithGroupedExperts) {
     for (size_t i = 0; i < t.model().units().size(); ++i)
       EXPECT_EQ(t.state().gather_master(i).to_floats(), a.state().gather_master(i).to_floats())
           << t.model().units()[i]->name;
+  }
+}
+
+// Token-chunked MoE ([backend] moe_chunk_tokens) under expert parallelism: every rank makes the
+// same dispatcher calls whatever its own token count (the packed micro-batches of 80-token
+// budgets differ per rank), so 30 tokens per chunk (3 chunks) and 1 (80 chunks: every rank has
+// chunks without tokens, which still join the all-to-alls with zero rows) run, under full
+// recompute (each chunk rebuilt in the backward) and without, with either permute and with
+// chunked_alltoall:2 inside the chunks. The first step's forward is alltoall's without chunks bit
+// for bit (loss, aux loss, routing); the experts' weight gradient then adds its rows in another
+// order (chunk by chunk, each chunk's rows from every source rank, instead of all of one source
+// rank's rows first), so later steps agree to 1e-6 relative, the bound the dispatcher members
+// meet against the single-rank run.
+TEST(ExpertParallel, TokenChunkedMoeEqualsUnchunked) {
+  if (ep_degrees().empty()) GTEST_SKIP() << "needs 2 or 4 ranks";
+  TestRun run = make_run("ep_token_chunks");
+  const int64_t ep = ep_degrees().back();
+  const std::string grouped = "primitives.experts=\"grouped\"";
+  for (const auto& [recompute, permute, dispatch] :
+       {std::tuple{"full", "memory_efficient", "alltoall"}, std::tuple{"full", "standard", "chunked_alltoall:2"},
+        std::tuple{"none", "memory_efficient", "chunked_alltoall:2"}}) {
+    const std::vector<std::string> common = {grouped, ov_ep(ep), ov_dispatch(dispatch),
+                                             std::string("primitives.recompute=\"") + recompute + "\"",
+                                             std::string("primitives.permute=\"") + permute + "\""};
+    Trainer a(config(run, common), nullptr, Corpus{}, world());
+    const std::vector<StepMetrics> want = train(a, 3);
+    for (const char* chunk : {"30", "1"}) {
+      SCOPED_TRACE(std::string(recompute) + " " + permute + " " + dispatch + ", moe_chunk_tokens " + chunk);
+      std::vector<std::string> ov = common;
+      ov.push_back(std::string("backend.moe_chunk_tokens=") + chunk);
+      Trainer t(config(run, ov), nullptr, Corpus{}, world());
+      const std::vector<StepMetrics> got = train(t, 3);
+      ASSERT_EQ(got.size(), want.size());
+      EXPECT_EQ(got[0].loss, want[0].loss);
+      EXPECT_EQ(got[0].aux_loss, want[0].aux_loss);
+      EXPECT_EQ(got[0].routing, want[0].routing);
+      for (size_t s = 0; s < got.size(); ++s) {
+        EXPECT_LT(rel(got[s].loss, want[s].loss), 1e-6) << "step " << s + 1;
+        EXPECT_LT(rel(got[s].aux_loss, want[s].aux_loss), 1e-6) << "step " << s + 1;
+        EXPECT_LT(rel(got[s].grad_norm, want[s].grad_norm), 1e-6) << "step " << s + 1;
+        if (world()->rank() == 0)
+          std::printf("step %zu: loss %.3e, grad norm %.3e relative to unchunked\n", s + 1,
+                      rel(got[s].loss, want[s].loss), rel(got[s].grad_norm, want[s].grad_norm));
+      }
+      const int64_t chunks = std::string(chunk) == "1" ? 80 : 3;
+      for (Layer& L : t.model().layers())
+        for (auto& b : L.blocks)
+          if (auto* moe = dynamic_cast<MoeBlock*>(b.get())) {
+            EXPECT_EQ(moe->config().token_chunks, chunks);
+            // Every chunk is dispatched in every training forward, by every rank.
+            EXPECT_EQ(moe->dispatcher().counts().forwards % chunks, 0);
+          }
+    }
   }
 }
 

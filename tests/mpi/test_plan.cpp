@@ -133,6 +133,24 @@ TEST(Plan, MoeActivationsOfAnEmulatedRankWithin2Percent) {
                             "primitives.recompute=\"" + std::string(rc) + "\"", "parallel.ep=" + std::to_string(ranks),
                             "primitives.state=\"fsdp\""}});
         }
+  // Token-chunked MoE ([backend] moe_chunk_tokens): 96 tokens in 3 or 5 chunks.
+  for (int64_t ranks : {1, 2})
+    for (const char* disp : {"alltoall", "chunked_alltoall:2"})
+      for (const char* perm : {"standard", "memory_efficient"})
+        for (const char* rc : {"none", "full", "selective:moe_experts"})
+          for (const char* chunk : {"32", "20"}) {
+            if (ranks == 1 && std::string(disp) != "alltoall") continue;
+            cases.push_back({std::to_string(ranks) + " ranks " + disp + " " + perm + " " + rc + ", moe chunks of " + chunk,
+                             model, ranks,
+                             {"primitives.moe_dispatch=\"" + std::string(disp) + "\"",
+                              "primitives.permute=\"" + std::string(perm) + "\"",
+                              "primitives.recompute=\"" + std::string(rc) + "\"", "parallel.ep=" + std::to_string(ranks),
+                              "primitives.state=\"fsdp\"", std::string("backend.moe_chunk_tokens=") + chunk}});
+          }
+  for (const char* rc : {"none", "full"})
+    cases.push_back({std::string("qwen3.5 2 ranks ") + rc + ", moe chunks of 40", q35, 2,
+                     {"primitives.recompute=\"" + std::string(rc) + "\"", "parallel.ep=2", "primitives.state=\"fsdp\"",
+                      "backend.moe_chunk_tokens=40"}});
   for (const char* rc : {"none", "full"})
     cases.push_back({std::string("qwen3.5 2 ranks ") + rc, q35, 2,
                      {"primitives.recompute=\"" + std::string(rc) + "\"", "parallel.ep=2", "primitives.state=\"fsdp\""}});
