@@ -134,11 +134,9 @@ Calibration calibrate(Device dev, bool quick, const std::function<void(const std
     c.grouped_tflops = curve_of(pts);
   }
 
-  // Causal attention, one sequence.
-  {
-    const int64_t Hq = quick ? 4 : 32, Hkv = quick ? 2 : 4, D = quick ? 32 : 128;
-    c.attn_heads = Hq;
-    c.attn_head_dim = D;
+  // Causal attention, one sequence, at head dim 128 (32 q / 4 kv heads) and at Qwen3.5's 256
+  // (16 q / 2 kv heads): cuDNN's rate differs by head dim.
+  auto attention_rates = [&](int64_t Hq, int64_t Hkv, int64_t D, Curve& fwd_curve, Curve& bwd_curve) {
     const std::vector<int64_t> seqs =
         quick ? std::vector<int64_t>{64, 256} : std::vector<int64_t>{4096, 8192, 16384, 32768, 65536, 131072};
     std::vector<std::pair<double, double>> fwd, bwd;
@@ -162,12 +160,23 @@ Calibration calibrate(Device dev, bool quick, const std::function<void(const std
       const double b = std::max(both - f, 1e-9);
       fwd.push_back({static_cast<double>(S), fl / f / 1e12});
       bwd.push_back({static_cast<double>(S), 2.5 * fl / b / 1e12});
-      std::snprintf(buf, sizeof buf, "attention: %lld tokens, forward %.1f, backward %.1f TFLOP/s",
-                    static_cast<long long>(S), fl / f / 1e12, 2.5 * fl / b / 1e12);
+      std::snprintf(buf, sizeof buf, "attention (head dim %lld): %lld tokens, forward %.1f, backward %.1f TFLOP/s",
+                    static_cast<long long>(D), static_cast<long long>(S), fl / f / 1e12, 2.5 * fl / b / 1e12);
       say(buf);
     }
-    c.attn_fwd_tflops = curve_of(fwd);
-    c.attn_bwd_tflops = curve_of(bwd);
+    fwd_curve = curve_of(fwd);
+    bwd_curve = curve_of(bwd);
+  };
+  {
+    const int64_t Hq = quick ? 4 : 32, Hkv = quick ? 2 : 4, D = quick ? 32 : 128;
+    c.attn_heads = Hq;
+    c.attn_head_dim = D;
+    attention_rates(Hq, Hkv, D, c.attn_fwd_tflops, c.attn_bwd_tflops);
+    Calibration::AttentionRates r;
+    r.heads = quick ? 2 : 16;
+    r.head_dim = quick ? 64 : 256;
+    attention_rates(r.heads, quick ? 1 : 2, r.head_dim, r.fwd_tflops, r.bwd_tflops);
+    c.attn_by_head_dim.push_back(r);
   }
 
   // The Gated DeltaNet rule (CUDA; on the CPU only a smoke size).

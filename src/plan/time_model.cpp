@@ -69,6 +69,13 @@ void Calibration::validate(const std::string& where) const {
   check_curve(grouped_tflops, where, "grouped_tflops");
   check_curve(attn_fwd_tflops, where, "attn_fwd_tflops");
   check_curve(attn_bwd_tflops, where, "attn_bwd_tflops");
+  for (const AttentionRates& r : attn_by_head_dim) {
+    BB_CHECK(r.head_dim > 0 && r.heads > 0, where, ": attention_head_dims entries need head_dim and heads > 0, got ",
+             r.head_dim, " and ", r.heads);
+    const std::string n = "attention_head_dims[head_dim " + std::to_string(r.head_dim) + "]";
+    check_curve(r.fwd_tflops, where, (n + ".fwd_tflops").c_str());
+    check_curve(r.bwd_tflops, where, (n + ".bwd_tflops").c_str());
+  }
   check_curve(gdn_fwd_ns, where, "gdn_fwd_ns");
   check_curve(gdn_bwd_ns, where, "gdn_bwd_ns");
   BB_CHECK(elementwise_gbps > 0 && std::isfinite(elementwise_gbps), where, ": elementwise_gbps must be > 0, got ",
@@ -85,6 +92,13 @@ nlohmann::json Calibration::to_json() const {
   j["grouped_tflops"] = curve_json(grouped_tflops);
   j["attn_fwd_tflops"] = curve_json(attn_fwd_tflops);
   j["attn_bwd_tflops"] = curve_json(attn_bwd_tflops);
+  if (!attn_by_head_dim.empty()) {
+    nlohmann::json a = nlohmann::json::array();
+    for (const AttentionRates& r : attn_by_head_dim)
+      a.push_back({{"head_dim", r.head_dim}, {"heads", r.heads}, {"fwd_tflops", curve_json(r.fwd_tflops)},
+                   {"bwd_tflops", curve_json(r.bwd_tflops)}});
+    j["attention_head_dims"] = a;
+  }
   j["gdn_fwd_ns"] = curve_json(gdn_fwd_ns);
   j["gdn_bwd_ns"] = curve_json(gdn_bwd_ns);
   j["elementwise_gbps"] = elementwise_gbps;
@@ -106,6 +120,21 @@ Calibration Calibration::from_json(const nlohmann::json& j, const std::string& w
   c.grouped_tflops = curve_from(j, "grouped_tflops", where);
   c.attn_fwd_tflops = curve_from(j, "attn_fwd_tflops", where);
   c.attn_bwd_tflops = curve_from(j, "attn_bwd_tflops", where);
+  if (j.contains("attention_head_dims")) {
+    BB_CHECK(j["attention_head_dims"].is_array(), where, ": attention_head_dims must be an array");
+    for (const auto& e : j["attention_head_dims"]) {
+      BB_CHECK(e.is_object() && e.contains("head_dim") && e["head_dim"].is_number_integer() && e.contains("heads") &&
+                   e["heads"].is_number_integer(),
+               where, ": each attention_head_dims entry needs integers head_dim and heads");
+      AttentionRates r;
+      r.head_dim = e["head_dim"].get<int64_t>();
+      r.heads = e["heads"].get<int64_t>();
+      const std::string w = where + ", attention_head_dims[head_dim " + std::to_string(r.head_dim) + "]";
+      r.fwd_tflops = curve_from(e, "fwd_tflops", w);
+      r.bwd_tflops = curve_from(e, "bwd_tflops", w);
+      c.attn_by_head_dim.push_back(r);
+    }
+  }
   c.gdn_fwd_ns = curve_from(j, "gdn_fwd_ns", where);
   c.gdn_bwd_ns = curve_from(j, "gdn_bwd_ns", where);
   BB_CHECK(j.contains("elementwise_gbps") && j["elementwise_gbps"].is_number() && j.contains("copy_gbps") &&
@@ -146,17 +175,24 @@ void Calibration::save(const std::string& path) const {
 const Calibration& Calibration::builtin() {
   static const Calibration c = [] {
     Calibration k;
-    // `bumblebee plan --calibrate` on an H100 80GB HBM3, 2026-12-06 (rounded to 4 digits).
+    // `bumblebee plan --calibrate` on an H100 80GB HBM3, 2026-12-06, with attention at head dims 128
+    // and 256 (rounded to 4 digits).
     k.device = "NVIDIA H100 80GB HBM3";
-    k.source = "bumblebee plan --calibrate, 2026-12-06 (bench/results/2026-12-06-h100-plan-time.md)";
-    k.gemm_tflops.pts = {{5.369e+08, 28.79}, {2.147e+09, 105.9}, {8.59e+09, 286.4}, {1.718e+10, 387.7}, {3.436e+10, 580.4}, {5.154e+10, 628.9}, {6.872e+10, 664.6}, {1.374e+11, 741.4}, {2.062e+11, 752.8}, {2.749e+11, 760.9}, {5.498e+11, 776.9}, {8.246e+11, 784.7}, {1.1e+12, 759.2}, {1.649e+12, 792.1}};
-    k.grouped_tflops.pts = {{32, 36.11}, {128, 135.5}, {512, 375.1}, {2048, 563.7}, {8192, 572.2}};
-    k.attn_fwd_tflops.pts = {{4096, 503.2}, {8192, 613.3}, {1.638e+04, 661.5}, {3.277e+04, 624.7}, {6.554e+04, 616.9}, {1.311e+05, 555.1}};
-    k.attn_bwd_tflops.pts = {{4096, 424.1}, {8192, 518.5}, {1.638e+04, 576.3}, {3.277e+04, 544.1}, {6.554e+04, 532.6}, {1.311e+05, 534.6}};
-    k.gdn_fwd_ns.pts = {{4096, 2.479}, {1.638e+04, 1.976}, {6.554e+04, 1.812}, {1.311e+05, 1.806}};
-    k.gdn_bwd_ns.pts = {{4096, 7.527}, {1.638e+04, 6.273}, {6.554e+04, 7.277}, {1.311e+05, 7.739}};
-    k.elementwise_gbps = 3148;
-    k.copy_gbps = 2993;
+    k.source = "bumblebee plan --calibrate, 2026-12-06 (bench/results/2026-12-06-h100-attention-head-dim.md)";
+    k.gemm_tflops.pts = {{5.369e+08, 25.48}, {2.147e+09, 101}, {8.59e+09, 267.2}, {1.718e+10, 372.1}, {3.436e+10, 558.4}, {5.154e+10, 620.9}, {6.872e+10, 650.7}, {1.374e+11, 730.2}, {2.062e+11, 745.8}, {2.749e+11, 744}, {5.498e+11, 768.5}, {8.246e+11, 779.6}, {1.1e+12, 756.7}, {1.649e+12, 788}};
+    k.grouped_tflops.pts = {{32, 36.1}, {128, 135.9}, {512, 371}, {2048, 588.5}, {8192, 581.2}};
+    k.attn_fwd_tflops.pts = {{4096, 499.9}, {8192, 607.7}, {1.638e+04, 657.8}, {3.277e+04, 638}, {6.554e+04, 625.3}, {1.311e+05, 554.8}};
+    k.attn_bwd_tflops.pts = {{4096, 422.8}, {8192, 518.6}, {1.638e+04, 526.1}, {3.277e+04, 541}, {6.554e+04, 525.8}, {1.311e+05, 538.2}};
+    Calibration::AttentionRates d256;
+    d256.head_dim = 256;
+    d256.heads = 16;
+    d256.fwd_tflops.pts = {{4096, 488.9}, {8192, 621.7}, {1.638e+04, 688}, {3.277e+04, 697.9}, {6.554e+04, 613}, {1.311e+05, 569.3}};
+    d256.bwd_tflops.pts = {{4096, 334.1}, {8192, 401.6}, {1.638e+04, 373.3}, {3.277e+04, 380.5}, {6.554e+04, 382.6}, {1.311e+05, 379.6}};
+    k.attn_by_head_dim.push_back(d256);
+    k.gdn_fwd_ns.pts = {{4096, 2.64}, {1.638e+04, 2.336}, {6.554e+04, 1.851}, {1.311e+05, 1.848}};
+    k.gdn_bwd_ns.pts = {{4096, 7.814}, {1.638e+04, 6.108}, {6.554e+04, 7.348}, {1.311e+05, 7.759}};
+    k.elementwise_gbps = 3149;
+    k.copy_gbps = 2996;
     k.grouped_hidden = 2048;
     k.grouped_ffn = 768;
     k.attn_heads = 32;
@@ -167,6 +203,16 @@ const Calibration& Calibration::builtin() {
     return k;
   }();
   return c;
+}
+
+std::pair<const Curve*, const Curve*> Calibration::attention_curves(int64_t d, bool* exact) const {
+  for (const AttentionRates& r : attn_by_head_dim)
+    if (r.head_dim == d) {
+      if (exact) *exact = true;
+      return {&r.fwd_tflops, &r.bwd_tflops};
+    }
+  if (exact) *exact = attn_head_dim == d;
+  return {&attn_fwd_tflops, &attn_bwd_tflops};
 }
 
 double adamw_update_bytes(OptimizerKind opt, DType param_dtype, const std::string& master_storage) {
@@ -295,8 +341,9 @@ TimeEstimate estimate_time(const RunConfig& cfg, const MemoryEstimate& mem, cons
       // The causal core: this rank's share of the sequence's query-key pairs (cp ranks split them
       // evenly), at the rate of its T tokens.
       const double fl = 4.0 * (seq * seq / 2) * Hq * D / cp;
-      lt.attn_fwd = fl / (cal.attn_fwd_tflops.at(T) * 1e12);
-      lt.attn_bwd = 2.5 * fl / (cal.attn_bwd_tflops.at(T) * 1e12);
+      const auto [afwd, abwd] = cal.attention_curves(D);
+      lt.attn_fwd = fl / (afwd->at(T) * 1e12);
+      lt.attn_bwd = 2.5 * fl / (abwd->at(T) * 1e12);
       lt.fwd.attn += lt.attn_fwd, lt.rec.attn += lt.attn_fwd, lt.bwd.attn += lt.attn_bwd;
       lt.fwd.flops += fl, lt.rec.flops += fl, lt.bwd.flops += 2 * fl;
     }
@@ -470,10 +517,13 @@ TimeEstimate estimate_time(const RunConfig& cfg, const MemoryEstimate& mem, cons
     te.assumptions.push_back("chunked all-to-all: the expert GEMMs run at full speed beside the wire (a collective "
                              "that shares the SMs slows them; measured in bench/results/2026-12-05-h200-emulated.md)");
   if (te.wire_s > 0) te.assumptions.push_back("wire times from the [emulate] link model: " + cfg.emulate.link.str());
-  if (cal.attn_head_dim > 0 && mc.num_layers > mc.num_linear_attention_layers() && mc.head_dim != cal.attn_head_dim)
+  bool attn_exact = true;
+  (void)cal.attention_curves(mc.head_dim, &attn_exact);
+  if (cal.attn_head_dim > 0 && mc.num_layers > mc.num_linear_attention_layers() && !attn_exact)
     te.assumptions.push_back("attention priced at the calibrated head dim " + std::to_string(cal.attn_head_dim) +
                              "; this model's is " + std::to_string(mc.head_dim) +
-                             " (cuDNN ran head dim 256 at about 2/3 of the rate of 128 on an H100: skills/planner.md)");
+                             " (no curve for it in the calibration; on an H100 cuDNN's backward ran head dim 256 at "
+                             "0.70-0.79 of the rate of 128: skills/planner.md)");
   return te;
 }
 

@@ -38,6 +38,15 @@ struct Calibration {
   Curve grouped_tflops;  // expert GEMMs, forward + data and weight gradients: x = rows per expert
   Curve attn_fwd_tflops; // causal attention forward (4 (S^2 / 2) Hq D FLOPs): x = tokens of the sequence
   Curve attn_bwd_tflops; // its backward (2.5 x the forward's FLOPs)
+  // Attention at further head dims (plan --calibrate measures 256, Qwen3.5's, beside 128): a
+  // model whose head dim is listed is priced with its own curves; otherwise with the ones above.
+  struct AttentionRates {
+    int64_t head_dim = 0, heads = 0;
+    Curve fwd_tflops, bwd_tflops;
+  };
+  std::vector<AttentionRates> attn_by_head_dim;
+  // The forward and backward curves for head dim `d`, and whether they were measured at it.
+  std::pair<const Curve*, const Curve*> attention_curves(int64_t d, bool* exact = nullptr) const;
   Curve gdn_fwd_ns;      // Gated DeltaNet rule forward: ns per token and value head; x = tokens
   Curve gdn_bwd_ns;      // its backward
   double elementwise_gbps = 0;  // norms, activations, permutes: bytes read + written per ns

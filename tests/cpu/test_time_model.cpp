@@ -92,6 +92,52 @@ TEST(TimeModel, CalibrationRoundTripsAndRejectsBadFiles) {
   std::filesystem::remove_all(dir);
 }
 
+// A calibration with attention curves at head dim 256 prices a head-dim-256 model's attention at
+// them (here half the head-dim-128 rate: twice the attention time, nothing else changes) and says
+// nothing about the head dim; without them it uses the 128 curves and says so. The entries round
+// trip through JSON; a bad entry is an error naming it.
+TEST(TimeModel, AttentionIsPricedAtTheModelsHeadDimWhenCalibrated) {
+  const RunConfig q35 = gpu_run("configs/models/qwen3.5-35b-a3b-4layer/config.json", 32768);
+  ASSERT_EQ(q35.model.head_dim, 256);
+  plan::Calibration base = plan::Calibration::builtin();
+  base.attn_by_head_dim.clear();
+  plan::Calibration with = base;
+  plan::Calibration::AttentionRates r;
+  r.head_dim = 256;
+  r.heads = 16;
+  r.fwd_tflops = base.attn_fwd_tflops;
+  r.bwd_tflops = base.attn_bwd_tflops;
+  for (auto& p : r.fwd_tflops.pts) p.second /= 2;
+  for (auto& p : r.bwd_tflops.pts) p.second /= 2;
+  with.attn_by_head_dim.push_back(r);
+  const plan::MemoryEstimate m = plan::estimate_memory(q35, 1);
+  const plan::TimeEstimate a = plan::estimate_time(q35, m, base), b = plan::estimate_time(q35, m, with);
+  EXPECT_GT(a.attention, 0);
+  EXPECT_NEAR(b.attention / a.attention, 2.0, 1e-9);
+  EXPECT_NEAR(b.dense_gemm, a.dense_gemm, 1e-12);
+  auto mentions_head_dim = [](const plan::TimeEstimate& t) {
+    for (const std::string& s : t.assumptions)
+      if (s.find("calibrated head dim") != std::string::npos) return true;
+    return false;
+  };
+  EXPECT_TRUE(mentions_head_dim(a));
+  EXPECT_FALSE(mentions_head_dim(b));
+  // A head-dim-128 model is priced as before.
+  const RunConfig q3 = gpu_run("configs/models/qwen3-30b-a3b-4layer/config.json", 32768);
+  const plan::MemoryEstimate m3 = plan::estimate_memory(q3, 1);
+  EXPECT_EQ(plan::estimate_time(q3, m3, base).attention, plan::estimate_time(q3, m3, with).attention);
+  // JSON.
+  const plan::Calibration back = plan::Calibration::from_json(with.to_json(), "test");
+  EXPECT_EQ(back.to_json().dump(), with.to_json().dump());
+  ASSERT_EQ(back.attn_by_head_dim.size(), 1u);
+  nlohmann::json j = with.to_json();
+  j["attention_head_dims"][0]["bwd_tflops"] = nlohmann::json::array({{8192, 1.0}, {4096, 2.0}});
+  test::expect_error_contains([&] { plan::Calibration::from_json(j, "f"); }, "attention_head_dims[head_dim 256]");
+  j = with.to_json();
+  j["attention_head_dims"][0].erase("heads");
+  test::expect_error_contains([&] { plan::Calibration::from_json(j, "f"); }, "needs integers head_dim and heads");
+}
+
 // Every FLOP the model prices, without recompute, equals the model's FLOP count (models/config.cpp
 // model_flops, written independently for the TFLOP/s column): no GEMM left out or counted twice.
 // Under full recompute the extra is one forward of the layers less the experts' fc2.
@@ -174,6 +220,9 @@ TEST(TimeModel, CalibrateRunsOnTheCpu) {
   EXPECT_GE(c.gemm_tflops.pts.size(), 2u);
   EXPECT_EQ(c.grouped_tflops.pts.size(), 2u);
   EXPECT_EQ(c.attn_fwd_tflops.pts.size(), 2u);
+  ASSERT_EQ(c.attn_by_head_dim.size(), 1u);  // a second head dim (256 on a GPU)
+  EXPECT_NE(c.attn_by_head_dim[0].head_dim, c.attn_head_dim);
+  EXPECT_EQ(c.attn_by_head_dim[0].fwd_tflops.pts.size(), 2u);
   EXPECT_EQ(c.gdn_bwd_ns.pts.size(), 2u);
   EXPECT_GT(c.elementwise_gbps, 0);
   EXPECT_GT(c.copy_gbps, 0);
