@@ -85,7 +85,6 @@ LogprobsRunner::LogprobsRunner(const RunConfig& cfg_in, const std::string& weigh
 #endif
   mesh_ = std::make_unique<Mesh>(base, layout);
   ModelOptions mo = model_options(cfg_);
-  mo.moe_token_chunks = moe_token_chunks(cfg_, layout.cp);
   mo.prims.router_replay = false;  // this pass records the routing (R2); it replays none
   mo.ep_group = mesh_->ep();
   mo.cp_group = mesh_->cp();

@@ -219,6 +219,7 @@ ModelOptions model_options(const RunConfig& c) {
   o.device = c.resolved_device();
   o.param_dtype = c.resolved_param_dtype();
   o.expert_wgrad_stream = c.backend.expert_wgrad_stream;
+  // c.cp is the layout's (parallel = "auto" is resolved into the config before the model is built).
   o.moe_token_chunks = moe_token_chunks(c, std::max<int64_t>(1, c.cp));
   // The start is sharded: the state family allocates and fills only what this rank holds (an
   // fsdp rank never holds a whole unit), from the initialisation or from the hf: checkpoint's
@@ -519,7 +520,6 @@ Trainer::Trainer(const RunConfig& cfg_in, FILE* log, Corpus corpus, comm::GroupP
 // The model and its schedule (the constructor; onload() again).
 void Trainer::build_model(bool emulated) {
   ModelOptions mo = model_options(cfg_);
-  mo.moe_token_chunks = moe_token_chunks(cfg_, mesh_->layout().cp);
   mo.ep_group = mesh_->ep();  // the MoE dispatchers move rows over the mesh's expert-parallel group
   mo.cp_group = mesh_->cp();  // the attention members over its context-parallel group
   model_ = std::make_unique<DecoderModel>(cfg_.model, mo, cfg_.seed);
