@@ -282,10 +282,16 @@ int main(int argc, char** argv) {
                       m.step_time_s * 1e3);
           category_table(trace::profile_report(stdout, m.step_time_s * 1e3), cfg, S, m.step_time_s * 1e3);
         }
-        std::fprintf(stderr, "[bench] S=%lld step %lld: %.3fs loss %.4f, peak %.2f GiB, reserved %.2f GiB\n",
+        std::string host_update;  // primitives.optimizer = "adamw_offload": the host's update time so far
+        if (OptimizerOffload* off = tr.state().offload()) {
+          char b[96];
+          std::snprintf(b, sizeof b, ", host update %.3fs on %d threads", off->take_busy_seconds(), off->threads());
+          host_update = b;
+        }
+        std::fprintf(stderr, "[bench] S=%lld step %lld: %.3fs loss %.4f, peak %.2f GiB, reserved %.2f GiB%s\n",
                      static_cast<long long>(S), static_cast<long long>(i + 1), m.step_time_s, m.loss,
                      static_cast<double>(m.mem.peak_total) / double(1 << 30),
-                     static_cast<double>(m.mem.reserved_peak) / double(1 << 30));
+                     static_cast<double>(m.mem.reserved_peak) / double(1 << 30), host_update.c_str());
         if (i >= warmup) ms.push_back(m);
       }
       if (gpu_idle) {

@@ -40,6 +40,8 @@ void BackendConfig::validate(const std::string& where) const {
            " is not in [0, 1000] (0 = no limit)");
   BB_CHECK(moe_chunk_tokens >= 0, "backend.moe_chunk_tokens = ", moe_chunk_tokens, in,
            " must be >= 0 (0 = the whole micro-batch at once)");
+  BB_CHECK(offload_threads >= 0 && offload_threads <= 1024, "backend.offload_threads = ", offload_threads, in,
+           " is not in [0, 1024] (0 = every core but one)");
 }
 
 std::string BackendConfig::summary() const {
@@ -56,7 +58,7 @@ std::string BackendConfig::summary() const {
      << " expert_wgrad_stream=" << (expert_wgrad_stream ? "true" : "false")
      << " grad_reduce_dtype=" << grad_reduce_dtype << " fsdp_reduce=" << fsdp_reduce
      << " pool_cross_stream_reuse=" << (pool_cross_stream_reuse ? "true" : "false")
-     << " moe_chunk_tokens=" << moe_chunk_tokens
+     << " moe_chunk_tokens=" << moe_chunk_tokens << " offload_threads=" << offload_threads
      << " cudnn_library=" << (cudnn_library.empty() ? "(default)" : cudnn_library);
   return os.str();
 }
@@ -77,6 +79,7 @@ void to_json(nlohmann::json& j, const BackendConfig& c) {
                      {"fsdp_reduce", c.fsdp_reduce},
                      {"pool_cross_stream_reuse", c.pool_cross_stream_reuse},
                      {"moe_chunk_tokens", c.moe_chunk_tokens},
+                     {"offload_threads", c.offload_threads},
                      {"cudnn_library", c.cudnn_library}};
 }
 
@@ -102,6 +105,7 @@ void from_json(const nlohmann::json& j, BackendConfig& c) {
       else if (k == "fsdp_reduce") c.fsdp_reduce = it->get<std::string>();
       else if (k == "pool_cross_stream_reuse") c.pool_cross_stream_reuse = it->get<bool>();
       else if (k == "moe_chunk_tokens") c.moe_chunk_tokens = it->get<int64_t>();
+      else if (k == "offload_threads") c.offload_threads = it->get<int64_t>();
       else if (k == "cudnn_library") c.cudnn_library = it->get<std::string>();
       else BB_FAIL("unknown backend setting '", k, "'");
     }

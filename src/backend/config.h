@@ -81,6 +81,10 @@ struct BackendConfig {
   // The same outputs and data gradients; the experts' weight gradient is summed chunk by chunk
   // (rounding only). 0 = off (the whole micro-batch at once). skills/moe-token-chunks.md.
   int64_t moe_chunk_tokens = 0;
+  // primitives.optimizer = "adamw_offload": the host threads that update the offloaded optimizer
+  // state, each pinned to its own core (0 = every core the process may use, less one for the
+  // thread that issues the device work). skills/optimizer-offload.md.
+  int64_t offload_threads = 0;
 
   // Throws bb::Error naming the key (as `backend.<key>` in `where`) when a value is not allowed.
   void validate(const std::string& where) const;

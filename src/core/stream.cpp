@@ -24,6 +24,7 @@ const char* stream_name(Stream s) {
     case Stream::gather: return "gather";
     case Stream::reduce: return "reduce";
     case Stream::cp: return "cp";
+    case Stream::upload: return "upload";
   }
   return "?";
 }

@@ -10,6 +10,9 @@
 //   comm     collectives outside the four classes below (control values, barriers)
 //   wgrad    weight-gradient GEMMs delayed into a communication window
 //   copy     host <-> device transfers (offload, prefetch)
+//   upload   host -> device transfers of state that lives on the host (the new weights of the
+//            optimizer offload), beside the device -> host copies of `copy` (a PCIe link
+//            carries both directions at once)
 //   ep       expert-parallel dispatch and combine (high priority: the experts wait for them)
 //   gather   parameter gathers (FSDP / ZeRO units before their use)
 //   reduce   gradient reductions (reduce-scatter, all-reduce of gradients)
@@ -34,8 +37,8 @@
 
 namespace bb {
 
-enum class Stream : uint8_t { compute = 0, comm, wgrad, copy, ep, gather, reduce, cp };
-constexpr int kNumStreams = 8;
+enum class Stream : uint8_t { compute = 0, comm, wgrad, copy, ep, gather, reduce, cp, upload };
+constexpr int kNumStreams = 9;
 const char* stream_name(Stream s);
 constexpr uint32_t stream_bit(Stream s) { return 1u << static_cast<uint32_t>(s); }
 

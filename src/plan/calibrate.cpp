@@ -18,6 +18,8 @@
 #include "primitives/linear/linear.h"
 #include "primitives/moe/experts.h"
 #include "primitives/norm/rmsnorm.h"
+#include "primitives/optim/adamw.h"
+#include "runtime/optimizer_offload.h"
 
 #ifdef BB_WITH_CUDA
 #include "backend/cuda/runtime.h"
@@ -252,6 +254,40 @@ Calibration calibrate(Device dev, bool quick, const std::function<void(const std
     std::snprintf(buf, sizeof buf, "copy: %.0f GB/s", c.copy_gbps);
     say(buf);
   }
+  // The optimizer offload's host side (runtime/optimizer_offload.h): the host pool's AdamW over
+  // 64 Mi elements with the values rounded to bf16, and page-locked copies each way.
+  {
+    const int64_t n = quick ? (int64_t{1} << 20) : (int64_t{1} << 26);
+    std::vector<float> p(static_cast<size_t>(n), 0.5f), g(static_cast<size_t>(n), 1e-3f), m(static_cast<size_t>(n)),
+        v(static_cast<size_t>(n));
+    std::vector<uint16_t> vals(static_cast<size_t>(n));
+    HostPool pool(HostPool::auto_ranges(0));
+    const AdamWScalars sc = adamw_scalars(1, 1e-4, 0.1, AdamWConfig{});
+    const double s = median_s(Device::cpu(), [&] {
+      pool.run(n, [&](int64_t lo, int64_t hi) {
+        adamw_update_f32_host(p.data() + lo, g.data() + lo, m.data() + lo, v.data() + lo, hi - lo, sc);
+        host_values_from_master(p.data() + lo, vals.data() + lo, DType::bf16, hi - lo, false);
+      });
+    }, reps);
+    c.host_adamw_geps = static_cast<double>(n) / s / 1e9;
+    std::snprintf(buf, sizeof buf, "host AdamW (%d threads): %.2f G elements/s", pool.ranges(), c.host_adamw_geps);
+    say(buf);
+  }
+#ifdef BB_WITH_CUDA
+  if (dev.is_cuda()) {
+    const size_t bytes = quick ? (size_t{1} << 20) : (size_t{1} << 28);
+    void* host = cuda::pinned_alloc(bytes);
+    Tensor d = Tensor::zeros({static_cast<int64_t>(bytes)}, DType::u8, dev, MemCategory::other);
+    const double up = median_s(dev, [&] { cuda::copy_pinned_async(d.raw(), host, bytes); }, reps);
+    const double down = median_s(dev, [&] { cuda::copy_pinned_async(host, d.raw(), bytes); }, reps);
+    cuda::synchronize_device(dev.index);
+    cuda::pinned_free(host);
+    c.pcie_gbps = static_cast<double>(bytes) / std::max(up, down) / 1e9;
+    std::snprintf(buf, sizeof buf, "page-locked copies: %.1f GB/s up, %.1f GB/s down", bytes / up / 1e9,
+                  bytes / down / 1e9);
+    say(buf);
+  }
+#endif
   c.validate("plan --calibrate");
   return c;
 }

@@ -419,7 +419,8 @@ MemoryEstimate estimate_memory(const RunConfig& cfg, int64_t world_size, const E
   mo.cp_group = mesh.cp();
   DecoderModel model(mc, mo, cfg.seed);
   const StateKind kind = cfg.prim.state.value;
-  const bool split = splits_master(cfg.backend.master_storage, param_dtype);
+  const bool offload = offloads_optimizer(cfg.prim.optimizer.value);
+  const bool split = !offload && splits_master(cfg.backend.master_storage, param_dtype);
   const bool bf16_reduce = cfg.backend.grad_reduce_dtype == "bf16";
   // MPI reduces 16-bit floats through f32 host copies (comm/mpi_group.cpp), counted where the
   // device is the CPU; on a GPU those copies are host memory.
@@ -436,6 +437,21 @@ MemoryEstimate estimate_memory(const RunConfig& cfg, int64_t world_size, const E
   state[C::params] = sb.params;
   state[C::grads] = sb.grads;
   state[C::optimizer] = sb.optimizer;
+  if (offload) {
+    // The host holds 16 bytes per element of each master (the whole unit, or the shard's S);
+    // on the CPU that memory is the device's: 12 of them optimizer, the gradient's copy grads.
+    int64_t elems = 0;
+    for (size_t i = 0; i < group_sizes.size(); ++i) {
+      const ParamUnit& pu = *model.units()[i];
+      const bool whole = group_sizes[i] == 1 || kind == StateKind::replicated;
+      elems += whole ? pu.numel : ceil_div(pu.numel, group_sizes[i]);
+    }
+    est.host_optimizer = kOffloadHostBytesPerElement * elems;
+    if (cpu) {
+      state[C::optimizer] += 12 * elems;
+      state[C::grads] += 4 * elems;
+    }
+  }
   // What each unit gathers and reduces (category comm).
   std::vector<UnitMem> units;
   for (ParamUnit* pu : model.units()) {
@@ -470,7 +486,9 @@ MemoryEstimate estimate_memory(const RunConfig& cfg, int64_t world_size, const E
     for (const UnitMem& u : units) {
       const int64_t m = u.whole ? u.n : u.S;
       const bool sp = split && u.vb == 2;
-      state[C::optimizer] += (optimizer_bytes_per_element(cfg.prim.optimizer.value, sp) + (sp ? 2 : 0)) * m;
+      // adamw_offload keeps the backup where its state is: host memory (the device's on the CPU).
+      const int64_t per = offload ? (cpu ? 12 : 0) : optimizer_bytes_per_element(cfg.prim.optimizer.value, sp) + (sp ? 2 : 0);
+      state[C::optimizer] += per * m;
     }
   }
   est.persistent = state;
@@ -816,6 +834,10 @@ MemoryEstimate estimate_memory(const RunConfig& cfg, int64_t world_size, const E
   if (d.cuda)
     est.notes.push_back("workspace counts the persistent GEMM workspaces only (32 MiB per stream that runs GEMMs); "
                         "cuDNN and grouped-GEMM scratch are not modelled");
+  if (est.host_optimizer > 0 && d.cuda)
+    est.notes.push_back("primitives.optimizer = adamw_offload: " + format_bytes(est.host_optimizer) +
+                        " of host memory per rank (f32 master, two f32 moments, the gradient's copy), not in these "
+                        "device categories");
   if (L.cp > 1) est.notes.push_back("tokens per rank are taken as micro_batch_tokens / cp (the cp shards of a packed micro-batch differ by a few tokens)");
   if (d.E > 0)
     est.notes.push_back(opts.expert_load > 1 ? "expert rows per rank: " + std::to_string(opts.expert_load) + " x balanced"
@@ -842,6 +864,7 @@ std::string MemoryEstimate::json() const {
   j["peak_bytes"] = bytes_json(peak, peak_total);
   j["peak_moment"] = peak_moment;
   j["reserved_bytes"] = reserved;
+  j["host_optimizer_bytes"] = host_optimizer;
   nlohmann::json m = nlohmann::json::array();
   for (const Moment& x : moments) m.push_back({{"name", x.name}, {"bytes", bytes_json(x.live, x.live.total())}});
   j["moments"] = m;

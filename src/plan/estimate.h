@@ -103,6 +103,10 @@ struct MemoryEstimate {
   // The allocator's reserved peak, modelled: the live peak plus the pool's growth from memory
   // freed on one stream and not yet reusable by another (skills/planner.md: fragmentation).
   int64_t reserved = 0;
+  // primitives.optimizer = "adamw_offload": the host memory its state takes on this rank (f32
+  // master, two f32 moments and the gradient's copy per owned element; not in the device's
+  // categories when the device is a GPU).
+  int64_t host_optimizer = 0;
   std::vector<std::string> notes;  // approximations that apply to this run
   CommEstimate comm;               // the step's collectives (not overlapped)
 

@@ -81,6 +81,8 @@ void Calibration::validate(const std::string& where) const {
   BB_CHECK(elementwise_gbps > 0 && std::isfinite(elementwise_gbps), where, ": elementwise_gbps must be > 0, got ",
            elementwise_gbps);
   BB_CHECK(copy_gbps > 0 && std::isfinite(copy_gbps), where, ": copy_gbps must be > 0, got ", copy_gbps);
+  BB_CHECK(host_adamw_geps >= 0 && std::isfinite(host_adamw_geps) && pcie_gbps >= 0 && std::isfinite(pcie_gbps), where,
+           ": host_adamw_geps and pcie_gbps must be >= 0 (0 = not measured), got ", host_adamw_geps, " and ", pcie_gbps);
 }
 
 nlohmann::json Calibration::to_json() const {
@@ -103,6 +105,8 @@ nlohmann::json Calibration::to_json() const {
   j["gdn_bwd_ns"] = curve_json(gdn_bwd_ns);
   j["elementwise_gbps"] = elementwise_gbps;
   j["copy_gbps"] = copy_gbps;
+  if (host_adamw_geps > 0) j["host_adamw_geps"] = host_adamw_geps;
+  if (pcie_gbps > 0) j["pcie_gbps"] = pcie_gbps;
   j["shapes"] = {{"grouped_hidden", grouped_hidden}, {"grouped_ffn", grouped_ffn},   {"attn_heads", attn_heads},
                  {"attn_head_dim", attn_head_dim},   {"gdn_key_dim", gdn_key_dim},   {"gdn_value_dim", gdn_value_dim}};
   return j;
@@ -142,6 +146,10 @@ Calibration Calibration::from_json(const nlohmann::json& j, const std::string& w
            where, ": calibration needs numbers elementwise_gbps and copy_gbps");
   c.elementwise_gbps = j["elementwise_gbps"].get<double>();
   c.copy_gbps = j["copy_gbps"].get<double>();
+  for (const char* k : {"host_adamw_geps", "pcie_gbps"})
+    BB_CHECK(!j.contains(k) || j[k].is_number(), where, ": ", k, " must be a number");
+  c.host_adamw_geps = j.value("host_adamw_geps", 0.0);
+  c.pcie_gbps = j.value("pcie_gbps", 0.0);
   if (j.contains("shapes") && j["shapes"].is_object()) {
     const auto& s = j["shapes"];
     c.grouped_hidden = s.value("grouped_hidden", int64_t{0});
@@ -193,6 +201,10 @@ const Calibration& Calibration::builtin() {
     k.gdn_bwd_ns.pts = {{4096, 7.814}, {1.638e+04, 6.108}, {6.554e+04, 7.348}, {1.311e+05, 7.759}};
     k.elementwise_gbps = 3149;
     k.copy_gbps = 2996;
+    // The optimizer offload's host pool (15 threads of a 16-core host) and page-locked copies:
+    // plan --calibrate on an H100 machine, bench/results/2026-12-06-h100-optimizer-offload.md.
+    k.host_adamw_geps = 5.24;
+    k.pcie_gbps = 55.2;
     k.grouped_hidden = 2048;
     k.grouped_ffn = 768;
     k.attn_heads = 32;
@@ -485,7 +497,32 @@ TimeEstimate estimate_time(const RunConfig& cfg, const MemoryEstimate& mem, cons
     // embedding's backward (the lowest layer's and the embedding's, and any backlog).
     const bool early = cfg.backend.optimizer_in_backward && cfg.grad_clip == 0 &&
                        (kind == StateKind::replicated || mem.world == 1);
-    if (!early) {
+    if (offloads_optimizer(cfg.prim.optimizer.value)) {
+      // The host updates (runtime/optimizer_offload.h). The device keeps the norm's read and the
+      // zeroing; the gradients' copies to the host run beside the backward (not priced: a PCIe
+      // link carries 4 bytes an element in far less than a backward at these sizes). Units go
+      // in forward order, embedding, layers, head, each updated on the host (E / rate) and its
+      // bf16 values copied back (2 E / link); the next forward takes layer k once the host is
+      // through it and the device through layer k - 1. Exposed: the largest lead of the host
+      // over the device along that order. With the update during the backward (no clipping) the
+      // host starts as the backward ends instead: the layers it has done by then are lost to the
+      // forward's lead, which this takes as none (an upper bound).
+      const double E = static_cast<double>(mem.host_optimizer) / static_cast<double>(kOffloadHostBytesPerElement);
+      const double geps = cal.host_adamw_geps > 0 ? cal.host_adamw_geps : 1.0;
+      const double link = cal.pcie_gbps > 0 ? cal.pcie_gbps : 25.0;
+      auto unit_s = [&](double elems) { return elems / (geps * 1e9) + 2 * elems / (link * 1e9); };
+      const double ends = 2.0 * V * H;
+      const double per_layer = std::max(0.0, E - ends) / std::max<double>(1.0, static_cast<double>(nl));
+      double host = unit_s(ends / 2), dev = embed, lead = host;  // the embedding
+      for (size_t i = 0; i < nl; ++i) {
+        host += unit_s(per_layer);
+        lead = std::max(lead, host - dev);
+        dev += layers[i].fwd.total();
+      }
+      host += unit_s(ends / 2);  // the head
+      lead = std::max(lead, host - dev);
+      te.optimizer = owned * ((cfg.grad_clip > 0 ? 4 : 0) + 4) / (cal.copy_gbps * 1e9) + std::max(0.0, lead);
+    } else if (!early) {
       te.optimizer = update;
     } else {
       const double per_elem = update / std::max(1.0, owned);

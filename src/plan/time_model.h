@@ -51,6 +51,10 @@ struct Calibration {
   Curve gdn_bwd_ns;      // its backward
   double elementwise_gbps = 0;  // norms, activations, permutes: bytes read + written per ns
   double copy_gbps = 0;         // a device copy (the optimizer's bound): bytes read + written per ns
+  // primitives.optimizer = "adamw_offload" (optional in a file; 0 = not measured, the time model
+  // then takes 1.0 and 25 and says so): the host pool's AdamW update in elements per ns, and a
+  // page-locked host <-> device copy in one direction, bytes per ns.
+  double host_adamw_geps = 0, pcie_gbps = 0;
   // The shapes the curves were measured at (skills/planner.md says how far they carry).
   int64_t grouped_hidden = 0, grouped_ffn = 0, attn_heads = 0, attn_head_dim = 0;
   int64_t gdn_key_dim = 0, gdn_value_dim = 0;

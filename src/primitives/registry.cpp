@@ -121,7 +121,10 @@ const Family<OptimizerKind>& optimizer_family() {
       "optimizer", "adamw",
       {{"adamw", OptimizerKind::adamw, "AdamW with fp32 master weights and moments (12 bytes per element)"},
        {"adamw_bf16_moments", OptimizerKind::adamw_bf16_moments,
-        "AdamW with fp32 master weights, bf16 moments stochastically rounded (8 bytes per element)"}});
+        "AdamW with fp32 master weights, bf16 moments stochastically rounded (8 bytes per element)"},
+       {"adamw_offload", OptimizerKind::adamw_offload,
+        "AdamW's fp32 master and moments in host memory, updated by the host beside the backward and the next "
+        "forward (no optimizer bytes on the device; 16 host bytes per element with the gradient's copy)"}});
   return f;
 }
 

@@ -28,7 +28,7 @@ namespace bb {
 
 enum class RecomputePolicy { none, selective, full };
 enum class StateKind { replicated, zero1, fsdp };
-enum class OptimizerKind { adamw, adamw_bf16_moments };
+enum class OptimizerKind { adamw, adamw_bf16_moments, adamw_offload };
 
 // One family's member as chosen: the name (for logs and checkpoints, as written:
 // "chunked_alltoall:2"), its typed value, and the count of a member that takes one.

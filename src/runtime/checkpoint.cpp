@@ -24,6 +24,10 @@ void check_checkpoint_optimizer(const nlohmann::json& state, const std::string& 
                                 const std::string& dir) {
   const std::string saved = checkpoint_optimizer(state);
   if (saved == run_optimizer) return;
+  // adamw and adamw_offload hold the same state (an f32 master and f32 moments), only in
+  // different memory: either resumes the other's checkpoints.
+  auto f32_adamw = [](const std::string& n) { return n == "adamw" || n == "adamw_offload"; };
+  if (f32_adamw(saved) && f32_adamw(run_optimizer)) return;
   auto moments = [&](const std::string& name) -> std::string {
     for (const auto& m : optimizer_family().members())
       if (m.name == name) return std::string(dtype_name(moment_dtype(m.value))) + " moments";

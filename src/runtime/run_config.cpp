@@ -454,6 +454,7 @@ RunConfig build(toml::value root, const std::string& src) {
   be.read("fsdp_reduce", b.fsdp_reduce);
   be.read("pool_cross_stream_reuse", b.pool_cross_stream_reuse);
   be.read("moe_chunk_tokens", b.moe_chunk_tokens, 0, (int64_t{1} << 31) - 1);
+  be.read("offload_threads", b.offload_threads, 0, 1024);
   be.read("cudnn_library", b.cudnn_library);
   be.finish();
   b.validate(src);

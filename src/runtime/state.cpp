@@ -1,6 +1,8 @@
 // state.cpp — replicated / zero1 / fsdp state and the AdamW step on owned elements (state.h).
 #include "runtime/state.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <tuple>
 #include <climits>
@@ -45,17 +47,27 @@ struct ModelState::Unit {
   // before the step.
   Tensor backup_master, backup_moments, backup_hi;
   uint64_t stream = 0;  // bf16 moments: the rounding stream of the unit (a hash of its name)
+  // adamw_offload: the host copy of the owned gradient [master size] (grads, on the host), the
+  // unit's target in the offload (-1: none, nothing owned), and whether a zero1 unit owes the
+  // all-gather of its values after an offloaded update.
+  Tensor host_grad;
+  int target = -1;
+  bool gather_values = false;
 };
 
 DType moment_dtype(OptimizerKind opt) {
   switch (opt) {
     case OptimizerKind::adamw: return DType::f32;
     case OptimizerKind::adamw_bf16_moments: return DType::bf16;
+    case OptimizerKind::adamw_offload: return DType::f32;
   }
   BB_FAIL("moment_dtype: unknown optimizer kind ", static_cast<int>(opt));
 }
 
+bool offloads_optimizer(OptimizerKind opt) { return opt == OptimizerKind::adamw_offload; }
+
 int64_t optimizer_bytes_per_element(OptimizerKind opt, bool split_master) {
+  if (offloads_optimizer(opt)) return 0;
   return (split_master ? 2 : 4) + 2 * static_cast<int64_t>(dtype_size(moment_dtype(opt)));
 }
 
@@ -122,10 +134,30 @@ std::pair<int64_t, int64_t> ModelState::start_range(StateKind kind, const ParamU
 }
 
 ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, const std::vector<Tensor>* masters,
-                       OptimizerKind opt, uint64_t seed, bool split_master)
+                       OptimizerKind opt, uint64_t seed, bool split_master, OffloadOptions offload_options)
     : kind_(kind), opt_(opt), seed_(seed), model_(model), tied_(model.config().tie_word_embeddings) {
   const DType mdt = bb::moment_dtype(opt);
+  // adamw_offload: the masters and moments live in host memory, always a whole f32 master (the
+  // values are rounded from it as the run's master storage would round them).
+  const bool offload = offloads_optimizer(opt);
   std::vector<ParamUnit*> units = model.units();
+  if (offload) {
+    // The host memory it takes, checked before any of it is allocated: master, moments and the
+    // gradient's copy of every owned element.
+    int64_t owned = 0;
+    for (ParamUnit* pu : units) {
+      const comm::GroupPtr g = unit_group(*pu, mesh);
+      owned += g->size() == 1 || kind == StateKind::replicated ? pu->numel
+                                                               : owned_range(pu->numel, g->size(), g->rank()).second;
+    }
+    const int64_t need = kOffloadHostBytesPerElement * owned;
+    const int64_t have = static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGESIZE);
+    BB_CHECK(have <= 0 || need <= have - have / 8, "primitives.optimizer = \"adamw_offload\" needs ",
+             format_bytes(need), " of host memory on this rank (16 bytes per owned parameter: f32 master, two f32 "
+             "moments, the gradient's copy), more than 7/8 of this machine's ", format_bytes(have),
+             ". Shard the state over more ranks (primitives.state = \"zero1\" or \"fsdp\"), or use "
+             "primitives.optimizer = \"adamw_bf16_moments\" on the device");
+  }
   BB_CHECK(!masters || masters->size() == units.size(), "ModelState: ", masters ? masters->size() : 0,
            " master tensors for ", units.size(), " units");
   by_layer_.resize(model.layers().size());
@@ -151,7 +183,8 @@ ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, co
     const bool deferred = !pu->value.defined();
     const Device dev = deferred ? store.device() : pu->value.device();
     const DType vdt = deferred ? store.value_dtype(*pu) : pu->value.dtype();
-    u.split = split_master && vdt == DType::bf16;  // units whose values stay f32 keep an f32 master
+    u.split = !offload && split_master && vdt == DType::bf16;  // units whose values stay f32 keep an f32 master
+    const Device odev = offload ? Device::cpu() : dev;  // where the optimizer state lives
     // The f32 source of the masters: the given masters, else the values. src_at(lo, len): its
     // elements [lo, lo + len) of the unit (the given masters start at start_range(): the shard
     // under fsdp, element 0 otherwise).
@@ -175,10 +208,10 @@ ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, co
     };
     // `vals`: the values of the owned elements [lo, lo + len).
     auto owned_f32 = [&](int64_t lo, int64_t len, const Tensor& vals) {
-      Tensor m = Tensor::zeros({u.mode == Mode::whole ? pu->numel : u.S}, DType::f32, dev, MemCategory::optimizer);
+      Tensor m = Tensor::zeros({u.mode == Mode::whole ? pu->numel : u.S}, DType::f32, odev, MemCategory::optimizer);
       if (len > 0) {
         Tensor from = src.defined() ? src_at(lo, len) : vals.to_dtype(DType::f32, MemCategory::other);
-        m.narrow(0, len).copy_from(from.device() == dev ? from : from.to(dev));
+        m.narrow(0, len).copy_from(from.device() == odev ? from : from.to(odev));
       }
       return m;
     };
@@ -218,8 +251,9 @@ ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, co
         break;
       }
     }
-    u.exp_avg = Tensor::zeros(u.master.shape(), mdt, dev, MemCategory::optimizer);
-    u.exp_avg_sq = Tensor::zeros(u.master.shape(), mdt, dev, MemCategory::optimizer);
+    u.exp_avg = Tensor::zeros(u.master.shape(), mdt, odev, MemCategory::optimizer);
+    u.exp_avg_sq = Tensor::zeros(u.master.shape(), mdt, odev, MemCategory::optimizer);
+    if (offload) u.host_grad = Tensor::zeros(u.master.shape(), DType::f32, Device::cpu(), MemCategory::grads);
     u.stream = moment_stream_id(pu->name.data(), pu->name.size());
     if (u.split && src.defined() && u.len > 0)
       set_split_master(u, src_at(u.mode == Mode::whole ? 0 : u.lo, u.mode == Mode::whole ? pu->numel : u.len));
@@ -231,7 +265,87 @@ ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, co
   BB_CHECK(embed_ && head_, "ModelState: the model has no embedding or head unit");
   // Given masters split into the owned values: zero1 ranks hold every value, so they gather the
   // others' (a value rounded ties-away may differ from the one the caller loaded).
-  if (split_master && masters) values_from_masters();
+  if (split_master && masters && !offload) values_from_masters();
+  if (offload) {
+    build_offload(offload_options, split_master);
+    // Given masters: the values are their rounding (a whole start loaded them rounded to nearest
+    // even; the split storage's rule rounds ties away).
+    if (masters && split_master) values_from_masters();
+  }
+}
+
+void ModelState::build_offload(const OffloadOptions& o, bool split_master) {
+  std::vector<OffloadTarget> targets;
+  const int64_t layers = static_cast<int64_t>(by_layer_.size());
+  for (auto& up : units_) {
+    Unit& u = *up;
+    const ParamUnit& pu = *u.u;
+    const bool whole = u.mode == Mode::whole;
+    const int64_t len = whole ? pu.numel : u.len, first = whole ? 0 : u.lo;
+    if (len == 0) continue;
+    OffloadTarget t;
+    t.name = pu.name;
+    t.master = u.master.data<float>();
+    t.exp_avg = u.exp_avg.data<float>();
+    t.exp_avg_sq = u.exp_avg_sq.data<float>();
+    t.grad_host = u.host_grad.data<float>();
+    switch (u.mode) {
+      case Mode::whole:
+        t.grad_dev = pu.grad.narrow(0, len);
+        t.value_dev = pu.value.narrow(0, len);
+        break;
+      case Mode::zero1:
+        t.grad_dev = u.grad_buf.narrow(first, len);
+        t.value_dev = u.value_buf.narrow(first, len);
+        break;
+      case Mode::fsdp:
+        t.grad_dev = u.grad_shard.narrow(0, len);
+        t.value_dev = u.value_shard.narrow(0, len);
+        break;
+    }
+    t.first = first;
+    t.decay_end = pu.decay_numel;
+    t.order = pu.layer >= 0 ? pu.layer : pu.kind == UnitKind::embedding ? -1 : layers;
+    t.ties_away = split_master && t.value_dev.dtype() == DType::bf16;
+    u.target = static_cast<int>(targets.size());
+    targets.push_back(std::move(t));
+  }
+  const Device dev = model_.param_store().device();
+  offload_ = std::make_unique<OptimizerOffload>(dev, std::move(targets), o.threads, o.bucket);
+  offload_submitted_.assign(units_.size(), 0);
+}
+
+void ModelState::offload_submit(Unit& u) {
+  if (!offload_ || u.target < 0 || offload_submitted_[u.index]) return;
+  if (u.mode != Mode::fsdp) model_.param_store().materialize_grads(u.u);
+  offload_->submit(static_cast<size_t>(u.target));
+  offload_submitted_[u.index] = 1;
+  if (u.mode == Mode::zero1) u.gather_values = true;
+}
+
+void ModelState::offload_ready(Unit& u) {
+  if (!offload_) return;
+  if (u.target >= 0) offload_->wait(static_cast<size_t>(u.target), {Stream::compute, Stream::gather});
+  if (u.gather_values) {  // the other ranks' shards of a zero1 unit, as step() gathers them without offload
+    u.gather_values = false;
+    u.g->all_gather(u.value_buf.narrow(u.r * u.S, u.S), u.value_buf, Stream::gather)->wait();
+  }
+}
+
+void ModelState::settle_updates(bool gathers) {
+  if (!offload_) return;
+  offload_->settle();
+  if (gathers)
+    for (auto& up : units_) offload_ready(*up);
+}
+
+std::optional<ModelState::OffloadNonfinite> ModelState::take_offload_nonfinite() {
+  if (!offload_) return std::nullopt;
+  const auto b = offload_->take_nonfinite();
+  if (!b) return std::nullopt;
+  for (auto& up : units_)
+    if (up->target == static_cast<int>(b->target)) return OffloadNonfinite{up->index, b->step};
+  return std::nullopt;
 }
 
 bool ModelState::sharded(const Unit& u) const { return u.mode == Mode::fsdp; }
@@ -258,6 +372,7 @@ Tensor ModelState::master_f32(Unit& u, int64_t from, int64_t len) {
 }
 
 Tensor ModelState::master_f32(size_t i, int64_t from, int64_t len) {
+  settle_updates();
   Unit& u = *units_[i];
   const int64_t owned_len = u.mode == Mode::whole ? u.u->numel : u.len;
   BB_CHECK(from >= 0 && len >= 0 && from + len <= owned_len, "ModelState::master_f32: elements [", from, ", ",
@@ -266,6 +381,7 @@ Tensor ModelState::master_f32(size_t i, int64_t from, int64_t len) {
 }
 
 std::pair<Tensor, Tensor> ModelState::master_halves(size_t i, int64_t from, int64_t len) {
+  settle_updates();
   Unit& u = *units_[i];
   const int64_t owned_len = u.mode == Mode::whole ? u.u->numel : u.len;
   BB_CHECK(from >= 0 && len >= 0 && from + len <= owned_len, "ModelState::master_halves: elements [", from, ", ",
@@ -293,7 +409,8 @@ std::vector<ModelState::Unit*> ModelState::layer_units(int64_t layer) {
 void ModelState::begin_step(const EarlyUpdate* early) {
   join_early_norms();  // nothing writes a gradient (or reads a value) that the copy stream may still use
   std::fill(norm_early_.begin(), norm_early_.end(), 0);
-  early_on_ = early != nullptr;
+  // adamw_offload: the update runs on the host; an early update only opens it now (below).
+  early_on_ = early != nullptr && !offload_;
   if (early) {
     BB_CHECK(early->cfg.grad_scale == 1.0, "ModelState::begin_step: an update during the backward cannot scale the "
              "gradients (clipping needs the global norm first); got grad_scale ", early->cfg.grad_scale);
@@ -305,6 +422,15 @@ void ModelState::begin_step(const EarlyUpdate* early) {
   embed_rows_pending_ = false;
   embed_rows_known_ = embed_rows_apply();
   if (embed_rows_known_) embed_rows_.assign(static_cast<size_t>(embed_->u->params[0]->shape[0]), 0);
+  if (offload_) {
+    offload_->begin_step();
+    std::fill(offload_submitted_.begin(), offload_submitted_.end(), 0);
+    // The gradients' copies to the host (copy stream) are read before they are zeroed.
+    const Device dev = model_.param_store().device();
+    if (dev.is_cuda()) Event::record(dev, Stream::copy).wait(Stream::compute);
+    if (early)
+      offload_->open({early->step, early->lr, early->weight_decay, early->cfg});
+  }
   model_.zero_grad();  // whole and zero1 units (fsdp units have no whole gradient now)
   for (auto& u : units_)
     if (u->mode == Mode::fsdp) u->grad_shard.zero_();
@@ -317,6 +443,7 @@ void ModelState::begin_micro_batch(bool last) { last_micro_ = last; }
 void ModelState::gather(Unit& u, bool wait) {
   if (!sharded(u)) return;
   if (!u.full_value.defined()) {
+    offload_ready(u);  // the shard's new values first
     u.full_value = Tensor::empty({u.N * u.S}, u.value_shard.dtype(), u.value_shard.device(), MemCategory::comm);
     u.gather_work = u.g->all_gather(u.value_shard, u.full_value, Stream::gather);
   }
@@ -324,6 +451,7 @@ void ModelState::gather(Unit& u, bool wait) {
 }
 
 void ModelState::ensure(Unit& u) {
+  offload_ready(u);
   if (!sharded(u)) return;
   if (!u.full_value.defined()) gather(u, false);
   if (u.gather_work) {
@@ -462,6 +590,14 @@ void ModelState::join_early_norms() {
 // bits as the sum, then the update), which saves a read of every gradient (4 bytes a parameter
 // of the ~32 the update moves).
 void ModelState::unit_final(Unit& u) {
+  if (offload_) {
+    // The host updates it: its gradient goes to the host on the copy stream. No early sum of
+    // squares there: a kernel on that low-priority stream waits for SMs behind the backward, and
+    // the copies queued after it with it (measured: the host then started only as the backward
+    // ended). grad_norm() sums every gradient on the compute stream instead.
+    if (last_micro_ && u.N == 1 && u.mode == Mode::whole) offload_submit(u);
+    return;
+  }
   const bool update = early_on_ && last_micro_ && u.N == 1 && u.mode == Mode::whole && !updated_[u.index];
   if (update && &u == embed_ && embed_rows_done_) {  // the untouched rows went after the lookup
     early_norm(u, false);                               // the whole gradient's sum, as without the split
@@ -507,6 +643,7 @@ void ModelState::drain() {
       u->u->grad.copy_from(u->reduce_out.to_dtype(DType::f32));
     }
     u->reduce_out = Tensor();
+    if (last_micro_) offload_submit(*u);  // reduced: final
   }
   pending_.clear();
 }
@@ -619,7 +756,7 @@ void ModelState::after_end(ModelEnd e, Pass p) {
       grads_end(*embed_);
       if (last_micro_ && embed_->mode != Mode::fsdp) {
         reduce_grads(*embed_);
-        if (early_on_) unit_final(*embed_);  // the last unit: only its update gains from going early
+        if (early_on_ || offload_) unit_final(*embed_);  // the last unit: only its update gains from going early
       }
       release(*embed_);
       drain();  // fsdp: every unit's gradient of this micro-batch is in its shard now
@@ -713,6 +850,7 @@ std::pair<int64_t, int64_t> ModelState::checkpoint_range(size_t i) const {
 }
 
 std::vector<Tensor> ModelState::resident() {
+  settle_updates(true);
   std::vector<Tensor> out;
   auto add = [&out](const Tensor& t) {
     if (t.defined() && t.numel() > 0) out.push_back(t);
@@ -732,6 +870,7 @@ std::vector<Tensor> ModelState::resident() {
 }
 
 ModelState::Owned ModelState::owned(size_t i) {
+  settle_updates();
   Unit& u = *units_[i];
   Owned o;
   if (u.mode == Mode::whole) {
@@ -750,6 +889,7 @@ ModelState::Owned ModelState::owned(size_t i) {
 }
 
 void ModelState::set_master(size_t i, const Tensor& master) {
+  settle_updates();
   Unit& u = *units_[i];
   const int64_t len = u.mode == Mode::whole ? u.u->numel : u.len;
   BB_CHECK(master.dtype() == DType::f32 && master.numel() == len, "ModelState::set_master: unit ", u.u->name, " owns ",
@@ -807,6 +947,7 @@ double ModelState::grad_norm() {
 
 void ModelState::save_backup() {
   BB_RANGE("state_backup");
+  settle_updates();
   for (auto& up : units_) {
     Unit& u = *up;
     const int64_t n = u.master.numel();
@@ -825,6 +966,7 @@ void ModelState::save_backup() {
 
 void ModelState::restore_backup() {
   BB_RANGE("state_restore");
+  settle_updates();
   for (auto& up : units_) {
     Unit& u = *up;
     const int64_t n = u.master.numel();
@@ -896,6 +1038,14 @@ void ModelState::update_unit(Unit& u, int64_t step, double lr, double weight_dec
 void ModelState::step(int64_t step, double lr, double weight_decay, const AdamWConfig& cfg, Tensor* nonfinite) {
   BB_RANGE("optimizer_step");
   model_.param_store().materialize_grads();
+  if (offload_) {
+    // Units no hook submitted (none in a full backward; kept for callers that skip the hooks),
+    // then the arguments: the host updates in forward order from here, beside the next forward.
+    for (auto& up : units_) offload_submit(*up);
+    offload_->open({step, lr, weight_decay, cfg});
+    early_on_ = false;
+    return;
+  }
   std::vector<comm::WorkPtr> gathers;
   for (auto& up : units_) {
     Unit& u = *up;
@@ -910,15 +1060,24 @@ void ModelState::step(int64_t step, double lr, double weight_decay, const AdamWC
 }
 
 void ModelState::values_from_masters() {
+  settle_updates();
   std::vector<comm::WorkPtr> gathers;
   for (auto& up : units_) {
     Unit& u = *up;
+    u.gather_values = false;  // gathered below
     const int64_t len = u.mode == Mode::whole ? u.u->numel : u.len;
     if (len > 0 && !u.split) {  // a split master's upper half is the values already
-      Tensor dst = u.mode == Mode::whole ? u.u->value
+      Tensor dst = u.mode == Mode::whole ? u.u->value.narrow(0, len)
                    : u.mode == Mode::zero1 ? u.value_buf.narrow(u.lo, len)
                                            : u.value_shard.narrow(0, len);
-      dst.copy_from(u.master.narrow(0, len).to_dtype(dst.dtype(), MemCategory::other));
+      if (u.target >= 0) {  // offload: rounded as the host update rounds them
+        Tensor v = Tensor::empty({len}, dst.dtype(), Device::cpu(), MemCategory::other);
+        host_values_from_master(u.master.data<float>(), v.raw(), v.dtype(), len,
+                                offload_->target(static_cast<size_t>(u.target)).ties_away);
+        dst.copy_from(v);
+      } else {
+        dst.copy_from(u.master.narrow(0, len).to_dtype(dst.dtype(), MemCategory::other));
+      }
     }
     if (u.mode == Mode::zero1)
       gathers.push_back(u.g->all_gather(u.value_buf.narrow(u.r * u.S, u.S), u.value_buf, Stream::gather));
@@ -927,6 +1086,7 @@ void ModelState::values_from_masters() {
 }
 
 Tensor ModelState::gather_master(size_t i) {
+  settle_updates();
   Unit& u = *units_[i];
   if (u.mode == Mode::whole)
     return u.split ? master_f32(u, 0, u.u->numel) : u.master.to(Device::cpu(), MemCategory::other);

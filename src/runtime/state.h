@@ -38,6 +38,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -45,14 +46,19 @@
 #include "models/decoder.h"
 #include "primitives/optim/adamw.h"
 #include "models/hooks.h"
+#include "runtime/optimizer_offload.h"
 
 namespace bb {
 
-// The storage of the optimizer family: the moments' dtype (adamw f32, adamw_bf16_moments bf16)
-// and the optimizer bytes per owned element, the master's 4 (2 when split: an i16 remainder
-// beside the bf16 value) + 2 x the moment size: 12 or 8 (10 or 6 split).
+// The storage of the optimizer family: the moments' dtype (adamw and adamw_offload f32,
+// adamw_bf16_moments bf16) and the optimizer bytes per owned element on the state's device, the
+// master's 4 (2 when split: an i16 remainder beside the bf16 value) + 2 x the moment size: 12 or
+// 8 (10 or 6 split); 0 for adamw_offload, whose f32 master and moments are in host memory with a
+// host copy of the gradient (kOffloadHostBytesPerElement).
 DType moment_dtype(OptimizerKind opt);
 int64_t optimizer_bytes_per_element(OptimizerKind opt, bool split_master = false);
+bool offloads_optimizer(OptimizerKind opt);
+constexpr int64_t kOffloadHostBytesPerElement = 16;
 // Whether a run splits its masters: [backend] master_storage = "split" and bf16 parameters.
 bool splits_master(const std::string& master_storage, DType param_dtype);
 
@@ -74,8 +80,10 @@ class ModelState final : public LayerHooks {
   // the stochastic rounding of bf16 moments (with the unit's name, the step and the element).
   // `split_master`: the master of each unit with bf16 values is held split, its upper half being
   // the values and an i16 remainder the rest (adamw.h); units with f32 values keep an f32 master.
+  // `offload`: primitives.optimizer = "adamw_offload" only (optimizer_offload.h).
   ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, const std::vector<Tensor>* masters = nullptr,
-             OptimizerKind opt = OptimizerKind::adamw, uint64_t seed = 0, bool split_master = false);
+             OptimizerKind opt = OptimizerKind::adamw, uint64_t seed = 0, bool split_master = false,
+             OffloadOptions offload = {});
   // The elements [first, first + second) of unit `u` whose values this rank needs at its start
   // under `kind`: its shard under fsdp, the whole unit otherwise (zero1 and replicated ranks hold
   // every value).
@@ -172,6 +180,23 @@ class ModelState final : public LayerHooks {
   // next step rebuilds them. Call between steps (nothing in flight).
   std::vector<Tensor> resident();
 
+  // primitives.optimizer = "adamw_offload": the host side (null otherwise). Masters and moments
+  // (owned(), master_f32) are host tensors; the update of a step may still run on the host when
+  // step() returns (beside the next forward, which waits unit by unit). Every method that reads
+  // or writes masters, moments or values outside the hooks waits for it first (settle_updates).
+  const OptimizerOffload* offload() const { return offload_.get(); }
+  OptimizerOffload* offload() { return offload_.get(); }
+  // Waits for the updates still running on the host, and (gathers) redoes the value all-gathers
+  // that zero1 units owe after them (a collective over each such unit's group: every rank calls it).
+  void settle_updates(bool gathers = false);
+  // The first unit whose offloaded update made its master or moments non-finite, and that update's
+  // step, among the updates finished so far (cleared by the call).
+  struct OffloadNonfinite {
+    size_t unit = 0;
+    int64_t step = 0;
+  };
+  std::optional<OffloadNonfinite> take_offload_nonfinite();
+
   // Whole unit values (f32 on the host) for exports and tests: gathered where sharded.
   // Collective over the unit's group.
   Tensor gather_master(size_t unit);
@@ -224,6 +249,9 @@ class ModelState final : public LayerHooks {
   Tensor owned_values(Unit& u);              // the values of the master's elements
   Tensor master_f32(Unit& u, int64_t from, int64_t len);  // owned elements [from, from + len)
   void set_split_master(Unit& u, const Tensor& master);
+  void build_offload(const OffloadOptions& o, bool ties_away);
+  void offload_submit(Unit& u);  // the unit's owned gradient is final: its host update may start
+  void offload_ready(Unit& u);   // before the unit's values are used: its update is in them
 
   StateKind kind_;
   OptimizerKind opt_;
@@ -258,8 +286,11 @@ class ModelState final : public LayerHooks {
   std::vector<int32_t> embed_list_;  // embed_row_list's buffer, reused
   bool embed_rows_known_ = false;
   bool embed_rows_done_ = false;
+  std::vector<char> offload_submitted_;  // this step's submits, per unit
   bool embed_rows_pending_ = false;  // the untouched rows' update waits for a layer's forward
   size_t embed_split_steps_ = 0;
+  // Last: destroyed first, while the host buffers and values its targets point at still exist.
+  std::unique_ptr<OptimizerOffload> offload_;
 };
 
 }  // namespace bb

@@ -551,8 +551,15 @@ void Trainer::build_model(bool emulated) {
 // takes them (null: the model's initialisation).
 void Trainer::build_state(const std::vector<Tensor>* masters) {
   const bool split = splits_master(cfg_.backend.master_storage, cfg_.resolved_param_dtype());
+  OffloadOptions oo;
+  oo.threads = static_cast<int>(cfg_.backend.offload_threads);
   state_ = std::make_unique<ModelState>(cfg_.prim.state.value, *model_, *mesh_, masters, cfg_.prim.optimizer.value,
-                                        cfg_.seed, split);
+                                        cfg_.seed, split, oo);
+  if (const OptimizerOffload* off = state_->offload(); off && log_)
+    std::fprintf(log_, "%s[startup] primitives.optimizer = adamw_offload: master and moments in host memory (%s%s), "
+                 "updated by %d host thread%s\n", log_prefix_.c_str(), format_bytes(off->host_bytes()).c_str(),
+                 off->pinned() ? ", page-locked" : (device_.is_cuda() ? ", NOT page-locked: copies run synchronously" : ""),
+                 off->threads(), off->threads() == 1 ? "" : "s");
   state_->set_reduction(cfg_.backend.grad_reduce_dtype == "bf16" ? DType::bf16 : DType::f32,
                         cfg_.backend.fsdp_reduce == "step");
   schedule_->add_hooks(state_.get());
@@ -1174,7 +1181,8 @@ StepMetrics Trainer::finish_step(PendingStep& p) {
                              : !std::isfinite(m.z_loss)    ? "the z loss"
                                                            : nullptr;
   if (bad_quantity) {
-    const bool applied = state_->early_updates() > 0;  // updates made during the backward
+    // Updates made during the backward (the offload's host updates start with the backward).
+    const bool applied = state_->early_updates() > 0 || (early_update && state_->offload());
     BB_CHECK(cfg_.on_nonfinite == "skip_step", "step ", m.step, ": ", bad_quantity, " is not finite (loss ", m.loss,
              ", grad norm ", m.grad_norm, "); ",
              applied ? "the run stops before saving the update made during the backward"
@@ -1236,6 +1244,18 @@ StepMetrics Trainer::finish_step(PendingStep& p) {
       if (f[i]) bad_unit = i + 1;
   }
   nonfinite_flags_ = Tensor();
+  // adamw_offload: the host sets the flags of the updates it has finished. Under skip_step the
+  // step waits for its own (it may have to undo them); otherwise an update still running when the
+  // step ends is checked at the next step's end, before any later update or save can use it (a
+  // checkpoint waits for every update and refuses Inf/NaN itself).
+  int64_t offload_bad_step = 0;
+  if (state_->offload() && guard_update) {
+    if (cfg_.on_nonfinite == "skip_step") state_->settle_updates();
+  }
+  if (const auto b = state_->take_offload_nonfinite(); b && !bad_unit) {
+    bad_unit = static_cast<int64_t>(b->unit) + 1;
+    offload_bad_step = b->step;
+  }
   // Per-rank maxima of the peaks and of the non-finite flag (one small all-reduce).
   std::array<int64_t, kNumMemCategories + 5> pk{};
   for (int c = 0; c < kNumMemCategories; ++c) pk[static_cast<size_t>(c)] = m.mem.peak[static_cast<size_t>(c)];
@@ -1249,7 +1269,12 @@ StepMetrics Trainer::finish_step(PendingStep& p) {
   m.stop_signal = static_cast<int>(pk[kNumMemCategories + 4]);
   if (const int64_t bu = pk[kNumMemCategories + 2]; bu > 0) {
     const std::string unit = state_->unit_name(static_cast<size_t>(bu - 1));
-    BB_CHECK(cfg_.on_nonfinite == "skip_step", "step ", m.step, ": the update made the weights or optimizer moments of ",
+    BB_CHECK(cfg_.on_nonfinite == "skip_step", "step ", m.step, ": the update ",
+             offload_bad_step > 0 && offload_bad_step != m.step
+                 ? "of step " + std::to_string(offload_bad_step) + " (primitives.optimizer = adamw_offload updates "
+                   "on the host beside the next step, and is checked when it finishes) "
+                 : std::string(),
+             "made the weights or optimizer moments of ",
              "unit '", unit, "' non-finite (Inf/NaN) at lr ", m.lr, " (loss ", m.loss, ", grad norm ", m.grad_norm,
              "); the run stops before saving it, so checkpoint.dir still holds the last good step. Lower train.lr, or set "
              "train.on_nonfinite = \"skip_step\" to undo such steps");

@@ -132,8 +132,12 @@ class Trainer {
 
   int64_t step() const { return step_; }
   double lr_at(int64_t step) const;  // learning rate of (1-based) step
+  // The model, its values current: with primitives.optimizer = "adamw_offload" the host update of
+  // the last step may still be running and a zero1 unit may owe the all-gather of its values
+  // (done at the next use otherwise); this waits for both (a collective then: every rank calls it).
   DecoderModel& model() {
     check_onloaded("model()");
+    if (state_) state_->settle_updates(true);
     return *model_;
   }
   Schedule& schedule() {

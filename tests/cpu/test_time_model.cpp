@@ -182,6 +182,28 @@ TEST(TimeModel, OneRankHasNoCommunicationAndCostsGrowWithTokens) {
   EXPECT_LT(timed(gpu_run(m, 8192, {"train.grad_clip=0"})).optimizer, timed(gpu_run(m, 8192)).optimizer);
 }
 
+// adamw_offload: the exposed host time is at least the embedding's and layer 0's updates (the
+// next forward cannot start layer 0 before both), at most the whole host update plus its copies
+// and the device's own passes, and it grows when the host is slower.
+TEST(TimeModel, OptimizerOffloadPricesTheHostLeadOverTheForward) {
+  const std::string m = "configs/models/qwen3-30b-a3b-4layer/config.json";
+  const std::string off = "primitives.optimizer=\"adamw_offload\"";
+  const RunConfig c = gpu_run(m, 131072, {off});
+  const plan::MemoryEstimate e = plan::estimate_memory(c, 1);
+  const double E = static_cast<double>(e.host_optimizer) / 16.0;
+  ASSERT_GT(E, 3e9);  // 3.1 B parameters
+  EXPECT_EQ(e.peak[MemCategory::optimizer], 0);
+  plan::Calibration cal = plan::Calibration::builtin();
+  const double VH = 151936.0 * 2048.0;
+  const double layer = (E - 2 * VH) / 4;
+  auto host = [&](double elems) { return elems / (cal.host_adamw_geps * 1e9) + 2 * elems / (cal.pcie_gbps * 1e9); };
+  const plan::TimeEstimate t = plan::estimate_time(c, e, cal);
+  EXPECT_GE(t.optimizer, host(VH) + host(layer));
+  EXPECT_LE(t.optimizer, host(E) + E * 8 / (cal.copy_gbps * 1e9));
+  cal.host_adamw_geps /= 4;
+  EXPECT_GT(plan::estimate_time(c, e, cal).optimizer, t.optimizer);
+}
+
 // On an emulated 8-GPU job the exposed communication of each class is at most its wire time, and
 // chunking the all-to-all hides some of it.
 TEST(TimeModel, ExposedCommunicationIsBoundedByTheWire) {

@@ -323,9 +323,11 @@ TEST(RunConfig, BackendTableIsParsedCheckedAndSavedInStateJson) {
                                       "backend.grouped_gemm_threaded_enqueue=false",
                                       "backend.grouped_gemm_tma=false", "backend.optimizer_in_backward=false",
                                       "backend.master_storage=\"f32\"", "backend.expert_wgrad_stream=true",
-                                      "backend.moe_chunk_tokens=40", "train.steps=1"});
+                                      "backend.moe_chunk_tokens=40", "backend.offload_threads=3", "train.steps=1"});
   EXPECT_EQ(c.backend.grouped_gemm_streams, 2);
   EXPECT_EQ(c.backend.moe_chunk_tokens, 40);
+  EXPECT_EQ(c.backend.offload_threads, 3);
+  EXPECT_NE(c.backend.summary().find("offload_threads=3"), std::string::npos);
   EXPECT_NE(c.backend.summary().find("moe_chunk_tokens=40"), std::string::npos);
   EXPECT_EQ(c.backend.gemm_heuristics, "exact");
   EXPECT_EQ(c.backend.grouped_gemm_same_dtype, "multi_stream");
@@ -358,6 +360,7 @@ TEST(RunConfig, BackendTableIsParsedCheckedAndSavedInStateJson) {
   test::expect_error_contains([&] { load_run_config(run, {"backend.master_storage=\"bf16\""}); },
                               "is not one of: split, f32");
   test::expect_error_contains([&] { load_run_config(run, {"backend.moe_chunk_tokens=-1"}); }, "moe_chunk_tokens");
+  test::expect_error_contains([&] { load_run_config(run, {"backend.offload_threads=-2"}); }, "offload_threads");
   test::expect_error_contains(
       [&] { Trainer(load_run_config(run, {"backend.moe_chunk_tokens=1", "train.micro_batch_tokens=8193", "checkpoint.dir=\"\""}), nullptr); },
       "raise backend.moe_chunk_tokens to at least 3");

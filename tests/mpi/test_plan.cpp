@@ -68,7 +68,13 @@ TEST(Plan, StateAndCommBytesAreExactOnEveryLayout) {
     cases.push_back({std::string(state) + " dp", {s}});
     cases.push_back({std::string(state) + " dp bf16 reduce", {s, "backend.grad_reduce_dtype=\"bf16\""}});
     if (4 % R == 0 && R > 1) cases.push_back({std::string(state) + " ep", {s, "parallel.ep=" + std::to_string(R)}});
+    // The offloaded optimizer's host state (here the device's memory): 12 bytes optimizer and the
+    // gradient's 4-byte copy per element of each master.
+    cases.push_back({std::string(state) + " dp adamw_offload", {s, "primitives.optimizer=\"adamw_offload\""}});
   }
+  cases.push_back({"fsdp skip_step adamw_offload",
+                   {"primitives.state=\"fsdp\"", "train.on_nonfinite=\"skip_step\"",
+                    "primitives.optimizer=\"adamw_offload\""}});
   cases.push_back({"fsdp per-step reduce, 2 micro-batches",
                    {"primitives.state=\"fsdp\"", "backend.fsdp_reduce=\"step\"", "train.grad_accum=2"}});
   cases.push_back({"fsdp full recompute", {"primitives.state=\"fsdp\"", "primitives.recompute=\"full\""}});

@@ -125,7 +125,7 @@ cudaStream_t named_stream(DeviceState& st, int dev, Stream which) {
   const bool comm_class = which == Stream::comm || which == Stream::ep || which == Stream::gather ||
                           which == Stream::reduce || which == Stream::cp;
   const int prio = comm_class                               ? st.priority_high
-                   : which == Stream::copy                  ? st.priority_low
+                   : which == Stream::copy || which == Stream::upload ? st.priority_low
                                                             : work_priority(st);
   BB_CHECK_CUDA(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, prio));
   st.streams[i].store(s, std::memory_order_release);
@@ -366,6 +366,10 @@ void host_unregister(void* p) {
 
 void copy_to_pinned_async(void* pinned_dst, const void* src, size_t bytes) {
   if (bytes) BB_CHECK_CUDA(cudaMemcpyAsync(pinned_dst, src, bytes, cudaMemcpyDeviceToHost, stream()));
+}
+
+void copy_pinned_async(void* dst, const void* src, size_t bytes) {
+  if (bytes) BB_CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream()));
 }
 
 void memset_zero(void* p, size_t bytes) {

@@ -56,6 +56,10 @@ void memset_zero(void* p, size_t bytes);
 void* pinned_alloc(size_t bytes);
 void pinned_free(void* p);
 void copy_to_pinned_async(void* pinned_dst, const void* src, size_t bytes);
+// Copies `bytes` between page-locked host memory (pinned_alloc, host_register) and device memory,
+// either way, on the current stream; returns at once (no host sync). Both buffers stay untouched
+// until the stream has passed the copy.
+void copy_pinned_async(void* dst, const void* src, size_t bytes);
 // Page-locks existing host memory (cudaHostRegister), so that copies into it run at the link's
 // rate; host_unregister before the memory is freed. host_register reports failure (false)
 // instead of throwing: the memory then stays pageable, which is slower but correct.

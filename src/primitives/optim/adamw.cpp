@@ -230,23 +230,60 @@ void adamw_step(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp
     if (model) cpu::store_f32(*model, master);
     return;
   }
-  float* p = master.data<float>();
-  const float* g = grad.data<float>();
-  float* m = exp_avg.data<float>();
-  float* v = exp_avg_sq.data<float>();
+  const bool bad = adamw_update_f32_host(master.data<float>(), grad.data<float>(), exp_avg.data<float>(),
+                                         exp_avg_sq.data<float>(), n,
+                                         AdamWScalars{step_size, inv_sqrt_bc2, decay, b1, b2, eps, gs});
+  if (nonfinite && bad) nonfinite->data<int32_t>()[0] = 1;
+  if (model) cpu::store_f32(*model, master);
+}
+
+AdamWScalars adamw_scalars(int64_t step, double lr, double weight_decay, const AdamWConfig& cfg) {
+  BB_CHECK(step >= 1, "adamw_scalars: step is 1-based, got ", step);
+  const double bc1 = 1.0 - std::pow(cfg.beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(cfg.beta2, static_cast<double>(step));
+  return {static_cast<float>(lr / bc1),        static_cast<float>(1.0 / std::sqrt(bc2)),
+          static_cast<float>(1.0 - lr * weight_decay), static_cast<float>(cfg.beta1),
+          static_cast<float>(cfg.beta2),       static_cast<float>(cfg.eps),
+          static_cast<float>(cfg.grad_scale)};
+}
+
+// Compiled without FP contraction and math errno (CMakeLists.txt): the compiler vectorises the
+// loop (sqrt and division are correctly rounded in every width), and the bits are those of the
+// scalar loop whatever width runs.
+bool adamw_update_f32_host(float* __restrict p, const float* __restrict g, float* __restrict m,
+                           float* __restrict v, int64_t n, const AdamWScalars& s) {
+  const float step_size = s.step_size, inv_sqrt_bc2 = s.inv_sqrt_bc2, decay = s.decay, b1 = s.b1, b2 = s.b2,
+              eps = s.eps, gs = s.gs;
+  int bad = 0;  // x - x is 0 for a finite x and NaN for Inf or NaN: an or-reduction the compiler vectorises
   for (int64_t i = 0; i < n; ++i) {
     const float gi = gs * g[i];  // gs == 1 leaves g exact
-    p[i] *= decay;
-    m[i] = b1 * m[i] + (1.0f - b1) * gi;
-    v[i] = b2 * v[i] + (1.0f - b2) * gi * gi;
-    p[i] -= step_size * m[i] / (std::sqrt(v[i]) * inv_sqrt_bc2 + eps);
+    const float mi = b1 * m[i] + (1.0f - b1) * gi;
+    const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+    const float pi = p[i] * decay - step_size * mi / (std::sqrt(vi) * inv_sqrt_bc2 + eps);
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = pi;
+    bad |= static_cast<int>(pi - pi != 0.0f) | static_cast<int>(mi - mi != 0.0f) | static_cast<int>(vi - vi != 0.0f);
   }
-  if (nonfinite) {
-    bool bad = false;
-    for (int64_t i = 0; i < n && !bad; ++i) bad = !std::isfinite(p[i]) || !std::isfinite(m[i]) || !std::isfinite(v[i]);
-    if (bad) nonfinite->data<int32_t>()[0] = 1;
+  return bad != 0;
+}
+
+void host_values_from_master(const float* p, void* dst, DType dst_dtype, int64_t n, bool ties_away) {
+  if (dst_dtype == DType::f32) {
+    std::memcpy(dst, p, static_cast<size_t>(n) * sizeof(float));
+    return;
   }
-  if (model) cpu::store_f32(*model, master);
+  BB_CHECK(dst_dtype == DType::bf16, "host_values_from_master: values are f32 or bf16, not ", dtype_name(dst_dtype));
+  auto* out = static_cast<uint16_t*>(dst);
+  if (ties_away) {
+    for (int64_t i = 0; i < n; ++i) {
+      uint32_t b;
+      std::memcpy(&b, p + i, 4);
+      out[i] = split_master_hi(b);
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = f32_to_bf16(p[i]);
+  }
 }
 
 void adamw_step_sum_squares(Tensor& master, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq,

@@ -51,6 +51,22 @@ struct AdamWConfig {
   bool yield_sms = false;
 };
 
+// The per-call fp32 scalars of an update (what the CPU loops and the kernels compute with):
+// step_size = lr / (1 - b1^t), inv_sqrt_bc2 = 1 / sqrt(1 - b2^t), decay = 1 - lr wd.
+struct AdamWScalars {
+  float step_size, inv_sqrt_bc2, decay, b1, b2, eps, gs;
+};
+AdamWScalars adamw_scalars(int64_t step, double lr, double weight_decay, const AdamWConfig& cfg);
+// The fp32-master, f32-moment update of n host elements in place: the CPU reference's loop
+// itself (adamw_step on host tensors calls it), callable on raw memory and on slices from
+// several threads (primitives.optimizer = "adamw_offload" runs it on the host pool). Returns
+// whether a new master or moment element is Inf or NaN.
+bool adamw_update_f32_host(float* p, const float* g, float* m, float* v, int64_t n, const AdamWScalars& s);
+// The parameter values of n host fp32 masters: f32 values copied, bf16 values rounded to nearest
+// with ties to even, or (ties_away) with ties away from zero, the split master's rounding
+// (split_master.h), so that values follow masters as the run's master storage makes them.
+void host_values_from_master(const float* p, void* dst, DType dst_dtype, int64_t n, bool ties_away);
+
 // Host tensors (split_master.h has the bit functions): value [n] bf16 and lo [n] i16 <- the split of master [n] f32, and back.
 void split_master(const Tensor& master, Tensor& value, Tensor& lo);
 void join_master(const Tensor& value, const Tensor& lo, Tensor& master);
