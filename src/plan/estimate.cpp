@@ -438,15 +438,10 @@ MemoryEstimate estimate_memory(const RunConfig& cfg, int64_t world_size, const E
   state[C::grads] = sb.grads;
   state[C::optimizer] = sb.optimizer;
   if (offload) {
-    // The host holds 16 bytes per element of each master (the whole unit, or the shard's S);
-    // on the CPU that memory is the device's: 12 of them optimizer, the gradient's copy grads.
-    int64_t elems = 0;
-    for (size_t i = 0; i < group_sizes.size(); ++i) {
-      const ParamUnit& pu = *model.units()[i];
-      const bool whole = group_sizes[i] == 1 || kind == StateKind::replicated;
-      elems += whole ? pu.numel : ceil_div(pu.numel, group_sizes[i]);
-    }
-    est.host_optimizer = kOffloadHostBytesPerElement * elems;
+    // On the CPU the host's memory is the device's: 12 of the 16 bytes optimizer, the
+    // gradient's copy grads.
+    est.host_optimizer = offload_host_bytes(kind, model.units(), group_sizes);
+    const int64_t elems = est.host_optimizer / kOffloadHostBytesPerElement;
     if (cpu) {
       state[C::optimizer] += 12 * elems;
       state[C::grads] += 4 * elems;

@@ -201,11 +201,6 @@ void OptimizerOffload::open(const OffloadArgs& args) {
   work_cv_.notify_all();
 }
 
-bool OptimizerOffload::submitted(size_t i) const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return jobs_[i].state != State::idle;
-}
-
 void OptimizerOffload::submit(size_t i) {
   BB_CHECK(i < jobs_.size(), "OptimizerOffload::submit: no target ", i);
   const OffloadTarget& t = targets_[i];

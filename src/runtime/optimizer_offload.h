@@ -126,7 +126,6 @@ class OptimizerOffload {
   // Target i's gradient is final on the device (the work issued so far writes it): its copy to
   // the host is enqueued (a previous update of the target still running is waited for first).
   void submit(size_t i);
-  bool submitted(size_t i) const;
   // Before the target's values are used: the host waits for its update (if one is pending with
   // arguments), and the given streams for its last host -> device copy. Rethrows an update's error.
   void wait(size_t i, std::initializer_list<Stream> users);

@@ -66,6 +66,17 @@ DType moment_dtype(OptimizerKind opt) {
 
 bool offloads_optimizer(OptimizerKind opt) { return opt == OptimizerKind::adamw_offload; }
 
+int64_t offload_host_bytes(StateKind kind, const std::vector<ParamUnit*>& units,
+                           const std::vector<int64_t>& group_sizes) {
+  BB_CHECK(units.size() == group_sizes.size(), "offload_host_bytes: one group size per unit");
+  int64_t elems = 0;
+  for (size_t i = 0; i < units.size(); ++i) {
+    const bool whole = group_sizes[i] == 1 || kind == StateKind::replicated;
+    elems += whole ? units[i]->numel : ceil_div(units[i]->numel, group_sizes[i]);
+  }
+  return kOffloadHostBytesPerElement * elems;
+}
+
 int64_t optimizer_bytes_per_element(OptimizerKind opt, bool split_master) {
   if (offloads_optimizer(opt)) return 0;
   return (split_master ? 2 : 4) + 2 * static_cast<int64_t>(dtype_size(moment_dtype(opt)));
@@ -143,14 +154,10 @@ ModelState::ModelState(StateKind kind, DecoderModel& model, const Mesh& mesh, co
   std::vector<ParamUnit*> units = model.units();
   if (offload) {
     // The host memory it takes, checked before any of it is allocated: master, moments and the
-    // gradient's copy of every owned element.
-    int64_t owned = 0;
-    for (ParamUnit* pu : units) {
-      const comm::GroupPtr g = unit_group(*pu, mesh);
-      owned += g->size() == 1 || kind == StateKind::replicated ? pu->numel
-                                                               : owned_range(pu->numel, g->size(), g->rank()).second;
-    }
-    const int64_t need = kOffloadHostBytesPerElement * owned;
+    // gradient's copy of every element of the masters.
+    std::vector<int64_t> group_sizes;
+    for (ParamUnit* pu : units) group_sizes.push_back(unit_group(*pu, mesh)->size());
+    const int64_t need = offload_host_bytes(kind, units, group_sizes);
     const int64_t have = static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGESIZE);
     BB_CHECK(have <= 0 || need <= have - have / 8, "primitives.optimizer = \"adamw_offload\" needs ",
              format_bytes(need), " of host memory on this rank (16 bytes per owned parameter: f32 master, two f32 "
@@ -1043,7 +1050,6 @@ void ModelState::step(int64_t step, double lr, double weight_decay, const AdamWC
     // then the arguments: the host updates in forward order from here, beside the next forward.
     for (auto& up : units_) offload_submit(*up);
     offload_->open({step, lr, weight_decay, cfg});
-    early_on_ = false;
     return;
   }
   std::vector<comm::WorkPtr> gathers;

@@ -59,6 +59,10 @@ DType moment_dtype(OptimizerKind opt);
 int64_t optimizer_bytes_per_element(OptimizerKind opt, bool split_master = false);
 bool offloads_optimizer(OptimizerKind opt);
 constexpr int64_t kOffloadHostBytesPerElement = 16;
+// adamw_offload's host bytes on a rank: 16 per element of each master it holds (a whole unit, or
+// a shard's S elements), with the unit held by a group of group_sizes[i] ranks.
+int64_t offload_host_bytes(StateKind kind, const std::vector<ParamUnit*>& units,
+                           const std::vector<int64_t>& group_sizes);
 // Whether a run splits its masters: [backend] master_storage = "split" and bf16 parameters.
 bool splits_master(const std::string& master_storage, DType param_dtype);
 

@@ -1249,9 +1249,7 @@ StepMetrics Trainer::finish_step(PendingStep& p) {
   // step ends is checked at the next step's end, before any later update or save can use it (a
   // checkpoint waits for every update and refuses Inf/NaN itself).
   int64_t offload_bad_step = 0;
-  if (state_->offload() && guard_update) {
-    if (cfg_.on_nonfinite == "skip_step") state_->settle_updates();
-  }
+  if (state_->offload() && guard_update && cfg_.on_nonfinite == "skip_step") state_->settle_updates();
   if (const auto b = state_->take_offload_nonfinite(); b && !bad_unit) {
     bad_unit = static_cast<int64_t>(b->unit) + 1;
     offload_bad_step = b->step;
